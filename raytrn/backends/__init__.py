@@ -1,0 +1,39 @@
+"""Accelerator backends behind one small seam.
+
+The training loop asks its backend for the device, how to wrap the model, how to step and sync, and
+which Ray Train backend config to use. Adding an accelerator (e.g. AWS's native PyTorch on Neuron) is
+a new module registered in :data:`_BACKENDS`, not a change to the loop.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from raytrn.backends.base import Backend
+from raytrn.errors import BackendError
+
+_BACKENDS = {
+    "cpu": "raytrn.backends.cpu:CpuBackend",
+    "cuda": "raytrn.backends.cuda:CudaBackend",
+}
+_PLANNED = {
+    "neuron": "the XLA/NeuronCore backend (torch-neuronx on a trn instance)",
+    "xla-cpu": "the torch-xla CPU backend that exercises the Neuron code path",
+}
+
+
+def get_backend(name: str) -> Backend:
+    """The backend for ``scaling.accelerator``; a clear error when it is unavailable here."""
+    target = _BACKENDS.get(name)
+    if target is None:
+        if name in _PLANNED:
+            raise BackendError(
+                f"scaling.accelerator={name!r}: {_PLANNED[name]} is not implemented in raytrn "
+                f"yet; use 'cpu' or 'cuda' for now"
+            )
+        raise BackendError(f"scaling.accelerator={name!r}: unknown accelerator; choose cpu, cuda, neuron or xla-cpu")
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+__all__ = ["Backend", "get_backend"]

@@ -1,0 +1,9 @@
+"""CPU workers, gloo collectives."""
+
+from raytrn.backends.base import Backend
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    default_resources = {"CPU": 1}
+    process_group_backend = "gloo"

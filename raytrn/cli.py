@@ -1,0 +1,166 @@
+"""The ``raytrn`` command line: train, validate and data preparation.
+
+User mistakes surface as one clear message on stderr and exit code 2 (argparse's own convention for
+misuse); everything else is a real bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from raytrn.errors import RaytrnError
+
+_EPILOG = """\
+examples:
+  raytrn data prepare --input "$(python -c 'import sysconfig;print(sysconfig.get_paths()["stdlib"])')/*.py" \\
+      --output data/stdlib --seq-len 128 --vocab-size 4096
+  raytrn validate jobs/tiny.yaml
+  raytrn train jobs/tiny.yaml --set run.max_steps=50 --set optim.lr=1e-3
+"""
+
+
+def _add_set_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a job-spec field, e.g. --set optim.lr=3e-4 (repeatable; VALUE is parsed as YAML)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="raytrn",
+        description="Elastic LLM training on Ray for AWS Trainium (and CPU/CUDA): "
+        "prepare packed token shards, validate job specs, and train with Ray Train + MLflow.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p_train = sub.add_parser(
+        "train",
+        help="run a training job from a job spec",
+        description="Train the model described by JOB.yaml with Ray Train. Connects to the Ray cluster in "
+        "RAY_ADDRESS (as under `ray job submit`) or starts a local Ray. Resumes from the latest "
+        "checkpoint of the same run name when one exists under checkpoint.storage.",
+    )
+    p_train.add_argument("job", metavar="JOB.yaml", help="job spec file (see jobs/)")
+    _add_set_option(p_train)
+    p_train.add_argument(
+        "--no-progress", action="store_true", help="print one progress line per log step instead of a live line"
+    )
+    p_train.set_defaults(func=_cmd_train)
+
+    p_val = sub.add_parser(
+        "validate",
+        help="check a job spec (and its local dataset) without running anything",
+        description="Parse and range-check JOB.yaml, apply --set overrides, and check that a local data "
+        "manifest exists, its shards exist and its tokenizer fits the model. Exit 0 when valid, 2 otherwise.",
+    )
+    p_val.add_argument("job", metavar="JOB.yaml")
+    _add_set_option(p_val)
+    p_val.add_argument(
+        "--no-data", action="store_true", help="skip the dataset checks (its path exists only on the cluster)"
+    )
+    p_val.set_defaults(func=_cmd_validate)
+
+    p_data = sub.add_parser("data", help="dataset tools", description="Dataset tools.")
+    data_sub = p_data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
+    data_sub.required = True
+    p_prep = data_sub.add_parser(
+        "prepare",
+        help="tokenize and pack text into fixed-length Parquet shards",
+        description="Tokenize text files, JSONL (field 'text') and Parquet (column 'text') with a HF "
+        "`tokenizers` tokenizer (given, or a byte-level BPE trained on the input), append EOS between "
+        "documents, pack into rows of exactly seq_len+1 token ids (no padding), and write Parquet shards "
+        "plus manifest.json. Runs as a Ray Data job, parallel over files; deterministic for the same input.",
+    )
+    p_prep.add_argument(
+        "--input",
+        dest="inputs",
+        action="append",
+        required=True,
+        metavar="DIR|GLOB",
+        help="a directory (searched recursively for .txt/.md/.rst/.py/.jsonl/.parquet) or a glob; repeatable",
+    )
+    p_prep.add_argument("--output", required=True, metavar="PATH", help="output directory for shards + manifest.json")
+    p_prep.add_argument("--seq-len", type=int, required=True, metavar="N", help="tokens per training sequence")
+    tok = p_prep.add_mutually_exclusive_group(required=True)
+    tok.add_argument("--tokenizer", metavar="tokenizer.json", help="an existing HF tokenizers file to use")
+    tok.add_argument("--vocab-size", type=int, metavar="V", help="train a byte-level BPE of this size on the input")
+    p_prep.add_argument(
+        "--shard-size-mb", type=float, default=64.0, metavar="MB", help="upper bound on a shard's token payload"
+    )
+    p_prep.add_argument(
+        "--overwrite", action="store_true", help="replace an output directory that holds a different dataset"
+    )
+    p_prep.add_argument("--no-progress", action="store_true", help="do not show progress")
+    p_prep.set_defaults(func=_cmd_data_prepare)
+    return parser
+
+
+def _version() -> str:
+    from raytrn import __version__
+
+    return f"raytrn {__version__}"
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from raytrn.config import load_job
+    from raytrn.train.trainer import run_training
+
+    job = load_job(args.job, args.overrides)
+    summary = run_training(job, live_progress=not args.no_progress)
+    print(summary.render())
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from raytrn.config import load_job
+    from raytrn.train.checks import check_job
+
+    job = load_job(args.job, args.overrides)
+    for line in check_job(job, data=not args.no_data):
+        print(line)
+    print(f"{args.job}: OK")
+    return 0
+
+
+def _cmd_data_prepare(args: argparse.Namespace) -> int:
+    from raytrn.data.prepare import prepare_dataset
+
+    manifest = prepare_dataset(
+        inputs=args.inputs,
+        output=args.output,
+        seq_len=args.seq_len,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        shard_size_mb=args.shard_size_mb,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
+    print(manifest.describe())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except RaytrnError as e:
+        print(f"raytrn: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("raytrn: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

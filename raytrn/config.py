@@ -1,0 +1,341 @@
+"""The job spec: a YAML file plus ``--set`` overrides, parsed into typed, range-checked config.
+
+Every section owns a pydantic model with ``extra="forbid"``; errors name the file, the field path
+and the fix (``jobs/tiny.yaml: scaling.max_worker: unknown field. Did you mean 'max_workers'?``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from raytrn.errors import ConfigError
+
+Accelerator = Literal["cpu", "cuda", "neuron", "xla-cpu"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelConfig(_Section):
+    """A Llama-family decoder (HF ``LlamaConfig``). ``preset`` fills sizes; explicit fields win."""
+
+    family: Literal["llama"] = Field("llama", description="model family; only HF Llama for now")
+    preset: str | None = Field(None, description="named size: tiny, llama3.2-1b, llama3-8b (see raytrn.models)")
+    hidden_size: int = Field(..., gt=0, description="model width")
+    intermediate_size: int = Field(..., gt=0, description="MLP width")
+    num_layers: int = Field(..., gt=0, description="decoder layers")
+    num_attention_heads: int = Field(..., gt=0)
+    num_key_value_heads: int | None = Field(None, gt=0, description="GQA kv heads; default = attention heads")
+    vocab_size: int = Field(..., gt=0, description="must be >= the dataset tokenizer's vocabulary")
+    max_position_embeddings: int = Field(2048, gt=0, description="must be >= data.seq_len")
+    rope_theta: float = Field(10000.0, gt=0)
+    rms_norm_eps: float = Field(1e-5, gt=0)
+    tie_word_embeddings: bool = False
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") is not None:
+            from raytrn.models.llama import PRESETS
+
+            name = data["preset"]
+            if name not in PRESETS:
+                raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+            return {**PRESETS[name], **data}
+        return data
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> ModelConfig:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.num_attention_heads % self.kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_key_value_heads ({self.kv_heads})"
+            )
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+
+class DataConfig(_Section):
+    """Packed token shards from ``raytrn data prepare`` and the batch shape (fixed shapes: no recompiles)."""
+
+    manifest: str = Field(..., description="path (or s3:// URI) of manifest.json or its directory")
+    seq_len: int = Field(..., gt=0, description="tokens per sequence; must equal the manifest's seq_len")
+    micro_batch_size: int = Field(..., gt=0, description="sequences per worker per forward/backward")
+    grad_accum: int | None = Field(None, gt=0, description="micro-batches per optimizer step (default 1)")
+    global_batch_size: int | None = Field(
+        None, gt=0, description="sequences per optimizer step over all workers; sets grad_accum per world size"
+    )
+    shuffle: bool = Field(True, description="shuffle shard/block order each epoch (seeded)")
+
+    @model_validator(mode="after")
+    def _one_batch_rule(self) -> DataConfig:
+        if self.grad_accum is not None and self.global_batch_size is not None:
+            raise ValueError("set either grad_accum or global_batch_size, not both")
+        return self
+
+    def grad_accum_for(self, world_size: int) -> int:
+        """Micro-batches per step at this world size (global_batch_size must divide evenly)."""
+        if self.global_batch_size is None:
+            return self.grad_accum or 1
+        per_step = self.micro_batch_size * world_size
+        if self.global_batch_size % per_step:
+            raise ConfigError(
+                f"data.global_batch_size ({self.global_batch_size}) is not divisible by micro_batch_size x "
+                f"workers ({self.micro_batch_size} x {world_size} = {per_step}); pick a global batch that is a "
+                f"multiple of {per_step}, or set data.grad_accum instead"
+            )
+        return self.global_batch_size // per_step
+
+
+class OptimConfig(_Section):
+    """AdamW with linear warmup then cosine decay to ``lr * min_lr_ratio``."""
+
+    lr: float = Field(..., gt=0, description="peak learning rate")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr as a fraction of the peak")
+    warmup_steps: int = Field(0, ge=0)
+    decay_steps: int | None = Field(None, gt=0, description="cosine length after warmup; default run.max_steps")
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1)")
+    eps: float = Field(1e-8, gt=0)
+    grad_clip_norm: float | None = Field(1.0, gt=0, description="max global grad norm; null disables clipping")
+
+    @model_validator(mode="after")
+    def _check_betas(self) -> OptimConfig:
+        for b in self.betas:
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"betas must each be in [0, 1), got {list(self.betas)}")
+        return self
+
+
+class ScalingConfig(_Section):
+    """Where workers run: one per CPU slot, GPU or NeuronCore; elastic between min and max."""
+
+    accelerator: Accelerator = "cpu"
+    min_workers: int = Field(1, gt=0)
+    max_workers: int | None = Field(None, gt=0, description="default = min_workers (fixed size)")
+    resources_per_worker: dict[str, float] | None = Field(
+        None, description="Ray resources per worker; default by accelerator (CPU:1, GPU:1, neuron_cores:1)"
+    )
+    instance_type: str | None = Field(None, description="e.g. trn1.32xlarge; used for topology and cost")
+    workers_per_node: int | None = Field(None, gt=0, description="workers on one node (NeuronCores per instance)")
+    max_failures: int = Field(3, ge=0, description="worker-group restarts from the last checkpoint before failing")
+
+    @model_validator(mode="after")
+    def _check_range(self) -> ScalingConfig:
+        if self.max_workers is not None and self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers ({self.min_workers}) must be <= max_workers ({self.max_workers})")
+        for key, val in (self.resources_per_worker or {}).items():
+            if val < 0:
+                raise ValueError(f"resources_per_worker.{key} must be >= 0, got {val}")
+        return self
+
+    @property
+    def elastic(self) -> bool:
+        return self.max_workers is not None and self.max_workers != self.min_workers
+
+
+class CheckpointConfig(_Section):
+    storage: str = Field("checkpoints", description="local directory or s3://bucket/prefix")
+    every_n_steps: int = Field(100, gt=0, description="save every N optimizer steps (and at the last step)")
+    keep_last: int | None = Field(3, gt=0, description="checkpoints kept; null keeps all")
+
+
+class TrackingConfig(_Section):
+    enabled: bool = True
+    mlflow_uri: str | None = Field(
+        None, description="MLflow tracking URI; default $MLFLOW_TRACKING_URI, else sqlite:///mlruns/mlflow.db"
+    )
+    experiment: str = Field("raytrn", min_length=1)
+    run_name: str | None = Field(
+        None, description="MLflow run name and Ray Train run (checkpoint) name; default: the job file's stem"
+    )
+
+
+class RunConfig(_Section):
+    max_steps: int = Field(..., gt=0, description="optimizer steps in total (a resumed run continues to this)")
+    seed: int = Field(0, ge=0)
+    log_every: int = Field(10, gt=0, description="report metrics every N steps")
+
+
+class JobSpec(_Section):
+    """A whole training job."""
+
+    model: ModelConfig
+    data: DataConfig
+    optim: OptimConfig
+    scaling: ScalingConfig = ScalingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    run: RunConfig
+
+    # Where the spec came from (file name), for messages; not a YAML field.
+    source: str = Field("<job>", exclude=True)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> JobSpec:
+        if self.data.seq_len > self.model.max_position_embeddings:
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) exceeds model.max_position_embeddings "
+                f"({self.model.max_position_embeddings})"
+            )
+        return self
+
+    @property
+    def run_name(self) -> str:
+        return self.tracking.run_name or Path(self.source).stem
+
+    def flat(self) -> dict[str, Any]:
+        """The spec as ``{"optim.lr": 0.001, ...}`` (for MLflow params)."""
+        return _flatten(self.model_dump(mode="json"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_job(path: str | os.PathLike, overrides: list[str] | None = None, *, base_dir: str | None = None) -> JobSpec:
+    """Read, override, validate and path-resolve a job spec; raise ConfigError with a clear message."""
+    path = str(path)
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: job file not found (check the path; shipped examples are in jobs/)") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read job file: {e.__class__.__name__}: {e}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
+    if raw is None:
+        raise ConfigError(f"{path}: job file is empty; see jobs/tiny.yaml for the sections a job needs")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a job spec must be a YAML mapping of sections, got {type(raw).__name__}")
+    overridden = apply_overrides(raw, overrides or [])
+    job = parse_job(raw, source=path, overridden=overridden)
+    return resolve_paths(job, base_dir or os.getcwd())
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> set[str]:
+    """Apply ``a.b=value`` strings in place (value parsed as YAML); return the overridden paths."""
+    done: set[str] = set()
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. --set optim.lr=3e-4")
+        try:
+            parsed = yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError:
+            parsed = value
+        node = raw
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
+            node = child
+        node[parts[-1]] = parsed
+        done.add(key)
+    return done
+
+
+def parse_job(raw: dict[str, Any], *, source: str = "<job>", overridden: set[str] = frozenset()) -> JobSpec:
+    """Validate a raw mapping into a JobSpec, turning pydantic errors into one ConfigError."""
+    try:
+        return JobSpec.model_validate({**raw, "source": source})
+    except ValidationError as e:
+        lines = [_describe_error(err, raw, overridden) for err in e.errors()]
+        head = f"{source}: " if len(lines) == 1 else f"{source}: {len(lines)} problems:\n  "
+        raise ConfigError(head + "\n  ".join(lines)) from None
+
+
+def resolve_paths(job: JobSpec, base_dir: str) -> JobSpec:
+    """Make local paths absolute (workers do not share the driver's cwd); leave URIs alone."""
+
+    def absolute(p: str) -> str:
+        return p if "://" in p else os.path.abspath(os.path.join(base_dir, os.path.expanduser(p)))
+
+    uri = job.tracking.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlruns/mlflow.db"
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        uri = "sqlite:///" + absolute(uri[len("sqlite:///") :])
+    elif "://" not in uri:
+        uri = absolute(uri)
+    return job.model_copy(
+        update={
+            "data": job.data.model_copy(update={"manifest": absolute(job.data.manifest)}),
+            "checkpoint": job.checkpoint.model_copy(update={"storage": absolute(job.checkpoint.storage)}),
+            "tracking": job.tracking.model_copy(update={"mlflow_uri": uri}),
+        }
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Error messages
+
+
+def _describe_error(err: dict[str, Any], raw: dict[str, Any], overridden: set[str]) -> str:
+    loc = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
+    path = ".".join(loc) or "<top level>"
+    where = f"--set {path}" if _is_overridden(path, overridden) else path
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        model = _model_at(loc[:-1])
+        choices = [n for n in model.model_fields if n != "source"] if model else []
+        near = difflib.get_close_matches(loc[-1], choices, n=1, cutoff=0.6)
+        hint = f" Did you mean '{near[0]}'?" if near else f" Known fields: {', '.join(choices)}."
+        return f"{where}: unknown field.{hint}"
+    if kind == "missing":
+        return f"{where}: required field is missing"
+    msg = err["msg"].removeprefix("Value error, ")
+    if kind.endswith("_parsing") or kind.endswith("_type") or kind == "literal_error":
+        return f"{where}: {msg} (got {err.get('input')!r})"
+    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        return f"{where}: {msg.lower()} (got {err.get('input')!r})"
+    return f"{where}: {msg}"
+
+
+def _is_overridden(path: str, overridden: set[str]) -> bool:
+    return any(path == o or path.startswith(o + ".") or o.startswith(path + ".") for o in overridden)
+
+
+def _model_at(loc: list[str]) -> type[BaseModel] | None:
+    model: type[BaseModel] = JobSpec
+    for part in loc:
+        field = model.model_fields.get(part)
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

@@ -1,0 +1,265 @@
+"""The manifest of a prepared dataset: what the shards hold, which tokenizer made them, from which input.
+
+``manifest.json`` sits next to its shards and ``tokenizer.json``; paths inside it are relative to its
+directory so a dataset can be moved or copied as a whole. This module stays light (no Ray, no torch):
+the trainer and ``raytrn validate`` import it on the driver.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from raytrn.errors import DataError
+
+FORMAT = "raytrn.packed/v1"
+MANIFEST_NAME = "manifest.json"
+TOKENIZER_NAME = "tokenizer.json"
+COLUMN = "input_ids"
+DTYPE = "int32"
+
+_PREPARE_HINT = "run `raytrn data prepare --input DIR --output DIR --seq-len N --vocab-size V` to create it"
+_RECREATE_HINT = "re-create the dataset with `raytrn data prepare ... --overwrite`"
+
+
+# --- the one place that touches storage: local paths today; an s3:// backend would go here ---------------
+
+
+def _check_local(path: str) -> None:
+    if "://" in path:
+        raise DataError(f"{path}: only local dataset paths are supported for now; copy the dataset to local disk")
+
+
+def _join(root: str, rel: str) -> str:
+    return os.path.join(root, rel)
+
+
+def _is_file(path: str) -> bool:
+    return os.path.isfile(path)
+
+
+def _is_dir(path: str) -> bool:
+    return os.path.isdir(path)
+
+
+def _read_text(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+# --- the manifest ------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, frozen=True)
+class ShardInfo:
+    """One Parquet shard: its path relative to the manifest, its rows, tokens and size on disk."""
+
+    path: str
+    rows: int
+    tokens: int
+    bytes: int
+
+
+@dataclass(kw_only=True, frozen=True)
+class TokenizerInfo:
+    """The tokenizer saved with the dataset (``file`` relative to the manifest) and its EOS token."""
+
+    file: str
+    sha256: str
+    vocab_size: int
+    eos_token: str
+    eos_id: int
+    trained: bool
+
+
+@dataclass(kw_only=True, frozen=True)
+class SourceInfo:
+    """Where the text came from; ``fingerprint`` hashes file names, contents, seq_len and tokenizer choice."""
+
+    inputs: list[str]
+    num_files: int
+    num_documents: int
+    fingerprint: str
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    """A prepared dataset: rows of ``row_len`` (= seq_len + 1) int32 token ids in Parquet shards."""
+
+    format: str = FORMAT
+    seq_len: int
+    row_len: int
+    column: str = COLUMN
+    dtype: str = DTYPE
+    num_rows: int
+    num_tokens: int
+    dropped_tail_tokens: int
+    rows_per_shard: int
+    shards: list[ShardInfo]
+    tokenizer: TokenizerInfo
+    source: SourceInfo
+    created_by: str
+    root: str = field(default="", compare=False)
+    """Absolute directory holding manifest.json; not serialized."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready content of manifest.json (everything but ``root``)."""
+        data = asdict(self)
+        del data["root"]
+        return data
+
+    def to_json(self) -> str:
+        """Deterministic JSON text (fixed key order, no timestamps) for manifest.json."""
+        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
+
+    @property
+    def manifest_path(self) -> str:
+        return _join(self.root, MANIFEST_NAME)
+
+    @property
+    def tokenizer_path(self) -> str:
+        """Absolute path of the dataset's tokenizer.json."""
+        return _join(self.root, self.tokenizer.file)
+
+    def shard_paths(self) -> list[str]:
+        """Absolute paths of the shards, in training order."""
+        return [_join(self.root, s.path) for s in self.shards]
+
+    def describe(self) -> str:
+        """A one-screen human summary of the dataset."""
+        total_bytes = sum(s.bytes for s in self.shards)
+        tok = self.tokenizer
+        origin = "BPE trained on the input" if tok.trained else "given with --tokenizer"
+        inputs = ", ".join(self.source.inputs[:3]) + (
+            f" (+{len(self.source.inputs) - 3} more)" if len(self.source.inputs) > 3 else ""
+        )
+        lines = [
+            f"dataset      {self.root or '.'}  ({self.format})",
+            (
+                f"rows         {self.num_rows:,} x {self.row_len} token ids (seq_len {self.seq_len}), "
+                f"{self.dtype} column '{self.column}'"
+            ),
+            f"tokens       {self.num_tokens:,} in rows, {self.dropped_tail_tokens:,} tail tokens dropped",
+            (
+                f"shards       {len(self.shards)} Parquet file(s), {_human_bytes(total_bytes)}, "
+                f"at most {self.rows_per_shard:,} rows each"
+            ),
+            f"tokenizer    {tok.file}: vocab {tok.vocab_size:,}, EOS {tok.eos_token!r} = {tok.eos_id}, {origin}",
+            f"source       {self.source.num_files:,} file(s), {self.source.num_documents:,} document(s) from {inputs}",
+            f"fingerprint  {self.source.fingerprint[:16]}",
+        ]
+        return "\n".join(lines)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, root: str = "", where: str = MANIFEST_NAME) -> Manifest:
+        """Build a Manifest from parsed JSON, raising DataError naming ``where`` on a missing or mistyped field."""
+        if not isinstance(data, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(data).__name__}; {_RECREATE_HINT}")
+        fmt = data.get("format")
+        if fmt != FORMAT:
+            raise DataError(f"{where}: unknown dataset format {fmt!r} (this raytrn reads {FORMAT!r}); {_RECREATE_HINT}")
+        try:
+            shards = [
+                ShardInfo(**_fields(s, ShardInfo, f"{where}: shards[{i}]"))
+                for i, s in enumerate(_get(data, "shards", list, where))
+            ]
+            tokenizer = TokenizerInfo(
+                **_fields(_get(data, "tokenizer", dict, where), TokenizerInfo, f"{where}: tokenizer")
+            )
+            source = SourceInfo(**_fields(_get(data, "source", dict, where), SourceInfo, f"{where}: source"))
+            top = {
+                name: _get(data, name, kind, where)
+                for name, kind in [
+                    ("seq_len", int),
+                    ("row_len", int),
+                    ("column", str),
+                    ("dtype", str),
+                    ("num_rows", int),
+                    ("num_tokens", int),
+                    ("dropped_tail_tokens", int),
+                    ("rows_per_shard", int),
+                    ("created_by", str),
+                ]
+            }
+        except TypeError as e:  # an unexpected key inside a nested object
+            raise DataError(f"{where}: {e}; {_RECREATE_HINT}") from None
+        if top["row_len"] != top["seq_len"] + 1:
+            raise DataError(f"{where}: row_len {top['row_len']} != seq_len {top['seq_len']} + 1; {_RECREATE_HINT}")
+        return cls(format=fmt, shards=shards, tokenizer=tokenizer, source=source, root=root, **top)
+
+
+_FIELD_TYPES: dict[type, dict[str, type | tuple[type, ...]]] = {
+    ShardInfo: {"path": str, "rows": int, "tokens": int, "bytes": int},
+    TokenizerInfo: {"file": str, "sha256": str, "vocab_size": int, "eos_token": str, "eos_id": int, "trained": bool},
+    SourceInfo: {"inputs": list, "num_files": int, "num_documents": int, "fingerprint": str},
+}
+
+
+def _get(data: dict, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in data:
+        raise DataError(f"{where}: missing field '{key}'; {_RECREATE_HINT}")
+    value = data[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        name = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise DataError(f"{where}: field '{key}' should be {name}, got {value!r}; {_RECREATE_HINT}")
+    return value
+
+
+def _fields(data: Any, cls: type, where: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise DataError(f"{where}: expected a JSON object, got {data!r}; {_RECREATE_HINT}")
+    return {key: _get(data, key, kind, where) for key, kind in _FIELD_TYPES[cls].items()}
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def manifest_file(path: str) -> str:
+    """The manifest.json path for ``path``, which names the manifest file or the dataset directory."""
+    _check_local(path)
+    path = os.path.abspath(os.path.expanduser(path))
+    return _join(path, MANIFEST_NAME) if _is_dir(path) or not path.endswith(".json") else path
+
+
+def load_manifest(path: str, *, check_files: bool = True) -> Manifest:
+    """Read and check a dataset manifest (file or its directory); DataError says what is wrong and how to fix it.
+
+    With ``check_files`` (the default) every shard and the tokenizer file must exist too.
+    """
+    mpath = manifest_file(path)
+    root = os.path.dirname(mpath)
+    if not _is_file(mpath):
+        if not _is_dir(root):
+            raise DataError(f"dataset {path}: no such directory ({root}); {_PREPARE_HINT}")
+        raise DataError(f"dataset {path}: no {MANIFEST_NAME} in {root}; {_PREPARE_HINT}")
+    try:
+        data = json.loads(_read_text(mpath))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{mpath}: not valid JSON ({e}); {_RECREATE_HINT}") from None
+    manifest = Manifest.from_dict(data, root=root, where=mpath)
+    if check_files:
+        check_dataset_files(manifest)
+    return manifest
+
+
+def check_dataset_files(manifest: Manifest) -> None:
+    """Raise DataError when a shard or the tokenizer file of ``manifest`` is missing."""
+    missing = [s.path for s in manifest.shards if not _is_file(_join(manifest.root, s.path))]
+    if missing:
+        raise DataError(
+            f"{manifest.manifest_path}: shard {missing[0]} is missing ({len(missing)} of {len(manifest.shards)} "
+            f"shards missing); copy the whole dataset directory or {_RECREATE_HINT}"
+        )
+    if not _is_file(manifest.tokenizer_path):
+        raise DataError(
+            f"{manifest.manifest_path}: tokenizer file {manifest.tokenizer.file} is missing; "
+            f"copy the whole dataset directory or {_RECREATE_HINT}"
+        )

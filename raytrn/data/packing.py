@@ -1,0 +1,71 @@
+"""Streaming packing of token streams into fixed-length training rows.
+
+Documents (token-id arrays, EOS already appended) are concatenated into one stream and cut into
+consecutive, non-overlapping rows of exactly ``row_len`` ids: no padding, rows cross document
+boundaries, and the incomplete remainder at the very end is dropped (and counted). Pure numpy, no Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+ROW_DTYPE = np.int32
+
+
+class Packer:
+    """Cut a stream of token arrays into rows of ``row_len`` int32 ids, holding back less than one row."""
+
+    def __init__(self, row_len: int) -> None:
+        if row_len <= 0:
+            raise ValueError(f"row_len must be positive, got {row_len}")
+        self.row_len = row_len
+        self.num_rows = 0
+        self.num_tokens_in = 0
+        self._pending: list[np.ndarray] = []
+        self._num_pending = 0
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens held back waiting for a full row; after the last push this is the dropped tail."""
+        return self._num_pending
+
+    def push(self, ids: np.ndarray | Iterable[int]) -> np.ndarray:
+        """Add tokens to the stream; return the rows completed by them, shape ``(k, row_len)`` (k may be 0)."""
+        arr = np.asarray(ids, dtype=ROW_DTYPE).reshape(-1)
+        self.num_tokens_in += arr.size
+        if arr.size:
+            self._pending.append(arr)
+            self._num_pending += arr.size
+        if self._num_pending < self.row_len:
+            return np.empty((0, self.row_len), dtype=ROW_DTYPE)
+        stream = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
+        k = self._num_pending // self.row_len
+        cut = k * self.row_len
+        # Copy the remainder so the (possibly large) stream buffer is not kept alive by a small view.
+        rest = stream[cut:].copy()
+        self._pending = [rest] if rest.size else []
+        self._num_pending = rest.size
+        self.num_rows += k
+        return stream[:cut].reshape(k, self.row_len)
+
+
+def pack_rows(docs: Iterable[np.ndarray | Iterable[int]], row_len: int) -> Iterator[np.ndarray]:
+    """Yield one ``row_len`` int32 array per row, streaming; the final incomplete remainder is dropped."""
+    packer = Packer(row_len)
+    for doc in docs:
+        yield from packer.push(doc)
+
+
+def pack_all(docs: Iterable[np.ndarray | Iterable[int]], row_len: int) -> tuple[np.ndarray, int]:
+    """Pack everything at once: ``(rows of shape (n, row_len), dropped_tail_tokens)``; for tests and small inputs."""
+    packer = Packer(row_len)
+    blocks = [packer.push(doc) for doc in docs]
+    rows = np.concatenate(blocks) if blocks else np.empty((0, row_len), dtype=ROW_DTYPE)
+    return rows, packer.pending_tokens
+
+
+def rows_per_shard(shard_size_mb: float, row_len: int) -> int:
+    """Rows in a shard of at most ``shard_size_mb`` MiB of int32 token payload (at least one row)."""
+    return max(1, int(shard_size_mb * 2**20) // (ROW_DTYPE().itemsize * row_len))

@@ -1,0 +1,36 @@
+"""Errors raised for user mistakes.
+
+Every user-facing failure is a :class:`RaytrnError`: the CLI prints its message (what, where, how to
+fix) and exits with code 2 instead of showing a traceback. The classes are pickle-safe so they
+survive crossing Ray actor boundaries.
+"""
+
+from __future__ import annotations
+
+
+class RaytrnError(Exception):
+    """A mistake the user can fix; the message says what, where and how."""
+
+    exit_code = 2
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __reduce__(self):  # pickle-safe across Ray actor boundaries
+        return (type(self), (self.message,))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(RaytrnError):
+    """The job spec (YAML file or --set override) is invalid."""
+
+
+class DataError(RaytrnError):
+    """A dataset, manifest, shard or tokenizer is missing or inconsistent."""
+
+
+class BackendError(RaytrnError):
+    """The requested accelerator backend is unavailable or misconfigured."""

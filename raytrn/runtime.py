@@ -1,0 +1,25 @@
+"""Connecting to Ray: reuse the current connection, a cluster named by RAY_ADDRESS, or start a local one."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+
+def ensure_ray(min_cpus: float = 0) -> None:
+    """Initialise Ray once per process.
+
+    Inside ``ray job submit`` (RAY_ADDRESS is set) this connects to the cluster; on a laptop with no
+    cluster it starts an embedded local Ray with at least ``min_cpus`` logical CPUs (so that training
+    workers that take every core still leave a slot for Ray Data's read tasks). An existing
+    connection (tests, notebooks) is reused.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS") or None
+    kwargs: dict = {"logging_level": logging.WARNING}
+    if address is None:
+        kwargs["num_cpus"] = max(os.cpu_count() or 1, int(min_cpus + 0.999))
+    ray.init(address=address, **kwargs)

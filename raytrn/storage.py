@@ -1,0 +1,61 @@
+"""Local paths and s3:// URIs behind one pyarrow filesystem lookup.
+
+pyarrow ignores ``AWS_ENDPOINT_URL``; raytrn honours ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` so
+the same job runs against AWS S3 or an S3-compatible endpoint (e.g. a local moto server in tests).
+"""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlparse
+
+import pyarrow.fs as pafs
+
+
+def is_remote(uri: str) -> bool:
+    return "://" in uri and not uri.startswith("file://")
+
+
+def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """The filesystem holding ``uri`` and the path inside it."""
+    if uri.startswith("s3://"):
+        parsed = urlparse(uri)
+        return s3_filesystem(), f"{parsed.netloc}{parsed.path}".rstrip("/")
+    if uri.startswith("file://"):
+        uri = uri[len("file://") :]
+    if "://" in uri:
+        return pafs.FileSystem.from_uri(uri)
+    return pafs.LocalFileSystem(), os.path.abspath(uri)
+
+
+def s3_filesystem() -> pafs.S3FileSystem:
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    kwargs: dict = {}
+    if endpoint:
+        parsed = urlparse(endpoint)
+        kwargs["endpoint_override"] = parsed.netloc or parsed.path
+        kwargs["scheme"] = parsed.scheme or "https"
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        kwargs["region"] = region
+    return pafs.S3FileSystem(**kwargs)
+
+
+def read_text(uri: str) -> str | None:
+    """The file's text, or None when it does not exist."""
+    fs, path = filesystem(uri)
+    if fs.get_file_info(path).type == pafs.FileType.NotFound:
+        return None
+    with fs.open_input_stream(path) as f:
+        return f.read().decode()
+
+
+def write_text(uri: str, text: str) -> None:
+    fs, path = filesystem(uri)
+    fs.create_dir(os.path.dirname(path), recursive=True)
+    with fs.open_output_stream(path) as f:
+        f.write(text.encode())
+
+
+def join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *parts]) if is_remote(base) else os.path.join(base, *parts)

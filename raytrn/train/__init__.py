@@ -1,0 +1,1 @@
+"""Training: the per-worker loop (`loop`), the Ray Train trainer factory (`trainer`) and pre-flight checks."""

@@ -1,0 +1,61 @@
+"""Pre-flight checks shared by ``raytrn validate`` and ``raytrn train``: fail before anything starts."""
+
+from __future__ import annotations
+
+from raytrn.backends import get_backend
+from raytrn.config import JobSpec
+from raytrn.data.manifest import Manifest, load_manifest
+from raytrn.errors import BackendError, DataError
+from raytrn.models import model_stats
+
+
+def check_job(job: JobSpec, *, data: bool = True) -> list[str]:
+    """Check everything that can be checked without Ray; return human-readable findings.
+
+    A backend that cannot run on this machine is a note, not an error: a trn job is validated on a
+    laptop before it is submitted. ``data=False`` skips the dataset (its path may exist only on the
+    cluster).
+    """
+    lines = []
+    try:
+        get_backend(job.scaling.accelerator)
+    except BackendError as e:
+        lines.append(f"note: {e} (checked again when the job starts)")
+    lines.append(f"model: llama, {model_stats(job.model, job.data.seq_len).describe()}")
+    s = job.scaling
+    sizes = sorted({s.min_workers, s.max_workers or s.min_workers})
+    accum = {n: job.data.grad_accum_for(n) for n in sizes}
+    shape = ", ".join(
+        f"{n} worker{'s' * (n > 1)}: {job.data.micro_batch_size} x {a} x {n} = "
+        f"{job.data.micro_batch_size * a * n} sequences/step"
+        for n, a in accum.items()
+    )
+    lines.append(f"batch: {shape} of {job.data.seq_len} tokens")
+    if not data:
+        lines.append(f"data: not checked (--no-data): {job.data.manifest}")
+        return lines
+    manifest = check_data(job)
+    lines.append(
+        f"data: {manifest.num_rows:,} rows x {manifest.row_len} tokens in {len(manifest.shards)} shard(s), "
+        f"tokenizer vocab {manifest.tokenizer.vocab_size:,} (model vocab {job.model.vocab_size:,})"
+    )
+    return lines
+
+
+def check_data(job: JobSpec) -> Manifest:
+    """Load the job's manifest and check it fits the model and the batch shape."""
+    where = f"{job.source}: data.manifest"
+    manifest = load_manifest(job.data.manifest)
+    if manifest.seq_len != job.data.seq_len:
+        raise DataError(
+            f"{where}: the dataset was packed with seq_len={manifest.seq_len} but data.seq_len={job.data.seq_len}; "
+            f"set data.seq_len: {manifest.seq_len}, or re-run `raytrn data prepare --seq-len {job.data.seq_len}`"
+        )
+    vocab = manifest.tokenizer.vocab_size
+    if vocab > job.model.vocab_size:
+        raise DataError(
+            f"{where}: the dataset's tokenizer has {vocab:,} tokens but model.vocab_size={job.model.vocab_size:,}; "
+            f"token ids would fall outside the embedding: set model.vocab_size >= {vocab}, or prepare the data "
+            f"with --vocab-size {job.model.vocab_size}"
+        )
+    return manifest

@@ -1,0 +1,243 @@
+"""The per-worker training loop that Ray Train runs on every worker.
+
+It reads top to bottom: build, resume, then step until ``run.max_steps`` — accumulate micro-batches,
+clip, step, and every ``log_every`` steps log; every ``every_n_steps`` save a checkpoint. The only
+host-device syncs are marked; on XLA backends each one is a potential recompile.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from raytrn.backends import get_backend
+from raytrn.checkpoint import Progress, load_state, save_state
+from raytrn.config import JobSpec
+from raytrn.errors import DataError
+from raytrn.models import build_model
+from raytrn.train.schedule import lr_factor
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    import ray.train
+
+    _quiet_ray_train_logs()
+    job: JobSpec = config["job"]
+    ctx = ray.train.get_context()
+    rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
+    backend = get_backend(job.scaling.accelerator)
+    grad_accum = job.data.grad_accum_for(world_size)
+    tokens_per_step = grad_accum * job.data.micro_batch_size * job.data.seq_len * world_size
+
+    # -- build ---------------------------------------------------------------------------------
+    backend.seed(job.run.seed)
+    model = backend.prepare_model(build_model(job.model, seed=job.run.seed))
+    optimizer = _adamw(model, job)
+    max_steps, optim = job.run.max_steps, job.optim
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_factor(
+            s,
+            warmup_steps=optim.warmup_steps,
+            decay_steps=optim.decay_steps or max(1, max_steps - optim.warmup_steps),
+            min_lr_ratio=optim.min_lr_ratio,
+        ),
+    )
+
+    # -- resume --------------------------------------------------------------------------------
+    progress = Progress()
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            progress = load_state(d, model=model, optimizer=optimizer, scheduler=scheduler)
+        progress.epoch += 1  # continue with a fresh pass over the data (see README: resume)
+    logger = _rank0_logger(config) if rank == 0 else None
+    board = config.get("board") if rank == 0 else None
+    if logger:
+        logger.world_size(progress.step, world_size)
+    batches = _batches(ray.train.get_dataset_shard("train"), job, progress, rank)
+
+    # -- train ---------------------------------------------------------------------------------
+    window_start, window_tokens, data_wait = time.perf_counter(), 0, 0.0
+    while progress.step < max_steps:
+        model.train()
+        loss_sum = torch.zeros((), device=backend.device())
+        for micro in range(grad_accum):
+            t0 = time.perf_counter()
+            batch = next(batches).to(backend.device(), non_blocking=True)
+            data_wait += time.perf_counter() - t0
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            # DDP all-reduces gradients on the last micro-batch only.
+            last = micro == grad_accum - 1
+            with nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+                logits = model(input_ids=inputs).logits
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+                (loss / grad_accum).backward()
+            loss_sum += loss.detach()
+        grad_norm = _clip(model, optim.grad_clip_norm)
+        backend.optimizer_step(optimizer)
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        backend.sync()
+        progress.step += 1
+        progress.tokens_seen += tokens_per_step
+        window_tokens += tokens_per_step
+
+        step = progress.step
+        is_last = step == max_steps
+        metrics: dict[str, float] = {}
+        if step % job.run.log_every == 0 or is_last:
+            # All-reduce the mean loss over workers, then .item(): this is a host-device sync.
+            loss_mean = _mean_over_workers(loss_sum / grad_accum, world_size)
+            elapsed = time.perf_counter() - window_start
+            metrics = {
+                "loss": loss_mean.item(),
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": float(grad_norm),
+                "tokens_per_s": window_tokens / elapsed,
+                "step_time_s": elapsed / max(1, step - progress.last_logged_step),
+                "data_wait_s": data_wait / max(1, step - progress.last_logged_step),
+                "tokens_seen": float(progress.tokens_seen),
+                "world_size": float(world_size),
+                "epoch": float(progress.epoch),
+            }
+            if logger and step > progress.last_logged_step:
+                logger.log_metrics(metrics, step)
+            if board is not None:
+                board.update.remote(step, max_steps, metrics)
+            progress.last_logged_step = step
+            window_start, window_tokens, data_wait = time.perf_counter(), 0, 0.0
+
+        if step % job.checkpoint.every_n_steps == 0 or is_last:
+            _save_and_report(job, rank, model, optimizer, scheduler, progress, metrics, logger)
+
+    if logger:
+        logger.close()
+
+
+def _adamw(model: torch.nn.Module, job: JobSpec) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on norms and biases (1-D parameters)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    o = job.optim
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr,
+        betas=o.betas,
+        eps=o.eps,
+    )
+
+
+def _clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_norm is None:
+        return torch.nn.utils.get_total_norm([p.grad for p in params])
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def _mean_over_workers(value: torch.Tensor, world_size: int) -> torch.Tensor:
+    if world_size > 1 and torch.distributed.is_initialized():
+        value = value.clone()
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.SUM)
+        value /= world_size
+    return value
+
+
+def _batches(shard: Any, job: JobSpec, progress: Progress, rank: int) -> Iterator[torch.Tensor]:
+    """Endless micro-batches of shape [micro_batch_size, seq_len + 1], one dataset pass per epoch."""
+    row_len = job.data.seq_len + 1
+    while True:
+        seen = 0
+        for batch in shard.iter_torch_batches(
+            batch_size=job.data.micro_batch_size,
+            drop_last=True,  # fixed shapes: a short last batch would be a new graph on XLA
+            local_shuffle_buffer_size=8 * job.data.micro_batch_size if job.data.shuffle else None,
+            local_shuffle_seed=(job.run.seed * 1_000_003 + progress.epoch * 101 + rank) if job.data.shuffle else None,
+            collate_fn=_TokenCollate(),
+        ):
+            if batch.shape[1] != row_len:
+                raise DataError(
+                    f"dataset rows have {batch.shape[1]} tokens but data.seq_len + 1 = {row_len}; "
+                    "prepare the data with the job's seq_len"
+                )
+            seen += 1
+            yield batch
+        if seen == 0:
+            raise DataError(
+                f"worker {rank} got no complete micro-batch of {job.data.micro_batch_size} rows from the dataset; "
+                "it is too small for this many workers and micro_batch_size: prepare more data, or lower "
+                "data.micro_batch_size or scaling.max_workers"
+            )
+        progress.epoch += 1
+
+
+def _token_collate_base() -> type:
+    from ray.data.collate_fn import NumpyBatchCollateFn
+
+    return NumpyBatchCollateFn
+
+
+class _TokenCollate(_token_collate_base()):  # type: ignore[misc]
+    """Numpy rows of token ids -> one int64 tensor [batch, seq_len + 1]."""
+
+    def __call__(self, batch: dict[str, Any]) -> torch.Tensor:
+        import numpy as np
+
+        col = batch["input_ids"]
+        arr = np.stack(col) if col.dtype == object else np.asarray(col)
+        return torch.from_numpy(arr.astype(np.int64, copy=False))
+
+
+def _quiet_ray_train_logs() -> None:
+    """Ray Train logs every report at INFO under a file-path logger name; it drowns the progress line."""
+    try:
+        from ray.train.v2._internal.execution import context
+
+        logging.getLogger(context.__file__).setLevel(logging.WARNING)
+    except ImportError:  # a Ray without that module: nothing to quiet
+        pass
+
+
+def _save_and_report(
+    job: JobSpec,
+    rank: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    progress: Progress,
+    metrics: dict[str, float],
+    logger: Any,
+) -> None:
+    """Rank 0 writes the state; every worker calls report (Ray Train requires all ranks to)."""
+    import ray.train
+
+    report = {**metrics, "step": progress.step, "tokens_seen": progress.tokens_seen}
+    if rank != 0:
+        ray.train.report(report, checkpoint=None)
+        return
+    with tempfile.TemporaryDirectory(prefix="raytrn-ckpt-") as d:
+        save_state(d, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress)
+        ray.train.report(
+            report,
+            checkpoint=ray.train.Checkpoint.from_directory(d),
+            checkpoint_dir_name=f"checkpoint_{progress.step:08d}",
+        )
+    if logger:
+        logger.checkpoint(progress.step, os.path.join(job.checkpoint.storage, job.run_name, f"checkpoint_{progress.step:08d}"))
+
+
+def _rank0_logger(config: dict[str, Any]) -> Any:
+    run_id = config.get("mlflow_run_id")
+    if not run_id:
+        return None
+    from raytrn.tracking.mlflow_run import WorkerLogger
+
+    return WorkerLogger(config["mlflow_uri"], run_id)

@@ -1,0 +1,123 @@
+"""Driver-side progress: rank 0 posts metrics to a tiny Ray actor, the driver renders a live line.
+
+The actor outlives worker-group restarts (the driver owns it), so progress and the final summary
+span the whole job.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+
+class ProgressBoard:
+    """Latest metrics of a run (held in a Ray actor with num_cpus=0)."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, Any] | None = None
+        self.last: dict[str, Any] | None = None
+
+    def update(self, step: int, max_steps: int, metrics: dict[str, float]) -> None:
+        entry = {"step": step, "max_steps": max_steps, "time": time.time(), **metrics}
+        if self.first is None:
+            self.first = entry
+        self.last = entry
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"first": self.first, "last": self.last}
+
+
+def format_line(last: dict[str, Any]) -> str:
+    step, total = last["step"], last["max_steps"]
+    eta = max(0, total - step) * last.get("step_time_s", 0.0)
+    return (
+        f"step {step}/{total}  loss {last['loss']:.4f}  lr {last['lr']:.2e}  "
+        f"{last['tokens_per_s']:,.0f} tok/s  ETA {_duration(eta)}"
+    )
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class ProgressPrinter:
+    """Polls the board from a background thread and prints one line per new step."""
+
+    def __init__(self, board: Any, *, live: bool, interval_s: float = 0.5) -> None:
+        self._board = board
+        self._live = live and sys.stdout.isatty()
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="raytrn-progress", daemon=True)
+        self._shown = 0
+
+    def __enter__(self) -> ProgressPrinter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._poll()
+        if self._live and self._shown:
+            print(flush=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._poll()
+
+    def _poll(self) -> None:
+        import ray
+
+        try:
+            last = ray.get(self._board.snapshot.remote(), timeout=10)["last"]
+        except Exception:
+            return
+        if not last or last["step"] == self._shown:
+            return
+        self._shown = last["step"]
+        line = format_line(last)
+        if self._live:
+            print("\r\033[K" + line, end="", flush=True)
+        else:
+            print(line, flush=True)
+
+
+@dataclass(kw_only=True)
+class Summary:
+    """What ``raytrn train`` prints when it ends."""
+
+    run_name: str
+    start_step: int
+    final_step: int
+    tokens: int
+    tokens_per_s: float | None
+    first_loss: float | None
+    final_loss: float | None
+    checkpoint: str | None
+    mlflow_run_id: str | None
+    mlflow_ui: str | None
+
+    def render(self) -> str:
+        def num(x: float | None, fmt: str) -> str:
+            return "n/a" if x is None else format(x, fmt)
+
+        resumed = f" (resumed at step {self.start_step})" if self.start_step else ""
+        rows = [
+            ("run", self.run_name),
+            ("steps", f"{self.final_step - self.start_step} this run, {self.final_step} in total{resumed}"),
+            ("tokens", f"{self.tokens:,}"),
+            ("tokens/s", num(self.tokens_per_s, ",.0f")),
+            ("loss", f"{num(self.first_loss, '.4f')} (first logged) -> {num(self.final_loss, '.4f')} (final)"),
+            ("checkpoint", self.checkpoint or "none"),
+            ("mlflow run", self.mlflow_run_id or "tracking disabled"),
+        ]
+        if self.mlflow_ui:
+            rows.append(("mlflow ui", self.mlflow_ui))
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(["== raytrn: training finished =="] + [f"{k:<{width}}  {v}" for k, v in rows])

@@ -1,0 +1,191 @@
+"""The driver: checks the job, fixes the MLflow run, builds the Ray Train ``TorchTrainer`` and runs it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+from raytrn import storage
+from raytrn.backends import Backend, get_backend
+from raytrn.checkpoint import Progress, read_meta
+from raytrn.config import JobSpec
+from raytrn.errors import RaytrnError
+from raytrn.runtime import ensure_ray
+from raytrn.train.checks import check_data
+from raytrn.train.progress import ProgressBoard, ProgressPrinter, Summary
+
+log = logging.getLogger(__name__)
+_CKPT = re.compile(r"^checkpoint_(\d{8})$")
+
+
+def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
+    """Run ``job`` to ``run.max_steps`` (resuming when a checkpoint exists) and summarise it."""
+    backend = get_backend(job.scaling.accelerator)
+    manifest = check_data(job)
+    resumed, latest = latest_checkpoint(job)
+    start_step = resumed.step
+    if start_step >= job.run.max_steps:
+        raise RaytrnError(
+            f"run '{job.run_name}' already reached step {start_step} (checkpoint {latest}), which is >= "
+            f"run.max_steps={job.run.max_steps}; raise run.max_steps to continue it, or set tracking.run_name "
+            "to start a new run"
+        )
+    if latest:
+        print(f"raytrn: resuming run '{job.run_name}' from step {start_step} ({latest})", flush=True)
+
+    scaling = _scaling(job, backend)
+    # One logical CPU more than the workers take, for Ray Data's read tasks (embedded local Ray only).
+    ensure_ray(min_cpus=scaling.total_resources.get("CPU", 0) + 1)
+    import ray
+    import ray.data
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+    from ray.train.torch import TorchTrainer
+
+    from raytrn.tracking.mlflow_run import end_run, start_run
+
+    tracked = start_run(job, tags=_tags(job))
+    board = ray.remote(num_cpus=0)(ProgressBoard).remote()
+    ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows its own progress
+    fs, _ = storage.filesystem(manifest.root)
+    dataset = ray.data.read_parquet(manifest.shard_paths(), filesystem=fs, columns=["input_ids"])
+    trainer = TorchTrainer(
+        _train_fn(),
+        train_loop_config={
+            "job": job,
+            "board": board,
+            "mlflow_uri": tracked.uri if tracked else None,
+            "mlflow_run_id": tracked.run_id if tracked else None,
+        },
+        scaling_config=scaling,
+        torch_config=backend.ray_backend_config(),
+        run_config=RunConfig(
+            name=job.run_name,
+            storage_path=_storage_path(job),
+            storage_filesystem=_storage_fs(job),
+            failure_config=FailureConfig(max_failures=job.scaling.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=job.checkpoint.keep_last),
+        ),
+        datasets={"train": dataset},
+    )
+    status = "FAILED"
+    try:
+        with ProgressPrinter(board, live=live_progress):
+            result = trainer.fit()
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    except Exception as e:
+        user_error = _user_error(e)
+        if user_error is not None:
+            raise user_error from None
+        raise
+    finally:
+        end_run(tracked, status)
+
+    snap = ray.get(board.snapshot.remote(), timeout=30)
+    first, last = snap["first"] or {}, snap["last"] or {}
+    final_step = last.get("step", start_step)
+    tokens = int(last.get("tokens_seen", resumed.tokens_seen)) - resumed.tokens_seen
+    return Summary(
+        run_name=job.run_name,
+        start_step=start_step,
+        final_step=final_step,
+        tokens=max(0, tokens),
+        tokens_per_s=_mean_rate(first, last),
+        first_loss=first.get("loss"),
+        final_loss=last.get("loss"),
+        checkpoint=result.checkpoint.path if result.checkpoint else None,
+        mlflow_run_id=tracked.run_id if tracked else None,
+        mlflow_ui=tracked.ui_command() if tracked else None,
+    )
+
+
+def latest_checkpoint(job: JobSpec) -> tuple[Progress, str | None]:
+    """Progress counters and location of the newest checkpoint of this run, or (Progress(), None)."""
+    import pyarrow.fs as pafs
+
+    root = storage.join(job.checkpoint.storage, job.run_name)
+    fs, path = storage.filesystem(root)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    except OSError:
+        return Progress(), None
+    names = sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory and _CKPT.match(i.base_name))
+    for name in reversed(names):
+        location = storage.join(root, name)
+        progress = read_meta(location)
+        if progress is not None:
+            return progress, location
+    return Progress(), None
+
+
+def _train_fn():
+    from raytrn.train.loop import train_loop_per_worker
+
+    return train_loop_per_worker
+
+
+def _scaling(job: JobSpec, backend: Backend) -> Any:
+    from ray.train import ScalingConfig
+
+    s = job.scaling
+    num_workers: int | tuple[int, int] = (s.min_workers, s.max_workers) if s.elastic else s.min_workers  # type: ignore[assignment]
+    resources = dict(s.resources_per_worker or backend.default_resources)
+    return ScalingConfig(num_workers=num_workers, use_gpu=backend.use_gpu, resources_per_worker=resources)
+
+
+def _storage_path(job: JobSpec) -> str:
+    uri = job.checkpoint.storage
+    return storage.filesystem(uri)[1] if uri.startswith("s3://") else uri
+
+
+def _storage_fs(job: JobSpec) -> Any:
+    return storage.filesystem(job.checkpoint.storage)[0] if job.checkpoint.storage.startswith("s3://") else None
+
+
+def _tags(job: JobSpec) -> dict[str, str]:
+    import ray
+    import torch
+
+    from raytrn import __version__
+
+    tags = {
+        "raytrn.job_file": job.source,
+        "raytrn.version": __version__,
+        "ray.version": ray.__version__,
+        "torch.version": torch.__version__,
+        "accelerator": job.scaling.accelerator,
+        "checkpoint.storage": storage.join(job.checkpoint.storage, job.run_name),
+    }
+    if job.scaling.instance_type:
+        tags["instance_type"] = job.scaling.instance_type
+    if os.environ.get("RAY_JOB_SUBMISSION_ID"):
+        tags["ray.job_submission_id"] = os.environ["RAY_JOB_SUBMISSION_ID"]
+    return tags
+
+
+def _mean_rate(first: dict[str, Any], last: dict[str, Any]) -> float | None:
+    if not last:
+        return None
+    if first and last["time"] > first["time"]:
+        return (last["tokens_seen"] - first["tokens_seen"]) / (last["time"] - first["time"])
+    return last.get("tokens_per_s")
+
+
+def _user_error(exc: BaseException) -> RaytrnError | None:
+    """The RaytrnError a worker raised, if that is what failed the run."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, RaytrnError):
+            return e
+        todo.extend(getattr(e, "worker_failures", {}).values())
+        todo.extend([getattr(e, "controller_failure", None), getattr(e, "cause", None), e.__cause__, e.__context__])
+    return None

@@ -1,0 +1,278 @@
+"""`raytrn data prepare` end to end on a real local Ray, checked against an independent reference tokenization."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import Tokenizer
+
+from raytrn.data.manifest import load_manifest
+from raytrn.data.prepare import prepare_dataset, train_tokenizer
+from raytrn.errors import DataError
+
+pytestmark = pytest.mark.integration
+
+CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "corpus"
+SEQ_LEN = 32
+VOCAB = 600
+SHARD_MB = 0.01  # 79 rows of 33 tokens per shard: several shards from the small corpus
+
+
+def _prepare(output: Path, **kwargs) -> object:
+    args = {
+        "inputs": [str(CORPUS), str(CORPUS / "records" / "*.parquet")],  # overlapping inputs are de-duplicated
+        "output": str(output),
+        "seq_len": SEQ_LEN,
+        "vocab_size": VOCAB,
+        "shard_size_mb": SHARD_MB,
+        "progress": False,
+    }
+    args.update(kwargs)
+    if "tokenizer" in kwargs:
+        args["vocab_size"] = None
+    return prepare_dataset(**args)
+
+
+def _reference_documents(root: Path) -> list[str]:
+    """Read the corpus with the documented rules, written independently of raytrn.data.prepare."""
+    paths = sorted(
+        os.path.join(d, name)
+        for d, _, names in os.walk(root)
+        for name in names
+        if name.endswith((".txt", ".md", ".rst", ".py", ".text", ".jsonl", ".parquet"))
+    )
+    docs: list[str] = []
+    for path in paths:
+        if path.endswith(".jsonl"):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                docs += [json.loads(line)["text"] for line in f if line.strip()]
+        elif path.endswith(".parquet"):
+            docs += pq.read_table(path).column("text").to_pylist()
+        else:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                docs.append(f.read())
+    return [d for d in docs if d]
+
+
+def _read_rows(manifest) -> np.ndarray:
+    tables = [pq.read_table(p) for p in manifest.shard_paths()]
+    for t in tables:
+        assert t.schema == pa.schema([("input_ids", pa.list_(pa.int32()))])
+    rows = [np.asarray(t.column("input_ids").to_pylist(), dtype=np.int32) for t in tables]
+    return np.concatenate(rows)
+
+
+def _dir_bytes(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def _siblings(path: Path) -> list[str]:
+    return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(path.name + "."))
+
+
+@pytest.fixture(scope="module")
+def dataset(ray_session, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prep") / "ds"
+    return out, _prepare(out)
+
+
+def test_manifest_fields(dataset) -> None:
+    out, manifest = dataset
+    data = json.loads((out / "manifest.json").read_text())
+    assert data["format"] == "raytrn.packed/v1"
+    assert (data["seq_len"], data["row_len"], data["column"], data["dtype"]) == (
+        SEQ_LEN,
+        SEQ_LEN + 1,
+        "input_ids",
+        "int32",
+    )
+    assert data["num_tokens"] == data["num_rows"] * (SEQ_LEN + 1)
+    assert 0 <= data["dropped_tail_tokens"] <= SEQ_LEN
+    assert data["rows_per_shard"] == int(SHARD_MB * 2**20) // (4 * (SEQ_LEN + 1))
+    assert len(data["shards"]) > 2
+    assert [s["path"] for s in data["shards"]] == [f"shard-{i:05d}.parquet" for i in range(len(data["shards"]))]
+    assert all(s["rows"] == data["rows_per_shard"] for s in data["shards"][:-1])
+    assert sum(s["rows"] for s in data["shards"]) == data["num_rows"]
+    assert all(s["bytes"] == (out / s["path"]).stat().st_size for s in data["shards"])
+    tok = data["tokenizer"]
+    assert tok["file"] == "tokenizer.json" and tok["trained"] is True
+    assert (tok["eos_token"], tok["eos_id"], tok["vocab_size"]) == ("<|endoftext|>", 0, VOCAB)
+    src = data["source"]
+    assert src["inputs"] == [str(CORPUS), str(CORPUS / "records" / "*.parquet")]
+    assert src["num_files"] == 9  # README.md, 5 texts (one empty), guide.rst, records.jsonl, table.parquet
+    assert src["num_documents"] == len(_reference_documents(CORPUS))
+    assert len(src["fingerprint"]) == 64
+    assert data["created_by"].startswith("raytrn ")
+    assert load_manifest(str(out)) == manifest
+    assert "seq_len 32" in manifest.describe()
+
+
+def test_rows_equal_reference_tokenization(dataset) -> None:
+    out, manifest = dataset
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    stream = [i for doc in _reference_documents(CORPUS) for i in [*tok.encode(doc, add_special_tokens=False).ids, eos]]
+    rows = _read_rows(manifest)
+    assert rows.shape == (manifest.num_rows, SEQ_LEN + 1)
+    assert manifest.num_rows == len(stream) // (SEQ_LEN + 1)
+    assert manifest.dropped_tail_tokens == len(stream) % (SEQ_LEN + 1)
+    np.testing.assert_array_equal(rows.reshape(-1), np.asarray(stream[: rows.size], dtype=np.int32))
+
+
+def test_rerun_elsewhere_is_byte_identical(dataset, tmp_path) -> None:
+    out, _ = dataset
+    _prepare(tmp_path / "again")
+    assert _dir_bytes(tmp_path / "again") == _dir_bytes(out)
+
+
+def test_same_output_again_is_up_to_date(dataset, capsys) -> None:
+    out, manifest = dataset
+    mtimes = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert _prepare(out) == manifest
+    assert f"{out}: up to date (same input, seq_len and tokenizer)" in capsys.readouterr().err
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == mtimes
+
+
+def test_given_tokenizer_reproduces_the_trained_run(dataset, tmp_path) -> None:
+    out, manifest = dataset
+    given = tmp_path / "my-tokenizer.json"
+    shutil.copy(out / "tokenizer.json", given)
+    m2 = _prepare(tmp_path / "given", tokenizer=str(given))
+    assert m2.tokenizer.trained is False and m2.tokenizer.sha256 == manifest.tokenizer.sha256
+    assert m2.source.fingerprint != manifest.source.fingerprint  # the tokenizer choice is part of it
+    assert [s.bytes for s in m2.shards] == [s.bytes for s in manifest.shards]
+    np.testing.assert_array_equal(_read_rows(m2), _read_rows(manifest))
+
+
+def test_different_dataset_is_refused_then_overwritten(dataset, tmp_path) -> None:
+    target = tmp_path / "ds"
+    shutil.copytree(dataset[0], target)
+    before = _dir_bytes(target)
+    with pytest.raises(DataError, match=r"refusing to overwrite a different dataset.*--overwrite"):
+        _prepare(target, seq_len=16)
+    assert _dir_bytes(target) == before
+    m = _prepare(target, seq_len=16, overwrite=True)
+    assert load_manifest(str(target)).seq_len == m.seq_len == 16
+    assert _siblings(target) == []
+
+
+def test_not_our_directory_is_refused(tmp_path) -> None:
+    target = tmp_path / "ds"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match=r"refusing to overwrite files but no manifest\.json.*--overwrite"):
+        _prepare(target)
+    assert (target / "notes.txt").read_text() == "mine"
+
+
+def test_output_inside_input_is_not_read_back(ray_session, tmp_path) -> None:
+    corpus = tmp_path / "corpus"
+    shutil.copytree(CORPUS / "text", corpus)
+    m = prepare_dataset(inputs=[str(corpus)], output=str(corpus / "packed"), seq_len=16, vocab_size=300, progress=False)
+    again = prepare_dataset(
+        inputs=[str(corpus)], output=str(corpus / "packed"), seq_len=16, vocab_size=300, progress=False
+    )
+    assert again == m and m.source.num_files == 5
+
+
+def test_bad_jsonl_in_a_ray_worker_is_one_clear_error(ray_session, tmp_path) -> None:
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text('{"text": "fine"}\n{"txt": "typo"}\n')
+    tokenizer = tmp_path / "tok.json"
+    train_tokenizer(["some text"], 300).save(str(tokenizer))
+    with pytest.raises(DataError, match=r'a\.jsonl:2: no "text" field \(found: txt\)'):
+        prepare_dataset(
+            inputs=[str(tmp_path / "in")],
+            output=str(tmp_path / "out"),
+            seq_len=4,
+            tokenizer=str(tokenizer),
+            progress=False,
+        )
+    assert not (tmp_path / "out").exists() and _siblings(tmp_path / "out") == []
+
+
+def test_too_few_tokens(ray_session, tmp_path) -> None:
+    with pytest.raises(DataError, match=r"only [\d,]+ tokens .* seq_len \+ 1 = 100001; use a smaller --seq-len"):
+        _prepare(tmp_path / "new" / "out", seq_len=100_000)
+    assert not (tmp_path / "new").exists()
+
+
+# --- the real CLI: exit code 2, one line on stderr, nothing left behind; these fail before Ray starts ------
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "raytrn.cli", "data", "prepare", *args, "--no-progress"]
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60)
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("empty_dir", "directory has no input files (accepted extensions: .txt"),
+        ("glob_nothing", "the glob matched no files"),
+        ("no_such_path", "no such file or directory"),
+        ("empty_files", "input file(s) are all empty"),
+        ("bad_jsonl", "b.jsonl:3: not valid JSON"),
+        ("parquet_without_text", 'has no "text" column (columns: body)'),
+        ("vocab_too_small", "--vocab-size 100 is too small"),
+    ],
+)
+def test_cli_errors(tmp_path: Path, case: str, message: str) -> None:
+    inp = tmp_path / "in"
+    inp.mkdir()
+    vocab = "300"
+    spec = str(inp)
+    if case == "glob_nothing":
+        spec = str(inp / "*.nothing")
+    elif case == "no_such_path":
+        spec = str(tmp_path / "missing")
+    elif case == "empty_files":
+        _write(inp / "a.txt", "")
+        _write(inp / "sub" / "b.md", "")
+    elif case == "bad_jsonl":
+        _write(inp / "b.jsonl", '{"text": "one"}\n\n{"text": "two"\n')
+    elif case == "parquet_without_text":
+        pq.write_table(pa.table({"body": ["x"]}), inp / "t.parquet")
+    elif case == "vocab_too_small":
+        _write(inp / "a.txt", "hello")
+        vocab = "100"
+    out = tmp_path / "out" / "ds"
+    proc = _cli("--input", spec, "--output", str(out), "--seq-len", "8", "--vocab-size", vocab)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("raytrn: error: "), proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_up_to_date_is_fast_and_quiet(dataset) -> None:
+    out, manifest = dataset
+    args = ["--output", str(out), "--seq-len", str(SEQ_LEN), "--vocab-size", str(VOCAB)]
+    proc = _cli(
+        "--input",
+        str(CORPUS),
+        "--input",
+        str(CORPUS / "records" / "*.parquet"),
+        *args,
+        "--shard-size-mb",
+        str(SHARD_MB),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == f"{out}: up to date (same input, seq_len and tokenizer)\n"
+    assert proc.stdout.strip() == manifest.describe()
+    assert glob.glob(f"{out}.*") == []

@@ -1,0 +1,149 @@
+"""Manifest round trip, describe(), and the errors load_manifest gives for broken datasets."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raytrn.data.manifest import FORMAT, Manifest, ShardInfo, SourceInfo, TokenizerInfo, load_manifest
+from raytrn.errors import DataError
+
+pytestmark = pytest.mark.unit
+
+
+def _manifest(root: Path, num_shards: int = 3) -> Manifest:
+    shards = [
+        ShardInfo(path=f"shard-{i:05d}.parquet", rows=10, tokens=10 * 9, bytes=1000 + i) for i in range(num_shards)
+    ]
+    return Manifest(
+        seq_len=8,
+        row_len=9,
+        num_rows=10 * num_shards,
+        num_tokens=90 * num_shards,
+        dropped_tail_tokens=4,
+        rows_per_shard=10,
+        shards=shards,
+        tokenizer=TokenizerInfo(
+            file="tokenizer.json", sha256="ab" * 32, vocab_size=512, eos_token="<|endoftext|>", eos_id=0, trained=True
+        ),
+        source=SourceInfo(inputs=["corpus/"], num_files=4, num_documents=7, fingerprint="cd" * 32),
+        created_by="raytrn 0.1.0",
+        root=str(root),
+    )
+
+
+def _write_dataset(root: Path, num_shards: int = 3) -> Manifest:
+    m = _manifest(root, num_shards)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "manifest.json").write_text(m.to_json())
+    (root / "tokenizer.json").write_text("{}")
+    for s in m.shards:
+        (root / s.path).write_bytes(b"x")
+    return m
+
+
+def test_round_trip_from_directory_or_file(tmp_path: Path) -> None:
+    written = _write_dataset(tmp_path / "ds")
+    for path in (tmp_path / "ds", tmp_path / "ds" / "manifest.json"):
+        loaded = load_manifest(str(path))
+        assert loaded == written
+        assert loaded.root == str(tmp_path / "ds")
+    assert loaded.format == FORMAT
+    assert loaded.shard_paths() == [str(tmp_path / "ds" / f"shard-{i:05d}.parquet") for i in range(3)]
+    assert loaded.tokenizer_path == str(tmp_path / "ds" / "tokenizer.json")
+
+
+def test_manifest_json_layout(tmp_path: Path) -> None:
+    data = json.loads(_manifest(tmp_path).to_json())
+    assert list(data) == [
+        "format",
+        "seq_len",
+        "row_len",
+        "column",
+        "dtype",
+        "num_rows",
+        "num_tokens",
+        "dropped_tail_tokens",
+        "rows_per_shard",
+        "shards",
+        "tokenizer",
+        "source",
+        "created_by",
+    ]
+    assert data["column"] == "input_ids" and data["dtype"] == "int32"
+    assert data["shards"][0] == {"path": "shard-00000.parquet", "rows": 10, "tokens": 90, "bytes": 1000}
+    assert "root" not in data
+
+
+def test_describe_is_a_short_summary(tmp_path: Path) -> None:
+    text = _manifest(tmp_path).describe()
+    lines = text.splitlines()
+    assert 3 <= len(lines) <= 20 and all(len(line) <= 120 for line in lines)
+    for needle in ("30 x 9 token ids", "seq_len 8", "3 Parquet file(s)", "vocab 512", "<|endoftext|>", "4 file(s)"):
+        assert needle in text
+
+
+def test_missing_manifest(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"no manifest\.json in .*raytrn data prepare"):
+        load_manifest(str(tmp_path))
+    with pytest.raises(DataError, match=r"no such directory.*raytrn data prepare"):
+        load_manifest(str(tmp_path / "nope"))
+
+
+def test_bad_json(tmp_path: Path) -> None:
+    (tmp_path / "manifest.json").write_text('{"format": "raytrn.packed/v1",')
+    with pytest.raises(DataError, match=r"manifest\.json: not valid JSON .*--overwrite"):
+        load_manifest(str(tmp_path))
+
+
+def test_unknown_format(tmp_path: Path) -> None:
+    m = _write_dataset(tmp_path)
+    data = m.to_dict() | {"format": "raytrn.packed/v0"}
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(DataError, match=r"unknown dataset format 'raytrn.packed/v0'.*'raytrn.packed/v1'"):
+        load_manifest(str(tmp_path))
+
+
+def test_missing_or_mistyped_field(tmp_path: Path) -> None:
+    m = _write_dataset(tmp_path)
+    data = m.to_dict()
+    del data["num_rows"]
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(DataError, match=r"missing field 'num_rows'"):
+        load_manifest(str(tmp_path))
+    data = m.to_dict()
+    data["tokenizer"]["eos_id"] = "zero"
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(DataError, match=r"tokenizer: field 'eos_id' should be int"):
+        load_manifest(str(tmp_path))
+
+
+def test_missing_shards_names_the_first_and_counts(tmp_path: Path) -> None:
+    _write_dataset(tmp_path, num_shards=4)
+    (tmp_path / "shard-00001.parquet").unlink()
+    (tmp_path / "shard-00003.parquet").unlink()
+    with pytest.raises(DataError, match=r"shard shard-00001\.parquet is missing \(2 of 4 shards missing\)"):
+        load_manifest(str(tmp_path))
+    assert load_manifest(str(tmp_path), check_files=False).num_rows == 40
+
+
+def test_missing_tokenizer(tmp_path: Path) -> None:
+    _write_dataset(tmp_path)
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(DataError, match=r"tokenizer file tokenizer\.json is missing"):
+        load_manifest(str(tmp_path))
+
+
+def test_s3_paths_are_refused_clearly() -> None:
+    with pytest.raises(DataError, match="only local dataset paths"):
+        load_manifest("s3://bucket/ds")
+
+
+def test_manifest_module_imports_no_ray_or_torch() -> None:
+    code = "import sys, raytrn.data.manifest; print(any(m in sys.modules for m in ('ray', 'torch', 'tokenizers')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
