@@ -47,7 +47,7 @@ class ModelConfig(_Section):
             from raytrn.models.llama import PRESETS
 
             name = data["preset"]
-            if name not in PRESETS:
+            if not isinstance(name, str) or name not in PRESETS:
                 raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
             return {**PRESETS[name], **data}
         return data
@@ -109,7 +109,7 @@ class OptimConfig(_Section):
     lr: float = Field(..., gt=0, description="peak learning rate")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr as a fraction of the peak")
     warmup_steps: int = Field(0, ge=0)
-    decay_steps: int | None = Field(None, gt=0, description="cosine length after warmup; default run.max_steps")
+    decay_steps: int | None = Field(None, gt=0, description="cosine steps after warmup; default run.max_steps - warmup")
     weight_decay: float = Field(0.1, ge=0)
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1)")
     eps: float = Field(1e-8, gt=0)
@@ -262,12 +262,17 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> set[str]:
 
 def parse_job(raw: dict[str, Any], *, source: str = "<job>", overridden: set[str] = frozenset()) -> JobSpec:
     """Validate a raw mapping into a JobSpec, turning pydantic errors into one ConfigError."""
+    lines = []
+    if "source" in raw:  # not a YAML field: it would be silently replaced by the file name
+        lines.append(_describe_error({"loc": ("source",), "type": "extra_forbidden", "msg": ""}, raw, overridden))
     try:
-        return JobSpec.model_validate({**raw, "source": source})
+        job = JobSpec.model_validate({**raw, "source": source})
     except ValidationError as e:
-        lines = [_describe_error(err, raw, overridden) for err in e.errors()]
+        lines += [_describe_error(err, raw, overridden) for err in e.errors()]
+    if lines:
         head = f"{source}: " if len(lines) == 1 else f"{source}: {len(lines)} problems:\n  "
-        raise ConfigError(head + "\n  ".join(lines)) from None
+        raise ConfigError(head + "\n  ".join(lines))
+    return job
 
 
 def resolve_paths(job: JobSpec, base_dir: str) -> JobSpec:

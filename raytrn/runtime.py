@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 
@@ -18,8 +19,9 @@ def ensure_ray(min_cpus: float = 0) -> None:
 
     if ray.is_initialized():
         return
-    address = os.environ.get("RAY_ADDRESS") or None
-    kwargs: dict = {"logging_level": logging.WARNING}
-    if address is None:
-        kwargs["num_cpus"] = max(os.cpu_count() or 1, int(min_cpus + 0.999))
-    ray.init(address=address, **kwargs)
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+    else:  # "local": never attach to a stale cluster by accident; set RAY_ADDRESS to use one
+        cpus = max(os.cpu_count() or 1, math.ceil(min_cpus))
+        ray.init(address="local", num_cpus=cpus, logging_level=logging.WARNING)
