@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from raytrn.errors import ConfigError
 
+_URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 Accelerator = Literal["cpu", "cuda", "neuron", "xla-cpu"]
 
 
@@ -163,7 +166,9 @@ class TrackingConfig(_Section):
     )
     experiment: str = Field("raytrn", min_length=1)
     run_name: str | None = Field(
-        None, description="MLflow run name and Ray Train run (checkpoint) name; default: the job file's stem"
+        None,
+        description="MLflow run name and Ray Train run (checkpoint) name. Set: re-running resumes that run. "
+        "Unset: a new run '<job file stem>-<date>-<time>' each time",
     )
 
 
@@ -198,7 +203,8 @@ class JobSpec(_Section):
 
     @property
     def run_name(self) -> str:
-        return self.tracking.run_name or Path(self.source).stem
+        """The fixed run name, or a new timestamped one (fixed for the job by ``resolve_paths``)."""
+        return self.tracking.run_name or f"{Path(self.source).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
     def flat(self) -> dict[str, Any]:
         """The spec as ``{"optim.lr": 0.001, ...}`` (for MLflow params)."""
@@ -260,7 +266,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> set[str]:
     return done
 
 
-def parse_job(raw: dict[str, Any], *, source: str = "<job>", overridden: set[str] = frozenset()) -> JobSpec:
+def parse_job(
+    raw: dict[str, Any], *, source: str = "<job>", overridden: set[str] | frozenset[str] = frozenset()
+) -> JobSpec:
     """Validate a raw mapping into a JobSpec, turning pydantic errors into one ConfigError."""
     lines = []
     if "source" in raw:  # not a YAML field: it would be silently replaced by the file name
@@ -284,13 +292,14 @@ def resolve_paths(job: JobSpec, base_dir: str) -> JobSpec:
     uri = job.tracking.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlruns/mlflow.db"
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         uri = "sqlite:///" + absolute(uri[len("sqlite:///") :])
-    elif "://" not in uri:
+    elif not _URI_SCHEME.match(uri) and uri != "databricks":  # a bare path: MLflow's file store
         uri = absolute(uri)
+    tracking = {"mlflow_uri": uri, "run_name": job.run_name}
     return job.model_copy(
         update={
             "data": job.data.model_copy(update={"manifest": absolute(job.data.manifest)}),
             "checkpoint": job.checkpoint.model_copy(update={"storage": absolute(job.checkpoint.storage)}),
-            "tracking": job.tracking.model_copy(update={"mlflow_uri": uri}),
+            "tracking": job.tracking.model_copy(update=tracking),
         }
     )
 
@@ -299,9 +308,11 @@ def resolve_paths(job: JobSpec, base_dir: str) -> JobSpec:
 # Error messages
 
 
-def _describe_error(err: dict[str, Any], raw: dict[str, Any], overridden: set[str]) -> str:
+def _describe_error(err: Any, raw: dict[str, Any], overridden: set[str] | frozenset[str]) -> str:
     loc = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
-    path = ".".join(loc) or "<top level>"
+    path = ".".join(loc)
+    if not path:  # a cross-section check: its message names the fields
+        return err["msg"].removeprefix("Value error, ")
     where = f"--set {path}" if _is_overridden(path, overridden) else path
     kind = err["type"]
     if kind == "extra_forbidden":
@@ -320,7 +331,7 @@ def _describe_error(err: dict[str, Any], raw: dict[str, Any], overridden: set[st
     return f"{where}: {msg}"
 
 
-def _is_overridden(path: str, overridden: set[str]) -> bool:
+def _is_overridden(path: str, overridden: set[str] | frozenset[str]) -> bool:
     return any(path == o or path.startswith(o + ".") or o.startswith(path + ".") for o in overridden)
 
 

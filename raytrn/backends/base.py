@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class Backend:
@@ -26,6 +27,8 @@ class Backend:
 
     # -- worker side ---------------------------------------------------------------------------
     def device(self) -> torch.device:
+        import torch
+
         return torch.device("cpu")
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -41,4 +44,6 @@ class Backend:
         """End of a step's graph. A no-op for eager backends; XLA backends cut the lazy graph here."""
 
     def seed(self, seed: int) -> None:
+        import torch
+
         torch.manual_seed(seed)

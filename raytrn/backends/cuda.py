@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from raytrn.backends.base import Backend
+
+if TYPE_CHECKING:
+    import torch
 
 
 class CudaBackend(Backend):
@@ -19,5 +22,7 @@ class CudaBackend(Backend):
         return ray.train.torch.get_device()
 
     def seed(self, seed: int) -> None:
+        import torch
+
         torch.manual_seed(seed)
         torch.cuda.manual_seed_all(seed)

@@ -453,7 +453,7 @@ def _tokenize_files(batch: pa.Table, *, tokenizer_json: str, tokenizer_sha: str,
     if tok is None:
         tok = _TOKENIZER_CACHE[tokenizer_sha] = Tokenizer.from_str(tokenizer_json)
     schema = pa.schema([("file", pa.int32()), ("ids", pa.list_(pa.int32())), ("error", pa.string())])
-    for index, path, kind in zip(*(batch.column(c).to_pylist() for c in ("index", "path", "kind"))):
+    for index, path, kind in zip(*(batch.column(c).to_pylist() for c in ("index", "path", "kind")), strict=True):
         texts: list[str] = []
         try:
             for text in iter_documents(path, kind):
@@ -475,7 +475,7 @@ def _docs_table(schema: pa.Schema, index: int, encodings: list, eos_id: int) -> 
     offsets = np.zeros(len(encodings) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     values = np.empty(int(offsets[-1]), dtype=np.int32)
-    for enc, start, end in zip(encodings, offsets[:-1], offsets[1:]):
+    for enc, start, end in zip(encodings, offsets[:-1], offsets[1:], strict=True):
         values[start : end - 1] = enc.ids
         values[end - 1] = eos_id
     ids = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, type=pa.int32()))
@@ -610,7 +610,7 @@ def prepare_dataset(
         writer = _ShardWriter(tmp, row_len, max_rows)
         num_documents = 0
         # closing(): on any error the stream stops Ray Data and restores the DataContext at once.
-        with contextlib.closing(_stream_token_batches(files, tokenizer_bytes.decode("utf-8"), eos_id)) as stream:
+        with contextlib.closing(_stream_token_batches(files, tokenizer_bytes.decode("utf-8"), eos_id)) as stream:  # type: ignore[type-var]
             for last_file, docs, flat in stream:
                 num_documents += docs
                 writer.add(packer.push(flat))

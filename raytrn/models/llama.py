@@ -57,7 +57,9 @@ def hf_config(cfg: ModelConfig):
     """The HF ``LlamaConfig`` for a raytrn model config."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
+    # rope_theta in the 4.x keyword form: transformers 5 folds it into rope_parameters, and the
+    # Neuron DLAMI's venvs may still carry 4.x.
+    return LlamaConfig(  # type: ignore[call-arg]
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -82,7 +84,7 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(hf_config(cfg))
-    return model.to(device=device, dtype=dtype)
+    return model.to(device=device, dtype=dtype)  # type: ignore[call-arg]
 
 
 @dataclass(frozen=True, kw_only=True)

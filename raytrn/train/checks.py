@@ -22,9 +22,7 @@ def check_job(job: JobSpec, *, data: bool = True) -> list[str]:
     except BackendError as e:
         lines.append(f"note: {e} (checked again when the job starts)")
     lines.append(f"model: llama, {model_stats(job.model, job.data.seq_len).describe()}")
-    s = job.scaling
-    sizes = sorted({s.min_workers, s.max_workers or s.min_workers})
-    accum = {n: job.data.grad_accum_for(n) for n in sizes}
+    accum = {n: job.data.grad_accum_for(n) for n in world_sizes(job)}
     shape = ", ".join(
         f"{n} worker{'s' * (n > 1)}: {job.data.micro_batch_size} x {a} x {n} = "
         f"{job.data.micro_batch_size * a * n} sequences/step"
@@ -40,6 +38,15 @@ def check_job(job: JobSpec, *, data: bool = True) -> list[str]:
         f"tokenizer vocab {manifest.tokenizer.vocab_size:,} (model vocab {job.model.vocab_size:,})"
     )
     return lines
+
+
+def world_sizes(job: JobSpec) -> list[int]:
+    """Every worker count the elastic range can take: whole nodes when workers_per_node is set."""
+    s = job.scaling
+    top = s.max_workers or s.min_workers
+    step = s.workers_per_node or 1
+    sizes = set(range(s.min_workers, top + 1, step)) | {s.min_workers, top}
+    return sorted(sizes)
 
 
 def check_data(job: JobSpec) -> Manifest:

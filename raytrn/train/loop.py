@@ -77,7 +77,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             inputs, targets = batch[:, :-1], batch[:, 1:]
             # DDP all-reduces gradients on the last micro-batch only.
             last = micro == grad_accum - 1
-            with nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+            with nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():  # type: ignore[operator]
                 logits = model(input_ids=inputs).logits
                 loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
                 (loss / grad_accum).backward()
@@ -93,7 +93,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
         step = progress.step
         is_last = step == max_steps
-        metrics: dict[str, float] = {}
+        metrics: dict[str, Any] = {}
         if step % job.run.log_every == 0 or is_last:
             # All-reduce the mean loss over workers, then .item(): this is a host-device sync.
             loss_mean = _mean_over_workers(loss_sum / grad_accum, world_size)
@@ -139,7 +139,7 @@ def _adamw(model: torch.nn.Module, job: JobSpec) -> torch.optim.Optimizer:
 def _clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
     params = [p for p in model.parameters() if p.grad is not None]
     if max_norm is None:
-        return torch.nn.utils.get_total_norm([p.grad for p in params])
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
@@ -197,12 +197,15 @@ class _TokenCollate(_token_collate_base()):  # type: ignore[misc]
 
 
 def _quiet_ray_train_logs() -> None:
-    """Ray Train logs every report at INFO under a file-path logger name; it drowns the progress line."""
+    """Ray Train logs every report and checkpoint at INFO; it drowns the driver's progress line."""
     try:
-        from ray.train.v2._internal.execution import context
+        from ray.train.v2._internal.execution import context, storage
 
-        logging.getLogger(context.__file__).setLevel(logging.WARNING)
-    except ImportError:  # a Ray without that module: nothing to quiet
+        for module in (context, storage):
+            # These modules name their loggers by __file__ or __name__ depending on the module.
+            logging.getLogger(module.__file__).setLevel(logging.WARNING)
+            logging.getLogger(module.__name__).setLevel(logging.WARNING)
+    except ImportError:  # a Ray without those modules: nothing to quiet
         pass
 
 
@@ -231,7 +234,9 @@ def _save_and_report(
             checkpoint_dir_name=f"checkpoint_{progress.step:08d}",
         )
     if logger:
-        logger.checkpoint(progress.step, os.path.join(job.checkpoint.storage, job.run_name, f"checkpoint_{progress.step:08d}"))
+        logger.checkpoint(
+            progress.step, os.path.join(job.checkpoint.storage, job.run_name, f"checkpoint_{progress.step:08d}")
+        )
 
 
 def _rank0_logger(config: dict[str, Any]) -> Any:

@@ -85,7 +85,7 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
     finally:
         end_run(tracked, status)
 
-    snap = ray.get(board.snapshot.remote(), timeout=30)
+    snap: Any = ray.get(board.snapshot.remote(), timeout=30)  # type: ignore[attr-defined]
     first, last = snap["first"] or {}, snap["last"] or {}
     final_step = last.get("step", start_step)
     tokens = int(last.get("tokens_seen", resumed.tokens_seen)) - resumed.tokens_seen
@@ -132,7 +132,8 @@ def _scaling(job: JobSpec, backend: Backend) -> Any:
     from ray.train import ScalingConfig
 
     s = job.scaling
-    num_workers: int | tuple[int, int] = (s.min_workers, s.max_workers) if s.elastic else s.min_workers  # type: ignore[assignment]
+    # Train V2 takes (min, max) for an elastic worker group.
+    num_workers: Any = (s.min_workers, s.max_workers) if s.elastic else s.min_workers
     resources = dict(s.resources_per_worker or backend.default_resources)
     return ScalingConfig(num_workers=num_workers, use_gpu=backend.use_gpu, resources_per_worker=resources)
 

@@ -126,6 +126,10 @@ def test_golden_loss_single_worker(ray_session, tiny_dataset, tmp_path):
     losses = [v for _, v in _metric_history(job, summary.mlflow_run_id, "loss")]
     assert len(losses) == 8
     if os.environ.get("RAYTRN_UPDATE_GOLDEN") == "1":
-        GOLDEN.write_text(json.dumps({"job": "jobs/tiny.yaml (tests/integration/test_train.py)", "loss": losses}, indent=1))
+        GOLDEN.write_text(
+            json.dumps({"job": "jobs/tiny.yaml (tests/integration/test_train.py)", "loss": losses}, indent=1)
+        )
     golden = json.loads(GOLDEN.read_text())["loss"]
-    assert losses == pytest.approx(golden, rel=2e-3), "loss curve changed: if intended, rerun with RAYTRN_UPDATE_GOLDEN=1"
+    assert losses == pytest.approx(golden, rel=2e-3), (
+        "loss curve changed: if intended, rerun with RAYTRN_UPDATE_GOLDEN=1"
+    )

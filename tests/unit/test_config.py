@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,15 @@ def test_tiny_loads(tmp_path: Path) -> None:
     job = load_job(write_job(tmp_path, tiny_raw()), base_dir=str(tmp_path))
     assert isinstance(job, JobSpec)
     assert job.model.preset == "tiny" and job.model.hidden_size == 128
-    assert job.source.endswith("job.yaml") and job.run_name == "tiny"
+    assert job.source.endswith("job.yaml")
+    # No run_name in tiny.yaml: a new timestamped run per invocation, fixed once loaded.
+    assert re.fullmatch(r"job-\d{8}-\d{6}", job.run_name)
+    assert job.tracking.run_name == job.run_name
+
+
+def test_fixed_run_name_is_kept(tmp_path: Path) -> None:
+    job = load_job(write_job(tmp_path, tiny_raw()), ["tracking.run_name=nightly"], base_dir=str(tmp_path))
+    assert job.run_name == "nightly"
 
 
 def test_missing_file(tmp_path: Path) -> None:
@@ -187,7 +196,7 @@ def test_missing_required_section(tmp_path: Path) -> None:
         (
             "data",
             {"seq_len": 1024},
-            "<top level>: data.seq_len (1024) exceeds model.max_position_embeddings (512)",
+            "data.seq_len (1024) exceeds model.max_position_embeddings (512)",
         ),
         (
             "model",
