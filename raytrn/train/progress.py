@@ -16,18 +16,26 @@ from typing import Any
 class ProgressBoard:
     """Latest metrics of a run (held in a Ray actor with num_cpus=0)."""
 
+    _KEEP = 1000  # recent entries kept for printers that poll less often than steps are logged
+
     def __init__(self) -> None:
         self.first: dict[str, Any] | None = None
         self.last: dict[str, Any] | None = None
+        self.recent: list[dict[str, Any]] = []
 
     def update(self, step: int, max_steps: int, metrics: dict[str, float]) -> None:
         entry = {"step": step, "max_steps": max_steps, "time": time.time(), **metrics}
         if self.first is None:
             self.first = entry
         self.last = entry
+        self.recent = [*self.recent[-(self._KEEP - 1) :], entry]
 
     def snapshot(self) -> dict[str, Any]:
         return {"first": self.first, "last": self.last}
+
+    def since(self, step: int) -> list[dict[str, Any]]:
+        """Entries logged after ``step``, oldest first."""
+        return [e for e in self.recent if e["step"] > step]
 
 
 def format_line(last: dict[str, Any]) -> str:
@@ -75,17 +83,17 @@ class ProgressPrinter:
         import ray
 
         try:
-            last = ray.get(self._board.snapshot.remote(), timeout=10)["last"]
-        except Exception:
+            entries = ray.get(self._board.since.remote(self._shown), timeout=10)
+        except Exception:  # the board is best effort: never fail a run over a progress line
             return
-        if not last or last["step"] == self._shown:
+        if not entries:
             return
-        self._shown = last["step"]
-        line = format_line(last)
+        self._shown = entries[-1]["step"]
         if self._live:
-            print("\r\033[K" + line, end="", flush=True)
+            print("\r\033[K" + format_line(entries[-1]), end="", flush=True)
         else:
-            print(line, flush=True)
+            for entry in entries:
+                print(format_line(entry), flush=True)
 
 
 @dataclass(kw_only=True)

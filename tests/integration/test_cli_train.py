@@ -1,0 +1,49 @@
+"""`raytrn train` through the real command line: its own embedded Ray, the printed summary, exit codes."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_cli
+
+pytestmark = pytest.mark.integration
+
+
+def test_cli_train_prints_summary(tiny_dataset: Path, tmp_path: Path) -> None:
+    proc = run_cli(
+        "train",
+        str(REPO / "jobs" / "tiny.yaml"),
+        "--set", f"data.manifest={tiny_dataset}",
+        "--set", "data.seq_len=32",
+        "--set", "data.micro_batch_size=4",
+        "--set", "model.vocab_size=512",
+        "--set", "scaling.min_workers=1",
+        "--set", "scaling.max_workers=1",
+        "--set", "run.max_steps=6",
+        "--set", "run.log_every=2",
+        "--set", "checkpoint.every_n_steps=3",
+        "--no-progress",
+        cwd=tmp_path,  # relative paths (checkpoints/, mlruns/) land here
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "== raytrn: training finished ==" in out
+    assert re.search(r"steps\s+6 this run, 6 in total", out)
+    assert re.search(r"loss\s+\d+\.\d+ \(first logged\) -> \d+\.\d+ \(final\)", out)
+    run_id = re.search(r"mlflow run\s+([0-9a-f]{32})", out).group(1)
+    ui = re.search(r"mlflow ui\s+(mlflow ui --backend-store-uri (\S+) --port 5000)", out)
+    assert ui and ui.group(2) == f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    ckpt = re.search(r"checkpoint\s+(\S+)", out).group(1)
+    assert ckpt.startswith(str(tmp_path / "checkpoints" / "tiny-")) and ckpt.endswith("checkpoint_00000006")
+    assert (Path(ckpt) / "state.pt").is_file()
+    # Progress lines were printed while it ran (one per logged step).
+    assert re.findall(r"^step (\d+)/6 ", out, flags=re.M) == ["2", "4", "6"]
+
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(ui.group(2)).get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.params["run.max_steps"] == "6"
