@@ -37,40 +37,18 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
 
     scaling = _scaling(job, backend)
     # One logical CPU more than the workers take, for Ray Data's read tasks (embedded local Ray only).
-    ensure_ray(min_cpus=scaling.total_resources.get("CPU", 0) + 1)
+    started_locally = ensure_ray(min_cpus=scaling.total_resources.get("CPU", 0) + 1)
+    if started_locally:
+        _check_local_resources(job, scaling)
     import ray
-    import ray.data
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig
-    from ray.train.torch import TorchTrainer
 
     from raytrn.tracking.mlflow_run import end_run, start_run
 
     tracked = start_run(job, tags=_tags(job))
     board = ray.remote(num_cpus=0)(ProgressBoard).remote()
-    ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows its own progress
-    fs, _ = storage.filesystem(manifest.root)
-    dataset = ray.data.read_parquet(manifest.shard_paths(), filesystem=fs, columns=["input_ids"])
-    trainer = TorchTrainer(
-        _train_fn(),
-        train_loop_config={
-            "job": job,
-            "board": board,
-            "mlflow_uri": tracked.uri if tracked else None,
-            "mlflow_run_id": tracked.run_id if tracked else None,
-        },
-        scaling_config=scaling,
-        torch_config=backend.ray_backend_config(),
-        run_config=RunConfig(
-            name=job.run_name,
-            storage_path=_storage_path(job),
-            storage_filesystem=_storage_fs(job),
-            failure_config=FailureConfig(max_failures=job.scaling.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=job.checkpoint.keep_last),
-        ),
-        datasets={"train": dataset},
-    )
     status = "FAILED"
     try:
+        trainer = _trainer(job, backend, scaling, manifest, tracked, board)
         with ProgressPrinter(board, live=live_progress):
             result = trainer.fit()
         status = "FINISHED"
@@ -120,6 +98,52 @@ def latest_checkpoint(job: JobSpec) -> tuple[Progress, str | None]:
         if progress is not None:
             return progress, location
     return Progress(), None
+
+
+def _trainer(job: JobSpec, backend: Backend, scaling: Any, manifest: Any, tracked: Any, board: Any) -> Any:
+    """The Ray Train ``TorchTrainer`` for ``job``, reading the manifest's shards with Ray Data."""
+    import ray.data
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+    from ray.train.torch import TorchTrainer
+
+    ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows its own progress
+    fs, _ = storage.filesystem(manifest.root)
+    dataset = ray.data.read_parquet(manifest.shard_paths(), filesystem=fs, columns=["input_ids"])
+    return TorchTrainer(
+        _train_fn(),
+        train_loop_config={
+            "job": job,
+            "board": board,
+            "mlflow_uri": tracked.uri if tracked else None,
+            "mlflow_run_id": tracked.run_id if tracked else None,
+        },
+        scaling_config=scaling,
+        torch_config=backend.ray_backend_config(),
+        run_config=RunConfig(
+            name=job.run_name,
+            storage_path=_storage_path(job),
+            storage_filesystem=_storage_fs(job),
+            failure_config=FailureConfig(max_failures=job.scaling.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=job.checkpoint.keep_last),
+        ),
+        datasets={"train": dataset},
+    )
+
+
+def _check_local_resources(job: JobSpec, scaling: Any) -> None:
+    """On an embedded local Ray nothing can scale up: fail now rather than wait forever for resources."""
+    import ray
+
+    have = ray.cluster_resources()
+    per_worker = scaling._resources_per_worker_not_none
+    for name, amount in per_worker.items():
+        need = amount * job.scaling.min_workers
+        if amount > 0 and have.get(name, 0) < need:
+            raise RaytrnError(
+                f"{job.source}: scaling needs {need:g} '{name}' ({job.scaling.min_workers} workers x {amount:g}) but "
+                f"this local Ray has {have.get(name, 0):g}; lower scaling.min_workers or "
+                f"scaling.resources_per_worker, or run on a cluster (set RAY_ADDRESS or use `ray job submit`)"
+            )
 
 
 def _train_fn():

@@ -47,3 +47,22 @@ def test_cli_train_prints_summary(tiny_dataset: Path, tmp_path: Path) -> None:
 
     run = MlflowClient(ui.group(2)).get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.params["run.max_steps"] == "6"
+
+
+def test_cli_train_unsatisfiable_resources_on_local_ray(tiny_dataset: Path, tmp_path: Path) -> None:
+    """A local Ray cannot grow: asking for NeuronCores it lacks fails at once, exit 2, nothing tracked."""
+    proc = run_cli(
+        "train",
+        str(REPO / "jobs" / "tiny.yaml"),
+        "--set", f"data.manifest={tiny_dataset}",
+        "--set", "data.seq_len=32",
+        "--set", "model.vocab_size=512",
+        "--set", "scaling.resources_per_worker={neuron_cores: 1}",
+        cwd=tmp_path,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("raytrn: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr
+    assert "needs 2 'neuron_cores' (2 workers x 1) but this local Ray has 0" in errors[0]
+    assert not (tmp_path / "mlruns").exists() and not (tmp_path / "checkpoints").exists()

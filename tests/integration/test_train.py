@@ -152,8 +152,7 @@ def test_checkpoints_on_s3_and_resume(ray_session, tiny_dataset, tmp_path, s3_bu
     first = run_training(job, live_progress=False)
     assert first.final_step == 4
     keys = {
-        o["Key"]
-        for o in boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(Bucket=s3_bucket)["Contents"]
+        o["Key"] for o in boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(Bucket=s3_bucket)["Contents"]
     }
     prefix = f"ckpt/{job.run_name}"
     assert f"{prefix}/checkpoint_00000004/state.pt" in keys

@@ -1,0 +1,39 @@
+"""RAY_ADDRESS handling: clear, fast errors instead of ray.init retrying for minutes."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from raytrn.errors import RaytrnError
+from raytrn.runtime import _check_reachable
+
+pytestmark = pytest.mark.unit
+
+
+def test_dashboard_url_is_not_a_cluster_address() -> None:
+    with pytest.raises(RaytrnError, match=r"dashboard \(job submission\) URL.*ray job submit --address http://h:8265"):
+        _check_reachable("http://h:8265")
+
+
+@pytest.mark.parametrize("address", ["nonsense", "host:port", ":6379"])
+def test_malformed_address(address: str) -> None:
+    with pytest.raises(RaytrnError, match="expected HOST:PORT"):
+        _check_reachable(address)
+
+
+def test_unreachable_address_fails_fast() -> None:
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RaytrnError, match=rf"cannot reach the Ray cluster at RAY_ADDRESS='127.0.0.1:{port}'"):
+        _check_reachable(f"127.0.0.1:{port}", timeout_s=2)
+
+
+def test_listening_address_passes() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        _check_reachable(f"127.0.0.1:{s.getsockname()[1]}")
+    _check_reachable("auto")  # resolved by Ray itself
