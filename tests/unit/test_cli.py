@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli
 
 from raytrn.data.manifest import Manifest, ShardInfo, SourceInfo, TokenizerInfo
 
