@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from raytrn import storage
 from raytrn.errors import DataError
 
 FORMAT = "raytrn.packed/v1"
@@ -24,29 +25,34 @@ _PREPARE_HINT = "run `raytrn data prepare --input DIR --output DIR --seq-len N -
 _RECREATE_HINT = "re-create the dataset with `raytrn data prepare ... --overwrite`"
 
 
-# --- the one place that touches storage: local paths today; an s3:// backend would go here ---------------
-
-
-def _check_local(path: str) -> None:
-    if "://" in path:
-        raise DataError(f"{path}: only local dataset paths are supported for now; copy the dataset to local disk")
+# --- the one place that touches storage: local paths and s3:// URIs (raytrn.storage) -------------------
 
 
 def _join(root: str, rel: str) -> str:
-    return os.path.join(root, rel)
+    return storage.join(root, rel)
+
+
+def _kind(path: str) -> str:
+    import pyarrow.fs as pafs
+
+    try:
+        fs, inner = storage.filesystem(path)
+        kind = fs.get_file_info(inner).type
+    except OSError as e:  # unreachable endpoint, no credentials, no such bucket
+        raise DataError(f"{path}: cannot read the dataset location: {e}") from None
+    return {pafs.FileType.File: "file", pafs.FileType.Directory: "dir"}.get(kind, "none")
 
 
 def _is_file(path: str) -> bool:
-    return os.path.isfile(path)
+    return _kind(path) == "file"
 
 
 def _is_dir(path: str) -> bool:
-    return os.path.isdir(path)
+    return _kind(path) == "dir"
 
 
 def _read_text(path: str) -> str:
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+    return storage.read_text(path) or ""
 
 
 # --- the manifest ------------------------------------------------------------------------------------------
@@ -224,7 +230,9 @@ def _human_bytes(n: int) -> str:
 
 def manifest_file(path: str) -> str:
     """The manifest.json path for ``path``, which names the manifest file or the dataset directory."""
-    _check_local(path)
+    if storage.is_remote(path):
+        path = path.rstrip("/")
+        return path if path.endswith(".json") else _join(path, MANIFEST_NAME)
     path = os.path.abspath(os.path.expanduser(path))
     return _join(path, MANIFEST_NAME) if _is_dir(path) or not path.endswith(".json") else path
 
@@ -235,7 +243,7 @@ def load_manifest(path: str, *, check_files: bool = True) -> Manifest:
     With ``check_files`` (the default) every shard and the tokenizer file must exist too.
     """
     mpath = manifest_file(path)
-    root = os.path.dirname(mpath)
+    root = mpath.rsplit("/", 1)[0] if storage.is_remote(mpath) else os.path.dirname(mpath)
     if not _is_file(mpath):
         if not _is_dir(root):
             raise DataError(f"dataset {path}: no such directory ({root}); {_PREPARE_HINT}")

@@ -35,7 +35,9 @@ class TrackedRun:
         return f"open {self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
 
 
-def start_run(job: JobSpec, tags: dict[str, str] | None = None) -> TrackedRun | None:
+def start_run(
+    job: JobSpec, tags: dict[str, str] | None = None, extra_params: dict[str, Any] | None = None
+) -> TrackedRun | None:
     """Create the job's MLflow run, or reattach to the one a previous attempt of this job started."""
     if not job.tracking.enabled:
         return None
@@ -72,7 +74,7 @@ def start_run(job: JobSpec, tags: dict[str, str] | None = None) -> TrackedRun | 
 
     logged = client.get_run(run_id).data.params
     params, changed = [], []
-    for key, value in job.flat().items():
+    for key, value in {**job.flat(), **(extra_params or {})}.items():
         text = str(value)[:_MAX_PARAM_LEN]
         if key not in logged:
             params.append(Param(key, text))

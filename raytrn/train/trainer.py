@@ -12,6 +12,7 @@ from raytrn.backends import Backend, get_backend
 from raytrn.checkpoint import Progress, read_meta
 from raytrn.config import JobSpec
 from raytrn.errors import RaytrnError
+from raytrn.models import model_stats
 from raytrn.runtime import ensure_ray
 from raytrn.train.checks import check_data
 from raytrn.train.progress import ProgressBoard, ProgressPrinter, Summary
@@ -44,7 +45,10 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
 
     from raytrn.tracking.mlflow_run import end_run, start_run
 
-    tracked = start_run(job, tags=_tags(job))
+    stats = model_stats(job.model, job.data.seq_len)
+    print(f"raytrn: {job.run_name}: llama {stats.describe()}", flush=True)
+    model_params = {"model.num_params": stats.num_params, "model.flops_per_token": stats.flops_per_token}
+    tracked = start_run(job, tags=_tags(job), extra_params=model_params)
     board = ray.remote(num_cpus=0)(ProgressBoard).remote()
     status = "FAILED"
     try:

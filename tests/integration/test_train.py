@@ -83,6 +83,8 @@ def test_mlflow_run_has_params_and_metrics(two_worker_run):
     assert run.data.params["optim.lr"] == str(job.optim.lr)
     assert run.data.params["data.seq_len"] == "32"
     assert run.data.params["scaling.accelerator"] == "cpu"
+    assert int(run.data.params["model.num_params"]) > 100_000
+    assert float(run.data.params["model.flops_per_token"]) > 6 * int(run.data.params["model.num_params"]) * 0.5
     assert run.data.tags["checkpoint.latest"].endswith("checkpoint_00000030")
     assert run.data.tags["world_size_history"] == "0:2"
     steps = [s for s, _ in _metric_history(job, summary.mlflow_run_id, "loss")]
@@ -163,3 +165,37 @@ def test_checkpoints_on_s3_and_resume(ray_session, tiny_dataset, tmp_path, s3_bu
     second = run_training(more, live_progress=False)
     assert (second.start_step, second.final_step) == (4, 6)
     assert second.mlflow_run_id == first.mlflow_run_id
+
+
+def _upload_dir(local: Path, bucket: str, prefix: str, endpoint: str) -> None:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint)
+    for path in local.iterdir():
+        s3.upload_file(str(path), bucket, f"{prefix}/{path.name}")
+
+
+def test_dataset_on_s3(ray_session, tiny_dataset, tmp_path, s3_bucket, s3_endpoint):
+    """data.manifest: s3://... — checked on the driver, streamed by Ray Data from the S3 endpoint."""
+    import boto3
+
+    from raytrn.data.manifest import load_manifest
+    from raytrn.errors import DataError
+
+    _upload_dir(tiny_dataset, s3_bucket, "datasets/tiny", s3_endpoint)
+    uri = f"s3://{s3_bucket}/datasets/tiny"
+    manifest = load_manifest(uri)
+    assert manifest.root == uri and manifest.shard_paths()[0].startswith(uri + "/shard-")
+
+    job = _job(tiny_dataset, tmp_path, f"data.manifest={uri}", "run.max_steps=4", "run.log_every=2",
+               "scaling.min_workers=1", "scaling.max_workers=1")  # fmt: skip
+    summary = run_training(job, live_progress=False)
+    assert summary.final_step == 4 and summary.final_loss is not None
+
+    boto3.client("s3", endpoint_url=s3_endpoint).delete_object(
+        Bucket=s3_bucket, Key=f"datasets/tiny/{manifest.shards[0].path}"
+    )
+    with pytest.raises(DataError, match=r"shard shard-00000.parquet is missing \(1 of 1 shards missing\)"):
+        load_manifest(uri)
+    with pytest.raises(DataError, match=r"nothing-here: no such directory .*raytrn data prepare"):
+        load_manifest(f"s3://{s3_bucket}/datasets/nothing-here")

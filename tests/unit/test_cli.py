@@ -13,9 +13,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tests.conftest import REPO, run_cli
 
 from raytrn.data.manifest import Manifest, ShardInfo, SourceInfo, TokenizerInfo
+from tests.conftest import REPO, run_cli
 
 pytestmark = pytest.mark.unit
 
