@@ -12,23 +12,24 @@ from tests.conftest import REPO, run_cli
 pytestmark = pytest.mark.integration
 
 
+def _train(tiny_dataset: Path, cwd: Path, *overrides: str, timeout: float = 300):
+    """`raytrn train jobs/tiny.yaml` shrunk to the test dataset, run in ``cwd``."""
+    sets = [f"data.manifest={tiny_dataset}", "data.seq_len=32", "model.vocab_size=512", *overrides]
+    args = [a for kv in sets for a in ("--set", kv)]
+    return run_cli("train", str(REPO / "jobs" / "tiny.yaml"), *args, "--no-progress", cwd=cwd, timeout=timeout)
+
+
 def test_cli_train_prints_summary(tiny_dataset: Path, tmp_path: Path) -> None:
-    proc = run_cli(
-        "train",
-        str(REPO / "jobs" / "tiny.yaml"),
-        "--set", f"data.manifest={tiny_dataset}",
-        "--set", "data.seq_len=32",
-        "--set", "data.micro_batch_size=4",
-        "--set", "model.vocab_size=512",
-        "--set", "scaling.min_workers=1",
-        "--set", "scaling.max_workers=1",
-        "--set", "run.max_steps=6",
-        "--set", "run.log_every=2",
-        "--set", "checkpoint.every_n_steps=3",
-        "--no-progress",
-        cwd=tmp_path,  # relative paths (checkpoints/, mlruns/) land here
-        timeout=300,
-    )  # fmt: skip
+    proc = _train(
+        tiny_dataset,
+        tmp_path,  # relative paths (checkpoints/, mlruns/) land here
+        "data.micro_batch_size=4",
+        "scaling.min_workers=1",
+        "scaling.max_workers=1",
+        "run.max_steps=6",
+        "run.log_every=2",
+        "checkpoint.every_n_steps=3",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "== raytrn: training finished ==" in out
@@ -51,16 +52,7 @@ def test_cli_train_prints_summary(tiny_dataset: Path, tmp_path: Path) -> None:
 
 def test_cli_train_unsatisfiable_resources_on_local_ray(tiny_dataset: Path, tmp_path: Path) -> None:
     """A local Ray cannot grow: asking for NeuronCores it lacks fails at once, exit 2, nothing tracked."""
-    proc = run_cli(
-        "train",
-        str(REPO / "jobs" / "tiny.yaml"),
-        "--set", f"data.manifest={tiny_dataset}",
-        "--set", "data.seq_len=32",
-        "--set", "model.vocab_size=512",
-        "--set", "scaling.resources_per_worker={neuron_cores: 1}",
-        cwd=tmp_path,
-        timeout=120,
-    )  # fmt: skip
+    proc = _train(tiny_dataset, tmp_path, "scaling.resources_per_worker={neuron_cores: 1}", timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("raytrn: error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr
