@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,9 @@ class TrackedRun:
 
     def ui_command(self) -> str:
         if self.uri.startswith("sqlite:"):
-            return f"mlflow ui --backend-store-uri {self.uri} --port 5000   # then open http://127.0.0.1:5000"
+            exe = os.path.join(os.path.dirname(sys.executable), "mlflow")  # the venv's, even if not activated
+            mlflow = exe if os.path.exists(exe) else "mlflow"
+            return f"{mlflow} ui --backend-store-uri {self.uri} --port 5000   # then open http://127.0.0.1:5000"
         return f"open {self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
 
 

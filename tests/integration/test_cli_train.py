@@ -36,7 +36,7 @@ def test_cli_train_prints_summary(tiny_dataset: Path, tmp_path: Path) -> None:
     assert re.search(r"steps\s+6 this run, 6 in total", out)
     assert re.search(r"loss\s+\d+\.\d+ \(first logged\) -> \d+\.\d+ \(final\)", out)
     run_id = re.search(r"mlflow run\s+([0-9a-f]{32})", out).group(1)
-    ui = re.search(r"mlflow ui\s+(mlflow ui --backend-store-uri (\S+) --port 5000)", out)
+    ui = re.search(r"mlflow ui\s+(\S*mlflow ui --backend-store-uri (\S+) --port 5000)", out)
     assert ui and ui.group(2) == f"sqlite:///{tmp_path}/mlruns/mlflow.db"
     ckpt = re.search(r"checkpoint\s+(\S+)", out).group(1)
     assert ckpt.startswith(str(tmp_path / "checkpoints" / "tiny-")) and ckpt.endswith("checkpoint_00000006")
