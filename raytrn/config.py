@@ -178,6 +178,27 @@ class RunConfig(_Section):
     log_every: int = Field(10, gt=0, description="report metrics every N steps")
 
 
+class ParallelConfig(_Section):
+    """Model parallelism (neuronx-distributed on Neuron). 1 / false everywhere = plain data parallelism."""
+
+    tensor_parallel_size: int = Field(1, gt=0, description="NeuronCores one model replica is sharded over")
+    zero1: bool = Field(False, description="shard optimizer state over data-parallel ranks (ZeRO-1)")
+    activation_checkpointing: bool = Field(False, description="recompute activations in backward (full layers)")
+    sequence_parallel: bool = Field(False, description="shard norms/dropout activations along the sequence (TP>1)")
+
+
+class NeuronConfig(_Section):
+    """Trainium-only settings; ignored (with a warning) on other accelerators."""
+
+    compile_cache: str | None = Field(
+        None, description="NEURON_COMPILE_CACHE_URL: s3://bucket/prefix or a local/shared path (per-host subdirs)"
+    )
+    lnc: Literal[1, 2] | None = Field(None, description="trn2 logical NeuronCore config (default 2); trn1 has none")
+    stochastic_rounding: bool = Field(True, description="NEURON_RT_STOCHASTIC_ROUNDING_EN for bf16 training")
+    cc_flags: str = Field("--model-type transformer", description="NEURON_CC_FLAGS for the Neuron compiler")
+    socket_ifname: str = Field("eth0", description="network interface for collective bootstrap (CCOM_SOCKET_IFNAME)")
+
+
 class JobSpec(_Section):
     """A whole training job."""
 
@@ -188,6 +209,8 @@ class JobSpec(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     tracking: TrackingConfig = TrackingConfig()
     run: RunConfig
+    parallel: ParallelConfig = ParallelConfig()
+    neuron: NeuronConfig = NeuronConfig()
 
     # Where the spec came from (file name), for messages; not a YAML field.
     source: str = Field("<job>", exclude=True)

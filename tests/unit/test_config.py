@@ -119,7 +119,7 @@ def test_unknown_top_level_key_suggests_near_miss(tmp_path: Path) -> None:
 
 def test_unknown_key_without_near_match_lists_known_fields(tmp_path: Path) -> None:
     msg = error_for(tmp_path, None, xyzzy=1)
-    assert msg == "xyzzy: unknown field. Known fields: model, data, optim, scaling, checkpoint, tracking, run."
+    assert msg == "xyzzy: unknown field. Known fields: model, data, optim, scaling, checkpoint, tracking, run, parallel, neuron."
     msg = error_for(tmp_path, "scaling", zzzzzz=1)
     assert msg.startswith("scaling.zzzzzz: unknown field. Known fields: accelerator, min_workers, max_workers")
 
