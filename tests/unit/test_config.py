@@ -374,7 +374,7 @@ def test_flat_gives_dotted_keys(tmp_path: Path) -> None:
     assert flat["data.manifest"] == "/base/data/stdlib"
     assert "source" not in flat
     assert all(not isinstance(v, dict) for v in flat.values())
-    assert {k.split(".")[0] for k in flat} == {"model", "data", "optim", "scaling", "checkpoint", "tracking", "run"}
+    assert {k.split(".")[0] for k in flat} == {"model", "data", "optim", "scaling", "checkpoint", "tracking", "run", "parallel", "neuron"}
 
 
 def test_grad_accum_for_world_size() -> None:
