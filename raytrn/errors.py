@@ -33,4 +33,8 @@ class DataError(RaytrnError):
 
 
 class BackendError(RaytrnError):
-    """The requested accelerator backend is unavailable or misconfigured."""
+    """The requested accelerator backend is misconfigured for this job."""
+
+
+class BackendUnavailableError(BackendError):
+    """The accelerator's packages are not installed on this machine (e.g. torch-neuronx off a trn host)."""

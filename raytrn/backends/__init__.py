@@ -10,15 +10,15 @@ from __future__ import annotations
 import importlib
 
 from raytrn.backends.base import Backend
-from raytrn.errors import BackendError
+from raytrn.errors import BackendError, BackendUnavailableError
 
 _BACKENDS = {
     "cpu": "raytrn.backends.cpu:CpuBackend",
     "cuda": "raytrn.backends.cuda:CudaBackend",
+    "xla-cpu": "raytrn.backends.xla:XlaCpuBackend",
 }
 _PLANNED = {
     "neuron": "the XLA/NeuronCore backend (torch-neuronx on a trn instance)",
-    "xla-cpu": "the torch-xla CPU backend that exercises the Neuron code path",
 }
 
 
@@ -27,7 +27,7 @@ def get_backend(name: str) -> Backend:
     target = _BACKENDS.get(name)
     if target is None:
         if name in _PLANNED:
-            raise BackendError(
+            raise BackendUnavailableError(
                 f"scaling.accelerator={name!r}: {_PLANNED[name]} is not implemented in raytrn "
                 f"yet; use 'cpu' or 'cuda' for now"
             )

@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+    from raytrn.config import JobSpec
 
 
 class Backend:
     """How the loop runs on one kind of accelerator. Subclasses override what differs."""
 
     name: str = "base"
+    #: Lazy-tensor backend: steps end with sync(), host reads (.item()) are potential recompiles.
+    is_xla: bool = False
     #: The Ray resource a worker needs by default.
     default_resources: dict[str, float] = {"CPU": 1}
     use_gpu: bool = False
 
     # -- driver side ---------------------------------------------------------------------------
-    def ray_backend_config(self) -> Any:
-        """The Ray Train backend config (process group setup)."""
+    def ray_backend_config(self, job: JobSpec) -> Any:
+        """The Ray Train backend config (process group setup) for ``job``."""
         from ray.train.torch import TorchConfig
 
         return TorchConfig(backend=self.process_group_backend)
@@ -37,11 +42,27 @@ class Backend:
 
         return ray.train.torch.prepare_model(model, move_to_device=self.device())
 
+    def check(self, job: JobSpec) -> list[str]:
+        """Backend-specific checks of a job (layout, worker counts): notes to show, or BackendError."""
+        return []
+
+    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """All-reduce gradients before clipping. DDP already did it during backward."""
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 
     def sync(self) -> None:
         """End of a step's graph. A no-op for eager backends; XLA backends cut the lazy graph here."""
+
+    def wrap_batches(self, batches: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """Where host batches become device batches (XLA: a prefetching device loader)."""
+        device = self.device()
+        return (b.to(device, non_blocking=True) for b in batches)
+
+    def to_cpu(self, obj: Any) -> Any:
+        """State (dicts of tensors) as saveable CPU objects."""
+        return obj
 
     def seed(self, seed: int) -> None:
         import torch

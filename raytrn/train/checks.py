@@ -5,7 +5,7 @@ from __future__ import annotations
 from raytrn.backends import get_backend
 from raytrn.config import JobSpec
 from raytrn.data.manifest import Manifest, load_manifest
-from raytrn.errors import BackendError, DataError
+from raytrn.errors import BackendUnavailableError, DataError
 from raytrn.models import model_stats
 
 
@@ -18,8 +18,8 @@ def check_job(job: JobSpec, *, data: bool = True) -> list[str]:
     """
     lines = []
     try:
-        get_backend(job.scaling.accelerator)
-    except BackendError as e:
+        lines += [f"note: {n}" for n in get_backend(job.scaling.accelerator).check(job)]
+    except BackendUnavailableError as e:  # a trn job validated on a laptop: fine, noted
         lines.append(f"note: {e} (checked again when the job starts)")
     lines.append(f"model: llama, {model_stats(job.model, job.data.seq_len).describe()}")
     accum = {n: job.data.grad_accum_for(n) for n in world_sizes(job)}

@@ -24,6 +24,7 @@ _CKPT = re.compile(r"^checkpoint_(\d{8})$")
 def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
     """Run ``job`` to ``run.max_steps`` (resuming when a checkpoint exists) and summarise it."""
     backend = get_backend(job.scaling.accelerator)
+    backend.check(job)
     manifest = check_data(job)
     resumed, latest = latest_checkpoint(job)
     start_step = resumed.step
@@ -122,7 +123,7 @@ def _trainer(job: JobSpec, backend: Backend, scaling: Any, manifest: Any, tracke
             "mlflow_run_id": tracked.run_id if tracked else None,
         },
         scaling_config=scaling,
-        torch_config=backend.ray_backend_config(),
+        torch_config=backend.ray_backend_config(job),
         run_config=RunConfig(
             name=job.run_name,
             storage_path=_storage_path(job),

@@ -1,0 +1,136 @@
+"""XLA backends: the code path torch-neuronx runs, shared by ``neuron`` and ``xla-cpu``.
+
+On XLA the loop builds a lazy graph; :meth:`XlaBackend.sync` cuts it once per optimizer step, batches
+arrive through ``MpDeviceLoader``, gradients are all-reduced by ``xm.reduce_gradients`` (no DDP) and
+checkpoints are moved to the CPU before they are written. ``torch_xla`` is imported lazily: workers
+must get their PJRT environment before the XLA runtime starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from ray.train.backend import Backend as RayBackend
+from ray.train.backend import BackendConfig
+
+from raytrn.backends.base import Backend
+from raytrn.errors import BackendError, BackendUnavailableError
+
+if TYPE_CHECKING:
+    import torch
+
+    from raytrn.config import JobSpec
+
+
+def import_torch_xla() -> Any:
+    """``torch_xla``, or a clear error naming what to install."""
+    try:
+        import torch_xla
+
+        return torch_xla
+    except ImportError as e:
+        raise BackendUnavailableError(
+            f"this accelerator needs torch-xla ({e}); on a trn instance use the Neuron DLAMI's PyTorch venv, "
+            "on CPU install torch==2.9.0 torch-xla==2.9.0 (`make venv-xla`)"
+        ) from None
+
+
+class XlaBackend(Backend):
+    """torch-xla on a PJRT device; subclasses say which device and how workers are wired."""
+
+    name = "xla"
+    is_xla = True
+
+    def device(self) -> torch.device:
+        return import_torch_xla().device()
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        # No DDP on XLA: reduce_gradients all-reduces over the XLA process group instead.
+        return model.to(self.device())
+
+    def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """All-reduce (mean) gradients over the replicas; before clipping, as xm.optimizer_step would."""
+        import torch_xla.core.xla_model as xm
+        import torch_xla.runtime as xr
+
+        if xr.world_size() > 1:
+            xm.reduce_gradients(optimizer)
+
+    def sync(self) -> None:
+        # The end of the step's lazy graph: one graph per optimizer step, compiled once.
+        import_torch_xla().sync()
+
+    def wrap_batches(self, batches: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """Prefetch batches onto the device in a background thread (``MpDeviceLoader``)."""
+        import torch_xla.distributed.parallel_loader as pl
+
+        return iter(pl.MpDeviceLoader(batches, self.device()))
+
+    def to_cpu(self, obj: Any) -> Any:
+        """A copy of a (nested) state dict with every XLA tensor moved to the CPU, for torch.save."""
+        return _cpu(obj)
+
+    def seed(self, seed: int) -> None:
+        import torch
+
+        torch.manual_seed(seed)
+        import_torch_xla()  # the runtime must be up before xm.set_rng_state
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(seed)
+
+
+class XlaCpuBackend(XlaBackend):
+    """torch-xla on ``PJRT_DEVICE=CPU``: the Neuron code path without Neuron, one worker.
+
+    CPU PJRT forms no multi-process collective (each process sees world size 1), so this backend runs
+    exactly one worker; multi-worker paths are covered by gloo (cpu) in tests.
+    """
+
+    name = "xla-cpu"
+    default_resources = {"CPU": 1}
+
+    def ray_backend_config(self, job: JobSpec) -> Any:
+        return XlaCpuConfig()
+
+    def check(self, job: JobSpec) -> list[str]:
+        s = job.scaling
+        if (s.max_workers or s.min_workers) != 1:
+            raise BackendError(
+                f"scaling.accelerator='xla-cpu' runs exactly 1 worker (CPU PJRT forms no multi-process collective), "
+                f"got min_workers={s.min_workers}, max_workers={s.max_workers}; set both to 1"
+            )
+        return []
+
+
+def _xla_cpu_env() -> None:
+    os.environ["PJRT_DEVICE"] = "CPU"
+
+
+class _XlaCpuRayBackend(RayBackend):
+    """Sets PJRT_DEVICE=CPU on the (single) worker before torch_xla starts; no process group needed."""
+
+    def on_start(self, worker_group: Any, backend_config: Any) -> None:
+        worker_group.execute(_xla_cpu_env)
+
+
+class XlaCpuConfig(BackendConfig):
+    """Ray Train backend config for ``xla-cpu``. (Ray's TorchXLAConfig is XRT-era and pkills processes.)"""
+
+    @property
+    def backend_cls(self) -> type:
+        return _XlaCpuRayBackend
+
+
+def _cpu(obj: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_cpu(v) for v in obj)
+    return obj
