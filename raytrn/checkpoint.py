@@ -37,12 +37,17 @@ def save_state(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     progress: Progress,
+    to_cpu: Any = None,
 ) -> None:
-    """Write the full training state into ``directory`` (rank 0 only; DDP replicas are identical)."""
+    """Write the full training state into ``directory`` (rank 0 only; DDP replicas are identical).
+
+    ``to_cpu`` moves device tensors (XLA) to the CPU first; eager CPU/CUDA tensors save as they are.
+    """
     os.makedirs(directory, exist_ok=True)
+    convert = to_cpu or (lambda x: x)
     state = {
-        "model": _unwrap(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "model": convert(_unwrap(model).state_dict()),
+        "optimizer": convert(optimizer.state_dict()),
         "scheduler": scheduler.state_dict(),
         "progress": asdict(progress),
         "rng": {

@@ -12,18 +12,15 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from raytrn.backends import get_backend
+from raytrn.backends import Backend, get_backend
 from raytrn.checkpoint import Progress, load_state, save_state
 from raytrn.config import JobSpec
 from raytrn.errors import DataError
-from raytrn.models import build_model
-from raytrn.train.schedule import lr_factor
+from raytrn.train.step import Training, build_training, read_metrics, train_step
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -34,23 +31,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     backend = get_backend(job.scaling.accelerator)
-    grad_accum = job.data.grad_accum_for(world_size)
-    tokens_per_step = grad_accum * job.data.micro_batch_size * job.data.seq_len * world_size
 
     # -- build ---------------------------------------------------------------------------------
-    backend.seed(job.run.seed)
-    model = backend.prepare_model(build_model(job.model, seed=job.run.seed))
-    optimizer = _adamw(model, job)
-    max_steps, optim = job.run.max_steps, job.optim
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: lr_factor(
-            s,
-            warmup_steps=optim.warmup_steps,
-            decay_steps=optim.decay_steps or max(1, max_steps - optim.warmup_steps),
-            min_lr_ratio=optim.min_lr_ratio,
-        ),
-    )
+    t = build_training(job, backend, world_size=world_size)
+    model, optimizer, scheduler = t.model, t.optimizer, t.scheduler
+    max_steps = job.run.max_steps
+    tokens_per_step = t.grad_accum * job.data.micro_batch_size * job.data.seq_len * world_size
 
     # -- resume --------------------------------------------------------------------------------
     progress = Progress()
@@ -63,45 +49,26 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     board = config.get("board") if rank == 0 else None
     if logger:
         logger.world_size(progress.step, world_size)
-    batches = _batches(ray.train.get_dataset_shard("train"), job, progress, rank)
+    batches = backend.wrap_batches(_batches(ray.train.get_dataset_shard("train"), job, progress, rank))
 
     # -- train ---------------------------------------------------------------------------------
     window_start, window_tokens, data_wait = time.perf_counter(), 0, 0.0
     while progress.step < max_steps:
-        model.train()
-        loss_sum = torch.zeros((), device=backend.device())
-        for micro in range(grad_accum):
-            t0 = time.perf_counter()
-            batch = next(batches).to(backend.device(), non_blocking=True)
-            data_wait += time.perf_counter() - t0
-            inputs, targets = batch[:, :-1], batch[:, 1:]
-            # DDP all-reduces gradients on the last micro-batch only.
-            last = micro == grad_accum - 1
-            with nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():  # type: ignore[operator]
-                logits = model(input_ids=inputs).logits
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
-                (loss / grad_accum).backward()
-            loss_sum += loss.detach()
-        grad_norm = _clip(model, optim.grad_clip_norm)
-        backend.optimizer_step(optimizer)
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        backend.sync()
+        result = train_step(t, batches, backend)
         progress.step += 1
         progress.tokens_seen += tokens_per_step
         window_tokens += tokens_per_step
+        data_wait += result.data_wait_s
 
         step = progress.step
         is_last = step == max_steps
         metrics: dict[str, Any] = {}
         if step % job.run.log_every == 0 or is_last:
-            # All-reduce the mean loss over workers, then .item(): this is a host-device sync.
-            loss_mean = _mean_over_workers(loss_sum / grad_accum, world_size)
+            # Loss all-reduced over workers, then read: a host-device sync, after the step's graph.
             elapsed = time.perf_counter() - window_start
             metrics = {
-                "loss": loss_mean.item(),
+                **read_metrics(result, world_size),
                 "lr": scheduler.get_last_lr()[0],
-                "grad_norm": float(grad_norm),
                 "tokens_per_s": window_tokens / elapsed,
                 "step_time_s": elapsed / max(1, step - progress.last_logged_step),
                 "data_wait_s": data_wait / max(1, step - progress.last_logged_step),
@@ -117,38 +84,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             window_start, window_tokens, data_wait = time.perf_counter(), 0, 0.0
 
         if step % job.checkpoint.every_n_steps == 0 or is_last:
-            _save_and_report(job, rank, model, optimizer, scheduler, progress, metrics, logger)
+            _save_and_report(job, rank, backend, t, progress, metrics, logger)
 
     if logger:
         logger.close()
-
-
-def _adamw(model: torch.nn.Module, job: JobSpec) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on norms and biases (1-D parameters)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    o = job.optim
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=o.lr,
-        betas=o.betas,
-        eps=o.eps,
-    )
-
-
-def _clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
-    params = [p for p in model.parameters() if p.grad is not None]
-    if max_norm is None:
-        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-
-def _mean_over_workers(value: torch.Tensor, world_size: int) -> torch.Tensor:
-    if world_size > 1 and torch.distributed.is_initialized():
-        value = value.clone()
-        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.SUM)
-        value /= world_size
-    return value
 
 
 def _batches(shard: Any, job: JobSpec, progress: Progress, rank: int) -> Iterator[torch.Tensor]:
@@ -212,9 +151,8 @@ def _quiet_ray_train_logs() -> None:
 def _save_and_report(
     job: JobSpec,
     rank: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
+    backend: Backend,
+    t: Training,
     progress: Progress,
     metrics: dict[str, float],
     logger: Any,
@@ -227,7 +165,9 @@ def _save_and_report(
         ray.train.report(report, checkpoint=None)
         return
     with tempfile.TemporaryDirectory(prefix="raytrn-ckpt-") as d:
-        save_state(d, model=model, optimizer=optimizer, scheduler=scheduler, progress=progress)
+        save_state(
+            d, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, progress=progress, to_cpu=backend.to_cpu
+        )
         ray.train.report(
             report,
             checkpoint=ray.train.Checkpoint.from_directory(d),

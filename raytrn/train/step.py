@@ -1,0 +1,121 @@
+"""One optimizer step, shared by the Ray Train loop and ``raytrn precheck`` (so precheck checks the real step).
+
+The step reads top to bottom: micro-batches forward/backward (accumulating gradients), all-reduce
+(XLA), clip, optimizer step, schedule, then ``backend.sync()`` — the end of the step's lazy graph on
+XLA. Nothing here reads a value back to the host: metrics stay lazy until the loop logs them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from raytrn.backends.base import Backend
+from raytrn.config import JobSpec
+from raytrn.models import build_model
+from raytrn.train.schedule import lr_factor
+
+
+@dataclass(kw_only=True)
+class Training:
+    """What a worker trains with: model (wrapped for data parallelism), optimizer, schedule."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    grad_accum: int
+    grad_clip_norm: float | None
+
+
+@dataclass(kw_only=True)
+class StepResult:
+    loss: torch.Tensor  # mean loss over the step's micro-batches (lazy on XLA)
+    grad_norm: torch.Tensor  # before clipping (lazy on XLA)
+    data_wait_s: float  # time spent waiting for batches
+
+
+def build_training(job: JobSpec, backend: Backend, *, world_size: int) -> Training:
+    """Seeded model, AdamW and warmup+cosine schedule for ``job`` at this world size."""
+    backend.seed(job.run.seed)
+    model = backend.prepare_model(build_model(job.model, seed=job.run.seed))
+    optimizer = _adamw(model, job)
+    o, max_steps = job.optim, job.run.max_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_factor(
+            s,
+            warmup_steps=o.warmup_steps,
+            decay_steps=o.decay_steps or max(1, max_steps - o.warmup_steps),
+            min_lr_ratio=o.min_lr_ratio,
+        ),
+    )
+    return Training(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        grad_accum=job.data.grad_accum_for(world_size),
+        grad_clip_norm=o.grad_clip_norm,
+    )
+
+
+def train_step(t: Training, batches: Iterator[torch.Tensor], backend: Backend) -> StepResult:
+    """One optimizer step over ``grad_accum`` micro-batches of shape [micro_batch, seq_len + 1]."""
+    model = t.model
+    model.train()
+    loss_sum = torch.zeros((), device=backend.device())
+    data_wait = 0.0
+    for micro in range(t.grad_accum):
+        t0 = time.perf_counter()
+        batch = next(batches)  # already on the device (backend.wrap_batches)
+        data_wait += time.perf_counter() - t0
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        # DDP all-reduces gradients on the last micro-batch only.
+        last = micro == t.grad_accum - 1
+        with nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():  # type: ignore[operator]
+            logits = model(input_ids=inputs).logits
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+            (loss / t.grad_accum).backward()
+        loss_sum = loss_sum + loss.detach()
+    backend.reduce_gradients(t.optimizer)  # XLA: all-reduce before clipping; DDP did it in backward
+    grad_norm = _clip(model, t.grad_clip_norm)
+    backend.optimizer_step(t.optimizer)
+    t.scheduler.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    backend.sync()  # XLA: the step's graph ends here (compiled once, then cached)
+    return StepResult(loss=loss_sum / t.grad_accum, grad_norm=grad_norm, data_wait_s=data_wait)
+
+
+def read_metrics(result: StepResult, world_size: int) -> dict[str, float]:
+    """Loss (mean over workers) and grad norm as Python floats: a host-device sync, so only on log steps."""
+    loss = result.loss
+    if world_size > 1 and torch.distributed.is_initialized():
+        loss = loss.clone()
+        torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.SUM)
+        loss = loss / world_size
+    return {"loss": loss.item(), "grad_norm": float(result.grad_norm)}
+
+
+def _adamw(model: torch.nn.Module, job: JobSpec) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on norms and biases (1-D parameters)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    o = job.optim
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr,
+        betas=o.betas,
+        eps=o.eps,
+    )
+
+
+def _clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_norm is None:
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
