@@ -80,11 +80,44 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
     import torch
     from transformers import LlamaForCausalLM
 
+    install_static_causal_mask()
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(hf_config(cfg))
     return model.to(device=device, dtype=dtype)  # type: ignore[call-arg]
+
+
+def install_static_causal_mask() -> None:
+    """Skip HF's data-dependent mask inspection for packed, unpadded training batches.
+
+    With no attention mask and no KV cache, transformers 5 reads position ids back to the host to look
+    for packed sub-sequences (``find_packed_sequence_indices``) and then lets SDPA use ``is_causal``.
+    On XLA that read is a host-device sync in every forward (a graph break). raytrn's rows are packed
+    with no document masking, so the mask is always ``None`` (plain causal attention): return that
+    directly. Other calls (padding masks, caches, non-SDPA attention) go to the original function.
+    ``tests/unit/test_model.py`` checks the logits are identical with and without this.
+    """
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.create_causal_mask
+    if getattr(original, "_raytrn_static", False):
+        return
+
+    def create_causal_mask(*args: Any, **kwargs: Any) -> Any:
+        config = kwargs.get("config")
+        if (
+            not args
+            and kwargs.get("attention_mask") is None
+            and kwargs.get("past_key_values") is None
+            and getattr(config, "_attn_implementation", None) == "sdpa"
+        ):
+            return None
+        return original(*args, **kwargs)
+
+    create_causal_mask._raytrn_static = True  # type: ignore[attr-defined]
+    create_causal_mask._raytrn_original = original  # type: ignore[attr-defined]
+    modeling_llama.create_causal_mask = create_causal_mask
 
 
 @dataclass(frozen=True, kw_only=True)

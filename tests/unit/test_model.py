@@ -116,3 +116,28 @@ def test_forward_gives_logits_per_position() -> None:
     assert torch.isfinite(out.logits).all()
     # A freshly initialised model is close to uniform: loss ~ ln(vocab).
     assert out.loss.item() == pytest.approx(torch.log(torch.tensor(float(cfg.vocab_size))).item(), rel=0.1)
+
+
+def test_static_causal_mask_gives_identical_logits(monkeypatch) -> None:
+    """raytrn skips HF's host-side mask inspection (a sync per forward on XLA); the result must not change."""
+    import torch
+    from transformers.models.llama import modeling_llama
+
+    from raytrn.config import ModelConfig
+    from raytrn.models import build_model
+
+    model = build_model(ModelConfig(preset="tiny", vocab_size=512), seed=0).eval()
+    patched = modeling_llama.create_causal_mask
+    assert patched._raytrn_static
+    ids = torch.randint(0, 512, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        fast = model(input_ids=ids).logits
+        monkeypatch.setattr(modeling_llama, "create_causal_mask", patched._raytrn_original)
+        reference = model(input_ids=ids).logits
+        # A padding mask still goes through HF's own code path.
+        monkeypatch.setattr(modeling_llama, "create_causal_mask", patched)
+        mask = torch.ones_like(ids)
+        mask[0, :5] = 0
+        padded = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(fast, reference)
+    assert not torch.equal(padded[0], reference[0]) and torch.equal(padded[1:], reference[1:])
