@@ -70,6 +70,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_val.set_defaults(func=_cmd_validate)
 
+    p_pre = sub.add_parser(
+        "precheck",
+        help="run the training step on torch-xla (CPU) and catch recompiles before renting a trn node",
+        description="Run the job's real training step K times on xla-cpu (PJRT_DEVICE=CPU; needs torch-xla, e.g. "
+        "`.venv-xla/bin/raytrn precheck JOB.yaml`) with the job's sequence length and micro-batch, and report "
+        "graphs compiled, graph hashes and host-device syncs per step. Exit 1 when a step after warm-up compiles "
+        "a new graph (each one is a Neuron compile), 0 otherwise.",
+    )
+    p_pre.add_argument("job", metavar="JOB.yaml")
+    _add_set_option(p_pre)
+    p_pre.add_argument("--steps", type=int, default=None, metavar="K", help="steps to run (default: 2 log intervals)")
+    p_pre.add_argument("--warmup", type=int, default=3, metavar="W", help="steps allowed to compile (default 3)")
+    p_pre.add_argument(
+        "--small", action="store_true", help="shrink the model's depth/width (same vocab, seq_len and micro-batch)"
+    )
+    p_pre.set_defaults(func=_cmd_precheck)
+
+    p_comp = sub.add_parser(
+        "precompile",
+        help="compile the Neuron graphs for every world size of the elastic range (on a trn node)",
+        description="Run neuron_parallel_compile (graph extraction, then parallel compile into the job's "
+        "neuron.compile_cache) once per world size that min_workers..max_workers can take at node granularity, "
+        "so an elastic resize never waits for a compile. --dry-run prints the plan and commands.",
+    )
+    p_comp.add_argument("job", metavar="JOB.yaml")
+    _add_set_option(p_comp)
+    p_comp.add_argument("--dry-run", action="store_true", help="print the plan and commands without running them")
+    p_comp.set_defaults(func=_cmd_precompile)
+
     p_data = sub.add_parser("data", help="dataset tools", description="Dataset tools.")
     data_sub = p_data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     data_sub.required = True
@@ -130,6 +159,24 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print(line)
     print(f"{args.job}: OK")
     return 0
+
+
+def _cmd_precheck(args: argparse.Namespace) -> int:
+    from raytrn.config import load_job
+    from raytrn.train.precheck import precheck
+
+    job = load_job(args.job, args.overrides)
+    steps = args.steps or max(12, 2 * job.run.log_every + 1, args.warmup + 2)
+    report = precheck(job, steps=steps, warmup_steps=args.warmup, small=args.small)
+    print(report.render())
+    return 0 if report.ok else 1
+
+
+def _cmd_precompile(args: argparse.Namespace) -> int:
+    from raytrn.backends.neuron_compile import precompile
+    from raytrn.config import load_job
+
+    return precompile(load_job(args.job, args.overrides), dry_run=args.dry_run)
 
 
 def _cmd_data_prepare(args: argparse.Namespace) -> int:

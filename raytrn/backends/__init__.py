@@ -15,11 +15,11 @@ from raytrn.errors import BackendError, BackendUnavailableError
 _BACKENDS = {
     "cpu": "raytrn.backends.cpu:CpuBackend",
     "cuda": "raytrn.backends.cuda:CudaBackend",
+    "neuron": "raytrn.backends.neuron:NeuronBackend",
     "xla-cpu": "raytrn.backends.xla:XlaCpuBackend",
 }
-_PLANNED = {
-    "neuron": "the XLA/NeuronCore backend (torch-neuronx on a trn instance)",
-}
+#: Accelerators accepted by the spec but not implemented yet: name -> what it would be.
+_PLANNED: dict[str, str] = {}
 
 
 def get_backend(name: str) -> Backend:

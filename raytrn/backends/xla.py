@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ray.train.backend import Backend as RayBackend
-from ray.train.backend import BackendConfig
+from ray.train.torch import TorchConfig
 
 from raytrn.backends.base import Backend
 from raytrn.errors import BackendError, BackendUnavailableError
@@ -116,8 +116,12 @@ class _XlaCpuRayBackend(RayBackend):
         worker_group.execute(_xla_cpu_env)
 
 
-class XlaCpuConfig(BackendConfig):
-    """Ray Train backend config for ``xla-cpu``. (Ray's TorchXLAConfig is XRT-era and pkills processes.)"""
+class XlaCpuConfig(TorchConfig):
+    """Ray Train backend config for ``xla-cpu``. (Ray's TorchXLAConfig is XRT-era and pkills processes.)
+
+    A TorchConfig subclass because Train V2 reads TorchConfig fields; the backend itself forms no
+    process group (one worker).
+    """
 
     @property
     def backend_cls(self) -> type:

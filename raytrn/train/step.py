@@ -82,13 +82,14 @@ def train_step(t: Training, batches: Iterator[torch.Tensor], backend: Backend) -
             loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
             (loss / t.grad_accum).backward()
         loss_sum = loss_sum + loss.detach()
+    loss_mean = loss_sum / t.grad_accum  # before the sync: part of the step's graph, read later for free
     backend.reduce_gradients(t.optimizer)  # XLA: all-reduce before clipping; DDP did it in backward
     grad_norm = _clip(model, t.grad_clip_norm)
     backend.optimizer_step(t.optimizer)
     t.scheduler.step()
     t.optimizer.zero_grad(set_to_none=True)
     backend.sync()  # XLA: the step's graph ends here (compiled once, then cached)
-    return StepResult(loss=loss_sum / t.grad_accum, grad_norm=grad_norm, data_wait_s=data_wait)
+    return StepResult(loss=loss_mean, grad_norm=grad_norm, data_wait_s=data_wait)
 
 
 def read_metrics(result: StepResult, world_size: int) -> dict[str, float]:

@@ -119,7 +119,10 @@ def test_unknown_top_level_key_suggests_near_miss(tmp_path: Path) -> None:
 
 def test_unknown_key_without_near_match_lists_known_fields(tmp_path: Path) -> None:
     msg = error_for(tmp_path, None, xyzzy=1)
-    assert msg == "xyzzy: unknown field. Known fields: model, data, optim, scaling, checkpoint, tracking, run, parallel, neuron."
+    assert (
+        msg
+        == "xyzzy: unknown field. Known fields: model, data, optim, scaling, checkpoint, tracking, run, parallel, neuron."
+    )
     msg = error_for(tmp_path, "scaling", zzzzzz=1)
     assert msg.startswith("scaling.zzzzzz: unknown field. Known fields: accelerator, min_workers, max_workers")
 
@@ -374,7 +377,17 @@ def test_flat_gives_dotted_keys(tmp_path: Path) -> None:
     assert flat["data.manifest"] == "/base/data/stdlib"
     assert "source" not in flat
     assert all(not isinstance(v, dict) for v in flat.values())
-    assert {k.split(".")[0] for k in flat} == {"model", "data", "optim", "scaling", "checkpoint", "tracking", "run", "parallel", "neuron"}
+    assert {k.split(".")[0] for k in flat} == {
+        "model",
+        "data",
+        "optim",
+        "scaling",
+        "checkpoint",
+        "tracking",
+        "run",
+        "parallel",
+        "neuron",
+    }
 
 
 def test_grad_accum_for_world_size() -> None:

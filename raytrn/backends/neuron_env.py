@@ -1,0 +1,363 @@
+"""The Trainium process layout and the environment of one worker: pure functions, no torch, no Ray.
+
+raytrn runs one Ray Train worker per NeuronCore, wired the way ``torchrun`` wires torch-neuronx: the
+torchrun variables (``RANK``, ``LOCAL_RANK``, ...) plus ``TORCHELASTIC_RUN_ID``, which makes torch-xla
+and torch-neuronx derive the PJRT process layout from them, plus the PJRT and Neuron runtime variables
+set explicitly (Ray's stock ``TorchXLAConfig`` sets neither ``NEURON_RT_ROOT_COMM_ID`` nor the PJRT
+variables; see ray-project/ray#65070). A worker must get this environment before it imports
+``torch_xla``: the XLA runtime reads it once, at import.
+
+Layout rules: every node runs ``workers_per_node`` workers (or a single node runs fewer), ranks are
+numbered node by node (``rank = node_rank * workers_per_node + local_rank``), and a tensor-parallel
+group (consecutive ranks) never spans two nodes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+
+from raytrn.errors import BackendError
+
+#: torch-xla's default root-communicator port (``MASTER_ADDR:62182``); raytrn picks a free one instead.
+DEFAULT_ROOT_COMM_PORT = 62182
+
+#: Mount points of shared file systems (FSx for Lustre, EFS, the ``/shared`` of AWS's EKS samples).
+#: A compile cache under one of them gets a per-host subdirectory: see :func:`compile_cache_env`.
+SHARED_FS_PREFIXES = ("/fsx", "/efs", "/mnt/fsx", "/mnt/efs", "/shared")
+
+#: In ``neuron.compile_cache``, replaced by the worker's host name (an explicit per-host cache).
+HOST_PLACEHOLDER = "{host}"
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """A Trainium instance type as the layout sees it."""
+
+    name: str
+    #: Physical NeuronCores (trn1: NeuronCore-v2, trn2: NeuronCore-v3).
+    physical_cores: int
+    #: EFA devices; 0 means no EFA (single-node only).
+    efa_devices: int
+    #: The default logical NeuronCore config (trn2: 2 physical cores per logical core); None: no LNC.
+    default_lnc: int | None = None
+
+    def cores(self, lnc: int | None = None) -> int:
+        """NeuronCores the runtime exposes, i.e. workers a node can run (one per core)."""
+        if self.default_lnc is None:
+            return self.physical_cores
+        return self.physical_cores // (lnc or self.default_lnc)
+
+
+# AWS Neuron docs: trn1-arch.rst, trn2-arch.rst, logical-neuroncore-config.rst,
+# setup-trn1-multi-node-execution.rst ("trn1.32xlarge has 8 EFA devices, trn1n.32xlarge has 16").
+INSTANCES: dict[str, InstanceSpec] = {
+    spec.name: spec
+    for spec in (
+        InstanceSpec("trn1.2xlarge", physical_cores=2, efa_devices=0),
+        InstanceSpec("trn1.32xlarge", physical_cores=32, efa_devices=8),
+        InstanceSpec("trn1n.32xlarge", physical_cores=32, efa_devices=16),
+        InstanceSpec("trn2.48xlarge", physical_cores=128, efa_devices=16, default_lnc=2),
+    )
+}
+
+
+def instance_spec(instance_type: str) -> InstanceSpec:
+    """The spec of a Trainium instance type; BackendError naming the known ones (and a near miss)."""
+    spec = INSTANCES.get(instance_type)
+    if spec is None:
+        near = difflib.get_close_matches(str(instance_type), list(INSTANCES), n=1, cutoff=0.6)
+        hint = f" Did you mean '{near[0]}'?" if near else ""
+        raise BackendError(
+            f"scaling.instance_type={instance_type!r}: unknown Trainium instance type.{hint} "
+            f"Known: {', '.join(INSTANCES)}"
+        )
+    return spec
+
+
+def cores_per_instance(instance_type: str, lnc: int | None = None) -> int:
+    """NeuronCores one instance exposes: trn1 has fixed cores; trn2 has 128 physical, 64 logical at LNC=2."""
+    spec = instance_spec(instance_type)
+    if lnc is not None:
+        if spec.default_lnc is None:
+            raise BackendError(
+                f"neuron.lnc={lnc}: the logical NeuronCore config applies only to trn2; {instance_type} has none. "
+                "Remove neuron.lnc"
+            )
+        if lnc not in (1, 2):
+            raise BackendError(f"neuron.lnc={lnc}: must be 1 or 2")
+    return spec.cores(lnc)
+
+
+def efa_devices(instance_type: str) -> int:
+    """EFA devices on one instance (0: no EFA, e.g. trn1.2xlarge)."""
+    return instance_spec(instance_type).efa_devices
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layout checks
+
+
+def check_layout(
+    *,
+    min_workers: int,
+    max_workers: int,
+    workers_per_node: int,
+    instance_type: str,
+    lnc: int | None,
+    tensor_parallel_size: int,
+) -> list[str]:
+    """Check that every world size of the elastic range is a valid Neuron layout; return info notes.
+
+    Sizes are taken at node granularity (``min_workers..max_workers`` stepping by ``workers_per_node``,
+    plus both ends). Each must be whole nodes or a single partial node; the tensor-parallel size must
+    divide ``workers_per_node`` (so a TP group never spans nodes) and every size.
+    """
+    cores = cores_per_instance(instance_type, lnc)
+    _check_counts(workers_per_node=workers_per_node, cores=cores, instance_type=instance_type, lnc=lnc)
+    if min_workers < 1 or max_workers < min_workers:
+        raise BackendError(f"scaling: need 1 <= min_workers <= max_workers, got {min_workers} and {max_workers}")
+    tp = tensor_parallel_size
+    if tp < 1:
+        raise BackendError(f"parallel.tensor_parallel_size={tp}: must be >= 1")
+    if workers_per_node % tp:
+        raise BackendError(
+            f"parallel.tensor_parallel_size={tp} does not divide scaling.workers_per_node={workers_per_node}: "
+            f"a tensor-parallel group would span two nodes. Use a TP size that divides {workers_per_node} "
+            f"({_divisors(workers_per_node)})"
+        )
+    sizes = sorted(set(range(min_workers, max_workers + 1, workers_per_node)) | {min_workers, max_workers})
+    for n in sizes:
+        if n > workers_per_node and n % workers_per_node:
+            raise BackendError(
+                f"scaling: {n} workers is not a whole number of nodes at workers_per_node={workers_per_node} "
+                f"({n // workers_per_node} nodes + {n % workers_per_node} workers); with min_workers={min_workers} "
+                f"and max_workers={max_workers} every size the job can take must be whole nodes (or one partial "
+                f"node): set both to multiples of {workers_per_node}"
+            )
+        if n % tp:
+            raise BackendError(
+                f"scaling: {n} workers is not divisible by parallel.tensor_parallel_size={tp}; "
+                f"every world size must hold whole tensor-parallel groups"
+            )
+    nodes = [max(1, n // workers_per_node) for n in sizes]
+    node_range = f"{nodes[0]}" if nodes[0] == nodes[-1] else f"{nodes[0]}-{nodes[-1]}"
+    default_lnc = instance_spec(instance_type).default_lnc
+    lnc_note = f" at LNC={lnc or default_lnc}" if default_lnc else ""
+    notes = [
+        f"neuron layout: {instance_type} ({cores} NeuronCores{lnc_note}), {workers_per_node} workers per node, "
+        f"{', '.join(map(str, sizes))} workers on {node_range} node(s), tensor parallel {tp} "
+        f"(data parallel {', '.join(str(n // tp) for n in sizes)})"
+    ]
+    if workers_per_node < cores:
+        notes.append(
+            f"neuron layout: workers_per_node={workers_per_node} uses NeuronCores 0-{workers_per_node - 1} of "
+            f"{cores} on each node; do not share these nodes with another Neuron job"
+        )
+    return notes
+
+
+def check_tp_groups(node_ids_by_rank: list[str], tensor_parallel_size: int) -> None:
+    """Raise BackendError naming the first tensor-parallel group (consecutive ranks) that spans nodes."""
+    tp, n = tensor_parallel_size, len(node_ids_by_rank)
+    if tp < 1:
+        raise BackendError(f"parallel.tensor_parallel_size={tp}: must be >= 1")
+    if n % tp:
+        raise BackendError(f"{n} workers is not divisible by parallel.tensor_parallel_size={tp}")
+    for start in range(0, n, tp):
+        nodes = list(dict.fromkeys(node_ids_by_rank[start : start + tp]))
+        if len(nodes) > 1:
+            raise BackendError(
+                f"tensor-parallel group {start // tp} (ranks {start}-{start + tp - 1}) spans {len(nodes)} nodes "
+                f"({', '.join(nodes)}); every TP group must sit on one node. Ray placed the workers unevenly: "
+                f"make sure each node's NeuronCores are free, and that scaling.workers_per_node is a multiple of "
+                f"parallel.tensor_parallel_size={tp}"
+            )
+
+
+# ---------------------------------------------------------------------------------------------------
+# The environment
+
+
+def compile_cache_env(cache: str | None, *, hostname: str) -> dict[str, str]:
+    """``NEURON_COMPILE_CACHE_URL`` for ``neuron.compile_cache`` on host ``hostname``.
+
+    - ``None``: nothing (the Neuron default, ``/var/tmp/neuron-compile-cache``, local to each host).
+    - ``s3://bucket/prefix``: as is; S3 is the documented shared cache.
+    - A path containing ``{host}``: the placeholder is replaced by the host name (explicit per-host).
+    - An absolute path under a shared mount (``/fsx``, ``/efs``, ``/mnt/fsx``, ``/mnt/efs``, ``/shared``):
+      ``<path>/<hostname>``, because the cache's file locks break on NFS/EFS/FSx (AWS Neuron
+      troubleshooting guide: "limitations to file locking on NFS. EFS/FSx also exhibit similar").
+    - Any other absolute path: as is (a local disk).
+
+    Relative paths and other URI schemes raise BackendError.
+    """
+    if cache is None:
+        return {}
+    where = f"neuron.compile_cache={cache!r}"
+    if cache.startswith("s3://"):
+        if len(cache) <= len("s3://"):
+            raise BackendError(f"{where}: name a bucket, e.g. s3://my-bucket/neuron-cache")
+        return {"NEURON_COMPILE_CACHE_URL": cache}
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", cache):
+        raise BackendError(f"{where}: the Neuron compile cache is an s3:// URI or a local/shared path")
+    if not cache.startswith("/"):
+        raise BackendError(
+            f"{where}: use an absolute path (workers do not share the driver's working directory) or an s3:// URI"
+        )
+    if not hostname:
+        raise BackendError(f"{where}: a per-host cache needs the worker's host name")
+    if HOST_PLACEHOLDER in cache:
+        return {"NEURON_COMPILE_CACHE_URL": cache.replace(HOST_PLACEHOLDER, hostname)}
+    path = cache.rstrip("/") or "/"
+    if is_shared_path(path):
+        return {"NEURON_COMPILE_CACHE_URL": f"{path}/{hostname}"}
+    return {"NEURON_COMPILE_CACHE_URL": path}
+
+
+def is_shared_path(path: str) -> bool:
+    """Whether ``path`` lies under one of :data:`SHARED_FS_PREFIXES` (by whole path components)."""
+    return any(path == p or path.startswith(p + "/") for p in SHARED_FS_PREFIXES)
+
+
+_LNC_FLAG = re.compile(r"(?:^|\s)(?:--logical-nc-config|--lnc|-lnc)(?:=|\s+)(\S+)")
+
+
+def cc_flags_for(cc_flags: str | None, lnc: int | None) -> str | None:
+    """``NEURON_CC_FLAGS``: the user's flags, plus ``--logical-nc-config N`` when ``neuron.lnc`` is set.
+
+    The compiler's LNC must match the runtime's ``NEURON_LOGICAL_NC_CONFIG`` (the compiler defaults to
+    2), so an explicit LNC is passed to both; a conflicting flag in ``neuron.cc_flags`` is an error.
+    """
+    flags = (cc_flags or "").strip()
+    if lnc is None:
+        return flags or None
+    found = _LNC_FLAG.search(flags)
+    if found:
+        if found.group(1) != str(lnc):
+            raise BackendError(
+                f"neuron.cc_flags sets the compiler's logical NeuronCore config to {found.group(1)} but "
+                f"neuron.lnc={lnc}; they must match (drop the flag from neuron.cc_flags)"
+            )
+        return flags
+    return f"{flags} --logical-nc-config {lnc}".strip()
+
+
+def neuron_worker_env(
+    *,
+    world_rank: int,
+    local_rank: int,
+    node_rank: int,
+    world_size: int,
+    workers_per_node: int,
+    master_addr: str,
+    master_port: int,
+    root_comm_port: int,
+    instance_type: str,
+    lnc: int | None = None,
+    socket_ifname: str = "eth0",
+    compile_cache: str | None = None,
+    stochastic_rounding: bool = True,
+    cc_flags: str | None = None,
+    hostname: str | None = None,
+    run_id: str = "raytrn",
+) -> dict[str, str]:
+    """Every environment variable one worker (one NeuronCore) needs, validated against the layout.
+
+    ``master_addr`` is rank 0's IP: it hosts the torch.distributed store (``master_port``) and the Neuron
+    runtime's root communicator (``root_comm_port``). ``hostname`` is needed only for a per-host compile
+    cache. ``run_id`` becomes ``TORCHELASTIC_RUN_ID``, whose presence makes torch-xla read the torchrun
+    variables.
+    """
+    cores = cores_per_instance(instance_type, lnc)
+    _check_counts(workers_per_node=workers_per_node, cores=cores, instance_type=instance_type, lnc=lnc)
+    for name, value in (("world_rank", world_rank), ("local_rank", local_rank), ("node_rank", node_rank)):
+        if value < 0:
+            raise BackendError(f"{name}={value}: must be >= 0")
+    if world_size < 1:
+        raise BackendError(f"world_size={world_size}: must be >= 1")
+    for name, port in (("master_port", master_port), ("root_comm_port", root_comm_port)):
+        if not 0 < port < 65536:
+            raise BackendError(f"{name}={port}: not a TCP port")
+    if not master_addr:
+        raise BackendError("master_addr is empty: it must be the IP of the rank-0 worker's node")
+    if world_size > workers_per_node and world_size % workers_per_node:
+        raise BackendError(
+            f"{world_size} workers is not a whole number of nodes at workers_per_node={workers_per_node} "
+            f"({world_size // workers_per_node} nodes + {world_size % workers_per_node} workers): an uneven "
+            f"layout; use a multiple of {workers_per_node}"
+        )
+    num_nodes = -(-world_size // workers_per_node)
+    local_world_size = min(workers_per_node, world_size)
+    if world_rank >= world_size:
+        raise BackendError(f"world_rank={world_rank} is out of range for world_size={world_size}")
+    if node_rank >= num_nodes:
+        raise BackendError(f"node_rank={node_rank} is out of range for {num_nodes} node(s)")
+    if local_rank >= local_world_size:
+        raise BackendError(f"local_rank={local_rank} is out of range for {local_world_size} worker(s) per node")
+    if world_rank != node_rank * workers_per_node + local_rank:
+        raise BackendError(
+            f"world_rank={world_rank} is inconsistent with node_rank={node_rank}, local_rank={local_rank} and "
+            f"workers_per_node={workers_per_node} (expected {node_rank * workers_per_node + local_rank}): "
+            "ranks must be numbered node by node"
+        )
+    env = {
+        # torchrun's contract (GROUP_RANK is the node rank; AWS's Ray sample sets it to the world size).
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "RANK": str(world_rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(num_nodes),
+        "TORCHELASTIC_RUN_ID": run_id,
+        # PJRT on Neuron: one process per NeuronCore, global process index = rank.
+        "PJRT_DEVICE": "NEURON",
+        "NEURON_RT_ROOT_COMM_ID": host_port(master_addr, root_comm_port),
+        "NEURON_PJRT_PROCESS_INDEX": str(world_rank),
+        "NEURON_PJRT_PROCESSES_NUM_DEVICES": ",".join(["1"] * world_size),
+        "NEURON_PJRT_WORLD_SIZE": str(world_size),
+        "PJRT_LOCAL_PROCESS_RANK": str(local_rank),
+        "PJRT_LOCAL_PROCESS_COUNT": str(local_world_size),
+        "NEURON_RT_VISIBLE_CORES": str(local_rank),
+        # Collective bootstrap interface: CCOM finds no interface by subnet where hosts carry a /32.
+        "CCOM_SOCKET_IFNAME": socket_ifname,
+        "NCCL_SOCKET_IFNAME": socket_ifname,
+        "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1" if stochastic_rounding else "0",
+        "MALLOC_ARENA_MAX": "64",
+        "XLA_TRANSFER_SEED_ASYNC": "1",
+    }
+    if efa_devices(instance_type):
+        env.update({"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"})
+    if lnc is not None:
+        env["NEURON_LOGICAL_NC_CONFIG"] = str(lnc)
+    flags = cc_flags_for(cc_flags, lnc)
+    if flags:
+        env["NEURON_CC_FLAGS"] = flags
+    if compile_cache is not None:
+        env.update(compile_cache_env(compile_cache, hostname=hostname or ""))
+    return env
+
+
+def host_port(addr: str, port: int) -> str:
+    """``addr:port``, with an IPv6 address in brackets."""
+    if ":" in addr and not addr.startswith("["):
+        addr = f"[{addr}]"
+    return f"{addr}:{port}"
+
+
+def _check_counts(*, workers_per_node: int, cores: int, instance_type: str, lnc: int | None) -> None:
+    if workers_per_node < 1:
+        raise BackendError(f"scaling.workers_per_node={workers_per_node}: must be >= 1")
+    if workers_per_node > cores:
+        at_lnc = f" at neuron.lnc={lnc}" if lnc is not None else ""
+        raise BackendError(
+            f"scaling.workers_per_node={workers_per_node} exceeds the {cores} NeuronCores of {instance_type}{at_lnc} "
+            f"(one worker per NeuronCore); set scaling.workers_per_node <= {cores}"
+        )
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

@@ -1,0 +1,336 @@
+"""The neuron backend: job checks, the Ray backend config, and per-worker env planning (no Ray cluster)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import pickle
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ray import cloudpickle
+
+import raytrn.backends.neuron as neuron
+from raytrn.backends import get_backend
+from raytrn.backends.neuron import NeuronBackend, NeuronXlaConfig, WorkerInfo, plan_worker_envs
+from raytrn.backends.neuron_env import neuron_worker_env
+from raytrn.backends.xla import XlaBackend
+from raytrn.config import JobSpec, load_job
+from raytrn.errors import BackendError
+
+pytestmark = pytest.mark.unit
+
+JOB = Path(__file__).resolve().parents[2] / "jobs" / "llama3-8b-trn1.yaml"
+
+
+def job(*overrides: str) -> JobSpec:
+    return load_job(JOB, list(overrides), base_dir="/base")
+
+
+def workers(nodes: list[int], *, world_size: int | None = None) -> list[WorkerInfo]:
+    """WorkerInfo as Ray Train assigns it: ranks node by node, ``nodes[i]`` workers on node i."""
+    n = world_size or sum(nodes)
+    out, rank = [], 0
+    for node, count in enumerate(nodes):
+        for local in range(count):
+            out.append(
+                WorkerInfo(
+                    world_rank=rank,
+                    local_rank=local,
+                    node_rank=node,
+                    world_size=n,
+                    local_world_size=count,
+                    node_id=f"node-{node}",
+                    node_ip=f"10.0.0.{node + 1}",
+                    hostname=f"ip-10-0-0-{node + 1}",
+                )
+            )
+            rank += 1
+    return out
+
+
+def config(**kw: Any) -> NeuronXlaConfig:
+    return NeuronXlaConfig(**{"instance_type": "trn1.32xlarge", "workers_per_node": 32, **kw})
+
+
+PORTS = dict(master_addr="10.0.0.1", master_port=29500, root_comm_port=41000)
+
+
+# --- registry and NeuronBackend ------------------------------------------------------------------------------------
+
+
+def test_registered() -> None:
+    backend = get_backend("neuron")
+    assert isinstance(backend, NeuronBackend) and isinstance(backend, XlaBackend)
+    assert backend.name == "neuron" and backend.is_xla
+    assert backend.default_resources == {"neuron_cores": 1}
+
+
+def test_check_llama3_8b_trn1() -> None:
+    spec = job()  # as shipped
+    tp = spec.parallel.tensor_parallel_size
+    notes = NeuronBackend().check(spec)
+    assert notes[0] == (
+        "neuron layout: trn1.32xlarge (32 NeuronCores), 32 workers per node, 32, 64, 96, 128 workers on 1-4 "
+        f"node(s), tensor parallel {tp} (data parallel {', '.join(str(n // tp) for n in (32, 64, 96, 128))})"
+    )
+    # Plain data parallelism over the same layout, pinned exactly.
+    assert NeuronBackend().check(job("parallel.tensor_parallel_size=1")) == [
+        "neuron layout: trn1.32xlarge (32 NeuronCores), 32 workers per node, 32, 64, 96, 128 workers on 1-4 "
+        "node(s), tensor parallel 1 (data parallel 32, 64, 96, 128)"
+    ]
+
+
+def test_check_notes() -> None:
+    notes = NeuronBackend().check(job("scaling.resources_per_worker={CPU: 1}", "parallel.tensor_parallel_size=8"))
+    assert "tensor parallel 8 (data parallel 4, 8, 12, 16)" in notes[0]
+    assert any("scaling.resources_per_worker={'CPU': 1.0} does not request neuron_cores: 1" in n for n in notes)
+    notes = NeuronBackend().check(job("neuron.compile_cache=/fsx/cache", "neuron.cc_flags='--cache_dir=/tmp/c'"))
+    assert notes[-1] == "neuron.cc_flags sets --cache_dir, which takes precedence over neuron.compile_cache"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["scaling.instance_type=null"], "scaling.accelerator='neuron' needs scaling.instance_type (one worker"),
+        (
+            ["scaling.instance_type=null", "scaling.workers_per_node=null"],
+            "needs scaling.instance_type and scaling.workers_per_node",
+        ),
+        (["scaling.workers_per_node=33"], "scaling.workers_per_node=33 exceeds the 32 NeuronCores of trn1.32xlarge"),
+        (["scaling.min_workers=48", "scaling.max_workers=48"], "48 workers is not a whole number of nodes"),
+        (["parallel.tensor_parallel_size=64"], "tensor_parallel_size=64 does not divide scaling.workers_per_node=32"),
+        (["parallel.tensor_parallel_size=3"], "tensor_parallel_size=3 does not divide"),
+        (["scaling.instance_type=trn1.64xlarge"], "unknown Trainium instance type"),
+        (["neuron.lnc=2"], "neuron.lnc=2: the logical NeuronCore config applies only to trn2"),
+        (["neuron.compile_cache=cache"], "neuron.compile_cache='cache': use an absolute path"),
+    ],
+)
+def test_check_broken_jobs(overrides: list[str], message: str) -> None:
+    with pytest.raises(BackendError) as e:
+        NeuronBackend().check(job(*overrides))
+    assert str(e.value).startswith(f"{JOB}: ")
+    assert message in str(e.value)
+
+
+def test_check_trn2_lnc_conflict_with_cc_flags() -> None:
+    trn2 = ["scaling.instance_type=trn2.48xlarge", "scaling.workers_per_node=64", "scaling.min_workers=64"]
+    assert "(64 NeuronCores at LNC=2)" in NeuronBackend().check(job(*trn2, "scaling.max_workers=128"))[0]
+    with pytest.raises(BackendError, match="logical NeuronCore config to 2 but neuron.lnc=1"):
+        NeuronBackend().check(job(*trn2, "scaling.max_workers=128", "neuron.lnc=1", "neuron.cc_flags='--lnc 2'"))
+
+
+# --- the Ray backend config ----------------------------------------------------------------------------------------
+
+
+def test_ray_backend_config_carries_plain_fields() -> None:
+    spec = job(
+        "neuron.compile_cache=s3://b/cache",
+        "neuron.socket_ifname=ens5",
+        "neuron.cc_flags='--model-type transformer'",
+        "parallel.tensor_parallel_size=8",
+    )
+    cfg = NeuronBackend().ray_backend_config(spec)
+    assert isinstance(cfg, NeuronXlaConfig)
+    assert cfg.to_dict() == {
+        "backend": "xla",
+        "init_method": "xla://",
+        "timeout_s": 1800,
+        "instance_type": "trn1.32xlarge",
+        "workers_per_node": 32,
+        "lnc": None,
+        "tensor_parallel_size": 8,
+        "compile_cache": "s3://b/cache",
+        "socket_ifname": "ens5",
+        "stochastic_rounding": True,
+        "cc_flags": "--model-type transformer",
+        "root_comm_port": None,
+        "run_id": "llama3-8b-trn1",
+    }
+    for dumps, loads in ((pickle.dumps, pickle.loads), (cloudpickle.dumps, cloudpickle.loads)):
+        back = loads(dumps(cfg))
+        assert back == cfg and back.backend_cls is neuron._NeuronRayBackend
+
+
+def test_ray_backend_config_needs_the_layout() -> None:
+    with pytest.raises(BackendError, match="needs scaling.workers_per_node"):
+        NeuronBackend().ray_backend_config(job("scaling.workers_per_node=null"))
+    with pytest.raises(BackendError, match="unknown Trainium instance type"):
+        config(instance_type="trn9.huge")
+
+
+def test_the_ray_backend_never_kills_processes() -> None:
+    """Ray's TorchXLAConfig runs ``pkill -f xrt_run_server`` on every worker; raytrn's must not."""
+    from ray.train.torch.xla.config import _TorchAwsNeuronXLABackend
+
+    assert not issubclass(neuron._NeuronRayBackend, _TorchAwsNeuronXLABackend)
+    tree = ast.parse(inspect.getsource(neuron))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and id(n) not in docstrings]
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+    }
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names}
+    assert not [s for s in strings if isinstance(s, str) and "kill" in s]
+    assert not {"kill", "killpg", "subprocess", "system", "Popen"} & (names | imported)
+
+
+# --- plan_worker_envs ----------------------------------------------------------------------------------------------
+
+
+def test_plan_two_nodes_in_any_order() -> None:
+    infos = workers([32, 32])
+    shuffled = infos[:]
+    random.Random(0).shuffle(shuffled)
+    cfg = config(compile_cache="/fsx/neuron-cache", run_id="run-1")
+    envs = plan_worker_envs(shuffled, cfg, **PORTS)
+    assert len(envs) == 64
+    for info, env in zip(shuffled, envs, strict=True):  # in the order given
+        assert env == neuron_worker_env(
+            world_rank=info.world_rank,
+            local_rank=info.local_rank,
+            node_rank=info.node_rank,
+            world_size=64,
+            workers_per_node=32,
+            instance_type="trn1.32xlarge",
+            compile_cache="/fsx/neuron-cache",
+            hostname=info.hostname,
+            run_id="run-1",
+            **PORTS,
+        )
+        assert env["RANK"] == str(info.world_rank)
+        assert env["NEURON_COMPILE_CACHE_URL"] == f"/fsx/neuron-cache/{info.hostname}"
+        assert env["NEURON_RT_ROOT_COMM_ID"] == "10.0.0.1:41000"
+
+
+def test_plan_single_partial_node() -> None:
+    envs = plan_worker_envs(workers([8]), config(), **PORTS)
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"8"}
+    assert [e["NEURON_RT_VISIBLE_CORES"] for e in envs] == [str(i) for i in range(8)]
+
+
+def test_plan_refuses_uneven_placement() -> None:
+    with pytest.raises(BackendError) as e:
+        plan_worker_envs(workers([30, 32, 2]), config(), **PORTS)
+    assert str(e.value).startswith(
+        "Ray placed 64 workers unevenly over 3 node(s) (ip-10-0-0-1: 30, ip-10-0-0-2: 32, ip-10-0-0-3: 2)"
+    )
+    assert "scaling.workers_per_node=32" in str(e.value)
+
+
+def test_plan_refuses_tp_across_nodes() -> None:
+    with pytest.raises(BackendError, match=r"tensor-parallel group 0 \(ranks 0-63\) spans 2 nodes"):
+        plan_worker_envs(workers([32, 32]), config(tensor_parallel_size=64), **PORTS)
+
+
+def test_plan_refuses_bad_ranks() -> None:
+    infos = workers([2, 2], world_size=4)
+    with pytest.raises(BackendError, match=r"worker ranks \[0, 1, 2\] are not 0..2"):
+        plan_worker_envs(infos[:3], config(instance_type="trn1.2xlarge", workers_per_node=2), **PORTS)
+
+
+# --- the Ray backend against a fake worker group -------------------------------------------------------------------
+
+
+class FakeWorkerGroup:
+    """Stands in for Ray Train's worker group: runs the backend's worker functions as the workers would."""
+
+    def __init__(self, infos: list[WorkerInfo]) -> None:
+        self.infos = infos
+        self.applied: dict[int, dict[str, str]] = {}
+        self.calls: list[tuple[str, int | None]] = []
+
+    def __len__(self) -> int:
+        return len(self.infos)
+
+    def _run(self, index: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append((fn.__name__, index))
+        if fn is neuron._describe_worker:
+            return self.infos[index]
+        if fn is neuron._free_ports:
+            return self.infos[index].node_ip, [29500 + index, 41000 + index]
+        if fn is neuron._apply_env:
+            self.applied[index] = args[0]
+            return None
+        return None
+
+    def execute(self, fn: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        return [self._run(i, fn, *args, **kwargs) for i in range(len(self.infos))]
+
+    execute_async = execute
+
+    def execute_single(self, index: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._run(index, fn, *args, **kwargs)
+
+    execute_single_async = execute_single
+
+
+@pytest.fixture
+def no_ray_get(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(neuron.ray, "get", lambda refs, timeout=None: refs)
+
+
+def test_on_start_sets_each_workers_env(no_ray_get: None) -> None:
+    infos = workers([32, 32])
+    infos = infos[5:] + infos[:5]  # rank 0 is at index 59
+    group = FakeWorkerGroup(infos)
+    neuron._NeuronRayBackend().on_start(group, config())
+    assert ("_free_ports", 59) in group.calls  # both ports come from rank 0's node
+    assert sorted(group.applied) == list(range(64))
+    for index, env in group.applied.items():
+        assert env["RANK"] == str(infos[index].world_rank)
+        assert env["MASTER_ADDR"] == "10.0.0.1" and env["MASTER_PORT"] == str(29500 + 59)
+        assert env["NEURON_RT_ROOT_COMM_ID"] == f"10.0.0.1:{41000 + 59}"
+
+
+def test_on_start_fixed_root_comm_port(no_ray_get: None) -> None:
+    group = FakeWorkerGroup(workers([2]))
+    neuron._NeuronRayBackend().on_start(
+        group, config(instance_type="trn1.2xlarge", workers_per_node=2, root_comm_port=48620)
+    )
+    assert {e["NEURON_RT_ROOT_COMM_ID"] for e in group.applied.values()} == {"10.0.0.1:48620"}
+
+
+def test_on_start_refuses_uneven_placement_before_setting_anything(no_ray_get: None) -> None:
+    group = FakeWorkerGroup(workers([1, 2], world_size=3))
+    with pytest.raises(BackendError, match="Ray placed 3 workers unevenly"):
+        neuron._NeuronRayBackend().on_start(group, config(instance_type="trn1.2xlarge", workers_per_node=2))
+    assert group.applied == {}
+
+
+def test_training_start_and_shutdown_only_touch_the_process_group(no_ray_get: None) -> None:
+    group = FakeWorkerGroup(workers([2]))
+    cfg = config(instance_type="trn1.2xlarge", workers_per_node=2)
+    neuron._NeuronRayBackend().on_training_start(group, cfg)
+    neuron._NeuronRayBackend().on_shutdown(group, cfg)
+    assert [name for name, _ in group.calls] == ["_init_xla_process_group"] * 2 + ["_destroy_process_group"] * 2
+
+
+# --- worker-side helpers -------------------------------------------------------------------------------------------
+
+
+def test_free_ports_are_distinct(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(neuron.ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    addr, ports = neuron._free_ports(2)
+    assert addr == "127.0.0.1" and len(set(ports)) == 2 and all(0 < p < 65536 for p in ports)
+
+
+def test_apply_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAYTRN_TEST_NEURON_VAR", raising=False)
+    neuron._apply_env({"RAYTRN_TEST_NEURON_VAR": "1"})
+    assert os.environ["RAYTRN_TEST_NEURON_VAR"] == "1"
+    monkeypatch.delenv("RAYTRN_TEST_NEURON_VAR")
+
+
+def test_destroy_process_group_without_one_is_a_no_op() -> None:
+    neuron._destroy_process_group()

@@ -1,0 +1,361 @@
+"""The Neuron worker environment and layout maths, pinned for real trn shapes (pure functions, no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrn.backends.neuron_env import (
+    cc_flags_for,
+    check_layout,
+    check_tp_groups,
+    compile_cache_env,
+    cores_per_instance,
+    efa_devices,
+    neuron_worker_env,
+)
+from raytrn.errors import BackendError
+
+pytestmark = pytest.mark.unit
+
+ADDR = "10.0.1.17"
+EFA = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+
+
+def env(world_rank: int, *, world_size: int = 32, workers_per_node: int = 32, **kw) -> dict[str, str]:
+    """The env of ``world_rank`` in a node-by-node layout."""
+    per_node = max(workers_per_node, 1)
+    args = dict(
+        world_rank=world_rank,
+        local_rank=world_rank % per_node,
+        node_rank=world_rank // per_node,
+        world_size=world_size,
+        workers_per_node=workers_per_node,
+        master_addr=ADDR,
+        master_port=29500,
+        root_comm_port=41000,
+        instance_type="trn1.32xlarge",
+    )
+    args.update(kw)
+    return neuron_worker_env(**args)  # type: ignore[arg-type]
+
+
+# --- instances -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("instance", "lnc", "cores", "efa"),
+    [
+        ("trn1.2xlarge", None, 2, 0),
+        ("trn1.32xlarge", None, 32, 8),
+        ("trn1n.32xlarge", None, 32, 16),
+        ("trn2.48xlarge", None, 64, 16),
+        ("trn2.48xlarge", 2, 64, 16),
+        ("trn2.48xlarge", 1, 128, 16),
+    ],
+)
+def test_instance_table(instance: str, lnc: int | None, cores: int, efa: int) -> None:
+    assert cores_per_instance(instance, lnc) == cores
+    assert efa_devices(instance) == efa
+
+
+def test_unknown_instance_lists_known_ones() -> None:
+    with pytest.raises(BackendError) as e:
+        cores_per_instance("trn1.32xlarg")
+    msg = str(e.value)
+    assert "scaling.instance_type='trn1.32xlarg': unknown Trainium instance type" in msg
+    assert "Did you mean 'trn1.32xlarge'?" in msg
+    assert "trn1.2xlarge, trn1.32xlarge, trn1n.32xlarge, trn2.48xlarge" in msg
+
+
+@pytest.mark.parametrize("instance", ["trn1.2xlarge", "trn1.32xlarge", "trn1n.32xlarge"])
+def test_lnc_on_trn1_is_refused(instance: str) -> None:
+    with pytest.raises(BackendError, match=rf"neuron.lnc=2: .* applies only to trn2; {instance} has none"):
+        cores_per_instance(instance, lnc=2)
+
+
+# --- the environment: 1 node x 32 ----------------------------------------------------------------------------------
+
+
+def test_one_trn1_node_rank0_and_rank31_exactly() -> None:
+    ones = ",".join(["1"] * 32)
+    common = {
+        "MASTER_ADDR": ADDR,
+        "MASTER_PORT": "29500",
+        "WORLD_SIZE": "32",
+        "LOCAL_WORLD_SIZE": "32",
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "TORCHELASTIC_RUN_ID": "raytrn",
+        "PJRT_DEVICE": "NEURON",
+        "NEURON_RT_ROOT_COMM_ID": f"{ADDR}:41000",
+        "NEURON_PJRT_PROCESSES_NUM_DEVICES": ones,
+        "NEURON_PJRT_WORLD_SIZE": "32",
+        "PJRT_LOCAL_PROCESS_COUNT": "32",
+        "CCOM_SOCKET_IFNAME": "eth0",
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1",
+        "MALLOC_ARENA_MAX": "64",
+        "XLA_TRANSFER_SEED_ASYNC": "1",
+        **EFA,
+    }
+    for rank in (0, 31):
+        assert env(rank) == {
+            **common,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "NEURON_PJRT_PROCESS_INDEX": str(rank),
+            "PJRT_LOCAL_PROCESS_RANK": str(rank),
+            "NEURON_RT_VISIBLE_CORES": str(rank),
+        }
+
+
+def test_one_trn1_node_uses_every_core_once() -> None:
+    envs = [env(r) for r in range(32)]
+    assert [e["NEURON_RT_VISIBLE_CORES"] for e in envs] == [str(c) for c in range(32)]
+    for e in envs:
+        assert e["NEURON_PJRT_PROCESSES_NUM_DEVICES"].split(",") == ["1"] * 32
+
+
+# --- 4 nodes x 32 --------------------------------------------------------------------------------------------------
+
+
+def test_four_trn1_nodes() -> None:
+    envs = [env(r, world_size=128) for r in range(128)]
+    e95 = envs[95]
+    assert (e95["RANK"], e95["GROUP_RANK"], e95["LOCAL_RANK"]) == ("95", "2", "31")
+    assert e95["NEURON_RT_VISIBLE_CORES"] == "31" and e95["PJRT_LOCAL_PROCESS_RANK"] == "31"
+    for rank, e in enumerate(envs):
+        assert e["NEURON_RT_ROOT_COMM_ID"] == f"{ADDR}:41000"  # rank 0's address on every rank
+        assert e["MASTER_ADDR"] == ADDR
+        assert e["NEURON_PJRT_PROCESS_INDEX"] == e["RANK"] == str(rank)  # the global rank
+        assert e["WORLD_SIZE"] == e["NEURON_PJRT_WORLD_SIZE"] == "128"
+        assert e["LOCAL_WORLD_SIZE"] == e["PJRT_LOCAL_PROCESS_COUNT"] == "32"
+        assert e["GROUP_RANK"] == str(rank // 32) and e["GROUP_WORLD_SIZE"] == "4"
+        assert e["NEURON_PJRT_PROCESSES_NUM_DEVICES"] == ",".join(["1"] * 128)
+    assert {e["NEURON_RT_VISIBLE_CORES"] for e in envs} == {str(c) for c in range(32)}
+
+
+def test_ipv6_root_comm_id_is_bracketed() -> None:
+    assert env(0, master_addr="fd00::17")["NEURON_RT_ROOT_COMM_ID"] == "[fd00::17]:41000"
+
+
+# --- other instances and options -----------------------------------------------------------------------------------
+
+
+def test_trn1n_has_efa() -> None:
+    e = env(40, world_size=64, instance_type="trn1n.32xlarge")
+    assert {k: e[k] for k in EFA} == EFA
+    assert e["GROUP_RANK"] == "1" and e["LOCAL_RANK"] == "8"
+
+
+def test_trn1_2xlarge_two_cores_no_efa() -> None:
+    envs = [env(r, world_size=2, workers_per_node=2, instance_type="trn1.2xlarge") for r in range(2)]
+    assert [e["NEURON_RT_VISIBLE_CORES"] for e in envs] == ["0", "1"]
+    for e in envs:
+        assert not set(EFA) & set(e)
+        assert e["NEURON_PJRT_PROCESSES_NUM_DEVICES"] == "1,1"
+        assert e["CCOM_SOCKET_IFNAME"] == "eth0"
+    with pytest.raises(BackendError, match="workers_per_node=3 exceeds the 2 NeuronCores of trn1.2xlarge"):
+        env(0, world_size=3, workers_per_node=3, instance_type="trn1.2xlarge")
+
+
+def test_trn2_lnc2() -> None:
+    envs = [env(r, world_size=128, workers_per_node=64, instance_type="trn2.48xlarge", lnc=2) for r in range(128)]
+    assert envs[127]["GROUP_RANK"] == "1" and envs[127]["NEURON_RT_VISIBLE_CORES"] == "63"
+    for e in envs:
+        assert e["NEURON_LOGICAL_NC_CONFIG"] == "2"
+        assert e["LOCAL_WORLD_SIZE"] == "64"
+        assert e["NEURON_CC_FLAGS"] == "--logical-nc-config 2"  # the compiler's LNC must match the runtime's
+        assert e["FI_PROVIDER"] == "efa"
+    with pytest.raises(BackendError, match="workers_per_node=128 exceeds the 64 NeuronCores of trn2.48xlarge"):
+        env(0, world_size=128, workers_per_node=128, instance_type="trn2.48xlarge", lnc=2)
+
+
+def test_trn2_lnc1() -> None:
+    e = env(127, world_size=128, workers_per_node=128, instance_type="trn2.48xlarge", lnc=1, cc_flags="-O1")
+    assert e["NEURON_LOGICAL_NC_CONFIG"] == "1"
+    assert e["NEURON_RT_VISIBLE_CORES"] == "127" and e["LOCAL_WORLD_SIZE"] == "128"
+    assert e["NEURON_CC_FLAGS"] == "-O1 --logical-nc-config 1"
+
+
+def test_trn2_default_lnc_sets_no_lnc_vars() -> None:
+    e = env(0, world_size=64, workers_per_node=64, instance_type="trn2.48xlarge")
+    assert "NEURON_LOGICAL_NC_CONFIG" not in e and "NEURON_CC_FLAGS" not in e
+
+
+def test_options() -> None:
+    e = env(
+        3,
+        socket_ifname="ens5",
+        stochastic_rounding=False,
+        cc_flags="--model-type transformer",
+        compile_cache="s3://bucket/neuron-cache",
+        hostname="ip-10-0-1-17",
+        run_id="llama3-8b-trn1",
+    )
+    assert e["CCOM_SOCKET_IFNAME"] == e["NCCL_SOCKET_IFNAME"] == "ens5"
+    assert e["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "0"
+    assert e["NEURON_CC_FLAGS"] == "--model-type transformer"
+    assert e["NEURON_COMPILE_CACHE_URL"] == "s3://bucket/neuron-cache"
+    assert e["TORCHELASTIC_RUN_ID"] == "llama3-8b-trn1"
+    assert "NEURON_COMPILE_CACHE_URL" not in env(3) and "NEURON_CC_FLAGS" not in env(3)
+
+
+def test_cc_flags_lnc_conflict() -> None:
+    assert cc_flags_for("--lnc=1 -O1", 1) == "--lnc=1 -O1"
+    assert cc_flags_for(None, None) is None
+    with pytest.raises(BackendError, match="logical NeuronCore config to 2 but neuron.lnc=1"):
+        cc_flags_for("--model-type transformer -lnc 2", 1)
+
+
+def test_single_partial_node() -> None:
+    e = env(7, world_size=8)
+    assert e["LOCAL_WORLD_SIZE"] == e["PJRT_LOCAL_PROCESS_COUNT"] == "8"
+    assert e["NEURON_PJRT_PROCESSES_NUM_DEVICES"] == "1,1,1,1,1,1,1,1"
+
+
+# --- invalid layouts -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (dict(world_size=33, workers_per_node=33), "workers_per_node=33 exceeds the 32 NeuronCores of trn1.32xlarge"),
+        (dict(world_size=48), "48 workers is not a whole number of nodes at workers_per_node=32 (1 nodes + 16"),
+        (dict(world_rank=32, local_rank=0, node_rank=1), "world_rank=32 is out of range for world_size=32"),
+        (dict(world_size=64, local_rank=32, node_rank=0), "local_rank=32 is out of range for 32 worker(s) per node"),
+        (dict(world_size=64, world_rank=5, node_rank=1), "world_rank=5 is inconsistent with node_rank=1"),
+        (dict(world_size=64, node_rank=2, world_rank=0), "node_rank=2 is out of range for 2 node(s)"),
+        (dict(world_rank=-1), "world_rank=-1: must be >= 0"),
+        (dict(world_size=0), "world_size=0: must be >= 1"),
+        (dict(workers_per_node=0), "workers_per_node=0: must be >= 1"),
+        (dict(master_port=0), "master_port=0: not a TCP port"),
+        (dict(master_addr=""), "master_addr is empty"),
+        (dict(instance_type="p4d.24xlarge"), "unknown Trainium instance type"),
+        (dict(lnc=2), "neuron.lnc=2: the logical NeuronCore config applies only to trn2"),
+        (dict(compile_cache="/fsx/cache"), "a per-host cache needs the worker's host name"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_invalid_env(kw: dict, message: str) -> None:
+    kw = dict(kw)
+    with pytest.raises(BackendError) as e:
+        env(kw.pop("world_rank", 0), **kw)
+    assert message in str(e.value)
+
+
+# --- check_layout --------------------------------------------------------------------------------------------------
+
+
+def layout(**kw) -> list[str]:
+    args = dict(
+        min_workers=32,
+        max_workers=128,
+        workers_per_node=32,
+        instance_type="trn1.32xlarge",
+        lnc=None,
+        tensor_parallel_size=1,
+    )
+    args.update(kw)
+    return check_layout(**args)  # type: ignore[arg-type]
+
+
+def test_layout_notes() -> None:
+    assert layout(tensor_parallel_size=8) == [
+        "neuron layout: trn1.32xlarge (32 NeuronCores), 32 workers per node, 32, 64, 96, 128 workers on 1-4 "
+        "node(s), tensor parallel 8 (data parallel 4, 8, 12, 16)"
+    ]
+    notes = layout(min_workers=16, max_workers=16, workers_per_node=16)
+    assert "16 workers on 1 node(s)" in notes[0]
+    assert "uses NeuronCores 0-15 of 32 on each node; do not share these nodes" in notes[1]
+    assert (
+        "(64 NeuronCores at LNC=2)"
+        in layout(instance_type="trn2.48xlarge", workers_per_node=64, min_workers=64, max_workers=64)[0]
+    )
+    assert (
+        "(128 NeuronCores at LNC=1)"
+        in layout(instance_type="trn2.48xlarge", lnc=1, workers_per_node=128, min_workers=128, max_workers=256)[0]
+    )
+
+
+def test_layout_single_partial_node_is_fine() -> None:
+    assert "8 workers on 1 node(s)" in layout(min_workers=8, max_workers=8)[0]
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (dict(workers_per_node=33), "scaling.workers_per_node=33 exceeds the 32 NeuronCores of trn1.32xlarge"),
+        (dict(min_workers=48, max_workers=48), "scaling: 48 workers is not a whole number of nodes"),
+        (dict(min_workers=16, max_workers=64), "scaling: 48 workers is not a whole number of nodes"),  # 16, 48, 64
+        (dict(max_workers=100), "scaling: 100 workers is not a whole number of nodes"),
+        (dict(tensor_parallel_size=64), "tensor_parallel_size=64 does not divide scaling.workers_per_node=32"),
+        (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not divide scaling.workers_per_node=32"),
+        (dict(min_workers=4, max_workers=4, tensor_parallel_size=8), "4 workers is not divisible by"),
+        (dict(instance_type="trn3.48xlarge"), "unknown Trainium instance type"),
+        (dict(lnc=1), "neuron.lnc=1: the logical NeuronCore config applies only to trn2"),
+        (dict(instance_type="trn2.48xlarge", workers_per_node=128), "exceeds the 64 NeuronCores of trn2.48xlarge"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_invalid_layouts(kw: dict, message: str) -> None:
+    with pytest.raises(BackendError) as e:
+        layout(**kw)
+    assert message in str(e.value)
+
+
+def test_tp_message_suggests_divisors() -> None:
+    with pytest.raises(BackendError, match=r"a tensor-parallel group would span two nodes.*\(1, 2, 4, 8, 16, 32\)"):
+        layout(tensor_parallel_size=3)
+
+
+# --- check_tp_groups -----------------------------------------------------------------------------------------------
+
+
+def test_tp_groups_on_one_node_pass() -> None:
+    nodes = ["a"] * 32 + ["b"] * 32
+    check_tp_groups(nodes, 32)
+    check_tp_groups(nodes, 8)
+    check_tp_groups(nodes, 1)
+
+
+def test_tp_group_across_nodes_is_named() -> None:
+    nodes = ["a"] * 30 + ["b"] * 32 + ["c"] * 2  # an uneven placement
+    with pytest.raises(BackendError, match=r"tensor-parallel group 3 \(ranks 24-31\) spans 2 nodes \(a, b\)"):
+        check_tp_groups(nodes, 8)
+    with pytest.raises(BackendError, match="64 workers is not divisible by parallel.tensor_parallel_size=5"):
+        check_tp_groups(nodes, 5)
+
+
+# --- compile cache -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cache", "url"),
+    [
+        ("s3://bucket/neuron-cache", "s3://bucket/neuron-cache"),
+        ("/var/tmp/neuron-compile-cache", "/var/tmp/neuron-compile-cache"),
+        ("/opt/cache/", "/opt/cache"),
+        ("/fsx/neuron-cache", "/fsx/neuron-cache/ip-10-0-1-17"),
+        ("/fsx", "/fsx/ip-10-0-1-17"),
+        ("/efs/cache/", "/efs/cache/ip-10-0-1-17"),
+        ("/mnt/efs/cache", "/mnt/efs/cache/ip-10-0-1-17"),
+        ("/mnt/fsx/cache", "/mnt/fsx/cache/ip-10-0-1-17"),
+        ("/shared/trn1_llama/neuron_cache", "/shared/trn1_llama/neuron_cache/ip-10-0-1-17"),
+        ("/fsxdata/cache", "/fsxdata/cache"),  # a path component, not a string prefix
+        ("/nfs/cache/{host}/neff", "/nfs/cache/ip-10-0-1-17/neff"),
+        ("/fsx/{host}", "/fsx/ip-10-0-1-17"),  # explicit placeholder: no second subdirectory
+    ],
+)
+def test_compile_cache_rules(cache: str, url: str) -> None:
+    assert compile_cache_env(cache, hostname="ip-10-0-1-17") == {"NEURON_COMPILE_CACHE_URL": url}
+
+
+def test_compile_cache_none_and_errors() -> None:
+    assert compile_cache_env(None, hostname="h") == {}
+    with pytest.raises(BackendError, match="use an absolute path"):
+        compile_cache_env("cache", hostname="h")
+    with pytest.raises(BackendError, match="an s3:// URI or a local/shared path"):
+        compile_cache_env("gs://bucket/cache", hostname="h")
+    with pytest.raises(BackendError, match="name a bucket"):
+        compile_cache_env("s3://", hostname="h")
