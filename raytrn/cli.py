@@ -176,7 +176,7 @@ def _cmd_precompile(args: argparse.Namespace) -> int:
     from raytrn.backends.neuron_compile import precompile
     from raytrn.config import load_job
 
-    return precompile(load_job(args.job, args.overrides), dry_run=args.dry_run)
+    return precompile(load_job(args.job, args.overrides), dry_run=args.dry_run, overrides=args.overrides)
 
 
 def _cmd_data_prepare(args: argparse.Namespace) -> int:

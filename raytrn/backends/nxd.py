@@ -42,7 +42,7 @@ NXD_LLAMA_MODULE = "modeling_llama_nxd"
 
 _INSTALL = (
     "on a trn instance use the Neuron DLAMI's PyTorch virtual environment, or install it from AWS's Neuron "
-    "package index: pip install neuronx-distributed --extra-index-url https://pip.repos.neuron.amazonaws.com"
+    "package index (see the Neuron setup guide): pip install neuronx-distributed --extra-index-url <Neuron index>"
 )
 
 #: The key :func:`save_sharded_checkpoint` adds to ``user_content``: the layout the shards were saved at.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from raytrn.backends import get_backend
+from raytrn.backends.nxd import check_parallel, data_parallel_size, require_nxd
 from raytrn.config import JobSpec
 from raytrn.data.manifest import Manifest, load_manifest
 from raytrn.errors import BackendUnavailableError, DataError
@@ -16,17 +17,19 @@ def check_job(job: JobSpec, *, data: bool = True) -> list[str]:
     laptop before it is submitted. ``data=False`` skips the dataset (its path may exist only on the
     cluster).
     """
-    lines = []
+    lines = check_parallel(job, require_installed=False)
     try:
         lines += [f"note: {n}" for n in get_backend(job.scaling.accelerator).check(job)]
+        require_nxd(job)
     except BackendUnavailableError as e:  # a trn job validated on a laptop: fine, noted
         lines.append(f"note: {e} (checked again when the job starts)")
     lines.append(f"model: llama, {model_stats(job.model, job.data.seq_len).describe()}")
-    accum = {n: job.data.grad_accum_for(n) for n in world_sizes(job)}
+    # One batch per model replica: data-parallel size = workers / tensor-parallel size.
+    dp = {n: data_parallel_size(job, n) for n in world_sizes(job)}
     shape = ", ".join(
-        f"{n} worker{'s' * (n > 1)}: {job.data.micro_batch_size} x {a} x {n} = "
-        f"{job.data.micro_batch_size * a * n} sequences/step"
-        for n, a in accum.items()
+        f"{n} worker{'s' * (n > 1)}: {job.data.micro_batch_size} x {job.data.grad_accum_for(d)} x {d} (DP) = "
+        f"{job.data.micro_batch_size * job.data.grad_accum_for(d) * d} sequences/step"
+        for n, d in dp.items()
     )
     lines.append(f"batch: {shape} of {job.data.seq_len} tokens")
     if not data:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from raytrn.backends import Backend, get_backend
+from raytrn.backends.nxd import data_parallel_size
 from raytrn.checkpoint import Progress, load_state, save_state
 from raytrn.config import JobSpec
 from raytrn.errors import DataError
@@ -36,7 +37,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     t = build_training(job, backend, world_size=world_size)
     model, optimizer, scheduler = t.model, t.optimizer, t.scheduler
     max_steps = job.run.max_steps
-    tokens_per_step = t.grad_accum * job.data.micro_batch_size * job.data.seq_len * world_size
+    # Tokens per optimizer step over the job: one batch per model replica (data-parallel rank).
+    tokens_per_step = t.grad_accum * job.data.micro_batch_size * job.data.seq_len * data_parallel_size(job, world_size)
 
     # -- resume --------------------------------------------------------------------------------
     progress = Progress()

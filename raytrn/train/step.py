@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from raytrn.backends.base import Backend
+from raytrn.backends.nxd import data_parallel_size
 from raytrn.config import JobSpec
 from raytrn.models import build_model
 from raytrn.train.schedule import lr_factor
@@ -59,7 +60,7 @@ def build_training(job: JobSpec, backend: Backend, *, world_size: int) -> Traini
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
-        grad_accum=job.data.grad_accum_for(world_size),
+        grad_accum=job.data.grad_accum_for(data_parallel_size(job, world_size)),
         grad_clip_norm=o.grad_clip_norm,
     )
 

@@ -250,7 +250,7 @@ def test_guard_raises_when_neuronx_distributed_is_missing(monkeypatch: pytest.Mo
         check_parallel(job_8b())
     msg = str(e.value)
     assert msg.startswith("neuronx-distributed is not installed here; the job needs it for tensor parallel 32, ZeRO-1")
-    assert "Neuron DLAMI" in msg and "--extra-index-url https://pip.repos.neuron.amazonaws.com" in msg
+    assert "Neuron DLAMI" in msg and "AWS's Neuron package index" in msg
     with pytest.raises(BackendUnavailableError):
         require_nxd(job_8b())
     # Config errors come first: a broken layout is reported even where NxD is missing.
@@ -458,7 +458,7 @@ def test_runtime_helpers_without_neuronx_distributed(monkeypatch: pytest.MonkeyP
     monkeypatch.setitem(sys.modules, "neuronx_distributed.trainer", None)
     with pytest.raises(BackendUnavailableError, match="neuronx_distributed.trainer cannot be imported"):
         build_nxd_config(job())
-    with pytest.raises(BackendUnavailableError, match="pip.repos.neuron.amazonaws.com"):
+    with pytest.raises(BackendUnavailableError, match="AWS's Neuron package index"):
         build_parallel_model(job(), {})
 
 
