@@ -9,11 +9,16 @@ STDLIB := $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["s
 DEMO_DATA := data/stdlib
 PYTEST_ARGS ?=
 
-.PHONY: help venv data demo test unit integration lint format clean
+# The torch-xla venv: torch 2.9 + torch-xla 2.9, the versions Neuron 2.28 (the last XLA training release) uses.
+VENV_XLA := .venv-xla
+XLA_PINS := torch==2.9.0 torch-xla==2.9.0
+
+.PHONY: help venv venv-xla data demo test test-xla unit integration lint format clean
 
 help:
 	@echo "make demo   - create .venv, install, prepare data/stdlib, train jobs/tiny.yaml on a local Ray"
 	@echo "make test   - run the test suite (unit + integration; what CI runs)"
+	@echo "make test-xla - build .venv-xla (torch 2.9 + torch-xla 2.9) and run tests/xla on PJRT_DEVICE=CPU"
 	@echo "make lint   - ruff + mypy"
 
 venv: $(BIN)/.installed
@@ -23,6 +28,15 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
 	$(BIN)/python -m pip install -q -e ".[dev]" "$(TORCH_PIN)"
+	touch $@
+
+venv-xla: $(VENV_XLA)/bin/.installed
+
+$(VENV_XLA)/bin/.installed: pyproject.toml
+	test -x $(VENV_XLA)/bin/python || $(PYTHON) -m venv $(VENV_XLA)
+	$(VENV_XLA)/bin/python -m pip install -q --upgrade pip
+	$(VENV_XLA)/bin/python -m pip install -q $(XLA_PINS)
+	$(VENV_XLA)/bin/python -m pip install -q -e ".[dev]" $(XLA_PINS)
 	touch $@
 
 # The demo corpus: the Python standard library's own top-level modules (on every machine, no download).
@@ -35,7 +49,10 @@ demo: venv data
 	$(BIN)/raytrn train jobs/tiny.yaml
 
 test: venv
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --ignore=tests/xla $(PYTEST_ARGS)
+
+test-xla: venv-xla
+	PJRT_DEVICE=CPU $(VENV_XLA)/bin/python -m pytest -q tests/xla $(PYTEST_ARGS)
 
 unit: venv
 	$(BIN)/python -m pytest -q -m unit $(PYTEST_ARGS)
@@ -53,4 +70,4 @@ format: venv
 	$(BIN)/ruff check --fix raytrn tests
 
 clean:
-	rm -rf $(VENV) data checkpoints mlruns .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(VENV_XLA) data checkpoints mlruns .pytest_cache .ruff_cache .mypy_cache
