@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from raytrn.backends.base import Backend
-from raytrn.backends.nxd import data_parallel_size
+from raytrn.backends.nxd import adamw_param_groups, data_parallel_size
 from raytrn.config import JobSpec
 from raytrn.models import build_model
 from raytrn.train.schedule import lr_factor
@@ -104,16 +104,9 @@ def read_metrics(result: StepResult, world_size: int) -> dict[str, float]:
 
 
 def _adamw(model: torch.nn.Module, job: JobSpec) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on norms and biases (1-D parameters)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    """AdamW; no weight decay on norms and biases (1-D parameters), the same groups NxD's optimizer gets."""
     o = job.optim
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=o.lr,
-        betas=o.betas,
-        eps=o.eps,
-    )
+    return torch.optim.AdamW(adamw_param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
 
 
 def _clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
