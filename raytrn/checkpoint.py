@@ -57,8 +57,13 @@ def save_state(
         },
     }
     torch.save(state, os.path.join(directory, STATE_FILE))
+    write_meta(directory, progress)
+
+
+def write_meta(directory: str, progress: Progress, **extra: Any) -> None:
+    """``meta.json``: the counters (and, for sharded checkpoints, where the shards are), readable without torch."""
     with open(os.path.join(directory, META_FILE), "w") as f:
-        json.dump(asdict(progress), f)
+        json.dump({**asdict(progress), **extra}, f)
 
 
 def load_state(
@@ -84,7 +89,10 @@ def read_meta(location: str) -> Progress | None:
     from raytrn import storage
 
     text = storage.read_text(storage.join(location, META_FILE))
-    return Progress(**json.loads(text)) if text else None
+    if not text:
+        return None
+    fields = set(Progress.__dataclass_fields__)
+    return Progress(**{k: v for k, v in json.loads(text).items() if k in fields})
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -42,6 +42,10 @@ class Backend:
 
         return ray.train.torch.prepare_model(model, move_to_device=self.device())
 
+    def build_parallel_training(self, job: JobSpec, world_size: int) -> Any:
+        """A model-parallel Training (e.g. neuronx-distributed) for this job, or None for plain data parallelism."""
+        return None
+
     def check(self, job: JobSpec) -> list[str]:
         """Backend-specific checks of a job (layout, worker counts): notes to show, or BackendError."""
         return []

@@ -14,13 +14,14 @@ import logging
 import os
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.train.backend import Backend as RayBackend
 from ray.train.torch import TorchConfig
 
+from raytrn.backends.neuron_compile import FORWARD_ENV
 from raytrn.backends.neuron_env import (
     cc_flags_for,
     check_layout,
@@ -28,6 +29,14 @@ from raytrn.backends.neuron_env import (
     compile_cache_env,
     cores_per_instance,
     neuron_worker_env,
+)
+from raytrn.backends.nxd import (
+    build_nxd_config,
+    build_parallel_model,
+    build_parallel_optimizer,
+    data_parallel_size,
+    uses_nxd,
+    vocab_parallel_loss,
 )
 from raytrn.backends.xla import XlaBackend, import_torch_xla
 from raytrn.errors import BackendError
@@ -85,6 +94,27 @@ class NeuronBackend(XlaBackend):
             cc_flags=n.cc_flags,
             root_comm_port=getattr(n, "root_comm_port", None),  # a fixed (reserved) port, where the spec has one
             run_id=job.run_name,
+            extra_env={k: os.environ[k] for k in FORWARD_ENV if k in os.environ},
+        )
+
+    def build_parallel_training(self, job: JobSpec, world_size: int) -> Any:
+        """NxD's tensor-parallel Llama + NxDOptimizer (ZeRO-1) when the job asks for ``parallel`` features."""
+        if not uses_nxd(job):
+            return None
+        from raytrn.train.step import Training, lr_scheduler
+
+        nxd_config = build_nxd_config(job)
+        model = build_parallel_model(job, nxd_config)
+        optimizer = build_parallel_optimizer(job, nxd_config, model)
+        return Training(
+            model=model,
+            optimizer=optimizer,
+            scheduler=lr_scheduler(optimizer, job),
+            grad_accum=job.data.grad_accum_for(data_parallel_size(job, world_size)),
+            grad_clip_norm=job.optim.grad_clip_norm,
+            loss_fn=vocab_parallel_loss,
+            fused_optimizer=True,  # NxDOptimizer.step all-reduces, clips and steps; .grad_norm after
+            sharded=True,
         )
 
 
@@ -132,6 +162,9 @@ class NeuronXlaConfig(TorchConfig):
     root_comm_port: int | None = None
     #: ``TORCHELASTIC_RUN_ID``: fixed for the job.
     run_id: str = "raytrn"
+    #: Driver variables every worker also gets (e.g. neuron_parallel_compile's graph-extraction switches:
+    #: Ray workers do not inherit the driver's environment).
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         cores_per_instance(self.instance_type, self.lnc)  # unknown instance type / LNC on trn1: fail on the driver
@@ -153,6 +186,7 @@ class NeuronXlaConfig(TorchConfig):
             "cc_flags": self.cc_flags,
             "root_comm_port": self.root_comm_port,
             "run_id": self.run_id,
+            "extra_env": dict(self.extra_env),
         }
 
 
@@ -217,6 +251,7 @@ def plan_worker_envs(
             hostname=w.hostname,
             run_id=config.run_id,
         )
+        | config.extra_env
         for w in workers
     ]
 

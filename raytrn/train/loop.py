@@ -12,13 +12,14 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from raytrn.backends import Backend, get_backend
 from raytrn.backends.nxd import data_parallel_size
-from raytrn.checkpoint import Progress, load_state, save_state
+from raytrn.checkpoint import Progress, load_state, save_state, write_meta
 from raytrn.config import JobSpec
 from raytrn.errors import DataError
 from raytrn.train.step import Training, build_training, read_metrics, train_step
@@ -45,13 +46,20 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
-            progress = load_state(d, model=model, optimizer=optimizer, scheduler=scheduler)
+            if t.sharded:
+                from raytrn.backends.nxd import load_sharded_checkpoint
+
+                saved = load_sharded_checkpoint(sharded_dir(job), model, optimizer, scheduler)
+                progress = Progress(**saved) if saved else Progress()
+            else:
+                progress = load_state(d, model=model, optimizer=optimizer, scheduler=scheduler)
         progress.epoch += 1  # continue with a fresh pass over the data (see README: resume)
     logger = _rank0_logger(config) if rank == 0 else None
     board = config.get("board") if rank == 0 else None
     if logger:
         logger.world_size(progress.step, world_size)
-    batches = backend.wrap_batches(_batches(ray.train.get_dataset_shard("train"), job, progress, rank))
+    shard = ray.train.get_dataset_shard("train")
+    batches = backend.wrap_batches(_batches(shard, job, progress, rank, world_size))
 
     # -- train ---------------------------------------------------------------------------------
     window_start, window_tokens, data_wait = time.perf_counter(), 0, 0.0
@@ -92,18 +100,30 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         logger.close()
 
 
-def _batches(shard: Any, job: JobSpec, progress: Progress, rank: int) -> Iterator[torch.Tensor]:
-    """Endless micro-batches of shape [micro_batch_size, seq_len + 1], one dataset pass per epoch."""
+def _batches(shard: Any, job: JobSpec, progress: Progress, rank: int, world_size: int) -> Iterator[torch.Tensor]:
+    """Endless micro-batches of shape [micro_batch_size, seq_len + 1], one dataset pass per epoch.
+
+    Under tensor parallelism the ranks of one TP group must see the same batches: every worker reads
+    the unsplit dataset in the same order and keeps the batches of its data-parallel rank.
+    """
     row_len = job.data.seq_len + 1
+    tp = job.parallel.tensor_parallel_size
+    dp, dp_rank = data_parallel_size(job, world_size), rank // tp
     while True:
         seen = 0
-        for batch in shard.iter_torch_batches(
-            batch_size=job.data.micro_batch_size,
-            drop_last=True,  # fixed shapes: a short last batch would be a new graph on XLA
-            local_shuffle_buffer_size=8 * job.data.micro_batch_size if job.data.shuffle else None,
-            local_shuffle_seed=(job.run.seed * 1_000_003 + progress.epoch * 101 + rank) if job.data.shuffle else None,
-            collate_fn=_TokenCollate(),
+        for index, batch in enumerate(
+            shard.iter_torch_batches(
+                batch_size=job.data.micro_batch_size,
+                drop_last=True,  # fixed shapes: a short last batch would be a new graph on XLA
+                local_shuffle_buffer_size=8 * job.data.micro_batch_size if job.data.shuffle else None,
+                local_shuffle_seed=(job.run.seed * 1_000_003 + progress.epoch * 101 + (0 if tp > 1 else rank))
+                if job.data.shuffle
+                else None,
+                collate_fn=_TokenCollate(),
+            )
         ):
+            if not owns_batch(index, tp=tp, dp=dp, dp_rank=dp_rank):
+                continue
             if batch.shape[1] != row_len:
                 raise DataError(
                     f"dataset rows have {batch.shape[1]} tokens but data.seq_len + 1 = {row_len}; "
@@ -118,6 +138,11 @@ def _batches(shard: Any, job: JobSpec, progress: Progress, rank: int) -> Iterato
                 "data.micro_batch_size or scaling.max_workers"
             )
         progress.epoch += 1
+
+
+def owns_batch(index: int, *, tp: int, dp: int, dp_rank: int) -> bool:
+    """Whether a worker keeps batch ``index`` of the unsplit stream (TP > 1); with TP 1 Ray splits the data."""
+    return tp == 1 or index % dp == dp_rank
 
 
 def _token_collate_base() -> type:
@@ -150,6 +175,13 @@ def _quiet_ray_train_logs() -> None:
         pass
 
 
+def sharded_dir(job: JobSpec) -> str:
+    """Where NxD writes the sharded checkpoints of this run (next to Ray's checkpoints)."""
+    from raytrn import storage
+
+    return storage.join(job.checkpoint.storage, job.run_name, "nxd")
+
+
 def _save_and_report(
     job: JobSpec,
     rank: int,
@@ -159,17 +191,30 @@ def _save_and_report(
     metrics: dict[str, float],
     logger: Any,
 ) -> None:
-    """Rank 0 writes the state; every worker calls report (Ray Train requires all ranks to)."""
+    """Rank 0 writes the state (all ranks their shards when sharded); every worker calls report."""
     import ray.train
 
     report = {**metrics, "step": progress.step, "tokens_seen": progress.tokens_seen}
+    if os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY"):  # neuron_parallel_compile's trial run: outputs are invalid
+        ray.train.report(report, checkpoint=None)
+        return
+    if t.sharded:  # NxD: every rank writes its shard of model and optimizer (to S3 or a shared FS)
+        from raytrn.backends.nxd import save_sharded_checkpoint
+
+        save_sharded_checkpoint(
+            sharded_dir(job), f"step_{progress.step:08d}", t.model, t.optimizer, t.scheduler,
+            asdict(progress), job.checkpoint.keep_last,
+        )  # fmt: skip
     if rank != 0:
         ray.train.report(report, checkpoint=None)
         return
     with tempfile.TemporaryDirectory(prefix="raytrn-ckpt-") as d:
-        save_state(
-            d, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, progress=progress, to_cpu=backend.to_cpu
-        )
+        if t.sharded:  # Ray's checkpoint holds the counters and points at the shards
+            write_meta(d, progress, sharded=sharded_dir(job))
+        else:
+            save_state(
+                d, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, progress=progress, to_cpu=backend.to_cpu
+            )
         ray.train.report(
             report,
             checkpoint=ray.train.Checkpoint.from_directory(d),

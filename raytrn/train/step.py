@@ -32,6 +32,12 @@ class Training:
     scheduler: Any
     grad_accum: int
     grad_clip_norm: float | None
+    #: (logits, targets) -> mean loss; vocab-parallel cross entropy under tensor parallelism.
+    loss_fn: Any = None
+    #: The optimizer's step() all-reduces and clips itself (NxDOptimizer) and exposes ``grad_norm``.
+    fused_optimizer: bool = False
+    #: Every rank holds a shard of the state: checkpoints are saved by all ranks (NxD), not rank 0.
+    sharded: bool = False
 
 
 @dataclass(kw_only=True)
@@ -42,12 +48,29 @@ class StepResult:
 
 
 def build_training(job: JobSpec, backend: Backend, *, world_size: int) -> Training:
-    """Seeded model, AdamW and warmup+cosine schedule for ``job`` at this world size."""
+    """Seeded model, AdamW and warmup+cosine schedule for ``job`` at this world size.
+
+    The backend may build a model-parallel one instead (neuronx-distributed on Neuron).
+    """
     backend.seed(job.run.seed)
+    parallel = backend.build_parallel_training(job, world_size)
+    if parallel is not None:
+        return parallel
     model = backend.prepare_model(build_model(job.model, seed=job.run.seed))
     optimizer = _adamw(model, job)
+    return Training(
+        model=model,
+        optimizer=optimizer,
+        scheduler=lr_scheduler(optimizer, job),
+        grad_accum=job.data.grad_accum_for(data_parallel_size(job, world_size)),
+        grad_clip_norm=job.optim.grad_clip_norm,
+    )
+
+
+def lr_scheduler(optimizer: torch.optim.Optimizer, job: JobSpec) -> Any:
+    """Linear warmup, then cosine decay to ``lr * min_lr_ratio`` (see raytrn.train.schedule)."""
     o, max_steps = job.optim, job.run.max_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
+    return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda s: lr_factor(
             s,
@@ -56,13 +79,11 @@ def build_training(job: JobSpec, backend: Backend, *, world_size: int) -> Traini
             min_lr_ratio=o.min_lr_ratio,
         ),
     )
-    return Training(
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        grad_accum=job.data.grad_accum_for(data_parallel_size(job, world_size)),
-        grad_clip_norm=o.grad_clip_norm,
-    )
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy (fp32 logits)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def train_step(t: Training, batches: Iterator[torch.Tensor], backend: Backend) -> StepResult:
@@ -80,13 +101,17 @@ def train_step(t: Training, batches: Iterator[torch.Tensor], backend: Backend) -
         last = micro == t.grad_accum - 1
         with nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():  # type: ignore[operator]
             logits = model(input_ids=inputs).logits
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+            loss = (t.loss_fn or cross_entropy)(logits, targets)
             (loss / t.grad_accum).backward()
         loss_sum = loss_sum + loss.detach()
     loss_mean = loss_sum / t.grad_accum  # before the sync: part of the step's graph, read later for free
-    backend.reduce_gradients(t.optimizer)  # XLA: all-reduce before clipping; DDP did it in backward
-    grad_norm = _clip(model, t.grad_clip_norm)
-    backend.optimizer_step(t.optimizer)
+    if t.fused_optimizer:  # NxD: all-reduce over DP, clip and step in one call
+        backend.optimizer_step(t.optimizer)
+        grad_norm = t.optimizer.grad_norm  # type: ignore[attr-defined]
+    else:
+        backend.reduce_gradients(t.optimizer)  # XLA: all-reduce before clipping; DDP did it in backward
+        grad_norm = _clip(model, t.grad_clip_norm)
+        backend.optimizer_step(t.optimizer)
     t.scheduler.step()
     t.optimizer.zero_grad(set_to_none=True)
     backend.sync()  # XLA: the step's graph ends here (compiled once, then cached)

@@ -108,6 +108,7 @@ def latest_checkpoint(job: JobSpec) -> tuple[Progress, str | None]:
 def _trainer(job: JobSpec, backend: Backend, scaling: Any, manifest: Any, tracked: Any, board: Any) -> Any:
     """The Ray Train ``TorchTrainer`` for ``job``, reading the manifest's shards with Ray Data."""
     import ray.data
+    import ray.train
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
@@ -132,7 +133,19 @@ def _trainer(job: JobSpec, backend: Backend, scaling: Any, manifest: Any, tracke
             checkpoint_config=CheckpointConfig(num_to_keep=job.checkpoint.keep_last),
         ),
         datasets={"train": dataset},
+        dataset_config=_data_config(job),
     )
+
+
+def _data_config(job: JobSpec) -> Any:
+    """Tensor parallelism: every rank of a TP group must read the same batches, so the dataset is not split
+    per worker and keeps its order; the loop keeps the batches of its data-parallel rank."""
+    import ray.train
+    from ray.data import ExecutionOptions
+
+    if job.parallel.tensor_parallel_size == 1:
+        return ray.train.DataConfig()
+    return ray.train.DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True))
 
 
 def _check_local_resources(job: JobSpec, scaling: Any) -> None:

@@ -149,10 +149,27 @@ def test_ray_backend_config_carries_plain_fields() -> None:
         "cc_flags": "--model-type transformer",
         "root_comm_port": None,
         "run_id": "llama3-8b-trn1",
+        "extra_env": {},
     }
     for dumps, loads in ((pickle.dumps, pickle.loads), (cloudpickle.dumps, cloudpickle.loads)):
         back = loads(dumps(cfg))
         assert back == cfg and back.backend_cls is neuron._NeuronRayBackend
+
+
+def test_precompile_switches_reach_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """neuron_parallel_compile sets its switches in the driver's env; Ray workers don't inherit it."""
+    monkeypatch.setenv("NEURON_EXTRACT_GRAPHS_ONLY", "1")
+    monkeypatch.delenv("NEURON_PARALLEL_COMPILE_CACHE_PATH_LOG", raising=False)
+    cfg = NeuronBackend().ray_backend_config(job())
+    assert cfg.extra_env == {"NEURON_EXTRACT_GRAPHS_ONLY": "1"}
+    workers = [
+        WorkerInfo(world_rank=r, local_rank=r, node_rank=0, world_size=2, local_world_size=2, node_id="n0",
+                   node_ip="10.0.0.1", hostname="h0")
+        for r in range(2)
+    ]  # fmt: skip
+    cfg2 = NeuronXlaConfig(instance_type="trn1.32xlarge", workers_per_node=2, extra_env=cfg.extra_env)
+    envs = plan_worker_envs(workers, cfg2, master_addr="10.0.0.1", master_port=1, root_comm_port=2)
+    assert all(e["NEURON_EXTRACT_GRAPHS_ONLY"] == "1" for e in envs)
 
 
 def test_ray_backend_config_needs_the_layout() -> None:
