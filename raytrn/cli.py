@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_comp.add_argument("--dry-run", action="store_true", help="print the plan and commands without running them")
     p_comp.set_defaults(func=_cmd_precompile)
 
+    from raytrn.cluster.cli import register as register_cluster
+
+    register_cluster(sub)
+
     p_data = sub.add_parser("data", help="dataset tools", description="Dataset tools.")
     data_sub = p_data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     data_sub.required = True

@@ -241,19 +241,11 @@ class JobSpec(_Section):
 def load_job(path: str | os.PathLike, overrides: list[str] | None = None, *, base_dir: str | None = None) -> JobSpec:
     """Read, override, validate and path-resolve a job spec; raise ConfigError with a clear message."""
     path = str(path)
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: job file not found (check the path; shipped examples are in jobs/)") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read job file: {e.__class__.__name__}: {e}") from None
+    text = read_config_text(path, what="job file", examples="jobs/")
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
-        problem = getattr(e, "problem", None) or str(e)
-        raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
+        raise yaml_syntax_error(path, e) from None
     if raw is None:
         raise ConfigError(f"{path}: job file is empty; see jobs/tiny.yaml for the sections a job needs")
     if not isinstance(raw, dict):
@@ -261,6 +253,24 @@ def load_job(path: str | os.PathLike, overrides: list[str] | None = None, *, bas
     overridden = apply_overrides(raw, overrides or [])
     job = parse_job(raw, source=path, overridden=overridden)
     return resolve_paths(job, base_dir or os.getcwd())
+
+
+def read_config_text(path: str, *, what: str, examples: str) -> str:
+    """A config file's text, or a ConfigError saying what is wrong with the path."""
+    try:
+        return Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: {what} not found (check the path; shipped examples are in {examples})") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read {what}: {e.__class__.__name__}: {e}") from None
+
+
+def yaml_syntax_error(path: str, e: yaml.YAMLError) -> ConfigError:
+    """``file:line:col: YAML syntax error: ...`` for a YAML parse error."""
+    mark = getattr(e, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+    problem = getattr(e, "problem", None) or str(e)
+    return ConfigError(f"{where}: YAML syntax error: {problem}")
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> set[str]:

@@ -1,0 +1,36 @@
+"""``raytrn cluster ...``: commands about the cluster itself (not a job). Wired in by raytrn/cli.py."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``cluster`` command (with ``validate FILE``) to the main CLI's subparsers; return it."""
+    p_cluster = subparsers.add_parser(
+        "cluster", help="cluster config tools", description="Tools for Ray cluster configs (ray up, KubeRay)."
+    )
+    cluster_sub = p_cluster.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND")
+    cluster_sub.required = True
+    p_val = cluster_sub.add_parser(
+        "validate",
+        help="check a cluster-launcher YAML or a KubeRay manifest before launching it",
+        description="Check a `ray up` YAML against Ray's own cluster schema and raytrn's Trainium rules "
+        "(neuron_cores per instance type, EFA and placement group for multi-node types, no Ray port open to "
+        "0.0.0.0/0, idle timeout, max_workers bounds, CPU head), or a KubeRay RayCluster / RayJob manifest "
+        "(required fields, neuron_cores vs the pod's Neuron and EFA requests). Starts nothing.",
+    )
+    p_val.add_argument("file", metavar="FILE", help="cluster/*.yaml or cluster/kuberay/*.yaml")
+    p_val.set_defaults(func=cmd_validate)
+    return p_cluster
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Print the notes and ``FILE: OK``; a problem raises ConfigError (the main CLI exits 2)."""
+    from raytrn.cluster.validate import validate_cluster_file
+
+    for line in validate_cluster_file(args.file):
+        print(line)
+    print(f"{args.file}: OK")
+    return 0

@@ -1,0 +1,386 @@
+"""Check a Ray cluster-launcher YAML (``ray up``) before it costs money: Ray's schema + Trainium rules.
+
+Two layers, all problems reported in one :class:`~raytrn.errors.ConfigError` (each with its YAML path
+and the fix):
+
+1. Ray's own JSON schema, shipped in the ray package (``ray/autoscaler/ray-schema.json``, the file
+   ``ray.autoscaler._private.util.validate_config`` uses), applied with ``jsonschema`` to the YAML as
+   written, so an error names its path (``available_node_types.trn1_32xl.max_worker``).
+2. raytrn's rules for Trainium clusters: ``resources.neuron_cores`` equals the instance type's
+   NeuronCores (the INSTANCES table of :mod:`raytrn.backends.neuron_env`; trn2 counts 64 at the default
+   LNC=2, 128 when a command of that node type sets ``NEURON_LOGICAL_NC_CONFIG=1``); multi-node trn
+   types have an EFA interface and a cluster placement group; no ``provider.security_group`` rule opens
+   Ray's or MLflow's ports to the internet; ``idle_timeout_minutes`` and ``max_workers`` are set and
+   consistent; the head is not a Trainium instance.
+
+Files whose ``kind`` is ``RayCluster`` / ``RayJob`` are KubeRay manifests: see :mod:`raytrn.cluster.kuberay`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import json
+import os
+import re
+from typing import Any
+
+import yaml
+
+from raytrn.backends.neuron_env import INSTANCES, InstanceSpec
+from raytrn.config import read_config_text, yaml_syntax_error
+from raytrn.errors import ConfigError
+
+#: Ports that must never be reachable from the internet (Ray has no authorization beyond the token).
+SENSITIVE_PORTS = {
+    8265: "Ray dashboard / job submission API",
+    6379: "Ray GCS",
+    10001: "Ray client server",
+    8076: "Ray object manager",
+    52365: "Ray dashboard agent",
+    5000: "MLflow server",
+}
+_OPEN_CIDRS = ("0.0.0.0/0", "::/0")
+_TRN_TYPE = re.compile(r"^trn\d", re.IGNORECASE)
+_LNC_SETTING = re.compile(r"NEURON_LOGICAL_NC_CONFIG\s*=\s*[\"']?(\d+)")
+_PLACEHOLDER = "REPLACE_ME"
+KUBERAY_KINDS = ("RayCluster", "RayJob")
+
+
+def ray_schema_path() -> str:
+    """The cluster-config schema of the installed Ray (``ray/autoscaler/ray-schema.json``).
+
+    Found without importing ray (seconds): ``find_spec`` of a top-level package does not run it.
+    """
+    spec = importlib.util.find_spec("ray")
+    if spec is None or not spec.origin:
+        raise ConfigError("ray is not installed: `raytrn cluster validate` needs Ray's cluster schema (ray 2.60)")
+    return os.path.join(os.path.dirname(spec.origin), "autoscaler", "ray-schema.json")
+
+
+def validate_cluster_file(path: str) -> list[str]:
+    """Validate a cluster-launcher YAML or a KubeRay manifest; return info notes, raise ConfigError."""
+    docs = load_yaml_documents(path, what="cluster file")
+    if any(isinstance(d, dict) and "kind" in d for d in docs):
+        from raytrn.cluster.kuberay import validate_kuberay_documents
+
+        return validate_kuberay_documents(docs, source=path)
+    if len(docs) != 1:
+        raise ConfigError(f"{path}: a cluster-launcher config is one YAML document, found {len(docs)}")
+    return validate_cluster_config(docs[0], source=path)
+
+
+def load_yaml_documents(path: str, *, what: str) -> list[Any]:
+    """Every YAML document of ``path`` (empty ones dropped); ConfigError with ``file:line:col`` on bad YAML."""
+    text = read_config_text(path, what=what, examples="cluster/")
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as e:
+        raise yaml_syntax_error(path, e) from None
+    if not docs:
+        raise ConfigError(f"{path}: {what} is empty")
+    return docs
+
+
+def mapping_at(node: Any, *keys: str) -> dict[str, Any]:
+    """``node[k1][k2]...`` when every step is a mapping, else ``{}`` (for reading unvalidated YAML)."""
+    for key in keys:
+        node = node.get(key) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else {}
+
+
+def raise_problems(source: str, problems: list[str]) -> None:
+    """One ConfigError listing every problem (file first), or nothing."""
+    if problems:
+        head = f"{source}: " if len(problems) == 1 else f"{source}: {len(problems)} problems:\n  "
+        raise ConfigError(head + "\n  ".join(problems))
+
+
+def validate_cluster_config(config: Any, *, source: str = "<cluster>") -> list[str]:
+    """Validate a loaded cluster-launcher config (see the module doc); return info notes."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"{source}: a cluster config must be a YAML mapping, got {type(config).__name__}")
+    problems = schema_problems(config)
+    notes: list[str] = []
+    node_types = config.get("available_node_types")
+    if isinstance(node_types, dict):
+        problems += _check_sizes(config, node_types)
+        problems += _check_head(config, node_types)
+        for name, node_type in node_types.items():
+            if isinstance(node_type, dict) and name != config.get("head_node_type"):
+                problems += _check_trn_node_type(config, name, node_type, notes)
+    problems += _check_security_group(config)
+    notes += _command_notes(config)
+    notes += placeholder_notes(config, before="`ray up`")
+    raise_problems(source, problems)
+    return notes
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ray's schema
+
+
+def schema_problems(config: dict[str, Any]) -> list[str]:
+    """Ray's cluster schema errors, each as ``path: what. fix``."""
+    import jsonschema
+
+    with open(ray_schema_path()) as f:
+        schema = json.load(f)
+    validator = jsonschema.Draft7Validator(schema)
+    errors = sorted(validator.iter_errors(config), key=lambda e: [str(p) for p in e.absolute_path])
+    out: list[str] = []
+    for err in errors:
+        out += _describe_schema_error(err)
+    return out
+
+
+def _dotted(parts: Any) -> str:
+    path = ""
+    for p in parts:
+        path += f"[{p}]" if isinstance(p, int) else (f".{p}" if path else str(p))
+    return path
+
+
+def _describe_schema_error(err: Any) -> list[str]:
+    where = _dotted(err.absolute_path)
+    prefix = f"{where}." if where else ""
+    if err.validator == "additionalProperties" and isinstance(err.instance, dict):
+        known = list(err.schema.get("properties", {}))
+        patterns = list(err.schema.get("patternProperties", {}))
+        unknown = [k for k in err.instance if k not in known and not any(re.search(p, str(k)) for p in patterns)]
+        lines = []
+        for key in unknown:
+            near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+            hint = f"Did you mean '{near[0]}'?" if near else f"Known fields: {', '.join(known)}."
+            lines.append(f"{prefix}{key}: unknown field (Ray's cluster schema). {hint}")
+        return lines or [f"{where or '<top>'}: {err.message}"]
+    if err.validator == "required":
+        missing = re.findall(r"'([^']+)' is a required property", err.message)
+        key = missing[0] if missing else "?"
+        return [f"{prefix}{key}: required field is missing (Ray's cluster schema)"]
+    if err.validator == "type":
+        return [f"{where}: must be of type {err.validator_value} (got {err.instance!r})"]
+    if err.validator == "minimum":
+        return [f"{where}: must be >= {err.validator_value} (got {err.instance!r})"]
+    return [f"{where or '<top>'}: {err.message} (Ray's cluster schema)"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# raytrn rules
+
+
+def _check_sizes(config: dict[str, Any], node_types: dict[str, Any]) -> list[str]:
+    problems = []
+    if "idle_timeout_minutes" not in config:
+        problems.append(
+            "idle_timeout_minutes: not set; set it explicitly (e.g. 10) so idle Trainium nodes are "
+            "terminated on a known schedule instead of Ray's default"
+        )
+    top = config.get("max_workers")
+    if not isinstance(top, int):
+        problems.append("max_workers: not set; set the most worker nodes the cluster may launch (e.g. 4)")
+        return problems
+    min_sum = 0
+    for name, nt in node_types.items():
+        if not isinstance(nt, dict) or name == config.get("head_node_type"):
+            continue
+        lo, hi = nt.get("min_workers", 0), nt.get("max_workers")
+        if isinstance(lo, int):
+            min_sum += lo
+        if isinstance(hi, int) and hi > top:
+            problems.append(
+                f"available_node_types.{name}.max_workers: {hi} exceeds the cluster's max_workers ({top}); "
+                f"lower it to <= {top} or raise max_workers"
+            )
+        if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
+            problems.append(
+                f"available_node_types.{name}.min_workers: {lo} exceeds its max_workers ({hi}); set min_workers <= {hi}"
+            )
+    if min_sum > top:
+        problems.append(
+            f"max_workers: {top} is below the sum of the node types' min_workers ({min_sum}); raise max_workers "
+            f"to >= {min_sum} or lower min_workers"
+        )
+    return problems
+
+
+def _check_head(config: dict[str, Any], node_types: dict[str, Any]) -> list[str]:
+    head = config.get("head_node_type")
+    if head is None:
+        return ["head_node_type: required field is missing; name one of available_node_types (the head node)"]
+    if head not in node_types:
+        near = difflib.get_close_matches(str(head), list(node_types), n=1, cutoff=0.6)
+        hint = f" Did you mean '{near[0]}'?" if near else f" Known: {', '.join(node_types)}."
+        return [f"head_node_type: {head!r} is not one of available_node_types.{hint}"]
+    node_config = node_types[head].get("node_config") if isinstance(node_types[head], dict) else None
+    itype = node_config.get("InstanceType") if isinstance(node_config, dict) else None
+    if isinstance(itype, str) and _TRN_TYPE.match(itype):
+        return [
+            f"available_node_types.{head}.node_config.InstanceType: the head node is a Trainium instance "
+            f"({itype}); use a CPU instance (e.g. m7i.2xlarge): the head runs Ray's control plane, job drivers "
+            "and MLflow, never training, and a trn head would idle its NeuronCores and never scale to zero"
+        ]
+    return []
+
+
+def expected_neuron_cores(spec: InstanceSpec, commands: list[str]) -> tuple[int, int | None]:
+    """NeuronCores a node of ``spec`` exposes given the commands run on it, and the LNC they imply.
+
+    Rule: on instances with a logical NeuronCore config (trn2) the count is at the default LNC (2: 64
+    on trn2.48xlarge) unless a command sets ``NEURON_LOGICAL_NC_CONFIG=N``; the last setting wins.
+    """
+    lnc = None
+    if spec.default_lnc is not None:
+        for cmd in commands:
+            for value in _LNC_SETTING.findall(cmd):
+                lnc = int(value)
+    return spec.cores(lnc), (lnc or spec.default_lnc)
+
+
+def _node_commands(config: dict[str, Any], node_type: dict[str, Any]) -> list[str]:
+    """The shell commands Ray runs on a worker of this type (a node type's own list overrides the global)."""
+    cmds: list[Any] = []
+    cmds += node_type.get("initialization_commands", config.get("initialization_commands")) or []
+    cmds += config.get("setup_commands") or []
+    cmds += node_type.get("worker_setup_commands", config.get("worker_setup_commands")) or []
+    cmds += config.get("worker_start_ray_commands") or []
+    return [c for c in cmds if isinstance(c, str)]
+
+
+def _check_trn_node_type(config: dict[str, Any], name: str, nt: dict[str, Any], notes: list[str]) -> list[str]:
+    where = f"available_node_types.{name}"
+    node_config = nt.get("node_config")
+    itype = node_config.get("InstanceType") if isinstance(node_config, dict) else None
+    if not isinstance(itype, str) or not _TRN_TYPE.match(itype):
+        return []
+    assert isinstance(node_config, dict)
+    spec = INSTANCES.get(itype)
+    if spec is None:
+        near = difflib.get_close_matches(itype, list(INSTANCES), n=1, cutoff=0.6)
+        hint = f" Did you mean '{near[0]}'?" if near else ""
+        return [
+            f"{where}.node_config.InstanceType: unknown Trainium instance type {itype!r}.{hint} "
+            f"Known: {', '.join(INSTANCES)}"
+        ]
+    problems = []
+    cores, lnc = expected_neuron_cores(spec, _node_commands(config, nt))
+    lnc_note = f" at LNC={lnc}" if lnc else ""
+    lnc_fix = " (or set NEURON_LOGICAL_NC_CONFIG in the node type's worker_setup_commands)" if lnc else ""
+    resources = mapping_at(nt, "resources")
+    got = resources.get("neuron_cores")
+    if got is None:
+        problems.append(
+            f"{where}.resources.neuron_cores: missing; set it to {cores} ({itype} has {cores} NeuronCores"
+            f"{lnc_note}): raytrn's workers request neuron_cores, so the autoscaler never launches this type without it"
+        )
+    elif got != cores:
+        problems.append(
+            f"{where}.resources.neuron_cores: {got!r} does not match {itype} ({cores} NeuronCores{lnc_note}); "
+            f"set it to {cores}{lnc_fix}"
+        )
+    max_nodes = nt.get("max_workers", config.get("max_workers", 0))
+    multi_node = isinstance(max_nodes, int) and max_nodes > 1
+    interfaces = node_config.get("NetworkInterfaces")
+    efa = [
+        ni
+        for ni in (interfaces if isinstance(interfaces, list) else [])
+        if isinstance(ni, dict) and str(ni.get("InterfaceType", "")).startswith("efa")
+    ]
+    placement = node_config.get("Placement")
+    group = placement.get("GroupName") if isinstance(placement, dict) else None
+    if multi_node and spec.efa_devices:
+        if not efa:
+            problems.append(
+                f"{where}.node_config.NetworkInterfaces: no EFA interface, but up to {max_nodes} {itype} nodes run "
+                f"multi-node collectives; add NetworkInterfaces with InterfaceType: efa (one per EFA device: "
+                f"{spec.efa_devices} on {itype}, NetworkCardIndex 0..{spec.efa_devices - 1}) or set max_workers: 1"
+            )
+        elif len(efa) < spec.efa_devices:
+            notes.append(
+                f"{name}: {len(efa)} of {itype}'s {spec.efa_devices} EFA devices attached; collectives between "
+                "nodes get proportionally less bandwidth"
+            )
+        if not group:
+            problems.append(
+                f"{where}.node_config.Placement.GroupName: missing; multi-node {itype} nodes need a cluster "
+                "placement group for full EFA bandwidth: create one (aws ec2 create-placement-group --group-name "
+                "NAME --strategy cluster) and set Placement: {GroupName: NAME}"
+            )
+    elif multi_node and not spec.efa_devices:
+        notes.append(f"{name}: {itype} has no EFA; collectives across its nodes go over TCP (slow)")
+    market = node_config.get("InstanceMarketOptions")
+    kind = market.get("MarketType", "on-demand") if isinstance(market, dict) else "on-demand"
+    notes.append(
+        f"{name}: {itype}, neuron_cores {got}{lnc_note}, {nt.get('min_workers', 0)}-{max_nodes} nodes, {kind}, "
+        f"{len(efa)} EFA interface(s), placement group {group or '-'}"
+    )
+    return problems
+
+
+def _rule_ports(rule: dict[str, Any]) -> tuple[int, int]:
+    if str(rule.get("IpProtocol", "")) == "-1":
+        return 0, 65535
+    lo, hi = rule.get("FromPort", 0), rule.get("ToPort", rule.get("FromPort", 65535))
+    return (lo if isinstance(lo, int) else 0), (hi if isinstance(hi, int) else 65535)
+
+
+def _check_security_group(config: dict[str, Any]) -> list[str]:
+    provider = config.get("provider")
+    group = provider.get("security_group") if isinstance(provider, dict) else None
+    rules = group.get("IpPermissions") if isinstance(group, dict) else None
+    problems = []
+    for i, rule in enumerate(rules if isinstance(rules, list) else []):
+        if not isinstance(rule, dict):
+            continue
+        cidrs = [r.get("CidrIp") for r in rule.get("IpRanges") or [] if isinstance(r, dict)]
+        cidrs += [r.get("CidrIpv6") for r in rule.get("Ipv6Ranges") or [] if isinstance(r, dict)]
+        open_cidrs = [c for c in cidrs if c in _OPEN_CIDRS]
+        if not open_cidrs:
+            continue
+        lo, hi = _rule_ports(rule)
+        exposed = [f"{port} ({what})" for port, what in SENSITIVE_PORTS.items() if lo <= port <= hi]
+        if exposed:
+            problems.append(
+                f"provider.security_group.IpPermissions[{i}]: opens {', '.join(exposed)} to {open_cidrs[0]}; "
+                "anyone could submit jobs (run code) on the cluster. Remove the rule or restrict CidrIp to your "
+                "network, and reach the dashboard through `ray dashboard CLUSTER.yaml` (an SSH tunnel)"
+            )
+    return problems
+
+
+def _command_notes(config: dict[str, Any]) -> list[str]:
+    notes = []
+    head_cmds = " ".join(c for c in config.get("head_start_ray_commands") or [] if isinstance(c, str))
+    if "ray start" in head_cmds:
+        if "--dashboard-host=0.0.0.0" in head_cmds or "--dashboard-host 0.0.0.0" in head_cmds:
+            notes.append(
+                "head_start_ray_commands: the dashboard listens on all interfaces (--dashboard-host=0.0.0.0); "
+                "prefer 127.0.0.1 and `ray dashboard CLUSTER.yaml`"
+            )
+        if "RAY_AUTH_MODE=token" not in head_cmds:
+            notes.append("head_start_ray_commands: Ray token authentication is off (no RAY_AUTH_MODE=token)")
+    return notes
+
+
+def placeholder_notes(config: Any, *, before: str) -> list[str]:
+    """A note naming each distinct ``REPLACE_ME`` value still in ``config`` and where it first occurs."""
+    found: dict[str, list[str]] = {}
+    for where, value in _placeholders(config, ""):
+        for token in re.findall(rf"[^\s\"']*{_PLACEHOLDER}[^\s\"']*", value):
+            found.setdefault(token, []).append(where)
+    if not found:
+        return []
+    shown = "; ".join(
+        f"{token} (at {paths[0]}{f' and {len(paths) - 1} more' if len(paths) > 1 else ''})"
+        for token, paths in found.items()
+    )
+    return [f"fill these placeholders before {before}: {shown}"]
+
+
+def _placeholders(node: Any, path: str) -> list[tuple[str, str]]:
+    """``(path, value)`` of every string that still contains the placeholder."""
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _placeholders(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in _placeholders(v, f"{path}[{i}]")]
+    return [(path, node)] if isinstance(node, str) and _PLACEHOLDER in node else []

@@ -1,0 +1,374 @@
+"""Submitting ``raytrn train`` to a Ray cluster as a Ray job, and looking after submitted jobs.
+
+``raytrn submit JOB.yaml --address http://HEAD:8265`` validates the job spec here, uploads the working
+dir (without environments, local data or results), forwards the MLflow/AWS settings of this shell to the
+job, records who submitted what (user, git commit) as job metadata, and follows the job's logs. An
+unreachable cluster fails before anything is uploaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import os
+import shlex
+import subprocess
+import sys
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from raytrn.errors import RaytrnError
+
+# Never uploaded with the working dir: environments, local datasets and results, caches, git history.
+# gitignore syntax, relative to the working dir: a leading "/" anchors at its top, so "/data" skips the
+# local datasets but keeps the raytrn/data package.
+WORKING_DIR_EXCLUDES: tuple[str, ...] = (
+    "/.venv",
+    "/.venv-*",
+    "/.git",
+    "/data",
+    "/mlruns",
+    "/checkpoints",
+    "__pycache__",
+    "*.egg-info",
+    ".mypy_cache",
+    ".pytest_cache",
+    ".ruff_cache",
+)
+
+# Settings of this shell the job needs on the cluster: where to track, how to reach S3 / the model hub.
+FORWARDED_ENV_PREFIXES: tuple[str, ...] = ("MLFLOW_", "AWS_", "RAYTRN_")
+FORWARDED_ENV_NAMES: tuple[str, ...] = ("HF_TOKEN", "HF_ENDPOINT")
+# They name files on this machine, meaningless on the cluster (which uses its instance role instead).
+NOT_FORWARDED: frozenset[str] = frozenset({"AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"})
+
+ADDRESS_ENV = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")  # the variables `ray job submit` reads too
+
+
+def forwarded_env(environ: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables of ``environ`` passed to the job (MLflow, AWS, HF token), plus ``extra`` (wins).
+
+    They travel in the job's runtime env, which the cluster's dashboard shows to whoever can reach it.
+    """
+    env = {
+        k: v
+        for k, v in environ.items()
+        if (k.startswith(FORWARDED_ENV_PREFIXES) or k in FORWARDED_ENV_NAMES) and k not in NOT_FORWARDED
+    }
+    env.update(extra or {})
+    return env
+
+
+def runtime_env(working_dir: str | os.PathLike[str], env_vars: Mapping[str, str]) -> dict[str, Any]:
+    """Ray runtime env: the working dir minus :data:`WORKING_DIR_EXCLUDES`, and the job's variables."""
+    wd = Path(working_dir).resolve()
+    if not wd.is_dir():
+        raise RaytrnError(f"--working-dir {working_dir}: not a directory")
+    out: dict[str, Any] = {"working_dir": str(wd), "excludes": list(WORKING_DIR_EXCLUDES)}
+    if env_vars:
+        out["env_vars"] = dict(env_vars)
+    return out
+
+
+def job_metadata(job_file: str, run_name: str, working_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """Who submitted what: shown by ``raytrn jobs list`` and the dashboard (values must be strings)."""
+    meta = {"raytrn.job_file": job_file, "raytrn.run_name": run_name, "user": _user()}
+    commit = git_commit(working_dir)
+    if commit:
+        meta["git.commit"] = commit
+    return meta
+
+
+def git_commit(path: str | os.PathLike[str]) -> str | None:
+    """HEAD of the repository at ``path`` (with ``-dirty`` when it has uncommitted changes), or None."""
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{sha}-dirty" if dirty else sha
+
+
+def entrypoint(job_file: str, overrides: Sequence[str]) -> str:
+    """The shell command the job runs in the unpacked working dir."""
+    args = ["python", "-m", "raytrn.cli", "train", job_file, "--no-progress"]
+    for kv in overrides:
+        args += ["--set", kv]
+    return shlex.join(args)
+
+
+def resolve_token(
+    explicit: str | None = None, environ: Mapping[str, str] | None = None, home: Path | None = None
+) -> str | None:
+    """The Ray auth token, looked up in Ray's own order: given, RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token."""
+    environ = os.environ if environ is None else environ
+    if explicit:
+        return explicit.strip()
+    if environ.get("RAY_AUTH_TOKEN"):
+        return environ["RAY_AUTH_TOKEN"].strip()
+    path = Path(environ["RAY_AUTH_TOKEN_PATH"]) if environ.get("RAY_AUTH_TOKEN_PATH") else None
+    if path is None:
+        path = (home or Path.home()) / ".ray" / "auth_token"
+        if not path.is_file():
+            return None
+    try:
+        return path.read_text().strip() or None
+    except OSError as e:
+        raise RaytrnError(f"RAY_AUTH_TOKEN_PATH={path}: cannot read the Ray auth token ({e})") from None
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def normalize_address(address: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The dashboard URL to submit to: given, or RAY_API_SERVER_ADDRESS / RAY_ADDRESS when those are URLs."""
+    environ = os.environ if environ is None else environ
+    if not address:
+        address = next((environ[k] for k in ADDRESS_ENV if environ.get(k, "").startswith(("http://", "https://"))), "")
+    if not address:
+        raise RaytrnError(
+            "no cluster to submit to: pass --address http://HEAD:8265 (the Ray dashboard; through an SSH tunnel, "
+            "`ray dashboard cluster.yaml`), or set RAY_API_SERVER_ADDRESS"
+        )
+    if address.startswith("ray://"):
+        raise RaytrnError(
+            f"--address {address}: that is a Ray Client address; jobs go to the dashboard, http://HEAD:8265"
+        )
+    if "://" not in address:
+        address = f"http://{address}"
+    return address.rstrip("/")
+
+
+def check_reachable(address: str, headers: Mapping[str, str], timeout_s: float = 5.0) -> None:
+    """Fail fast and clearly (nothing submitted) when the dashboard is down or refuses our credentials."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"{address}/api/jobs/", headers=dict(headers))
+    try:
+        urllib.request.urlopen(req, timeout=timeout_s).close()
+    except urllib.error.HTTPError as e:
+        if e.code == 401:
+            raise RaytrnError(
+                f"the Ray cluster at {address} requires an auth token and none was found: set RAY_AUTH_TOKEN, "
+                "RAY_AUTH_TOKEN_PATH or --token-file (on the head: `ray get-auth-token`); nothing was submitted"
+            ) from None
+        if e.code == 403:
+            raise RaytrnError(
+                f"the Ray cluster at {address} rejected the auth token; check RAY_AUTH_TOKEN / --token-file "
+                "(on the head: `ray get-auth-token`); nothing was submitted"
+            ) from None
+        # Anything else is the dashboard answering: let the client report it.
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise RaytrnError(
+            f"cannot reach the Ray dashboard at {address} ({reason}); check the address and the SSH tunnel "
+            "(`ray dashboard cluster.yaml`); nothing was submitted"
+        ) from None
+
+
+def submit(
+    job_path: str | os.PathLike[str],
+    *,
+    address: str | None,
+    overrides: Sequence[str] = (),
+    follow: bool = True,
+    env: Mapping[str, str] | None = None,
+    working_dir: str | os.PathLike[str] = ".",
+    token: str | None = None,
+    submission_id: str | None = None,
+) -> str:
+    """Submit ``raytrn train JOB`` as a Ray job and return its submission id (following its logs if asked).
+
+    The job spec is validated here first (with ``overrides``; data checks happen on the cluster). ``env``
+    adds to the forwarded MLflow/AWS variables of this process.
+    """
+    from raytrn.config import load_job
+
+    job = load_job(str(job_path), list(overrides))
+    wd = Path(working_dir).resolve()
+    try:
+        job_file = Path(job_path).resolve().relative_to(wd).as_posix()
+    except ValueError:
+        raise RaytrnError(
+            f"{job_path}: the job file must be inside the uploaded working dir {wd} (run from the repository, "
+            "or pass --working-dir)"
+        ) from None
+    address = normalize_address(address)
+    token = resolve_token(token)
+    headers = auth_headers(token)
+    check_reachable(address, headers)
+
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(address, headers=headers)
+    submission_id = submission_id or f"raytrn-{job.run_name}-{uuid.uuid4().hex[:6]}"
+    # Ray hands the driver its submission id only inside RAY_JOB_CONFIG_JSON_ENV_VAR; the trainer tags the
+    # MLflow run with RAY_JOB_SUBMISSION_ID.
+    job_env = {**forwarded_env(os.environ, env), "RAY_JOB_SUBMISSION_ID": submission_id}
+    job_id = client.submit_job(
+        entrypoint=entrypoint(job_file, overrides),
+        submission_id=submission_id,
+        runtime_env=runtime_env(wd, job_env),
+        metadata=job_metadata(job_file, job.run_name, wd),
+    )
+    print(f"raytrn: submitted {job_id} to {address}", flush=True)
+    if follow:
+        follow_logs(client, job_id)
+    else:
+        print(f"  logs  raytrn jobs logs {job_id} --address {address}")
+        print(f"  stop  raytrn jobs stop {job_id} --address {address}")
+    return job_id
+
+
+def follow_logs(client: Any, job_id: str) -> str:
+    """Print the job's logs as they come until it ends; return its final status."""
+    import asyncio
+
+    async def _tail() -> None:
+        async for lines in client.tail_job_logs(job_id):
+            print(lines, end="", flush=True)
+
+    try:
+        asyncio.run(_tail())
+    except KeyboardInterrupt:
+        print(f"\nraytrn: stopped following; the job keeps running (raytrn jobs stop {job_id})", file=sys.stderr)
+        raise
+    status = str(client.get_job_status(job_id))
+    print(f"raytrn: job {job_id} {status}", flush=True)
+    return status
+
+
+# --- command line --------------------------------------------------------------------------------------
+
+
+def register(subparsers: Any) -> None:
+    """Add ``submit`` and ``jobs list|logs|stop`` to the ``raytrn`` command line."""
+    from raytrn.cli import _add_set_option
+
+    def _address(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--address",
+            metavar="URL",
+            help="the cluster's Ray dashboard, e.g. http://127.0.0.1:8265 (default: $RAY_API_SERVER_ADDRESS)",
+        )
+        p.add_argument("--token-file", metavar="PATH", help="Ray auth token file (default: Ray's own lookup)")
+
+    p = subparsers.add_parser(
+        "submit",
+        help="run a training job on a Ray cluster (as a Ray job)",
+        description="Validate JOB.yaml, upload the working dir (without .venv*, .git, data/, mlruns/, "
+        "checkpoints/), forward MLFLOW_*/AWS_*/HF_TOKEN, and run `raytrn train` on the cluster as a Ray job; "
+        "follows its logs unless --no-follow.",
+    )
+    p.add_argument("job", metavar="JOB.yaml")
+    _add_set_option(p)
+    _address(p)
+    p.add_argument("--working-dir", default=".", metavar="DIR", help="directory uploaded with the job (default .)")
+    p.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment variable for the job"
+    )
+    p.add_argument("--no-follow", action="store_true", help="print the job id and return")
+    p.set_defaults(func=_cmd_submit)
+
+    p_jobs = subparsers.add_parser("jobs", help="list, follow or stop submitted jobs")
+    jobs_sub = p_jobs.add_subparsers(dest="jobs_command", metavar="SUBCOMMAND")
+    jobs_sub.required = True
+    p_list = jobs_sub.add_parser("list", help="jobs on the cluster, newest last")
+    _address(p_list)
+    p_list.set_defaults(func=_cmd_jobs_list)
+    p_logs = jobs_sub.add_parser("logs", help="print (or --follow) a job's logs")
+    p_logs.add_argument("job_id", metavar="JOB_ID")
+    p_logs.add_argument("--follow", "-f", action="store_true")
+    _address(p_logs)
+    p_logs.set_defaults(func=_cmd_jobs_logs)
+    p_stop = jobs_sub.add_parser("stop", help="stop a running job")
+    p_stop.add_argument("job_id", metavar="JOB_ID")
+    _address(p_stop)
+    p_stop.set_defaults(func=_cmd_jobs_stop)
+
+
+def _parse_env(items: Sequence[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise RaytrnError(f"--env {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _token_arg(args: argparse.Namespace) -> str | None:
+    if not args.token_file:
+        return None
+    try:
+        return Path(args.token_file).read_text().strip()
+    except OSError as e:
+        raise RaytrnError(f"--token-file {args.token_file}: {e}") from None
+
+
+def _client(args: argparse.Namespace) -> Any:
+    address = normalize_address(args.address)
+    headers = auth_headers(resolve_token(_token_arg(args)))
+    check_reachable(address, headers)
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(address, headers=headers)
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    job_id = submit(
+        args.job,
+        address=args.address,
+        overrides=args.overrides,
+        follow=False,
+        env=_parse_env(args.env),
+        working_dir=args.working_dir,
+        token=_token_arg(args),
+    )
+    if args.no_follow:
+        return 0
+    return 0 if follow_logs(_client(args), job_id) == "SUCCEEDED" else 1
+
+
+def _cmd_jobs_list(args: argparse.Namespace) -> int:
+    jobs = sorted(_client(args).list_jobs(), key=lambda j: j.start_time or 0)
+    for j in jobs:
+        meta = j.metadata or {}
+        print(
+            f"{j.submission_id or j.job_id:40} {str(j.status):10} {meta.get('user', '-'):12} {meta.get('raytrn.run_name', '-')}"
+        )
+    return 0
+
+
+def _cmd_jobs_logs(args: argparse.Namespace) -> int:
+    client = _client(args)
+    if args.follow:
+        follow_logs(client, args.job_id)
+    else:
+        print(client.get_job_logs(args.job_id), end="")
+    return 0
+
+
+def _cmd_jobs_stop(args: argparse.Namespace) -> int:
+    stopped = _client(args).stop_job(args.job_id)
+    print(f"raytrn: {args.job_id} {'stopping' if stopped else 'was not running'}")
+    return 0
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"

@@ -1,0 +1,165 @@
+"""The local trn-cluster simulator end to end: a job submitted to an empty cluster scales it up, trains, is
+tracked in MLflow, and the idle worker nodes are removed again.
+
+The simulator (``raytrn.cluster.local``, Ray's fake_multinode autoscaler) is a second Ray next to the
+session's in-process one (``ray_session``, used by ``tiny_dataset`` to pack the data): both are small, and
+this test talks to the simulator only through its dashboard URL (job submission and state APIs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, _free_port
+
+pytestmark = pytest.mark.integration
+
+JOB_TIMEOUT_S = 150  # submit -> SUCCEEDED, including the scale-up (~15 s) and a fresh node's imports
+SCALE_DOWN_TIMEOUT_S = 90  # idle_timeout_minutes 0.5 in cluster/local-sim.yaml; measured 25-33 s
+
+
+@pytest.fixture(scope="module")
+def sim_cluster(tmp_path_factory):
+    """The simulator from cluster/local-sim.yaml on free ports, no worker nodes; always stopped by PID."""
+    from raytrn.cluster import local
+
+    state = tmp_path_factory.mktemp("sim") / "local-cluster.json"
+    cluster = local.up(
+        config=REPO / "cluster" / "local-sim.yaml",
+        port=_free_port(),
+        dashboard_port=_free_port(),
+        state_file=state,
+        timeout_s=90,
+    )
+    try:
+        yield cluster
+    finally:
+        local.down(state)
+        assert not local._procs_alive(cluster.procs)
+
+
+def _worker_nodes(dashboard_url: str) -> list:
+    """Alive nodes offering NeuronCores (the head offers none)."""
+    from ray.util.state import list_nodes
+
+    nodes = list_nodes(address=dashboard_url, filters=[("state", "=", "ALIVE")], detail=True, timeout=10)
+    return [n for n in nodes if (n.resources_total or {}).get("neuron_cores", 0) > 0]
+
+
+def _wait(predicate, timeout_s: float, what: str, poll_s: float = 1.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise TimeoutError(f"{what}: not within {timeout_s} s")
+
+
+def test_job_scales_cluster_up_and_down(sim_cluster, tiny_dataset: Path, tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    from raytrn.submit import WORKING_DIR_EXCLUDES
+
+    url = sim_cluster.dashboard_url
+    assert _worker_nodes(url) == [], "the simulator must start without worker nodes"
+
+    mlflow_uri = f"sqlite:///{tmp_path}/mlflow.db"  # absolute: the job runs in the unpacked working dir
+    sets = [
+        f"data.manifest={tiny_dataset}",
+        "data.seq_len=32",
+        "model.vocab_size=512",
+        "data.micro_batch_size=4",
+        "scaling.min_workers=1",
+        "scaling.max_workers=1",
+        # One fake trn node (CPU 1, neuron_cores 2) holds the worker; CPU 0.5 leaves room for Ray Data.
+        "scaling.resources_per_worker={neuron_cores: 1, CPU: 0.5}",
+        "run.max_steps=4",
+        "run.log_every=2",
+        "checkpoint.every_n_steps=2",
+        f"checkpoint.storage={tmp_path}/checkpoints",
+        f"tracking.mlflow_uri={mlflow_uri}",
+        "tracking.experiment=autoscaling-test",
+    ]
+    submission_id = f"raytrn-autoscale-{uuid.uuid4().hex[:8]}"
+    # Ray gives the driver its submission id only inside RAY_JOB_CONFIG_JSON_ENV_VAR's metadata; `raytrn submit`
+    # sets RAY_JOB_SUBMISSION_ID (which the trainer tags the MLflow run with) the same way.
+    runtime_env = {
+        "working_dir": str(REPO),
+        "excludes": list(WORKING_DIR_EXCLUDES),
+        "env_vars": {"RAY_JOB_SUBMISSION_ID": submission_id},
+    }
+    # The driver's shell on the head may not have this venv on PATH: name its python explicitly.
+    entrypoint = [sys.executable, "-m", "raytrn.cli", "train", "jobs/tiny.yaml", "--no-progress"]
+    entrypoint += [a for kv in sets for a in ("--set", kv)]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | sim_cluster.env
+    ray_bin = str(Path(sys.executable).parent / "ray")
+
+    t_submit = time.monotonic()
+    proc = subprocess.run(
+        [ray_bin, "job", "submit", "--address", url, "--submission-id", submission_id, "--no-wait"]
+        + ["--runtime-env-json", json.dumps(runtime_env), "--", *entrypoint],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+    client = JobSubmissionClient(url)
+    max_nodes = 0
+    scale_up_s = None
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while True:
+        status = client.get_job_status(submission_id)
+        n = len(_worker_nodes(url))
+        max_nodes = max(max_nodes, n)
+        if n and scale_up_s is None:
+            scale_up_s = time.monotonic() - t_submit
+        if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+            break
+        if time.monotonic() > deadline:
+            client.stop_job(submission_id)
+            pytest.fail(
+                f"job {submission_id} still {status} after {JOB_TIMEOUT_S} s:\n{client.get_job_logs(submission_id)[-3000:]}"
+            )
+        time.sleep(1)
+    t_done = time.monotonic()
+    logs = client.get_job_logs(submission_id)
+    assert status == JobStatus.SUCCEEDED, logs[-4000:]
+    assert "== raytrn: training finished ==" in logs
+    assert scale_up_s is not None and max_nodes >= 1, "the autoscaler launched no worker node"
+
+    # Tracked by rank 0 into the sqlite store named by the job, tagged with the submission id.
+    client_ml = MlflowClient(mlflow_uri)
+    exp = client_ml.get_experiment_by_name("autoscaling-test")
+    runs = client_ml.search_runs([exp.experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.params["run.max_steps"] == "4"
+    assert run.data.params["scaling.max_workers"] == "1"
+    assert run.data.tags["ray.job_submission_id"] == submission_id
+    assert list((tmp_path / "checkpoints").glob("*/checkpoint_00000004"))
+
+    # Idle worker nodes go away after idle_timeout_minutes.
+    _wait(lambda: not _worker_nodes(url), SCALE_DOWN_TIMEOUT_S, "idle worker nodes removed", poll_s=2)
+    scale_down_s = time.monotonic() - t_done
+
+    timings = {
+        "scale_up_s": round(scale_up_s, 1),
+        "job_s": round(t_done - t_submit, 1),
+        "scale_down_s": round(scale_down_s, 1),
+        "max_worker_nodes": max_nodes,
+    }
+    print(f"autoscaling timings: {timings}")
+    (tmp_path / "autoscaling-timings.json").write_text(json.dumps(timings, indent=2))

@@ -1,0 +1,159 @@
+"""raytrn.submit without a cluster: what is uploaded, forwarded and recorded, and failing before submitting."""
+
+from __future__ import annotations
+
+import http.server
+import shlex
+import threading
+from pathlib import Path
+
+import pathspec
+import pytest
+
+from raytrn import submit as sub
+from raytrn.errors import RaytrnError
+from tests.conftest import REPO, _free_port
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray matches excludes with gitwildmatch too
+def test_excludes_skip_envs_data_results_but_keep_packages() -> None:
+    spec = pathspec.PathSpec.from_lines("gitwildmatch", sub.WORKING_DIR_EXCLUDES)
+    for skipped in [".venv/bin/python", ".venv-xla/lib/x.py", ".git/HEAD", "data/stdlib/manifest.json",
+                    "mlruns/mlflow.db", "checkpoints/tiny/checkpoint_00000001/state.pt", "raytrn/__pycache__/a.pyc",
+                    "raytrn.egg-info/PKG-INFO"]:  # fmt: skip
+        assert spec.match_file(skipped), skipped
+    for kept in ["raytrn/data/prepare.py", "jobs/tiny.yaml", "cluster/local-sim.yaml", "tests/fixtures/corpus/x"]:
+        assert not spec.match_file(kept), kept
+
+
+def test_runtime_env(tmp_path: Path) -> None:
+    env = sub.runtime_env(tmp_path, {"A": "1"})
+    assert env == {"working_dir": str(tmp_path), "excludes": list(sub.WORKING_DIR_EXCLUDES), "env_vars": {"A": "1"}}
+    assert "env_vars" not in sub.runtime_env(tmp_path, {})
+    with pytest.raises(RaytrnError, match="not a directory"):
+        sub.runtime_env(tmp_path / "missing", {})
+
+
+def test_forwarded_env_takes_mlflow_aws_hf_not_local_files() -> None:
+    environ = {
+        "MLFLOW_TRACKING_URI": "http://mlflow:5000",
+        "MLFLOW_TRACKING_TOKEN": "t",
+        "AWS_REGION": "us-west-2",
+        "AWS_ACCESS_KEY_ID": "k",
+        "AWS_PROFILE": "dev",
+        "AWS_SHARED_CREDENTIALS_FILE": "/home/me/.aws/credentials",
+        "HF_TOKEN": "hf",
+        "HOME": "/home/me",
+        "PATH": "/usr/bin",
+        "RAY_AUTH_TOKEN": "secret",
+    }
+    env = sub.forwarded_env(environ, {"AWS_REGION": "us-east-1", "EXTRA": "x"})
+    assert env == {
+        "MLFLOW_TRACKING_URI": "http://mlflow:5000",
+        "MLFLOW_TRACKING_TOKEN": "t",
+        "AWS_REGION": "us-east-1",  # explicit --env wins
+        "AWS_ACCESS_KEY_ID": "k",
+        "HF_TOKEN": "hf",
+        "EXTRA": "x",
+    }
+
+
+def test_metadata_records_user_commit_and_job(tmp_path: Path) -> None:
+    meta = sub.job_metadata("jobs/tiny.yaml", "tiny-run", REPO)
+    assert meta["raytrn.job_file"] == "jobs/tiny.yaml" and meta["raytrn.run_name"] == "tiny-run"
+    assert meta["user"] and all(isinstance(v, str) for v in meta.values())
+    assert len(meta["git.commit"].removesuffix("-dirty")) == 40
+    assert "git.commit" not in sub.job_metadata("j.yaml", "r", tmp_path)  # not a repository
+
+
+def test_entrypoint_quotes_overrides() -> None:
+    cmd = sub.entrypoint("jobs/tiny.yaml", ["scaling.resources_per_worker={neuron_cores: 1}", "run.max_steps=5"])
+    assert shlex.split(cmd) == [
+        "python", "-m", "raytrn.cli", "train", "jobs/tiny.yaml", "--no-progress",
+        "--set", "scaling.resources_per_worker={neuron_cores: 1}", "--set", "run.max_steps=5",
+    ]  # fmt: skip
+
+
+def test_resolve_token_order(tmp_path: Path) -> None:
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("home-token\n")
+    (tmp_path / "tok").write_text("file-token\n")
+    assert sub.resolve_token("given", {"RAY_AUTH_TOKEN": "env"}, tmp_path) == "given"
+    assert sub.resolve_token(None, {"RAY_AUTH_TOKEN": "env"}, tmp_path) == "env"
+    assert sub.resolve_token(None, {"RAY_AUTH_TOKEN_PATH": str(tmp_path / "tok")}, tmp_path) == "file-token"
+    assert sub.resolve_token(None, {}, tmp_path) == "home-token"
+    assert sub.resolve_token(None, {}, tmp_path / "nowhere") is None
+    with pytest.raises(RaytrnError, match="cannot read"):
+        sub.resolve_token(None, {"RAY_AUTH_TOKEN_PATH": str(tmp_path / "missing")}, tmp_path)
+    assert sub.auth_headers("abc") == {"Authorization": "Bearer abc"} and sub.auth_headers(None) == {}
+
+
+def test_normalize_address() -> None:
+    assert sub.normalize_address("127.0.0.1:8265", {}) == "http://127.0.0.1:8265"
+    assert sub.normalize_address(None, {"RAY_ADDRESS": "http://h:8265/"}) == "http://h:8265"
+    with pytest.raises(RaytrnError, match="no cluster to submit to"):
+        sub.normalize_address(None, {"RAY_ADDRESS": "10.0.0.1:6379"})  # a GCS address is not a dashboard
+    with pytest.raises(RaytrnError, match="Ray Client address"):
+        sub.normalize_address("ray://h:10001", {})
+
+
+def test_unreachable_address_fails_before_submitting(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_client(*a, **k):
+        raise AssertionError("a client was created for an unreachable cluster")
+
+    monkeypatch.setattr("ray.job_submission.JobSubmissionClient", no_client)
+    monkeypatch.chdir(REPO)
+    port = _free_port()  # nothing listens there
+    with pytest.raises(
+        RaytrnError, match=rf"cannot reach the Ray dashboard at http://127.0.0.1:{port}.*nothing was submitted"
+    ):
+        sub.submit("jobs/tiny.yaml", address=f"127.0.0.1:{port}", follow=False, token="")
+
+
+def test_job_file_outside_working_dir(tmp_path: Path) -> None:
+    job = tmp_path / "tiny.yaml"
+    job.write_text((REPO / "jobs" / "tiny.yaml").read_text())
+    with pytest.raises(RaytrnError, match="must be inside the uploaded working dir"):
+        sub.submit(job, address="http://127.0.0.1:1", working_dir=REPO, follow=False)
+
+
+class _AuthDashboard(http.server.BaseHTTPRequestHandler):
+    """Answers like a token-protected dashboard: 401 without a token, 403 with a wrong one."""
+
+    def do_GET(self) -> None:  # noqa: N802
+        auth = self.headers.get("Authorization")
+        code = 401 if not auth else 200 if auth == "Bearer right" else 403
+        self.send_response(code)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_token_errors_are_clear() -> None:
+    server = http.server.HTTPServer(("127.0.0.1", 0), _AuthDashboard)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(RaytrnError, match="requires an auth token and none was found"):
+            sub.check_reachable(url, {})
+        with pytest.raises(RaytrnError, match="rejected the auth token"):
+            sub.check_reachable(url, sub.auth_headers("wrong"))
+        sub.check_reachable(url, sub.auth_headers("right"))
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def test_register_adds_submit_and_jobs() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    sub.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["submit", "jobs/tiny.yaml", "--set", "a=1", "--env", "K=V", "--no-follow"])
+    assert args.overrides == ["a=1"] and sub._parse_env(args.env) == {"K": "V"} and args.no_follow
+    assert parser.parse_args(["jobs", "logs", "raytrn-x", "-f"]).follow
+    with pytest.raises(RaytrnError, match="expected KEY=VALUE"):
+        sub._parse_env(["novalue"])
