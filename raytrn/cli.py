@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_cluster(sub)
 
+    from raytrn.submit import register as register_submit
+
+    register_submit(sub)
+
     p_data = sub.add_parser("data", help="dataset tools", description="Dataset tools.")
     data_sub = p_data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     data_sub.required = True

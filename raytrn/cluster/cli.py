@@ -23,7 +23,32 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     p_val.add_argument("file", metavar="FILE", help="cluster/*.yaml or cluster/kuberay/*.yaml")
     p_val.set_defaults(func=cmd_validate)
+
+    for name, doc in (
+        ("up", "start the local trn-cluster simulator (fake_multinode autoscaler, cluster/local-sim.yaml)"),
+        ("down", "stop the local simulator: exactly the processes `up --local` started"),
+    ):
+        p = cluster_sub.add_parser(name, help=doc, description=doc[0].upper() + doc[1:] + ".")
+        p.add_argument(
+            "--local", action="store_true", required=True, help="the simulator on this machine (the only target)"
+        )
+        p.add_argument("--state-file", metavar="PATH", help="where the started processes are recorded")
+        if name == "up":
+            p.add_argument("--config", metavar="FILE", help="simulator config (default cluster/local-sim.yaml)")
+            p.add_argument("--port", type=int, help="GCS port (default 6379)")
+            p.add_argument("--dashboard-port", type=int, help="dashboard / job API port (default 8265)")
+            p.add_argument("--auth", choices=["disabled", "token"], help="Ray token auth (default disabled)")
+        p.set_defaults(func=_local(name))
     return p_cluster
+
+
+def _local(name: str) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        from raytrn.cluster import local
+
+        return local.cmd_up(args) if name == "up" else local.cmd_down(args)
+
+    return run
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

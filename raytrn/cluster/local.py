@@ -118,6 +118,8 @@ def up(
     resolved = temp_dir / "autoscaling.yaml"
     resolved.write_text(yaml.safe_dump(cfg, sort_keys=False))
     env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    # Job drivers run `python -m raytrn.cli ...` in a shell: make it this interpreter (the venv's).
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     token_path = None
     if auth == "token":
         token_path = str(temp_dir / "auth_token")

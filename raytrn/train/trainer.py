@@ -205,9 +205,23 @@ def _tags(job: JobSpec) -> dict[str, str]:
     }
     if job.scaling.instance_type:
         tags["instance_type"] = job.scaling.instance_type
-    if os.environ.get("RAY_JOB_SUBMISSION_ID"):
-        tags["ray.job_submission_id"] = os.environ["RAY_JOB_SUBMISSION_ID"]
+    submission_id = _ray_job_submission_id()
+    if submission_id:
+        tags["ray.job_submission_id"] = submission_id
     return tags
+
+
+def _ray_job_submission_id() -> str | None:
+    """The Ray job id when running under `ray job submit` (Ray puts it in the job config's metadata)."""
+    import json
+
+    if os.environ.get("RAY_JOB_SUBMISSION_ID"):
+        return os.environ["RAY_JOB_SUBMISSION_ID"]
+    try:
+        config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}"))
+    except json.JSONDecodeError:
+        return None
+    return (config.get("metadata") or {}).get("job_submission_id")
 
 
 def _mean_rate(first: dict[str, Any], last: dict[str, Any]) -> float | None:

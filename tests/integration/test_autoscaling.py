@@ -46,12 +46,34 @@ def sim_cluster(tmp_path_factory):
         assert not local._procs_alive(cluster.procs)
 
 
+def _job_overrides(tiny_dataset: Path, tmp_path: Path, experiment: str) -> list[str]:
+    """jobs/tiny.yaml shrunk to one fake trn node; absolute paths: the job runs in the unpacked working dir."""
+    return [
+        f"data.manifest={tiny_dataset}",
+        "data.seq_len=32",
+        "model.vocab_size=512",
+        "data.micro_batch_size=4",
+        "scaling.min_workers=1",
+        "scaling.max_workers=1",
+        # One fake trn node (CPU 1, neuron_cores 2) holds the worker; CPU 0.5 leaves room for Ray Data.
+        "scaling.resources_per_worker={neuron_cores: 1, CPU: 0.5}",
+        "run.max_steps=4",
+        "run.log_every=2",
+        "checkpoint.every_n_steps=2",
+        f"checkpoint.storage={tmp_path}/checkpoints",
+        f"tracking.mlflow_uri=sqlite:///{tmp_path}/mlflow.db",
+        f"tracking.experiment={experiment}",
+    ]
+
+
 def _worker_nodes(dashboard_url: str) -> list:
     """Alive nodes offering NeuronCores (the head offers none)."""
     from ray.util.state import list_nodes
 
-    nodes = list_nodes(address=dashboard_url, filters=[("state", "=", "ALIVE")], detail=True, timeout=10)
-    return [n for n in nodes if (n.resources_total or {}).get("neuron_cores", 0) > 0]
+    # Filtered here, not server side: with a server-side filter the state API counts the dead nodes it
+    # dropped as missing output and raises.
+    nodes = list_nodes(address=dashboard_url, detail=True, timeout=10)
+    return [n for n in nodes if n.state == "ALIVE" and (n.resources_total or {}).get("neuron_cores", 0) > 0]
 
 
 def _wait(predicate, timeout_s: float, what: str, poll_s: float = 1.0):
@@ -73,31 +95,11 @@ def test_job_scales_cluster_up_and_down(sim_cluster, tiny_dataset: Path, tmp_pat
     url = sim_cluster.dashboard_url
     assert _worker_nodes(url) == [], "the simulator must start without worker nodes"
 
-    mlflow_uri = f"sqlite:///{tmp_path}/mlflow.db"  # absolute: the job runs in the unpacked working dir
-    sets = [
-        f"data.manifest={tiny_dataset}",
-        "data.seq_len=32",
-        "model.vocab_size=512",
-        "data.micro_batch_size=4",
-        "scaling.min_workers=1",
-        "scaling.max_workers=1",
-        # One fake trn node (CPU 1, neuron_cores 2) holds the worker; CPU 0.5 leaves room for Ray Data.
-        "scaling.resources_per_worker={neuron_cores: 1, CPU: 0.5}",
-        "run.max_steps=4",
-        "run.log_every=2",
-        "checkpoint.every_n_steps=2",
-        f"checkpoint.storage={tmp_path}/checkpoints",
-        f"tracking.mlflow_uri={mlflow_uri}",
-        "tracking.experiment=autoscaling-test",
-    ]
+    mlflow_uri = f"sqlite:///{tmp_path}/mlflow.db"
+    sets = _job_overrides(tiny_dataset, tmp_path, "autoscaling-test")
     submission_id = f"raytrn-autoscale-{uuid.uuid4().hex[:8]}"
-    # Ray gives the driver its submission id only inside RAY_JOB_CONFIG_JSON_ENV_VAR's metadata; `raytrn submit`
-    # sets RAY_JOB_SUBMISSION_ID (which the trainer tags the MLflow run with) the same way.
-    runtime_env = {
-        "working_dir": str(REPO),
-        "excludes": list(WORKING_DIR_EXCLUDES),
-        "env_vars": {"RAY_JOB_SUBMISSION_ID": submission_id},
-    }
+    # Plain `ray job submit`: the trainer finds the submission id in the job config Ray gives the driver.
+    runtime_env = {"working_dir": str(REPO), "excludes": list(WORKING_DIR_EXCLUDES)}
     # The driver's shell on the head may not have this venv on PATH: name its python explicitly.
     entrypoint = [sys.executable, "-m", "raytrn.cli", "train", "jobs/tiny.yaml", "--no-progress"]
     entrypoint += [a for kv in sets for a in ("--set", kv)]
@@ -163,3 +165,23 @@ def test_job_scales_cluster_up_and_down(sim_cluster, tiny_dataset: Path, tmp_pat
     }
     print(f"autoscaling timings: {timings}")
     (tmp_path / "autoscaling-timings.json").write_text(json.dumps(timings, indent=2))
+
+
+def test_raytrn_submit_follows_the_job_and_tags_the_run(sim_cluster, tiny_dataset: Path, tmp_path: Path) -> None:
+    """`raytrn submit`: validates locally, uploads the working dir, follows the logs, exits 0 on success."""
+    import re
+
+    from mlflow.tracking import MlflowClient
+
+    from tests.conftest import run_cli
+
+    sets = _job_overrides(tiny_dataset, tmp_path, "autoscaling-submit")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | sim_cluster.env
+    args = ["submit", "jobs/tiny.yaml", "--address", sim_cluster.dashboard_url, "--working-dir", str(REPO)]
+    proc = run_cli(*args, *[a for kv in sets for a in ("--set", kv)], cwd=REPO, env=env, timeout=JOB_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "== raytrn: training finished ==" in proc.stdout
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    [run] = client.search_runs([client.get_experiment_by_name("autoscaling-submit").experiment_id])
+    job_id = run.data.tags["ray.job_submission_id"]
+    assert re.search(re.escape(job_id), proc.stdout + proc.stderr), "the printed job id is the run's Ray job id"
