@@ -174,7 +174,7 @@ def up(
     state.parent.mkdir(parents=True, exist_ok=True)
     state.write_text(json.dumps(cluster.to_json(), indent=2))
     try:
-        _wait_dashboard(dashboard_url, deadline=time.monotonic() + timeout_s)
+        _wait_dashboard(dashboard_url, deadline=time.monotonic() + timeout_s, token_path=token_path)
     except RaytrnError:
         down(state)
         raise
@@ -275,12 +275,15 @@ def _any_free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _wait_dashboard(url: str, *, deadline: float) -> None:
+def _wait_dashboard(url: str, *, deadline: float, token_path: str | None = None) -> None:
     import urllib.request
 
+    headers = {}
+    if token_path:  # a token cluster answers 401 without it
+        headers["Authorization"] = f"Bearer {Path(token_path).read_text().strip()}"
     while True:
         try:
-            urllib.request.urlopen(f"{url}/api/version", timeout=2).close()
+            urllib.request.urlopen(urllib.request.Request(f"{url}/api/version", headers=headers), timeout=2).close()
             return
         except OSError as e:
             if time.monotonic() > deadline:

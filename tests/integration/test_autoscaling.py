@@ -185,3 +185,42 @@ def test_raytrn_submit_follows_the_job_and_tags_the_run(sim_cluster, tiny_datase
     [run] = client.search_runs([client.get_experiment_by_name("autoscaling-submit").experiment_id])
     job_id = run.data.tags["ray.job_submission_id"]
     assert re.search(re.escape(job_id), proc.stdout + proc.stderr), "the printed job id is the run's Ray job id"
+
+
+def test_submit_to_a_token_cluster_without_token_submits_nothing(tmp_path: Path) -> None:
+    """A cluster with Ray token auth: no token -> exit 2 and a clear message; a wrong token likewise."""
+    from ray.job_submission import JobSubmissionClient
+
+    from raytrn.cluster import local
+    from tests.conftest import run_cli
+
+    state = tmp_path / "state.json"
+    cluster = local.up(
+        config=REPO / "cluster" / "local-sim.yaml",
+        port=_free_port(),
+        dashboard_port=_free_port(),
+        state_file=state,
+        timeout_s=90,
+        auth="token",
+    )
+    try:
+        url = cluster.dashboard_url
+        # A client environment with no token anywhere (no env var, no ~/.ray/auth_token under this HOME).
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HOME": str(tmp_path)}
+        args = ["submit", "jobs/tiny.yaml", "--address", url, "--no-follow"]
+        proc = run_cli(*args, cwd=REPO, env=env, timeout=60)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "requires an auth token and none was found" in proc.stderr and "nothing was submitted" in proc.stderr
+        assert "Traceback" not in proc.stderr
+
+        wrong = tmp_path / "wrong-token"
+        wrong.write_text("0" * 64)
+        proc = run_cli(*args, "--token-file", str(wrong), cwd=REPO, env=env, timeout=60)
+        assert proc.returncode == 2 and "rejected the auth token" in proc.stderr, proc.stderr
+
+        token = Path(cluster.token_path).read_text().strip()
+        jobs = JobSubmissionClient(url, headers={"Authorization": f"Bearer {token}"}).list_jobs()
+        assert jobs == []  # nothing was submitted
+    finally:
+        local.down(state)
+        assert not local._procs_alive(cluster.procs)
