@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_submit(sub)
 
+    from raytrn.tracking.compare import register as register_runs
+
+    register_runs(sub)
+
     p_data = sub.add_parser("data", help="dataset tools", description="Dataset tools.")
     data_sub = p_data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     data_sub.required = True

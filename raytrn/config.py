@@ -165,6 +165,10 @@ class TrackingConfig(_Section):
         None, description="MLflow tracking URI; default $MLFLOW_TRACKING_URI, else sqlite:///mlruns/mlflow.db"
     )
     experiment: str = Field("raytrn", min_length=1)
+    usd_per_hour: float | None = Field(
+        None, gt=0, description="price of one node per hour; default: raytrn's on-demand table for instance_type"
+    )
+    spot_usd_per_hour: float | None = Field(None, gt=0, description="spot price per node-hour; wins when set")
     run_name: str | None = Field(
         None,
         description="MLflow run name and Ray Train run (checkpoint) name. Set: re-running resumes that run. "

@@ -61,6 +61,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     shard = ray.train.get_dataset_shard("train")
     batches = backend.wrap_batches(_batches(shard, job, progress, rank, world_size))
 
+    efficiency = _Efficiency(job, world_size) if rank == 0 else None
+
     # -- train ---------------------------------------------------------------------------------
     window_start, window_tokens, data_wait = time.perf_counter(), 0, 0.0
     while progress.step < max_steps:
@@ -86,6 +88,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 "world_size": float(world_size),
                 "epoch": float(progress.epoch),
             }
+            if efficiency is not None:
+                metrics.update(efficiency.metrics(metrics["tokens_per_s"], window_tokens))
             if logger and step > progress.last_logged_step:
                 logger.log_metrics(metrics, step)
             if board is not None:
@@ -138,6 +142,39 @@ def _batches(shard: Any, job: JobSpec, progress: Progress, rank: int, world_size
                 "data.micro_batch_size or scaling.max_workers"
             )
         progress.epoch += 1
+
+
+class _Efficiency:
+    """Running cost (USD), USD per 1M tokens, tokens per USD and MFU, for rank 0's metrics."""
+
+    def __init__(self, job: JobSpec, world_size: int) -> None:
+        from raytrn.models import model_stats
+        from raytrn.tracking.cost import CostTracker, peak_flops_per_worker, usd_per_hour
+
+        s = job.scaling
+        nodes = -(-world_size // s.workers_per_node) if s.workers_per_node else 1
+        price = usd_per_hour(
+            s.instance_type, override=job.tracking.usd_per_hour, spot_price=job.tracking.spot_usd_per_hour
+        )
+        self.cost = CostTracker(price, nodes)
+        gpu = None
+        if s.accelerator == "cuda" and torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name()
+        self.peak = peak_flops_per_worker(s.accelerator, s.instance_type, lnc=job.neuron.lnc, gpu=gpu)
+        self.flops_per_token = model_stats(job.model, job.data.seq_len).flops_per_token
+        self.world_size = world_size
+        self.start = time.perf_counter()
+        self.tokens = 0
+
+    def metrics(self, tokens_per_s: float, new_tokens: int) -> dict[str, float]:
+        from raytrn.tracking.cost import mfu
+
+        self.tokens += new_tokens
+        out = self.cost.update(time.perf_counter() - self.start, self.tokens)
+        value = mfu(tokens_per_s, self.flops_per_token, self.world_size, self.peak)
+        if value is not None:
+            out["mfu"] = value
+        return out
 
 
 def owns_batch(index: int, *, tp: int, dp: int, dp_rank: int) -> bool:

@@ -29,6 +29,7 @@ def test_cli_train_prints_summary(tiny_dataset: Path, tmp_path: Path) -> None:
         "run.max_steps=6",
         "run.log_every=2",
         "checkpoint.every_n_steps=3",
+        "tracking.usd_per_hour=3.6",  # a price: cost metrics appear (a CPU has no peak FLOP/s: no MFU)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
@@ -48,6 +49,12 @@ def test_cli_train_prints_summary(tiny_dataset: Path, tmp_path: Path) -> None:
 
     run = MlflowClient(ui.group(2)).get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.params["run.max_steps"] == "6"
+    cost = [
+        m.value for m in sorted(MlflowClient(ui.group(2)).get_metric_history(run_id, "cost_usd"), key=lambda m: m.step)
+    ]
+    assert len(cost) == 3 and 0 < cost[0] < cost[1] < cost[2] < 3.6  # running cost, well under an hour
+    assert run.data.metrics["usd_per_1m_tokens"] > 0 and run.data.metrics["tokens_per_usd"] > 0
+    assert "mfu" not in run.data.metrics
 
 
 def test_cli_train_unsatisfiable_resources_on_local_ray(tiny_dataset: Path, tmp_path: Path) -> None:

@@ -145,3 +145,21 @@ def test_tp_groups_share_batches_and_replicas_partition_them(tp: int, world: int
     assert all(len(o) == 1 for o in owners.values())  # each batch belongs to exactly one replica
     assert {next(iter(o)) for o in owners.values()} == set(range(min(dp, 50)))
     assert owns_batch(7, tp=1, dp=world, dp_rank=3)  # TP 1: Ray already split the data per worker
+
+
+def test_rank0_efficiency_metrics_for_a_trn_job() -> None:
+    """Cost from the instance's price and node count, MFU from FLOPs/token and the NeuronCore peak."""
+    from raytrn.models import model_stats
+    from raytrn.train.loop import _Efficiency
+
+    job = load_job(REPO / "jobs" / "llama3-8b-trn1.yaml")
+    eff = _Efficiency(job, world_size=1024)  # 32 trn1.32xlarge
+    assert eff.cost.num_nodes == 32 and eff.peak == 95e12
+    tokens_per_s = 47.95 * 8192  # AWS's published Llama-3.1-8B figure on 32 nodes
+    out = eff.metrics(tokens_per_s, new_tokens=int(tokens_per_s))
+    assert out["mfu"] == pytest.approx(tokens_per_s * model_stats(job.model, 8192).flops_per_token / (1024 * 95e12))
+    assert out["mfu"] == pytest.approx(0.234, abs=0.002)
+    assert out["cost_usd"] > 0 and out["usd_per_1m_tokens"] > 0
+
+    spot = load_job(REPO / "jobs" / "llama3-8b-trn1.yaml", ["tracking.spot_usd_per_hour=10"])
+    assert _Efficiency(spot, world_size=64).cost.usd_per_hour_per_node == 10

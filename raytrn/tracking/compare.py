@@ -1,0 +1,331 @@
+"""``raytrn runs compare``: the runs of one MLflow experiment side by side, and their curves.
+
+One row per run (newest first): a few key params, status, duration and the final value (latest step)
+of each chosen metric, with the best value per metric marked ``*``. Lower is better for every metric
+except the throughput-like ones in :data:`HIGHER_IS_BETTER`; unknown metrics count as lower-is-better.
+An experiment without runs (or none matching the filter) is not an error: the table says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import socket
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+from raytrn.errors import RaytrnError
+
+DEFAULT_METRICS = ("loss", "tokens_per_s", "usd_per_1m_tokens", "mfu")
+HIGHER_IS_BETTER = frozenset({"tokens_per_s", "mfu", "tokens_per_usd", "tokens_seen"})
+# (param key, column header): what tells runs of a sweep apart.
+KEY_PARAMS = (
+    ("model.preset", "preset"),
+    ("scaling.accelerator", "accel"),
+    ("scaling.max_workers", "workers"),
+    ("data.seq_len", "seq_len"),
+    ("optim.lr", "lr"),
+)
+PLOT_METRICS = ("loss", "tokens_per_s")
+_URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+_CONNECT_TIMEOUT_S = 5.0
+
+
+def resolve_tracking_uri(uri: str | None = None, base_dir: str = ".") -> str:
+    """``uri`` > $MLFLOW_TRACKING_URI > ``sqlite:///mlruns/mlflow.db``, local paths made absolute.
+
+    Same rule as ``raytrn.config.resolve_paths`` applies to ``tracking.mlflow_uri`` (that one works on
+    a whole JobSpec, so the few lines are repeated here rather than faking a job).
+    """
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlruns/mlflow.db"
+
+    def absolute(p: str) -> str:
+        return os.path.abspath(os.path.join(base_dir, os.path.expanduser(p)))
+
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + absolute(uri[len("sqlite:///") :])
+    if not _URI_SCHEME.match(uri) and uri != "databricks":  # a bare path: MLflow's file store
+        return absolute(uri)
+    return uri
+
+
+@dataclass(kw_only=True)
+class RunRow:
+    """One run's line of the table."""
+
+    run_id: str
+    name: str
+    status: str
+    duration_s: float | None
+    params: dict[str, str]
+    metrics: dict[str, float]  # final value (latest step) of each chosen metric the run has
+
+
+@dataclass(kw_only=True)
+class Comparison:
+    """The runs of one experiment (newest first) and the metrics chosen to compare them."""
+
+    tracking_uri: str
+    experiment: str
+    filter_string: str
+    metrics: list[str]
+    rows: list[RunRow] = field(default_factory=list)
+
+    def empty_message(self) -> str:
+        if self.filter_string:
+            return f"no runs of experiment {self.experiment} match the filter {self.filter_string!r}"
+        return f"experiment {self.experiment} has no runs"
+
+    def best(self, metric: str) -> float | None:
+        """The best final value of ``metric`` over the runs (None when no run has it)."""
+        values = [r.metrics[metric] for r in self.rows if metric in r.metrics and not math.isnan(r.metrics[metric])]
+        if not values:
+            return None
+        return max(values) if metric in HIGHER_IS_BETTER else min(values)
+
+    def render(self) -> str:
+        """A plain-text aligned table; ``*`` marks the best value of each metric."""
+        if not self.rows:
+            return self.empty_message()
+        header = ["run", "id", "status", "duration"] + [label for _, label in KEY_PARAMS] + list(self.metrics)
+        best = {m: self.best(m) for m in self.metrics}
+        lines = []
+        for r in self.rows:
+            cells = [r.name or "-", r.run_id[:8], r.status, _fmt_duration(r.duration_s)]
+            cells += [r.params.get(key, "-") for key, _ in KEY_PARAMS]
+            for m in self.metrics:
+                v = r.metrics.get(m)
+                cells.append(("-" if v is None else _fmt_value(v)) + ("*" if v is not None and v == best[m] else " "))
+            lines.append(cells)
+        numeric = set(range(4, len(header)))  # params and metrics: right-aligned
+        widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
+
+        def fmt(row: list[str]) -> str:
+            out = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+            return "  ".join(out).rstrip()
+
+        legend = ", ".join(f"{m} {'higher' if m in HIGHER_IS_BETTER else 'lower'}" for m in self.metrics)
+        title = f"experiment {self.experiment} ({len(self.rows)} run{'s' if len(self.rows) != 1 else ''})"
+        return "\n".join([title, fmt(header), *(fmt(row) for row in lines), f"* best ({legend} is better)"])
+
+
+def _fmt_value(v: float) -> str:
+    if math.isnan(v):
+        return "nan"
+    if abs(v) >= 1e3:
+        return f"{v:,.0f}"
+    return f"{v:.4g}"
+
+
+def _fmt_duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(round(s))
+    h, rest = divmod(s, 3600)
+    m, sec = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
+
+
+def _client(tracking_uri: str) -> Any:
+    try:
+        from mlflow.tracking import MlflowClient
+    except ImportError:  # pragma: no cover - mlflow is a core dependency
+        raise RaytrnError("runs compare needs mlflow: pip install 'mlflow>=3.16.1,<4'") from None
+    _check_reachable(tracking_uri)
+    if tracking_uri.startswith("sqlite:///"):  # reading must not create an empty database as a side effect
+        db = tracking_uri[len("sqlite:///") :]
+        if not os.path.exists(db):
+            raise RaytrnError(
+                f"no MLflow database at {db} (tracking URI {tracking_uri}); "
+                "pass --tracking-uri or set $MLFLOW_TRACKING_URI to where your runs are logged"
+            )
+    return MlflowClient(tracking_uri)
+
+
+def _check_reachable(uri: str) -> None:
+    """Fail fast on an http(s) server that is not there (MLflow would retry for minutes)."""
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        return
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname, port), timeout=_CONNECT_TIMEOUT_S):
+            pass
+    except OSError as e:
+        raise RaytrnError(
+            f"cannot reach the MLflow tracking server at {uri} ({e}); "
+            "check --tracking-uri / $MLFLOW_TRACKING_URI and that the server is running"
+        ) from None
+
+
+def compare_runs(
+    *, tracking_uri: str, experiment: str, filter_string: str = "", metrics: Sequence[str], max_runs: int = 20
+) -> Comparison:
+    """Collect the newest ``max_runs`` runs of ``experiment`` matching ``filter_string`` (MLflow syntax,
+    e.g. ``params.`optim.lr` = '0.001'``) with the final value of each of ``metrics``."""
+    from mlflow.exceptions import MlflowException
+
+    if max_runs < 1:
+        raise RaytrnError(f"--max-runs {max_runs}: must be at least 1")
+    metrics = [m.strip() for m in metrics if m.strip()]
+    if not metrics:
+        raise RaytrnError("--metrics: give at least one metric name, e.g. --metrics loss,tokens_per_s")
+    client = _client(tracking_uri)
+    try:
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            names = sorted(e.name for e in client.search_experiments())
+            raise RaytrnError(
+                f"no experiment named {experiment} at {tracking_uri}; experiments there: {', '.join(names) or '(none)'}"
+            )
+    except MlflowException as e:
+        raise RaytrnError(f"cannot read MLflow at {tracking_uri}: {_first_line(e)}") from None
+    try:
+        runs = client.search_runs(
+            [exp.experiment_id],
+            filter_string=filter_string,
+            max_results=max_runs,
+            order_by=["attributes.start_time DESC"],
+        )
+    except MlflowException as e:
+        hint = ""
+        if "." in filter_string and "`" not in filter_string:
+            hint = " (dotted names need backticks, e.g. params.`optim.lr` = '0.001')"
+        raise RaytrnError(f"--filter {filter_string!r}: {_first_line(e)}{hint}") from None
+
+    now_ms = time.time() * 1000
+    rows = []
+    for run in runs:
+        info, data = run.info, run.data
+        end = info.end_time or (now_ms if info.status == "RUNNING" else None)
+        rows.append(
+            RunRow(
+                run_id=info.run_id,
+                name=info.run_name or "",
+                status=info.status,
+                duration_s=(end - info.start_time) / 1000 if end and info.start_time else None,
+                params={k: data.params[k] for k, _ in KEY_PARAMS if k in data.params},
+                # run.data.metrics holds each metric's value at its latest step
+                metrics={m: float(data.metrics[m]) for m in metrics if m in data.metrics},
+            )
+        )
+    return Comparison(
+        tracking_uri=tracking_uri, experiment=experiment, filter_string=filter_string, metrics=metrics, rows=rows
+    )
+
+
+def _first_line(e: Exception) -> str:
+    msg = getattr(e, "message", None) or str(e)
+    return str(msg).strip().splitlines()[0] if str(msg).strip() else type(e).__name__
+
+
+def plot(comparison: Comparison, path: str, metrics: Sequence[str] = PLOT_METRICS) -> str:
+    """Write a PNG with one panel per metric (default loss and tokens_per_s vs step), one line per run.
+
+    Written to a temp file and renamed, so a reader never sees half a PNG. Returns the absolute path.
+    """
+    if not comparison.rows:
+        raise RaytrnError(comparison.empty_message() + "; nothing to plot")
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise RaytrnError("--plot needs matplotlib: pip install matplotlib") from None
+    from mlflow.exceptions import MlflowException
+
+    client = _client(comparison.tracking_uri)
+    fig = Figure(figsize=(6 * len(metrics), 4.5), layout="constrained")
+    FigureCanvasAgg(fig)  # Agg, without pyplot's global state or backend selection
+    axes = fig.subplots(1, len(metrics), squeeze=False)[0]
+    for ax, metric in zip(axes, metrics, strict=True):
+        plotted = 0
+        for row in comparison.rows:
+            try:
+                history = client.get_metric_history(row.run_id, metric)
+            except MlflowException as e:
+                raise RaytrnError(f"cannot read {metric} of run {row.run_id}: {_first_line(e)}") from None
+            if not history:
+                continue
+            points = sorted((m.step, m.timestamp, m.value) for m in history)
+            ax.plot([p[0] for p in points], [p[2] for p in points], label=f"{row.name or row.run_id[:8]}")
+            plotted += 1
+        ax.set_title(f"{metric} vs step")
+        ax.set_xlabel("step")
+        ax.set_ylabel(metric)
+        ax.grid(True, alpha=0.3)
+        if plotted:
+            ax.legend(fontsize="small")
+        else:
+            ax.text(0.5, 0.5, f"no run logged {metric}", ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle(f"experiment {comparison.experiment}")
+
+    path = os.path.abspath(os.path.expanduser(path))
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".raytrn-plot-", suffix=".png")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=100)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def register(subparsers: Any) -> None:
+    """Add ``runs compare`` to the ``raytrn`` command line."""
+    p_runs = subparsers.add_parser("runs", help="look at the MLflow runs of past jobs")
+    runs_sub = p_runs.add_subparsers(dest="runs_command", metavar="SUBCOMMAND")
+    runs_sub.required = True
+    p = runs_sub.add_parser(
+        "compare",
+        help="the runs of an experiment side by side (final metrics, key params), optionally plotted",
+        description="Print one line per run of an MLflow experiment (newest first): key params, status, "
+        "duration and the final value of each metric, best marked '*' (lower is better except for "
+        f"{', '.join(sorted(HIGHER_IS_BETTER))}; unknown metrics count as lower-is-better). An experiment "
+        "without runs prints a message and exits 0.",
+    )
+    p.add_argument("--experiment", default="raytrn", metavar="NAME", help="MLflow experiment (default raytrn)")
+    p.add_argument(
+        "--filter",
+        dest="filter_string",
+        default="",
+        metavar="EXPR",
+        help="MLflow search filter; backtick dotted params, e.g. \"params.`optim.lr` = '0.001'\"",
+    )
+    p.add_argument(
+        "--metrics",
+        default=",".join(DEFAULT_METRICS),
+        metavar="M1,M2",
+        help=f"comma-separated metrics to compare (default {','.join(DEFAULT_METRICS)})",
+    )
+    p.add_argument("--plot", metavar="OUT.png", help="also write loss and tokens_per_s vs step to this PNG")
+    p.add_argument(
+        "--tracking-uri",
+        metavar="URI",
+        help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///mlruns/mlflow.db)",
+    )
+    p.add_argument("--max-runs", type=int, default=20, metavar="N", help="newest N runs (default 20)")
+    p.set_defaults(func=_cmd_runs_compare)
+
+
+def _cmd_runs_compare(args: argparse.Namespace) -> int:
+    comparison = compare_runs(
+        tracking_uri=resolve_tracking_uri(args.tracking_uri),
+        experiment=args.experiment,
+        filter_string=args.filter_string,
+        metrics=args.metrics.split(","),
+        max_runs=args.max_runs,
+    )
+    print(comparison.render())
+    if args.plot and comparison.rows:
+        print(f"plot: {plot(comparison, args.plot)}")
+    return 0

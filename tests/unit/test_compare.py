@@ -1,0 +1,194 @@
+"""raytrn runs compare against a real MLflow sqlite store: table, best markers, filters, plot and errors."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from raytrn.errors import RaytrnError
+from raytrn.tracking import compare as cmp
+from tests.conftest import _free_port
+
+pytestmark = pytest.mark.unit
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+T0 = 1_700_000_000_000  # ms
+
+# name -> (params, {metric: [values per step]}), created oldest first
+RUNS = {
+    "lr-1e-3": (
+        {"model.preset": "tiny", "scaling.accelerator": "cpu", "scaling.max_workers": "2", "optim.lr": "0.001"},
+        {"loss": [5.0, 4.0, 3.0], "tokens_per_s": [900.0, 1000.0, 1100.0], "mfu": [0.1, 0.2, 0.3]},
+    ),
+    "lr-3e-4": (
+        {"model.preset": "tiny", "scaling.accelerator": "cpu", "scaling.max_workers": "2", "optim.lr": "0.0003"},
+        {"loss": [5.0, 4.5, 2.5], "tokens_per_s": [800.0, 900.0, 950.0], "mfu": [0.1, 0.15, 0.2]},
+    ),
+    "big": (
+        {"model.preset": "small", "scaling.accelerator": "neuron", "scaling.max_workers": "4", "optim.lr": "0.001"},
+        {"loss": [6.0, 3.5], "tokens_per_s": [20000.0, 25000.0]},  # no mfu logged
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    root = tmp_path_factory.mktemp("mlruns")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("sweep", artifact_location=(root / "artifacts").as_uri())
+    client.create_experiment("empty", artifact_location=(root / "artifacts").as_uri())
+    for i, (name, (params, metrics)) in enumerate(RUNS.items()):
+        start = T0 + i * 60_000
+        run_id = client.create_run(exp, run_name=name, start_time=start).info.run_id
+        history = [
+            Metric(key, value, start + step * 1000, step)
+            for key, values in metrics.items()
+            for step, value in enumerate(values)
+        ]
+        client.log_batch(run_id, metrics=history, params=[Param(k, v) for k, v in params.items()])
+        client.set_terminated(run_id, "FINISHED", end_time=start + 90_000)
+    return uri
+
+
+def _compare(store: str, **kw) -> cmp.Comparison:
+    kw.setdefault("experiment", "sweep")
+    kw.setdefault("metrics", ["loss", "tokens_per_s", "mfu"])
+    return cmp.compare_runs(tracking_uri=store, **kw)
+
+
+def _line(table: str, name: str) -> str:
+    (line,) = [ln for ln in table.splitlines() if ln.startswith(name + " ")]
+    return line
+
+
+def test_table_newest_first_final_values_and_best_markers(store: str) -> None:
+    c = _compare(store)
+    assert [r.name for r in c.rows] == ["big", "lr-3e-4", "lr-1e-3"]
+    assert c.rows[0].metrics == {"loss": 3.5, "tokens_per_s": 25000.0}  # final (latest step) values
+    assert c.rows[0].duration_s == 90.0 and c.rows[0].status == "FINISHED"
+    table = c.render()
+    header = table.splitlines()[1].split()
+    assert header == ["run", "id", "status", "duration", "preset", "accel", "workers", "seq_len", "lr"] + [
+        "loss",
+        "tokens_per_s",
+        "mfu",
+    ]
+    assert _line(table, "lr-3e-4").split()[-3:] == ["2.5*", "950", "0.2"]  # lowest loss
+    assert _line(table, "big").split()[-3:] == ["3.5", "25,000*", "-"]  # highest throughput, no mfu
+    assert _line(table, "lr-1e-3").split()[-3:] == ["3", "1,100", "0.3*"]  # highest mfu
+    big = _line(table, "big").split()
+    assert big[2:9] == ["FINISHED", "1m30s", "small", "neuron", "4", "-", "0.001"]
+    assert "loss lower" in table and "tokens_per_s higher" in table
+    # aligned: each metric's values end (before the marker slot) where its header ends
+    rows = [ln.ljust(200) for ln in table.splitlines()[2:-1]]
+    for metric in ["loss", "tokens_per_s", "mfu"]:
+        end = table.splitlines()[1].index(metric) + len(metric)
+        assert all(r[end - 2] in "0123456789-" and r[end - 1] in "* " for r in rows), (metric, table)
+
+
+def test_unknown_metrics_are_lower_is_better_and_missing_shows_dash(store: str) -> None:
+    c = _compare(store, metrics=["tokens_per_s", "usd_per_1m_tokens", "step_time_s"])
+    assert c.best("usd_per_1m_tokens") is None
+    table = c.render()
+    assert _line(table, "lr-1e-3").split()[-3:] == ["1,100", "-", "-"]
+    assert "loss" not in table.splitlines()[1]
+    c2 = _compare(store, metrics=["loss", "custom"])
+    assert c2.best("loss") == 2.5
+
+
+def test_filter_on_dotted_param(store: str) -> None:
+    c = _compare(store, filter_string="params.`optim.lr` = '0.001'")
+    assert sorted(r.name for r in c.rows) == ["big", "lr-1e-3"]
+    c = _compare(store, filter_string="params.`model.preset` = 'tiny' and metrics.loss < 2.8")
+    assert [r.name for r in c.rows] == ["lr-3e-4"]
+    assert _compare(store, max_runs=1).rows[0].name == "big"
+
+
+def test_no_runs_is_a_message_not_an_error(store: str) -> None:
+    assert _compare(store, experiment="empty").render() == "experiment empty has no runs"
+    c = _compare(store, filter_string="params.`optim.lr` = '42'")
+    assert c.render() == "no runs of experiment sweep match the filter \"params.`optim.lr` = '42'\""
+    with pytest.raises(RaytrnError, match="nothing to plot"):
+        cmp.plot(c, "/nonexistent/x.png")
+
+
+def test_errors_are_one_clear_line(store: str, tmp_path: Path) -> None:
+    with pytest.raises(RaytrnError, match=r"no experiment named nope at sqlite:.*; experiments there: .*empty, sweep"):
+        _compare(store, experiment="nope")
+    with pytest.raises(RaytrnError, match=r"--filter 'params.optim.lr ==== 1': .*backticks"):
+        _compare(store, filter_string="params.optim.lr ==== 1")
+    with pytest.raises(RaytrnError, match="no MLflow database at"):
+        _compare(f"sqlite:///{tmp_path / 'missing.db'}")
+    assert not (tmp_path / "missing.db").exists()
+    port = _free_port()
+    with pytest.raises(RaytrnError, match=f"cannot reach the MLflow tracking server at http://127.0.0.1:{port}"):
+        _compare(f"http://127.0.0.1:{port}")
+    with pytest.raises(RaytrnError, match="at least one metric"):
+        _compare(store, metrics=[" "])
+
+
+def test_plot_writes_a_png_atomically(store: str, tmp_path: Path) -> None:
+    out = tmp_path / "plots" / "cmp.png"
+    written = cmp.plot(_compare(store), str(out))
+    assert written == str(out)
+    data = out.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 1000
+    assert [p.name for p in out.parent.iterdir()] == ["cmp.png"]  # no temp file left behind
+
+
+def test_plot_without_matplotlib_says_how_to_fix(store: str, tmp_path: Path, monkeypatch) -> None:
+    for mod in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(RaytrnError, match="pip install matplotlib"):
+        cmp.plot(_compare(store), str(tmp_path / "x.png"))
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_tracking_uri_resolution(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert cmp.resolve_tracking_uri(None, str(tmp_path)) == f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert cmp.resolve_tracking_uri(None, str(tmp_path)) == "http://127.0.0.1:5000"
+    assert cmp.resolve_tracking_uri("sqlite:///x.db", str(tmp_path)) == f"sqlite:///{tmp_path}/x.db"
+    assert cmp.resolve_tracking_uri("sqlite:////abs/x.db") == "sqlite:////abs/x.db"
+    assert cmp.resolve_tracking_uri("runs", str(tmp_path)) == str(tmp_path / "runs")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raytrn")
+    sub = parser.add_subparsers(dest="command")
+    cmp.register(sub)
+    return parser
+
+
+def test_cli_handler(store: str, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "c.png"
+    argv = ["runs", "compare", "--experiment", "sweep", "--tracking-uri", store, "--metrics", "loss,mfu"]
+    args = _parser().parse_args([*argv, "--filter", "params.`optim.lr` = '0.001'", "--plot", str(out)])
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert "lr-1e-3" in printed and "lr-3e-4" not in printed and "tokens_per_s" not in printed.splitlines()[1]
+    assert f"plot: {out}" in printed and out.read_bytes()[:8] == PNG_MAGIC
+
+    args = _parser().parse_args(["runs", "compare", "--experiment", "empty", "--tracking-uri", store])
+    assert args.func(args) == 0
+    assert capsys.readouterr().out.strip() == "experiment empty has no runs"
+
+    args = _parser().parse_args([*argv[:2], "--experiment", "nope", "--tracking-uri", store])
+    with pytest.raises(RaytrnError, match="experiments there"):
+        args.func(args)
+
+
+def test_free_port_is_closed() -> None:  # the unreachable-server test relies on nothing listening there
+    port = _free_port()
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        pass
