@@ -42,8 +42,9 @@ class Backend:
 
         return ray.train.torch.prepare_model(model, move_to_device=self.device())
 
-    def build_parallel_training(self, job: JobSpec, world_size: int) -> Any:
-        """A model-parallel Training (e.g. neuronx-distributed) for this job, or None for plain data parallelism."""
+    def build_parallel_parts(self, job: JobSpec) -> dict[str, Any] | None:
+        """Model, optimizer and step flags of a model-parallel setup (neuronx-distributed), or None for plain
+        data parallelism. Keys: model, optimizer, and optionally loss_fn, fused_optimizer, sharded (see Training)."""
         return None
 
     def check(self, job: JobSpec) -> list[str]:

@@ -34,7 +34,6 @@ from raytrn.backends.nxd import (
     build_nxd_config,
     build_parallel_model,
     build_parallel_optimizer,
-    data_parallel_size,
     uses_nxd,
     vocab_parallel_loss,
 )
@@ -97,25 +96,19 @@ class NeuronBackend(XlaBackend):
             extra_env={k: os.environ[k] for k in FORWARD_ENV if k in os.environ},
         )
 
-    def build_parallel_training(self, job: JobSpec, world_size: int) -> Any:
+    def build_parallel_parts(self, job: JobSpec) -> dict[str, Any] | None:
         """NxD's tensor-parallel Llama + NxDOptimizer (ZeRO-1) when the job asks for ``parallel`` features."""
         if not uses_nxd(job):
             return None
-        from raytrn.train.step import Training, lr_scheduler
-
         nxd_config = build_nxd_config(job)
         model = build_parallel_model(job, nxd_config)
-        optimizer = build_parallel_optimizer(job, nxd_config, model)
-        return Training(
-            model=model,
-            optimizer=optimizer,
-            scheduler=lr_scheduler(optimizer, job),
-            grad_accum=job.data.grad_accum_for(data_parallel_size(job, world_size)),
-            grad_clip_norm=job.optim.grad_clip_norm,
-            loss_fn=vocab_parallel_loss,
-            fused_optimizer=True,  # NxDOptimizer.step all-reduces, clips and steps; .grad_norm after
-            sharded=True,
-        )
+        return {
+            "model": model,
+            "optimizer": build_parallel_optimizer(job, nxd_config, model),
+            "loss_fn": vocab_parallel_loss,
+            "fused_optimizer": True,  # NxDOptimizer.step all-reduces, clips and steps; .grad_norm after
+            "sharded": True,
+        }
 
 
 def _require_layout(job: JobSpec) -> tuple[str, int]:

@@ -53,15 +53,13 @@ def build_training(job: JobSpec, backend: Backend, *, world_size: int) -> Traini
     The backend may build a model-parallel one instead (neuronx-distributed on Neuron).
     """
     backend.seed(job.run.seed)
-    parallel = backend.build_parallel_training(job, world_size)
-    if parallel is not None:
-        return parallel
-    model = backend.prepare_model(build_model(job.model, seed=job.run.seed))
-    optimizer = _adamw(model, job)
+    parts = backend.build_parallel_parts(job)
+    if parts is None:
+        model = backend.prepare_model(build_model(job.model, seed=job.run.seed))
+        parts = {"model": model, "optimizer": _adamw(model, job)}
     return Training(
-        model=model,
-        optimizer=optimizer,
-        scheduler=lr_scheduler(optimizer, job),
+        **parts,
+        scheduler=lr_scheduler(parts["optimizer"], job),
         grad_accum=job.data.grad_accum_for(data_parallel_size(job, world_size)),
         grad_clip_norm=job.optim.grad_clip_norm,
     )

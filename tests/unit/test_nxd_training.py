@@ -135,7 +135,7 @@ def test_tensor_parallel_training_uses_nxd_model_optimizer_and_loss(nxd_standin:
 
 def test_plain_neuron_job_has_no_nxd() -> None:
     job = _tp_job("parallel.tensor_parallel_size=1", "parallel.zero1=false")
-    assert NeuronBackend().build_parallel_training(job, 32) is None
+    assert NeuronBackend().build_parallel_parts(job) is None
 
 
 @pytest.mark.parametrize(("tp", "world"), [(2, 8), (8, 32), (32, 128)])
