@@ -32,18 +32,26 @@ def sim_cluster(tmp_path_factory):
     from raytrn.cluster import local
 
     state = tmp_path_factory.mktemp("sim") / "local-cluster.json"
-    cluster = local.up(
-        config=REPO / "cluster" / "local-sim.yaml",
-        port=_free_port(),
-        dashboard_port=_free_port(),
-        state_file=state,
-        timeout_s=90,
-    )
+    cluster = _start_simulator(state)
     try:
         yield cluster
     finally:
         local.down(state)
         assert not local._procs_alive(cluster.procs)
+
+
+def _start_simulator(state: Path, **kwargs):
+    """cluster/local-sim.yaml on free ports, its processes recorded in ``state`` for ``local.down``."""
+    from raytrn.cluster import local
+
+    return local.up(
+        config=REPO / "cluster" / "local-sim.yaml",
+        port=_free_port(),
+        dashboard_port=_free_port(),
+        state_file=state,
+        timeout_s=90,
+        **kwargs,
+    )
 
 
 def _job_overrides(tiny_dataset: Path, tmp_path: Path, experiment: str) -> list[str]:
@@ -195,14 +203,7 @@ def test_submit_to_a_token_cluster_without_token_submits_nothing(tmp_path: Path)
     from tests.conftest import run_cli
 
     state = tmp_path / "state.json"
-    cluster = local.up(
-        config=REPO / "cluster" / "local-sim.yaml",
-        port=_free_port(),
-        dashboard_port=_free_port(),
-        state_file=state,
-        timeout_s=90,
-        auth="token",
-    )
+    cluster = _start_simulator(state, auth="token")
     try:
         url = cluster.dashboard_url
         # A client environment with no token anywhere (no env var, no ~/.ray/auth_token under this HOME).
