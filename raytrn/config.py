@@ -320,18 +320,27 @@ def parse_job(
     return job
 
 
+def resolve_mlflow_uri(uri: str | None = None, base_dir: str = ".") -> str:
+    """``uri`` > $MLFLOW_TRACKING_URI > ``sqlite:///mlruns/mlflow.db``, with local paths made absolute."""
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlruns/mlflow.db"
+
+    def absolute(p: str) -> str:
+        return os.path.abspath(os.path.join(base_dir, os.path.expanduser(p)))
+
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + absolute(uri[len("sqlite:///") :])
+    if not _URI_SCHEME.match(uri) and uri != "databricks":  # a bare path: MLflow's file store
+        return absolute(uri)
+    return uri
+
+
 def resolve_paths(job: JobSpec, base_dir: str) -> JobSpec:
     """Make local paths absolute (workers do not share the driver's cwd); leave URIs alone."""
 
     def absolute(p: str) -> str:
         return p if "://" in p else os.path.abspath(os.path.join(base_dir, os.path.expanduser(p)))
 
-    uri = job.tracking.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlruns/mlflow.db"
-    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        uri = "sqlite:///" + absolute(uri[len("sqlite:///") :])
-    elif not _URI_SCHEME.match(uri) and uri != "databricks":  # a bare path: MLflow's file store
-        uri = absolute(uri)
-    tracking = {"mlflow_uri": uri, "run_name": job.run_name}
+    tracking = {"mlflow_uri": resolve_mlflow_uri(job.tracking.mlflow_uri, base_dir), "run_name": job.run_name}
     return job.model_copy(
         update={
             "data": job.data.model_copy(update={"manifest": absolute(job.data.manifest)}),

@@ -40,6 +40,8 @@ class InstanceSpec:
     physical_cores: int
     #: EFA devices; 0 means no EFA (single-node only).
     efa_devices: int
+    #: Neuron devices (chips) as the Neuron device plugin counts ``aws.amazon.com/neuron``.
+    neuron_devices: int
     #: The default logical NeuronCore config (trn2: 2 physical cores per logical core); None: no LNC.
     default_lnc: int | None = None
 
@@ -55,12 +57,18 @@ class InstanceSpec:
 INSTANCES: dict[str, InstanceSpec] = {
     spec.name: spec
     for spec in (
-        InstanceSpec("trn1.2xlarge", physical_cores=2, efa_devices=0),
-        InstanceSpec("trn1.32xlarge", physical_cores=32, efa_devices=8),
-        InstanceSpec("trn1n.32xlarge", physical_cores=32, efa_devices=16),
-        InstanceSpec("trn2.48xlarge", physical_cores=128, efa_devices=16, default_lnc=2),
+        # trn1: 2 NeuronCore-v2 per Trainium chip; trn2: 8 NeuronCore-v3 per Trainium2 chip.
+        InstanceSpec("trn1.2xlarge", physical_cores=2, efa_devices=0, neuron_devices=1),
+        InstanceSpec("trn1.32xlarge", physical_cores=32, efa_devices=8, neuron_devices=16),
+        InstanceSpec("trn1n.32xlarge", physical_cores=32, efa_devices=16, neuron_devices=16),
+        InstanceSpec("trn2.48xlarge", physical_cores=128, efa_devices=16, neuron_devices=16, default_lnc=2),
     )
 }
+
+
+def elastic_world_sizes(min_workers: int, max_workers: int, step: int) -> list[int]:
+    """Every worker count of the elastic range at ``step`` granularity (whole nodes), both ends included."""
+    return sorted(set(range(min_workers, max_workers + 1, step)) | {min_workers, max_workers})
 
 
 def instance_spec(instance_type: str) -> InstanceSpec:
@@ -127,7 +135,7 @@ def check_layout(
             f"a tensor-parallel group would span two nodes. Use a TP size that divides {workers_per_node} "
             f"({_divisors(workers_per_node)})"
         )
-    sizes = sorted(set(range(min_workers, max_workers + 1, workers_per_node)) | {min_workers, max_workers})
+    sizes = elastic_world_sizes(min_workers, max_workers, workers_per_node)
     for n in sizes:
         if n > workers_per_node and n % workers_per_node:
             raise BackendError(

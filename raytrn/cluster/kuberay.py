@@ -28,10 +28,6 @@ NEURON_DEVICE = "aws.amazon.com/neuron"
 EFA = "vpc.amazonaws.com/efa"
 INSTANCE_TYPE_LABELS = ("node.kubernetes.io/instance-type", "beta.kubernetes.io/instance-type")
 
-#: Neuron devices (chips) per instance, as the Neuron device plugin counts ``aws.amazon.com/neuron``
-#: (trn1: 2 NeuronCore-v2 per Trainium chip; trn2: 8 NeuronCore-v3 per Trainium2 chip).
-NEURON_DEVICES = {"trn1.2xlarge": 1, "trn1.32xlarge": 16, "trn1n.32xlarge": 16, "trn2.48xlarge": 16}
-
 
 def validate_kuberay_file(path: str) -> list[str]:
     """Validate every RayCluster / RayJob document of a manifest; return info notes, raise ConfigError."""
@@ -218,7 +214,7 @@ def _check_neuron_group(group: dict[str, Any], where: str, notes: list[str]) -> 
         if isinstance(e, dict)
     ]
     node_cores, lnc = expected_neuron_cores(spec, env)
-    per_device = node_cores // NEURON_DEVICES[spec.name]
+    per_device = node_cores // spec.neuron_devices
     if NEURONCORE in requested and NEURON_DEVICE in requested:
         problems.append(
             f"{where}: requests both {NEURONCORE} and {NEURON_DEVICE}; the Neuron device plugin allocates one "
@@ -229,7 +225,7 @@ def _check_neuron_group(group: dict[str, Any], where: str, notes: list[str]) -> 
     if not (NEURONCORE in requested or NEURON_DEVICE in requested):
         problems.append(
             f"{where}.template.spec.containers[0].resources.limits: no {NEURONCORE} request; the pod gets no "
-            f"NeuronCores. Add {NEURONCORE}: {node_cores} (or {NEURON_DEVICE}: {NEURON_DEVICES[spec.name]})"
+            f"NeuronCores. Add {NEURONCORE}: {node_cores} (or {NEURON_DEVICE}: {spec.neuron_devices})"
         )
     elif pod_cores > node_cores:
         problems.append(

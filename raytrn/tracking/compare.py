@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import socket
 import tempfile
 import time
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
+from raytrn.config import resolve_mlflow_uri as resolve_tracking_uri
 from raytrn.errors import RaytrnError
 
 DEFAULT_METRICS = ("loss", "tokens_per_s", "usd_per_1m_tokens", "mfu")
@@ -33,26 +33,7 @@ KEY_PARAMS = (
     ("optim.lr", "lr"),
 )
 PLOT_METRICS = ("loss", "tokens_per_s")
-_URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 _CONNECT_TIMEOUT_S = 5.0
-
-
-def resolve_tracking_uri(uri: str | None = None, base_dir: str = ".") -> str:
-    """``uri`` > $MLFLOW_TRACKING_URI > ``sqlite:///mlruns/mlflow.db``, local paths made absolute.
-
-    Same rule as ``raytrn.config.resolve_paths`` applies to ``tracking.mlflow_uri`` (that one works on
-    a whole JobSpec, so the few lines are repeated here rather than faking a job).
-    """
-    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlruns/mlflow.db"
-
-    def absolute(p: str) -> str:
-        return os.path.abspath(os.path.join(base_dir, os.path.expanduser(p)))
-
-    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + absolute(uri[len("sqlite:///") :])
-    if not _URI_SCHEME.match(uri) and uri != "databricks":  # a bare path: MLflow's file store
-        return absolute(uri)
-    return uri
 
 
 @dataclass(kw_only=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from raytrn.backends import get_backend
+from raytrn.backends.neuron_env import elastic_world_sizes
 from raytrn.backends.nxd import check_parallel, data_parallel_size, require_nxd
 from raytrn.config import JobSpec
 from raytrn.data.manifest import Manifest, load_manifest
@@ -46,10 +47,7 @@ def check_job(job: JobSpec, *, data: bool = True) -> list[str]:
 def world_sizes(job: JobSpec) -> list[int]:
     """Every worker count the elastic range can take: whole nodes when workers_per_node is set."""
     s = job.scaling
-    top = s.max_workers or s.min_workers
-    step = s.workers_per_node or 1
-    sizes = set(range(s.min_workers, top + 1, step)) | {s.min_workers, top}
-    return sorted(sizes)
+    return elastic_world_sizes(s.min_workers, s.max_workers or s.min_workers, s.workers_per_node or 1)
 
 
 def check_data(job: JobSpec) -> Manifest:
