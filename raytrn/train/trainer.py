@@ -127,8 +127,7 @@ def _trainer(job: JobSpec, backend: Backend, scaling: Any, manifest: Any, tracke
         torch_config=backend.ray_backend_config(job),
         run_config=RunConfig(
             name=job.run_name,
-            storage_path=_storage_path(job),
-            storage_filesystem=_storage_fs(job),
+            **_run_storage(job),
             failure_config=FailureConfig(max_failures=job.scaling.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=job.checkpoint.keep_last),
         ),
@@ -180,13 +179,13 @@ def _scaling(job: JobSpec, backend: Backend) -> Any:
     return ScalingConfig(num_workers=num_workers, use_gpu=backend.use_gpu, resources_per_worker=resources)
 
 
-def _storage_path(job: JobSpec) -> str:
+def _run_storage(job: JobSpec) -> dict[str, Any]:
+    """RunConfig's storage_path / storage_filesystem: S3 through raytrn's filesystem (endpoint override)."""
     uri = job.checkpoint.storage
-    return storage.filesystem(uri)[1] if uri.startswith("s3://") else uri
-
-
-def _storage_fs(job: JobSpec) -> Any:
-    return storage.filesystem(job.checkpoint.storage)[0] if job.checkpoint.storage.startswith("s3://") else None
+    if not uri.startswith("s3://"):
+        return {"storage_path": uri, "storage_filesystem": None}
+    fs, path = storage.filesystem(uri)
+    return {"storage_path": path, "storage_filesystem": fs}
 
 
 def _tags(job: JobSpec) -> dict[str, str]:
