@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_runs(sub)
 
+    from raytrn.tracking.server import register as register_mlflow
+
+    register_mlflow(sub)
+
     p_data = sub.add_parser("data", help="dataset tools", description="Dataset tools.")
     data_sub = p_data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     data_sub.required = True
