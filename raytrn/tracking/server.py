@@ -34,6 +34,11 @@ DEFAULT_PORT = 5000
 #: Basic auth needs both: MLflow has no default admin password, and the secret key signs the UI's CSRF tokens.
 AUTH_ENV_VARS = ("MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY")
 MIN_PASSWORD_LEN = 12  # MLflow's password policy (mlflow.utils.validation)
+_AUTH_ENV_EXAMPLES = {
+    "MLFLOW_AUTH_ADMIN_PASSWORD": f"export MLFLOW_AUTH_ADMIN_PASSWORD='<at least {MIN_PASSWORD_LEN} characters>'",
+    "MLFLOW_FLASK_SERVER_SECRET_KEY": "export MLFLOW_FLASK_SERVER_SECRET_KEY=\"$(python -c 'import secrets; "
+    "print(secrets.token_hex(32))')\"",
+}
 #: SQLAlchemy dialects MLflow's tracking store supports (``dialect+driver://``), plus its file store.
 BACKEND_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "file")
 #: Where the server may proxy artifacts to (``--artifacts-destination``); a bare path is a local directory.
@@ -133,10 +138,8 @@ def check_auth_env(environ: Mapping[str, str]) -> None:
     missing = [v for v in AUTH_ENV_VARS if not environ.get(v)]
     if missing:
         raise ConfigError(
-            f"--auth: {' and '.join(missing)} not set. Basic auth needs the admin password (MLflow has no "
-            f"default, at least {MIN_PASSWORD_LEN} characters) and a secret key for the UI's sessions, e.g. "
-            "export MLFLOW_AUTH_ADMIN_PASSWORD='<strong password>' "
-            "MLFLOW_FLASK_SERVER_SECRET_KEY=\"$(python -c 'import secrets; print(secrets.token_hex(32))')\""
+            f"--auth: {' and '.join(missing)} not set. Basic auth needs the admin user's password (MLflow has no "
+            "default) and a secret key for the UI's sessions, e.g. " + "; ".join(_AUTH_ENV_EXAMPLES[v] for v in missing)
         )
     if len(environ["MLFLOW_AUTH_ADMIN_PASSWORD"]) < MIN_PASSWORD_LEN:
         raise ConfigError(

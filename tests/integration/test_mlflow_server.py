@@ -1,0 +1,177 @@
+"""The MLflow tracking server for real: ``mlflow server`` on 127.0.0.1 with artifacts proxied to the moto S3
+server, basic auth, and ``raytrn mlflow serve`` end to end (started, healthy, stopped by its PID).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MlflowServer, _free_port, _wait_http, run_cli
+
+pytestmark = pytest.mark.integration
+
+ADMIN_PASSWORD = "test-admin-password-0123"  # >= 12 characters (MLflow's password policy)
+
+# Logs a run through the server from a process that has no AWS credentials and no S3 endpoint:
+# artifacts go to the server (mlflow-artifacts:/), which writes them to S3.
+_CLIENT = """
+import json, os, tempfile
+import mlflow
+mlflow.set_experiment("raytrn-server-test")
+with mlflow.start_run() as run:
+    mlflow.log_params({"optim.lr": 0.001, "scaling.max_workers": 2})
+    for step in range(3):
+        mlflow.log_metric("loss", 3.0 - step, step=step)
+    path = os.path.join(tempfile.mkdtemp(), "notes.txt")
+    with open(path, "w") as f:
+        f.write("hello from a client without S3 credentials")
+    mlflow.log_artifact(path)
+print(json.dumps({"run_id": run.info.run_id, "artifact_uri": run.info.artifact_uri}))
+"""
+
+
+def _status(url: str, auth: tuple[str, str] | None = None) -> int:
+    """HTTP status of a GET (401 and friends returned, not raised)."""
+    request = urllib.request.Request(url)
+    if auth:
+        token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_server_is_healthy(mlflow_server) -> None:
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+", mlflow_server.url)
+    assert mlflow_server.url.endswith(f":{mlflow_server.port}")
+    assert mlflow_server.artifacts.startswith("s3://") and mlflow_server.artifacts.endswith("/mlflow")
+    with urllib.request.urlopen(f"{mlflow_server.url}/health", timeout=10) as response:
+        assert response.status == 200 and response.read().strip() == b"OK"
+
+
+def test_client_logs_artifacts_to_s3_without_credentials(mlflow_server, s3_endpoint, tmp_path: Path) -> None:
+    import boto3
+    from mlflow.tracking import MlflowClient
+
+    # A client environment without any AWS or S3 setting: only the tracking URI.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MLFLOW_"))}
+    env["MLFLOW_TRACKING_URI"] = mlflow_server.url
+    proc = subprocess.run(
+        [sys.executable, "-c", _CLIENT], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["artifact_uri"].startswith("mlflow-artifacts:/"), out  # proxied: the client never saw S3
+
+    run = MlflowClient(mlflow_server.url).get_run(out["run_id"])
+    assert run.data.params == {"optim.lr": "0.001", "scaling.max_workers": "2"}
+    history = MlflowClient(mlflow_server.url).get_metric_history(out["run_id"], "loss")
+    assert [(m.step, m.value) for m in history] == [(0, 3.0), (1, 2.0), (2, 1.0)]
+
+    bucket, prefix = mlflow_server.artifacts[len("s3://") :].split("/", 1)
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", [])]
+    key = next((k for k in keys if out["run_id"] in k and k.endswith("/notes.txt")), None)
+    assert key, keys
+    body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    assert body == b"hello from a client without S3 credentials"
+
+
+def test_basic_auth_server(tmp_path: Path) -> None:
+    from raytrn.tracking.server import build_server_command
+
+    secrets = {"MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN_PASSWORD, "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-secret-key"}
+    port = _free_port()
+    cmd = build_server_command(
+        backend_store_uri=f"sqlite:///{tmp_path}/mlflow.db", port=port, auth=True, environ=secrets
+    )
+    assert Path(tmp_path / "basic_auth.ini") == Path(cmd.env["MLFLOW_AUTH_CONFIG_PATH"])
+    server = MlflowServer(cmd, port, cmd.artifacts_destination, tmp_path / "server.log", env=secrets)
+    try:
+        server.start(timeout_s=60)
+        url = f"{server.url}/api/2.0/mlflow/experiments/search?max_results=1"
+        assert _status(url) == 401
+        assert _status(url, ("admin", "wrong-password-0000")) == 401
+        assert _status(url, ("admin", ADMIN_PASSWORD)) == 200
+    finally:
+        server.stop()
+    assert "database_uri = sqlite:///" + str(tmp_path / "basic_auth.db") in (tmp_path / "basic_auth.ini").read_text()
+    assert ADMIN_PASSWORD not in (tmp_path / "basic_auth.ini").read_text()  # never written to a file
+
+
+def test_serve_auth_without_password_exits_2(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_AUTH_ADMIN_PASSWORD",)}
+    env["MLFLOW_FLASK_SERVER_SECRET_KEY"] = "test-secret-key"
+    proc = subprocess.run(
+        [sys.executable, "-m", "raytrn.cli", "mlflow", "serve", "--auth", "--port", str(_free_port())],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "MLFLOW_AUTH_ADMIN_PASSWORD" in proc.stderr and "MLFLOW_FLASK_SERVER_SECRET_KEY" not in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "mlruns").exists()  # nothing started, nothing written
+
+
+def test_serve_refuses_a_port_in_use(mlflow_server, tmp_path: Path) -> None:
+    proc = run_cli("mlflow", "serve", "--port", str(mlflow_server.port), cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert f"127.0.0.1:{mlflow_server.port} is already in use" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_raytrn_mlflow_serve_end_to_end(tmp_path: Path) -> None:
+    """`raytrn mlflow serve` in a subprocess: prints the URI, is healthy, and `kill PID` stops the server too."""
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "raytrn.cli", "mlflow", "serve", "--port", str(port)],
+            cwd=tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server_pid = None
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", 60, proc)
+        text = log.read_text()
+        server_pid = int(re.search(r"MLflow server \(pid (\d+)\)", text).group(1))
+        assert f"tracking.mlflow_uri: http://127.0.0.1:{port}" in text
+        assert f"sqlite:///{tmp_path}/mlruns/mlflow.db" in text  # the store `raytrn train` writes by default
+        assert (tmp_path / "mlruns" / "mlflow.db").exists()
+        proc.send_signal(signal.SIGTERM)  # stop raytrn by its PID: it stops the server's process group
+        assert proc.wait(timeout=30) == 130
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _group_alive(server_pid):
+            time.sleep(0.1)
+        assert not _group_alive(server_pid), "the mlflow server outlived raytrn mlflow serve"
+    finally:
+        for pid in (proc.pid, server_pid):  # whatever a failed assertion left running
+            if pid and _group_alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False

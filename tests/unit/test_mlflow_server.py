@@ -1,0 +1,166 @@
+"""The ``mlflow server`` command line built by :func:`raytrn.tracking.server.build_server_command` (pure: no
+server is started), and the checks ``raytrn mlflow serve`` makes before it starts one.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from raytrn.config import resolve_mlflow_uri
+from raytrn.errors import ConfigError
+from raytrn.tracking.server import (
+    AUTH_ENV_VARS,
+    build_server_command,
+    check_port_free,
+    default_backend_store_uri,
+    render_auth_ini,
+)
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.unit
+
+AUTH_ENV = {"MLFLOW_AUTH_ADMIN_PASSWORD": "a-long-enough-password", "MLFLOW_FLASK_SERVER_SECRET_KEY": "k"}
+
+
+def option(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_defaults_serve_the_store_raytrn_train_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cmd = build_server_command(base_dir=str(tmp_path))
+    # The same store `raytrn train` falls back to (one resolver for both).
+    assert cmd.backend_store_uri == resolve_mlflow_uri(None, str(tmp_path)) == default_backend_store_uri(str(tmp_path))
+    assert cmd.backend_store_uri == f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    assert cmd.argv[:4] == [sys.executable, "-m", "mlflow", "server"]
+    assert option(cmd.argv, "--backend-store-uri") == cmd.backend_store_uri
+    assert option(cmd.argv, "--host") == "127.0.0.1" and option(cmd.argv, "--port") == "5000"
+    assert option(cmd.argv, "--workers") == "1"
+    # Artifacts next to the database, where `raytrn train` puts them for a sqlite store.
+    assert option(cmd.argv, "--artifacts-destination") == str(tmp_path / "mlruns" / "artifacts")
+    assert cmd.env == {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    assert "--app-name" not in cmd.argv and cmd.files == {}
+    assert cmd.url == "http://127.0.0.1:5000"
+
+
+def test_team_server_options() -> None:
+    cmd = build_server_command(
+        backend_store_uri="postgresql://mlflow@db.internal:5432/mlflow",
+        artifacts_destination="s3://team-bucket/mlflow",
+        host="10.0.1.5",
+        port=5001,
+        workers=4,
+        mlflow_argv=["mlflow"],
+    )
+    assert cmd.argv == [
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        "postgresql://mlflow@db.internal:5432/mlflow",
+        "--artifacts-destination",
+        "s3://team-bucket/mlflow",
+        "--host",
+        "10.0.1.5",
+        "--port",
+        "5001",
+        "--workers",
+        "4",
+    ]
+    assert cmd.url == "http://10.0.1.5:5001"
+
+
+def test_relative_paths_become_absolute(tmp_path: Path) -> None:
+    cmd = build_server_command(
+        backend_store_uri="sqlite:///store/runs.db", artifacts_destination="art", base_dir=str(tmp_path)
+    )
+    assert cmd.backend_store_uri == f"sqlite:///{tmp_path}/store/runs.db"
+    assert cmd.artifacts_destination == str(tmp_path / "art")
+
+
+def test_wildcard_host_gives_clients_the_host_name() -> None:
+    cmd = build_server_command(host="0.0.0.0", port=5000)
+    assert cmd.url == f"http://{socket.gethostname()}:5000"
+
+
+def test_auth_renders_an_ini_with_absolute_paths_and_no_password(tmp_path: Path) -> None:
+    cmd = build_server_command(backend_store_uri=f"sqlite:///{tmp_path}/db/mlflow.db", auth=True, environ=AUTH_ENV)
+    ini = str(tmp_path / "db" / "basic_auth.ini")
+    assert cmd.argv[-2:] == ["--app-name", "basic-auth"]
+    assert cmd.env["MLFLOW_AUTH_CONFIG_PATH"] == ini
+    assert cmd.files == {ini: render_auth_ini(f"sqlite:///{tmp_path}/db/basic_auth.db")}
+    assert f"database_uri = sqlite:///{tmp_path}/db/basic_auth.db" in cmd.files[ini]
+    assert "admin_password" not in cmd.files[ini] and AUTH_ENV["MLFLOW_AUTH_ADMIN_PASSWORD"] not in cmd.files[ini]
+    # The secrets stay in the caller's environment: the command does not copy them.
+    assert not set(AUTH_ENV) & set(cmd.env)
+    data_dir = build_server_command(auth=True, environ=AUTH_ENV, data_dir=str(tmp_path / "auth"))
+    assert data_dir.env["MLFLOW_AUTH_CONFIG_PATH"] == str(tmp_path / "auth" / "basic_auth.ini")
+
+
+@pytest.mark.parametrize(
+    "environ, missing",
+    [
+        ({}, AUTH_ENV_VARS),
+        ({"MLFLOW_FLASK_SERVER_SECRET_KEY": "k"}, ("MLFLOW_AUTH_ADMIN_PASSWORD",)),
+        ({"MLFLOW_AUTH_ADMIN_PASSWORD": "a-long-enough-password"}, ("MLFLOW_FLASK_SERVER_SECRET_KEY",)),
+        ({**AUTH_ENV, "MLFLOW_AUTH_ADMIN_PASSWORD": ""}, ("MLFLOW_AUTH_ADMIN_PASSWORD",)),
+    ],
+)
+def test_auth_names_the_missing_variables(environ: dict[str, str], missing: tuple[str, ...]) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_server_command(auth=True, environ=environ)
+    message = str(info.value)
+    assert message.startswith("--auth: ") and "not set" in message
+    for name in AUTH_ENV_VARS:
+        assert (name in message) == (name in missing), message
+    pickle.loads(pickle.dumps(info.value))  # crosses process boundaries like every raytrn error
+
+
+def test_auth_rejects_a_short_password() -> None:
+    with pytest.raises(ConfigError, match="shorter than 12 characters"):
+        build_server_command(auth=True, environ={**AUTH_ENV, "MLFLOW_AUTH_ADMIN_PASSWORD": "short"})
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        ({"backend_store_uri": "http://10.0.0.1:5000"}, "unsupported scheme 'http'.*tracking server"),
+        ({"backend_store_uri": "s3://bucket/mlflow"}, "unsupported scheme 's3'"),
+        ({"backend_store_uri": "mlruns/mlflow.db"}, "not a database URI.*sqlite:///"),
+        ({"backend_store_uri": "sqlite://mlflow.db"}, "three slashes"),
+        ({"artifacts_destination": "ftp://host/x"}, "unsupported scheme 'ftp'"),
+        ({"artifacts_destination": "s3:///mlflow"}, "no bucket"),
+        ({"port": 0}, "not a TCP port"),
+        ({"port": 70000}, "not a TCP port"),
+        ({"workers": 0}, "at least 1"),
+    ],
+)
+def test_bad_options_are_config_errors(kwargs: dict, expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        build_server_command(**kwargs)
+
+
+def test_accepted_backend_schemes() -> None:
+    for uri in ("postgresql+psycopg2://u@h/db", "mysql+pymysql://u@h/db", "sqlite:////abs/mlflow.db", "file:///abs"):
+        assert build_server_command(backend_store_uri=uri).backend_store_uri == uri
+
+
+def test_port_in_use_is_a_config_error() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"127.0.0.1:{port} is already in use"):
+            check_port_free("127.0.0.1", port)
+    check_port_free("127.0.0.1", port)  # free again
+
+
+def test_cli_bad_backend_uri_exits_2(tmp_path: Path) -> None:
+    proc = run_cli("mlflow", "serve", "--backend-store-uri", "http://127.0.0.1:1", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("raytrn: error: --backend-store-uri 'http://127.0.0.1:1': unsupported scheme")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "mlruns").exists()
