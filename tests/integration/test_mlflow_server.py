@@ -14,11 +14,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import MlflowServer, _free_port, _wait_http, run_cli
+from tests.conftest import REPO, MlflowServer, _free_port, _wait_http, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -89,6 +90,30 @@ def test_client_logs_artifacts_to_s3_without_credentials(mlflow_server, s3_endpo
     assert key, keys
     body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
     assert body == b"hello from a client without S3 credentials"
+
+
+def test_stop_and_start_keep_port_and_store(mlflow_server) -> None:
+    """The outage API: stop() makes the server unreachable, start() brings it back with the same runs."""
+    from mlflow.tracking import MlflowClient
+
+    name = f"restart-{uuid.uuid4().hex[:8]}"
+    exp_id = MlflowClient(mlflow_server.url).create_experiment(name)
+    mlflow_server.stop()
+    with pytest.raises(OSError):  # connection refused: nothing listens any more
+        urllib.request.urlopen(f"{mlflow_server.url}/health", timeout=5)
+    t0 = time.monotonic()
+    mlflow_server.start()
+    print(f"restart: healthy after {time.monotonic() - t0:.1f} s")
+    assert MlflowClient(mlflow_server.url).get_experiment(exp_id).name == name
+
+
+def test_serve_sh_refuses_a_port_in_use(mlflow_server, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env |= {"MLFLOW_DATA_DIR": str(tmp_path), "MLFLOW_PORT": str(mlflow_server.port)}
+    proc = subprocess.run(
+        ["bash", str(REPO / "mlflow" / "serve.sh")], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 2 and f"127.0.0.1:{mlflow_server.port} is already in use" in proc.stderr, proc.stderr
 
 
 def test_basic_auth_server(tmp_path: Path) -> None:

@@ -4,8 +4,12 @@ server is started), and the checks ``raytrn mlflow serve`` makes before it start
 
 from __future__ import annotations
 
+import configparser
+import os
 import pickle
+import shlex
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +24,7 @@ from raytrn.tracking.server import (
     default_backend_store_uri,
     render_auth_ini,
 )
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 
 pytestmark = pytest.mark.unit
 
@@ -164,3 +168,60 @@ def test_cli_bad_backend_uri_exits_2(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.startswith("raytrn: error: --backend-store-uri 'http://127.0.0.1:1': unsupported scheme")
     assert "Traceback" not in proc.stderr and not (tmp_path / "mlruns").exists()
+
+
+SERVE_SH = REPO / "mlflow" / "serve.sh"
+
+
+def serve_sh(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """mlflow/serve.sh with a clean MLflow environment (only ``env`` set), bounded in time."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "RAYTRN_"))}
+    return subprocess.run(
+        ["bash", str(SERVE_SH), *args], env={**base, **env}, capture_output=True, text=True, timeout=30
+    )
+
+
+@pytest.mark.parametrize("auth", [False, True], ids=["plain", "auth"])
+def test_serve_sh_runs_the_same_command_as_raytrn(tmp_path: Path, auth: bool) -> None:
+    """The operator script and `raytrn mlflow serve` stay one command: same argv, same auth ini."""
+    env = {"MLFLOW_DATA_DIR": str(tmp_path), "MLFLOW_HOST": "10.0.0.5", "MLFLOW_PORT": "5001"}
+    if auth:
+        env |= {"RAYTRN_MLFLOW_AUTH": "1", "MLFLOW_ARTIFACTS_DESTINATION": "s3://team/mlflow", **AUTH_ENV}
+    proc = serve_sh(env, "--workers", "2", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    cmd = build_server_command(
+        backend_store_uri=f"sqlite:///{tmp_path}/mlflow.db",
+        artifacts_destination=env.get("MLFLOW_ARTIFACTS_DESTINATION"),
+        host="10.0.0.5",
+        port=5001,
+        workers=2,
+        auth=auth,
+        environ=AUTH_ENV,
+        mlflow_argv=["mlflow"],
+    )
+    assert shlex.split(proc.stdout) == cmd.argv
+    for path, text in cmd.files.items():  # the rendered template has the same settings as raytrn's ini
+        rendered, ours = configparser.ConfigParser(), configparser.ConfigParser()
+        rendered.read(path)
+        ours.read_string(text)
+        assert dict(rendered["mlflow"]) == dict(ours["mlflow"])
+        assert (
+            "@" not in Path(path).read_text() and AUTH_ENV["MLFLOW_AUTH_ADMIN_PASSWORD"] not in Path(path).read_text()
+        )
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"RAYTRN_MLFLOW_AUTH": "1", "MLFLOW_FLASK_SERVER_SECRET_KEY": "k"}, "MLFLOW_AUTH_ADMIN_PASSWORD not set"),
+        ({"RAYTRN_MLFLOW_AUTH": "1", **AUTH_ENV, "MLFLOW_AUTH_ADMIN_PASSWORD": "short"}, "shorter than 12"),
+        ({"MLFLOW_BACKEND_STORE_URI": "http://10.0.0.1:5000"}, "not a database URI"),
+        ({"MLFLOW_BACKEND_STORE_URI": "sqlite:///rel.db"}, "absolute path"),
+        ({"MLFLOW_ARTIFACTS_DESTINATION": "relative/dir"}, "s3://BUCKET/PREFIX"),
+        ({"MLFLOW_PORT": "x"}, "not a TCP port"),
+    ],
+)
+def test_serve_sh_refuses_bad_settings(tmp_path: Path, env: dict[str, str], expected: str) -> None:
+    proc = serve_sh({"MLFLOW_DATA_DIR": str(tmp_path), **env}, "--dry-run")
+    assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
+    assert not (tmp_path / "basic_auth.ini").exists()
