@@ -42,6 +42,11 @@ class ModelConfig(_Section):
     rms_norm_eps: float = Field(1e-5, gt=0)
     tie_word_embeddings: bool = False
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
+    autocast: Literal["none", "bfloat16"] = Field(
+        "none",
+        description="mixed precision: forward/backward under torch.autocast in this dtype while parameters and "
+        "AdamW state stay float32 (master weights); cuda only, ignored with a warning elsewhere",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -66,6 +71,15 @@ class ModelConfig(_Section):
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                 f"num_key_value_heads ({self.kv_heads})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_autocast(self) -> ModelConfig:
+        if self.autocast != "none" and self.dtype != "float32":
+            raise ValueError(
+                f"autocast={self.autocast!r} needs dtype='float32' (autocast keeps float32 master weights); "
+                f"got dtype={self.dtype!r}: set model.dtype: float32, or model.autocast: none for pure bf16 parameters"
             )
         return self
 
@@ -117,6 +131,10 @@ class OptimConfig(_Section):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1)")
     eps: float = Field(1e-8, gt=0)
     grad_clip_norm: float | None = Field(1.0, gt=0, description="max global grad norm; null disables clipping")
+    fused: bool = Field(
+        False,
+        description="fused AdamW kernel (torch.optim.AdamW(fused=True)); cuda only, ignored with a warning elsewhere",
+    )
 
     @model_validator(mode="after")
     def _check_betas(self) -> OptimConfig:
@@ -174,12 +192,40 @@ class TrackingConfig(_Section):
         description="MLflow run name and Ray Train run (checkpoint) name. Set: re-running resumes that run. "
         "Unset: a new run '<job file stem>-<date>-<time>' each time",
     )
+    required: bool = Field(
+        False,
+        description="fail at start when MLflow is unreachable; default: warn, keep training, buffer the metrics "
+        "and deliver them when the server answers",
+    )
+    run_id: str | None = Field(
+        None, description="attach to this existing MLflow run instead of creating one (it must exist)"
+    )
+    log_model: bool = Field(True, description="log the final model in Hugging Face format as the run's 'model'")
+    register_model: str | None = Field(
+        None, min_length=1, description="register the final model under this name in the MLflow model registry"
+    )
+    system_metrics: bool = Field(True, description="log CPU/memory/disk/network (and NeuronCore) metrics per node")
+    system_metrics_interval_s: float = Field(10.0, gt=0, description="seconds between system metric samples")
+    flush_timeout_s: float = Field(
+        60.0, ge=0, description="at the end, how long to wait for buffered metrics to reach an unreachable server"
+    )
+
+    @model_validator(mode="after")
+    def _check_register(self) -> TrackingConfig:
+        if self.register_model and not self.log_model:
+            raise ValueError("register_model needs log_model: true (the registry points at the logged model)")
+        return self
 
 
 class RunConfig(_Section):
     max_steps: int = Field(..., gt=0, description="optimizer steps in total (a resumed run continues to this)")
     seed: int = Field(0, ge=0)
     log_every: int = Field(10, gt=0, description="report metrics every N steps")
+    compile: bool = Field(
+        False,
+        description="torch.compile the model (in place: checkpoint keys unchanged) and the loss; the first steps "
+        "compile. cuda only, ignored with a warning elsewhere (XLA compiles whole steps anyway)",
+    )
 
 
 class ParallelConfig(_Section):

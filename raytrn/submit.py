@@ -216,7 +216,13 @@ def submit(
     submission_id = submission_id or f"raytrn-{job.run_name}-{uuid.uuid4().hex[:6]}"
     # Ray hands the driver its submission id only inside RAY_JOB_CONFIG_JSON_ENV_VAR; the trainer tags the
     # MLflow run with RAY_JOB_SUBMISSION_ID.
-    job_env = {**forwarded_env(os.environ, env), "RAY_JOB_SUBMISSION_ID": submission_id}
+    # RAY_JOB_STOP_WAIT_TIME_S: after `ray job stop`'s SIGTERM the driver marks its MLflow run KILLED and
+    # flushes; Ray's default 3 s before SIGKILL is short for a remote tracking server.
+    job_env = {
+        "RAY_JOB_STOP_WAIT_TIME_S": "15",
+        **forwarded_env(os.environ, env),
+        "RAY_JOB_SUBMISSION_ID": submission_id,
+    }
     job_id = client.submit_job(
         entrypoint=entrypoint(job_file, overrides),
         submission_id=submission_id,

@@ -1,7 +1,9 @@
 """One MLflow run per job: the driver creates (or reattaches to) it, rank 0 logs into it.
 
 The run id is fixed before workers start and stored next to the checkpoints
-(``<storage>/<run name>/raytrn-mlflow.json``), so a resumed job logs into the same run.
+(``<storage>/<run name>/raytrn-mlflow.json``), so a resumed job logs into the same run. When the tracking
+server is unreachable at start the job still trains (unless ``tracking.required``): the run is *pending*,
+rank 0 buffers its metrics and creates/reattaches the run itself once the server answers.
 """
 
 from __future__ import annotations
@@ -9,10 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import socket
 import sys
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from raytrn import storage
 from raytrn.config import JobSpec
@@ -21,14 +25,22 @@ from raytrn.errors import ConfigError
 log = logging.getLogger(__name__)
 MARKER = "raytrn-mlflow.json"
 _MAX_PARAM_LEN = 6000
+REDACTED = "***redacted***"
 
 
 @dataclass(kw_only=True)
 class TrackedRun:
     uri: str
-    run_id: str
-    experiment_id: str
+    run_id: str | None  # None: pending, the server was unreachable at start
+    experiment_id: str | None
     resumed: bool
+    #: What the run is created/reattached with, so rank 0 can do it later when pending.
+    tags: dict[str, str] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pending(self) -> bool:
+        return self.run_id is None
 
     def ui_command(self) -> str:
         if self.uri.startswith("sqlite:"):
@@ -39,122 +51,275 @@ class TrackedRun:
 
 
 def start_run(
-    job: JobSpec, tags: dict[str, str] | None = None, extra_params: dict[str, Any] | None = None
+    job: JobSpec,
+    tags: dict[str, str] | None = None,
+    extra_params: dict[str, Any] | None = None,
+    *,
+    manifest: Any = None,
 ) -> TrackedRun | None:
-    """Create the job's MLflow run, or reattach to the one a previous attempt of this job started."""
+    """Create the job's MLflow run, or reattach to the one a previous attempt of this job started.
+
+    Unreachable server: a ConfigError when ``tracking.required``, else a warning and a pending run.
+    """
     if not job.tracking.enabled:
         return None
+    uri = job.tracking.mlflow_uri
+    assert uri is not None  # resolved by config.resolve_paths
+    tags = {k: redact(k, v) for k, v in (tags or {}).items()}
+    params = {**job.flat(), **(extra_params or {})}
+    problem = unreachable(uri)
+    if problem:
+        if job.tracking.required:
+            raise ConfigError(
+                f"tracking.mlflow_uri={redact_uri(uri)}: {problem}; start the server (see mlflow/README.md or "
+                "`raytrn mlflow serve`), fix the URI, or set tracking.required=false to train and deliver the "
+                "metrics when the server is back"
+            )
+        log.warning(
+            "MLflow at %s is unreachable (%s): training anyway; metrics are buffered and the run is created "
+            "when the server answers (tracking.required=true makes this an error)",
+            redact_uri(uri),
+            problem,
+        )
+        print(f"raytrn: WARNING: MLflow at {redact_uri(uri)} unreachable ({problem}); buffering metrics", flush=True)
+        return TrackedRun(uri=uri, run_id=None, experiment_id=None, resumed=False, tags=tags, params=params)
+    run = attach(job, tags, params)
+    if manifest is not None:
+        _log_dataset(run, manifest)
+    return run
+
+
+def attach(job: JobSpec, tags: dict[str, str], params: dict[str, Any]) -> TrackedRun:
+    """Create or reattach the run (server reachable), log params and tags; the driver's or rank 0's call."""
     from mlflow.entities import Param, RunTag
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     uri = job.tracking.mlflow_uri
-    assert uri is not None  # resolved by config.resolve_paths
+    assert uri is not None
     if uri.startswith("sqlite:///"):
         os.makedirs(os.path.dirname(uri[len("sqlite:///") :]), exist_ok=True)
     client = MlflowClient(uri)
     try:
-        exp = client.get_experiment_by_name(job.tracking.experiment)
-    except MlflowException as e:
-        raise ConfigError(f"tracking.mlflow_uri={uri!r}: cannot reach MLflow: {e}") from None
-    if exp is None:
-        artifacts = None
-        if uri.startswith("sqlite:///"):
-            artifacts = "file://" + os.path.join(os.path.dirname(uri[len("sqlite:///") :]), "artifacts")
-        exp_id = client.create_experiment(job.tracking.experiment, artifact_location=artifacts)
-    else:
-        exp_id = exp.experiment_id
-
-    marker = storage.join(job.checkpoint.storage, job.run_name, MARKER)
-    previous = _previous_run(client, marker, uri)
-    if previous:
-        run_id, resumed = previous, True
-        client.update_run(run_id, status="RUNNING")
-    else:
-        run_id = client.create_run(exp_id, run_name=job.run_name).info.run_id
-        resumed = False
+        exp_id = _experiment(client, job, uri)
+        marker = storage.join(job.checkpoint.storage, job.run_name, MARKER)
+        run_id = job.tracking.run_id or _previous_run(client, marker, uri)
+        resumed = run_id is not None
+        if run_id is not None:
+            _check_run(client, run_id, uri, marker, explicit=job.tracking.run_id is not None)
+            client.update_run(run_id, status="RUNNING")
+        else:
+            run_id = client.create_run(exp_id, run_name=job.run_name).info.run_id
         storage.write_text(marker, json.dumps({"run_id": run_id, "tracking_uri": uri}))
 
-    logged = client.get_run(run_id).data.params
-    params, changed = [], []
-    for key, value in {**job.flat(), **(extra_params or {})}.items():
-        text = str(value)[:_MAX_PARAM_LEN]
-        if key not in logged:
-            params.append(Param(key, text))
-        elif logged[key] != text:  # MLflow params are immutable: record the change as a tag
-            changed.append(RunTag(f"resume.changed.{key}", f"{logged[key]} -> {text}"))
-    all_tags = [RunTag(k, v) for k, v in (tags or {}).items()] + changed
-    for i in range(0, len(params), 100):
-        client.log_batch(run_id, params=params[i : i + 100])
-    if all_tags:
-        client.log_batch(run_id, tags=all_tags)
-    return TrackedRun(uri=uri, run_id=run_id, experiment_id=exp_id, resumed=resumed)
+        logged = client.get_run(run_id).data.params
+        new_params, changed = [], []
+        for key, value in params.items():
+            text = redact(key, value)[:_MAX_PARAM_LEN]
+            if key not in logged:
+                new_params.append(Param(key, text))
+            elif logged[key] != text:  # MLflow params are immutable: record the change as a tag
+                changed.append(RunTag(f"resume.changed.{key}", f"{logged[key]} -> {text}"[:_MAX_PARAM_LEN]))
+        for i in range(0, len(new_params), 100):
+            client.log_batch(run_id, params=new_params[i : i + 100])
+        all_tags = [RunTag(k, v) for k, v in tags.items()] + changed
+        for i in range(0, len(all_tags), 100):
+            client.log_batch(run_id, tags=all_tags[i : i + 100])
+    except MlflowException as e:
+        raise ConfigError(f"tracking.mlflow_uri={redact_uri(uri)}: MLflow refused: {e.message}") from None
+    return TrackedRun(uri=uri, run_id=run_id, experiment_id=exp_id, resumed=resumed, tags=tags, params=params)
 
 
-def end_run(run: TrackedRun | None, status: str) -> None:
-    """Mark the run FINISHED, FAILED or KILLED."""
+def end_run(run: TrackedRun | None, status: str, *, job: JobSpec | None = None) -> str | None:
+    """Mark the run FINISHED, FAILED or KILLED; returns its id (a pending run may have been created by rank 0)."""
     if run is None:
-        return
+        return None
     from mlflow.tracking import MlflowClient
 
+    run_id = run.run_id
+    if run_id is None and job is not None:  # created by rank 0 after an outage at start?
+        saved = _read_marker(storage.join(job.checkpoint.storage, job.run_name, MARKER))
+        if saved.get("tracking_uri") == run.uri:
+            run_id = saved.get("run_id")
+    if run_id is None:
+        log.warning("MLflow at %s was unreachable for the whole job: nothing was recorded", redact_uri(run.uri))
+        return None
+    problem = unreachable(run.uri)
+    if problem:
+        log.warning("could not mark MLflow run %s %s: %s", run_id, status, problem)
+        return run_id
     try:
-        MlflowClient(run.uri).set_terminated(run.run_id, status=status)
+        MlflowClient(run.uri).set_terminated(run_id, status=status)
     except Exception as e:  # tracking must never turn a finished training into a failure
-        log.warning("could not mark MLflow run %s %s: %s", run.run_id, status, e)
+        log.warning("could not mark MLflow run %s %s: %s", run_id, status, e)
+    return run_id
+
+
+def register_model(uri: str, run_id: str, name: str) -> str | None:
+    """Register the run's logged ``model`` under ``name``; returns the new version (None, with a warning,
+    when the run has no model or the registry refuses)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    try:
+        if not client.list_artifacts(run_id, "model"):
+            log.warning("run %s has no logged model: nothing registered as %r", run_id, name)
+            return None
+        try:
+            client.create_registered_model(name)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        source = client.get_run(run_id).info.artifact_uri.rstrip("/") + "/model"
+        version = client.create_model_version(name, source=source, run_id=run_id)
+    except Exception as e:
+        log.warning("could not register the model of run %s as %r: %s", run_id, name, e)
+        return None
+    return str(version.version)
+
+
+# -- bad input and reachability -------------------------------------------------------------------
+
+
+def unreachable(uri: str, timeout_s: float = 3.0) -> str | None:
+    """Why an http(s) tracking server cannot be reached (None when it answers, or for local stores).
+
+    A TCP connect and GET /health: quick, unlike MLflow's client, which retries for minutes.
+    """
+    if not uri.startswith(("http://", "https://")):
+        return None
+    import urllib.error
+    import urllib.request
+
+    parts = urlsplit(uri)
+    host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        return f"cannot connect to {host}:{port} ({e.strerror or e})"
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError as e:
+        if e.code >= 500:
+            return f"the server answered /health with HTTP {e.code}"
+    except OSError as e:
+        return f"no answer from {uri} ({e})"
+    return None
+
+
+def _experiment(client: Any, job: JobSpec, uri: str) -> str:
+    """The experiment's id; created when it does not exist (local stores keep artifacts beside the db)."""
+    name = job.tracking.experiment
+    exp = client.get_experiment_by_name(name)
+    if exp is not None and exp.lifecycle_stage == "deleted":
+        raise ConfigError(
+            f"tracking.experiment={name!r} is deleted in {redact_uri(uri)}; restore it "
+            f"(`mlflow experiments restore --experiment-id {exp.experiment_id}`) or use another name"
+        )
+    if exp is not None:
+        return str(exp.experiment_id)
+    artifacts = None
+    if uri.startswith("sqlite:///"):
+        artifacts = "file://" + os.path.join(os.path.dirname(uri[len("sqlite:///") :]), "artifacts")
+    log.info("creating MLflow experiment %r", name)
+    return str(client.create_experiment(name, artifact_location=artifacts))
+
+
+def _check_run(client: Any, run_id: str, uri: str, marker: str, *, explicit: bool) -> None:
+    """A run to reattach must exist and not be deleted."""
+    from mlflow.exceptions import MlflowException
+
+    where = "tracking.run_id" if explicit else f"{marker} (written when this job first ran)"
+    fix = (
+        "set tracking.run_id to an existing run, or remove it to create a new run"
+        if explicit
+        else f"restore the run, delete {marker} to start a new MLflow run for this job, or set a new tracking.run_name"
+    )
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        raise ConfigError(f"{where}: MLflow run {run_id} does not exist in {redact_uri(uri)}; {fix}") from None
+    if run.info.lifecycle_stage == "deleted":
+        raise ConfigError(f"{where}: MLflow run {run_id} is deleted in {redact_uri(uri)}; {fix}")
+
+
+def _read_marker(marker: str) -> dict[str, Any]:
+    text = storage.read_text(marker)
+    if not text:
+        return {}
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _previous_run(client: Any, marker: str, uri: str) -> str | None:
-    text = storage.read_text(marker)
-    if not text:
-        return None
-    saved = json.loads(text)
+    """The run this job logged into before (same tracking URI), from the marker next to its checkpoints."""
+    saved = _read_marker(marker)
     if saved.get("tracking_uri") != uri:
-        return None
+        return None  # never tracked, or tracked in another store: a new run here
+    return saved.get("run_id")
+
+
+def _log_dataset(run: TrackedRun, manifest: Any) -> None:
+    """The training data as the run's input: the manifest's location, with its fingerprint as digest."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.tracking import MlflowClient
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    assert run.run_id is not None
+    client = MlflowClient(run.uri)
+    digest = manifest.source.fingerprint[:32]
+    inputs = client.get_run(run.run_id).inputs
+    existing = (inputs.dataset_inputs if inputs else None) or []
+    if any(d.dataset.digest == digest for d in existing):
+        return
+    import warnings
+
+    with warnings.catch_warnings():  # "can be interpreted in multiple ways": a local path, taken as one
+        warnings.simplefilter("ignore")
+        source = resolve_dataset_source(manifest.manifest_path)
+    name = os.path.basename(manifest.root.rstrip("/")) or "dataset"
+    dataset = MetaDataset(source=source, name=name, digest=digest)  # type: ignore[abstract]
     try:
-        client.get_run(saved["run_id"])
-    except Exception:
-        return None  # deleted, or a different store: start a new run
-    return saved["run_id"]
-
-
-class WorkerLogger:
-    """Rank 0's handle on the job's run. Logging failures warn once and never stop training."""
-
-    def __init__(self, uri: str, run_id: str) -> None:
-        from mlflow.tracking import MlflowClient
-
-        self._client = MlflowClient(uri)
-        self._run_id = run_id
-        self._warned = False
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        self._call(
-            self._client.log_batch, self._run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()]
+        client.log_inputs(
+            run.run_id,
+            datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, "train")])],
         )
+    except Exception as e:
+        log.warning("could not log the dataset as the run's input: %s", e)
 
-    def checkpoint(self, step: int, location: str) -> None:
-        self._call(self._client.set_tag, self._run_id, "checkpoint.latest", location)
-        self._call(self._client.set_tag, self._run_id, "checkpoint.latest_step", str(step))
 
-    def world_size(self, step: int, world_size: int) -> None:
-        """Append ``step:world_size`` to the run's world size history tag."""
-        try:
-            history = self._client.get_run(self._run_id).data.tags.get("world_size_history", "")
-        except Exception:
-            history = ""
-        entry = f"{step}:{world_size}"
-        self._call(self._client.set_tag, self._run_id, "world_size_history", f"{history},{entry}".lstrip(","))
+# -- secrets ----------------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        pass
+_SECRET_WORDS = frozenset({"secret", "password", "passwd", "pwd", "credential", "credentials", "apikey"})
+_SECRET_PARTS = ("secret", "password", "api_key", "apikey", "access_key", "private_key", "auth_token")
+_URI_PASSWORD = re.compile(r"(?<=://)([^/@:\s]*):([^/@\s]+)@")
 
-    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            fn(*args, **kwargs)
-        except Exception as e:
-            if not self._warned:
-                log.warning("MLflow logging failed (training continues): %s", e)
-                self._warned = True
+
+def is_secret_key(key: str) -> bool:
+    """Whether a param/tag/env name looks like it holds a secret (``tracking.hf_token``, ``DB_PASSWORD``...).
+
+    Words are split on ``_ - .``; ``tokenizer``, ``tokens_per_s`` or ``flops_per_token`` are not secrets.
+    """
+    name = key.lower()
+    words = re.split(r"[_\-.\s]+", name)
+    # "token" names a credential as a name's last word (HF_TOKEN, auth.token), not in "flops_per_token".
+    token = words[-1] == "token" and (len(words) < 2 or words[-2] != "per")
+    return token or bool(set(words) & _SECRET_WORDS) or any(part in name for part in _SECRET_PARTS)
+
+
+def redact_uri(text: str) -> str:
+    """``scheme://user:pass@host`` -> ``scheme://user:***@host``."""
+    return _URI_PASSWORD.sub(lambda m: f"{m.group(1)}:***@", text)
+
+
+def redact(key: str, value: Any) -> str:
+    """The text to log for ``key``: redacted when the key looks secret, passwords in URIs masked."""
+    if is_secret_key(key):
+        return REDACTED
+    return redact_uri(str(value))

@@ -24,6 +24,8 @@ from raytrn.config import JobSpec
 from raytrn.errors import DataError
 from raytrn.train.step import Training, build_training, read_metrics, train_step
 
+log = logging.getLogger(__name__)
+
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
@@ -54,10 +56,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             else:
                 progress = load_state(d, model=model, optimizer=optimizer, scheduler=scheduler)
         progress.epoch += 1  # continue with a fresh pass over the data (see README: resume)
-    logger = _rank0_logger(config) if rank == 0 else None
-    board = config.get("board") if rank == 0 else None
+    logger = _logger(config, job) if rank == 0 or ctx.get_local_rank() == 0 else None
+    sampler = _system_sampler(job, logger)  # one per node: CPU/memory/disk/network, NeuronCores
+    if rank != 0:
+        logger = None  # other nodes' loggers carry their system metrics only
     if logger:
-        logger.world_size(progress.step, world_size)
+        # A worker group restarted from an older checkpoint must not log the steps after it again.
+        progress.last_logged_step = max(progress.last_logged_step, _delivered_step(logger))
+        _append_world_size(logger, progress.step, world_size)
+    board = config.get("board") if rank == 0 else None
     shard = ray.train.get_dataset_shard("train")
     batches = backend.wrap_batches(_batches(shard, job, progress, rank, world_size))
 
@@ -100,8 +107,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if step % job.checkpoint.every_n_steps == 0 or is_last:
             _save_and_report(job, rank, backend, t, progress, metrics, logger)
 
-    if logger:
-        logger.close()
+    if logger and job.tracking.log_model and not t.sharded:
+        log_final_model(job, t.model, backend, logger)
+    if sampler:
+        sampler.close()
+    if logger or sampler:
+        (logger or sampler.logger).close(job.tracking.flush_timeout_s)  # type: ignore[union-attr]
 
 
 def _batches(shard: Any, job: JobSpec, progress: Progress, rank: int, world_size: int) -> Iterator[torch.Tensor]:
@@ -258,15 +269,81 @@ def _save_and_report(
             checkpoint_dir_name=f"checkpoint_{progress.step:08d}",
         )
     if logger:
-        logger.checkpoint(
-            progress.step, os.path.join(job.checkpoint.storage, job.run_name, f"checkpoint_{progress.step:08d}")
-        )
+        location = os.path.join(job.checkpoint.storage, job.run_name, f"checkpoint_{progress.step:08d}")
+        logger.set_tags({"checkpoint.latest": location, "checkpoint.latest_step": str(progress.step)})
 
 
-def _rank0_logger(config: dict[str, Any]) -> Any:
-    run_id = config.get("mlflow_run_id")
-    if not run_id:
+def _logger(config: dict[str, Any], job: JobSpec) -> Any:
+    """An asynchronous logger into the job's run (None when tracking is off)."""
+    if not config.get("mlflow_uri"):
         return None
-    from raytrn.tracking.mlflow_run import WorkerLogger
+    from raytrn.tracking.logger import AsyncLogger
+    from raytrn.tracking.mlflow_run import attach, unreachable
 
-    return WorkerLogger(config["mlflow_uri"], run_id)
+    uri, run_id = config["mlflow_uri"], config.get("mlflow_run_id")
+
+    def create_when_reachable() -> str | None:  # the driver could not reach MLflow at start
+        if unreachable(uri):
+            return None
+        return attach(job, config.get("mlflow_tags") or {}, config.get("mlflow_params") or {}).run_id
+
+    return AsyncLogger(uri, run_id, resolve_run=create_when_reachable if run_id is None else None)
+
+
+def _system_sampler(job: JobSpec, logger: Any) -> Any:
+    if logger is None or not job.tracking.system_metrics:
+        return None
+    import ray
+
+    from raytrn.tracking.system import SystemSampler
+
+    return SystemSampler.start(logger, ray.get_runtime_context().get_node_id(), job.tracking.system_metrics_interval_s)
+
+
+def _delivered_step(logger: Any) -> int:
+    from raytrn.tracking.logger import logged_step
+
+    return logged_step(logger.client, logger.run_id) if logger.run_id else 0
+
+
+def _append_world_size(logger: Any, step: int, world_size: int) -> None:
+    """Append ``step:world_size`` to the run's ``world_size_history`` tag (one entry per worker group start)."""
+    history = ""
+    if logger.run_id:
+        try:
+            history = logger.client.get_run(logger.run_id).data.tags.get("world_size_history", "")
+        except Exception:  # unreachable: the entry still goes out with the buffered metrics
+            pass
+    logger.set_tags({"world_size_history": f"{history},{step}:{world_size}".lstrip(",")})
+
+
+def log_final_model(job: JobSpec, model: torch.nn.Module, backend: Backend, logger: Any) -> None:
+    """The trained model (and the dataset's tokenizer) in Hugging Face format, as the run's ``model`` artifact."""
+    if logger.run_id is None:
+        log.warning("final model not logged: the MLflow run was never created (server unreachable)")
+        return
+    from raytrn.data.manifest import load_manifest
+
+    inner = getattr(model, "module", model)  # DDP
+    try:
+        state = backend.to_cpu(inner.state_dict())
+        with tempfile.TemporaryDirectory(prefix="raytrn-model-") as d:
+            inner.save_pretrained(d, state_dict=state, safe_serialization=True)  # type: ignore[operator]
+            tokenizer = load_manifest(job.data.manifest, check_files=False).tokenizer_path
+            _save_tokenizer(tokenizer, d)
+            logger.client.log_artifacts(logger.run_id, d, "model")
+    except Exception as e:  # tracking never fails a finished training
+        log.warning("could not log the final model to MLflow: %s", e)
+
+
+def _save_tokenizer(path: str, out_dir: str) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    from raytrn import storage
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        f.write(storage.read_text(path) or "")
+    try:
+        PreTrainedTokenizerFast(tokenizer_file=f.name).save_pretrained(out_dir)
+    finally:
+        os.unlink(f.name)

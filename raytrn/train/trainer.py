@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -48,14 +49,20 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
 
     stats = model_stats(job.model, job.data.seq_len)
     print(f"raytrn: {job.run_name}: llama {stats.describe()}", flush=True)
-    model_params = {"model.num_params": stats.num_params, "model.flops_per_token": stats.flops_per_token}
-    tracked = start_run(job, tags=_tags(job), extra_params=model_params)
+    params = {
+        "model.num_params": stats.num_params,
+        "model.flops_per_token": stats.flops_per_token,
+        **versions(),
+        **_git_commit(),
+    }
+    tracked = start_run(job, tags=_tags(job), extra_params=params, manifest=manifest)
     board = ray.remote(num_cpus=0)(ProgressBoard).remote()
     status = "FAILED"
     try:
-        trainer = _trainer(job, backend, scaling, manifest, tracked, board)
-        with ProgressPrinter(board, live=live_progress):
-            result = trainer.fit()
+        with _stop_on_sigterm(lambda: end_run(tracked, "KILLED", job=job)):
+            trainer = _trainer(job, backend, scaling, manifest, tracked, board)
+            with ProgressPrinter(board, live=live_progress):
+                result = trainer.fit()
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
@@ -66,7 +73,13 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
             raise user_error from None
         raise
     finally:
-        end_run(tracked, status)
+        run_id = end_run(tracked, status, job=job)
+    if run_id and job.tracking.register_model:
+        from raytrn.tracking.mlflow_run import register_model
+
+        version = register_model(tracked.uri, run_id, job.tracking.register_model)  # type: ignore[union-attr]
+        if version:
+            print(f"raytrn: registered the model as {job.tracking.register_model!r} version {version}", flush=True)
 
     snap: Any = ray.get(board.snapshot.remote(), timeout=30)  # type: ignore[attr-defined]
     first, last = snap["first"] or {}, snap["last"] or {}
@@ -81,8 +94,8 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
         first_loss=first.get("loss"),
         final_loss=last.get("loss"),
         checkpoint=result.checkpoint.path if result.checkpoint else None,
-        mlflow_run_id=tracked.run_id if tracked else None,
-        mlflow_ui=tracked.ui_command() if tracked else None,
+        mlflow_run_id=run_id,
+        mlflow_ui=tracked.ui_command() if tracked and run_id else None,
     )
 
 
@@ -122,6 +135,9 @@ def _trainer(job: JobSpec, backend: Backend, scaling: Any, manifest: Any, tracke
             "board": board,
             "mlflow_uri": tracked.uri if tracked else None,
             "mlflow_run_id": tracked.run_id if tracked else None,
+            # A pending run (MLflow unreachable at start) is created by rank 0 with these.
+            "mlflow_tags": tracked.tags if tracked else {},
+            "mlflow_params": tracked.params if tracked else {},
         },
         scaling_config=scaling,
         torch_config=backend.ray_backend_config(job),
@@ -208,6 +224,60 @@ def _tags(job: JobSpec) -> dict[str, str]:
     if submission_id:
         tags["ray.job_submission_id"] = submission_id
     return tags
+
+
+def versions() -> dict[str, str]:
+    """Versions of the software stack (the driver's environment), for the run's params."""
+    import platform
+    from importlib import metadata
+
+    out = {"versions.python": platform.python_version()}
+    for dist in (
+        "raytrn", "ray", "torch", "transformers", "mlflow", "torch-xla",
+        "torch-neuronx", "neuronx-distributed", "neuronx-cc", "libneuronxla",
+    ):  # fmt: skip
+        try:
+            out[f"versions.{dist}"] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _git_commit() -> dict[str, str]:
+    """The commit the job's code came from: ``raytrn submit`` records it at submission (the cluster's copy
+    of the working dir has no .git); a local run asks git."""
+    import json
+
+    from raytrn.submit import git_commit
+
+    try:
+        meta = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("metadata") or {}
+    except json.JSONDecodeError:
+        meta = {}
+    commit = meta.get("git.commit") or git_commit(os.getcwd())
+    return {"git.commit": commit} if commit else {}
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm(on_stop: Any) -> Any:
+    """SIGTERM (``ray job stop``, a scheduler's preemption of the driver) becomes KeyboardInterrupt, after
+    ``on_stop`` (marking the run KILLED first: Ray SIGKILLs the driver 3 s after SIGTERM by default)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        on_stop()
+        raise KeyboardInterrupt("stopped (SIGTERM)")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _ray_job_submission_id() -> str | None:

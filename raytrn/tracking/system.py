@@ -1,0 +1,107 @@
+"""Per-node system metrics: MLflow's CPU/memory/disk/network/GPU monitors plus ``neuron-monitor``.
+
+One sampler runs per node (in the worker with local rank 0). Metric names follow MLflow's multi-node
+convention, ``system/<node>/<metric>`` (e.g. ``system/node-1a2b3c4d/cpu_utilization_percentage``,
+``system/node-1a2b3c4d/neuroncore_0_utilization_percentage``), so the nodes of one run never collide. The
+samples go through the job's :class:`~raytrn.tracking.logger.AsyncLogger`: buffered across an MLflow outage
+like every other metric. MLflow's own ``SystemMetricsMonitor`` is not used because it stops for good at
+the first failed request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from raytrn.tracking.neuron_monitor import PREFIX, NeuronMonitor
+
+log = logging.getLogger(__name__)
+
+
+def node_label(node_id: str) -> str:
+    """A short, stable name for a Ray node in metric names (its id's first 8 hex digits)."""
+    return f"node-{node_id[:8]}"
+
+
+def _mlflow_monitors() -> list[Any]:
+    from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+    from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+    from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+
+    monitors: list[Any] = [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+
+            monitors.append(GPUMonitor())
+    except Exception as e:  # no pynvml, no driver: CPU metrics still count
+        log.debug("no GPU monitor: %s", e)
+    return monitors
+
+
+class SystemSampler:
+    """Samples this node every ``interval_s`` and queues ``system/<node>/...`` metrics into ``logger``."""
+
+    def __init__(
+        self, logger: Any, node: str, interval_s: float, *, neuron: NeuronMonitor | None = None, first_step: int = 0
+    ) -> None:
+        self.logger = logger
+        self.node = node
+        self.interval_s = interval_s
+        self.neuron = neuron
+        self.step = first_step
+        self._monitors = _mlflow_monitors()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="raytrn-system-metrics", daemon=True)
+
+    @classmethod
+    def start(cls, logger: Any, node_id: str, interval_s: float) -> SystemSampler:
+        """Start sampling (and ``neuron-monitor`` where it is installed) for the node ``node_id``."""
+        node = node_label(node_id)
+        first = _next_step(logger, f"{PREFIX}{node}/")
+        sampler = cls(logger, node, interval_s, neuron=NeuronMonitor.start(), first_step=first)
+        sampler._thread.start()
+        return sampler
+
+    def sample(self) -> dict[str, float]:
+        """One aggregated sample, named ``system/<node>/...``."""
+        out: dict[str, float] = {}
+        for monitor in self._monitors:
+            try:
+                monitor.collect_metrics()
+                out.update(monitor.aggregate_metrics())
+            except Exception as e:
+                log.debug("system metric monitor %s failed: %s", type(monitor).__name__, e)
+            finally:
+                monitor.clear_metrics()
+        named = {f"{PREFIX}{self.node}/{k}": float(v) for k, v in out.items()}
+        if self.neuron is not None:  # parse_report names them system/<metric>: put the node in
+            for key, value in self.neuron.latest().items():
+                named[f"{PREFIX}{self.node}/{key[len(PREFIX) :]}"] = value
+        return named
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.logger.log_metrics(self.sample(), self.step, training=False)
+            self.step += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        if self.neuron is not None:
+            self.neuron.close()
+
+
+def _next_step(logger: Any, prefix: str) -> int:
+    """After a restart on the same node, continue the node's system-metric steps instead of repeating them."""
+    if logger.run_id is None:
+        return 0
+    try:
+        run = logger.client.get_run(logger.run_id)
+    except Exception:
+        return 0
+    steps = [m.step for m in run.data._metric_objs if m.key.startswith(prefix)]
+    return max(steps) + 1 if steps else 0
