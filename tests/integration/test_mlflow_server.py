@@ -116,7 +116,9 @@ def test_serve_sh_refuses_a_port_in_use(mlflow_server, tmp_path: Path) -> None:
     assert proc.returncode == 2 and f"127.0.0.1:{mlflow_server.port} is already in use" in proc.stderr, proc.stderr
 
 
-def test_basic_auth_server(tmp_path: Path) -> None:
+def test_basic_auth_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlflow.server.auth.client import AuthServiceClient
+
     from raytrn.tracking.server import build_server_command
 
     secrets = {"MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN_PASSWORD, "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-secret-key"}
@@ -132,6 +134,11 @@ def test_basic_auth_server(tmp_path: Path) -> None:
         assert _status(url) == 401
         assert _status(url, ("admin", "wrong-password-0000")) == 401
         assert _status(url, ("admin", ADMIN_PASSWORD)) == 200
+        # Creating a user as mlflow/README.md shows: the admin's credentials in the client's environment.
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "admin")
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", ADMIN_PASSWORD)
+        AuthServiceClient(server.url).create_user("alice", "alice-password-0123")
+        assert _status(url, ("alice", "alice-password-0123")) == 200
     finally:
         server.stop()
     assert "database_uri = sqlite:///" + str(tmp_path / "basic_auth.db") in (tmp_path / "basic_auth.ini").read_text()
