@@ -1,0 +1,263 @@
+"""MLflow tracking without Ray: secret redaction, the asynchronous logger, bad tracking input, system metrics.
+
+The store is a real MLflow sqlite store in a temp dir; "unreachable" is a closed port on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from raytrn.config import load_job
+from raytrn.errors import ConfigError
+from raytrn.tracking.logger import LOGGED_STEP_TAG, AsyncLogger, logged_step
+from raytrn.tracking.mlflow_run import (
+    REDACTED,
+    end_run,
+    is_secret_key,
+    redact,
+    redact_uri,
+    start_run,
+    unreachable,
+)
+from raytrn.tracking.system import SystemSampler, node_label
+
+pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[2]
+FIXTURE_REPORT = REPO / "tests" / "fixtures" / "neuron-monitor-report.json"
+
+
+def _closed_port_uri() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"  # nothing listens once the socket is closed
+
+
+def _job(tmp_path: Path, *overrides: str):
+    return load_job(
+        REPO / "jobs" / "tiny.yaml",
+        [
+            f"checkpoint.storage={tmp_path / 'ckpt'}",
+            f"tracking.mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            "tracking.experiment=unit-tracking",
+            "tracking.run_name=unit-run",
+            *overrides,
+        ],
+    )
+
+
+# -- secrets -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key", ["HF_TOKEN", "auth.token", "tracking.password", "AWS_SECRET_ACCESS_KEY", "openai_api_key", "db.passwd"]
+)
+def test_secret_keys_are_redacted(key):
+    assert is_secret_key(key)
+    assert redact(key, "hunter2") == REDACTED
+
+
+@pytest.mark.parametrize(
+    "key", ["model.flops_per_token", "data.tokenizer", "tokens_per_s", "usd_per_1m_tokens", "optim.lr", "run.seed"]
+)
+def test_ordinary_keys_are_kept(key):
+    assert not is_secret_key(key)
+    assert redact(key, 3) == "3"
+
+
+def test_passwords_in_uris_are_masked():
+    assert redact_uri("postgresql://mlflow:s3cret@db:5432/mlflow") == "postgresql://mlflow:***@db:5432/mlflow"
+    assert redact("tracking.mlflow_uri", "https://alice:pw@host/") == "https://alice:***@host/"
+    assert redact_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+
+
+# -- the asynchronous logger --------------------------------------------------------------------------
+
+
+def _run(tmp_path: Path) -> tuple[str, str]:
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("async", artifact_location=f"file://{tmp_path / 'art'}")
+    return uri, client.create_run(exp).info.run_id
+
+
+def test_async_logger_delivers_in_order_and_records_the_logged_step(tmp_path):
+    uri, run_id = _run(tmp_path)
+    logger = AsyncLogger(uri, run_id, batch_window_s=0.05)
+    for step in range(1, 31):
+        logger.log_metrics({"loss": 10.0 / step, "lr": 0.1}, step)
+    logger.log_metrics({"system/node-x/cpu_utilization_percentage": 5.0}, 99, training=False)
+    logger.set_tags({"checkpoint.latest": "/ckpt/checkpoint_00000030"})
+    assert logger.close(timeout_s=30) == 0
+    client = MlflowClient(uri)
+    history = client.get_metric_history(run_id, "loss")
+    assert [m.step for m in history] == list(range(1, 31))
+    assert history[-1].value == pytest.approx(10.0 / 30)
+    tags = client.get_run(run_id).data.tags
+    assert tags["checkpoint.latest"] == "/ckpt/checkpoint_00000030"
+    assert tags[LOGGED_STEP_TAG] == "30"  # system metrics' steps do not count
+    assert logged_step(client, run_id) == 30
+
+
+def test_async_logger_never_blocks_when_mlflow_is_unreachable(tmp_path):
+    logger = AsyncLogger(_closed_port_uri(), "0" * 32, batch_window_s=0.05)
+    t0 = time.perf_counter()
+    for step in range(1000):
+        logger.log_metrics({"loss": 1.0, "lr": 0.1, "tokens_per_s": 5.0}, step)
+    assert time.perf_counter() - t0 < 1.0  # queued, not sent
+    time.sleep(0.5)
+    assert logger.pending == 3000  # nothing lost, nothing delivered
+    t0 = time.perf_counter()
+    assert logger.close(timeout_s=1.0) == 3000  # bounded: gives up after the flush timeout, says how many
+    assert time.perf_counter() - t0 < 20
+
+
+def test_async_logger_bounded_buffer_drops_the_oldest(tmp_path):
+    logger = AsyncLogger(_closed_port_uri(), "0" * 32, max_buffered=100, batch_window_s=0.05)
+    for step in range(300):
+        logger.log_metrics({"loss": float(step)}, step)
+    assert logger.pending <= 100
+    assert logger.close(timeout_s=0.5) >= 200  # dropped + undelivered are reported
+
+
+def test_async_logger_creates_a_pending_run_when_it_can(tmp_path):
+    uri, run_id = _run(tmp_path)
+    answers = iter([None, None, run_id])  # the server "comes back" on the third try
+    logger = AsyncLogger(uri, None, resolve_run=lambda: next(answers, run_id), batch_window_s=0.05)
+    logger.log_metrics({"loss": 1.0}, 1)
+    assert logger.flush(timeout_s=30)
+    assert logger.run_id == run_id
+    logger.close(1)
+    assert [m.step for m in MlflowClient(uri).get_metric_history(run_id, "loss")] == [1]
+
+
+# -- bad tracking input -------------------------------------------------------------------------------
+
+
+def test_unreachable_server_is_an_error_when_required(tmp_path):
+    job = _job(tmp_path, f"tracking.mlflow_uri={_closed_port_uri()}", "tracking.required=true")
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"tracking.mlflow_uri=http://127.0.0.1:\d+: cannot connect.*required"):
+        start_run(job)
+    assert time.perf_counter() - t0 < 10  # no minutes of MLflow client retries
+    assert not (tmp_path / "ckpt").exists()  # nothing written
+
+
+def test_unreachable_server_gives_a_pending_run_and_a_warning(tmp_path, capsys):
+    job = _job(tmp_path, f"tracking.mlflow_uri={_closed_port_uri()}")
+    run = start_run(job, tags={"accelerator": "cpu"})
+    assert run is not None and run.pending
+    assert run.params["optim.lr"] == job.optim.lr  # what rank 0 will create the run with
+    assert "unreachable" in capsys.readouterr().out
+    assert end_run(run, "FINISHED", job=job) is None  # never created: nothing to mark, no exception
+
+
+def test_unreachable_reports_why():
+    assert "cannot connect" in (unreachable(_closed_port_uri(), timeout_s=1) or "")
+    assert unreachable("sqlite:///x.db") is None
+
+
+def test_unknown_experiment_is_created_and_a_rerun_reattaches(tmp_path):
+    job = _job(tmp_path, "tracking.experiment=brand-new")
+    first = start_run(job)
+    assert first is not None and not first.resumed
+    client = MlflowClient(job.tracking.mlflow_uri)
+    assert client.get_experiment_by_name("brand-new") is not None
+    second = start_run(job)
+    assert second is not None and second.resumed and second.run_id == first.run_id
+
+
+def test_explicit_run_id_that_does_not_exist_is_a_clear_error(tmp_path):
+    job = _job(tmp_path, "tracking.run_id=0123456789abcdef0123456789abcdef")
+    with pytest.raises(
+        ConfigError, match="tracking.run_id: MLflow run 0123456789abcdef0123456789abcdef does not exist"
+    ):
+        start_run(job)
+
+
+def test_marker_naming_a_deleted_run_is_a_clear_error(tmp_path):
+    job = _job(tmp_path)
+    run = start_run(job)
+    assert run is not None and run.run_id
+    MlflowClient(job.tracking.mlflow_uri).delete_run(run.run_id)
+    with pytest.raises(ConfigError, match=r"raytrn-mlflow.json .*is deleted.*delete .*raytrn-mlflow.json"):
+        start_run(job)
+
+
+def test_params_are_redacted_and_versions_recorded(tmp_path):
+    from raytrn.train.trainer import versions
+
+    job = _job(tmp_path, "tracking.mlflow_uri=sqlite:///" + str(tmp_path / "mlflow.db"))
+    run = start_run(
+        job,
+        extra_params={**versions(), "env.HF_TOKEN": "hf_abc", "storage.uri": "s3://key:secret@bucket/x"},
+    )
+    assert run is not None and run.run_id
+    params = MlflowClient(job.tracking.mlflow_uri).get_run(run.run_id).data.params
+    assert params["env.HF_TOKEN"] == REDACTED
+    assert params["storage.uri"] == "s3://key:***@bucket/x"
+    assert params["versions.torch"].startswith("2.")
+    assert params["versions.ray"] and params["versions.mlflow"]
+    assert "hf_abc" not in json.dumps(params) and ":secret@" not in json.dumps(params)
+
+
+def test_register_model_needs_log_model(tmp_path):
+    with pytest.raises(ConfigError, match="register_model needs log_model"):
+        _job(tmp_path, "tracking.register_model=tiny", "tracking.log_model=false")
+
+
+# -- system metrics -----------------------------------------------------------------------------------
+
+
+class _Collect:
+    run_id = None
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[dict, int, bool]] = []
+
+    def log_metrics(self, metrics, step, *, training=True):
+        self.calls.append((metrics, step, training))
+
+
+def test_system_sample_is_named_per_node():
+    sampler = SystemSampler(_Collect(), node_label("a1b2c3d4e5f6"), 60)
+    sample = sampler.sample()
+    assert "system/node-a1b2c3d4/cpu_utilization_percentage" in sample
+    assert "system/node-a1b2c3d4/system_memory_usage_megabytes" in sample
+    assert all(k.startswith("system/node-a1b2c3d4/") for k in sample)
+
+
+def test_system_sampler_includes_neuron_monitor_and_logs_non_training_steps(tmp_path, monkeypatch):
+    report = json.loads(FIXTURE_REPORT.read_text())
+    script = tmp_path / "neuron-monitor"
+    script.write_text(
+        f"#!{__import__('sys').executable}\nimport time\n"
+        f"while True:\n    print({json.dumps(report)!r}, flush=True)\n    time.sleep(0.1)\n"
+    )
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    logger = _Collect()
+    sampler = SystemSampler.start(logger, "ffff0000aaaa", 0.3)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not any(
+            "system/node-ffff0000/neuroncore_0_utilization_percentage" in m for m, _, _ in logger.calls
+        ):
+            time.sleep(0.1)
+    finally:
+        sampler.close()
+    metrics, step, training = next(
+        c for c in logger.calls if "system/node-ffff0000/neuroncore_0_utilization_percentage" in c[0]
+    )
+    assert metrics["system/node-ffff0000/neuroncore_0_utilization_percentage"] == 91.5
+    assert metrics["system/node-ffff0000/neuron_device_memory_used_bytes"] == 17179869184.0
+    assert "system/node-ffff0000/cpu_utilization_percentage" in metrics
+    assert training is False
+    assert [c[1] for c in logger.calls] == list(range(len(logger.calls)))  # one step per sample
+    assert sampler.neuron is not None and sampler.neuron._proc.poll() is not None  # stopped by close()
