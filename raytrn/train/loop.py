@@ -107,12 +107,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if step % job.checkpoint.every_n_steps == 0 or is_last:
             _save_and_report(job, rank, backend, t, progress, metrics, logger)
 
-    if logger and job.tracking.log_model and not t.sharded:
-        log_final_model(job, t.model, backend, logger)
     if sampler:
         sampler.close()
     if logger or sampler:
-        (logger or sampler.logger).close(job.tracking.flush_timeout_s)  # type: ignore[union-attr]
+        out = logger or sampler.logger  # type: ignore[union-attr]
+        out.flush(job.tracking.flush_timeout_s)  # an outage near the end: wait (bounded) for the server
+        if logger and job.tracking.log_model and not t.sharded:
+            log_final_model(job, t.model, backend, logger)
+        out.close(timeout_s=5)
 
 
 def _batches(shard: Any, job: JobSpec, progress: Progress, rank: int, world_size: int) -> Iterator[torch.Tensor]:

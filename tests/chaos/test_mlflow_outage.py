@@ -1,0 +1,146 @@
+"""MLflow never stops training: the tracking server goes down for ~20 s mid-run, comes back, nothing is lost.
+
+A real ``mlflow server`` (sqlite store, artifacts on the moto S3 server) and a real local Ray. The same run
+checks what a tracked job records: params with versions and the git commit, the dataset input with its
+digest, per-node system metrics, the final model in Hugging Face format on S3, and its registry version.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from raytrn.config import load_job
+from raytrn.train.trainer import run_training
+
+pytestmark = [pytest.mark.integration, pytest.mark.chaos]
+REPO = Path(__file__).resolve().parents[2]
+OUTAGE_S = 20
+
+
+def _wait(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not seen after {timeout_s} s")
+
+
+@pytest.fixture(scope="module")
+def outage_run(ray_session, tiny_dataset, mlflow_server, tmp_path_factory):
+    from mlflow.tracking import MlflowClient
+
+    tmp = tmp_path_factory.mktemp("outage")
+    name = f"outage-{uuid.uuid4().hex[:8]}"
+    job = load_job(
+        REPO / "jobs" / "tiny.yaml",
+        [
+            f"data.manifest={tiny_dataset}",
+            "data.seq_len=32",
+            "data.micro_batch_size=8",
+            "model.vocab_size=512",
+            "scaling.min_workers=1",
+            "scaling.max_workers=1",
+            f"checkpoint.storage={tmp / 'ckpt'}",
+            "checkpoint.every_n_steps=100",
+            f"tracking.mlflow_uri={mlflow_server.url}",
+            "tracking.experiment=raytrn-outage",
+            f"tracking.run_name={name}",
+            "tracking.register_model=raytrn-outage-tiny",
+            "tracking.system_metrics_interval_s=1",
+            "run.log_every=1",
+            "run.max_steps=300",
+        ],
+    )
+    client = MlflowClient(mlflow_server.url)
+    result: dict = {}
+
+    def train() -> None:
+        try:
+            result["summary"] = run_training(job, live_progress=False)
+        except BaseException as e:  # surfaced by the test
+            result["error"] = e
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+
+    def first_step_logged() -> bool:
+        runs = client.search_runs(
+            [e.experiment_id for e in client.search_experiments(filter_string="name = 'raytrn-outage'")],
+            filter_string=f"attributes.run_name = '{name}'",
+        )
+        return bool(runs) and bool(client.get_metric_history(runs[0].info.run_id, "loss"))
+
+    try:
+        _wait(first_step_logged, 180, "the first logged step")
+        down = time.time()
+        mlflow_server.stop()
+        time.sleep(OUTAGE_S)
+        up = time.time()
+        mlflow_server.start()
+    finally:
+        thread.join(timeout=600)
+    assert not thread.is_alive(), "training did not finish"
+    if "error" in result:
+        raise result["error"]
+    return job, result["summary"], client, (down, up)
+
+
+def test_every_step_arrives_once_in_order(outage_run):
+    job, summary, client, _ = outage_run
+    assert summary.final_step == job.run.max_steps
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "data_wait_s", "world_size", "tokens_seen"):
+        steps = [m.step for m in client.get_metric_history(summary.mlflow_run_id, key)]
+        assert steps == list(range(1, job.run.max_steps + 1)), key
+    assert client.get_run(summary.mlflow_run_id).info.status == "FINISHED"
+
+
+def test_training_went_on_during_the_outage(outage_run):
+    _, summary, client, (down, up) = outage_run
+    recorded = [m.timestamp / 1000 for m in client.get_metric_history(summary.mlflow_run_id, "loss")]
+    during = [t for t in recorded if down + 1 < t < up]
+    assert during, "no step was recorded while the server was down: training waited for MLflow"
+
+
+def test_run_records_versions_git_dataset_and_system_metrics(outage_run):
+    job, summary, client, _ = outage_run
+    run = client.get_run(summary.mlflow_run_id)
+    params, tags = run.data.params, run.data.tags
+    assert params["versions.torch"] and params["versions.ray"] and params["versions.raytrn"]
+    assert params["optim.lr"] == str(job.optim.lr)
+    assert len(params.get("git.commit", "")) >= 40  # the test runs from the repository
+    assert tags["accelerator"] == "cpu"
+    assert tags["world_size_history"] == "0:1"
+    assert tags["checkpoint.latest_step"] == str(job.run.max_steps)
+    inputs = run.inputs.dataset_inputs
+    assert len(inputs) == 1 and inputs[0].dataset.digest and inputs[0].dataset.name == "tiny"
+    cpu = [k for k in run.data.metrics if k.startswith("system/node-") and k.endswith("/cpu_utilization_percentage")]
+    assert len(cpu) == 1, run.data.metrics.keys()
+
+
+def test_final_model_is_on_s3_in_hf_format_and_registered(outage_run, s3_endpoint, mlflow_server, tmp_path):
+    import boto3
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, summary, client, _ = outage_run
+    bucket, prefix = mlflow_server.artifacts[len("s3://") :].split("/", 1)
+    keys = [
+        o["Key"]
+        for o in boto3.client("s3", endpoint_url=s3_endpoint)
+        .list_objects_v2(Bucket=bucket, Prefix=prefix)
+        .get("Contents", [])
+    ]
+    assert any(k.endswith(f"{summary.mlflow_run_id}/artifacts/model/model.safetensors") for k in keys), keys
+    local = client.download_artifacts(summary.mlflow_run_id, "model", str(tmp_path))
+    model = AutoModelForCausalLM.from_pretrained(local)
+    tokenizer = AutoTokenizer.from_pretrained(local)
+    ids = torch.tensor([tokenizer.encode("def main():\n    return 0\n")])
+    assert model(input_ids=ids).logits.shape[-1] == 512
+    versions = client.search_model_versions("name = 'raytrn-outage-tiny'")
+    assert [v.run_id for v in versions] == [summary.mlflow_run_id]
