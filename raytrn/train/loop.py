@@ -71,12 +71,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     efficiency = _Efficiency(job, world_size) if rank == 0 else None
 
     # -- train ---------------------------------------------------------------------------------
-    window_start, window_tokens, data_wait = time.perf_counter(), 0, 0.0
+    window_start, window_tokens, window_steps, data_wait = time.perf_counter(), 0, 0, 0.0
     while progress.step < max_steps:
         result = train_step(t, batches, backend)
         progress.step += 1
         progress.tokens_seen += tokens_per_step
         window_tokens += tokens_per_step
+        window_steps += 1
         data_wait += result.data_wait_s
 
         step = progress.step
@@ -89,8 +90,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 **read_metrics(result, world_size),
                 "lr": scheduler.get_last_lr()[0],
                 "tokens_per_s": window_tokens / elapsed,
-                "step_time_s": elapsed / max(1, step - progress.last_logged_step),
-                "data_wait_s": data_wait / max(1, step - progress.last_logged_step),
+                "step_time_s": elapsed / window_steps,
+                "data_wait_s": data_wait / window_steps,
                 "tokens_seen": float(progress.tokens_seen),
                 "world_size": float(world_size),
                 "epoch": float(progress.epoch),
@@ -101,8 +102,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 logger.log_metrics(metrics, step)
             if board is not None:
                 board.update.remote(step, max_steps, metrics)
-            progress.last_logged_step = step
-            window_start, window_tokens, data_wait = time.perf_counter(), 0, 0.0
+            progress.last_logged_step = max(progress.last_logged_step, step)
+            window_start, window_tokens, window_steps, data_wait = time.perf_counter(), 0, 0, 0.0
 
         if step % job.checkpoint.every_n_steps == 0 or is_last:
             _save_and_report(job, rank, backend, t, progress, metrics, logger)

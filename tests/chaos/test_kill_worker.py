@@ -1,0 +1,164 @@
+"""Kills on a real local Ray: a training worker SIGKILLed mid-run, and the driver stopped with SIGTERM.
+
+- Worker killed, ``FailureConfig`` retries: the worker group restarts from the last checkpoint, and the MLflow
+  run's history has every step exactly once, strictly increasing; the run ends FINISHED.
+- Worker killed with no retries left: the job fails and its run ends FAILED.
+- Driver stopped with SIGTERM (what ``ray job stop`` sends): the run ends KILLED.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from raytrn.config import load_job
+from raytrn.train.trainer import run_training
+
+pytestmark = [pytest.mark.integration, pytest.mark.chaos]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _overrides(tiny_dataset: Path, tmp: Path, name: str, *extra: str) -> list[str]:
+    return [
+        f"data.manifest={tiny_dataset}",
+        "data.seq_len=32",
+        "data.micro_batch_size=8",
+        "model.vocab_size=512",
+        "scaling.min_workers=1",
+        "scaling.max_workers=1",
+        f"checkpoint.storage={tmp / 'ckpt'}",
+        "checkpoint.every_n_steps=20",
+        f"tracking.mlflow_uri=sqlite:///{tmp / 'mlflow.db'}",
+        "tracking.experiment=raytrn-chaos",
+        f"tracking.run_name={name}",
+        "tracking.log_model=false",
+        "run.log_every=1",
+        *extra,
+    ]
+
+
+def _run_id(client: MlflowClient, name: str) -> str | None:
+    exp = client.get_experiment_by_name("raytrn-chaos")
+    if exp is None:
+        return None
+    runs = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{name}'")
+    return runs[0].info.run_id if runs else None
+
+
+def _wait_for_step(client: MlflowClient, name: str, step: int, timeout_s: float = 240) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        run_id = _run_id(client, name)
+        if run_id and any(m.step >= step for m in client.get_metric_history(run_id, "loss")):
+            return run_id
+        time.sleep(0.2)
+    raise TimeoutError(f"step {step} of {name} not logged after {timeout_s} s")
+
+
+def _kill_train_worker() -> int:
+    from ray.util.state import list_actors
+
+    workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")], timeout=30)
+    assert len(workers) == 1, workers
+    pid = int(workers[0].pid)
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def _train_in_thread(job) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+
+    def train() -> None:
+        try:
+            result["summary"] = run_training(job, live_progress=False)
+        except BaseException as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_killed_worker_resumes_and_history_has_each_step_once(ray_session, tiny_dataset, tmp_path):
+    name = f"kill-{uuid.uuid4().hex[:8]}"
+    job = load_job(
+        REPO / "jobs" / "tiny.yaml",
+        _overrides(tiny_dataset, tmp_path, name, "run.max_steps=80", "scaling.max_failures=2"),
+    )
+    client = MlflowClient(job.tracking.mlflow_uri)
+    thread, result = _train_in_thread(job)
+    try:
+        # Past the checkpoint at 20, before the one at 40: steps 21..~30 are logged, then run again.
+        _wait_for_step(client, name, 28)
+        _kill_train_worker()
+    finally:
+        thread.join(timeout=480)
+    assert not thread.is_alive()
+    if "error" in result:
+        raise result["error"]
+    summary = result["summary"]
+    assert summary.final_step == 80
+    run = client.get_run(summary.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    for key in ("loss", "tokens_per_s", "world_size"):
+        steps = [m.step for m in client.get_metric_history(summary.mlflow_run_id, key)]
+        assert steps == list(range(1, 81)), (key, steps)
+    # Two worker group starts: at step 0, and again from the checkpoint at step 20.
+    assert run.data.tags["world_size_history"] == "0:1,20:1"
+
+
+def test_killed_worker_without_retries_ends_failed(ray_session, tiny_dataset, tmp_path):
+    name = f"fail-{uuid.uuid4().hex[:8]}"
+    job = load_job(
+        REPO / "jobs" / "tiny.yaml",
+        _overrides(tiny_dataset, tmp_path, name, "run.max_steps=500", "scaling.max_failures=0"),
+    )
+    client = MlflowClient(job.tracking.mlflow_uri)
+    thread, result = _train_in_thread(job)
+    try:
+        run_id = _wait_for_step(client, name, 3)
+        _kill_train_worker()
+    finally:
+        thread.join(timeout=240)
+    assert not thread.is_alive()
+    assert "error" in result, "the job should have failed"
+    assert client.get_run(run_id).info.status == "FAILED"
+
+
+def test_sigterm_to_the_driver_ends_killed(ray_session, tiny_dataset, tmp_path):
+    import ray
+
+    name = f"stop-{uuid.uuid4().hex[:8]}"
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    args = ["train", str(REPO / "jobs" / "tiny.yaml"), "--no-progress"]
+    for kv in _overrides(tiny_dataset, tmp_path, name, "run.max_steps=5000"):
+        args += ["--set", kv]
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}  # the session's Ray
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "raytrn.cli", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        run_id = _wait_for_step(client, name, 2)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert time.monotonic() - t0 < 30
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 130, out[-2000:]
+    assert client.get_run(run_id).info.status == "KILLED"
