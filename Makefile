@@ -8,18 +8,20 @@ TORCH_PIN := torch==2.13.0
 STDLIB := $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 DEMO_DATA := data/stdlib
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 # The torch-xla venv: torch 2.9 + torch-xla 2.9, the versions Neuron 2.28 (the last XLA training release) uses.
 VENV_XLA := .venv-xla
 XLA_PINS := torch==2.9.0 torch-xla==2.9.0
 
-.PHONY: help venv venv-xla data demo test test-xla unit integration lint format clean
+.PHONY: help venv venv-xla data demo test test-xla unit integration lint format clean bench
 
 help:
 	@echo "make demo   - create .venv, install, prepare data/stdlib, train jobs/tiny.yaml on a local Ray"
 	@echo "make test   - run the test suite (unit + integration; what CI runs)"
 	@echo "make test-xla - build .venv-xla (torch 2.9 + torch-xla 2.9) and run tests/xla on PJRT_DEVICE=CPU"
 	@echo "make lint   - ruff + mypy"
+	@echo "make bench  - CPU benchmarks (~15 min): bench/results/<date>-<host>.json + the README table (BENCH_ARGS=--quick)"
 
 venv: $(BIN)/.installed
 
@@ -47,6 +49,12 @@ $(DEMO_DATA)/manifest.json: venv
 
 demo: venv data
 	$(BIN)/raytrn train jobs/tiny.yaml
+	$(BIN)/raytrn runs compare --experiment raytrn-demo --plot mlruns/compare.png
+
+# Benchmarks (not part of `make test`): overhead vs bare PyTorch / stock Ray Train, scaling, data, checkpoint,
+# MLflow, recovery; writes bench/results/ and rewrites the README's Benchmarks block.
+bench: venv data
+	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 test: venv
 	$(BIN)/python -m pytest -q --ignore=tests/xla $(PYTEST_ARGS)

@@ -327,6 +327,9 @@ def log_final_model(job: JobSpec, model: torch.nn.Module, backend: Backend, logg
         return
     from raytrn.data.manifest import load_manifest
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards" in every job's log
     inner = getattr(model, "module", model)  # DDP
     try:
         state = backend.to_cpu(inner.state_dict())

@@ -144,3 +144,19 @@ def test_final_model_is_on_s3_in_hf_format_and_registered(outage_run, s3_endpoin
     assert model(input_ids=ids).logits.shape[-1] == 512
     versions = client.search_model_versions("name = 'raytrn-outage-tiny'")
     assert [v.run_id for v in versions] == [summary.mlflow_run_id]
+
+
+def test_runs_compare_against_the_server(outage_run, mlflow_server, tmp_path):
+    from tests.conftest import run_cli
+
+    _, summary, _, _ = outage_run
+    png = tmp_path / "runs.png"
+    out = run_cli(
+        "runs", "compare", "--experiment", "raytrn-outage", "--tracking-uri", mlflow_server.url, "--plot", str(png),
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert summary.run_name in out.stdout and summary.mlflow_run_id[:8] in out.stdout
+    assert png.stat().st_size > 10_000
+    empty = run_cli("runs", "compare", "--experiment", "no-such-experiment", "--tracking-uri", mlflow_server.url)
+    assert empty.returncode == 0 and "no-such-experiment" in empty.stdout + empty.stderr
