@@ -1,0 +1,174 @@
+"""MLflow overhead: raytrn's real per-worker loop with tracking on and off, alternated in one Ray Train run.
+
+One ``TorchTrainer`` worker calls :func:`raytrn.train.loop.train_loop_per_worker` repeatedly, each call
+a segment of N more steps resuming from the previous segment's checkpoint, with the job's MLflow run
+(on) or without one (off), in the order on, off, off, on, on, off, ... (drift cancels). A stand-in for
+the driver's progress board records, inside the worker, when each logged step ended (after its MLflow
+call), so the time between log steps includes the logging. Whatever tracking code is in the tree is
+what gets measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import tempfile
+import time
+from typing import Any
+
+from bench.common import BenchJob, add_job_args, emit, job_from_args, load_bench_job, mean, run_child
+
+
+class _Board:
+    """Stands in for the driver's ProgressBoard actor: ``board.update.remote(step, ...)`` records the time."""
+
+    def __init__(self) -> None:
+        self.points: list[tuple[int, float]] = []
+        self.update = self
+
+    def remote(self, step: int, max_steps: int, metrics: dict[str, float]) -> None:
+        self.points.append((step, time.perf_counter()))
+
+
+def _plan(pairs: int) -> list[bool]:
+    """A warm-up segment (discarded), then on, off, off, on, on, off, ...: ABBA order, so a linear drift
+    adds equally to both."""
+    out: list[bool] = [False]
+    for i in range(pairs):
+        out += [True, False] if i % 2 == 0 else [False, True]
+    return out
+
+
+def _segments(config: dict[str, Any]) -> None:
+    """The worker: alternate segments of raytrn's loop with and without the MLflow run."""
+    from raytrn.train.loop import train_loop_per_worker
+
+    job, n, warmup = config["job"], config["segment_steps"], config["warmup"]
+    rows = []
+    for i, on in enumerate(_plan(config["pairs"])):
+        seg_job = job.model_copy(update={"run": job.run.model_copy(update={"max_steps": (i + 1) * n})})
+        board = _Board()
+        t0 = time.perf_counter()
+        train_loop_per_worker(
+            {
+                "job": seg_job,
+                "board": board,
+                "mlflow_uri": config["mlflow_uri"] if on else None,
+                "mlflow_run_id": config["mlflow_run_id"] if on else None,
+            }
+        )
+        total = time.perf_counter() - t0
+        kept = [p for p in board.points if p[0] - i * n >= warmup]
+        step_s = (kept[-1][1] - kept[0][1]) / (kept[-1][0] - kept[0][0]) if len(kept) >= 2 else None
+        rows.append({"tracking": on, "step_time_s": step_s, "segment_s": total, "steps": n, "warmup": i == 0})
+    with open(config["out"], "w") as f:
+        json.dump(rows, f)
+
+
+def child_main(args: argparse.Namespace) -> None:
+    import ray
+    import ray.data
+    import ray.train
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from raytrn import storage
+    from raytrn.tracking.mlflow_run import end_run, start_run
+    from raytrn.train.checks import check_data
+
+    bench = job_from_args(args)
+    with tempfile.TemporaryDirectory(prefix="raytrn-bench-mlflow-") as tmp:
+        n = args.segment_steps
+        job = load_bench_job(
+            bench,
+            extra=[
+                f"run.log_every={args.log_every}",
+                f"checkpoint.every_n_steps={n}",  # saves only at segment ends, outside the timed span
+                f"checkpoint.storage={tmp}/checkpoints",
+                f"tracking.mlflow_uri=sqlite:///{tmp}/mlruns/mlflow.db",
+                "tracking.experiment=raytrn-bench",
+                "tracking.run_name=bench-mlflow",
+            ],
+        )
+        manifest = check_data(job)
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), logging_level=logging.WARNING)
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        fs, _ = storage.filesystem(manifest.root)
+        ds = ray.data.read_parquet(manifest.shard_paths(), filesystem=fs, columns=["input_ids"])
+        tracked = start_run(job)
+        assert tracked is not None
+        out = os.path.join(tmp, "segments.json")
+        trainer = TorchTrainer(
+            _segments,
+            train_loop_config={
+                "job": job,
+                "segment_steps": n,
+                "warmup": args.warmup,
+                "pairs": args.pairs,
+                "mlflow_uri": tracked.uri,
+                "mlflow_run_id": tracked.run_id,
+                "out": out,
+            },
+            scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(
+                name="bench-mlflow",
+                storage_path=f"{tmp}/checkpoints",
+                checkpoint_config=CheckpointConfig(num_to_keep=job.checkpoint.keep_last),
+            ),
+            datasets={"train": ds},
+        )
+        try:
+            trainer.fit()
+        finally:
+            end_run(tracked, "FINISHED")
+        with open(out) as f:
+            rows = json.load(f)
+    ray.shutdown()
+    emit({"segments": rows})
+
+
+def run(bench: BenchJob, *, log_every_values: tuple[int, ...], pairs: int, segment_steps: int, warmup: int) -> dict:
+    """Overhead = step time with tracking / without - 1, per log_every, from one child run each."""
+    out: dict[str, Any] = {"pairs": pairs, "segment_steps": segment_steps, "warmup_steps_per_segment": warmup}
+    for log_every in log_every_values:
+        args = [
+            *bench.as_args(),
+            "--log-every",
+            str(log_every),
+            "--pairs",
+            str(pairs),
+            "--segment-steps",
+            str(segment_steps),
+            "--segment-warmup",
+            str(warmup),
+        ]
+        rows = run_child("mlflow_overhead", args, threads=bench.threads, timeout_s=600)["segments"]
+        rows = [r for r in rows if not r["warmup"]]
+        on = mean([r["step_time_s"] for r in rows if r["tracking"]])
+        off = mean([r["step_time_s"] for r in rows if not r["tracking"]])
+        out[f"log_every_{log_every}"] = {
+            "step_time_on_s": on,
+            "step_time_off_s": off,
+            "overhead": (on / off - 1) if on and off else None,
+            "ms_per_log_call": (on - off) * log_every * 1000 if on and off else None,
+            "segments": rows,
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.mlflow_overhead")
+    add_job_args(parser)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--segment-steps", type=int, default=40)
+    parser.add_argument("--segment-warmup", dest="seg_warmup", type=int, default=10)
+    args = parser.parse_args(argv)
+    args.warmup = args.seg_warmup
+    child_main(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""The Markdown report of a bench run, and the README block it is copied into."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO
+
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+README_INTRO = """\
+## Benchmarks
+
+`make bench` (about 10-15 minutes here; `make bench BENCH_ARGS=--quick` for a smoke run) measures what
+raytrn costs over a bare PyTorch loop and stock Ray Train, and the data, checkpoint, MLflow and
+recovery paths, on this machine. Variants are alternated inside one run and compared as ratios, so the
+noise of a shared machine mostly cancels; the raw numbers are in `bench/results/<date>-<host>.json`.
+The block below is rewritten by each run.
+
+"""
+
+
+def _num(x: Any, fmt: str = ",.0f", unit: str = "") -> str:
+    if x is None:
+        return "n/a"
+    return f"{format(x, fmt)}{unit}"
+
+
+def _pct(x: Any, digits: int = 1) -> str:
+    return "n/a" if x is None else f"{x * 100:.{digits}f}%"
+
+
+def _goal(ok: bool | None, text: str) -> str:
+    if ok is None:
+        return text
+    return f"{text} {'met' if ok else '**not met**'}"
+
+
+def _status_row(name: str, r: dict[str, Any]) -> str | None:
+    if r.get("status") in ("skipped", "failed"):
+        return f"| {name} | {r['status']}: {r.get('message', '').splitlines()[0][:200]} | |"
+    return None
+
+
+def render(report: dict[str, Any]) -> str:
+    """The whole Markdown block: machine, the results table, GPU and Trainium tables, notes."""
+    m, res = report["machine"], report["results"]
+    lines = [
+        f"Run {report['date']} on `{m['host']}`: {m['logical_cores']} logical cores ({m['cpu']}), "
+        f"{m['ram_gib']} GiB RAM, accelerator: {m['accelerator']}; Python {m['python']}, torch {m['torch']}, "
+        f"ray {m['ray']}, mlflow {m['mlflow']}. Load average (1 min) {report['load_start'][:1]} at start, "
+        f"{report['load_end'][:1]} at the end: the machine was shared with other work, so absolute numbers are "
+        f"noisy; the ratios are taken within each round. Mode: {report['mode']}, {report['wall_s'] / 60:.1f} min.",
+        "",
+    ]
+    t = res.get("training", {})
+    setup = t.get("setup", {})
+    if setup:
+        lines += [
+            f"Training: `{setup['job']}` (Llama, 2 layers, width 128), micro-batch {setup['micro_batch_size']}, "
+            f"seq {setup['seq_len']}, {setup['steps']} steps, steady state after step {setup['warmup_steps']}, "
+            f"{setup['threads_per_worker']} torch thread per worker in every variant, {t.get('rounds')} alternated "
+            f"round(s); (c) logs every {setup['log_every']} steps and checkpoints every "
+            f"{setup['checkpoint_every_n_steps']} (the job's defaults).",
+            "",
+        ]
+    lines += ["| benchmark | result | goal |", "|---|---|---|"]
+    row = _status_row("training overhead", t)
+    if row:
+        lines.append(row)
+    elif t:
+        c_a, c_b = t.get("c_over_a"), t.get("c_over_b")
+        per = ", ".join(f"{x:.3f}" for x in t.get("c_over_a_per_round", []))
+        lines += [
+            f"| (a) bare PyTorch loop, 1 process | {_num(t.get('bare_tokens_per_s'))} tokens/s | |",
+            f"| (b) stock Ray Train `TorchTrainer`, 1 worker | {_num(t.get('stock_tokens_per_s'))} tokens/s | |",
+            f"| (c) `raytrn train`, 1 worker, tracking + checkpoints on | {_num(t.get('raytrn_tokens_per_s'))} "
+            f"tokens/s (the loop's own metric: {_num(t.get('raytrn_tokens_per_s_loop_reported'))}) | |",
+            f"| c/a | **{_num(c_a, '.3f')}** (per round: {per}) | {_goal(c_a >= 0.97 if c_a else None, '>= 0.97')} |",
+            f"| c/b | **{_num(c_b, '.3f')}** (b/a: {_num(t.get('b_over_a'), '.3f')}) | |",
+            f"| start to first step, (b) stock | {_num(t.get('stock_first_step_s'), '.1f', ' s')} | |",
+        ]
+        rec = res.get("recovery", {})
+        ttfs = rec.get("start_to_first_step_s")
+        how = "measured in the recovery run (logs every step)"
+        if ttfs is None:
+            ttfs, how = t.get("raytrn_first_step_s_upper_bound"), "upper bound from the first logged step"
+        lines.append(
+            f"| start to first step, (c) `raytrn train` | {_num(ttfs, '.1f', ' s')} ({how}) | "
+            f"{_goal(ttfs <= 20 if ttfs is not None else None, '<= 20 s')} |"
+        )
+        peak = res.get("peak", {}).get("flops_per_s")
+        fpt = t.get("flops_per_token")
+        if peak and fpt:
+            a_mfu = (t.get("bare_tokens_per_s") or 0) * fpt / peak
+            c_mfu = (t.get("raytrn_tokens_per_s") or 0) * fpt / peak
+            lines.append(
+                f"| model FLOP/s vs one core's fp32 matmul ({peak / 1e9:.1f} GFLOP/s) | (a) {_pct(a_mfu)}, "
+                f"(c) {_pct(c_mfu)} | |"
+            )
+    sc = t.get("scaling") if isinstance(t, dict) else None
+    if sc:
+        lines.append(
+            f"| scaling 1 -> 2 CPU workers (`raytrn train`) | {_num(sc['tokens_per_s_1w'])} -> "
+            f"{_num(sc['tokens_per_s_2w'])} tokens/s: {_num(sc['speedup'], '.2f')}x, efficiency "
+            f"{_pct(sc['efficiency'], 0)} | 2 cores: see note |"
+        )
+    elif t and t.get("scaling_message"):
+        lines.append(f"| scaling 1 -> 2 CPU workers | {t['scaling_message']} | |")
+    ml = res.get("mlflow", {})
+    row = _status_row("MLflow overhead", ml)
+    if row:
+        lines.append(row)
+    for key in sorted(k for k in ml if k.startswith("log_every_")):
+        v = ml[key]
+        n = key.rsplit("_", 1)[1]
+        ok = v["overhead"] < 0.01 if v.get("overhead") is not None else None
+        lines.append(
+            f"| MLflow overhead, log every {n} step(s), tracking on vs off | {_pct(v.get('overhead'), 2)} of step time "
+            f"({_num(v.get('ms_per_log_call'), '.1f', ' ms')} per logged step; step {_num(v.get('step_time_off_s'), '.3f')}"
+            f" s) | {_goal(ok, '< 1%')} |"
+        )
+    d = res.get("data", {})
+    row = _status_row("data pipeline", d)
+    if row:
+        lines.append(row)
+    elif d:
+        lines.append(
+            f"| data: raytrn's read (Ray Data + the loop's iterator) vs raw pyarrow | "
+            f"{_num(d.get('raytrn_rows_per_s_mean'))} vs {_num(d.get('raw_rows_per_s_mean'))} rows/s "
+            f"({_num(d.get('raytrn_over_raw'), '.3f')}x); {_num(d.get('headroom_vs_training'), ',.0f')}x what (c) "
+            f"consumes | faster than training |"
+        )
+    ck = res.get("checkpoint", {})
+    row = _status_row("checkpoint", ck)
+    if row:
+        lines.append(row)
+    for name, v in ck.items():
+        if not isinstance(v, dict) or "mb" not in v:
+            continue
+        lines.append(
+            f"| checkpoint to S3 (moto), {name} model, {v['mb']:.0f} MB | raytrn save "
+            f"{_num(v.get('raytrn_save_mb_per_s'), ',.0f')} MB/s (upload alone {_num(v.get('raytrn_upload_mb_per_s'), ',.0f')})"
+            f" vs boto3 put {_num(v.get('boto3_put_mb_per_s'), ',.0f')} MB/s; restore "
+            f"{_num(v.get('raytrn_restore_mb_per_s'), ',.0f')} vs get {_num(v.get('boto3_get_mb_per_s'), ',.0f')} MB/s | |"
+        )
+    rec = res.get("recovery", {})
+    row = _status_row("recovery", rec)
+    if row:
+        lines.append(row)
+    elif rec:
+        lines.append(
+            f"| recovery: SIGKILL of the worker -> next completed step | "
+            f"{_num(rec.get('kill_to_next_step_s'), '.1f', ' s')} (step {rec.get('killed_at_step')} reached again after "
+            f"{_num(rec.get('kill_to_regained_step_s'), '.1f', ' s')}; checkpoint every "
+            f"{rec.get('checkpoint_every_n_steps')} steps) | |"
+        )
+    lines += ["", *_notes(report)]
+    lines += ["", *_gpu_block(report)]
+    lines += ["", *_trainium_block(res.get("trainium"))]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _notes(report: dict[str, Any]) -> list[str]:
+    notes = [
+        "Notes: tokens/s of (c) come from the wall-clock timestamps of its logged steps in MLflow, so logging and "
+        "checkpoint time count; the loop's own `tokens_per_s` metric leaves its logging call out. Start-to-first-step "
+        "includes Python imports, starting a local Ray, the MLflow run, the worker group and Ray Data.",
+    ]
+    sc = report["results"].get("training", {}).get("scaling")
+    if sc:
+        notes.append(f"Scaling: {sc['note']}.")
+    return notes
+
+
+def _gpu_block(report: dict[str, Any]) -> list[str]:
+    gpu = report.get("gpu") or {}
+    if not gpu.get("table"):
+        return ["GPU: no result yet (`bench/gpu.py` on a CUDA machine writes `bench/GPU.md`)."]
+    return [f"GPU (from `{gpu['source']}`, measured separately on a GPU machine):", "", *gpu["table"]]
+
+
+def _trainium_block(rows: list[dict[str, Any]] | None) -> list[str]:
+    if not rows:
+        return []
+    out = [
+        "Trainium **targets, not measurements** (no trn node ran these): per trn1.32xlarge, derived from AWS's "
+        "published trn1 result and raytrn's FLOPs/token (the `mfu` a real run logs) against "
+        f"{rows[0]['node_peak_flops'] / 1e15:.2f} PFLOP/s dense bf16 per node.",
+        "",
+        "| job | seq | FLOPs/token (train) | target tokens/s per node | implied MFU | basis |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['job']} | {r['seq_len']} | {r['flops_per_token'] / 1e9:.1f} G | "
+            f"{_num(r.get('tokens_per_s_per_node'))} | {_pct(r.get('mfu'))} | {r.get('source', '-')} |"
+        )
+    return out
+
+
+def gpu_result() -> dict[str, Any] | None:
+    """The first Markdown table of bench/GPU.md (written by bench/gpu.py's helper), if there is one."""
+    md = REPO / "bench" / "GPU.md"
+    if not md.exists():
+        return None
+    table: list[str] = []
+    for line in md.read_text().splitlines():
+        if line.startswith("|"):
+            table.append(line)
+        elif table:
+            break
+    jsons = sorted((REPO / "bench" / "results").glob("*-gpu-*.json"))
+    return {"source": "bench/GPU.md", "table": table, "json": str(jsons[-1].relative_to(REPO)) if jsons else None}
+
+
+def update_readme(block: str, readme: Path = REPO / "README.md") -> None:
+    """Replace the marked block (or add the Benchmarks section before ``## Layout``); nothing else changes."""
+    text = readme.read_text()
+    body = f"{START}\n{block.rstrip()}\n{END}"
+    if START in text and END in text:
+        text = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: body, text, count=1, flags=re.S)
+    else:
+        section = README_INTRO + body + "\n\n"
+        at = text.find("\n## Layout")
+        text = text + "\n" + section if at < 0 else text[: at + 1] + section + text[at + 1 :]
+    readme.write_text(text)

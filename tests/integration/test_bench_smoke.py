@@ -1,0 +1,84 @@
+"""Smoke test of `make bench` (bench/): each cheap benchmark runs a few steps on the test dataset, the report
+renders, and the README block is replaced in place. The Ray Train paths (stock Ray Train, `raytrn train`,
+MLflow overhead, recovery) each start their own Ray and take minutes here: they run only with
+RAYTRN_BENCH_SMOKE=all (or in `make bench BENCH_ARGS=--quick`), so `make test` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+
+def _bench(tiny_dataset: Path, tmp_path: Path, only: str, timeout: float) -> dict:
+    args = ["--quick", "--only", only, "--no-readme", "--out-dir", str(tmp_path), "--manifest", str(tiny_dataset)]
+    args += ["--set", "data.seq_len=32", "--set", "model.vocab_size=512"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.run", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| benchmark | result | goal |" in proc.stdout
+    (result,) = tmp_path.glob("*-quick.json")
+    report = json.loads(result.read_text())
+    assert report["machine"]["logical_cores"] >= 1 and report["mode"] == "quick"
+    return report["results"]
+
+
+def test_bench_quick_cheap_parts(tiny_dataset: Path, tmp_path: Path) -> None:
+    results = _bench(tiny_dataset, tmp_path, "peak,data,checkpoint,trainium", timeout=240)
+    assert results["peak"]["flops_per_s"] > 0
+    assert results["data"]["status"] == "ok", results["data"]
+    assert results["data"]["raytrn_rows_per_s_mean"] > 0 and results["data"]["raw_rows_per_s_mean"] > 0
+    assert results["checkpoint"]["status"] == "ok", results["checkpoint"]
+    assert results["checkpoint"]["tiny"]["raytrn_save_mb_per_s"] > 0
+    assert results["checkpoint"]["tiny"]["boto3_put_mb_per_s"] > 0
+    eight_b = next(r for r in results["trainium"] if r["job"] == "llama3-8b-trn1")
+    assert round(eight_b["tokens_per_s_per_node"]) == 12275 and 0.2 < eight_b["mfu"] < 0.3
+
+
+def test_bench_bare_loop(tiny_dataset: Path) -> None:
+    from bench.common import BenchJob
+    from bench.training import run_bare
+
+    bench = BenchJob(steps=6, warmup=2, manifest=str(tiny_dataset), sets=("data.seq_len=32", "model.vocab_size=512"))
+    r = run_bare(bench, timeout_s=120)
+    assert r["tokens_per_s"] > 0 and r["threads"] == 1
+
+
+@pytest.mark.skipif(os.environ.get("RAYTRN_BENCH_SMOKE") != "all", reason="minutes: set RAYTRN_BENCH_SMOKE=all")
+def test_bench_quick_ray_paths(tiny_dataset: Path, tmp_path: Path) -> None:
+    results = _bench(tiny_dataset, tmp_path, "training,mlflow,recovery", timeout=900)
+    t = results["training"]
+    assert t["status"] == "ok", t
+    assert t["c_over_a"] > 0 and t["c_over_b"] > 0 and t["stock_first_step_s"] > 0
+    assert results["mlflow"]["status"] == "ok" and results["mlflow"]["log_every_2"]["step_time_on_s"] > 0
+    assert results["recovery"]["status"] == "ok" and results["recovery"]["kill_to_next_step_s"] > 0
+
+
+def test_bench_report_replaces_only_its_readme_block(tmp_path: Path) -> None:
+    from bench.report import END, START, update_readme
+
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n## Development\n\ntext\n\n## Layout\n\nfiles\n")
+    update_readme("first table\n", readme)
+    text = readme.read_text()
+    assert text.index("## Benchmarks") < text.index(START) < text.index("first table") < text.index(END)
+    assert text.index("## Development") < text.index("## Benchmarks") < text.index("## Layout")
+    update_readme("second table\n", readme)
+    again = readme.read_text()
+    assert "first table" not in again and again.count(START) == 1 and again.count("## Benchmarks") == 1
+    assert again.replace("second table", "first table") == text
