@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,8 @@ class Backend:
     #: The Ray resource a worker needs by default.
     default_resources: dict[str, float] = {"CPU": 1}
     use_gpu: bool = False
+    #: Applies the CUDA speed settings (model.autocast, optim.fused, run.compile); others ignore them with a warning.
+    cuda_speedups: bool = False
 
     # -- driver side ---------------------------------------------------------------------------
     def ray_backend_config(self, job: JobSpec) -> Any:
@@ -37,7 +40,12 @@ class Backend:
         return torch.device("cpu")
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Move to the device and wrap for data parallelism (DDP when world size > 1)."""
+        """Move to the device and wrap for data parallelism (DDP when world size > 1).
+
+        Outside a Ray Train worker (one process, e.g. ``bench/gpu.py``) there is nothing to wrap: only move.
+        """
+        if not in_ray_train_worker():
+            return model.to(self.device())
         import ray.train.torch
 
         return ray.train.torch.prepare_model(model, move_to_device=self.device())
@@ -50,6 +58,25 @@ class Backend:
     def check(self, job: JobSpec) -> list[str]:
         """Backend-specific checks of a job (layout, worker counts): notes to show, or BackendError."""
         return []
+
+    def ignored_settings(self, job: JobSpec) -> list[str]:
+        """Warnings for job settings this backend does not apply (the CUDA speed settings off cuda)."""
+        if self.cuda_speedups:
+            return []
+        asked = {
+            "model.autocast": job.model.autocast if job.model.autocast != "none" else None,
+            "optim.fused": job.optim.fused or None,
+            "run.compile": job.run.compile or None,
+        }
+        hint = {
+            "neuron": "; on Trainium use model.dtype: bfloat16 (with neuron.stochastic_rounding)",
+            "xla-cpu": "; XLA compiles whole steps by itself",
+        }.get(self.name, "")
+        return [
+            f"{key}={value!r} is ignored on scaling.accelerator={self.name!r}: it applies to 'cuda' only{hint}"
+            for key, value in asked.items()
+            if value is not None
+        ]
 
     def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """All-reduce gradients before clipping. DDP already did it during backward."""
@@ -73,3 +100,19 @@ class Backend:
         import torch
 
         torch.manual_seed(seed)
+
+
+def in_ray_train_worker() -> bool:
+    """Whether this process runs a Ray Train training function (so Ray's device and DDP helpers apply).
+
+    A process that never imported Ray is not one; Ray stays an optional import for single-process use.
+    """
+    if "ray" not in sys.modules:  # a Ray Train worker imported Ray long before it runs the loop
+        return False
+    import ray.train
+
+    try:
+        ray.train.get_context()
+    except RuntimeError:  # "cannot be used outside of a Ray Train training function"
+        return False
+    return True

@@ -1,10 +1,10 @@
-"""One worker per GPU, NCCL collectives."""
+"""One worker per GPU, NCCL collectives; also runs one process without Ray (bench/gpu.py)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from raytrn.backends.base import Backend
+from raytrn.backends.base import Backend, in_ray_train_worker
 
 if TYPE_CHECKING:
     import torch
@@ -15,8 +15,14 @@ class CudaBackend(Backend):
     default_resources = {"GPU": 1}
     use_gpu = True
     process_group_backend = "nccl"
+    cuda_speedups = True
 
     def device(self) -> torch.device:
+        """The worker's GPU from Ray Train; outside a Ray Train worker (one process), the current CUDA device."""
+        import torch
+
+        if not in_ray_train_worker():
+            return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
         import ray.train.torch
 
         return ray.train.torch.get_device()

@@ -20,7 +20,9 @@ def check_job(job: JobSpec, *, data: bool = True) -> list[str]:
     """
     lines = check_parallel(job, require_installed=False)
     try:
-        lines += [f"note: {n}" for n in get_backend(job.scaling.accelerator).check(job)]
+        backend = get_backend(job.scaling.accelerator)
+        lines += [f"warning: {w}" for w in backend.ignored_settings(job)]
+        lines += [f"note: {n}" for n in backend.check(job)]
         require_nxd(job)
     except BackendUnavailableError as e:  # a trn job validated on a laptop: fine, noted
         lines.append(f"note: {e} (checked again when the job starts)")

@@ -7,6 +7,7 @@ XLA. Nothing here reads a value back to the host: metrics stay lazy until the lo
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -21,6 +22,8 @@ from raytrn.backends.nxd import adamw_param_groups, data_parallel_size
 from raytrn.config import JobSpec
 from raytrn.models import build_model
 from raytrn.train.schedule import lr_factor
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -38,6 +41,8 @@ class Training:
     fused_optimizer: bool = False
     #: Every rank holds a shard of the state: checkpoints are saved by all ranks (NxD), not rank 0.
     sharded: bool = False
+    #: Forward/backward under torch.autocast in this dtype (float32 master weights); None: no autocast.
+    autocast_dtype: torch.dtype | None = None
 
 
 @dataclass(kw_only=True)
@@ -53,12 +58,21 @@ def build_training(job: JobSpec, backend: Backend, *, world_size: int) -> Traini
     The backend may build a model-parallel one instead (neuronx-distributed on Neuron).
     """
     backend.seed(job.run.seed)
+    for warning in backend.ignored_settings(job):
+        log.warning(warning)
+    cuda = backend.cuda_speedups  # model.autocast, optim.fused, run.compile apply
     parts = backend.build_parallel_parts(job)
     if parts is None:
-        model = backend.prepare_model(build_model(job.model, seed=job.run.seed))
-        parts = {"model": model, "optimizer": _adamw(model, job)}
+        model = build_model(job.model, seed=job.run.seed)
+        if cuda and job.run.compile:
+            model.compile()  # in place, before DDP: state_dict keys stay those of the plain model
+        model = backend.prepare_model(model)
+        parts = {"model": model, "optimizer": _adamw(model, job, fused=cuda and job.optim.fused)}
+        if cuda and job.run.compile:
+            parts["loss_fn"] = torch.compile(cross_entropy)  # fuses the fp32 upcast into the loss
     return Training(
         **parts,
+        autocast_dtype=torch.bfloat16 if cuda and job.model.autocast == "bfloat16" else None,
         scheduler=lr_scheduler(parts["optimizer"], job),
         grad_accum=job.data.grad_accum_for(data_parallel_size(job, world_size)),
         grad_clip_norm=job.optim.grad_clip_norm,
@@ -98,8 +112,10 @@ def train_step(t: Training, batches: Iterator[torch.Tensor], backend: Backend) -
         # DDP all-reduces gradients on the last micro-batch only.
         last = micro == t.grad_accum - 1
         with nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():  # type: ignore[operator]
-            logits = model(input_ids=inputs).logits
-            loss = (t.loss_fn or cross_entropy)(logits, targets)
+            # Mixed precision: forward in bf16, weights fp32; backward outside autocast (it follows the forward).
+            with torch.autocast(inputs.device.type, dtype=t.autocast_dtype) if t.autocast_dtype else nullcontext():
+                logits = model(input_ids=inputs).logits
+                loss = (t.loss_fn or cross_entropy)(logits, targets)
             (loss / t.grad_accum).backward()
         loss_sum = loss_sum + loss.detach()
     loss_mean = loss_sum / t.grad_accum  # before the sync: part of the step's graph, read later for free
@@ -126,10 +142,14 @@ def read_metrics(result: StepResult, world_size: int) -> dict[str, float]:
     return {"loss": loss.item(), "grad_norm": float(result.grad_norm)}
 
 
-def _adamw(model: torch.nn.Module, job: JobSpec) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on norms and biases (1-D parameters), the same groups NxD's optimizer gets."""
+def _adamw(model: torch.nn.Module, job: JobSpec, *, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on norms and biases (1-D parameters), the same groups NxD's optimizer gets.
+
+    ``fused``: one CUDA kernel for the whole update (``optim.fused`` on cuda); otherwise torch's default.
+    """
     o = job.optim
-    return torch.optim.AdamW(adamw_param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
+    groups = adamw_param_groups(model, o.weight_decay)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=fused or None)
 
 
 def _clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
