@@ -273,7 +273,13 @@ def _save_and_report(
         )
     if logger:
         location = os.path.join(job.checkpoint.storage, job.run_name, f"checkpoint_{progress.step:08d}")
-        logger.set_tags({"checkpoint.latest": location, "checkpoint.latest_step": str(progress.step)})
+        logger.set_tags(
+            {
+                "checkpoint.latest": location,
+                "checkpoint.latest_step": str(progress.step),
+                f"checkpoint.step_{progress.step:08d}": location,  # every checkpoint's location, by step
+            }
+        )
 
 
 def _logger(config: dict[str, Any], job: JobSpec) -> Any:
@@ -325,9 +331,9 @@ def log_final_model(job: JobSpec, model: torch.nn.Module, backend: Backend, logg
     if logger.run_id is None:
         log.warning("final model not logged: the MLflow run was never created (server unreachable)")
         return
-    from raytrn.data.manifest import load_manifest
-
     from transformers.utils import logging as hf_logging
+
+    from raytrn.data.manifest import load_manifest
 
     hf_logging.disable_progress_bar()  # "Writing model shards" in every job's log
     inner = getattr(model, "module", model)  # DDP

@@ -117,6 +117,8 @@ def test_run_records_versions_git_dataset_and_system_metrics(outage_run):
     assert tags["accelerator"] == "cpu"
     assert tags["world_size_history"] == "0:1"
     assert tags["checkpoint.latest_step"] == str(job.run.max_steps)
+    assert tags["checkpoint.step_00000300"].endswith(f"{job.run_name}/checkpoint_00000300")
+    assert tags["checkpoint.step_00000100"].endswith(f"{job.run_name}/checkpoint_00000100")
     inputs = run.inputs.dataset_inputs
     assert len(inputs) == 1 and inputs[0].dataset.digest and inputs[0].dataset.name == "tiny"
     cpu = [k for k in run.data.metrics if k.startswith("system/node-") and k.endswith("/cpu_utilization_percentage")]
@@ -158,5 +160,11 @@ def test_runs_compare_against_the_server(outage_run, mlflow_server, tmp_path):
     assert out.returncode == 0, out.stderr
     assert summary.run_name in out.stdout and summary.mlflow_run_id[:8] in out.stdout
     assert png.stat().st_size > 10_000
-    empty = run_cli("runs", "compare", "--experiment", "no-such-experiment", "--tracking-uri", mlflow_server.url)
-    assert empty.returncode == 0 and "no-such-experiment" in empty.stdout + empty.stderr
+    missing = run_cli("runs", "compare", "--experiment", "no-such-experiment", "--tracking-uri", mlflow_server.url)
+    assert missing.returncode == 2 and "no experiment named no-such-experiment" in missing.stderr
+    assert "raytrn-outage" in missing.stderr  # the experiments that do exist
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(mlflow_server.url).create_experiment("raytrn-empty")
+    empty = run_cli("runs", "compare", "--experiment", "raytrn-empty", "--tracking-uri", mlflow_server.url)
+    assert empty.returncode == 0 and "raytrn-empty" in empty.stdout and "no runs" in empty.stdout.lower()
