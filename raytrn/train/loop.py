@@ -56,7 +56,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             else:
                 progress = load_state(d, model=model, optimizer=optimizer, scheduler=scheduler)
         progress.epoch += 1  # continue with a fresh pass over the data (see README: resume)
-    logger = _logger(config, job) if rank == 0 or ctx.get_local_rank() == 0 else None
+    # Rank 0 logs the training metrics; the first worker of every other node its node's system metrics
+    # (those only when the run exists: a pending run is created by rank 0).
+    other_node = rank != 0 and ctx.get_local_rank() == 0 and config.get("mlflow_run_id")
+    logger = _logger(config, job) if rank == 0 or other_node else None
     sampler = _system_sampler(job, logger)  # one per node: CPU/memory/disk/network, NeuronCores
     if rank != 0:
         logger = None  # other nodes' loggers carry their system metrics only
