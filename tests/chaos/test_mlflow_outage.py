@@ -168,3 +168,55 @@ def test_runs_compare_against_the_server(outage_run, mlflow_server, tmp_path):
     MlflowClient(mlflow_server.url).create_experiment("raytrn-empty")
     empty = run_cli("runs", "compare", "--experiment", "raytrn-empty", "--tracking-uri", mlflow_server.url)
     assert empty.returncode == 0 and "raytrn-empty" in empty.stdout and "no runs" in empty.stdout.lower()
+
+
+def test_server_down_at_start_then_up(ray_session, tiny_dataset, mlflow_server, tmp_path):
+    """MLflow unreachable when the job starts: it trains anyway, rank 0 creates the run when the server
+    answers, every step arrives and the driver still marks the run FINISHED."""
+    from mlflow.tracking import MlflowClient
+
+    name = f"late-{uuid.uuid4().hex[:8]}"
+    job = load_job(
+        REPO / "jobs" / "tiny.yaml",
+        [
+            f"data.manifest={tiny_dataset}",
+            "data.seq_len=32",
+            "data.micro_batch_size=8",
+            "model.vocab_size=512",
+            "scaling.min_workers=1",
+            "scaling.max_workers=1",
+            f"checkpoint.storage={tmp_path / 'ckpt'}",
+            f"tracking.mlflow_uri={mlflow_server.url}",
+            "tracking.experiment=raytrn-late",
+            f"tracking.run_name={name}",
+            "tracking.log_model=false",
+            "run.log_every=1",
+            "run.max_steps=60",
+        ],
+    )
+    mlflow_server.stop()
+    result: dict = {}
+
+    def train() -> None:
+        try:
+            result["summary"] = run_training(job, live_progress=False)
+        except BaseException as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=train, daemon=True)
+    try:
+        thread.start()
+        time.sleep(10)  # the driver has found the server down and gone on
+    finally:
+        mlflow_server.start()
+        thread.join(timeout=300)
+    assert not thread.is_alive()
+    if "error" in result:
+        raise result["error"]
+    summary = result["summary"]
+    assert summary.mlflow_run_id, "the driver did not learn the run rank 0 created"
+    client = MlflowClient(mlflow_server.url)
+    assert [m.step for m in client.get_metric_history(summary.mlflow_run_id, "loss")] == list(range(1, 61))
+    run = client.get_run(summary.mlflow_run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == name
+    assert run.data.params["optim.lr"] == str(job.optim.lr)
