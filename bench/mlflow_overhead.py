@@ -32,12 +32,13 @@ class _Board:
         self.points.append((step, time.perf_counter()))
 
 
-def _plan(pairs: int) -> list[bool]:
-    """A warm-up segment (discarded), then on, off, off, on, on, off, ...: ABBA order, so a linear drift
-    adds equally to both."""
-    out: list[bool] = [False]
+def _plan(pairs: int, log_every: list[int]) -> list[tuple[bool, int]]:
+    """A warm-up segment (discarded), then for each log interval on, off, off, on, on, off, ...: ABBA order,
+    so a linear drift adds equally to both."""
+    out: list[tuple[bool, int]] = [(False, log_every[0])]
     for i in range(pairs):
-        out += [True, False] if i % 2 == 0 else [False, True]
+        for every in log_every:
+            out += [(True, every), (False, every)] if i % 2 == 0 else [(False, every), (True, every)]
     return out
 
 
@@ -47,8 +48,9 @@ def _segments(config: dict[str, Any]) -> None:
 
     job, n, warmup = config["job"], config["segment_steps"], config["warmup"]
     rows = []
-    for i, on in enumerate(_plan(config["pairs"])):
-        seg_job = job.model_copy(update={"run": job.run.model_copy(update={"max_steps": (i + 1) * n})})
+    for i, (on, every) in enumerate(_plan(config["pairs"], config["log_every"])):
+        run_cfg = job.run.model_copy(update={"max_steps": (i + 1) * n, "log_every": every})
+        seg_job = job.model_copy(update={"run": run_cfg})
         board = _Board()
         t0 = time.perf_counter()
         train_loop_per_worker(
@@ -62,7 +64,8 @@ def _segments(config: dict[str, Any]) -> None:
         total = time.perf_counter() - t0
         kept = [p for p in board.points if p[0] - i * n >= warmup]
         step_s = (kept[-1][1] - kept[0][1]) / (kept[-1][0] - kept[0][0]) if len(kept) >= 2 else None
-        rows.append({"tracking": on, "step_time_s": step_s, "segment_s": total, "steps": n, "warmup": i == 0})
+        rows.append({"tracking": on, "step_time_s": step_s, "segment_s": total, "steps": n, "warmup": i == 0,
+                     "log_every": every})  # fmt: skip
     with open(config["out"], "w") as f:
         json.dump(rows, f)
 
@@ -84,7 +87,6 @@ def child_main(args: argparse.Namespace) -> None:
         job = load_bench_job(
             bench,
             extra=[
-                f"run.log_every={args.log_every}",
                 f"checkpoint.every_n_steps={n}",  # saves only at segment ends, outside the timed span
                 f"checkpoint.storage={tmp}/checkpoints",
                 f"tracking.mlflow_uri=sqlite:///{tmp}/mlruns/mlflow.db",
@@ -107,6 +109,7 @@ def child_main(args: argparse.Namespace) -> None:
                 "segment_steps": n,
                 "warmup": args.warmup,
                 "pairs": args.pairs,
+                "log_every": [int(x) for x in args.log_every.split(",")],
                 "mlflow_uri": tracked.uri,
                 "mlflow_run_id": tracked.run_id,
                 "out": out,
@@ -130,30 +133,30 @@ def child_main(args: argparse.Namespace) -> None:
 
 
 def run(bench: BenchJob, *, log_every_values: tuple[int, ...], pairs: int, segment_steps: int, warmup: int) -> dict:
-    """Overhead = step time with tracking / without - 1, per log_every, from one child run each."""
+    """Overhead = step time with tracking / without - 1, per log interval, all from one Ray Train run."""
     out: dict[str, Any] = {"pairs": pairs, "segment_steps": segment_steps, "warmup_steps_per_segment": warmup}
+    args = [
+        *bench.as_args(),
+        "--log-every",
+        ",".join(str(x) for x in log_every_values),
+        "--pairs",
+        str(pairs),
+        "--segment-steps",
+        str(segment_steps),
+        "--segment-warmup",
+        str(warmup),
+    ]
+    rows = run_child("mlflow_overhead", args, threads=bench.threads, timeout_s=600)["segments"]
     for log_every in log_every_values:
-        args = [
-            *bench.as_args(),
-            "--log-every",
-            str(log_every),
-            "--pairs",
-            str(pairs),
-            "--segment-steps",
-            str(segment_steps),
-            "--segment-warmup",
-            str(warmup),
-        ]
-        rows = run_child("mlflow_overhead", args, threads=bench.threads, timeout_s=600)["segments"]
-        rows = [r for r in rows if not r["warmup"]]
-        on = mean([r["step_time_s"] for r in rows if r["tracking"]])
-        off = mean([r["step_time_s"] for r in rows if not r["tracking"]])
+        mine = [r for r in rows if not r["warmup"] and r["log_every"] == log_every]
+        on = mean([r["step_time_s"] for r in mine if r["tracking"]])
+        off = mean([r["step_time_s"] for r in mine if not r["tracking"]])
         out[f"log_every_{log_every}"] = {
             "step_time_on_s": on,
             "step_time_off_s": off,
             "overhead": (on / off - 1) if on and off else None,
             "ms_per_log_call": (on - off) * log_every * 1000 if on and off else None,
-            "segments": rows,
+            "segments": mine,
         }
     return out
 
@@ -161,7 +164,7 @@ def run(bench: BenchJob, *, log_every_values: tuple[int, ...], pairs: int, segme
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.mlflow_overhead")
     add_job_args(parser)
-    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--log-every", default="10,1", help="comma-separated log intervals, alternated")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--segment-steps", type=int, default=40)
     parser.add_argument("--segment-warmup", dest="seg_warmup", type=int, default=10)
