@@ -156,8 +156,8 @@ def render(report: dict[str, Any]) -> str:
         lines.append(row)
     elif rec:
         lines.append(
-            f"| recovery: SIGKILL of the worker -> next completed step | "
-            f"{_num(rec.get('kill_to_next_step_s'), '.1f', ' s')} (step {rec.get('killed_at_step')} reached again after "
+            f"| recovery: SIGKILL of the worker -> first step logged after the restart | "
+            f"{_num(rec.get('kill_to_next_step_s'), '.1f', ' s')} (step {rec.get('killed_at_step')} passed again after "
             f"{_num(rec.get('kill_to_regained_step_s'), '.1f', ' s')}; checkpoint every "
             f"{rec.get('checkpoint_every_n_steps')} steps) | |"
         )

@@ -52,7 +52,7 @@ def _benchmarks(args: argparse.Namespace, results: dict[str, Any], deadline: flo
         "recovery": lambda: recovery.run(
             bench,
             steps=12 if quick else 40,
-            checkpoint_every=3 if quick else 10,
+            checkpoint_every=2,
             kill_after=5 if quick else 15,
             timeout_s=300,
         ),
