@@ -58,7 +58,7 @@ def _segments(config: dict[str, Any]) -> None:
                 "job": seg_job,
                 "board": board,
                 "mlflow_uri": config["mlflow_uri"] if on else None,
-                "mlflow_run_id": config["mlflow_run_id"] if on else None,
+                "tracker": config["tracker"] if on else None,
             }
         )
         total = time.perf_counter() - t0
@@ -78,6 +78,7 @@ def child_main(args: argparse.Namespace) -> None:
     from ray.train.torch import TorchTrainer
 
     from raytrn import storage
+    from raytrn.tracking.actor import start_tracking_actor
     from raytrn.tracking.mlflow_run import end_run, start_run
     from raytrn.train.checks import check_data
 
@@ -101,6 +102,7 @@ def child_main(args: argparse.Namespace) -> None:
         ds = ray.data.read_parquet(manifest.shard_paths(), filesystem=fs, columns=["input_ids"])
         tracked = start_run(job)
         assert tracked is not None
+        tracker = start_tracking_actor(tracked, job)  # what raytrn's driver starts for the workers
         out = os.path.join(tmp, "segments.json")
         trainer = TorchTrainer(
             _segments,
@@ -111,7 +113,7 @@ def child_main(args: argparse.Namespace) -> None:
                 "pairs": args.pairs,
                 "log_every": [int(x) for x in args.log_every.split(",")],
                 "mlflow_uri": tracked.uri,
-                "mlflow_run_id": tracked.run_id,
+                "tracker": tracker,
                 "out": out,
             },
             scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
@@ -125,6 +127,7 @@ def child_main(args: argparse.Namespace) -> None:
         try:
             trainer.fit()
         finally:
+            ray.get(tracker.close.remote(60), timeout=120)
             end_run(tracked, "FINISHED")
         with open(out) as f:
             rows = json.load(f)

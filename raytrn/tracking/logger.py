@@ -1,6 +1,6 @@
 """Asynchronous, buffering MLflow writer: training never waits for MLflow, and an outage loses nothing.
 
-The loop hands metrics to :class:`AsyncLogger` (a list append under a lock); a background thread sends them
+The tracking actor (raytrn.tracking.actor) hands metrics to :class:`AsyncLogger`; a background thread sends them
 in batches with ``log_batch``. When the server is unreachable the batch stays in the buffer and is retried
 with backoff (1 s doubling to 10 s); when it answers again everything buffered arrives, in order. Metric
 rows carry the timestamp of when they were recorded, so a retried batch that did reach the server is
@@ -40,7 +40,7 @@ def quiet_http_retries(timeout_s: int = 10) -> None:
 
 
 class AsyncLogger:
-    """Rank 0's (and each node's system-metrics) writer into the job's MLflow run.
+    """The job's writer into its MLflow run (held by the tracking actor).
 
     ``run_id`` may be None when MLflow was unreachable at start: ``resolve_run`` is then called (from the
     background thread, between retries) until it returns the run id; metrics are buffered meanwhile.
@@ -120,6 +120,8 @@ class AsyncLogger:
 
     def close(self, timeout_s: float = 60.0) -> int:
         """Flush (bounded by ``timeout_s``), stop the thread; returns how many metrics were not delivered."""
+        if self._closing:  # closed already: nothing will be sent any more
+            return self.pending + self._dropped
         delivered = self.flush(timeout_s)
         with self._cond:
             self._closing = True

@@ -1,9 +1,10 @@
-"""One MLflow run per job: the driver creates (or reattaches to) it, rank 0 logs into it.
+"""One MLflow run per job: the driver creates (or reattaches to) it; rank 0 logs into it through the job's
+tracking actor (raytrn.tracking.actor).
 
 The run id is fixed before workers start and stored next to the checkpoints
 (``<storage>/<run name>/raytrn-mlflow.json``), so a resumed job logs into the same run. When the tracking
 server is unreachable at start the job still trains (unless ``tracking.required``): the run is *pending*,
-rank 0 buffers its metrics and creates/reattaches the run itself once the server answers.
+the tracking actor buffers the metrics and creates/reattaches the run once the server answers.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class TrackedRun:
     run_id: str | None  # None: pending, the server was unreachable at start
     experiment_id: str | None
     resumed: bool
-    #: What the run is created/reattached with, so rank 0 can do it later when pending.
+    #: What the run is created/reattached with, so the tracking actor can do it later when pending.
     tags: dict[str, str] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
 
@@ -90,7 +91,7 @@ def start_run(
 
 
 def attach(job: JobSpec, tags: dict[str, str], params: dict[str, Any]) -> TrackedRun:
-    """Create or reattach the run (server reachable), log params and tags; the driver's or rank 0's call."""
+    """Create or reattach the run (server reachable), log params and tags; the driver's or the actor's call."""
     from mlflow.entities import Param, RunTag
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
@@ -131,13 +132,13 @@ def attach(job: JobSpec, tags: dict[str, str], params: dict[str, Any]) -> Tracke
 
 
 def end_run(run: TrackedRun | None, status: str, *, job: JobSpec | None = None) -> str | None:
-    """Mark the run FINISHED, FAILED or KILLED; returns its id (a pending run may have been created by rank 0)."""
+    """Mark the run FINISHED, FAILED or KILLED; returns its id (a pending run may have been created later)."""
     if run is None:
         return None
     from mlflow.tracking import MlflowClient
 
     run_id = run.run_id
-    if run_id is None and job is not None:  # created by rank 0 after an outage at start?
+    if run_id is None and job is not None:  # created after an outage at start (marker written by attach)?
         saved = _read_marker(storage.join(job.checkpoint.storage, job.run_name, MARKER))
         if saved.get("tracking_uri") == run.uri:
             run_id = saved.get("run_id")

@@ -56,17 +56,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             else:
                 progress = load_state(d, model=model, optimizer=optimizer, scheduler=scheduler)
         progress.epoch += 1  # continue with a fresh pass over the data (see README: resume)
-    # Rank 0 logs the training metrics; the first worker of every other node its node's system metrics
-    # (those only when the run exists: a pending run is created by rank 0).
-    other_node = rank != 0 and ctx.get_local_rank() == 0 and config.get("mlflow_run_id")
-    logger = _logger(config, job) if rank == 0 or other_node else None
-    sampler = _system_sampler(job, logger)  # one per node: CPU/memory/disk/network, NeuronCores
-    if rank != 0:
-        logger = None  # other nodes' loggers carry their system metrics only
+    # Rank 0 sends the training metrics to the job's tracking actor; the first worker of every node samples
+    # its node's system metrics. Neither waits for MLflow.
+    tracker = _tracker(config)
+    sampler = _system_sampler(job, tracker) if tracker and ctx.get_local_rank() == 0 else None
+    logger = tracker if rank == 0 else None
     if logger:
         # A worker group restarted from an older checkpoint must not log the steps after it again.
-        progress.last_logged_step = max(progress.last_logged_step, _delivered_step(logger))
-        _append_world_size(logger, progress.step, world_size)
+        progress.last_logged_step = max(progress.last_logged_step, logger.logged_step())
+        logger.worker_group_started(progress.step, world_size)
     board = config.get("board") if rank == 0 else None
     shard = ray.train.get_dataset_shard("train")
     batches = backend.wrap_batches(_batches(shard, job, progress, rank, world_size))
@@ -113,12 +111,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     if sampler:
         sampler.close()
-    if logger or sampler:
-        out = logger or sampler.logger  # type: ignore[union-attr]
-        out.flush(job.tracking.flush_timeout_s)  # an outage near the end: wait (bounded) for the server
-        if logger and job.tracking.log_model and not t.sharded:
-            log_final_model(job, t.model, backend, logger)
-        out.close(timeout_s=5)
+    if logger and job.tracking.log_model and not t.sharded:
+        logger.flush(job.tracking.flush_timeout_s)  # an outage near the end: wait (bounded) for the server
+        log_final_model(job, t.model, backend, logger)
 
 
 def _batches(shard: Any, job: JobSpec, progress: Progress, rank: int, world_size: int) -> Iterator[torch.Tensor]:
@@ -285,48 +280,23 @@ def _save_and_report(
         )
 
 
-def _logger(config: dict[str, Any], job: JobSpec) -> Any:
-    """An asynchronous logger into the job's run (None when tracking is off)."""
-    if not config.get("mlflow_uri"):
+def _tracker(config: dict[str, Any]) -> Any:
+    """This worker's handle on the job's tracking actor (None when tracking is off)."""
+    if config.get("tracker") is None:
         return None
-    from raytrn.tracking.logger import AsyncLogger
-    from raytrn.tracking.mlflow_run import attach, unreachable
+    from raytrn.tracking.actor import RemoteLogger
 
-    uri, run_id = config["mlflow_uri"], config.get("mlflow_run_id")
-
-    def create_when_reachable() -> str | None:  # the driver could not reach MLflow at start
-        if unreachable(uri):
-            return None
-        return attach(job, config.get("mlflow_tags") or {}, config.get("mlflow_params") or {}).run_id
-
-    return AsyncLogger(uri, run_id, resolve_run=create_when_reachable if run_id is None else None)
+    return RemoteLogger(config["tracker"], config["mlflow_uri"])
 
 
 def _system_sampler(job: JobSpec, logger: Any) -> Any:
-    if logger is None or not job.tracking.system_metrics:
+    if not job.tracking.system_metrics:
         return None
     import ray
 
     from raytrn.tracking.system import SystemSampler
 
     return SystemSampler.start(logger, ray.get_runtime_context().get_node_id(), job.tracking.system_metrics_interval_s)
-
-
-def _delivered_step(logger: Any) -> int:
-    from raytrn.tracking.logger import logged_step
-
-    return logged_step(logger.client, logger.run_id) if logger.run_id else 0
-
-
-def _append_world_size(logger: Any, step: int, world_size: int) -> None:
-    """Append ``step:world_size`` to the run's ``world_size_history`` tag (one entry per worker group start)."""
-    history = ""
-    if logger.run_id:
-        try:
-            history = logger.client.get_run(logger.run_id).data.tags.get("world_size_history", "")
-        except Exception:  # unreachable: the entry still goes out with the buffered metrics
-            pass
-    logger.set_tags({"world_size_history": f"{history},{step}:{world_size}".lstrip(",")})
 
 
 def log_final_model(job: JobSpec, model: torch.nn.Module, backend: Backend, logger: Any) -> None:

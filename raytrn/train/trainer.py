@@ -45,6 +45,7 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
         _check_local_resources(job, scaling)
     import ray
 
+    from raytrn.tracking.actor import start_tracking_actor
     from raytrn.tracking.mlflow_run import end_run, start_run
 
     stats = model_stats(job.model, job.data.seq_len)
@@ -56,11 +57,28 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
         **_git_commit(),
     }
     tracked = start_run(job, tags=_tags(job), extra_params=params, manifest=manifest)
+    tracker = start_tracking_actor(tracked, job) if tracked else None
     board = ray.remote(num_cpus=0)(ProgressBoard).remote()
     status = "FAILED"
+
+    ended: dict[str, str | None] = {}
+
+    def finish(status: str, flush_timeout_s: float) -> str | None:
+        """Deliver what the tracking actor holds (bounded), then mark the run; once (SIGTERM, then finally)."""
+        if "run_id" in ended:
+            return ended["run_id"]
+        if tracker is not None and tracked is not None:
+            try:
+                ray.get(tracker.close.remote(flush_timeout_s), timeout=flush_timeout_s + 30)
+                tracked.run_id = ray.get(tracker.run_id.remote(), timeout=30)  # created late, after an outage?
+            except Exception as e:
+                log.warning("MLflow tracking actor: %s", e)
+        ended["run_id"] = end_run(tracked, status, job=job)
+        return ended["run_id"]
+
     try:
-        with _stop_on_sigterm(lambda: end_run(tracked, "KILLED", job=job)):
-            trainer = _trainer(job, backend, scaling, manifest, tracked, board)
+        with _stop_on_sigterm(lambda: finish("KILLED", 3.0)):  # Ray SIGKILLs soon after SIGTERM
+            trainer = _trainer(job, backend, scaling, manifest, tracked, tracker, board)
             with ProgressPrinter(board, live=live_progress):
                 result = trainer.fit()
         status = "FINISHED"
@@ -73,7 +91,7 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
             raise user_error from None
         raise
     finally:
-        run_id = end_run(tracked, status, job=job)
+        run_id = finish(status, job.tracking.flush_timeout_s)
     if run_id and job.tracking.register_model:
         from raytrn.tracking.mlflow_run import register_model
 
@@ -118,7 +136,9 @@ def latest_checkpoint(job: JobSpec) -> tuple[Progress, str | None]:
     return Progress(), None
 
 
-def _trainer(job: JobSpec, backend: Backend, scaling: Any, manifest: Any, tracked: Any, board: Any) -> Any:
+def _trainer(
+    job: JobSpec, backend: Backend, scaling: Any, manifest: Any, tracked: Any, tracker: Any, board: Any
+) -> Any:
     """The Ray Train ``TorchTrainer`` for ``job``, reading the manifest's shards with Ray Data."""
     import ray.data
     import ray.train
@@ -134,10 +154,7 @@ def _trainer(job: JobSpec, backend: Backend, scaling: Any, manifest: Any, tracke
             "job": job,
             "board": board,
             "mlflow_uri": tracked.uri if tracked else None,
-            "mlflow_run_id": tracked.run_id if tracked else None,
-            # A pending run (MLflow unreachable at start) is created by rank 0 with these.
-            "mlflow_tags": tracked.tags if tracked else {},
-            "mlflow_params": tracked.params if tracked else {},
+            "tracker": tracker,
         },
         scaling_config=scaling,
         torch_config=backend.ray_backend_config(job),
