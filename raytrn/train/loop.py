@@ -257,24 +257,18 @@ def _save_and_report(
     if rank != 0:
         ray.train.report(report, checkpoint=None)
         return
-    from ray.train import CheckpointUploadMode
-
-    # The state is written to local disk here (the training waits for that); Ray uploads it to the
-    # checkpoint storage (S3) in the background and deletes the local copy: training goes on meanwhile.
-    d = tempfile.mkdtemp(prefix="raytrn-ckpt-")
-    if t.sharded:  # Ray's checkpoint holds the counters and points at the shards
-        write_meta(d, progress, sharded=sharded_dir(job))
-    else:
-        save_state(
-            d, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, progress=progress, to_cpu=backend.to_cpu
+    with tempfile.TemporaryDirectory(prefix="raytrn-ckpt-") as d:
+        if t.sharded:  # Ray's checkpoint holds the counters and points at the shards
+            write_meta(d, progress, sharded=sharded_dir(job))
+        else:
+            save_state(
+                d, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, progress=progress, to_cpu=backend.to_cpu
+            )
+        ray.train.report(
+            report,
+            checkpoint=ray.train.Checkpoint.from_directory(d),
+            checkpoint_dir_name=f"checkpoint_{progress.step:08d}",
         )
-    ray.train.report(
-        report,
-        checkpoint=ray.train.Checkpoint.from_directory(d),
-        checkpoint_dir_name=f"checkpoint_{progress.step:08d}",
-        checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
-        delete_local_checkpoint_after_upload=True,
-    )
     if logger:
         location = os.path.join(job.checkpoint.storage, job.run_name, f"checkpoint_{progress.step:08d}")
         logger.set_tags(
