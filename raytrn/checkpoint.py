@@ -11,10 +11,10 @@ import json
 import os
 import random
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # torch is imported where state is saved or loaded: the driver reads meta.json only
+    import torch
 
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
@@ -43,6 +43,9 @@ def save_state(
 
     ``to_cpu`` moves device tensors (XLA) to the CPU first; eager CPU/CUDA tensors save as they are.
     """
+    import numpy as np
+    import torch
+
     os.makedirs(directory, exist_ok=True)
     convert = to_cpu or (lambda x: x)
     state = {
@@ -74,6 +77,9 @@ def load_state(
     scheduler: Any,
 ) -> Progress:
     """Restore what :func:`save_state` wrote; returns the saved progress counters."""
+    import numpy as np
+    import torch
+
     state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=False)
     _unwrap(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
@@ -89,8 +95,11 @@ def read_meta(location: str) -> Progress | None:
     from raytrn import storage
 
     text = storage.read_text(storage.join(location, META_FILE))
-    if not text:
-        return None
+    return parse_meta(text) if text else None
+
+
+def parse_meta(text: str) -> Progress:
+    """The counters in a ``meta.json`` text (other keys, such as where shards are, are ignored)."""
     fields = set(Progress.__dataclass_fields__)
     return Progress(**{k: v for k, v in json.loads(text).items() if k in fields})
 

@@ -36,6 +36,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     backend = get_backend(job.scaling.accelerator)
 
+    # -- data first: Ray Data's first read starts new processes (seconds), so it runs while the model builds.
+    # The resumed epoch seeds the shuffle, so it is read from the checkpoint's meta.json before anything else.
+    checkpoint = ray.train.get_checkpoint()
+    progress = _resume_progress(checkpoint)
+    first_batches = _StartEarly(lambda: _batches(ray.train.get_dataset_shard("train"), job, progress, rank, world_size))
+
     # -- build ---------------------------------------------------------------------------------
     t = build_training(job, backend, world_size=world_size)
     model, optimizer, scheduler = t.model, t.optimizer, t.scheduler
@@ -44,18 +50,18 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     tokens_per_step = t.grad_accum * job.data.micro_batch_size * job.data.seq_len * data_parallel_size(job, world_size)
 
     # -- resume --------------------------------------------------------------------------------
-    progress = Progress()
-    checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             if t.sharded:
                 from raytrn.backends.nxd import load_sharded_checkpoint
 
                 saved = load_sharded_checkpoint(sharded_dir(job), model, optimizer, scheduler)
-                progress = Progress(**saved) if saved else Progress()
+                loaded = Progress(**saved) if saved else Progress()
             else:
-                progress = load_state(d, model=model, optimizer=optimizer, scheduler=scheduler)
-        progress.epoch += 1  # continue with a fresh pass over the data (see README: resume)
+                loaded = load_state(d, model=model, optimizer=optimizer, scheduler=scheduler)
+        # The full state is the authority; the data pipeline already started with meta.json's epoch.
+        progress.step, progress.tokens_seen = loaded.step, loaded.tokens_seen
+        progress.last_logged_step = max(progress.last_logged_step, loaded.last_logged_step)
     # Rank 0 sends the training metrics to the job's tracking actor; the first worker of every node samples
     # its node's system metrics. Neither waits for MLflow.
     tracker = _tracker(config)
@@ -66,16 +72,19 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         progress.last_logged_step = max(progress.last_logged_step, logger.logged_step())
         logger.worker_group_started(progress.step, world_size)
     board = config.get("board") if rank == 0 else None
-    shard = ray.train.get_dataset_shard("train")
-    batches = backend.wrap_batches(_batches(shard, job, progress, rank, world_size))
+    batches = backend.wrap_batches(first_batches)
 
     efficiency = _Efficiency(job, world_size) if rank == 0 else None
 
     # -- train ---------------------------------------------------------------------------------
     window_start, window_tokens, window_steps, data_wait = time.perf_counter(), 0, 0, 0.0
+    first_step = True
     while progress.step < max_steps:
         result = train_step(t, batches, backend)
         progress.step += 1
+        if first_step:  # start-up cost: launch (or restart) to the first step done, once per worker group
+            first_step = False
+            _report_first_step(config, progress.step, logger, board)
         progress.tokens_seen += tokens_per_step
         window_tokens += tokens_per_step
         window_steps += 1
@@ -154,6 +163,71 @@ def _batches(shard: Any, job: JobSpec, progress: Progress, rank: int, world_size
                 "data.micro_batch_size or scaling.max_workers"
             )
         progress.epoch += 1
+
+
+def _report_first_step(config: dict[str, Any], step: int, logger: Any, board: Any) -> None:
+    """``time_to_first_step_s``: seconds from the ``raytrn train`` process start to the end of this worker
+    group's first step (Ray, MLflow, workers, model, first batch; on XLA also the first graph compile)."""
+    started_at = config.get("started_at")
+    if started_at is None:
+        return
+    seconds = time.time() - started_at
+    if logger:
+        logger.log_metrics({"time_to_first_step_s": seconds}, step, training=False)
+    if board is not None:
+        board.first_step.remote(seconds)
+
+
+def _resume_progress(checkpoint: Any) -> Progress:
+    """The counters of Ray's checkpoint from its ``meta.json`` (cheap: no model state), with the epoch
+    advanced: a resumed run starts a fresh pass over the data (see README: resume)."""
+    if checkpoint is None:
+        return Progress()
+    from raytrn.checkpoint import META_FILE, parse_meta
+
+    try:
+        with checkpoint.filesystem.open_input_stream(f"{checkpoint.path}/{META_FILE}") as f:
+            progress = parse_meta(f.read().decode())
+    except (OSError, ValueError) as e:  # the full state still restores the counters
+        log.warning("checkpoint %s: no readable %s (%s)", checkpoint.path, META_FILE, e)
+        progress = Progress()
+    progress.epoch += 1
+    return progress
+
+
+class _StartEarly:
+    """An iterator whose first item is fetched at once in a background thread (the first Ray Data read
+    takes seconds); later items come from the same iterator in the caller's thread."""
+
+    def __init__(self, make: Any) -> None:
+        import threading
+
+        self._first: list[Any] = []
+        self._error: BaseException | None = None
+        self._it: Iterator[Any] | None = None
+        self._make = make
+        self._thread = threading.Thread(target=self._fetch, name="raytrn-first-batch", daemon=True)
+        self._thread.start()
+
+    def _fetch(self) -> None:
+        try:
+            self._it = iter(self._make())
+            self._first.append(next(self._it))
+        except BaseException as e:  # re-raised in the caller's thread by __next__
+            self._error = e
+
+    def __iter__(self) -> _StartEarly:
+        return self
+
+    def __next__(self) -> Any:
+        self._thread.join()  # at once after the first item
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        if self._first:
+            return self._first.pop()
+        assert self._it is not None
+        return next(self._it)
 
 
 class _Efficiency:

@@ -22,6 +22,12 @@ class ProgressBoard:
         self.first: dict[str, Any] | None = None
         self.last: dict[str, Any] | None = None
         self.recent: list[dict[str, Any]] = []
+        self.first_step_s: float | None = None
+
+    def first_step(self, seconds: float) -> None:
+        """The first worker group's time to its first step (restarts do not change it)."""
+        if self.first_step_s is None:
+            self.first_step_s = seconds
 
     def update(self, step: int, max_steps: int, metrics: dict[str, float]) -> None:
         entry = {"step": step, "max_steps": max_steps, "time": time.time(), **metrics}
@@ -31,7 +37,7 @@ class ProgressBoard:
         self.recent = [*self.recent[-(self._KEEP - 1) :], entry]
 
     def snapshot(self) -> dict[str, Any]:
-        return {"first": self.first, "last": self.last}
+        return {"first": self.first, "last": self.last, "first_step_s": self.first_step_s}
 
     def since(self, step: int) -> list[dict[str, Any]]:
         """Entries logged after ``step``, oldest first."""
@@ -110,6 +116,7 @@ class Summary:
     checkpoint: str | None
     mlflow_run_id: str | None
     mlflow_ui: str | None
+    first_step_s: float | None = None
 
     def render(self) -> str:
         def num(x: float | None, fmt: str) -> str:
@@ -121,6 +128,7 @@ class Summary:
             ("steps", f"{self.final_step - self.start_step} this run, {self.final_step} in total{resumed}"),
             ("tokens", f"{self.tokens:,}"),
             ("tokens/s", num(self.tokens_per_s, ",.0f")),
+            ("start-up", f"first step done {num(self.first_step_s, '.1f')} s after launch"),
             ("loss", f"{num(self.first_loss, '.4f')} (first logged) -> {num(self.final_loss, '.4f')} (final)"),
             ("checkpoint", self.checkpoint or "none"),
             ("mlflow run", self.mlflow_run_id or "tracking disabled"),

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from raytrn import storage
@@ -39,8 +41,12 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
         print(f"raytrn: resuming run '{job.run_name}' from step {start_step} ({latest})", flush=True)
 
     scaling = _scaling(job, backend)
-    # One logical CPU more than the workers take, for Ray Data's read tasks (embedded local Ray only).
-    started_locally = ensure_ray(min_cpus=scaling.total_resources.get("CPU", 0) + 1)
+    # Imports that take seconds (MLflow's client; torch, for the trainer) run while Ray starts.
+    with ThreadPoolExecutor(1, thread_name_prefix="raytrn-imports") as pool:
+        for module in ("mlflow.tracking", "ray.train.torch"):
+            pool.submit(importlib.import_module, module)
+        # One logical CPU more than the workers take, for Ray Data's read tasks (embedded local Ray only).
+        started_locally = ensure_ray(min_cpus=scaling.total_resources.get("CPU", 0) + 1)
     if started_locally:
         _check_local_resources(job, scaling)
     import ray
@@ -114,6 +120,7 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
         checkpoint=result.checkpoint.path if result.checkpoint else None,
         mlflow_run_id=run_id,
         mlflow_ui=tracked.ui_command() if tracked and run_id else None,
+        first_step_s=snap.get("first_step_s"),
     )
 
 
@@ -145,9 +152,10 @@ def _trainer(
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
+    from raytrn.data.source import read_shards
+
     ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows its own progress
-    fs, _ = storage.filesystem(manifest.root)
-    dataset = ray.data.read_parquet(manifest.shard_paths(), filesystem=fs, columns=["input_ids"])
+    dataset = read_shards(manifest)
     return TorchTrainer(
         _train_fn(),
         train_loop_config={
@@ -155,6 +163,7 @@ def _trainer(
             "board": board,
             "mlflow_uri": tracked.uri if tracked else None,
             "tracker": tracker,
+            "started_at": _process_started_at(),
         },
         scaling_config=scaling,
         torch_config=backend.ray_backend_config(job),
@@ -170,14 +179,26 @@ def _trainer(
 
 
 def _data_config(job: JobSpec) -> Any:
-    """Tensor parallelism: every rank of a TP group must read the same batches, so the dataset is not split
-    per worker and keeps its order; the loop keeps the batches of its data-parallel rank."""
+    """How Ray Train hands the dataset to the workers.
+
+    Several data-parallel workers: Ray splits it (a split-coordinator actor streams to each worker).
+    One worker (fixed size): it reads the dataset itself, in order, without that actor (one process less).
+    Tensor parallelism: every rank of a TP group must read the same batches, so the dataset is not split
+    and keeps its order; the loop keeps the batches of its data-parallel rank.
+    """
     import ray.train
     from ray.data import ExecutionOptions
 
-    if job.parallel.tensor_parallel_size == 1:
-        return ray.train.DataConfig()
-    return ray.train.DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True))
+    if job.parallel.tensor_parallel_size > 1 or job.scaling.max_workers == 1:
+        return ray.train.DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True))
+    return ray.train.DataConfig()
+
+
+def _process_started_at() -> float:
+    """When this process (``raytrn train``, the job's entrypoint under ``ray job submit``) started."""
+    import psutil
+
+    return float(psutil.Process().create_time())
 
 
 def _check_local_resources(job: JobSpec, scaling: Any) -> None:
@@ -222,8 +243,9 @@ def _run_storage(job: JobSpec) -> dict[str, Any]:
 
 
 def _tags(job: JobSpec) -> dict[str, str]:
+    from importlib import metadata
+
     import ray
-    import torch
 
     from raytrn import __version__
 
@@ -231,7 +253,7 @@ def _tags(job: JobSpec) -> dict[str, str]:
         "raytrn.job_file": job.source,
         "raytrn.version": __version__,
         "ray.version": ray.__version__,
-        "torch.version": torch.__version__,
+        "torch.version": metadata.version("torch"),  # the driver does not import torch
         "accelerator": job.scaling.accelerator,
         "checkpoint.storage": storage.join(job.checkpoint.storage, job.run_name),
     }

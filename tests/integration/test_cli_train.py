@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ def _train(tiny_dataset: Path, cwd: Path, *overrides: str, timeout: float = 300)
 
 
 def test_cli_train_prints_summary(tiny_dataset: Path, tmp_path: Path) -> None:
+    started = time.time()
     proc = _train(
         tiny_dataset,
         tmp_path,  # relative paths (checkpoints/, mlruns/) land here
@@ -31,6 +33,7 @@ def test_cli_train_prints_summary(tiny_dataset: Path, tmp_path: Path) -> None:
         "checkpoint.every_n_steps=3",
         "tracking.usd_per_hour=3.6",  # a price: cost metrics appear (a CPU has no peak FLOP/s: no MFU)
     )
+    wall_s = time.time() - started
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "== raytrn: training finished ==" in out
@@ -55,6 +58,11 @@ def test_cli_train_prints_summary(tiny_dataset: Path, tmp_path: Path) -> None:
     assert len(cost) == 3 and 0 < cost[0] < cost[1] < cost[2] < 3.6  # running cost, well under an hour
     assert run.data.metrics["usd_per_1m_tokens"] > 0 and run.data.metrics["tokens_per_usd"] > 0
     assert "mfu" not in run.data.metrics
+    # Start-up cost: from the process start to the end of step 1, in the summary and as a metric at step 1.
+    shown = re.search(r"start-up\s+first step done (\d+\.\d) s after launch", out)
+    assert shown and 0 < float(shown.group(1)) < wall_s
+    (first,) = MlflowClient(ui.group(2)).get_metric_history(run_id, "time_to_first_step_s")
+    assert first.step == 1 and abs(first.value - float(shown.group(1))) < 0.1
 
 
 def test_cli_train_unsatisfiable_resources_on_local_ray(tiny_dataset: Path, tmp_path: Path) -> None:

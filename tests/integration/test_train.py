@@ -111,6 +111,10 @@ def test_resume_continues_at_saved_step_with_optimizer_state(two_worker_run, ray
 
     steps = [s for s, _ in _metric_history(job, summary.mlflow_run_id, "loss")]
     assert steps == [5, 10, 15, 20, 25, 30, 35, 40]  # each step once, strictly increasing
+    # One start-up time per worker group start: the first invocation's step 1, the resumed one's step 31.
+    starts = _metric_history(job, summary.mlflow_run_id, "time_to_first_step_s")
+    assert [s for s, _ in starts] == [1, 31] and all(v > 0 for _, v in starts)
+    assert summary.first_step_s is not None and summary.first_step_s > 0
 
 
 def test_golden_loss_single_worker(ray_session, tiny_dataset, tmp_path):

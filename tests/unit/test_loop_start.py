@@ -1,0 +1,84 @@
+"""The loop's start-up helpers: the first batch fetched in the background, progress read from meta.json."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from raytrn.checkpoint import Progress, write_meta
+from raytrn.train.loop import _resume_progress, _StartEarly
+
+
+def test_first_item_is_fetched_before_it_is_asked_for() -> None:
+    started = threading.Event()
+
+    def items():
+        started.set()
+        yield from range(5)
+
+    it = _StartEarly(items)
+    assert started.wait(timeout=10), "the background fetch did not start on construction"
+    assert list(it) == [0, 1, 2, 3, 4]  # order kept, nothing lost or repeated
+
+
+def test_slow_first_item_overlaps_the_callers_work() -> None:
+    def items():
+        time.sleep(0.5)  # a first Ray Data read
+        yield "first"
+        yield "second"
+
+    t0 = time.perf_counter()
+    it = _StartEarly(items)
+    time.sleep(0.5)  # the model build
+    assert next(it) == "first"
+    assert time.perf_counter() - t0 < 0.9  # the two half-seconds overlapped
+    assert next(it) == "second"
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+@pytest.mark.parametrize("where", ["making the iterator", "the first item", "a later item"])
+def test_errors_reach_the_caller(where: str) -> None:
+    from raytrn.errors import DataError
+
+    def make():
+        if where == "making the iterator":
+            raise DataError("no shard")
+        return items()
+
+    def items():
+        if where == "the first item":
+            raise DataError("too small")
+        yield 1
+        raise DataError("bad row")
+
+    it = _StartEarly(make)
+    if where == "a later item":
+        assert next(it) == 1
+    with pytest.raises(DataError):
+        next(it)
+
+
+def test_empty_stream_stops() -> None:
+    assert list(_StartEarly(lambda: iter(()))) == []
+
+
+def test_resume_progress_from_meta_json(tmp_path) -> None:
+    from ray.train import Checkpoint
+
+    assert _resume_progress(None) == Progress()
+    write_meta(str(tmp_path), Progress(step=30, tokens_seen=960, epoch=2, last_logged_step=30), sharded="s3://b/nxd")
+    resumed = _resume_progress(Checkpoint.from_directory(str(tmp_path)))
+    # A resumed run starts a fresh pass over the data: the epoch (which seeds the shuffle) moves on.
+    assert resumed == Progress(step=30, tokens_seen=960, epoch=3, last_logged_step=30)
+
+
+def test_resume_progress_without_meta_json_starts_at_epoch_one(tmp_path) -> None:
+    from ray.train import Checkpoint
+
+    (tmp_path / "meta.json").write_text("{not json")
+    assert _resume_progress(Checkpoint.from_directory(str(tmp_path))).epoch == 1
+    (tmp_path / "meta.json").unlink()
+    assert _resume_progress(Checkpoint.from_directory(str(tmp_path))).epoch == 1
