@@ -53,21 +53,34 @@ class SystemSampler:
         self.interval_s = interval_s
         self.neuron = neuron
         self.step = first_step
-        self._monitors = _mlflow_monitors()
+        self._monitors: list[Any] | None = None  # MLflow's monitors, made at the first sample
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raytrn-system-metrics", daemon=True)
 
     @classmethod
     def start(cls, logger: Any, node_id: str, interval_s: float) -> SystemSampler:
-        """Start sampling (and ``neuron-monitor`` where it is installed) for the node ``node_id``."""
-        node = node_label(node_id)
-        first = _next_step(logger, f"{PREFIX}{node}/")
-        sampler = cls(logger, node, interval_s, neuron=NeuronMonitor.start(), first_step=first)
+        """Start sampling (and ``neuron-monitor`` where it is installed) for the node ``node_id``.
+
+        Returns at once: the set-up (importing MLflow's monitors, asking the run for this node's last
+        system step, starting neuron-monitor) takes seconds and runs in the sampler's thread, not before
+        the first training step.
+        """
+        sampler = cls(logger, node_label(node_id), interval_s)
+        sampler._thread = threading.Thread(target=sampler._set_up_and_run, name="raytrn-system-metrics", daemon=True)
         sampler._thread.start()
         return sampler
 
+    def _set_up_and_run(self) -> None:
+        self.step = _next_step(self.logger, f"{PREFIX}{self.node}/")
+        self._monitors = _mlflow_monitors()
+        if not self._stop.is_set():
+            self.neuron = NeuronMonitor.start()
+        self._run()
+
     def sample(self) -> dict[str, float]:
         """One aggregated sample, named ``system/<node>/...``."""
+        if self._monitors is None:
+            self._monitors = _mlflow_monitors()
         out: dict[str, float] = {}
         for monitor in self._monitors:
             try:
@@ -90,7 +103,8 @@ class SystemSampler:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)  # may still be setting up
         if self.neuron is not None:
             self.neuron.close()
 
