@@ -52,7 +52,7 @@ def child_main(args: argparse.Namespace) -> None:
     import ray
     import ray.data
 
-    from raytrn import storage
+    from raytrn.data.source import read_shards
     from raytrn.train.checks import check_data
 
     bench = job_from_args(args)
@@ -61,8 +61,7 @@ def child_main(args: argparse.Namespace) -> None:
     rows_wanted = (manifest.num_rows // bench.micro_batch_size) * bench.micro_batch_size
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), logging_level=logging.WARNING)
     ray.data.DataContext.get_current().enable_progress_bars = False
-    fs, _ = storage.filesystem(manifest.root)
-    ds = ray.data.read_parquet(manifest.shard_paths(), filesystem=fs, columns=["input_ids"])  # as the trainer does
+    ds = read_shards(manifest)  # as the trainer does
     first = _raytrn_pass(ds, job, rows_wanted)  # cold: Ray Data's first execution
     ray_s, raw_s = [], []
     for _ in range(args.repeats):

@@ -77,7 +77,7 @@ def child_main(args: argparse.Namespace) -> None:
     from ray.train import CheckpointConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from raytrn import storage
+    from raytrn.data.source import read_shards
     from raytrn.tracking.actor import start_tracking_actor
     from raytrn.tracking.mlflow_run import end_run, start_run
     from raytrn.train.checks import check_data
@@ -98,8 +98,7 @@ def child_main(args: argparse.Namespace) -> None:
         manifest = check_data(job)
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), logging_level=logging.WARNING)
         ray.data.DataContext.get_current().enable_progress_bars = False
-        fs, _ = storage.filesystem(manifest.root)
-        ds = ray.data.read_parquet(manifest.shard_paths(), filesystem=fs, columns=["input_ids"])
+        ds = read_shards(manifest)  # as the trainer does
         tracked = start_run(job)
         assert tracked is not None
         tracker = start_tracking_actor(tracked, job)  # what raytrn's driver starts for the workers

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import MutableMapping
 
 from raytrn.errors import RaytrnError
 
@@ -33,9 +34,21 @@ def ensure_ray(min_cpus: float = 0) -> bool:
             ) from None
         return False
     # address="local": never attach to a stale cluster by accident; set RAY_ADDRESS to use one.
+    set_local_ray_defaults(os.environ)
     cpus = max(os.cpu_count() or 1, math.ceil(min_cpus))
     ray.init(address="local", num_cpus=cpus, logging_level=logging.WARNING)
     return True
+
+
+#: Ray settings for an embedded local Ray (the user's own values win): one machine cannot be preempted, so
+#: Ray Train's preemption watcher (an actor polling the nodes) would only cost start-up time.
+LOCAL_RAY_DEFAULTS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+
+
+def set_local_ray_defaults(environ: MutableMapping[str, str]) -> None:
+    """Apply :data:`LOCAL_RAY_DEFAULTS` to ``environ`` where unset (before ``ray.init`` starts the processes)."""
+    for key, value in LOCAL_RAY_DEFAULTS.items():
+        environ.setdefault(key, value)
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:

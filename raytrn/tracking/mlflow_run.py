@@ -90,6 +90,22 @@ def start_run(
     return run
 
 
+def prepare_store(job: JobSpec) -> None:
+    """Open the job's local MLflow store ahead of the run: a new sqlite file takes seconds of schema
+    migrations, which the driver does while Ray starts. Creates no experiment and no run; an http server
+    needs nothing (its store is on the server). Errors are left for :func:`start_run` to report."""
+    uri = job.tracking.mlflow_uri
+    if not job.tracking.enabled or not uri or not uri.startswith("sqlite:///"):
+        return
+    try:
+        os.makedirs(os.path.dirname(uri[len("sqlite:///") :]), exist_ok=True)
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(uri).search_experiments(max_results=1)
+    except Exception as e:
+        log.debug("MLflow store %s not prepared: %s", uri, e)
+
+
 def attach(job: JobSpec, tags: dict[str, str], params: dict[str, Any]) -> TrackedRun:
     """Create or reattach the run (server reachable), log params and tags; the driver's or the actor's call."""
     from mlflow.entities import Param, RunTag

@@ -41,10 +41,13 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
         print(f"raytrn: resuming run '{job.run_name}' from step {start_step} ({latest})", flush=True)
 
     scaling = _scaling(job, backend)
-    # Imports that take seconds (MLflow's client; torch, for the trainer) run while Ray starts.
-    with ThreadPoolExecutor(1, thread_name_prefix="raytrn-imports") as pool:
-        for module in ("mlflow.tracking", "ray.train.torch"):
-            pool.submit(importlib.import_module, module)
+    from raytrn.tracking.mlflow_run import prepare_store
+
+    # What takes seconds and needs no Ray runs while Ray starts: a new local MLflow store (schema, no run
+    # yet: a job that then fails its resource check leaves no run behind) and torch's import for the trainer.
+    with ThreadPoolExecutor(1, thread_name_prefix="raytrn-prepare") as pool:
+        pool.submit(prepare_store, job)
+        pool.submit(importlib.import_module, "ray.train.torch")
         # One logical CPU more than the workers take, for Ray Data's read tasks (embedded local Ray only).
         started_locally = ensure_ray(min_cpus=scaling.total_resources.get("CPU", 0) + 1)
     if started_locally:

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -21,29 +20,16 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from raytrn.config import load_job
-from raytrn.train.trainer import run_training
+from tests.chaos._common import REPO, tiny_chaos_overrides, train_in_thread
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _overrides(tiny_dataset: Path, tmp: Path, name: str, *extra: str) -> list[str]:
-    return [
-        f"data.manifest={tiny_dataset}",
-        "data.seq_len=32",
-        "data.micro_batch_size=8",
-        "model.vocab_size=512",
-        "scaling.min_workers=1",
-        "scaling.max_workers=1",
-        f"checkpoint.storage={tmp / 'ckpt'}",
-        "checkpoint.every_n_steps=20",
-        f"tracking.mlflow_uri=sqlite:///{tmp / 'mlflow.db'}",
-        "tracking.experiment=raytrn-chaos",
-        f"tracking.run_name={name}",
-        "tracking.log_model=false",
-        "run.log_every=1",
-        *extra,
-    ]
+    return tiny_chaos_overrides(
+        tiny_dataset, tmp / "ckpt", mlflow_uri=f"sqlite:///{tmp / 'mlflow.db'}", experiment="raytrn-chaos", name=name,
+        extra=("checkpoint.every_n_steps=20", "tracking.log_model=false", *extra),
+    )  # fmt: skip
 
 
 def _run_id(client: MlflowClient, name: str) -> str | None:
@@ -79,28 +65,12 @@ def _kill_train_worker() -> int:
     return pid
 
 
-def _train_in_thread(job) -> tuple[threading.Thread, dict]:
-    result: dict = {}
-
-    def train() -> None:
-        try:
-            result["summary"] = run_training(job, live_progress=False)
-        except BaseException as e:
-            result["error"] = e
-
-    thread = threading.Thread(target=train, daemon=True)
-    thread.start()
-    return thread, result
-
-
 def test_killed_worker_resumes_and_history_has_each_step_once(ray_session, tiny_dataset, tmp_path):
     name = f"kill-{uuid.uuid4().hex[:8]}"
-    job = load_job(
-        REPO / "jobs" / "tiny.yaml",
-        _overrides(tiny_dataset, tmp_path, name, "run.max_steps=80", "scaling.max_failures=2"),
-    )
+    job = load_job(REPO / "jobs" / "tiny.yaml", _overrides(tiny_dataset, tmp_path, name, "run.max_steps=80",
+                                                           "scaling.max_failures=2"))  # fmt: skip
     client = MlflowClient(job.tracking.mlflow_uri)
-    thread, result = _train_in_thread(job)
+    thread, result = train_in_thread(job)
     try:
         # Past the checkpoint at 20 (on disk, then a few steps more for Ray to register it): the steps
         # after the restored checkpoint were logged once already and are trained again.
@@ -130,12 +100,10 @@ def test_killed_worker_resumes_and_history_has_each_step_once(ray_session, tiny_
 
 def test_killed_worker_without_retries_ends_failed(ray_session, tiny_dataset, tmp_path):
     name = f"fail-{uuid.uuid4().hex[:8]}"
-    job = load_job(
-        REPO / "jobs" / "tiny.yaml",
-        _overrides(tiny_dataset, tmp_path, name, "run.max_steps=500", "scaling.max_failures=0"),
-    )
+    job = load_job(REPO / "jobs" / "tiny.yaml", _overrides(tiny_dataset, tmp_path, name, "run.max_steps=500",
+                                                           "scaling.max_failures=0"))  # fmt: skip
     client = MlflowClient(job.tracking.mlflow_uri)
-    thread, result = _train_in_thread(job)
+    thread, result = train_in_thread(job)
     try:
         run_id = _wait_for_step(client, name, 3)
         _kill_train_worker()

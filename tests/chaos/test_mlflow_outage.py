@@ -7,28 +7,15 @@ digest, per-node system metrics, the final model in Hugging Face format on S3, a
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
-from raytrn.config import load_job
-from raytrn.train.trainer import run_training
+from tests.chaos._common import tiny_chaos_job, train_in_thread, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
-REPO = Path(__file__).resolve().parents[2]
 OUTAGE_S = 20
-
-
-def _wait(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"{what} not seen after {timeout_s} s")
 
 
 @pytest.fixture(scope="module")
@@ -37,37 +24,11 @@ def outage_run(ray_session, tiny_dataset, mlflow_server, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("outage")
     name = f"outage-{uuid.uuid4().hex[:8]}"
-    job = load_job(
-        REPO / "jobs" / "tiny.yaml",
-        [
-            f"data.manifest={tiny_dataset}",
-            "data.seq_len=32",
-            "data.micro_batch_size=8",
-            "model.vocab_size=512",
-            "scaling.min_workers=1",
-            "scaling.max_workers=1",
-            f"checkpoint.storage={tmp / 'ckpt'}",
-            "checkpoint.every_n_steps=100",
-            f"tracking.mlflow_uri={mlflow_server.url}",
-            "tracking.experiment=raytrn-outage",
-            f"tracking.run_name={name}",
-            "tracking.register_model=raytrn-outage-tiny",
-            "tracking.system_metrics_interval_s=1",
-            "run.log_every=1",
-            "run.max_steps=300",
-        ],
-    )
+    job = tiny_chaos_job(tiny_dataset, tmp / "ckpt", mlflow_uri=mlflow_server.url, experiment="raytrn-outage",
+                         name=name, extra=("checkpoint.every_n_steps=100", "tracking.register_model=raytrn-outage-tiny",
+                                           "tracking.system_metrics_interval_s=1", "run.max_steps=300"))  # fmt: skip
     client = MlflowClient(mlflow_server.url)
-    result: dict = {}
-
-    def train() -> None:
-        try:
-            result["summary"] = run_training(job, live_progress=False)
-        except BaseException as e:  # surfaced by the test
-            result["error"] = e
-
-    thread = threading.Thread(target=train, daemon=True)
-    thread.start()
+    thread, result = train_in_thread(job)
 
     def first_step_logged() -> bool:
         runs = client.search_runs(
@@ -77,7 +38,7 @@ def outage_run(ray_session, tiny_dataset, mlflow_server, tmp_path_factory):
         return bool(runs) and bool(client.get_metric_history(runs[0].info.run_id, "loss"))
 
     try:
-        _wait(first_step_logged, 180, "the first logged step")
+        wait_until(first_step_logged, 180, "the first logged step")
         down = time.time()
         mlflow_server.stop()
         time.sleep(OUTAGE_S)
@@ -176,36 +137,11 @@ def test_server_down_at_start_then_up(ray_session, tiny_dataset, mlflow_server, 
     from mlflow.tracking import MlflowClient
 
     name = f"late-{uuid.uuid4().hex[:8]}"
-    job = load_job(
-        REPO / "jobs" / "tiny.yaml",
-        [
-            f"data.manifest={tiny_dataset}",
-            "data.seq_len=32",
-            "data.micro_batch_size=8",
-            "model.vocab_size=512",
-            "scaling.min_workers=1",
-            "scaling.max_workers=1",
-            f"checkpoint.storage={tmp_path / 'ckpt'}",
-            f"tracking.mlflow_uri={mlflow_server.url}",
-            "tracking.experiment=raytrn-late",
-            f"tracking.run_name={name}",
-            "tracking.log_model=false",
-            "run.log_every=1",
-            "run.max_steps=60",
-        ],
-    )
+    job = tiny_chaos_job(tiny_dataset, tmp_path / "ckpt", mlflow_uri=mlflow_server.url, experiment="raytrn-late",
+                         name=name, extra=("tracking.log_model=false", "run.max_steps=60"))  # fmt: skip
     mlflow_server.stop()
-    result: dict = {}
-
-    def train() -> None:
-        try:
-            result["summary"] = run_training(job, live_progress=False)
-        except BaseException as e:
-            result["error"] = e
-
-    thread = threading.Thread(target=train, daemon=True)
     try:
-        thread.start()
+        thread, result = train_in_thread(job)
         time.sleep(10)  # the driver has found the server down and gone on
     finally:
         mlflow_server.start()

@@ -37,3 +37,14 @@ def test_listening_address_passes() -> None:
         s.listen(1)
         _check_reachable(f"127.0.0.1:{s.getsockname()[1]}")
     _check_reachable("auto")  # resolved by Ray itself
+
+
+def test_local_ray_defaults_keep_the_users_values():
+    from raytrn.runtime import set_local_ray_defaults
+
+    env = {}
+    set_local_ray_defaults(env)
+    assert env == {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}  # nothing to preempt on one machine
+    env = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1"}
+    set_local_ray_defaults(env)
+    assert env == {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1"}
