@@ -26,8 +26,9 @@ class TrackingActor:
         tags: dict[str, str] | None = None,
         params: dict[str, Any] | None = None,
     ) -> None:
-        from raytrn.tracking.logger import AsyncLogger, logged_step
+        from raytrn.tracking.logger import LOGGED_STEP_TAG, AsyncLogger
         from raytrn.tracking.mlflow_run import attach, unreachable
+        from raytrn.tracking.neuron_monitor import PREFIX as SYSTEM_PREFIX
 
         def create_when_reachable() -> str | None:  # the driver could not reach MLflow at start
             if unreachable(uri):
@@ -35,19 +36,33 @@ class TrackingActor:
             return attach(job, tags or {}, params or {}).run_id
 
         self.logger = AsyncLogger(uri, run_id, resolve_run=create_when_reachable if run_id is None else None)
-        # Steps delivered by an earlier invocation of this job (the run's tag), then every step queued here.
-        self.max_step = logged_step(self.logger.client, run_id) if run_id else 0
+        # What an earlier invocation of this job delivered (one read of the run), then what is queued here:
+        # the highest training step (the run's tag) and each non-training metric's last step.
+        self.max_step = 0
         self.world_sizes = ""
+        self.last_steps: dict[str, int] = {}
         if run_id:
             try:
-                self.world_sizes = self.logger.client.get_run(run_id).data.tags.get("world_size_history", "")
-            except Exception:
-                pass
+                run = self.logger.client.get_run(run_id)
+                self.max_step = int(run.data.tags.get(LOGGED_STEP_TAG, 0))
+                self.world_sizes = run.data.tags.get("world_size_history", "")
+                self.last_steps = {m.key: m.step for m in run.data._metric_objs if m.key.startswith(SYSTEM_PREFIX)}
+            except Exception as e:  # unreachable: start from zero (steps are then only ordered within this job)
+                log.warning("MLflow run %s not read: %s", run_id, e)
 
     def log_metrics(self, metrics: dict[str, float], step: int, training: bool = True) -> None:
         self.logger.log_metrics(metrics, step, training=training)
         if training:
             self.max_step = max(self.max_step, step)
+        else:
+            for key in metrics:
+                self.last_steps[key] = max(self.last_steps.get(key, -1), step)
+
+    def next_step(self, prefix: str) -> int:
+        """The step after the last one of the non-training metrics named ``prefix...`` (0 when none): a
+        restarted system-metrics sampler continues its node's series instead of repeating steps."""
+        steps = [s for k, s in self.last_steps.items() if k.startswith(prefix)]
+        return max(steps) + 1 if steps else 0
 
     def set_tags(self, tags: dict[str, str]) -> None:
         self.logger.set_tags(tags)
@@ -93,6 +108,11 @@ class RemoteLogger:
         import ray
 
         return int(ray.get(self.actor.logged_step.remote(), timeout=60))
+
+    def next_step(self, prefix: str) -> int:
+        import ray
+
+        return int(ray.get(self.actor.next_step.remote(prefix), timeout=60))
 
     @property
     def run_id(self) -> str | None:

@@ -110,12 +110,16 @@ class SystemSampler:
 
 
 def _next_step(logger: Any, prefix: str) -> int:
-    """After a restart on the same node, continue the node's system-metric steps instead of repeating them."""
-    if logger.run_id is None:
+    """After a restart on the same node, continue the node's system-metric steps instead of repeating them.
+
+    The tracking actor knows them (it read the run once at its start): no MLflow call from the worker,
+    which could hang in the MLflow client's retries while the server is down.
+    """
+    ask = getattr(logger, "next_step", None)
+    if ask is None:
         return 0
     try:
-        run = logger.client.get_run(logger.run_id)
-    except Exception:
+        return int(ask(prefix))
+    except Exception as e:
+        log.warning("system metrics of %s start at step 0: %s", prefix, e)
         return 0
-    steps = [m.step for m in run.data._metric_objs if m.key.startswith(prefix)]
-    return max(steps) + 1 if steps else 0

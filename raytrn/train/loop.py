@@ -63,10 +63,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         progress.step, progress.tokens_seen = loaded.step, loaded.tokens_seen
         progress.last_logged_step = max(progress.last_logged_step, loaded.last_logged_step)
     # Rank 0 sends the training metrics to the job's tracking actor; the first worker of every node samples
-    # its node's system metrics (from the first step on). Neither waits for MLflow.
+    # its node's system metrics. Neither waits for MLflow.
     tracker = _tracker(config)
-    samples_system = tracker is not None and ctx.get_local_rank() == 0
-    sampler = None
+    sampler = _system_sampler(job, tracker) if tracker and ctx.get_local_rank() == 0 else None
     logger = tracker if rank == 0 else None
     if logger:
         # A worker group restarted from an older checkpoint must not log the steps after it again.
@@ -86,8 +85,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if first_step:  # start-up cost: launch (or restart) to the first step done, once per worker group
             first_step = False
             _report_first_step(config, progress.step, logger, board)
-            # Started now, its set-up (MLflow's monitor imports) does not delay the first step.
-            sampler = _system_sampler(job, tracker) if samples_system else None
         progress.tokens_seen += tokens_per_step
         window_tokens += tokens_per_step
         window_steps += 1

@@ -158,6 +158,7 @@ def _trainer(
     from raytrn.data.source import read_shards
 
     ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows its own progress
+    _pin_data_stats_actor()
     dataset = read_shards(manifest)
     return TorchTrainer(
         _train_fn(),
@@ -195,6 +196,21 @@ def _data_config(job: JobSpec) -> Any:
     if job.parallel.tensor_parallel_size > 1 or job.scaling.max_workers == 1:
         return ray.train.DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True))
     return ray.train.DataConfig()
+
+
+def _pin_data_stats_actor() -> None:
+    """Create Ray Data's stats actor here, on the driver's node (the head under ``ray job submit``).
+
+    It is detached and pinned to the node of whoever runs a dataset first: a worker that reads its data
+    unsplit (one worker, or tensor parallelism) would put it on a worker node and keep that node from
+    ever scaling down. (A private Ray Data function; without it the actor is created as before.)
+    """
+    try:
+        from ray.data._internal.stats import get_or_create_stats_actor
+
+        get_or_create_stats_actor()
+    except Exception as e:  # another Ray version: not worth failing a job over
+        log.warning("Ray Data stats actor not created on the driver's node: %s", e)
 
 
 def _process_started_at() -> float:

@@ -105,6 +105,28 @@ def test_async_logger_delivers_in_order_and_records_the_logged_step(tmp_path):
     assert logged_step(client, run_id) == 30
 
 
+def test_tracking_actor_knows_the_last_steps_across_restarts(tmp_path):
+    """The actor class itself (no Ray): training and system-metric steps, queued here or read from the run."""
+    from raytrn.tracking.actor import TrackingActor
+
+    uri, run_id = _run(tmp_path)
+    first = TrackingActor(uri, run_id)
+    assert (first.logged_step(), first.next_step("system/node-a/")) == (0, 0)
+    first.log_metrics({"loss": 1.0}, 7)
+    first.log_metrics({"system/node-a/cpu_utilization_percentage": 5.0}, 0, False)
+    first.log_metrics({"system/node-a/cpu_utilization_percentage": 6.0}, 1, False)
+    first.log_metrics({"system/node-b/cpu_utilization_percentage": 6.0}, 4, False)
+    assert first.logged_step() == 7
+    assert (first.next_step("system/node-a/"), first.next_step("system/node-b/")) == (2, 5)
+    assert first.next_step("system/node-c/") == 0
+    assert first.close(30) == 0
+    # A new driver (a resumed job) starts a new actor: it reads the same from the run, once.
+    second = TrackingActor(uri, run_id)
+    assert second.logged_step() == 7
+    assert (second.next_step("system/node-a/"), second.next_step("system/node-b/")) == (2, 5)
+    second.close(30)
+
+
 def test_async_logger_never_blocks_when_mlflow_is_unreachable(tmp_path):
     logger = AsyncLogger(_closed_port_uri(), "0" * 32, batch_window_s=0.05)
     t0 = time.perf_counter()
