@@ -26,7 +26,7 @@ class TrackingActor:
         tags: dict[str, str] | None = None,
         params: dict[str, Any] | None = None,
     ) -> None:
-        from raytrn.tracking.logger import LOGGED_STEP_TAG, AsyncLogger
+        from raytrn.tracking.logger import AsyncLogger, logged_step_of
         from raytrn.tracking.mlflow_run import attach, unreachable
         from raytrn.tracking.neuron_monitor import PREFIX as SYSTEM_PREFIX
 
@@ -44,7 +44,7 @@ class TrackingActor:
         if run_id:
             try:
                 run = self.logger.client.get_run(run_id)
-                self.max_step = int(run.data.tags.get(LOGGED_STEP_TAG, 0))
+                self.max_step = logged_step_of(run)
                 self.world_sizes = run.data.tags.get("world_size_history", "")
                 self.last_steps = {m.key: m.step for m in run.data._metric_objs if m.key.startswith(SYSTEM_PREFIX)}
             except Exception as e:  # unreachable: start from zero (steps are then only ordered within this job)

@@ -119,8 +119,10 @@ def _client(tracking_uri: str) -> Any:
     except ImportError:  # pragma: no cover - mlflow is a core dependency
         raise RaytrnError("runs compare needs mlflow: pip install 'mlflow>=3.16.1,<4'") from None
     _check_reachable(tracking_uri)
-    if tracking_uri.startswith("sqlite:///"):  # reading must not create an empty database as a side effect
-        db = tracking_uri[len("sqlite:///") :]
+    from raytrn.tracking.mlflow_run import sqlite_path
+
+    db = sqlite_path(tracking_uri)
+    if db is not None:  # reading must not create an empty database as a side effect
         if not os.path.exists(db):
             raise RaytrnError(
                 f"no MLflow database at {db} (tracking URI {tracking_uri}); "

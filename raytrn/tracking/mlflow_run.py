@@ -90,15 +90,21 @@ def start_run(
     return run
 
 
+def sqlite_path(uri: str) -> str | None:
+    """The database file of a ``sqlite:///PATH`` tracking URI (None for other stores)."""
+    return uri[len("sqlite:///") :] if uri.startswith("sqlite:///") else None
+
+
 def prepare_store(job: JobSpec) -> None:
     """Open the job's local MLflow store ahead of the run: a new sqlite file takes seconds of schema
     migrations, which the driver does while Ray starts. Creates no experiment and no run; an http server
     needs nothing (its store is on the server). Errors are left for :func:`start_run` to report."""
     uri = job.tracking.mlflow_uri
-    if not job.tracking.enabled or not uri or not uri.startswith("sqlite:///"):
+    db = sqlite_path(uri) if job.tracking.enabled and uri else None
+    if db is None:
         return
     try:
-        os.makedirs(os.path.dirname(uri[len("sqlite:///") :]), exist_ok=True)
+        os.makedirs(os.path.dirname(db), exist_ok=True)
         from mlflow.tracking import MlflowClient
 
         MlflowClient(uri).search_experiments(max_results=1)
@@ -114,8 +120,8 @@ def attach(job: JobSpec, tags: dict[str, str], params: dict[str, Any]) -> Tracke
 
     uri = job.tracking.mlflow_uri
     assert uri is not None
-    if uri.startswith("sqlite:///"):
-        os.makedirs(os.path.dirname(uri[len("sqlite:///") :]), exist_ok=True)
+    if db := sqlite_path(uri):
+        os.makedirs(os.path.dirname(db), exist_ok=True)
     client = MlflowClient(uri)
     try:
         exp_id = _experiment(client, job, uri)
@@ -237,8 +243,8 @@ def _experiment(client: Any, job: JobSpec, uri: str) -> str:
     if exp is not None:
         return str(exp.experiment_id)
     artifacts = None
-    if uri.startswith("sqlite:///"):
-        artifacts = "file://" + os.path.join(os.path.dirname(uri[len("sqlite:///") :]), "artifacts")
+    if db := sqlite_path(uri):
+        artifacts = "file://" + os.path.join(os.path.dirname(db), "artifacts")
     log.info("creating MLflow experiment %r", name)
     return str(client.create_experiment(name, artifact_location=artifacts))
 

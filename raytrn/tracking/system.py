@@ -45,37 +45,35 @@ def _mlflow_monitors() -> list[Any]:
 class SystemSampler:
     """Samples this node every ``interval_s`` and queues ``system/<node>/...`` metrics into ``logger``."""
 
-    def __init__(
-        self, logger: Any, node: str, interval_s: float, *, neuron: NeuronMonitor | None = None, first_step: int = 0
-    ) -> None:
+    def __init__(self, logger: Any, node: str, interval_s: float) -> None:
         self.logger = logger
         self.node = node
         self.interval_s = interval_s
-        self.neuron = neuron
-        self.step = first_step
+        self.neuron: NeuronMonitor | None = None  # started by the sampler's thread, where installed
+        self.step = 0
         self._monitors: list[Any] | None = None  # MLflow's monitors, made at the first sample
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="raytrn-system-metrics", daemon=True)
+        self._thread = threading.Thread(target=self._set_up_and_run, name="raytrn-system-metrics", daemon=True)
 
     @classmethod
     def start(cls, logger: Any, node_id: str, interval_s: float) -> SystemSampler:
         """Start sampling (and ``neuron-monitor`` where it is installed) for the node ``node_id``.
 
-        Returns at once: the set-up (importing MLflow's monitors, asking the run for this node's last
-        system step, starting neuron-monitor) takes seconds and runs in the sampler's thread, not before
-        the first training step.
+        Returns at once: the set-up (asking the tracking actor for this node's last system step, starting
+        neuron-monitor, importing MLflow's monitors at the first sample) runs in the sampler's thread, not
+        before the first training step.
         """
         sampler = cls(logger, node_label(node_id), interval_s)
-        sampler._thread = threading.Thread(target=sampler._set_up_and_run, name="raytrn-system-metrics", daemon=True)
         sampler._thread.start()
         return sampler
 
     def _set_up_and_run(self) -> None:
         self.step = _next_step(self.logger, f"{PREFIX}{self.node}/")
-        self._monitors = _mlflow_monitors()
         if not self._stop.is_set():
             self.neuron = NeuronMonitor.start()
-        self._run()
+        while not self._stop.wait(self.interval_s):
+            self.logger.log_metrics(self.sample(), self.step, training=False)
+            self.step += 1
 
     def sample(self) -> dict[str, float]:
         """One aggregated sample, named ``system/<node>/...``."""
@@ -95,11 +93,6 @@ class SystemSampler:
             for key, value in self.neuron.latest().items():
                 named[f"{PREFIX}{self.node}/{key[len(PREFIX) :]}"] = value
         return named
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.logger.log_metrics(self.sample(), self.step, training=False)
-            self.step += 1
 
     def close(self) -> None:
         self._stop.set()
