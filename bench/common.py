@@ -100,8 +100,9 @@ def load_bench_job(bench: BenchJob, *, workers: int = 1, extra: Sequence[str] = 
     return load_job(TINY_JOB, [*bench.overrides(workers=workers), *extra])
 
 
-def child_env(threads: int) -> dict[str, str]:
-    """The environment of every measured process: equal thread counts, a local Ray, no stray tracking URI."""
+def child_env(threads: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of every measured process: equal thread counts, a local Ray, no stray tracking URI
+    (``extra``: more variables, for a variant that differs in them)."""
     env = dict(os.environ)
     for key in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID"):
         env.pop(key, None)
@@ -112,6 +113,7 @@ def child_env(threads: int) -> dict[str, str]:
         PYTHONUNBUFFERED="1",
         PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
     )
+    env.update(extra or {})
     return env
 
 
@@ -120,13 +122,21 @@ def emit(result: dict[str, Any]) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-def run_child(module: str, args: Sequence[str], *, threads: int, timeout_s: float, cwd: str | None = None) -> dict:
+def run_child(
+    module: str,
+    args: Sequence[str],
+    *,
+    threads: int,
+    timeout_s: float,
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
+) -> dict:
     """Run ``python -m bench.<module> ARGS`` (bounded in time) and return its BENCH_RESULT dict."""
     cmd = [sys.executable, "-m", f"bench.{module}", *args]
     start = time.time()
     try:
         proc = subprocess.run(
-            cmd, cwd=cwd or REPO, env=child_env(threads), capture_output=True, text=True, timeout=timeout_s
+            cmd, cwd=cwd or REPO, env=child_env(threads, env), capture_output=True, text=True, timeout=timeout_s
         )
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"bench.{module} {' '.join(args[:1])} ran past {timeout_s:.0f} s") from None

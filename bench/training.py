@@ -340,8 +340,13 @@ def run_raytrn(bench: BenchJob, *, workers: int = 1, timeout_s: float = 300) -> 
     }
 
 
-def run_bare(bench: BenchJob, timeout_s: float = 300) -> dict[str, Any]:
-    return run_child("training", ["bare", *bench.as_args()], threads=bench.threads, timeout_s=timeout_s)
+def run_bare(bench: BenchJob, *, tuned_malloc: bool = False, timeout_s: float = 300) -> dict[str, Any]:
+    """(a) as a user runs it (glibc's default allocator settings) or, ``tuned_malloc``, with the settings raytrn
+    gives its CPU workers (``run.tune_malloc``): (a'), the like-for-like baseline."""
+    from raytrn.backends.host_malloc import TUNED
+
+    return run_child("training", ["bare", *bench.as_args()], threads=bench.threads, timeout_s=timeout_s,
+                     env=dict(TUNED) if tuned_malloc else None)  # fmt: skip
 
 
 def run_stock(bench: BenchJob, timeout_s: float = 300) -> dict[str, Any]:
@@ -368,7 +373,12 @@ def overhead_and_scaling(bench: BenchJob, *, rounds: int, scaling: bool, deadlin
         if per_round and time.monotonic() + last_round_s > deadline:
             break  # another round would eat the time the other benchmarks need
         round_start = time.monotonic()
-        r: dict[str, Any] = {"bare": run_bare(bench), "stock": run_stock(bench), "raytrn": run_raytrn(bench)}
+        r: dict[str, Any] = {
+            "bare": run_bare(bench),
+            "stock": run_stock(bench),
+            "raytrn": run_raytrn(bench),
+            "bare_tuned": run_bare(bench, tuned_malloc=True),
+        }
         if scaling:
             r["raytrn_2w"] = run_raytrn(bench, workers=2)
         per_round.append(r)
@@ -391,6 +401,7 @@ def overhead_and_scaling(bench: BenchJob, *, rounds: int, scaling: bool, deadlin
             if r.get(num, {}).get("tokens_per_s") and r.get(den, {}).get("tokens_per_s")
         ]
 
+    from raytrn.backends.host_malloc import TUNED
     from raytrn.models import model_stats
 
     job = load_bench_job(bench)
@@ -407,8 +418,10 @@ def overhead_and_scaling(bench: BenchJob, *, rounds: int, scaling: bool, deadlin
             "threads_per_worker": bench.threads,
             "log_every": job.run.log_every,
             "checkpoint_every_n_steps": job.checkpoint.every_n_steps,
+            "tuned_malloc": TUNED,
         },
         "bare_tokens_per_s": mean(col("bare", "tokens_per_s")),
+        "bare_tuned_tokens_per_s": mean(col("bare_tuned", "tokens_per_s")),
         "stock_tokens_per_s": mean(col("stock", "tokens_per_s")),
         "raytrn_tokens_per_s": mean(col("raytrn", "tokens_per_s")),
         "raytrn_tokens_per_s_loop_reported": mean(col("raytrn", "tokens_per_s_loop_reported")),
@@ -416,6 +429,8 @@ def overhead_and_scaling(bench: BenchJob, *, rounds: int, scaling: bool, deadlin
         "c_over_b": mean(ratios("raytrn", "stock")),
         "b_over_a": mean(ratios("stock", "bare")),
         "c_over_a_per_round": ratios("raytrn", "bare"),
+        "c_over_a_tuned": mean(ratios("raytrn", "bare_tuned")),
+        "c_over_a_tuned_per_round": ratios("raytrn", "bare_tuned"),
         "c_over_b_per_round": ratios("raytrn", "stock"),
         "spread_bare": spread(col("bare", "tokens_per_s")),
         "spread_raytrn": spread(col("raytrn", "tokens_per_s")),

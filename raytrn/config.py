@@ -226,6 +226,13 @@ class RunConfig(_Section):
         description="torch.compile the model (in place: checkpoint keys unchanged) and the loss; the first steps "
         "compile. cuda only, ignored with a warning elsewhere (XLA compiles whole steps anyway)",
     )
+    tune_malloc: bool | None = Field(
+        None,
+        description="glibc malloc settings on the training workers (one arena, fixed mmap threshold, no trimming): "
+        "the step's activations stop page-faulting in every step when Ray Train runs the loop in a thread. "
+        "Default: on for cpu, off elsewhere. An allocator setting of your own (MALLOC_*, GLIBC_TUNABLES, a "
+        "preloaded jemalloc/tcmalloc) wins. See raytrn.backends.host_malloc",
+    )
 
 
 class ParallelConfig(_Section):

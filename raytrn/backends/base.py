@@ -23,6 +23,8 @@ class Backend:
     use_gpu: bool = False
     #: Applies the CUDA speed settings (model.autocast, optim.fused, run.compile); others ignore them with a warning.
     cuda_speedups: bool = False
+    #: ``run.tune_malloc`` defaults to on: the step's tensors are allocated and freed in host memory.
+    tune_malloc: bool = False
 
     # -- driver side ---------------------------------------------------------------------------
     def ray_backend_config(self, job: JobSpec) -> Any:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from raytrn.backends import Backend, get_backend
+from raytrn.backends import Backend, get_backend, host_malloc
 from raytrn.backends.nxd import data_parallel_size
 from raytrn.checkpoint import Progress, load_state, save_state, write_meta
 from raytrn.config import JobSpec
@@ -71,6 +71,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         # A worker group restarted from an older checkpoint must not log the steps after it again.
         progress.last_logged_step = max(progress.last_logged_step, logger.logged_step())
         logger.worker_group_started(progress.step, world_size)
+        logger.set_tags({"worker.malloc": host_malloc.describe(os.environ)})  # run.tune_malloc, as the workers run
     board = config.get("board") if rank == 0 else None
     batches = backend.wrap_batches(first_batches)
 

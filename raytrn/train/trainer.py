@@ -176,10 +176,25 @@ def _trainer(
             **_run_storage(job),
             failure_config=FailureConfig(max_failures=job.scaling.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=job.checkpoint.keep_last),
+            worker_runtime_env=_worker_runtime_env(job, backend),
         ),
         datasets={"train": dataset},
         dataset_config=_data_config(job),
     )
+
+
+def _worker_runtime_env(job: JobSpec, backend: Backend) -> dict[str, Any]:
+    """Environment variables the training worker processes start with: the allocator settings of
+    ``run.tune_malloc`` (glibc reads them at process start, so they cannot be set from the loop)."""
+    from raytrn.backends.host_malloc import malloc_env, user_allocator_settings
+
+    enabled = backend.tune_malloc if job.run.tune_malloc is None else job.run.tune_malloc
+    env = malloc_env(os.environ, enabled=enabled)
+    if enabled and not env:
+        log.info(
+            "run.tune_malloc: keeping your allocator settings (%s)", ", ".join(user_allocator_settings(os.environ))
+        )
+    return {"env_vars": env} if env else {}
 
 
 def _data_config(job: JobSpec) -> Any:

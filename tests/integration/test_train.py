@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from raytrn.backends.host_malloc import TUNED, describe, user_allocator_settings
 from raytrn.config import load_job
 from raytrn.train.trainer import run_training
 
@@ -87,6 +88,9 @@ def test_mlflow_run_has_params_and_metrics(two_worker_run):
     assert float(run.data.params["model.flops_per_token"]) > 6 * int(run.data.params["model.num_params"]) * 0.5
     assert run.data.tags["checkpoint.latest"].endswith("checkpoint_00000030")
     assert run.data.tags["world_size_history"] == "0:2"
+    # run.tune_malloc (on for cpu): the workers started with the allocator settings (read in the worker).
+    expected = describe(os.environ) if user_allocator_settings(os.environ) else describe(TUNED)
+    assert run.data.tags["worker.malloc"] == expected
     steps = [s for s, _ in _metric_history(job, summary.mlflow_run_id, "loss")]
     assert steps == [5, 10, 15, 20, 25, 30]
     for key in ("lr", "grad_norm", "tokens_per_s", "step_time_s", "data_wait_s"):
@@ -95,7 +99,8 @@ def test_mlflow_run_has_params_and_metrics(two_worker_run):
 
 def test_resume_continues_at_saved_step_with_optimizer_state(two_worker_run, ray_session):
     job, first = two_worker_run
-    resumed_job = job.model_copy(update={"run": job.run.model_copy(update={"max_steps": 40})})
+    # Resumed with run.tune_malloc off: the new worker group starts with glibc's defaults (numerics unchanged).
+    resumed_job = job.model_copy(update={"run": job.run.model_copy(update={"max_steps": 40, "tune_malloc": False})})
     summary = run_training(resumed_job, live_progress=False)
     assert summary.start_step == 30 and summary.final_step == 40
     assert summary.mlflow_run_id == first.mlflow_run_id  # one MLflow run per job across invocations
@@ -115,6 +120,11 @@ def test_resume_continues_at_saved_step_with_optimizer_state(two_worker_run, ray
     starts = _metric_history(job, summary.mlflow_run_id, "time_to_first_step_s")
     assert [s for s, _ in starts] == [1, 31] and all(v > 0 for _, v in starts)
     assert summary.first_step_s is not None and summary.first_step_s > 0
+    if not user_allocator_settings(os.environ):
+        from mlflow.tracking import MlflowClient
+
+        tags = MlflowClient(job.tracking.mlflow_uri).get_run(summary.mlflow_run_id).data.tags
+        assert tags["worker.malloc"] == "glibc defaults"
 
 
 def test_golden_loss_single_worker(ray_session, tiny_dataset, tmp_path):
