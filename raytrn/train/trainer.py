@@ -171,7 +171,8 @@ def _trainer(
         },
         scaling_config=scaling,
         torch_config=backend.ray_backend_config(job),
-        run_config=RunConfig(
+        # Train V2's RunConfig (mypy sees the V1 class that ray.train names statically; V2 is Ray 2.60's default).
+        run_config=RunConfig(  # type: ignore[call-arg]
             name=job.run_name,
             **_run_storage(job),
             failure_config=FailureConfig(max_failures=job.scaling.max_failures),
