@@ -1,4 +1,4 @@
-"""Per-node system metrics: MLflow's CPU/memory/disk/network/GPU monitors plus ``neuron-monitor``.
+"""Per-node system metrics: CPU/memory/disk/network (psutil), GPU (MLflow's monitor) and ``neuron-monitor``.
 
 One sampler runs per node (in the worker with local rank 0). Metric names follow MLflow's multi-node
 convention, ``system/<node>/<metric>`` (e.g. ``system/node-1a2b3c4d/cpu_utilization_percentage``,
@@ -24,22 +24,64 @@ def node_label(node_id: str) -> str:
     return f"node-{node_id[:8]}"
 
 
-def _mlflow_monitors() -> list[Any]:
-    from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
-    from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
-    from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+class _HostMonitor:
+    """CPU, memory, disk and network with psutil, under the names MLflow's own monitors use.
 
-    monitors: list[Any] = [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
+    Not MLflow's classes: importing them imports all of ``mlflow`` (~2 s of CPU holding the GIL) in the
+    training process, which stalled the training thread for ~0.6 s at the first sample (measured). The CPU
+    percentage is primed at start, so the first sample is a real reading (MLflow's first one reads 0).
+    """
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil = psutil
+        psutil.cpu_percent()  # the next call measures from here
+        net = psutil.net_io_counters()
+        self._net0 = (net.bytes_recv, net.bytes_sent)
+
+    def sample(self) -> dict[str, float]:
+        import os
+
+        ps = self._psutil
+        mem, disk, net = ps.virtual_memory(), ps.disk_usage(os.sep), ps.net_io_counters()
+        return {
+            "cpu_utilization_percentage": round(ps.cpu_percent(), 1),
+            "system_memory_usage_megabytes": round(mem.used / 1e6, 1),
+            "system_memory_usage_percentage": round(mem.used / mem.total * 100, 1),
+            "disk_usage_percentage": round(disk.percent, 1),
+            "disk_usage_megabytes": round(disk.used / 1e6, 1),
+            "disk_available_megabytes": round(disk.free / 1e6, 1),
+            "network_receive_megabytes": (net.bytes_recv - self._net0[0]) / 1e6,  # since the sampler started
+            "network_transmit_megabytes": (net.bytes_sent - self._net0[1]) / 1e6,
+        }
+
+
+class _GpuMonitor:
+    """MLflow's GPU monitor (pynvml): only on a node with CUDA, where importing MLflow is worth it."""
+
+    def __init__(self) -> None:
+        from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+
+        self._monitor = GPUMonitor()
+
+    def sample(self) -> dict[str, float]:
+        try:
+            self._monitor.collect_metrics()
+            return dict(self._monitor.aggregate_metrics())
+        finally:
+            self._monitor.clear_metrics()
+
+
+def _gpu_monitor() -> _GpuMonitor | None:
     try:
         import torch
 
         if torch.cuda.is_available():
-            from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
-
-            monitors.append(GPUMonitor())
+            return _GpuMonitor()
     except Exception as e:  # no pynvml, no driver: CPU metrics still count
         log.debug("no GPU monitor: %s", e)
-    return monitors
+    return None
 
 
 class SystemSampler:
@@ -51,7 +93,8 @@ class SystemSampler:
         self.interval_s = interval_s
         self.neuron: NeuronMonitor | None = None  # started by the sampler's thread, where installed
         self.step = 0
-        self._monitors: list[Any] | None = None  # MLflow's monitors, made at the first sample
+        self._monitors: list[Any] | None = None  # made by the sampler's thread at its start
+        self._gpu_checked = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._set_up_and_run, name="raytrn-system-metrics", daemon=True)
 
@@ -60,8 +103,7 @@ class SystemSampler:
         """Start sampling (and ``neuron-monitor`` where it is installed) for the node ``node_id``.
 
         Returns at once: the set-up (asking the tracking actor for this node's last system step, starting
-        neuron-monitor, importing MLflow's monitors at the first sample) runs in the sampler's thread, not
-        before the first training step.
+        neuron-monitor, the monitors) runs in the sampler's thread, not before the first training step.
         """
         sampler = cls(logger, node_label(node_id), interval_s)
         sampler._thread.start()
@@ -71,23 +113,25 @@ class SystemSampler:
         self.step = _next_step(self.logger, f"{PREFIX}{self.node}/")
         if not self._stop.is_set():
             self.neuron = NeuronMonitor.start()
+            self._monitors = [_HostMonitor()]
         while not self._stop.wait(self.interval_s):
             self.logger.log_metrics(self.sample(), self.step, training=False)
             self.step += 1
 
     def sample(self) -> dict[str, float]:
         """One aggregated sample, named ``system/<node>/...``."""
-        if self._monitors is None:
-            self._monitors = _mlflow_monitors()
+        if self._monitors is None:  # sampled without the thread (tests), or before its set-up
+            self._monitors = [_HostMonitor()]
+        if not self._gpu_checked:  # at the first sample, not during start-up: it imports MLflow
+            self._gpu_checked = True
+            gpu = _gpu_monitor()
+            self._monitors += [gpu] if gpu else []
         out: dict[str, float] = {}
         for monitor in self._monitors:
             try:
-                monitor.collect_metrics()
-                out.update(monitor.aggregate_metrics())
+                out.update(monitor.sample())
             except Exception as e:
                 log.debug("system metric monitor %s failed: %s", type(monitor).__name__, e)
-            finally:
-                monitor.clear_metrics()
         named = {f"{PREFIX}{self.node}/{k}": float(v) for k, v in out.items()}
         if self.neuron is not None:  # parse_report names them system/<metric>: put the node in
             for key, value in self.neuron.latest().items():
