@@ -151,16 +151,29 @@ def run(bench: BenchJob, *, log_every_values: tuple[int, ...], pairs: int, segme
     rows = run_child("mlflow_overhead", args, threads=bench.threads, timeout_s=600)["segments"]
     for log_every in log_every_values:
         mine = [r for r in rows if not r["warmup"] and r["log_every"] == log_every]
-        on = mean([r["step_time_s"] for r in mine if r["tracking"]])
-        off = mean([r["step_time_s"] for r in mine if not r["tracking"]])
+        on_s = [r["step_time_s"] for r in mine if r["tracking"] and r["step_time_s"]]
+        off_s = [r["step_time_s"] for r in mine if not r["tracking"] and r["step_time_s"]]
+        on, off = mean(on_s), mean(off_s)
         out[f"log_every_{log_every}"] = {
             "step_time_on_s": on,
             "step_time_off_s": off,
             "overhead": (on / off - 1) if on and off else None,
+            "noise": _relative_standard_error(on_s, off_s),
             "ms_per_log_call": (on - off) * log_every * 1000 if on and off else None,
             "segments": mine,
         }
     return out
+
+
+def _relative_standard_error(on: list[float], off: list[float]) -> float | None:
+    """The standard error of mean(on) - mean(off), relative to mean(off): how far apart the two could be by
+    the segment-to-segment noise alone (a shared machine: several % per 30-step segment)."""
+    import statistics
+
+    if len(on) < 2 or len(off) < 2:
+        return None
+    se = (statistics.variance(on) / len(on) + statistics.variance(off) / len(off)) ** 0.5
+    return se / statistics.mean(off)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -111,7 +111,9 @@ def bare_main(args: argparse.Namespace) -> None:
             loss.item()  # the same host read a logging loop does
         points.append((step, time.perf_counter()))
     tps = steady_rate(points, bench.warmup, bench.tokens_per_step(job.data.seq_len))
-    emit({"tokens_per_s": tps, "threads": torch.get_num_threads()})
+    from raytrn.backends.host_malloc import describe
+
+    emit({"tokens_per_s": tps, "threads": torch.get_num_threads(), "malloc": describe(os.environ)})
 
 
 # ---------------------------------------------------------------------------------------------------

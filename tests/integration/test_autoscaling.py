@@ -193,6 +193,11 @@ def test_raytrn_submit_follows_the_job_and_tags_the_run(sim_cluster, tiny_datase
     [run] = client.search_runs([client.get_experiment_by_name("autoscaling-submit").experiment_id])
     job_id = run.data.tags["ray.job_submission_id"]
     assert re.search(re.escape(job_id), proc.stdout + proc.stderr), "the printed job id is the run's Ray job id"
+    # run.tune_malloc reaches the workers of a submitted job too (merged into the job's runtime env).
+    from raytrn.backends.host_malloc import TUNED, describe, user_allocator_settings
+
+    if not user_allocator_settings(env):
+        assert run.data.tags["worker.malloc"] == describe(TUNED)
 
 
 def test_submit_to_a_token_cluster_without_token_submits_nothing(tmp_path: Path) -> None:
