@@ -42,12 +42,37 @@ def _plan(pairs: int, log_every: list[int]) -> list[tuple[bool, int]]:
     return out
 
 
+class _CallTimer:
+    """Times rank 0's per-step tracking calls (``RemoteLogger.log_metrics`` with training metrics) where the loop
+    makes them: what the training thread itself pays. On a cluster the tracking actor runs on the head node,
+    so this is the whole cost there; on this 2-core machine its writes also share the cores."""
+
+    def __init__(self) -> None:
+        from raytrn.tracking.actor import RemoteLogger
+
+        self.durations: list[float] = []
+        original = RemoteLogger.log_metrics
+
+        def timed(logger: Any, metrics: dict[str, float], step: int, *, training: bool = True) -> None:
+            t0 = time.perf_counter()
+            original(logger, metrics, step, training=training)
+            if training:
+                self.durations.append(time.perf_counter() - t0)
+
+        RemoteLogger.log_metrics = timed  # type: ignore[method-assign]  # this worker process only
+
+    def take(self) -> list[float]:
+        out, self.durations = self.durations, []
+        return out
+
+
 def _segments(config: dict[str, Any]) -> None:
     """The worker: alternate segments of raytrn's loop with and without the MLflow run."""
     from raytrn.train.loop import train_loop_per_worker
 
     job, n, warmup = config["job"], config["segment_steps"], config["warmup"]
     rows = []
+    timer = _CallTimer()
     for i, (on, every) in enumerate(_plan(config["pairs"], config["log_every"])):
         run_cfg = job.run.model_copy(update={"max_steps": (i + 1) * n, "log_every": every})
         seg_job = job.model_copy(update={"run": run_cfg})
@@ -65,7 +90,7 @@ def _segments(config: dict[str, Any]) -> None:
         kept = [p for p in board.points if p[0] - i * n >= warmup]
         step_s = (kept[-1][1] - kept[0][1]) / (kept[-1][0] - kept[0][0]) if len(kept) >= 2 else None
         rows.append({"tracking": on, "step_time_s": step_s, "segment_s": total, "steps": n, "warmup": i == 0,
-                     "log_every": every})  # fmt: skip
+                     "log_every": every, "log_call_s": timer.take()})  # fmt: skip
     with open(config["out"], "w") as f:
         json.dump(rows, f)
 
@@ -159,10 +184,27 @@ def run(bench: BenchJob, *, log_every_values: tuple[int, ...], pairs: int, segme
             "step_time_off_s": off,
             "overhead": (on / off - 1) if on and off else None,
             "noise": _relative_standard_error(on_s, off_s),
+            # Inside the training thread: seconds per logged step, and that spread over log_every steps.
+            **_in_thread(mine, log_every, off),
             "ms_per_log_call": (on - off) * log_every * 1000 if on and off else None,
             "segments": mine,
         }
     return out
+
+
+def _in_thread(segments: list[dict[str, Any]], log_every: int, step_s: float | None) -> dict[str, Any]:
+    import statistics
+
+    calls = [c for r in segments if r["tracking"] for c in r.get("log_call_s", [])]
+    if not calls or not step_s:
+        return {}
+    per_call = statistics.mean(calls)
+    return {
+        "in_thread_ms_per_log_call": per_call * 1000,
+        "in_thread_ms_per_log_call_median": statistics.median(calls) * 1000,
+        "in_thread_ms_per_log_call_max": max(calls) * 1000,
+        "in_thread_overhead": per_call / (log_every * step_s),
+    }
 
 
 def _relative_standard_error(on: list[float], off: list[float]) -> float | None:

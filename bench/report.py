@@ -133,6 +133,14 @@ def render(report: dict[str, Any]) -> str:
             f"noise ±{_pct(v.get('noise'), 1)} ({_num(v.get('ms_per_log_call'), '.1f', ' ms')} per logged step; step "
             f"{_num(v.get('step_time_off_s'), '.3f')} s) | {_overhead_goal(v.get('overhead'), v.get('noise'))} |"
         )
+        if v.get("in_thread_overhead") is not None:
+            inside = v["in_thread_overhead"]
+            lines.append(
+                f"| MLflow overhead, log every {n} step(s), inside the training thread (rank 0's log calls, timed) | "
+                f"{_pct(inside, 3)} of step time ({_num(v.get('in_thread_ms_per_log_call'), '.2f', ' ms')} per "
+                f"logged step; median {_num(v.get('in_thread_ms_per_log_call_median'), '.2f', ' ms')}, max "
+                f"{_num(v.get('in_thread_ms_per_log_call_max'), '.1f', ' ms')}) | {_goal(inside < 0.01, '< 1%')} |"
+            )
     d = res.get("data", {})
     row = _status_row("data pipeline", d)
     if row:
@@ -196,6 +204,14 @@ def _notes(report: dict[str, Any]) -> list[str]:
         "MLflow run, the worker group, the model and the first batch); the floor row is what stock Ray Train takes "
         "to reach an empty train function on the same machine.",
     ]
+    ml = report["results"].get("mlflow", {})
+    if any(isinstance(v, dict) and v.get("in_thread_overhead") is not None for v in ml.values()):
+        notes.append(
+            "MLflow overhead: the on/off rows compare whole segments with tracking on and off, so they carry the "
+            "machine's noise (±2 standard errors shown); the in-thread rows time rank 0's log calls where the loop "
+            "makes them: all that training pays when the tracking actor runs on another node (the head node of a "
+            "cluster). Here the actor's writes also share the 2 cores, which the on/off rows include."
+        )
     if report["results"].get("training", {}).get("bare_tuned_tokens_per_s"):
         notes.append(
             "Allocator: Ray Train runs the training function in a thread, and glibc gives that thread an arena whose "
