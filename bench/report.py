@@ -121,13 +121,6 @@ def render(report: dict[str, Any]) -> str:
     for key in sorted(k for k in ml if k.startswith("log_every_")):
         v = ml[key]
         n = key.rsplit("_", 1)[1]
-        if v.get("noise") is None and v.get("segments"):  # results saved before the noise was recorded
-            from bench.mlflow_overhead import _relative_standard_error
-
-            segs = [r for r in v["segments"] if r.get("step_time_s")]
-            v["noise"] = _relative_standard_error(
-                [r["step_time_s"] for r in segs if r["tracking"]], [r["step_time_s"] for r in segs if not r["tracking"]]
-            )
         lines.append(
             f"| MLflow overhead, log every {n} step(s), tracking on vs off | {_pct(v.get('overhead'), 2)} of step time, "
             f"noise ±{_pct(v.get('noise'), 1)} ({_num(v.get('ms_per_log_call'), '.1f', ' ms')} per logged step; step "

@@ -214,14 +214,6 @@ class AsyncLogger:
         return True
 
 
-def logged_step(client: Any, run_id: str) -> int:
-    """The highest training step already delivered to the run (0 when none or unknown)."""
-    try:
-        return logged_step_of(client.get_run(run_id))
-    except Exception:
-        return 0
-
-
 def logged_step_of(run: Any) -> int:
     """The highest training step delivered to ``run`` (an MLflow ``Run``), from its tag."""
     return int(run.data.tags.get(LOGGED_STEP_TAG, 0))

@@ -93,7 +93,7 @@ class SystemSampler:
         self.interval_s = interval_s
         self.neuron: NeuronMonitor | None = None  # started by the sampler's thread, where installed
         self.step = 0
-        self._monitors: list[Any] | None = None  # made by the sampler's thread at its start
+        self._monitors: list[Any] = [_HostMonitor()]  # cheap (psutil); primes the CPU percentage now
         self._gpu_checked = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._set_up_and_run, name="raytrn-system-metrics", daemon=True)
@@ -103,7 +103,7 @@ class SystemSampler:
         """Start sampling (and ``neuron-monitor`` where it is installed) for the node ``node_id``.
 
         Returns at once: the set-up (asking the tracking actor for this node's last system step, starting
-        neuron-monitor, the monitors) runs in the sampler's thread, not before the first training step.
+        neuron-monitor) runs in the sampler's thread, not before the first training step.
         """
         sampler = cls(logger, node_label(node_id), interval_s)
         sampler._thread.start()
@@ -113,15 +113,12 @@ class SystemSampler:
         self.step = _next_step(self.logger, f"{PREFIX}{self.node}/")
         if not self._stop.is_set():
             self.neuron = NeuronMonitor.start()
-            self._monitors = [_HostMonitor()]
         while not self._stop.wait(self.interval_s):
             self.logger.log_metrics(self.sample(), self.step, training=False)
             self.step += 1
 
     def sample(self) -> dict[str, float]:
         """One aggregated sample, named ``system/<node>/...``."""
-        if self._monitors is None:  # sampled without the thread (tests), or before its set-up
-            self._monitors = [_HostMonitor()]
         if not self._gpu_checked:  # at the first sample, not during start-up: it imports MLflow
             self._gpu_checked = True
             gpu = _gpu_monitor()

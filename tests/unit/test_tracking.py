@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from raytrn.config import load_job
 from raytrn.errors import ConfigError
-from raytrn.tracking.logger import LOGGED_STEP_TAG, AsyncLogger, logged_step
+from raytrn.tracking.logger import LOGGED_STEP_TAG, AsyncLogger, logged_step_of
 from raytrn.tracking.mlflow_run import (
     REDACTED,
     end_run,
@@ -102,7 +102,7 @@ def test_async_logger_delivers_in_order_and_records_the_logged_step(tmp_path):
     tags = client.get_run(run_id).data.tags
     assert tags["checkpoint.latest"] == "/ckpt/checkpoint_00000030"
     assert tags[LOGGED_STEP_TAG] == "30"  # system metrics' steps do not count
-    assert logged_step(client, run_id) == 30
+    assert logged_step_of(client.get_run(run_id)) == 30
 
 
 def test_tracking_actor_knows_the_last_steps_across_restarts(tmp_path):
