@@ -67,18 +67,23 @@ def test_worker_runtime_env_follows_backend_default_and_job(
 
 _FAULTS = textwrap.dedent(
     """
-    import resource, threading, torch
+    import resource, statistics, threading, torch
     torch.set_num_threads(1)
     out = []
+    def faults():
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
     def train():  # a step's worth of activations, allocated and freed, in a thread as Ray Train runs it
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(128, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 4096))
         x = torch.randn(512, 128)
+        per_step = []
         for i in range(25):
-            if i == 5:
-                start = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+            before = faults()
             model(x).logsumexp(-1).mean().backward()
-        out.append((resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - start) / 20)
+            per_step.append(faults() - before)
+        # The median step after warm-up: a one-off heap growth (16 MB, seen in some runs) is not refaulting.
+        out.append(statistics.median(per_step[5:]))
     t = threading.Thread(target=train)
     t.start()
     t.join()
