@@ -5,18 +5,32 @@ runs in another process, not competing with the training loop for its GIL and CP
 outlives the workers, so metrics queued before a worker dies (or while the server is down) are still
 delivered after the worker group restarts. The actor also knows the highest step it was given, so a
 restarted worker group never logs a step twice, even while MLflow is unreachable.
+
+It also creates (or reattaches) the job's run, in its own process and at a lower CPU priority, while the
+workers start: the driver only checked that the server answers. A run MLflow refuses (a deleted experiment
+or run, a bad ``tracking.run_id``) is reported by :meth:`TrackingActor.ready`; the driver then stops the
+training with that error. And it is the job's progress board (one process, not two).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from typing import Any
+
+from raytrn.errors import RaytrnError
+from raytrn.train.progress import ProgressBoard
 
 log = logging.getLogger(__name__)
 
 
-class TrackingActor:
-    """Holds the job's :class:`~raytrn.tracking.logger.AsyncLogger` (started with ``num_cpus=0``)."""
+class TrackingActor(ProgressBoard):
+    """Holds the job's :class:`~raytrn.tracking.logger.AsyncLogger` (started with ``num_cpus=0``).
+
+    ``run_id`` None with a ``job``: the run is created here (``attach``), now when the server answers, else
+    once it does. ``background``: lower this process's CPU priority first (the actor's own process).
+    """
 
     def __init__(
         self,
@@ -25,17 +39,40 @@ class TrackingActor:
         job: Any = None,
         tags: dict[str, str] | None = None,
         params: dict[str, Any] | None = None,
+        *,
+        manifest: Any = None,
+        background: bool = False,
     ) -> None:
+        super().__init__()
+        if background:
+            _lower_priority()
         from raytrn.tracking.logger import AsyncLogger, logged_step_of
-        from raytrn.tracking.mlflow_run import attach, unreachable
+        from raytrn.tracking.mlflow_run import attach, log_dataset, unreachable
         from raytrn.tracking.neuron_monitor import PREFIX as SYSTEM_PREFIX
 
-        def create_when_reachable() -> str | None:  # the driver could not reach MLflow at start
-            if unreachable(uri):
-                return None
-            return attach(job, tags or {}, params or {}).run_id
+        self.error: RaytrnError | None = None
+        self.experiment_id: str | None = None
+        self.job = job
 
-        self.logger = AsyncLogger(uri, run_id, resolve_run=create_when_reachable if run_id is None else None)
+        def create() -> str | None:
+            run = attach(job, tags or {}, params or {})
+            self.experiment_id = run.experiment_id
+            if manifest is not None:
+                log_dataset(run, manifest)
+            return run.run_id
+
+        def create_when_reachable() -> str | None:  # MLflow was unreachable at start
+            return None if unreachable(uri) else create()
+
+        if run_id is None and job is not None and not unreachable(uri):
+            try:
+                run_id = create()
+            except RaytrnError as e:  # MLflow refused the run: the driver stops the job with this
+                self.error = e
+            except Exception as e:  # anything else: keep trying, as for a server that is down
+                log.warning("MLflow run not created yet (%s): metrics are buffered meanwhile", e)
+        pending = run_id is None and job is not None and self.error is None
+        self.logger = AsyncLogger(uri, run_id, resolve_run=create_when_reachable if pending else None)
         # What an earlier invocation of this job delivered (one read of the run), then what is queued here:
         # the highest training step (the run's tag) and each non-training metric's last step.
         self.max_step = 0
@@ -50,10 +87,21 @@ class TrackingActor:
             except Exception as e:  # unreachable: start from zero (steps are then only ordered within this job)
                 log.warning("MLflow run %s not read: %s", run_id, e)
 
+    def ready(self) -> dict[str, str | None]:
+        """The run's ids once this actor is constructed (``run_id`` None while pending); raises the error
+        when MLflow refused the run."""
+        if self.error is not None:
+            raise self.error
+        return {"run_id": self.logger.run_id, "experiment_id": self.experiment_id}
+
     def log_metrics(self, metrics: dict[str, float], step: int, training: bool = True) -> None:
+        """Queue ``metrics``; training steps at or below the highest one logged are dropped (a worker group
+        restarted from an older checkpoint repeats them; the run has them already)."""
+        if training and step <= self.max_step:
+            return
         self.logger.log_metrics(metrics, step, training=training)
         if training:
-            self.max_step = max(self.max_step, step)
+            self.max_step = step
         else:
             for key in metrics:
                 self.last_steps[key] = max(self.last_steps.get(key, -1), step)
@@ -86,6 +134,28 @@ class TrackingActor:
         """Flush (bounded) and stop; returns how many metrics could not be delivered."""
         return self.logger.close(timeout_s)
 
+    def finish(self, status: str, timeout_s: float) -> dict[str, str | None]:
+        """Deliver what is queued (bounded by ``timeout_s``), then mark the run ``status``; the run's ids
+        (``run_id`` None when it was never created). Raises the error when MLflow refused the run.
+
+        Here rather than in the driver: this process has the store open already (under ``ray job submit``
+        the driver's working directory can be gone by the end, and a new local MLflow store needs it)."""
+        from raytrn.tracking.mlflow_run import TrackedRun, end_run
+
+        self.ready()  # MLflow refused the run: raise that
+        self.close(timeout_s)
+        ids = self.ready()  # (a pending run may have been created while flushing)
+        run = TrackedRun(uri=self.logger.uri, run_id=ids["run_id"], experiment_id=ids["experiment_id"], resumed=False)
+        ids["run_id"] = end_run(run, status, job=self.job)
+        return ids
+
+    def register_model(self, name: str) -> str | None:
+        """Register the run's logged ``model`` as ``name``; the new version (None when it was not)."""
+        from raytrn.tracking.mlflow_run import register_model
+
+        run_id = self.logger.run_id
+        return register_model(self.logger.uri, run_id, name) if run_id else None
+
 
 class RemoteLogger:
     """A worker's handle on the :class:`TrackingActor`: sends are fire-and-forget (no waiting on MLflow)."""
@@ -103,11 +173,6 @@ class RemoteLogger:
 
     def worker_group_started(self, step: int, world_size: int) -> None:
         self.actor.worker_group_started.remote(step, world_size)
-
-    def logged_step(self) -> int:
-        import ray
-
-        return int(ray.get(self.actor.logged_step.remote(), timeout=60))
 
     def next_step(self, prefix: str) -> int:
         import ray
@@ -135,14 +200,43 @@ class RemoteLogger:
         return bool(ray.get(self.actor.flush.remote(timeout_s), timeout=timeout_s + 60))
 
 
-def start_tracking_actor(tracked: Any, job: Any) -> Any:
-    """The job's TrackingActor, on the driver's node (0 CPUs), for a tracked run (pending or not)."""
+def start_tracking_actor(tracked: Any, job: Any, *, manifest: Any = None, env: dict[str, str] | None = None) -> Any:
+    """The job's TrackingActor, on the driver's node (0 CPUs, lower CPU priority): it creates or reattaches
+    ``tracked``'s run (from :func:`~raytrn.tracking.mlflow_run.plan_run`) unless it has an id already.
+
+    ``env``: variables the actor's process needs and may lack (see :func:`driver_env`)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+    options: dict[str, Any] = {"scheduling_strategy": here}
+    if env:
+        options["runtime_env"] = {"env_vars": env}
     return (
         ray.remote(num_cpus=0)(TrackingActor)  # one call at a time: metrics stay in order
-        .options(scheduling_strategy=here)
-        .remote(tracked.uri, tracked.run_id, job, tracked.tags, tracked.params)
+        .options(**options)
+        .remote(tracked.uri, tracked.run_id, job, tracked.tags, tracked.params, manifest=manifest, background=True)
     )
+
+
+def driver_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The driver's MLflow and AWS settings (credentials, S3 endpoint, profile), for the tracking actor: it
+    reads and writes the run's ``raytrn-mlflow.json`` next to the checkpoints and talks to MLflow for the
+    driver. A Ray the driver did not start was started with another environment (a shell's ``ray start``, a
+    test's session cluster), so its processes do not have the driver's. The actor runs on the driver's
+    node, so file-naming settings (``AWS_PROFILE``) are kept, unlike :func:`raytrn.submit.forwarded_env`."""
+    from raytrn.submit import NOT_FORWARDED, forwarded_env
+
+    return forwarded_env(environ, {k: environ[k] for k in NOT_FORWARDED if k in environ})
+
+
+BACKGROUND_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    """Make this process yield the CPU to training (it writes to MLflow in the background): on a small
+    head node the job's start-up and steps come first."""
+    try:
+        os.nice(BACKGROUND_NICENESS)
+    except OSError as e:  # not permitted here: run at normal priority
+        log.debug("tracking actor keeps its priority: %s", e)

@@ -1,10 +1,13 @@
 """One MLflow run per job: the driver creates (or reattaches to) it; rank 0 logs into it through the job's
 tracking actor (raytrn.tracking.actor).
 
-The run id is fixed before workers start and stored next to the checkpoints
-(``<storage>/<run name>/raytrn-mlflow.json``), so a resumed job logs into the same run. When the tracking
-server is unreachable at start the job still trains (unless ``tracking.required``): the run is *pending*,
-the tracking actor buffers the metrics and creates/reattaches the run once the server answers.
+The driver only checks that the server answers (:func:`plan_run`: no MLflow import, nothing written); the
+job's tracking actor creates or reattaches the run in its own process while the workers start, so a new
+store's schema set-up and the MLflow import are off the path to the first step. The run id is stored next
+to the checkpoints (``<storage>/<run name>/raytrn-mlflow.json``), so a resumed job logs into the same run.
+When the tracking server is unreachable at start the job still trains (unless ``tracking.required``): the
+run is *pending*, the tracking actor buffers the metrics and creates/reattaches the run once the server
+answers.
 """
 
 from __future__ import annotations
@@ -32,12 +35,13 @@ REDACTED = "***redacted***"
 @dataclass(kw_only=True)
 class TrackedRun:
     uri: str
-    run_id: str | None  # None: pending, the server was unreachable at start
+    run_id: str | None  # None: not created yet (the tracking actor creates it), or pending
     experiment_id: str | None
     resumed: bool
-    #: What the run is created/reattached with, so the tracking actor can do it later when pending.
+    #: What the run is created/reattached with (by the tracking actor; later when pending).
     tags: dict[str, str] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
+    reachable: bool = True  # False: the server did not answer at start
 
     @property
     def pending(self) -> bool:
@@ -51,16 +55,14 @@ class TrackedRun:
         return f"open {self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
 
 
-def start_run(
-    job: JobSpec,
-    tags: dict[str, str] | None = None,
-    extra_params: dict[str, Any] | None = None,
-    *,
-    manifest: Any = None,
+def plan_run(
+    job: JobSpec, tags: dict[str, str] | None = None, extra_params: dict[str, Any] | None = None
 ) -> TrackedRun | None:
-    """Create the job's MLflow run, or reattach to the one a previous attempt of this job started.
+    """What the job's run is created (or reattached) with, once the server was found to answer: a run with
+    no id yet, for :func:`attach`. Cheap (a socket and ``/health``, no MLflow import) and writes nothing.
 
-    Unreachable server: a ConfigError when ``tracking.required``, else a warning and a pending run.
+    Unreachable server: a ConfigError when ``tracking.required``, else a warning and ``reachable=False``
+    (the run stays pending until the server answers).
     """
     if not job.tracking.enabled:
         return None
@@ -83,33 +85,32 @@ def start_run(
             problem,
         )
         print(f"raytrn: WARNING: MLflow at {redact_uri(uri)} unreachable ({problem}); buffering metrics", flush=True)
-        return TrackedRun(uri=uri, run_id=None, experiment_id=None, resumed=False, tags=tags, params=params)
-    run = attach(job, tags, params)
+    return TrackedRun(
+        uri=uri, run_id=None, experiment_id=None, resumed=False, tags=tags, params=params, reachable=not problem
+    )
+
+
+def start_run(
+    job: JobSpec,
+    tags: dict[str, str] | None = None,
+    extra_params: dict[str, Any] | None = None,
+    *,
+    manifest: Any = None,
+) -> TrackedRun | None:
+    """Create the job's MLflow run, or reattach to the one a previous attempt of this job started, now
+    (:func:`plan_run`, then :func:`attach`); a pending run when the server is unreachable."""
+    planned = plan_run(job, tags, extra_params)
+    if planned is None or not planned.reachable:
+        return planned
+    run = attach(job, planned.tags, planned.params)
     if manifest is not None:
-        _log_dataset(run, manifest)
+        log_dataset(run, manifest)
     return run
 
 
 def sqlite_path(uri: str) -> str | None:
     """The database file of a ``sqlite:///PATH`` tracking URI (None for other stores)."""
     return uri[len("sqlite:///") :] if uri.startswith("sqlite:///") else None
-
-
-def prepare_store(job: JobSpec) -> None:
-    """Open the job's local MLflow store ahead of the run: a new sqlite file takes seconds of schema
-    migrations, which the driver does while Ray starts. Creates no experiment and no run; an http server
-    needs nothing (its store is on the server). Errors are left for :func:`start_run` to report."""
-    uri = job.tracking.mlflow_uri
-    db = sqlite_path(uri) if job.tracking.enabled and uri else None
-    if db is None:
-        return
-    try:
-        os.makedirs(os.path.dirname(db), exist_ok=True)
-        from mlflow.tracking import MlflowClient
-
-        MlflowClient(uri).search_experiments(max_results=1)
-    except Exception as e:
-        log.debug("MLflow store %s not prepared: %s", uri, e)
 
 
 def attach(job: JobSpec, tags: dict[str, str], params: dict[str, Any]) -> TrackedRun:
@@ -286,7 +287,7 @@ def _previous_run(client: Any, marker: str, uri: str) -> str | None:
     return saved.get("run_id")
 
 
-def _log_dataset(run: TrackedRun, manifest: Any) -> None:
+def log_dataset(run: TrackedRun, manifest: Any) -> None:
     """The training data as the run's input: the manifest's location, with its fingerprint as digest."""
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset

@@ -67,9 +67,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     tracker = _tracker(config)
     sampler = _system_sampler(job, tracker) if tracker and ctx.get_local_rank() == 0 else None
     logger = tracker if rank == 0 else None
-    if logger:
-        # A worker group restarted from an older checkpoint must not log the steps after it again.
-        progress.last_logged_step = max(progress.last_logged_step, logger.logged_step())
+    if logger:  # (steps a restarted group repeats are dropped by the tracking actor: no waiting on it here)
         logger.worker_group_started(progress.step, world_size)
         logger.set_tags({"worker.malloc": host_malloc.describe(os.environ)})  # run.tune_malloc, as the workers run
     board = config.get("board") if rank == 0 else None

@@ -1,7 +1,8 @@
-"""Driver-side progress: rank 0 posts metrics to a tiny Ray actor, the driver renders a live line.
+"""Driver-side progress: rank 0 posts metrics to the job's board, the driver renders a live line.
 
-The actor outlives worker-group restarts (the driver owns it), so progress and the final summary
-span the whole job.
+The board is the job's tracking actor (:class:`~raytrn.tracking.actor.TrackingActor` extends
+:class:`ProgressBoard`: one process, not two), or a board actor of its own when tracking is off. It
+outlives worker-group restarts (the driver owns it), so progress and the final summary span the whole job.
 """
 
 from __future__ import annotations

@@ -41,12 +41,20 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
         print(f"raytrn: resuming run '{job.run_name}' from step {start_step} ({latest})", flush=True)
 
     scaling = _scaling(job, backend)
-    from raytrn.tracking.mlflow_run import prepare_store
+    from raytrn.tracking.mlflow_run import plan_run
 
-    # What takes seconds and needs no Ray runs while Ray starts: a new local MLflow store (schema, no run
-    # yet: a job that then fails its resource check leaves no run behind) and torch's import for the trainer.
+    stats = model_stats(job.model, job.data.seq_len)
+    params = {
+        "model.num_params": stats.num_params,
+        "model.flops_per_token": stats.flops_per_token,
+        **versions(),
+        **_git_commit(),
+    }
+    # Only whether MLflow answers (tracking.required: fail now); the run is created by the tracking actor.
+    tracked = plan_run(job, tags=_tags(job), extra_params=params)
+
+    # torch's import for the trainer takes seconds and needs no Ray: it runs while Ray starts.
     with ThreadPoolExecutor(1, thread_name_prefix="raytrn-prepare") as pool:
-        pool.submit(prepare_store, job)
         pool.submit(importlib.import_module, "ray.train.torch")
         # One logical CPU more than the workers take, for Ray Data's read tasks (embedded local Ray only).
         started_locally = ensure_ray(min_cpus=scaling.total_resources.get("CPU", 0) + 1)
@@ -54,33 +62,35 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
         _check_local_resources(job, scaling)
     import ray
 
-    from raytrn.tracking.actor import start_tracking_actor
-    from raytrn.tracking.mlflow_run import end_run, start_run
+    from raytrn.tracking.actor import driver_env, start_tracking_actor
+    from raytrn.tracking.mlflow_run import end_run
 
-    stats = model_stats(job.model, job.data.seq_len)
     print(f"raytrn: {job.run_name}: llama {stats.describe()}", flush=True)
-    params = {
-        "model.num_params": stats.num_params,
-        "model.flops_per_token": stats.flops_per_token,
-        **versions(),
-        **_git_commit(),
-    }
-    tracked = start_run(job, tags=_tags(job), extra_params=params, manifest=manifest)
-    tracker = start_tracking_actor(tracked, job) if tracked else None
-    board = ray.remote(num_cpus=0)(ProgressBoard).remote()
+    # The tracking actor creates or reattaches the MLflow run while the workers start (no run exists before
+    # the resource check passed); it is also the progress board. Without tracking, a board of its own.
+    # A Ray this process did not start has another environment: give the actor the driver's MLflow/AWS settings.
+    env = None if started_locally else driver_env(os.environ)
+    tracker = start_tracking_actor(tracked, job, manifest=manifest, env=env) if tracked else None
+    board = tracker if tracker is not None else ray.remote(num_cpus=0)(ProgressBoard).remote()
+    watch = _RunRefused(tracker)
     status = "FAILED"
 
     ended: dict[str, str | None] = {}
 
     def finish(status: str, flush_timeout_s: float) -> str | None:
         """Deliver what the tracking actor holds (bounded), then mark the run; once (SIGTERM, then finally)."""
+        nonlocal tracked
         if "run_id" in ended:
             return ended["run_id"]
         if tracker is not None and tracked is not None:
-            try:
-                ray.get(tracker.close.remote(flush_timeout_s), timeout=flush_timeout_s + 30)
-                tracked.run_id = ray.get(tracker.run_id.remote(), timeout=30)  # created late, after an outage?
-            except Exception as e:
+            try:  # the actor marks the run: it has the store open (see TrackingActor.finish)
+                ids = ray.get(tracker.finish.remote(status, flush_timeout_s), timeout=flush_timeout_s + 30)
+                tracked.run_id, tracked.experiment_id = ids["run_id"], ids["experiment_id"]
+                ended["run_id"] = ids["run_id"]
+                return ended["run_id"]
+            except RaytrnError:  # MLflow refused the run: there is none to mark
+                tracked = None
+            except Exception as e:  # the actor is gone: mark the run from here
                 log.warning("MLflow tracking actor: %s", e)
         ended["run_id"] = end_run(tracked, status, job=job)
         return ended["run_id"]
@@ -88,27 +98,28 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
     try:
         with _stop_on_sigterm(lambda: finish("KILLED", 3.0)):  # Ray SIGKILLs soon after SIGTERM
             trainer = _trainer(job, backend, scaling, manifest, tracked, tracker, board)
-            with ProgressPrinter(board, live=live_progress):
+            with ProgressPrinter(board, live=live_progress), watch:
                 result = trainer.fit()
+        watch.raise_if_refused()  # fit was aborted because MLflow refused the run
         status = "FINISHED"
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C or SIGTERM; Ray turns an interrupted wait into SystemExit
+        if watch.error is not None:
+            raise watch.error from None
         status = "KILLED"
         raise
     except Exception as e:
-        user_error = _user_error(e)
+        user_error = watch.error or _user_error(e)
         if user_error is not None:
             raise user_error from None
         raise
     finally:
         run_id = finish(status, job.tracking.flush_timeout_s)
-    if run_id and job.tracking.register_model:
-        from raytrn.tracking.mlflow_run import register_model
-
-        version = register_model(tracked.uri, run_id, job.tracking.register_model)  # type: ignore[union-attr]
+    if run_id and tracker is not None and job.tracking.register_model:
+        version = ray.get(tracker.register_model.remote(job.tracking.register_model), timeout=600)
         if version:
             print(f"raytrn: registered the model as {job.tracking.register_model!r} version {version}", flush=True)
 
-    snap: Any = ray.get(board.snapshot.remote(), timeout=30)  # type: ignore[attr-defined]
+    snap: Any = ray.get(board.snapshot.remote(), timeout=30)  # type: ignore[attr-defined,union-attr]
     first, last = snap["first"] or {}, snap["last"] or {}
     final_step = last.get("step", start_step)
     tokens = int(last.get("tokens_seen", resumed.tokens_seen)) - resumed.tokens_seen
@@ -125,6 +136,56 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
         mlflow_ui=tracked.ui_command() if tracked and run_id else None,
         first_step_s=snap.get("first_step_s"),
     )
+
+
+class _RunRefused:
+    """Stops the training when MLflow refuses the job's run (a deleted experiment or run, a bad
+    ``tracking.run_id``): the tracking actor creates the run while the workers start, so the answer comes
+    once ``fit()`` runs. Stopping goes through Ray Train's own Ctrl-C path (its SIGINT handler aborts the
+    controller); the driver then raises the refusal."""
+
+    def __init__(self, tracker: Any) -> None:
+        import threading
+
+        self.error: RaytrnError | None = None
+        self._fitting = False
+        self._lock = threading.Lock()
+        # Ray Train aborts on SIGINT only when fit() runs in the main thread; elsewhere fit() runs to its end.
+        self._can_stop = threading.current_thread() is threading.main_thread()
+        if tracker is not None:
+            ready = tracker.ready.remote()
+            threading.Thread(target=self._wait, args=(ready,), name="raytrn-mlflow-run", daemon=True).start()
+
+    def _wait(self, ready: Any) -> None:
+        import _thread
+        import signal
+
+        import ray
+
+        try:
+            ray.get(ready)
+        except RaytrnError as e:  # Ray's RayTaskError(ConfigError): the original is its cause
+            cause = getattr(e, "cause", None)
+            with self._lock:
+                self.error = cause if isinstance(cause, RaytrnError) else e
+                if self._fitting and self._can_stop:
+                    _thread.interrupt_main(signal.SIGINT)
+        except Exception as e:  # the actor died: its own error says why; tracking never fails a job here
+            log.warning("MLflow tracking actor: %s", e)
+
+    def raise_if_refused(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def __enter__(self) -> _RunRefused:
+        with self._lock:
+            self.raise_if_refused()
+            self._fitting = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._lock:
+            self._fitting = False
 
 
 def latest_checkpoint(job: JobSpec) -> tuple[Progress, str | None]:

@@ -155,7 +155,7 @@ def test_job_scales_cluster_up_and_down(sim_cluster, tiny_dataset: Path, tmp_pat
     runs = client_ml.search_runs([exp.experiment_id])
     assert len(runs) == 1
     run = runs[0]
-    assert run.info.status == "FINISHED"
+    assert run.info.status == "FINISHED", logs[-6000:]
     assert run.data.params["run.max_steps"] == "4"
     assert run.data.params["scaling.max_workers"] == "1"
     assert run.data.tags["ray.job_submission_id"] == submission_id

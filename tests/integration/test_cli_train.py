@@ -73,10 +73,26 @@ def test_cli_train_unsatisfiable_resources_on_local_ray(tiny_dataset: Path, tmp_
     assert len(errors) == 1 and "Traceback" not in proc.stderr
     assert "needs 2 'neuron_cores' (2 workers x 1) but this local Ray has 0" in errors[0]
     assert not (tmp_path / "checkpoints").exists()
-    # The local MLflow store may have been created while Ray started, but it holds no run.
-    if (tmp_path / "mlruns").exists():
-        from mlflow.tracking import MlflowClient
+    assert not (tmp_path / "mlruns").exists()  # the tracking actor that creates the run never started
 
-        client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
-        assert [e.name for e in client.search_experiments()] == ["Default"]
-        assert client.search_runs(["0"]) == []
+
+def test_cli_train_stops_when_mlflow_refuses_the_run(tiny_dataset: Path, tmp_path: Path) -> None:
+    """The run is created by the tracking actor while the workers start; when MLflow refuses it (here: the
+    experiment is deleted) the training is stopped (it would run for minutes) with that one error, exit 2."""
+    from mlflow.tracking import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"
+    (tmp_path / "mlruns").mkdir()
+    client = MlflowClient(store)
+    client.delete_experiment(client.create_experiment("gone"))
+    started = time.time()
+    proc = _train(tiny_dataset, tmp_path, "tracking.experiment=gone", "run.max_steps=100000", timeout=240)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert time.time() - started < 200  # stopped, not trained to the end
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("raytrn: error:")]
+    # (Ray's own actors may log a traceback while the aborted run is torn down; the driver prints none.)
+    assert len(errors) == 1 and not re.search(r"^Traceback", proc.stderr, flags=re.M), proc.stderr[-3000:]
+    assert "tracking.experiment='gone' is deleted in sqlite:" in errors[0] and "restore it" in errors[0]
+    assert "training finished" not in proc.stdout
+    assert client.search_runs([e.experiment_id for e in client.search_experiments(view_type=3)], run_view_type=3) == []
+    assert not list((tmp_path / "checkpoints").glob("*/checkpoint_*"))

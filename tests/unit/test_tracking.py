@@ -20,6 +20,7 @@ from raytrn.tracking.mlflow_run import (
     REDACTED,
     end_run,
     is_secret_key,
+    plan_run,
     redact,
     redact_uri,
     start_run,
@@ -125,6 +126,83 @@ def test_tracking_actor_knows_the_last_steps_across_restarts(tmp_path):
     assert second.logged_step() == 7
     assert (second.next_step("system/node-a/"), second.next_step("system/node-b/")) == (2, 5)
     second.close(30)
+
+
+def test_tracking_actor_drops_the_steps_a_restarted_group_repeats(tmp_path):
+    """The worker does not wait for the actor: the actor itself drops training steps it has logged already."""
+    from raytrn.tracking.actor import TrackingActor
+
+    uri, run_id = _run(tmp_path)
+    actor = TrackingActor(uri, run_id)
+    for step in (5, 10, 15):
+        actor.log_metrics({"loss": float(step)}, step)
+    for step in (10, 15, 20):  # a worker group restarted from the step-5 checkpoint
+        actor.log_metrics({"loss": 100.0 + step}, step)
+    actor.log_metrics({"time_to_first_step_s": 9.0}, 6, False)  # not a training step: never dropped
+    assert actor.close(30) == 0
+    client = MlflowClient(uri)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == [
+        (5, 5.0), (10, 10.0), (15, 15.0), (20, 120.0),
+    ]  # fmt: skip
+    assert [m.step for m in client.get_metric_history(run_id, "time_to_first_step_s")] == [6]
+
+
+def test_plan_run_checks_the_server_and_writes_nothing(tmp_path):
+    """The driver's part: no MLflow import, no store, no marker; the run is the tracking actor's to create."""
+    import subprocess
+    import sys
+
+    job = _job(tmp_path, "tracking.experiment=planned")
+    planned = plan_run(job, tags={"accelerator": "cpu"}, extra_params={"model.num_params": 7})
+    assert planned is not None and planned.reachable and planned.run_id is None
+    assert planned.params["model.num_params"] == 7 and planned.params["optim.lr"] == job.optim.lr
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "ckpt").exists()
+    assert plan_run(_job(tmp_path, "tracking.enabled=false")) is None
+    code = (
+        "import sys; from raytrn.config import load_job; from raytrn.tracking.mlflow_run import plan_run; "
+        f"plan_run(load_job({str(REPO / 'jobs' / 'tiny.yaml')!r}, ['tracking.mlflow_uri=sqlite:///{tmp_path}/x.db'])); "
+        "assert 'mlflow' not in sys.modules, 'plan_run imported mlflow'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_tracking_actor_creates_the_planned_run(tmp_path):
+    from raytrn.tracking.actor import TrackingActor
+
+    job = _job(tmp_path, "tracking.experiment=made-by-actor")
+    planned = plan_run(job, tags={"accelerator": "cpu"})
+    assert planned is not None
+    actor = TrackingActor(planned.uri, None, job, planned.tags, planned.params)
+    ids = actor.ready()
+    assert ids["run_id"] and ids["experiment_id"]
+    actor.log_metrics({"loss": 2.0}, 1)
+    assert actor.close(30) == 0
+    run = MlflowClient(job.tracking.mlflow_uri).get_run(ids["run_id"])
+    assert run.info.experiment_id == ids["experiment_id"] and run.data.tags["accelerator"] == "cpu"
+    assert run.data.params["optim.lr"] == str(job.optim.lr) and run.data.metrics["loss"] == 2.0
+    # A second actor for the same job (a resumed job) reattaches to that run (the marker by the checkpoints).
+    again = TrackingActor(planned.uri, None, job, planned.tags, planned.params)
+    assert again.ready()["run_id"] == ids["run_id"]
+    again.close(5)
+
+
+def test_tracking_actor_reports_a_refused_run(tmp_path):
+    """MLflow refuses the run (here: a deleted experiment): ready() raises the ConfigError the driver stops
+    the job with; metrics sent meanwhile are dropped without an exception, and no run exists."""
+    from raytrn.tracking.actor import TrackingActor
+
+    job = _job(tmp_path, "tracking.experiment=deleted-one")
+    client = MlflowClient(job.tracking.mlflow_uri)
+    client.delete_experiment(client.create_experiment("deleted-one"))
+    planned = plan_run(job)
+    assert planned is not None
+    actor = TrackingActor(planned.uri, None, job, planned.tags, planned.params)
+    with pytest.raises(ConfigError, match=r"tracking.experiment='deleted-one' is deleted in sqlite:.*restore it"):
+        actor.ready()
+    actor.log_metrics({"loss": 1.0}, 1)
+    actor.close(0.5)
+    assert client.search_runs([e.experiment_id for e in client.search_experiments(view_type=3)], run_view_type=3) == []
 
 
 def test_async_logger_never_blocks_when_mlflow_is_unreachable(tmp_path):
@@ -314,3 +392,22 @@ def test_system_sampler_includes_neuron_monitor_and_logs_non_training_steps(tmp_
     assert training is False
     assert [c[1] for c in logger.calls] == list(range(len(logger.calls)))  # one step per sample
     assert sampler.neuron is not None and sampler.neuron._proc.poll() is not None  # stopped by close()
+
+
+def test_tracking_actor_gets_the_drivers_mlflow_and_aws_settings():
+    """A Ray the driver did not start lacks the driver's S3 endpoint and credentials; the actor needs them
+    (it reads the run's pointer next to S3 checkpoints). It runs on the driver's node: the profile is kept."""
+    from raytrn.tracking.actor import driver_env
+
+    environ = {
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+        "AWS_PROFILE": "research",
+        "MLFLOW_TRACKING_PASSWORD": "pw",
+        "PATH": "/usr/bin",
+        "HOME": "/home/u",
+    }
+    assert driver_env(environ) == {
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+        "AWS_PROFILE": "research",
+        "MLFLOW_TRACKING_PASSWORD": "pw",
+    }
