@@ -115,10 +115,6 @@ class TrackingActor(ProgressBoard):
     def set_tags(self, tags: dict[str, str]) -> None:
         self.logger.set_tags(tags)
 
-    def logged_step(self) -> int:
-        """The highest training step already logged (queued or delivered): a restarted group skips up to it."""
-        return self.max_step
-
     def worker_group_started(self, step: int, world_size: int) -> None:
         """Append ``step:world_size`` to the run's ``world_size_history`` tag."""
         self.world_sizes = f"{self.world_sizes},{step}:{world_size}".lstrip(",")

@@ -79,7 +79,6 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
 
     def finish(status: str, flush_timeout_s: float) -> str | None:
         """Deliver what the tracking actor holds (bounded), then mark the run; once (SIGTERM, then finally)."""
-        nonlocal tracked
         if "run_id" in ended:
             return ended["run_id"]
         if tracker is not None and tracked is not None:
@@ -89,7 +88,8 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
                 ended["run_id"] = ids["run_id"]
                 return ended["run_id"]
             except RaytrnError:  # MLflow refused the run: there is none to mark
-                tracked = None
+                ended["run_id"] = None
+                return None
             except Exception as e:  # the actor is gone: mark the run from here
                 log.warning("MLflow tracking actor: %s", e)
         ended["run_id"] = end_run(tracked, status, job=job)

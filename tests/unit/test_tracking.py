@@ -112,18 +112,18 @@ def test_tracking_actor_knows_the_last_steps_across_restarts(tmp_path):
 
     uri, run_id = _run(tmp_path)
     first = TrackingActor(uri, run_id)
-    assert (first.logged_step(), first.next_step("system/node-a/")) == (0, 0)
+    assert (first.max_step, first.next_step("system/node-a/")) == (0, 0)
     first.log_metrics({"loss": 1.0}, 7)
     first.log_metrics({"system/node-a/cpu_utilization_percentage": 5.0}, 0, False)
     first.log_metrics({"system/node-a/cpu_utilization_percentage": 6.0}, 1, False)
     first.log_metrics({"system/node-b/cpu_utilization_percentage": 6.0}, 4, False)
-    assert first.logged_step() == 7
+    assert first.max_step == 7
     assert (first.next_step("system/node-a/"), first.next_step("system/node-b/")) == (2, 5)
     assert first.next_step("system/node-c/") == 0
     assert first.close(30) == 0
     # A new driver (a resumed job) starts a new actor: it reads the same from the run, once.
     second = TrackingActor(uri, run_id)
-    assert second.logged_step() == 7
+    assert second.max_step == 7
     assert (second.next_step("system/node-a/"), second.next_step("system/node-b/")) == (2, 5)
     second.close(30)
 
