@@ -321,8 +321,6 @@ def bench_model(name: str, shape: tuple[int, int, int], args: argparse.Namespace
         print(
             f"  {label}: built + {args.warmup} warm-up steps in {warm[label]:.1f} s, loss {losses[label]}", flush=True
         )
-    # The attention that actually ran (raytrn's static causal mask relies on SDPA).
-    out["attention"] = getattr(loops["raytrn"].state.model.config, "_attn_implementation", None)  # type: ignore[attr-defined]
 
     tps: dict[str, list[float]] = {"bare": [], "raytrn": []}
     for r in range(args.rounds):

@@ -1,4 +1,5 @@
-"""Llama-family decoders from HF ``transformers`` (``LlamaConfig`` / ``LlamaForCausalLM``).
+"""Llama-family decoders: presets, the builder (:mod:`raytrn.models.decoder`, plain PyTorch) and the
+Hugging Face view of the same model (``LlamaConfig``, export), used only where ``transformers`` is wanted.
 
 Sizes come from the job spec (``model.preset`` fills them from :data:`PRESETS`). :func:`model_stats`
 gives parameter counts and training FLOPs per token (6N + attention term) for MFU.
@@ -76,48 +77,42 @@ def hf_config(cfg: ModelConfig):
 
 
 def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cpu") -> torch.nn.Module:
-    """A freshly initialised ``LlamaForCausalLM``; the same seed gives the same weights."""
+    """A freshly initialised Llama (:mod:`raytrn.models.decoder`, plain PyTorch with HF's parameter names);
+    the same seed gives the same weights, and the same weights as HF's ``LlamaForCausalLM``."""
     import torch
-    from transformers import LlamaForCausalLM
 
-    install_static_causal_mask()
+    from raytrn.models.decoder import LlamaForCausalLM
+
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(hf_config(cfg))
-    return model.to(device=device, dtype=dtype)  # type: ignore[call-arg]
+        model = LlamaForCausalLM(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.kv_heads,
+            rope_theta=cfg.rope_theta,
+            eps=cfg.rms_norm_eps,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+        )
+    return model.to(device=device, dtype=dtype)
 
 
-def install_static_causal_mask() -> None:
-    """Skip HF's data-dependent mask inspection for packed, unpadded training batches.
+def save_hf(cfg: ModelConfig, state_dict: dict[str, Any], out_dir: str) -> None:
+    """Write ``state_dict`` (of :func:`build_model`'s model, on the CPU) as a Hugging Face Llama checkpoint:
+    ``config.json`` + ``model.safetensors``, loadable with ``AutoModelForCausalLM.from_pretrained``.
 
-    With no attention mask and no KV cache, transformers 5 reads position ids back to the host to look
-    for packed sub-sequences (``find_packed_sequence_indices``) and then lets SDPA use ``is_causal``.
-    On XLA that read is a host-device sync in every forward (a graph break). raytrn's rows are packed
-    with no document masking, so the mask is always ``None`` (plain causal attention): return that
-    directly. Other calls (padding masks, caches, non-SDPA attention) go to the original function.
-    ``tests/unit/test_model.py`` checks the logits are identical with and without this.
+    The HF model is made on the meta device (no memory, no init): only its config and its saving code are used.
     """
-    from transformers.models.llama import modeling_llama
+    import torch
+    from transformers import LlamaForCausalLM
 
-    original = modeling_llama.create_causal_mask
-    if getattr(original, "_raytrn_static", False):
-        return
-
-    def create_causal_mask(*args: Any, **kwargs: Any) -> Any:
-        config = kwargs.get("config")
-        if (
-            not args
-            and kwargs.get("attention_mask") is None
-            and kwargs.get("past_key_values") is None
-            and getattr(config, "_attn_implementation", None) == "sdpa"
-        ):
-            return None
-        return original(*args, **kwargs)
-
-    create_causal_mask._raytrn_static = True  # type: ignore[attr-defined]
-    create_causal_mask._raytrn_original = original  # type: ignore[attr-defined]
-    modeling_llama.create_causal_mask = create_causal_mask
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(hf_config(cfg))
+    hf.to(next(iter(state_dict.values())).dtype)  # config.json records the model's dtype
+    hf.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
 
 
 @dataclass(frozen=True, kw_only=True)

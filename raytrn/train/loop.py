@@ -380,13 +380,14 @@ def log_final_model(job: JobSpec, model: torch.nn.Module, backend: Backend, logg
     from transformers.utils import logging as hf_logging
 
     from raytrn.data.manifest import load_manifest
+    from raytrn.models.llama import save_hf
 
     hf_logging.disable_progress_bar()  # "Writing model shards" in every job's log
     inner = getattr(model, "module", model)  # DDP
     try:
         state = backend.to_cpu(inner.state_dict())
         with tempfile.TemporaryDirectory(prefix="raytrn-model-") as d:
-            inner.save_pretrained(d, state_dict=state, safe_serialization=True)  # type: ignore[operator]
+            save_hf(job.model, state, d)
             tokenizer = load_manifest(job.data.manifest, check_files=False).tokenizer_path
             _save_tokenizer(tokenizer, d)
             logger.client.log_artifacts(logger.run_id, d, "model")

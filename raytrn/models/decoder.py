@@ -1,0 +1,209 @@
+"""A Llama decoder in plain PyTorch, numerically the same as HF ``LlamaForCausalLM`` with SDPA attention.
+
+Why not the HF class itself: importing ``transformers``' Llama costs a training worker ~4.5 CPU-seconds at
+start-up (it pulls in ``torch._dynamo`` and ``torch.distributed.tensor``), and on a 2-core machine that is
+seconds before the first step. This module needs only ``torch``. It keeps what training needs and nothing
+else: no KV cache, no padding masks (raytrn's rows are packed, unpadded and causal), default RoPE.
+
+Compatibility is by construction and tested (``tests/unit/test_model.py``):
+
+- parameter names are HF's (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``...), so
+  checkpoints, ``adamw_param_groups`` and the Hugging Face export (:func:`raytrn.models.llama.save_hf`) see
+  the same state dict;
+- the same seed gives the same weights as HF's (same module creation order, then HF's ``_init_weights``
+  pass: normal(0, 0.02) for linear and embedding weights, children before parents), so golden losses hold;
+- the forward is HF's op for op: RMSNorm in float32, RoPE cos/sin in float32 cast to the activations'
+  dtype, ``scaled_dot_product_attention(is_causal=True, enable_gqa=...)``, SiLU MLP. Bit-identical logits
+  and gradients (float32 and bfloat16) are tested.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: HF ``LlamaConfig.initializer_range``'s default, the std of every linear and embedding weight at init.
+INIT_STD = 0.02
+
+
+class CausalLMOutput(NamedTuple):
+    """What the forward returns (a tuple, so DDP, ``torch.compile`` and pytrees handle it): ``.logits``
+    [batch, seq, vocab], as HF's output object names them."""
+
+    logits: torch.Tensor
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of the default RoPE for positions ``0..seq-1``, computed in float32 and cast to the activations'
+    dtype. The frequencies are not a buffer, so they stay float32 in a bfloat16 model (as in a HF model loaded
+    with ``from_pretrained``; ``.to(bfloat16)`` on a HF model rounds them)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dim = self.head_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=x.device) / dim))
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        freqs = positions[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, seq, head_dim]: broadcast over batch and heads
+    return (x * cos) + (_rotate_half(x) * sin)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int) -> None:
+        super().__init__()
+        self.head_dim = hidden_size // num_heads
+        self.num_kv_groups = num_heads // num_kv_heads
+        self.scaling = self.head_dim**-0.5
+        self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        batch, seq = x.shape[:2]
+        shape = (batch, seq, -1, self.head_dim)
+        q = self.q_proj(x).view(shape).transpose(1, 2)  # [batch, heads, seq, head_dim]
+        k = self.k_proj(x).view(shape).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
+        out = F.scaled_dot_product_attention(
+            q, k, v, scale=self.scaling, is_causal=seq > 1, enable_gqa=self.num_kv_groups > 1
+        )
+        return self.o_proj(out.transpose(1, 2).contiguous().reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int, eps: float):
+        super().__init__()
+        self.self_attn = Attention(hidden_size, num_heads, num_kv_heads)
+        self.mlp = MLP(hidden_size, intermediate_size)
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Embedding, decoder layers, final norm: HF's ``LlamaModel`` (the ``model.`` prefix of the names)."""
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        hidden_size: int,
+        intermediate_size: int,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int,
+        rope_theta: float,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(hidden_size, intermediate_size, num_heads, num_kv_heads, eps) for _ in range(num_layers)
+        )
+        self.norm = RMSNorm(hidden_size, eps)
+        self.rotary_emb = RotaryEmbedding(hidden_size // num_heads, rope_theta)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(x)
+        for layer in self.layers:
+            x = layer(x, rope)
+        return self.norm(x)
+
+
+@torch.no_grad()
+def _init_weights(module: nn.Module) -> None:
+    """HF's ``_init_weights`` pass: children before parents, normal(0, INIT_STD) for every linear and embedding
+    weight in that order (norm weights start at one already). The same order draws the same random numbers."""
+    for child in module.children():
+        _init_weights(child)
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        module.weight.normal_(mean=0.0, std=INIT_STD)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder plus output head; ``tie_word_embeddings`` shares the embedding matrix with the head."""
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        hidden_size: int,
+        intermediate_size: int,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int,
+        rope_theta: float,
+        eps: float,
+        tie_word_embeddings: bool,
+    ) -> None:
+        super().__init__()
+        # HF's order, so that the same seed gives HF's weights: build the decoder (torch's default inits), init
+        # its weights, then build the head and init it.
+        self.model = Decoder(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            rope_theta=rope_theta,
+            eps=eps,
+        )
+        _init_weights(self.model)
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        _init_weights(self.lm_head)
+        if tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def forward(self, input_ids: torch.Tensor) -> CausalLMOutput:
+        return CausalLMOutput(logits=self.lm_head(self.model(input_ids)))
