@@ -48,3 +48,27 @@ def test_local_ray_defaults_keep_the_users_values():
     env = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1"}
     set_local_ray_defaults(env)
     assert env == {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1"}
+
+
+def test_embedded_local_ray_trainer_drops_only_the_placement_group_cleaner(tmp_path):
+    """On a Ray that `raytrn train` started, Ray Train's placement-group cleaner (a detached actor, one more
+    process at start-up) is left out; every other stock callback stays. No Ray is started here."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from raytrn.train.trainer import _local_trainer_class
+
+    def train_fn(config):  # never run
+        pass
+
+    kwargs = dict(
+        scaling_config=ScalingConfig(num_workers=1), run_config=RunConfig(name="x", storage_path=str(tmp_path))
+    )
+    stock = [type(c).__name__ for c in TorchTrainer(train_fn, **kwargs)._create_default_callbacks()]
+    local = [
+        type(c).__name__ for c in _local_trainer_class(TorchTrainer)(train_fn, **kwargs)._create_default_callbacks()
+    ]
+    # The stock list has it (if Ray renames it, this fails instead of the filter silently doing nothing).
+    assert "PlacementGroupCleanerCallback" in stock
+    assert local == [name for name in stock if name != "PlacementGroupCleanerCallback"]
+    assert "BackendSetupCallback" in local and "DatasetsCallback" in local
