@@ -3,7 +3,7 @@
 
 For each model (a ~124M GPT-2-small-like Llama and Llama 3.2 1B) it builds the same model twice on one
 GPU: once through raytrn (``build_training`` + ``train_step`` with ``CudaBackend``, in this process: one
-worker, no Ray Train) and once as a plain loop written here (HF ``LlamaForCausalLM``, AdamW, autocast).
+worker, no Ray Train) and once as a plain loop written here (the same model class, AdamW, autocast).
 Both use bf16 autocast with float32 master weights, SDPA attention, fused AdamW, gradient clipping and
 (unless ``--no-compile``) ``torch.compile`` of the model and the loss. Timed rounds of the two alternate
 (ABBA...) so clock and thermal drift cancel; tokens/s is steady state after warm-up. MFU uses raytrn's
@@ -231,12 +231,12 @@ def bare_loop(job: Any) -> Callable[[Iterator[Any]], Any]:
     """The same training written as a plain PyTorch loop (what a user would write without raytrn)."""
     import torch
     import torch.nn.functional as F
-    from transformers import LlamaForCausalLM
 
-    from raytrn.models.llama import hf_config
+    from raytrn.models import build_model
 
-    torch.manual_seed(job.run.seed + 1)
-    model = LlamaForCausalLM(hf_config(job.model)).cuda()
+    # The model alone (plain PyTorch, HF's Llama op for op), as in bench/training.py's bare loop: the
+    # difference measured is the training step, not the model class.
+    model = build_model(job.model, seed=job.run.seed + 1).cuda()
     if job.run.compile:
         model.compile()
     params = list(model.parameters())
