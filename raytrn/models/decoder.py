@@ -1,8 +1,8 @@
 """A Llama decoder in plain PyTorch, numerically the same as HF ``LlamaForCausalLM`` with SDPA attention.
 
 Why not the HF class itself: importing ``transformers``' Llama costs a training worker ~4.5 CPU-seconds at
-start-up (it pulls in ``torch._dynamo`` and ``torch.distributed.tensor``), and on a 2-core machine that is
-seconds before the first step. This module needs only ``torch``. It keeps what training needs and nothing
+start-up (it also pulls in ``torch.distributed.tensor``), and on a 2-core machine that is seconds before the
+first step. This module needs only ``torch``. It keeps what training needs and nothing
 else: no KV cache, no padding masks (raytrn's rows are packed, unpadded and causal), default RoPE.
 
 Compatibility is by construction and tested (``tests/unit/test_model.py``):
