@@ -168,39 +168,21 @@ def _init_weights(module: nn.Module) -> None:
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder plus output head; ``tie_word_embeddings`` shares the embedding matrix with the head."""
+    """``decoder`` plus output head; ``tie_word_embeddings`` shares the embedding matrix with the head.
 
-    def __init__(
-        self,
-        *,
-        vocab_size: int,
-        hidden_size: int,
-        intermediate_size: int,
-        num_layers: int,
-        num_heads: int,
-        num_kv_heads: int,
-        rope_theta: float,
-        eps: float,
-        tie_word_embeddings: bool,
-    ) -> None:
+    Takes the decoder freshly built (torch's default inits) and initialises it here, then builds and
+    initialises the head: HF's order, so that the same seed gives HF's weights.
+    """
+
+    def __init__(self, decoder: Decoder, *, tie_word_embeddings: bool) -> None:
         super().__init__()
-        # HF's order, so that the same seed gives HF's weights: build the decoder (torch's default inits), init
-        # its weights, then build the head and init it.
-        self.model = Decoder(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            rope_theta=rope_theta,
-            eps=eps,
-        )
+        self.model = decoder
         _init_weights(self.model)
-        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        embed = decoder.embed_tokens
+        self.lm_head = nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
         _init_weights(self.lm_head)
         if tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.weight = embed.weight
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens

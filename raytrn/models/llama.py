@@ -81,12 +81,12 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
     the same seed gives the same weights, and the same weights as HF's ``LlamaForCausalLM``."""
     import torch
 
-    from raytrn.models.decoder import LlamaForCausalLM
+    from raytrn.models.decoder import Decoder, LlamaForCausalLM
 
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(
+        decoder = Decoder(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size,
@@ -95,8 +95,8 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
             num_kv_heads=cfg.kv_heads,
             rope_theta=cfg.rope_theta,
             eps=cfg.rms_norm_eps,
-            tie_word_embeddings=cfg.tie_word_embeddings,
         )
+        model = LlamaForCausalLM(decoder, tie_word_embeddings=cfg.tie_word_embeddings)
     return model.to(device=device, dtype=dtype)
 
 

@@ -269,13 +269,14 @@ def _local_trainer_class(base: type) -> type:
     (``_create_default_callbacks`` is Ray Train V2's private hook; a Ray without it keeps every callback.)
     """
 
+    if not callable(getattr(base, "_create_default_callbacks", None)):
+        return base
+
     class LocalTorchTrainer(base):  # type: ignore[misc,valid-type]
         def _create_default_callbacks(self) -> list[Any]:
             callbacks = super()._create_default_callbacks()
             return [c for c in callbacks if type(c).__name__ not in LOCAL_SKIPPED_CALLBACKS]
 
-    if not callable(getattr(base, "_create_default_callbacks", None)):
-        return base
     return LocalTorchTrainer
 
 
