@@ -47,7 +47,7 @@ class TrackingActor(ProgressBoard):
         if background:
             _lower_priority()
         from raytrn.tracking.logger import AsyncLogger, logged_step_of
-        from raytrn.tracking.mlflow_run import attach, log_dataset, unreachable
+        from raytrn.tracking.mlflow_run import attach, unreachable
         from raytrn.tracking.neuron_monitor import PREFIX as SYSTEM_PREFIX
 
         self.error: RaytrnError | None = None
@@ -55,10 +55,8 @@ class TrackingActor(ProgressBoard):
         self.job = job
 
         def create() -> str | None:
-            run = attach(job, tags or {}, params or {})
+            run = attach(job, tags or {}, params or {}, manifest=manifest)
             self.experiment_id = run.experiment_id
-            if manifest is not None:
-                log_dataset(run, manifest)
             return run.run_id
 
         def create_when_reachable() -> str | None:  # MLflow was unreachable at start

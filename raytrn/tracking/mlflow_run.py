@@ -102,10 +102,7 @@ def start_run(
     planned = plan_run(job, tags, extra_params)
     if planned is None or not planned.reachable:
         return planned
-    run = attach(job, planned.tags, planned.params)
-    if manifest is not None:
-        log_dataset(run, manifest)
-    return run
+    return attach(job, planned.tags, planned.params, manifest=manifest)
 
 
 def sqlite_path(uri: str) -> str | None:
@@ -113,8 +110,9 @@ def sqlite_path(uri: str) -> str | None:
     return uri[len("sqlite:///") :] if uri.startswith("sqlite:///") else None
 
 
-def attach(job: JobSpec, tags: dict[str, str], params: dict[str, Any]) -> TrackedRun:
-    """Create or reattach the run (server reachable), log params and tags; the driver's or the actor's call."""
+def attach(job: JobSpec, tags: dict[str, str], params: dict[str, Any], *, manifest: Any = None) -> TrackedRun:
+    """Create or reattach the run (server reachable), log params and tags, and the ``manifest``'s dataset as
+    the run's input when given; the tracking actor's call (and :func:`start_run`'s)."""
     from mlflow.entities import Param, RunTag
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
@@ -151,7 +149,10 @@ def attach(job: JobSpec, tags: dict[str, str], params: dict[str, Any]) -> Tracke
             client.log_batch(run_id, tags=all_tags[i : i + 100])
     except MlflowException as e:
         raise ConfigError(f"tracking.mlflow_uri={redact_uri(uri)}: MLflow refused: {e.message}") from None
-    return TrackedRun(uri=uri, run_id=run_id, experiment_id=exp_id, resumed=resumed, tags=tags, params=params)
+    run = TrackedRun(uri=uri, run_id=run_id, experiment_id=exp_id, resumed=resumed, tags=tags, params=params)
+    if manifest is not None:
+        _log_dataset(run, manifest)
+    return run
 
 
 def end_run(run: TrackedRun | None, status: str, *, job: JobSpec | None = None) -> str | None:
@@ -287,7 +288,7 @@ def _previous_run(client: Any, marker: str, uri: str) -> str | None:
     return saved.get("run_id")
 
 
-def log_dataset(run: TrackedRun, manifest: Any) -> None:
+def _log_dataset(run: TrackedRun, manifest: Any) -> None:
     """The training data as the run's input: the manifest's location, with its fingerprint as digest."""
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
