@@ -48,14 +48,9 @@ def _training_state(fields: dict[str, Any]) -> tuple[Any, Any, Any]:
 
 def _copy(src: str, dst: str, src_fs: Any, dst_fs: Any) -> None:
     """The copy Ray Train makes when it persists (or restores) a checkpoint directory."""
-    try:
-        from ray.train.v2._internal.execution.storage import _pyarrow_fs_copy_files
-    except ImportError:  # another Ray layout: pyarrow's own copy, which Ray wraps
-        import pyarrow.fs as pafs
+    from raytrn.compat import pyarrow_fs_copy_files
 
-        pafs.copy_files(src, dst, source_filesystem=src_fs, destination_filesystem=dst_fs)
-        return
-    _pyarrow_fs_copy_files(src, dst, source_filesystem=src_fs, destination_filesystem=dst_fs)
+    pyarrow_fs_copy_files(src, dst, source_filesystem=src_fs, destination_filesystem=dst_fs)
 
 
 def child_main(args: argparse.Namespace) -> None:

@@ -46,15 +46,15 @@ def _model_and_optimizer(job: Any) -> tuple[Any, Any, Any]:
     """The model, AdamW (same parameter groups) and schedule raytrn builds, without any raytrn runtime."""
     import torch
 
-    from raytrn.backends.nxd import adamw_param_groups
     from raytrn.models import build_model
-    from raytrn.train.step import lr_scheduler
+    from raytrn.train.optim import adamw_param_groups, lr_scheduler
+    from raytrn.train.schedule import Schedule
 
     torch.manual_seed(job.run.seed)
     model = build_model(job.model, seed=job.run.seed)
     o = job.optim
     opt = torch.optim.AdamW(adamw_param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
-    return model, opt, lr_scheduler(opt, job)
+    return model, opt, lr_scheduler(opt, Schedule.from_job(job))
 
 
 def _step(model: Any, opt: Any, sched: Any, batch: Any, clip: float | None) -> Any:

@@ -1,8 +1,9 @@
 """Training state on disk: everything needed to continue a run exactly where it stopped.
 
-A checkpoint directory holds ``state.pt`` (model, optimizer, scheduler, counters, RNG states) and
-``meta.json`` (step and tokens, readable without torch). Ray Train uploads the directory to
-``checkpoint.storage`` (local or s3://) and hands it back through ``ray.train.get_checkpoint()``.
+A checkpoint directory holds ``state.pt`` (model, optimizer, scheduler, counters, RNG states, the pinned
+learning-rate schedule) and ``meta.json`` (the counters and the schedule, readable without torch). Ray
+Train uploads the directory to ``checkpoint.storage`` (local or s3://) and hands it back through
+``ray.train.get_checkpoint()``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported where state is saved or loaded: the driver reads meta.json only
@@ -22,12 +23,28 @@ META_FILE = "meta.json"
 
 @dataclass(kw_only=True)
 class Progress:
-    """Counters that survive restarts."""
+    """Counters that survive restarts (and new invocations of the same run)."""
 
     step: int = 0  # optimizer steps completed
     tokens_seen: int = 0  # tokens trained on, over all workers
     epoch: int = 0  # passes over the dataset started
     last_logged_step: int = 0  # last step whose metrics were logged (never log a step twice)
+    cost_usd: float = 0.0  # what the run has cost so far (with a known price), over every worker group
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Progress:
+        """The counters in ``data``; other keys (a layout, where shards are) are ignored."""
+        fields = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+
+@dataclass(kw_only=True)
+class Meta:
+    """What ``meta.json`` says: the counters, the learning-rate schedule (None in older checkpoints), the rest."""
+
+    progress: Progress
+    schedule: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def save_state(
@@ -37,6 +54,7 @@ def save_state(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     progress: Progress,
+    schedule: dict[str, Any] | None = None,
     to_cpu: Any = None,
 ) -> None:
     """Write the full training state into ``directory`` (rank 0 only; DDP replicas are identical).
@@ -53,6 +71,7 @@ def save_state(
         "optimizer": convert(optimizer.state_dict()),
         "scheduler": scheduler.state_dict(),
         "progress": asdict(progress),
+        "schedule": schedule,
         "rng": {
             "torch": torch.get_rng_state(),
             "python": random.getstate(),
@@ -60,13 +79,14 @@ def save_state(
         },
     }
     torch.save(state, os.path.join(directory, STATE_FILE))
-    write_meta(directory, progress)
+    write_meta(directory, progress, schedule=schedule)
 
 
-def write_meta(directory: str, progress: Progress, **extra: Any) -> None:
-    """``meta.json``: the counters (and, for sharded checkpoints, where the shards are), readable without torch."""
+def write_meta(directory: str, progress: Progress, *, schedule: dict[str, Any] | None = None, **extra: Any) -> None:
+    """``meta.json``: the counters, the schedule (and, for sharded checkpoints, where the shards are), readable
+    without torch."""
     with open(os.path.join(directory, META_FILE), "w") as f:
-        json.dump({**asdict(progress), **extra}, f)
+        json.dump({**asdict(progress), "schedule": schedule, **extra}, f)
 
 
 def load_state(
@@ -87,21 +107,29 @@ def load_state(
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])
-    return Progress(**state["progress"])
+    return Progress.from_dict(state["progress"])
 
 
-def read_meta(location: str) -> Progress | None:
-    """The progress counters of a checkpoint (local path or s3:// URI), or None if it has none."""
+def read_meta(location: str) -> Meta | None:
+    """What a checkpoint's ``meta.json`` says (local path or s3:// URI), or None if it has none."""
     from raytrn import storage
 
     text = storage.read_text(storage.join(location, META_FILE))
     return parse_meta(text) if text else None
 
 
-def parse_meta(text: str) -> Progress:
-    """The counters in a ``meta.json`` text (other keys, such as where shards are, are ignored)."""
+def parse_meta(text: str) -> Meta:
+    """The counters, schedule and other keys (such as where shards are) of a ``meta.json`` text."""
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{META_FILE} holds {type(data).__name__}, not an object")
     fields = set(Progress.__dataclass_fields__)
-    return Progress(**{k: v for k, v in json.loads(text).items() if k in fields})
+    schedule = data.get("schedule")
+    return Meta(
+        progress=Progress.from_dict(data),
+        schedule=schedule if isinstance(schedule, dict) else None,
+        extra={k: v for k, v in data.items() if k not in fields and k != "schedule"},
+    )
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from raytrn.cli_args import add_set_option
 from raytrn.errors import RaytrnError
 
 _EPILOG = """\
@@ -18,17 +19,6 @@ examples:
   raytrn validate jobs/tiny.yaml
   raytrn train jobs/tiny.yaml --set run.max_steps=50 --set optim.lr=1e-3
 """
-
-
-def _add_set_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a job-spec field, e.g. --set optim.lr=3e-4 (repeatable; VALUE is parsed as YAML)",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint of the same run name when one exists under checkpoint.storage.",
     )
     p_train.add_argument("job", metavar="JOB.yaml", help="job spec file (see jobs/)")
-    _add_set_option(p_train)
+    add_set_option(p_train)
     p_train.add_argument(
         "--no-progress", action="store_true", help="print one progress line per log step instead of a live line"
     )
@@ -64,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         "manifest exists, its shards exist and its tokenizer fits the model. Exit 0 when valid, 2 otherwise.",
     )
     p_val.add_argument("job", metavar="JOB.yaml")
-    _add_set_option(p_val)
+    add_set_option(p_val)
     p_val.add_argument(
         "--no-data", action="store_true", help="skip the dataset checks (its path exists only on the cluster)"
     )
@@ -79,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a new graph (each one is a Neuron compile), 0 otherwise.",
     )
     p_pre.add_argument("job", metavar="JOB.yaml")
-    _add_set_option(p_pre)
+    add_set_option(p_pre)
     p_pre.add_argument("--steps", type=int, default=None, metavar="K", help="steps to run (default: 2 log intervals)")
     p_pre.add_argument("--warmup", type=int, default=3, metavar="W", help="steps allowed to compile (default 3)")
     p_pre.add_argument(
@@ -95,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         "so an elastic resize never waits for a compile. --dry-run prints the plan and commands.",
     )
     p_comp.add_argument("job", metavar="JOB.yaml")
-    _add_set_option(p_comp)
+    add_set_option(p_comp)
     p_comp.add_argument("--dry-run", action="store_true", help="print the plan and commands without running them")
     p_comp.set_defaults(func=_cmd_precompile)
 

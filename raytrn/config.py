@@ -9,17 +9,27 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import reprlib
 import time
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from raytrn.errors import ConfigError
 
 _URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 Accelerator = Literal["cpu", "cuda", "neuron", "xla-cpu"]
+
+#: A job file larger than this is not a job file (a job spec is a few kilobytes).
+MAX_JOB_FILE_BYTES = 1 << 20
+#: Values in a job spec after YAML aliases are expanded (anchors that expand exponentially are refused).
+MAX_SPEC_VALUES = 20_000
+#: The most workers a job may ask for (see raytrn.train.sizes).
+MAX_WORKERS = 100_000
+#: Run names become directory names under checkpoint.storage: one path component, no "..", no "/".
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}$")
 
 
 class _Section(BaseModel):
@@ -31,15 +41,15 @@ class ModelConfig(_Section):
 
     family: Literal["llama"] = Field("llama", description="model family; only HF Llama for now")
     preset: str | None = Field(None, description="named size: tiny, llama3.2-1b, llama3-8b (see raytrn.models)")
-    hidden_size: int = Field(..., gt=0, description="model width")
-    intermediate_size: int = Field(..., gt=0, description="MLP width")
-    num_layers: int = Field(..., gt=0, description="decoder layers")
-    num_attention_heads: int = Field(..., gt=0)
-    num_key_value_heads: int | None = Field(None, gt=0, description="GQA kv heads; default = attention heads")
-    vocab_size: int = Field(..., gt=0, description="must be >= the dataset tokenizer's vocabulary")
-    max_position_embeddings: int = Field(2048, gt=0, description="must be >= data.seq_len")
-    rope_theta: float = Field(10000.0, gt=0)
-    rms_norm_eps: float = Field(1e-5, gt=0)
+    hidden_size: int = Field(..., gt=0, le=1 << 18, description="model width")
+    intermediate_size: int = Field(..., gt=0, le=1 << 20, description="MLP width")
+    num_layers: int = Field(..., gt=0, le=4096, description="decoder layers")
+    num_attention_heads: int = Field(..., gt=0, le=4096)
+    num_key_value_heads: int | None = Field(None, gt=0, le=4096, description="GQA kv heads; default = attention heads")
+    vocab_size: int = Field(..., gt=0, le=1 << 24, description="must be >= the dataset tokenizer's vocabulary")
+    max_position_embeddings: int = Field(2048, gt=0, le=1 << 24, description="must be >= data.seq_len")
+    rope_theta: float = Field(10000.0, gt=0, allow_inf_nan=False)
+    rms_norm_eps: float = Field(1e-5, gt=0, lt=1)
     tie_word_embeddings: bool = False
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
     autocast: Literal["none", "bfloat16"] = Field(
@@ -91,14 +101,25 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     """Packed token shards from ``raytrn data prepare`` and the batch shape (fixed shapes: no recompiles)."""
 
-    manifest: str = Field(..., description="path (or s3:// URI) of manifest.json or its directory")
-    seq_len: int = Field(..., gt=0, description="tokens per sequence; must equal the manifest's seq_len")
-    micro_batch_size: int = Field(..., gt=0, description="sequences per worker per forward/backward")
-    grad_accum: int | None = Field(None, gt=0, description="micro-batches per optimizer step (default 1)")
+    manifest: str = Field(..., min_length=1, description="path (or s3:// URI) of manifest.json or its directory")
+    seq_len: int = Field(..., gt=0, le=1 << 22, description="tokens per sequence; must equal the manifest's seq_len")
+    micro_batch_size: int = Field(..., gt=0, le=1 << 16, description="sequences per worker per forward/backward")
+    grad_accum: int | None = Field(None, gt=0, le=1 << 20, description="micro-batches per optimizer step (default 1)")
     global_batch_size: int | None = Field(
-        None, gt=0, description="sequences per optimizer step over all workers; sets grad_accum per world size"
+        None,
+        gt=0,
+        le=1 << 31,
+        description="sequences per optimizer step over all workers (model replicas); sets grad_accum per world size. "
+        "An elastic job needs it (see allow_variable_global_batch)",
     )
-    shuffle: bool = Field(True, description="shuffle shard/block order each epoch (seeded)")
+    allow_variable_global_batch: bool = Field(
+        False,
+        description="let an elastic job with grad_accum change its global batch (micro x grad_accum x workers) when "
+        "it resizes; default: refused, set global_batch_size instead",
+    )
+    shuffle: bool = Field(
+        True, description="shuffle rows within a local buffer of 8 micro-batches, seeded per epoch and worker"
+    )
 
     @model_validator(mode="after")
     def _one_batch_rule(self) -> DataConfig:
@@ -121,16 +142,31 @@ class DataConfig(_Section):
 
 
 class OptimConfig(_Section):
-    """AdamW with linear warmup then cosine decay to ``lr * min_lr_ratio``."""
+    """AdamW with linear warmup, then cosine decay (or warmup-stable-decay) to ``lr * min_lr_ratio``."""
 
-    lr: float = Field(..., gt=0, description="peak learning rate")
+    lr: float = Field(..., gt=0, le=1e3, allow_inf_nan=False, description="peak learning rate")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr as a fraction of the peak")
-    warmup_steps: int = Field(0, ge=0)
-    decay_steps: int | None = Field(None, gt=0, description="cosine steps after warmup; default run.max_steps - warmup")
-    weight_decay: float = Field(0.1, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=10**12)
+    schedule: Literal["cosine", "wsd"] = Field(
+        "cosine",
+        description="after warmup: 'cosine' decays over decay_steps; 'wsd' (warmup-stable-decay) holds the peak and "
+        "decays over the last decay_fraction of the steps, so a run can be continued before its decay",
+    )
+    decay_steps: int | None = Field(
+        None,
+        gt=0,
+        le=10**12,
+        description="steps after warmup until the lr reaches its floor; default run.max_steps - warmup, pinned when "
+        "the run starts (a resume with another run.max_steps keeps it; set this to change it)",
+    )
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: the share of the steps spent decaying")
+    decay_shape: Literal["linear", "cosine"] = Field("linear", description="wsd: the shape of the final decay")
+    weight_decay: float = Field(0.1, ge=0, allow_inf_nan=False)
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1)")
-    eps: float = Field(1e-8, gt=0)
-    grad_clip_norm: float | None = Field(1.0, gt=0, description="max global grad norm; null disables clipping")
+    eps: float = Field(1e-8, gt=0, lt=1)
+    grad_clip_norm: float | None = Field(
+        1.0, gt=0, allow_inf_nan=False, description="max global grad norm; null disables clipping"
+    )
     fused: bool = Field(
         False,
         description="fused AdamW kernel (torch.optim.AdamW(fused=True)); cuda only, ignored with a warning elsewhere",
@@ -149,32 +185,57 @@ class ScalingConfig(_Section):
 
     accelerator: Accelerator = "cpu"
     min_workers: int = Field(1, gt=0)
-    max_workers: int | None = Field(None, gt=0, description="default = min_workers (fixed size)")
+    max_workers: int | None = Field(None, gt=0, description="default (null) = min_workers: a fixed size")
     resources_per_worker: dict[str, float] | None = Field(
         None, description="Ray resources per worker; default by accelerator (CPU:1, GPU:1, neuron_cores:1)"
     )
     instance_type: str | None = Field(None, description="e.g. trn1.32xlarge; used for topology and cost")
     workers_per_node: int | None = Field(None, gt=0, description="workers on one node (NeuronCores per instance)")
-    max_failures: int = Field(3, ge=0, description="worker-group restarts from the last checkpoint before failing")
+    max_failures: int = Field(3, ge=0, le=10**6, description="worker-group restarts from the last checkpoint")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fixed_size_default(cls, data: Any) -> Any:
+        """``max_workers: null`` means a fixed size: the same job as ``max_workers == min_workers``."""
+        if isinstance(data, dict) and data.get("max_workers") is None:
+            low = data.get("min_workers", 1)
+            if isinstance(low, int) and not isinstance(low, bool):
+                data = {**data, "max_workers": low}
+        return data
+
+    @field_validator("min_workers", "max_workers", "workers_per_node")
+    @classmethod
+    def _bounded(cls, value: int | None) -> int | None:
+        if value is not None and value > MAX_WORKERS:
+            raise ValueError(
+                f"{value:,} workers is more than raytrn runs ({MAX_WORKERS:,}: one worker per NeuronCore or GPU, "
+                "and no cluster file here allows that many); ask for the workers your cluster can hold"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check_range(self) -> ScalingConfig:
-        if self.max_workers is not None and self.min_workers > self.max_workers:
+        if self.min_workers > self.max_size:
             raise ValueError(f"min_workers ({self.min_workers}) must be <= max_workers ({self.max_workers})")
         for key, val in (self.resources_per_worker or {}).items():
-            if val < 0:
-                raise ValueError(f"resources_per_worker.{key} must be >= 0, got {val}")
+            if not 0 <= val < 1e9:
+                raise ValueError(f"resources_per_worker.{key} must be >= 0 and finite, got {val}")
         return self
 
     @property
+    def max_size(self) -> int:
+        """The largest worker count (``max_workers``; ``min_workers`` for a fixed size)."""
+        return self.max_workers or self.min_workers
+
+    @property
     def elastic(self) -> bool:
-        return self.max_workers is not None and self.max_workers != self.min_workers
+        return self.max_size != self.min_workers
 
 
 class CheckpointConfig(_Section):
-    storage: str = Field("checkpoints", description="local directory or s3://bucket/prefix")
-    every_n_steps: int = Field(100, gt=0, description="save every N optimizer steps (and at the last step)")
-    keep_last: int | None = Field(3, gt=0, description="checkpoints kept; null keeps all")
+    storage: str = Field("checkpoints", min_length=1, description="local directory or s3://bucket/prefix")
+    every_n_steps: int = Field(100, gt=0, le=10**12, description="save every N optimizer steps (and at the last step)")
+    keep_last: int | None = Field(3, gt=0, le=10**6, description="checkpoints kept; null keeps all")
 
 
 class TrackingConfig(_Section):
@@ -184,9 +245,14 @@ class TrackingConfig(_Section):
     )
     experiment: str = Field("raytrn", min_length=1)
     usd_per_hour: float | None = Field(
-        None, gt=0, description="price of one node per hour; default: raytrn's on-demand table for instance_type"
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="price of one node per hour; default: raytrn's on-demand table for instance_type",
     )
-    spot_usd_per_hour: float | None = Field(None, gt=0, description="spot price per node-hour; wins when set")
+    spot_usd_per_hour: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="spot price per node-hour; wins when set"
+    )
     run_name: str | None = Field(
         None,
         description="MLflow run name and Ray Train run (checkpoint) name. Set: re-running resumes that run. "
@@ -205,10 +271,23 @@ class TrackingConfig(_Section):
         None, min_length=1, description="register the final model under this name in the MLflow model registry"
     )
     system_metrics: bool = Field(True, description="log CPU/memory/disk/network (and NeuronCore) metrics per node")
-    system_metrics_interval_s: float = Field(10.0, gt=0, description="seconds between system metric samples")
+    system_metrics_interval_s: float = Field(10.0, gt=0, le=86400, description="seconds between system metric samples")
     flush_timeout_s: float = Field(
-        60.0, ge=0, description="at the end, how long to wait for buffered metrics to reach an unreachable server"
+        60.0,
+        ge=0,
+        le=86400,
+        description="at the end, how long to wait for buffered metrics to reach an unreachable server",
     )
+
+    @field_validator("run_name")
+    @classmethod
+    def _one_path_component(cls, value: str | None) -> str | None:
+        if value is not None and not RUN_NAME.match(value):
+            raise ValueError(
+                f"{value!r} is not a usable run name: it names a directory under checkpoint.storage, so use 1-200 "
+                "letters, digits and . _ = + - (starting with a letter or digit; no '/', no '..')"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check_register(self) -> TrackingConfig:
@@ -218,9 +297,11 @@ class TrackingConfig(_Section):
 
 
 class RunConfig(_Section):
-    max_steps: int = Field(..., gt=0, description="optimizer steps in total (a resumed run continues to this)")
-    seed: int = Field(0, ge=0)
-    log_every: int = Field(10, gt=0, description="report metrics every N steps")
+    max_steps: int = Field(
+        ..., gt=0, le=10**12, description="optimizer steps in total (a resumed run continues to this)"
+    )
+    seed: int = Field(0, ge=0, lt=2**63)
+    log_every: int = Field(10, gt=0, le=10**12, description="report metrics every N steps")
     compile: bool = Field(
         False,
         description="torch.compile the model (in place: checkpoint keys unchanged) and the loss; the first steps "
@@ -238,7 +319,7 @@ class RunConfig(_Section):
 class ParallelConfig(_Section):
     """Model parallelism (neuronx-distributed on Neuron). 1 / false everywhere = plain data parallelism."""
 
-    tensor_parallel_size: int = Field(1, gt=0, description="NeuronCores one model replica is sharded over")
+    tensor_parallel_size: int = Field(1, gt=0, le=4096, description="NeuronCores one model replica is sharded over")
     zero1: bool = Field(False, description="shard optimizer state over data-parallel ranks (ZeRO-1)")
     activation_checkpointing: bool = Field(False, description="recompute activations in backward (full layers)")
     sequence_parallel: bool = Field(False, description="shard norms/dropout activations along the sequence (TP>1)")
@@ -284,7 +365,10 @@ class JobSpec(_Section):
     @property
     def run_name(self) -> str:
         """The fixed run name, or a new timestamped one (fixed for the job by ``resolve_paths``)."""
-        return self.tracking.run_name or f"{Path(self.source).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        if self.tracking.run_name:
+            return self.tracking.run_name
+        stem = re.sub(r"[^A-Za-z0-9._=+-]+", "-", Path(self.source).stem).strip(".-")[:180] or "job"
+        return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
     def flat(self) -> dict[str, Any]:
         """The spec as ``{"optim.lr": 0.001, ...}`` (for MLflow params)."""
@@ -299,10 +383,7 @@ def load_job(path: str | os.PathLike, overrides: list[str] | None = None, *, bas
     """Read, override, validate and path-resolve a job spec; raise ConfigError with a clear message."""
     path = str(path)
     text = read_config_text(path, what="job file", examples="jobs/")
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise yaml_syntax_error(path, e) from None
+    raw = safe_load_yaml(text, path)
     if raw is None:
         raise ConfigError(f"{path}: job file is empty; see jobs/tiny.yaml for the sections a job needs")
     if not isinstance(raw, dict):
@@ -313,13 +394,55 @@ def load_job(path: str | os.PathLike, overrides: list[str] | None = None, *, bas
 
 
 def read_config_text(path: str, *, what: str, examples: str) -> str:
-    """A config file's text, or a ConfigError saying what is wrong with the path."""
+    """A config file's text, or a ConfigError saying what is wrong with the path (or its size)."""
     try:
-        return Path(path).read_text()
+        with open(path, "rb") as f:
+            data = f.read(MAX_JOB_FILE_BYTES + 1)
+        if len(data) > MAX_JOB_FILE_BYTES:
+            raise ConfigError(
+                f"{path}: {what} is larger than {MAX_JOB_FILE_BYTES >> 20} MiB; is this the right file? "
+                f"(shipped examples are in {examples})"
+            )
+        return data.decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: {what} not found (check the path; shipped examples are in {examples})") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError, OSError) as e:
         raise ConfigError(f"{path}: cannot read {what}: {e.__class__.__name__}: {e}") from None
+
+
+def safe_load_yaml(text: str, where: str, *, documents: bool = False) -> Any:
+    """``yaml.safe_load`` (or ``safe_load_all`` as a list) with bounded work: a syntax error, nesting too
+    deep for the parser, or aliases that expand to more than :data:`MAX_SPEC_VALUES` values is one ConfigError."""
+    try:
+        data = [d for d in yaml.safe_load_all(text) if d is not None] if documents else yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise yaml_syntax_error(where, e) from None
+    except RecursionError:
+        raise ConfigError(f"{where}: YAML nested too deeply to be a config file") from None
+    check_size(data, where)
+    return data
+
+
+def check_size(data: Any, where: str, limit: int = MAX_SPEC_VALUES, max_depth: int = 64) -> None:
+    """ConfigError when ``data`` (YAML/JSON values, aliases expanded) holds more than ``limit`` values or nests
+    deeper than ``max_depth``: a config file is small, and everything that walks it must stay bounded."""
+    count = 0
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if count > limit:
+            raise ConfigError(
+                f"{where}: more than {limit:,} values (YAML anchors and aliases expanded); a config file is much "
+                "smaller: check for aliases that repeat large sections"
+            )
+        if depth > max_depth:
+            raise ConfigError(f"{where}: nested more than {max_depth} levels deep; a config file is much flatter")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+            stack.extend((k, depth + 1) for k in node)
+        elif isinstance(node, list | tuple):
+            stack.extend((v, depth + 1) for v in node)
 
 
 def yaml_syntax_error(path: str, e: yaml.YAMLError) -> ConfigError:
@@ -340,8 +463,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> set[str]:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. --set optim.lr=3e-4")
         try:
             parsed = yaml.safe_load(value) if value.strip() else None
-        except yaml.YAMLError:
+        except (yaml.YAMLError, RecursionError):
             parsed = value
+        check_size(parsed, f"--set {key}")
         node = raw
         parts = key.split(".")
         for i, part in enumerate(parts[:-1]):
@@ -360,6 +484,7 @@ def parse_job(
     raw: dict[str, Any], *, source: str = "<job>", overridden: set[str] | frozenset[str] = frozenset()
 ) -> JobSpec:
     """Validate a raw mapping into a JobSpec, turning pydantic errors into one ConfigError."""
+    check_size(raw, source)
     lines = []
     if "source" in raw:  # not a YAML field: it would be silently replaced by the file name
         lines.append(_describe_error({"loc": ("source",), "type": "extra_forbidden", "msg": ""}, raw, overridden))
@@ -423,10 +548,11 @@ def _describe_error(err: Any, raw: dict[str, Any], overridden: set[str] | frozen
     if kind == "missing":
         return f"{where}: required field is missing"
     msg = err["msg"].removeprefix("Value error, ")
+    got = reprlib.repr(err.get("input"))
     if kind.endswith("_parsing") or kind.endswith("_type") or kind == "literal_error":
-        return f"{where}: {msg} (got {err.get('input')!r})"
-    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        return f"{where}: {msg.lower()} (got {err.get('input')!r})"
+        return f"{where}: {msg} (got {got})"
+    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"):
+        return f"{where}: {msg.lower()} (got {got})"
     return f"{where}: {msg}"
 
 

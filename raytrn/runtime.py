@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import MutableMapping
+import subprocess
+from collections.abc import Mapping, MutableMapping
 
+from raytrn.compat import PREEMPTION_WATCHER_ENV
 from raytrn.errors import RaytrnError
 
 
@@ -42,7 +44,7 @@ def ensure_ray(min_cpus: float = 0) -> bool:
 
 #: Ray settings for an embedded local Ray (the user's own values win): one machine cannot be preempted, so
 #: Ray Train's preemption watcher (an actor polling the nodes) would only cost start-up time.
-LOCAL_RAY_DEFAULTS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+LOCAL_RAY_DEFAULTS = {PREEMPTION_WATCHER_ENV: "0"}
 
 
 def set_local_ray_defaults(environ: MutableMapping[str, str]) -> None:
@@ -73,3 +75,51 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
             f"cannot reach the Ray cluster at RAY_ADDRESS={address!r} ({e}); check the address, or unset RAY_ADDRESS "
             "to run on a local Ray"
         ) from None
+
+
+# Settings of this shell the job needs on the cluster: where to track, how to reach S3 / the model hub.
+FORWARDED_ENV_PREFIXES: tuple[str, ...] = ("MLFLOW_", "AWS_", "RAYTRN_")
+FORWARDED_ENV_NAMES: tuple[str, ...] = ("HF_TOKEN", "HF_ENDPOINT")
+# They name files on this machine, meaningless on the cluster (which uses its instance role instead).
+NOT_FORWARDED: frozenset[str] = frozenset({"AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"})
+
+
+def forwarded_env(environ: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables of ``environ`` passed to the job (MLflow, AWS, HF token), plus ``extra`` (wins).
+
+    ``raytrn submit`` puts them in the job's runtime env, which the cluster's dashboard shows to whoever can
+    reach it; the tracking actor gets them too (:func:`raytrn.tracking.actor.driver_env`).
+    """
+    env = {
+        k: v
+        for k, v in environ.items()
+        if (k.startswith(FORWARDED_ENV_PREFIXES) or k in FORWARDED_ENV_NAMES) and k not in NOT_FORWARDED
+    }
+    env.update(extra or {})
+    return env
+
+
+def git_commit(path: str | os.PathLike[str]) -> str | None:
+    """HEAD of the repository at ``path`` (with ``-dirty`` when it has uncommitted changes), or None."""
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{sha}-dirty" if dirty else sha
+
+
+def process_started_at() -> float:
+    """When this process started (wall clock): ``raytrn train``'s start for the driver, a worker group's start
+    for a training worker."""
+    import psutil
+
+    return float(psutil.Process().create_time())

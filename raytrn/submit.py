@@ -12,14 +12,15 @@ import argparse
 import getpass
 import os
 import shlex
-import subprocess
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from raytrn.cli_args import add_set_option
 from raytrn.errors import RaytrnError
+from raytrn.runtime import forwarded_env, git_commit
 
 # Never uploaded with the working dir: environments, local datasets and results, caches, git history.
 # gitignore syntax, relative to the working dir: a leading "/" anchors at its top, so "/data" skips the
@@ -38,27 +39,7 @@ WORKING_DIR_EXCLUDES: tuple[str, ...] = (
     ".ruff_cache",
 )
 
-# Settings of this shell the job needs on the cluster: where to track, how to reach S3 / the model hub.
-FORWARDED_ENV_PREFIXES: tuple[str, ...] = ("MLFLOW_", "AWS_", "RAYTRN_")
-FORWARDED_ENV_NAMES: tuple[str, ...] = ("HF_TOKEN", "HF_ENDPOINT")
-# They name files on this machine, meaningless on the cluster (which uses its instance role instead).
-NOT_FORWARDED: frozenset[str] = frozenset({"AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"})
-
 ADDRESS_ENV = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")  # the variables `ray job submit` reads too
-
-
-def forwarded_env(environ: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The variables of ``environ`` passed to the job (MLflow, AWS, HF token), plus ``extra`` (wins).
-
-    They travel in the job's runtime env, which the cluster's dashboard shows to whoever can reach it.
-    """
-    env = {
-        k: v
-        for k, v in environ.items()
-        if (k.startswith(FORWARDED_ENV_PREFIXES) or k in FORWARDED_ENV_NAMES) and k not in NOT_FORWARDED
-    }
-    env.update(extra or {})
-    return env
 
 
 def runtime_env(working_dir: str | os.PathLike[str], env_vars: Mapping[str, str]) -> dict[str, Any]:
@@ -79,24 +60,6 @@ def job_metadata(job_file: str, run_name: str, working_dir: str | os.PathLike[st
     if commit:
         meta["git.commit"] = commit
     return meta
-
-
-def git_commit(path: str | os.PathLike[str]) -> str | None:
-    """HEAD of the repository at ``path`` (with ``-dirty`` when it has uncommitted changes), or None."""
-    try:
-        sha = subprocess.run(
-            ["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return f"{sha}-dirty" if dirty else sha
 
 
 def entrypoint(job_file: str, overrides: Sequence[str]) -> str:
@@ -261,7 +224,6 @@ def follow_logs(client: Any, job_id: str) -> str:
 
 def register(subparsers: Any) -> None:
     """Add ``submit`` and ``jobs list|logs|stop`` to the ``raytrn`` command line."""
-    from raytrn.cli import _add_set_option
 
     def _address(p: argparse.ArgumentParser) -> None:
         p.add_argument(
@@ -279,7 +241,7 @@ def register(subparsers: Any) -> None:
         "follows its logs unless --no-follow.",
     )
     p.add_argument("job", metavar="JOB.yaml")
-    _add_set_option(p)
+    add_set_option(p)
     _address(p)
     p.add_argument("--working-dir", default=".", metavar="DIR", help="directory uploaded with the job (default .)")
     p.add_argument(

@@ -59,7 +59,7 @@ class NeuronBackend(XlaBackend):
         try:
             notes = check_layout(
                 min_workers=s.min_workers,
-                max_workers=s.max_workers or s.min_workers,
+                max_workers=s.max_size,
                 workers_per_node=workers_per_node,
                 instance_type=instance_type,
                 lnc=n.lnc,

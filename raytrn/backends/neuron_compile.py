@@ -83,15 +83,15 @@ def precompile_plan(
     trace the same shapes. ``hostname`` picks the per-host compile cache directory (default: this host).
     """
     from raytrn.backends.neuron_env import cc_flags_for, compile_cache_env
-    from raytrn.backends.nxd import check_parallel, data_parallel_size
-    from raytrn.train.checks import world_sizes
+    from raytrn.train.checks import check_spec
+    from raytrn.train.sizes import data_parallel_size, world_sizes
 
     if job.scaling.accelerator != "neuron":
         raise ConfigError(
             f"{job.source}: precompile is for scaling.accelerator: neuron (got {job.scaling.accelerator!r}); "
             "other accelerators compile nothing ahead of time"
         )
-    check_parallel(job, require_installed=False)
+    check_spec(job)
     stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
     env = dict(compile_cache_env(job.neuron.compile_cache, hostname=hostname or socket.gethostname()))
     flags = cc_flags_for(job.neuron.cc_flags, job.neuron.lnc)

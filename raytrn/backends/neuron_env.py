@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 
 from raytrn.errors import BackendError
+from raytrn.train.sizes import elastic_world_sizes
 
 #: torch-xla's default root-communicator port (``MASTER_ADDR:62182``); raytrn picks a free one instead.
 DEFAULT_ROOT_COMM_PORT = 62182
@@ -64,11 +65,6 @@ INSTANCES: dict[str, InstanceSpec] = {
         InstanceSpec("trn2.48xlarge", physical_cores=128, efa_devices=16, neuron_devices=16, default_lnc=2),
     )
 }
-
-
-def elastic_world_sizes(min_workers: int, max_workers: int, step: int) -> list[int]:
-    """Every worker count of the elastic range at ``step`` granularity (whole nodes), both ends included."""
-    return sorted(set(range(min_workers, max_workers + 1, step)) | {min_workers, max_workers})
 
 
 def instance_spec(instance_type: str) -> InstanceSpec:

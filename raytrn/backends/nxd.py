@@ -29,6 +29,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from raytrn.errors import BackendError, BackendUnavailableError, ConfigError
+from raytrn.train.sizes import data_parallel_size, world_sizes
 
 if TYPE_CHECKING:
     import torch
@@ -71,26 +72,6 @@ def kv_replication(num_kv_heads: int, tensor_parallel_size: int) -> int:
     return tensor_parallel_size // math.gcd(num_kv_heads, tensor_parallel_size)
 
 
-def data_parallel_size(job: JobSpec, world_size: int) -> int:
-    """Model replicas at ``world_size`` workers: ``world_size / tensor_parallel_size``.
-
-    The ranks of one TP group hold one replica and must read the same batch, so this, not the world
-    size, is what multiplies the micro-batch (``global = micro_batch x grad_accum x DP``).
-    """
-    tp = job.parallel.tensor_parallel_size
-    if world_size % tp:
-        raise ConfigError(
-            f"{job.source}: {world_size} workers is not divisible by parallel.tensor_parallel_size ({tp}); "
-            "every world size must hold whole tensor-parallel groups"
-        )
-    return world_size // tp
-
-
-def data_parallel_rank(job: JobSpec, rank: int) -> int:
-    """This worker's replica index (NxD's layout: TP ranks are consecutive), i.e. which data shard it reads."""
-    return rank // job.parallel.tensor_parallel_size
-
-
 # ---------------------------------------------------------------------------------------------------
 # Validation (pure)
 
@@ -103,8 +84,6 @@ def check_parallel(job: JobSpec, *, require_installed: bool = True) -> list[str]
     not installed here (``check_job`` shows that as a note on a laptop; the message names the features).
     ``require_installed=False`` returns the info lines instead; :func:`require_nxd` is the guard alone.
     """
-    from raytrn.train.checks import world_sizes  # lazy: checks imports this module
-
     p, where = job.parallel, job.source
     tp = p.tensor_parallel_size
     _check_accelerator(job)
@@ -131,7 +110,6 @@ def check_parallel(job: JobSpec, *, require_installed: bool = True) -> list[str]
             f"{f', workers_per_node={step}' if step else ''}); every world size must hold whole tensor-parallel "
             f"groups: make min_workers, max_workers{' and workers_per_node' if step else ''} multiples of {tp}"
         )
-    _check_global_batch(job, sizes)
     if not uses_nxd(job):
         return []
     lines = _describe(job, sizes)
@@ -202,26 +180,6 @@ def _check_model_dims(job: JobSpec) -> None:
             + f"\n  tensor_parallel_size values this model allows: {', '.join(map(str, valid))}. "
             f"(num_key_value_heads ({m.kv_heads}) needs no rule of its own: NxD replicates kv heads "
             "TP / gcd(kv_heads, TP) times when TP does not divide them.)"
-        )
-
-
-def _check_global_batch(job: JobSpec, sizes: list[int]) -> None:
-    d = job.data
-    if d.global_batch_size is None or job.parallel.tensor_parallel_size == 1:
-        return  # plain DP: DataConfig.grad_accum_for checks micro_batch x world size
-    dps = [data_parallel_size(job, n) for n in sizes]
-    bad = [(n, dp) for n, dp in zip(sizes, dps, strict=True) if d.global_batch_size % (d.micro_batch_size * dp)]
-    if bad:
-        n, dp = bad[0]
-        unit = math.lcm(*(d.micro_batch_size * x for x in dps))
-        below = d.global_batch_size // unit * unit
-        near = [x for x in (below, below + unit) if x > 0]
-        raise ConfigError(
-            f"{job.source}: data.global_batch_size ({d.global_batch_size}) is not divisible by micro_batch_size x "
-            f"data-parallel size at {n} workers ({d.micro_batch_size} x {dp} = {d.micro_batch_size * dp}; "
-            f"with tensor_parallel_size {job.parallel.tensor_parallel_size} the ranks of a TP group share each "
-            f"batch, so DP = workers / TP). Every size of the elastic range needs a multiple of {unit}: "
-            f"use {' or '.join(map(str, near))}"
         )
 
 
@@ -393,15 +351,6 @@ def build_parallel_model(job: JobSpec, nxd_config: dict[str, Any], *, module: st
     return trainer.initialize_parallel_model(nxd_config, model_fn, True)  # include_buffers, as AWS's recipe
 
 
-def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW parameter groups: weight decay on matrices, none on 1-D parameters (norms, biases)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-
-
 def build_parallel_optimizer(job: JobSpec, nxd_config: dict[str, Any], model: torch.nn.Module) -> Any:
     """``torch.optim.AdamW`` wrapped by NxD (``NxDOptimizer``; ZeRO-1 when ``parallel.zero1``).
 
@@ -410,6 +359,8 @@ def build_parallel_optimizer(job: JobSpec, nxd_config: dict[str, Any], model: to
     builds the ZeRO-1 optimizer without its ``max_grad_norm`` (torch-xla's default would be 1.0).
     """
     import torch
+
+    from raytrn.train.optim import adamw_param_groups
 
     o = job.optim
     defaults: dict[str, Any] = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}

@@ -97,7 +97,7 @@ class XlaCpuBackend(XlaBackend):
 
     def check(self, job: JobSpec) -> list[str]:
         s = job.scaling
-        if (s.max_workers or s.min_workers) != 1:
+        if s.max_size != 1 or s.min_workers != 1:
             raise BackendError(
                 f"scaling.accelerator='xla-cpu' runs exactly 1 worker (CPU PJRT forms no multi-process collective), "
                 f"got min_workers={s.min_workers}, max_workers={s.max_workers}; set both to 1"

@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from raytrn.backends.neuron_env import INSTANCES
-from raytrn.cluster.validate import (
+from raytrn.cluster.common import (
     expected_neuron_cores,
     load_yaml_documents,
     mapping_at,

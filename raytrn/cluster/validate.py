@@ -4,7 +4,7 @@ Two layers, all problems reported in one :class:`~raytrn.errors.ConfigError` (ea
 and the fix):
 
 1. Ray's own JSON schema, shipped in the ray package (``ray/autoscaler/ray-schema.json``, the file
-   ``ray.autoscaler._private.util.validate_config`` uses), applied with ``jsonschema`` to the YAML as
+   Ray's own cluster validation uses), applied with ``jsonschema`` to the YAML as
    written, so an error names its path (``available_node_types.trn1_32xl.max_worker``).
 2. raytrn's rules for Trainium clusters: ``resources.neuron_cores`` equals the instance type's
    NeuronCores (the INSTANCES table of :mod:`raytrn.backends.neuron_env`; trn2 counts 64 at the default
@@ -25,10 +25,14 @@ import os
 import re
 from typing import Any
 
-import yaml
-
-from raytrn.backends.neuron_env import INSTANCES, InstanceSpec
-from raytrn.config import read_config_text, yaml_syntax_error
+from raytrn.backends.neuron_env import INSTANCES
+from raytrn.cluster.common import (
+    expected_neuron_cores,
+    load_yaml_documents,
+    mapping_at,
+    placeholder_notes,
+    raise_problems,
+)
 from raytrn.errors import ConfigError
 
 #: Ports that must never be reachable from the internet (Ray has no authorization beyond the token).
@@ -42,8 +46,6 @@ SENSITIVE_PORTS = {
 }
 _OPEN_CIDRS = ("0.0.0.0/0", "::/0")
 _TRN_TYPE = re.compile(r"^trn\d", re.IGNORECASE)
-_LNC_SETTING = re.compile(r"NEURON_LOGICAL_NC_CONFIG\s*=\s*[\"']?(\d+)")
-_PLACEHOLDER = "REPLACE_ME"
 KUBERAY_KINDS = ("RayCluster", "RayJob")
 
 
@@ -68,32 +70,6 @@ def validate_cluster_file(path: str) -> list[str]:
     if len(docs) != 1:
         raise ConfigError(f"{path}: a cluster-launcher config is one YAML document, found {len(docs)}")
     return validate_cluster_config(docs[0], source=path)
-
-
-def load_yaml_documents(path: str, *, what: str) -> list[Any]:
-    """Every YAML document of ``path`` (empty ones dropped); ConfigError with ``file:line:col`` on bad YAML."""
-    text = read_config_text(path, what=what, examples="cluster/")
-    try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as e:
-        raise yaml_syntax_error(path, e) from None
-    if not docs:
-        raise ConfigError(f"{path}: {what} is empty")
-    return docs
-
-
-def mapping_at(node: Any, *keys: str) -> dict[str, Any]:
-    """``node[k1][k2]...`` when every step is a mapping, else ``{}`` (for reading unvalidated YAML)."""
-    for key in keys:
-        node = node.get(key) if isinstance(node, dict) else None
-    return node if isinstance(node, dict) else {}
-
-
-def raise_problems(source: str, problems: list[str]) -> None:
-    """One ConfigError listing every problem (file first), or nothing."""
-    if problems:
-        head = f"{source}: " if len(problems) == 1 else f"{source}: {len(problems)} problems:\n  "
-        raise ConfigError(head + "\n  ".join(problems))
 
 
 def validate_cluster_config(config: Any, *, source: str = "<cluster>") -> list[str]:
@@ -223,20 +199,6 @@ def _check_head(config: dict[str, Any], node_types: dict[str, Any]) -> list[str]
     return []
 
 
-def expected_neuron_cores(spec: InstanceSpec, commands: list[str]) -> tuple[int, int | None]:
-    """NeuronCores a node of ``spec`` exposes given the commands run on it, and the LNC they imply.
-
-    Rule: on instances with a logical NeuronCore config (trn2) the count is at the default LNC (2: 64
-    on trn2.48xlarge) unless a command sets ``NEURON_LOGICAL_NC_CONFIG=N``; the last setting wins.
-    """
-    lnc = None
-    if spec.default_lnc is not None:
-        for cmd in commands:
-            for value in _LNC_SETTING.findall(cmd):
-                lnc = int(value)
-    return spec.cores(lnc), (lnc or spec.default_lnc)
-
-
 def _node_commands(config: dict[str, Any], node_type: dict[str, Any]) -> list[str]:
     """The shell commands Ray runs on a worker of this type (a node type's own list overrides the global)."""
     cmds: list[Any] = []
@@ -360,27 +322,3 @@ def _command_notes(config: dict[str, Any]) -> list[str]:
         if "RAY_AUTH_MODE=token" not in head_cmds:
             notes.append("head_start_ray_commands: Ray token authentication is off (no RAY_AUTH_MODE=token)")
     return notes
-
-
-def placeholder_notes(config: Any, *, before: str) -> list[str]:
-    """A note naming each distinct ``REPLACE_ME`` value still in ``config`` and where it first occurs."""
-    found: dict[str, list[str]] = {}
-    for where, value in _placeholders(config, ""):
-        for token in re.findall(rf"[^\s\"']*{_PLACEHOLDER}[^\s\"']*", value):
-            found.setdefault(token, []).append(where)
-    if not found:
-        return []
-    shown = "; ".join(
-        f"{token} (at {paths[0]}{f' and {len(paths) - 1} more' if len(paths) > 1 else ''})"
-        for token, paths in found.items()
-    )
-    return [f"fill these placeholders before {before}: {shown}"]
-
-
-def _placeholders(node: Any, path: str) -> list[tuple[str, str]]:
-    """``(path, value)`` of every string that still contains the placeholder."""
-    if isinstance(node, dict):
-        return [p for k, v in node.items() for p in _placeholders(v, f"{path}.{k}" if path else str(k))]
-    if isinstance(node, list):
-        return [p for i, v in enumerate(node) for p in _placeholders(v, f"{path}[{i}]")]
-    return [(path, node)] if isinstance(node, str) and _PLACEHOLDER in node else []

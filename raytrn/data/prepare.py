@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from raytrn.compat import RAY_DATA_CHATTY_LOGGERS
 from raytrn.data.manifest import (
     FORMAT,
     MANIFEST_NAME,
@@ -437,7 +438,6 @@ class _ShardWriter:
 # --- tokenizing with Ray Data ----------------------------------------------------------------------------
 
 _TOKENIZER_CACHE: dict[str, Any] = {}
-_RAY_DATA_CHATTY_LOGGERS = ("ray.data._internal.progress", "ray.data._internal.execution.streaming_executor")
 
 
 def _tokenize_files(batch: pa.Table, *, tokenizer_json: str, tokenizer_sha: str, eos_id: int) -> Iterator[pa.Table]:
@@ -499,7 +499,7 @@ def _stream_token_batches(
     ctx.enable_progress_bars = False  # our own progress line instead
     ctx.print_on_execution_start = False
     # Quiet Ray Data's own chatter ("progress bars disabled", "execution finished") for this run only.
-    quiet = {name: logging.getLogger(name) for name in _RAY_DATA_CHATTY_LOGGERS}
+    quiet = {name: logging.getLogger(name) for name in RAY_DATA_CHATTY_LOGGERS}
     saved_levels = {name: log.level for name, log in quiet.items()}
     for log in quiet.values():
         log.setLevel(logging.ERROR)

@@ -19,6 +19,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from raytrn.compat import metric_objects
 from raytrn.errors import RaytrnError
 from raytrn.train.progress import ProgressBoard
 
@@ -72,16 +73,21 @@ class TrackingActor(ProgressBoard):
         pending = run_id is None and job is not None and self.error is None
         self.logger = AsyncLogger(uri, run_id, resolve_run=create_when_reachable if pending else None)
         # What an earlier invocation of this job delivered (one read of the run), then what is queued here:
-        # the highest training step (the run's tag) and each non-training metric's last step.
+        # the highest training step (the run's tag), each non-training metric's last step, the last value of
+        # the running totals, the world-size history and the checkpoints that still exist.
         self.max_step = 0
-        self.world_sizes = ""
+        self.world_sizes = WorldSizeHistory()
         self.last_steps: dict[str, int] = {}
+        self.last_values: dict[str, float] = {}
+        self.checkpoints: dict[int, str] = {}
         if run_id:
             try:
                 run = self.logger.client.get_run(run_id)
                 self.max_step = logged_step_of(run)
-                self.world_sizes = run.data.tags.get("world_size_history", "")
-                self.last_steps = {m.key: m.step for m in run.data._metric_objs if m.key.startswith(SYSTEM_PREFIX)}
+                self.world_sizes = WorldSizeHistory.parse(run.data.tags.get(WORLD_SIZE_TAG, ""))
+                self.last_steps = {m.key: m.step for m in metric_objects(run) if m.key.startswith(SYSTEM_PREFIX)}
+                self.last_values = {k: v for k, v in run.data.metrics.items() if k in RUNNING_TOTALS}
+                self.checkpoints = live_checkpoints(run.data.tags)
             except Exception as e:  # unreachable: start from zero (steps are then only ordered within this job)
                 log.warning("MLflow run %s not read: %s", run_id, e)
 
@@ -98,6 +104,8 @@ class TrackingActor(ProgressBoard):
         if training and step <= self.max_step:
             return
         self.logger.log_metrics(metrics, step, training=training)
+        for key in RUNNING_TOTALS.intersection(metrics):
+            self.last_values[key] = float(metrics[key])
         if training:
             self.max_step = step
         else:
@@ -110,13 +118,30 @@ class TrackingActor(ProgressBoard):
         steps = [s for k, s in self.last_steps.items() if k.startswith(prefix)]
         return max(steps) + 1 if steps else 0
 
+    def last_value(self, key: str) -> float:
+        """The last value logged for a running total (``cost_usd``) in this run, by any invocation (0.0: none)."""
+        return self.last_values.get(key, 0.0)
+
     def set_tags(self, tags: dict[str, str]) -> None:
         self.logger.set_tags(tags)
 
-    def worker_group_started(self, step: int, world_size: int) -> None:
-        """Append ``step:world_size`` to the run's ``world_size_history`` tag."""
-        self.world_sizes = f"{self.world_sizes},{step}:{world_size}".lstrip(",")
-        self.logger.set_tags({"world_size_history": self.world_sizes})
+    def group_started(self, step: int, world_size: int) -> int:
+        """A worker group started: append ``step:world_size`` to the run's ``world_size_history`` tag."""
+        self.world_sizes.append(step, world_size)
+        self.logger.set_tags({WORLD_SIZE_TAG: self.world_sizes.tag()})
+        return super().group_started(step, world_size)
+
+    def checkpoint_saved(self, step: int, location: str, keep_last: int | None) -> None:
+        """Tag the new checkpoint (``checkpoint.latest``, ``checkpoint.step_<N>``) and mark the tags of those that
+        ``checkpoint.keep_last`` made Ray Train delete (it keeps the newest ``keep_last`` reported)."""
+        self.checkpoints[step] = location
+        tags = {"checkpoint.latest": location, "checkpoint.latest_step": str(step), checkpoint_tag(step): location}
+        if keep_last is not None:
+            for old in sorted(self.checkpoints)[:-keep_last]:
+                tags[checkpoint_tag(old)] = (
+                    f"{DELETED} by checkpoint.keep_last={keep_last}: {self.checkpoints.pop(old)}"
+                )
+        self.logger.set_tags(tags)
 
     def run_id(self) -> str | None:
         return self.logger.run_id
@@ -151,6 +176,61 @@ class TrackingActor(ProgressBoard):
         return register_model(self.logger.uri, run_id, name) if run_id else None
 
 
+#: Tag of the worker groups' start steps and sizes, ``step:world_size,...``; older entries are folded into a
+#: count in front (``+N earlier,...``) so the tag stays far below MLflow's length limit.
+WORLD_SIZE_TAG = "world_size_history"
+_MAX_HISTORY_CHARS = 4000
+#: Metrics that run over the whole run, so a restarted worker group continues from their last value.
+RUNNING_TOTALS = frozenset({"cost_usd"})
+#: The value a checkpoint tag starts with once its checkpoint was deleted.
+DELETED = "deleted"
+
+
+def checkpoint_tag(step: int) -> str:
+    return f"checkpoint.step_{step:08d}"
+
+
+def live_checkpoints(tags: Mapping[str, str]) -> dict[int, str]:
+    """``{step: location}`` of the checkpoints a run's tags name and do not mark deleted."""
+    out = {}
+    for key, value in tags.items():
+        if key.startswith("checkpoint.step_") and key[len("checkpoint.step_") :].isdigit():
+            if not value.startswith(DELETED):
+                out[int(key[len("checkpoint.step_") :])] = value
+    return out
+
+
+class WorldSizeHistory:
+    """``world_size_history``: each worker group's ``start step:world size``, bounded in length."""
+
+    def __init__(self, entries: list[str] | None = None, earlier: int = 0) -> None:
+        self.entries = entries or []
+        self.earlier = earlier
+
+    @classmethod
+    def parse(cls, tag: str) -> WorldSizeHistory:
+        parts = [p for p in tag.split(",") if p]
+        earlier = 0
+        if parts and parts[0].startswith("+") and parts[0].endswith(" earlier"):
+            head = parts.pop(0)[1 : -len(" earlier")]
+            earlier = int(head) if head.isdigit() else 0
+        return cls(parts, earlier)
+
+    def append(self, step: int, world_size: int) -> None:
+        self.entries.append(f"{step}:{world_size}")
+
+    def tag(self, limit: int = _MAX_HISTORY_CHARS) -> str:
+        """The tag value: the newest entries that fit in ``limit`` characters, after a count of the others."""
+        while self.entries and len(self._text()) > limit:
+            self.entries.pop(0)
+            self.earlier += 1
+        return self._text()
+
+    def _text(self) -> str:
+        head = [f"+{self.earlier} earlier"] if self.earlier else []
+        return ",".join(head + self.entries)
+
+
 class RemoteLogger:
     """A worker's handle on the :class:`TrackingActor`: sends are fire-and-forget (no waiting on MLflow)."""
 
@@ -165,8 +245,18 @@ class RemoteLogger:
     def set_tags(self, tags: dict[str, str]) -> None:
         self.actor.set_tags.remote(tags)
 
-    def worker_group_started(self, step: int, world_size: int) -> None:
-        self.actor.worker_group_started.remote(step, world_size)
+    def checkpoint_saved(self, step: int, location: str, keep_last: int | None) -> None:
+        self.actor.checkpoint_saved.remote(step, location, keep_last)
+
+    def last_value(self, key: str) -> float:
+        """The run's last value of a running total (0.0 when unknown: the actor is unreachable)."""
+        import ray
+
+        try:
+            return float(ray.get(self.actor.last_value.remote(key), timeout=60))
+        except Exception as e:  # tracking never stops training
+            log.warning("tracking actor: %s unknown (%s)", key, e)
+            return 0.0
 
     def next_step(self, prefix: str) -> int:
         import ray
@@ -218,8 +308,8 @@ def driver_env(environ: Mapping[str, str]) -> dict[str, str]:
     reads and writes the run's ``raytrn-mlflow.json`` next to the checkpoints and talks to MLflow for the
     driver. A Ray the driver did not start was started with another environment (a shell's ``ray start``, a
     test's session cluster), so its processes do not have the driver's. The actor runs on the driver's
-    node, so file-naming settings (``AWS_PROFILE``) are kept, unlike :func:`raytrn.submit.forwarded_env`."""
-    from raytrn.submit import NOT_FORWARDED, forwarded_env
+    node, so file-naming settings (``AWS_PROFILE``) are kept, unlike what :func:`raytrn.runtime.forwarded_env` gives a submitted job."""
+    from raytrn.runtime import NOT_FORWARDED, forwarded_env
 
     return forwarded_env(environ, {k: environ[k] for k in NOT_FORWARDED if k in environ})
 

@@ -95,21 +95,30 @@ def mfu(tokens_per_s: float, flops_per_token: float, num_workers: int, peak_per_
 
 @dataclass
 class CostTracker:
-    """Running cost of a job of ``num_nodes`` instances, fed with elapsed wall time and tokens seen."""
+    """Running cost of a job of ``num_nodes`` instances, fed with elapsed wall time and tokens seen.
+
+    ``base_usd`` is what the run cost before this worker group started (earlier groups and invocations:
+    the checkpoint's ``cost_usd``), so the metric keeps running across restarts and resizes.
+    """
 
     usd_per_hour_per_node: float | None
     num_nodes: int
+    base_usd: float = 0.0
     cost_usd: float = field(default=0.0, init=False)
 
+    def __post_init__(self) -> None:
+        self.cost_usd = self.base_usd
+
     def update(self, elapsed_s: float, tokens: int) -> dict[str, float]:
-        """Metrics after ``elapsed_s`` seconds (since the job started) and ``tokens`` tokens in total.
+        """Metrics after ``elapsed_s`` seconds (since this worker group started) and ``tokens`` tokens in total
+        (over the whole run).
 
         Keys: ``cost_usd`` and, once tokens > 0, ``usd_per_1m_tokens`` and ``tokens_per_usd``;
         empty when the price is unknown.
         """
         if self.usd_per_hour_per_node is None:
             return {}
-        self.cost_usd = self.usd_per_hour_per_node * self.num_nodes * max(elapsed_s, 0.0) / 3600.0
+        self.cost_usd = self.base_usd + self.usd_per_hour_per_node * self.num_nodes * max(elapsed_s, 0.0) / 3600.0
         out = {"cost_usd": self.cost_usd}
         if tokens > 0:
             out["usd_per_1m_tokens"] = self.cost_usd / tokens * 1e6

@@ -292,9 +292,9 @@ def _log_dataset(run: TrackedRun, manifest: Any) -> None:
     """The training data as the run's input: the manifest's location, with its fingerprint as digest."""
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
-    from mlflow.entities import DatasetInput, InputTag
     from mlflow.tracking import MlflowClient
-    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    from raytrn.compat import dataset_input
 
     assert run.run_id is not None
     client = MlflowClient(run.uri)
@@ -313,7 +313,7 @@ def _log_dataset(run: TrackedRun, manifest: Any) -> None:
     try:
         client.log_inputs(
             run.run_id,
-            datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, "train")])],
+            datasets=[dataset_input(dataset, "train")],
         )
     except Exception as e:
         log.warning("could not log the dataset as the run's input: %s", e)

@@ -61,9 +61,9 @@ class _GpuMonitor:
     """MLflow's GPU monitor (pynvml): only on a node with CUDA, where importing MLflow is worth it."""
 
     def __init__(self) -> None:
-        from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+        from raytrn.compat import gpu_monitor
 
-        self._monitor = GPUMonitor()
+        self._monitor = gpu_monitor()
 
     def sample(self) -> dict[str, float]:
         try:

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from raytrn.backends import get_backend
-from raytrn.backends.neuron_env import elastic_world_sizes
-from raytrn.backends.nxd import check_parallel, data_parallel_size, require_nxd
+from raytrn.backends.nxd import check_parallel, require_nxd
 from raytrn.config import JobSpec
 from raytrn.data.manifest import Manifest, load_manifest
 from raytrn.errors import BackendUnavailableError, DataError
 from raytrn.models import model_stats
+from raytrn.train.sizes import check_global_batch, describe_batch
+
+
+def check_spec(job: JobSpec) -> list[str]:
+    """The checks of the spec itself that ``raytrn validate``, ``train`` and ``precompile`` all run: the
+    parallel layout at every world size, then a global batch that is whole and constant at every size.
+    Raises ConfigError; returns info lines."""
+    lines = check_parallel(job, require_installed=False)
+    check_global_batch(job)
+    return lines
 
 
 def check_job(job: JobSpec, *, data: bool = True) -> list[str]:
@@ -18,7 +27,7 @@ def check_job(job: JobSpec, *, data: bool = True) -> list[str]:
     laptop before it is submitted. ``data=False`` skips the dataset (its path may exist only on the
     cluster).
     """
-    lines = check_parallel(job, require_installed=False)
+    lines = check_spec(job)
     try:
         backend = get_backend(job.scaling.accelerator)
         lines += [f"warning: {w}" for w in backend.ignored_settings(job)]
@@ -28,13 +37,7 @@ def check_job(job: JobSpec, *, data: bool = True) -> list[str]:
         lines.append(f"note: {e} (checked again when the job starts)")
     lines.append(f"model: llama, {model_stats(job.model, job.data.seq_len).describe()}")
     # One batch per model replica: data-parallel size = workers / tensor-parallel size.
-    dp = {n: data_parallel_size(job, n) for n in world_sizes(job)}
-    shape = ", ".join(
-        f"{n} worker{'s' * (n > 1)}: {job.data.micro_batch_size} x {job.data.grad_accum_for(d)} x {d} (DP) = "
-        f"{job.data.micro_batch_size * job.data.grad_accum_for(d) * d} sequences/step"
-        for n, d in dp.items()
-    )
-    lines.append(f"batch: {shape} of {job.data.seq_len} tokens")
+    lines.append(describe_batch(job))
     if not data:
         lines.append(f"data: not checked (--no-data): {job.data.manifest}")
         return lines
@@ -44,12 +47,6 @@ def check_job(job: JobSpec, *, data: bool = True) -> list[str]:
         f"tokenizer vocab {manifest.tokenizer.vocab_size:,} (model vocab {job.model.vocab_size:,})"
     )
     return lines
-
-
-def world_sizes(job: JobSpec) -> list[int]:
-    """Every worker count the elastic range can take: whole nodes when workers_per_node is set."""
-    s = job.scaling
-    return elastic_world_sizes(s.min_workers, s.max_workers or s.min_workers, s.workers_per_node or 1)
 
 
 def check_data(job: JobSpec) -> Manifest:

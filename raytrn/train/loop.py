@@ -17,11 +17,15 @@ from typing import Any
 
 import torch
 
+from raytrn import storage
 from raytrn.backends import Backend, get_backend, host_malloc
-from raytrn.backends.nxd import data_parallel_size
 from raytrn.checkpoint import Progress, load_state, save_state, write_meta
+from raytrn.compat import quiet_ray_train_logs
 from raytrn.config import JobSpec
 from raytrn.errors import DataError
+from raytrn.runtime import process_started_at
+from raytrn.train.schedule import Schedule
+from raytrn.train.sizes import data_parallel_size
 from raytrn.train.step import Training, build_training, read_metrics, train_step
 
 log = logging.getLogger(__name__)
@@ -30,7 +34,7 @@ log = logging.getLogger(__name__)
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
 
-    _quiet_ray_train_logs()
+    quiet_ray_train_logs()
     job: JobSpec = config["job"]
     ctx = ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
@@ -43,8 +47,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     first_batches = _StartEarly(lambda: _batches(ray.train.get_dataset_shard("train"), job, progress, rank, world_size))
 
     # -- build ---------------------------------------------------------------------------------
-    t = build_training(job, backend, world_size=world_size)
-    model, optimizer, scheduler = t.model, t.optimizer, t.scheduler
+    # The schedule was pinned by the driver (raytrn.train.schedule.resolve_schedule): the same on every worker
+    # group of this job, and the horizon a resumed run started with.
+    schedule = Schedule.from_dict(config["schedule"]) if config.get("schedule") else Schedule.from_job(job)
+    t = build_training(job, backend, world_size=world_size, schedule=schedule)
+    scheduler = t.scheduler
     max_steps = job.run.max_steps
     # Tokens per optimizer step over the job: one batch per model replica (data-parallel rank).
     tokens_per_step = t.grad_accum * job.data.micro_batch_size * job.data.seq_len * data_parallel_size(job, world_size)
@@ -52,28 +59,28 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # -- resume --------------------------------------------------------------------------------
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
-            if t.sharded:
-                from raytrn.backends.nxd import load_sharded_checkpoint
-
-                saved = load_sharded_checkpoint(sharded_dir(job), model, optimizer, scheduler)
-                loaded = Progress(**saved) if saved else Progress()
-            else:
-                loaded = load_state(d, model=model, optimizer=optimizer, scheduler=scheduler)
+            loaded = restore_state(d, job, t)
         # The full state is the authority; the data pipeline already started with meta.json's epoch.
-        progress.step, progress.tokens_seen = loaded.step, loaded.tokens_seen
+        progress.step, progress.tokens_seen, progress.cost_usd = loaded.step, loaded.tokens_seen, loaded.cost_usd
         progress.last_logged_step = max(progress.last_logged_step, loaded.last_logged_step)
     # Rank 0 sends the training metrics to the job's tracking actor; the first worker of every node samples
     # its node's system metrics. Neither waits for MLflow.
     tracker = _tracker(config)
     sampler = _system_sampler(job, tracker) if tracker and ctx.get_local_rank() == 0 else None
     logger = tracker if rank == 0 else None
-    if logger:  # (steps a restarted group repeats are dropped by the tracking actor: no waiting on it here)
-        logger.worker_group_started(progress.step, world_size)
-        logger.set_tags({"worker.malloc": host_malloc.describe(os.environ)})  # run.tune_malloc, as the workers run
     board = config.get("board") if rank == 0 else None
+    group_started_at = process_started_at()
+    group = 0
+    if board is not None:  # the job's board numbers the worker groups (and records world_size_history)
+        group = ray.get(board.group_started.remote(progress.step, world_size), timeout=60)
+    if logger:  # (steps a restarted group repeats are dropped by the tracking actor: no waiting on it here)
+        logger.set_tags({"worker.malloc": host_malloc.describe(os.environ)})  # run.tune_malloc, as the workers run
     batches = backend.wrap_batches(first_batches)
 
-    efficiency = _Efficiency(job, world_size) if rank == 0 else None
+    efficiency = None
+    if rank == 0:  # the run's cost so far: the checkpoint's, or what was logged since (a restart lost steps)
+        spent = max(progress.cost_usd, logger.last_value("cost_usd") if logger else 0.0)
+        efficiency = _Efficiency(job, world_size, spent_usd=spent, started_at=group_started_at)
 
     # -- train ---------------------------------------------------------------------------------
     window_start, window_tokens, window_steps, data_wait = time.perf_counter(), 0, 0, 0.0
@@ -83,7 +90,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         progress.step += 1
         if first_step:  # start-up cost: launch (or restart) to the first step done, once per worker group
             first_step = False
-            _report_first_step(config, progress.step, logger, board)
+            _report_first_step(config, progress.step, logger, board, group=group, group_started_at=group_started_at)
         progress.tokens_seen += tokens_per_step
         window_tokens += tokens_per_step
         window_steps += 1
@@ -106,7 +113,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 "epoch": float(progress.epoch),
             }
             if efficiency is not None:
-                metrics.update(efficiency.metrics(metrics["tokens_per_s"], window_tokens))
+                metrics.update(efficiency.metrics(metrics["tokens_per_s"], progress.tokens_seen))
             if logger and step > progress.last_logged_step:
                 logger.log_metrics(metrics, step)
             if board is not None:
@@ -115,13 +122,39 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             window_start, window_tokens, window_steps, data_wait = time.perf_counter(), 0, 0, 0.0
 
         if step % job.checkpoint.every_n_steps == 0 or is_last:
-            _save_and_report(job, rank, backend, t, progress, metrics, logger)
+            if efficiency is not None:
+                progress.cost_usd = efficiency.cost_usd()
+            _save_and_report(job, rank, backend, t, progress, schedule, metrics, logger)
 
     if sampler:
         sampler.close()
     if logger and job.tracking.log_model and not t.sharded:
         logger.flush(job.tracking.flush_timeout_s)  # an outage near the end: wait (bounded) for the server
         log_final_model(job, t.model, backend, logger)
+
+
+def save_sharded(job: JobSpec, t: Training, progress: Progress, schedule: Schedule) -> None:
+    """Every rank writes its NxD shards of model and optimizer under :func:`sharded_dir` (rank 0 also the
+    scheduler and the counters, as NxD's user content); :func:`restore_state` reads them back."""
+    from raytrn.backends.nxd import save_sharded_checkpoint
+
+    save_sharded_checkpoint(
+        sharded_dir(job), f"step_{progress.step:08d}", t.model, t.optimizer, t.scheduler,
+        {**asdict(progress), "schedule": schedule.to_dict()}, job.checkpoint.keep_last,
+    )  # fmt: skip
+
+
+def restore_state(directory: str | None, job: JobSpec, t: Training) -> Progress:
+    """Load a checkpoint into ``t`` and return its counters: ``state.pt`` from ``directory``, or for NxD
+    (sharded) every rank's shards from :func:`sharded_dir` (the user content NxD returns holds raytrn's
+    counters next to the layout key: only the counters are taken)."""
+    if t.sharded:
+        from raytrn.backends.nxd import load_sharded_checkpoint
+
+        saved = load_sharded_checkpoint(sharded_dir(job), t.model, t.optimizer, t.scheduler)
+        return Progress.from_dict(saved) if isinstance(saved, dict) else Progress()
+    assert directory is not None
+    return load_state(directory, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
 
 
 def _batches(shard: Any, job: JobSpec, progress: Progress, rank: int, world_size: int) -> Iterator[torch.Tensor]:
@@ -164,17 +197,25 @@ def _batches(shard: Any, job: JobSpec, progress: Progress, rank: int, world_size
         progress.epoch += 1
 
 
-def _report_first_step(config: dict[str, Any], step: int, logger: Any, board: Any) -> None:
-    """``time_to_first_step_s``: seconds from the ``raytrn train`` process start to the end of this worker
-    group's first step (Ray, MLflow, workers, model, first batch; on XLA also the first graph compile)."""
-    started_at = config.get("started_at")
-    if started_at is None:
-        return
-    seconds = time.time() - started_at
+def _report_first_step(
+    config: dict[str, Any], step: int, logger: Any, board: Any, *, group: int, group_started_at: float
+) -> None:
+    """Start-up cost, once per worker group. The job's first group logs ``time_to_first_step_s``: seconds from
+    the ``raytrn train`` process start to the end of its first step (Ray, MLflow, workers, model, first batch;
+    on XLA also the first graph compile). A restarted group logs ``restart_to_first_step_s``: from the start
+    of its own worker processes to its first step."""
+    now = time.time()
+    if group == 0:
+        started_at = config.get("started_at")
+        if started_at is None:
+            return
+        name, seconds = "time_to_first_step_s", now - started_at
+        if board is not None:
+            board.first_step.remote(seconds)
+    else:
+        name, seconds = "restart_to_first_step_s", now - group_started_at
     if logger:
-        logger.log_metrics({"time_to_first_step_s": seconds}, step, training=False)
-    if board is not None:
-        board.first_step.remote(seconds)
+        logger.log_metrics({name: seconds}, step, training=False)
 
 
 def _resume_progress(checkpoint: Any) -> Progress:
@@ -186,7 +227,7 @@ def _resume_progress(checkpoint: Any) -> Progress:
 
     try:
         with checkpoint.filesystem.open_input_stream(f"{checkpoint.path}/{META_FILE}") as f:
-            progress = parse_meta(f.read().decode())
+            progress = parse_meta(f.read().decode()).progress
     except (OSError, ValueError) as e:  # the full state still restores the counters
         log.warning("checkpoint %s: no readable %s (%s)", checkpoint.path, META_FILE, e)
         progress = Progress()
@@ -230,9 +271,15 @@ class _StartEarly:
 
 
 class _Efficiency:
-    """Running cost (USD), USD per 1M tokens, tokens per USD and MFU, for rank 0's metrics."""
+    """Running cost (USD, over the whole run), USD per 1M tokens, tokens per USD and MFU, for rank 0's metrics.
 
-    def __init__(self, job: JobSpec, world_size: int) -> None:
+    ``spent_usd``: what the run cost before this worker group; ``started_at``: when the group started (wall
+    clock), from which its own cost runs.
+    """
+
+    def __init__(
+        self, job: JobSpec, world_size: int, *, spent_usd: float = 0.0, started_at: float | None = None
+    ) -> None:
         from raytrn.models import model_stats
         from raytrn.tracking.cost import CostTracker, peak_flops_per_worker, usd_per_hour
 
@@ -241,25 +288,29 @@ class _Efficiency:
         price = usd_per_hour(
             s.instance_type, override=job.tracking.usd_per_hour, spot_price=job.tracking.spot_usd_per_hour
         )
-        self.cost = CostTracker(price, nodes)
+        self.cost = CostTracker(price, nodes, base_usd=spent_usd)
         gpu = None
         if s.accelerator == "cuda" and torch.cuda.is_available():
             gpu = torch.cuda.get_device_name()
         self.peak = peak_flops_per_worker(s.accelerator, s.instance_type, lnc=job.neuron.lnc, gpu=gpu)
         self.flops_per_token = model_stats(job.model, job.data.seq_len).flops_per_token
         self.world_size = world_size
-        self.start = time.perf_counter()
-        self.tokens = 0
+        self.start = time.time() if started_at is None else started_at
 
-    def metrics(self, tokens_per_s: float, new_tokens: int) -> dict[str, float]:
+    def metrics(self, tokens_per_s: float, tokens_total: int) -> dict[str, float]:
+        """Cost metrics with ``tokens_total`` tokens trained over the run, MFU at ``tokens_per_s``."""
         from raytrn.tracking.cost import mfu
 
-        self.tokens += new_tokens
-        out = self.cost.update(time.perf_counter() - self.start, self.tokens)
+        out = self.cost.update(time.time() - self.start, tokens_total)
         value = mfu(tokens_per_s, self.flops_per_token, self.world_size, self.peak)
         if value is not None:
             out["mfu"] = value
         return out
+
+    def cost_usd(self) -> float:
+        """The run's cost up to now (what a checkpoint stores)."""
+        self.cost.update(time.time() - self.start, 0)
+        return self.cost.cost_usd
 
 
 def owns_batch(index: int, *, tp: int, dp: int, dp_rank: int) -> bool:
@@ -284,23 +335,8 @@ class _TokenCollate(_token_collate_base()):  # type: ignore[misc]
         return torch.from_numpy(arr.astype(np.int64, copy=False))
 
 
-def _quiet_ray_train_logs() -> None:
-    """Ray Train logs every report and checkpoint at INFO; it drowns the driver's progress line."""
-    try:
-        from ray.train.v2._internal.execution import context, storage
-
-        for module in (context, storage):
-            # These modules name their loggers by __file__ or __name__ depending on the module.
-            logging.getLogger(module.__file__).setLevel(logging.WARNING)
-            logging.getLogger(module.__name__).setLevel(logging.WARNING)
-    except ImportError:  # a Ray without those modules: nothing to quiet
-        pass
-
-
 def sharded_dir(job: JobSpec) -> str:
     """Where NxD writes the sharded checkpoints of this run (next to Ray's checkpoints)."""
-    from raytrn import storage
-
     return storage.join(job.checkpoint.storage, job.run_name, "nxd")
 
 
@@ -310,6 +346,7 @@ def _save_and_report(
     backend: Backend,
     t: Training,
     progress: Progress,
+    schedule: Schedule,
     metrics: dict[str, float],
     logger: Any,
 ) -> None:
@@ -321,36 +358,31 @@ def _save_and_report(
         ray.train.report(report, checkpoint=None)
         return
     if t.sharded:  # NxD: every rank writes its shard of model and optimizer (to S3 or a shared FS)
-        from raytrn.backends.nxd import save_sharded_checkpoint
-
-        save_sharded_checkpoint(
-            sharded_dir(job), f"step_{progress.step:08d}", t.model, t.optimizer, t.scheduler,
-            asdict(progress), job.checkpoint.keep_last,
-        )  # fmt: skip
+        save_sharded(job, t, progress, schedule)
     if rank != 0:
         ray.train.report(report, checkpoint=None)
         return
     with tempfile.TemporaryDirectory(prefix="raytrn-ckpt-") as d:
         if t.sharded:  # Ray's checkpoint holds the counters and points at the shards
-            write_meta(d, progress, sharded=sharded_dir(job))
+            write_meta(d, progress, schedule=schedule.to_dict(), sharded=sharded_dir(job))
         else:
             save_state(
-                d, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, progress=progress, to_cpu=backend.to_cpu
+                d,
+                model=t.model,
+                optimizer=t.optimizer,
+                scheduler=t.scheduler,
+                progress=progress,
+                schedule=schedule.to_dict(),
+                to_cpu=backend.to_cpu,
             )
         ray.train.report(
             report,
             checkpoint=ray.train.Checkpoint.from_directory(d),
             checkpoint_dir_name=f"checkpoint_{progress.step:08d}",
         )
-    if logger:
-        location = os.path.join(job.checkpoint.storage, job.run_name, f"checkpoint_{progress.step:08d}")
-        logger.set_tags(
-            {
-                "checkpoint.latest": location,
-                "checkpoint.latest_step": str(progress.step),
-                f"checkpoint.step_{progress.step:08d}": location,  # every checkpoint's location, by step
-            }
-        )
+    if logger:  # the run's checkpoint tags (those keep_last deleted are marked so by the tracking actor)
+        location = storage.join(job.checkpoint.storage, job.run_name, f"checkpoint_{progress.step:08d}")
+        logger.checkpoint_saved(progress.step, location, job.checkpoint.keep_last)
 
 
 def _tracker(config: dict[str, Any]) -> Any:

@@ -24,6 +24,13 @@ class ProgressBoard:
         self.last: dict[str, Any] | None = None
         self.recent: list[dict[str, Any]] = []
         self.first_step_s: float | None = None
+        self.groups = 0
+
+    def group_started(self, step: int, world_size: int) -> int:
+        """A worker group (re)started at ``step`` with ``world_size`` workers; returns how many started before
+        it in this job (0: the first, a restart otherwise)."""
+        self.groups += 1
+        return self.groups - 1
 
     def first_step(self, seconds: float) -> None:
         """The first worker group's time to its first step (restarts do not change it)."""

@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from raytrn.backends.base import Backend
-from raytrn.backends.nxd import adamw_param_groups, data_parallel_size
 from raytrn.config import JobSpec
 from raytrn.models import build_model
-from raytrn.train.schedule import lr_factor
+from raytrn.train.optim import build_adamw, lr_scheduler
+from raytrn.train.schedule import Schedule
+from raytrn.train.sizes import data_parallel_size
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,8 @@ class StepResult:
     data_wait_s: float  # time spent waiting for batches
 
 
-def build_training(job: JobSpec, backend: Backend, *, world_size: int) -> Training:
-    """Seeded model, AdamW and warmup+cosine schedule for ``job`` at this world size.
+def build_training(job: JobSpec, backend: Backend, *, world_size: int, schedule: Schedule | None = None) -> Training:
+    """Seeded model, AdamW and learning-rate ``schedule`` (default: the job's) for ``job`` at this world size.
 
     The backend may build a model-parallel one instead (neuronx-distributed on Neuron).
     """
@@ -67,29 +68,15 @@ def build_training(job: JobSpec, backend: Backend, *, world_size: int) -> Traini
         if cuda and job.run.compile:
             model.compile()  # in place, before DDP: state_dict keys stay those of the plain model
         model = backend.prepare_model(model)
-        parts = {"model": model, "optimizer": _adamw(model, job, fused=cuda and job.optim.fused)}
+        parts = {"model": model, "optimizer": build_adamw(model, job, fused=cuda and job.optim.fused)}
         if cuda and job.run.compile:
             parts["loss_fn"] = torch.compile(cross_entropy)  # fuses the fp32 upcast into the loss
     return Training(
         **parts,
         autocast_dtype=torch.bfloat16 if cuda and job.model.autocast == "bfloat16" else None,
-        scheduler=lr_scheduler(parts["optimizer"], job),
+        scheduler=lr_scheduler(parts["optimizer"], schedule or Schedule.from_job(job)),
         grad_accum=job.data.grad_accum_for(data_parallel_size(job, world_size)),
         grad_clip_norm=job.optim.grad_clip_norm,
-    )
-
-
-def lr_scheduler(optimizer: torch.optim.Optimizer, job: JobSpec) -> Any:
-    """Linear warmup, then cosine decay to ``lr * min_lr_ratio`` (see raytrn.train.schedule)."""
-    o, max_steps = job.optim, job.run.max_steps
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: lr_factor(
-            s,
-            warmup_steps=o.warmup_steps,
-            decay_steps=o.decay_steps or max(1, max_steps - o.warmup_steps),
-            min_lr_ratio=o.min_lr_ratio,
-        ),
     )
 
 
@@ -140,16 +127,6 @@ def read_metrics(result: StepResult, world_size: int) -> dict[str, float]:
         torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.SUM)
         loss = loss / world_size
     return {"loss": loss.item(), "grad_norm": float(result.grad_norm)}
-
-
-def _adamw(model: torch.nn.Module, job: JobSpec, *, fused: bool = False) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on norms and biases (1-D parameters), the same groups NxD's optimizer gets.
-
-    ``fused``: one CUDA kernel for the whole update (``optim.fused`` on cuda); otherwise torch's default.
-    """
-    o = job.optim
-    groups = adamw_param_groups(model, o.weight_decay)
-    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=fused or None)
 
 
 def _clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:

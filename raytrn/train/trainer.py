@@ -12,13 +12,15 @@ from typing import Any
 
 from raytrn import storage
 from raytrn.backends import Backend, get_backend
-from raytrn.checkpoint import Progress, read_meta
+from raytrn.checkpoint import Meta, Progress, read_meta
+from raytrn.compat import create_data_stats_actor, trainer_without_callbacks
 from raytrn.config import JobSpec
 from raytrn.errors import RaytrnError
 from raytrn.models import model_stats
-from raytrn.runtime import ensure_ray
-from raytrn.train.checks import check_data
+from raytrn.runtime import ensure_ray, process_started_at
+from raytrn.train.checks import check_data, check_spec
 from raytrn.train.progress import ProgressBoard, ProgressPrinter, Summary
+from raytrn.train.schedule import Schedule, resolve_schedule
 
 log = logging.getLogger(__name__)
 _CKPT = re.compile(r"^checkpoint_(\d{8})$")
@@ -27,9 +29,11 @@ _CKPT = re.compile(r"^checkpoint_(\d{8})$")
 def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
     """Run ``job`` to ``run.max_steps`` (resuming when a checkpoint exists) and summarise it."""
     backend = get_backend(job.scaling.accelerator)
+    check_spec(job)
     backend.check(job)
     manifest = check_data(job)
-    resumed, latest = latest_checkpoint(job)
+    meta, latest = latest_checkpoint(job)
+    resumed = meta.progress if meta else Progress()
     start_step = resumed.step
     if start_step >= job.run.max_steps:
         raise RaytrnError(
@@ -39,6 +43,10 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
         )
     if latest:
         print(f"raytrn: resuming run '{job.run_name}' from step {start_step} ({latest})", flush=True)
+    # The learning-rate schedule is pinned by the run's first invocation; said once, here, when it moves or stays.
+    schedule, note = resolve_schedule(job, meta.schedule if meta else None, start_step)
+    if note:
+        print(f"raytrn: {note}", flush=True)
 
     scaling = _scaling(job, backend)
     from raytrn.tracking.mlflow_run import plan_run
@@ -51,7 +59,7 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
         **_git_commit(),
     }
     # Only whether MLflow answers (tracking.required: fail now); the run is created by the tracking actor.
-    tracked = plan_run(job, tags=_tags(job), extra_params=params)
+    tracked = plan_run(job, tags={**_tags(job), "lr_schedule": schedule.describe()}, extra_params=params)
 
     # torch's import for the trainer takes seconds and needs no Ray: it runs while Ray starts.
     with ThreadPoolExecutor(1, thread_name_prefix="raytrn-prepare") as pool:
@@ -59,7 +67,7 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
         # One logical CPU more than the workers take, for Ray Data's read tasks (embedded local Ray only).
         started_locally = ensure_ray(min_cpus=scaling.total_resources.get("CPU", 0) + 1)
     if started_locally:
-        _check_local_resources(job, scaling)
+        _check_local_resources(job, backend)
     import ray
 
     from raytrn.tracking.actor import driver_env, start_tracking_actor
@@ -97,7 +105,9 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
 
     try:
         with _stop_on_sigterm(lambda: finish("KILLED", 3.0)):  # Ray SIGKILLs soon after SIGTERM
-            trainer = _trainer(job, backend, scaling, manifest, tracked, tracker, board, local=started_locally)
+            trainer = _trainer(
+                job, backend, scaling, manifest, tracked, tracker, board, schedule=schedule, local=started_locally
+            )
             with ProgressPrinter(board, live=live_progress), watch:
                 result = trainer.fit()
         watch.raise_if_refused()  # fit was aborted because MLflow refused the run
@@ -188,8 +198,8 @@ class _RunRefused:
             self._fitting = False
 
 
-def latest_checkpoint(job: JobSpec) -> tuple[Progress, str | None]:
-    """Progress counters and location of the newest checkpoint of this run, or (Progress(), None)."""
+def latest_checkpoint(job: JobSpec) -> tuple[Meta | None, str | None]:
+    """What the newest checkpoint of this run says (counters, schedule) and where it is, or (None, None)."""
     import pyarrow.fs as pafs
 
     root = storage.join(job.checkpoint.storage, job.run_name)
@@ -197,14 +207,18 @@ def latest_checkpoint(job: JobSpec) -> tuple[Progress, str | None]:
     try:
         infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
     except OSError:
-        return Progress(), None
+        return None, None
     names = sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory and _CKPT.match(i.base_name))
     for name in reversed(names):
         location = storage.join(root, name)
-        progress = read_meta(location)
-        if progress is not None:
-            return progress, location
-    return Progress(), None
+        try:
+            meta = read_meta(location)
+        except ValueError as e:  # a damaged meta.json: the one before it
+            log.warning("checkpoint %s: unreadable meta.json (%s)", location, e)
+            continue
+        if meta is not None:
+            return meta, location
+    return None, None
 
 
 def _trainer(
@@ -216,6 +230,7 @@ def _trainer(
     tracker: Any,
     board: Any,
     *,
+    schedule: Schedule,
     local: bool = False,
 ) -> Any:
     """The Ray Train ``TorchTrainer`` for ``job``, reading the manifest's shards with Ray Data
@@ -238,7 +253,8 @@ def _trainer(
             "board": board,
             "mlflow_uri": tracked.uri if tracked else None,
             "tracker": tracker,
-            "started_at": _process_started_at(),
+            "started_at": process_started_at(),
+            "schedule": schedule.to_dict(),
         },
         scaling_config=scaling,
         torch_config=backend.ray_backend_config(job),
@@ -266,18 +282,8 @@ def _local_trainer_class(base: type) -> type:
     workers start, on a 2-core laptop about a second of start-up) that removes the job's placement group if
     the controller dies. On a Ray this process started, the controller cannot outlive the process: when it
     ends, Ray and every placement group end with it. On a cluster (``RAY_ADDRESS``) the stock trainer is used.
-    (``_create_default_callbacks`` is Ray Train V2's private hook; a Ray without it keeps every callback.)
     """
-
-    if not callable(getattr(base, "_create_default_callbacks", None)):
-        return base
-
-    class LocalTorchTrainer(base):  # type: ignore[misc,valid-type]
-        def _create_default_callbacks(self) -> list[Any]:
-            callbacks = super()._create_default_callbacks()
-            return [c for c in callbacks if type(c).__name__ not in LOCAL_SKIPPED_CALLBACKS]
-
-    return LocalTorchTrainer
+    return trainer_without_callbacks(base, LOCAL_SKIPPED_CALLBACKS)
 
 
 def _worker_runtime_env(job: JobSpec, backend: Backend) -> dict[str, Any]:
@@ -305,9 +311,15 @@ def _data_config(job: JobSpec) -> Any:
     import ray.train
     from ray.data import ExecutionOptions
 
-    if job.parallel.tensor_parallel_size > 1 or job.scaling.max_workers == 1:
+    if not splits_data(job):
         return ray.train.DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True))
     return ray.train.DataConfig()
+
+
+def splits_data(job: JobSpec) -> bool:
+    """Whether Ray splits the dataset over the workers: not for one worker (fixed size; ``max_workers: null``
+    included) nor under tensor parallelism (every rank of a TP group reads the same, unsplit stream)."""
+    return job.parallel.tensor_parallel_size == 1 and job.scaling.max_size > 1
 
 
 def _pin_data_stats_actor() -> None:
@@ -318,27 +330,17 @@ def _pin_data_stats_actor() -> None:
     ever scaling down. (A private Ray Data function; without it the actor is created as before.)
     """
     try:
-        from ray.data._internal.stats import get_or_create_stats_actor
-
-        get_or_create_stats_actor()
+        create_data_stats_actor()
     except Exception as e:  # another Ray version: not worth failing a job over
         log.warning("Ray Data stats actor not created on the driver's node: %s", e)
 
 
-def _process_started_at() -> float:
-    """When this process (``raytrn train``, the job's entrypoint under ``ray job submit``) started."""
-    import psutil
-
-    return float(psutil.Process().create_time())
-
-
-def _check_local_resources(job: JobSpec, scaling: Any) -> None:
+def _check_local_resources(job: JobSpec, backend: Backend) -> None:
     """On an embedded local Ray nothing can scale up: fail now rather than wait forever for resources."""
     import ray
 
     have = ray.cluster_resources()
-    per_worker = scaling._resources_per_worker_not_none
-    for name, amount in per_worker.items():
+    for name, amount in worker_resources(job, backend).items():
         need = amount * job.scaling.min_workers
         if amount > 0 and have.get(name, 0) < need:
             raise RaytrnError(
@@ -359,9 +361,19 @@ def _scaling(job: JobSpec, backend: Backend) -> Any:
 
     s = job.scaling
     # Train V2 takes (min, max) for an elastic worker group.
-    num_workers: Any = (s.min_workers, s.max_workers) if s.elastic else s.min_workers
-    resources = dict(s.resources_per_worker or backend.default_resources)
-    return ScalingConfig(num_workers=num_workers, use_gpu=backend.use_gpu, resources_per_worker=resources)
+    num_workers: Any = (s.min_workers, s.max_size) if s.elastic else s.min_workers
+    return ScalingConfig(
+        num_workers=num_workers, use_gpu=backend.use_gpu, resources_per_worker=worker_resources(job, backend)
+    )
+
+
+def worker_resources(job: JobSpec, backend: Backend) -> dict[str, float]:
+    """The Ray resources of one training worker: the job's, else the accelerator's default (a GPU worker
+    always holds one GPU); zero amounts dropped, as Ray Train does."""
+    resources = dict(job.scaling.resources_per_worker or backend.default_resources)
+    if backend.use_gpu:
+        resources.setdefault("GPU", 1)
+    return {k: v for k, v in resources.items() if v}
 
 
 def _run_storage(job: JobSpec) -> dict[str, Any]:
@@ -418,7 +430,7 @@ def _git_commit() -> dict[str, str]:
     of the working dir has no .git); a local run asks git."""
     import json
 
-    from raytrn.submit import git_commit
+    from raytrn.runtime import git_commit
 
     try:
         meta = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("metadata") or {}

@@ -61,13 +61,10 @@ def test_shipped_files_exist_and_use_the_documented_ami_parameter() -> None:
 
 def test_shipped_files_pass_rays_own_validation() -> None:
     """Ray's full check (defaults filled, NetworkInterfaces folded), not just the schema."""
-    from ray.autoscaler._private.aws.config import _configure_from_network_interfaces
-    from ray.autoscaler._private.util import prepare_config, validate_config
+    from raytrn.compat import ray_validate_cluster_config
 
     for path in (TRN1, TRN2):
-        config = prepare_config(load(path))
-        validate_config(config)
-        _configure_from_network_interfaces(config)
+        ray_validate_cluster_config(load(path))
 
 
 def test_trn_node_types_match_the_instance_table() -> None:

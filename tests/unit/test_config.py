@@ -185,7 +185,7 @@ def test_missing_required_section(tmp_path: Path) -> None:
         (
             "scaling",
             {"resources_per_worker": {"CPU": -1}},
-            "scaling: resources_per_worker.CPU must be >= 0, got -1.0",
+            "scaling: resources_per_worker.CPU must be >= 0 and finite, got -1.0",
         ),
         ("optim", {"betas": [1.0, 0.95]}, "optim: betas must each be in [0, 1), got [1.0, 0.95]"),
         ("optim", {"betas": [0.9, -0.1]}, "optim: betas must each be in [0, 1), got [0.9, -0.1]"),
@@ -418,3 +418,63 @@ def test_job_spec_pickles(tmp_path: Path) -> None:
     job = load_job(write_job(tmp_path, tiny_raw()), base_dir="/base")
     back = pickle.loads(pickle.dumps(job))
     assert back == job and back.source == job.source
+
+
+def test_max_workers_null_is_a_fixed_size_everywhere() -> None:
+    """``max_workers: null`` is the same job as ``max_workers == min_workers``: the same spec after parsing,
+    and the same data path (one worker reads the dataset unsplit, in order)."""
+    from raytrn.train.trainer import splits_data
+
+    raw = tiny_raw()
+    raw["scaling"] = {"min_workers": 1, "max_workers": None}
+    null = parse_job(raw)
+    raw["scaling"] = {"min_workers": 1, "max_workers": 1}
+    same = parse_job(raw)
+    assert null == same and null.scaling.max_workers == 1 and not null.scaling.elastic
+    assert not splits_data(null) and not splits_data(same)
+    raw["scaling"] = {"min_workers": 3}
+    assert parse_job(raw).scaling.max_workers == 3
+    assert parse_job(raw, overridden={"scaling.min_workers"}).flat()["scaling.max_workers"] == 3
+
+
+def test_run_names_are_one_path_component() -> None:
+    raw = tiny_raw()
+    for bad in ("../../home", "a/b", ".hidden", "", "x" * 201, "name with space"):
+        raw["tracking"] = {"run_name": bad}
+        with pytest.raises(ConfigError, match="tracking.run_name: .*not a usable run name|tracking.run_name"):
+            parse_job(raw)
+    raw["tracking"] = {"run_name": "llama3.2-1b_trn1=v2+x"}
+    assert parse_job(raw).run_name == "llama3.2-1b_trn1=v2+x"
+
+
+def test_generated_run_names_are_safe_for_any_file_name() -> None:
+    job = parse_job(tiny_raw(), source="/tmp/my job (copy).yaml")
+    assert re.fullmatch(r"my-job-copy-\d{8}-\d{6}", job.run_name), job.run_name
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "a: &a [1, 2]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+            + "".join(
+                f"c{i}: &c{i} [" + ", ".join([f"*{'b' if i == 0 else f'c{i - 1}'}"] * 10) + "]\n" for i in range(6)
+            ),
+            r"more than 20,000 values \(YAML anchors and aliases expanded\)",
+        ),
+        ("model: " + "[" * 5000 + "]" * 5000, "nested"),
+    ],
+    ids=["billion-laughs", "deep-nesting"],
+)
+def test_hostile_yaml_is_refused_quickly(tmp_path: Path, text: str, expected: str) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=expected):
+        load_job(path)
+
+
+def test_a_huge_job_file_is_refused_without_reading_it_all(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("# padding\n" * 200_000)
+    with pytest.raises(ConfigError, match="larger than 1 MiB"):
+        load_job(path)

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from raytrn.backends.nxd import check_parallel, data_parallel_size, kv_replication
+from raytrn.backends.nxd import check_parallel, kv_replication
 from raytrn.config import JobSpec, load_job
 from raytrn.models import PRESETS, model_stats
-from raytrn.train.checks import check_job, world_sizes
+from raytrn.train.checks import check_job
+from raytrn.train.sizes import data_parallel_size, world_sizes
 
 pytestmark = pytest.mark.unit
 

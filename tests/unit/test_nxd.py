@@ -26,8 +26,6 @@ from raytrn.backends.nxd import (
     build_parallel_model,
     build_parallel_optimizer,
     check_parallel,
-    data_parallel_rank,
-    data_parallel_size,
     kv_replication,
     load_sharded_checkpoint,
     nxd_config_kwargs,
@@ -38,6 +36,8 @@ from raytrn.backends.nxd import (
 )
 from raytrn.config import JobSpec, apply_overrides, parse_job
 from raytrn.errors import BackendError, BackendUnavailableError, ConfigError
+from raytrn.train.checks import check_spec
+from raytrn.train.sizes import data_parallel_rank, data_parallel_size
 
 pytestmark = pytest.mark.unit
 
@@ -57,8 +57,9 @@ def job_8b(*overrides: str) -> JobSpec:
 
 
 def config_error(j: JobSpec) -> str:
+    """The ConfigError of the checks every command runs on a spec (the parallel layout, then the batch)."""
     with pytest.raises(ConfigError) as e:
-        check_parallel(j, require_installed=False)
+        check_spec(j)
     return str(e.value)
 
 
@@ -227,8 +228,9 @@ def test_global_batch_must_divide_by_micro_batch_times_data_parallel_size() -> N
     msg = config_error(job_8b("data.global_batch_size=1024"))
     assert msg == (
         "job.yaml: data.global_batch_size (1024) is not divisible by micro_batch_size x data-parallel size at 96 "
-        "workers (1 x 3 = 3; with tensor_parallel_size 32 the ranks of a TP group share each batch, so DP = "
-        "workers / TP). Every size of the elastic range needs a multiple of 12: use 1020 or 1032"
+        "workers (DP 3: 1 x 3 = 3); with tensor_parallel_size 32 the ranks of a TP group share each batch, so DP = "
+        "workers / TP. Every size of the elastic range needs a multiple of 12 (the least common multiple of 1, 2, 3 "
+        "and 4): use 1020 or 1032."
     )
 
 
@@ -255,7 +257,7 @@ def test_guard_raises_when_neuronx_distributed_is_missing(monkeypatch: pytest.Mo
         require_nxd(job_8b())
     # Config errors come first: a broken layout is reported even where NxD is missing.
     with pytest.raises(ConfigError):
-        check_parallel(job_8b("data.global_batch_size=1024"))
+        check_parallel(job_8b("data.seq_len=8190"))
     # Jobs that do not need NxD do not need it installed.
     plain = "parallel={tensor_parallel_size: 1, zero1: false, sequence_parallel: false}"
     assert check_parallel(job("llama3.2-1b-trn1.yaml", plain)) == []
@@ -330,6 +332,8 @@ def test_nxd_config_lnc_size(instance: str, lnc: int | None, expected: int) -> N
 
 
 class FakeStorage:
+    """NxD's checkpoint storage as raytrn reads it: completed tags and the objects saved under them."""
+
     def __init__(self, tags: list[str], files: dict[str, Any]) -> None:
         self.tags, self.files = tags, files
 
@@ -364,6 +368,17 @@ class FakeNxD:
     def called(self, name: str) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
         return [(a, k) for n, a, k in self.calls if n == name]
 
+    def save(self, path: str, tag: str, *, user_content: Any = None, **kwargs: Any) -> None:
+        """As NxD's save_checkpoint: the tag completes, and rank 0's user content is stored as given."""
+        self.storage.tags.append(tag)
+        if user_content is not None:
+            self.storage.files[f"{tag}/user_content.pt"] = user_content
+
+    def load(self, path: str, tag: str | None = None, **kwargs: Any) -> Any:
+        """As NxD's load_checkpoint: the user content saved with the tag, unchanged (None without one)."""
+        tag = tag or self.storage.tags[-1]
+        return self.storage.files.get(f"{tag}/user_content.pt")
+
 
 @pytest.fixture
 def fake_nxd(monkeypatch: pytest.MonkeyPatch) -> FakeNxD:
@@ -381,8 +396,8 @@ def fake_nxd(monkeypatch: pytest.MonkeyPatch) -> FakeNxD:
         neuronx_distributed_config=fake.record("config", lambda **kw: {"nxd": kw}),
         initialize_parallel_model=fake.record("model", lambda cfg, fn, buffers: ("nxd-model", fn())),
         initialize_parallel_optimizer=fake.record("optimizer", "nxd-optimizer"),
-        save_checkpoint=fake.record("save"),
-        load_checkpoint=fake.record("load", {"step": 7}),
+        save_checkpoint=fake.record("save", fake.save),
+        load_checkpoint=fake.record("load", fake.load),
     )
     module(
         "neuronx_distributed.trainer.checkpoint_storage",
@@ -538,7 +553,11 @@ def test_load_without_a_checkpoint(fake_nxd: FakeNxD) -> None:
 def test_load_the_newest_checkpoint(fake_nxd: FakeNxD) -> None:
     _saved(fake_nxd, tp=8, dp=4)
     opt = Zero1Optimizer(True)
-    assert load_sharded_checkpoint("s3://b/run", "M", opt, "S") == {"step": 7}
+    # NxD hands back the user content as saved: raytrn's counters and its layout key.
+    assert load_sharded_checkpoint("s3://b/run", "M", opt, "S") == {
+        "step": 200,
+        LAYOUT_KEY: {"tensor_parallel_size": 8, "data_parallel_size": 4},
+    }
     assert fake_nxd.called("storage") == [(("s3://b/run",), {})]
     assert fake_nxd.called("load") == [
         (("s3://b/run",), {"tag": "step_200", "model": "M", "optimizer": opt, "scheduler": "S"})

@@ -1,12 +1,15 @@
 """The NxD path of the training step, run on CPU against a functional stand-in for neuronx-distributed.
 
 The stand-in builds a real (tiny) HF Llama and a real AdamW that clips and exposes ``grad_norm`` the way
-``NxDOptimizer`` does, so these tests check raytrn's wiring (which model/optimizer/loss the step uses,
-the fused optimizer step, the data-parallel batch arithmetic and batch ownership), not NxD itself.
+``NxDOptimizer`` does, and saves and loads checkpoints the way ``neuronx_distributed.trainer`` does
+(``load_checkpoint`` restores model, optimizer and scheduler and returns the user content *as saved*), so
+these tests check raytrn's wiring (which model/optimizer/loss the step uses, the fused optimizer step, the
+data-parallel batch arithmetic, batch ownership, the sharded save and resume), not NxD itself.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 import types
 from pathlib import Path
@@ -17,8 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from raytrn.backends.neuron import NeuronBackend
+from raytrn.checkpoint import Progress
 from raytrn.config import load_job
-from raytrn.train.loop import owns_batch
+from raytrn.train.loop import owns_batch, restore_state, save_sharded, sharded_dir
+from raytrn.train.schedule import Schedule
 from raytrn.train.step import build_training, train_step
 
 pytestmark = pytest.mark.unit
@@ -54,14 +59,63 @@ def nxd_standin(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         seen["optimizer_defaults"] = defaults
         return ClippingAdamW(groups, **defaults)
 
+    saved: dict[str, dict[str, Any]] = {}  # path -> {tag -> what was written}
+    seen["saved"] = saved
+
+    def save_checkpoint(path: str, tag: str, *, model: Any, optimizer: Any, scheduler: Any, user_content: Any = None,
+                        num_kept_ckpts: int | None = None, **kw: Any) -> None:  # fmt: skip
+        tags = saved.setdefault(path, {})
+        tags[tag] = {
+            "model": copy.deepcopy(model.state_dict()),
+            "optim": copy.deepcopy(optimizer.state_dict()),
+            "scheduler": scheduler.state_dict(),
+            "user_content.pt": copy.deepcopy(user_content),
+        }
+        for old in sorted(tags)[: -num_kept_ckpts or None] if num_kept_ckpts else []:
+            del tags[old]
+
+    def load_checkpoint(path: str, tag: str | None = None, model: Any = None, optimizer: Any = None,
+                        scheduler: Any = None, **kw: Any) -> Any:  # fmt: skip
+        entry = saved[path][tag or sorted(saved[path])[-1]]
+        if model is not None:
+            model.load_state_dict(entry["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(entry["optim"])
+        if scheduler is not None:
+            scheduler.load_state_dict(entry["scheduler"])
+        return entry["user_content.pt"]  # as NxD does: the user content exactly as it was saved
+
+    class Storage:
+        def __init__(self, path: str) -> None:
+            self.path = path
+
+        def list_completed_checkpoint_tags(self) -> list[str]:
+            return sorted(saved.get(self.path, {}))
+
+        def file_exists(self, name: str) -> bool:
+            tag, _, file = name.partition("/")
+            return file in saved.get(self.path, {}).get(tag, {})
+
+        def load_object(self, name: str, map_location: Any = None) -> Any:
+            tag, _, file = name.partition("/")
+            return saved[self.path][tag][file]
+
     module("neuronx_distributed")
     module(
         "neuronx_distributed.trainer",
         neuronx_distributed_config=lambda **kw: seen.setdefault("config", kw),
         initialize_parallel_model=lambda cfg, fn, include_buffers: fn(),
         initialize_parallel_optimizer=initialize_parallel_optimizer,
+        save_checkpoint=save_checkpoint,
+        load_checkpoint=load_checkpoint,
     )
+    module("neuronx_distributed.trainer.checkpoint_storage", create_checkpoint_storage=Storage)
     module("neuronx_distributed.parallel_layers")
+    module(
+        "neuronx_distributed.parallel_layers.parallel_state",
+        get_tensor_model_parallel_size=lambda: 2,
+        get_data_parallel_size=lambda: 16,
+    )
     module(
         "neuronx_distributed.parallel_layers.loss_functions",
         parallel_cross_entropy=lambda logits, target: F.cross_entropy(logits.float(), target, reduction="none"),
@@ -133,6 +187,31 @@ def test_tensor_parallel_training_uses_nxd_model_optimizer_and_loss(nxd_standin:
     assert t.scheduler.last_epoch == 11
 
 
+def test_sharded_checkpoint_resumes_counters_weights_and_schedule(nxd_standin: dict[str, Any], tmp_path: Path) -> None:
+    """The loop's NxD save and resume: NxD returns its user content with raytrn's layout key in it, and the
+    counters come back from it (it used to reach Progress(**content) and fail the first resume)."""
+    job = _tp_job(f"checkpoint.storage={tmp_path}", "tracking.run_name=nxd-resume")
+    gen = torch.Generator().manual_seed(1)
+    batches = iter([torch.randint(0, 512, (2, 33), generator=gen) for _ in range(12)])
+    t = build_training(job, CpuNeuronBackend(), world_size=32)
+    for _ in range(3):
+        train_step(t, batches, CpuNeuronBackend())
+    progress = Progress(step=3, tokens_seen=3 * 64 * 32, epoch=1, last_logged_step=3, cost_usd=1.25)
+    save_sharded(job, t, progress, Schedule.from_job(job))
+    [content] = [e["user_content.pt"] for e in nxd_standin["saved"][sharded_dir(job)].values()]
+    assert "raytrn_parallel" in content  # the layout key travels in the same user content
+
+    fresh = build_training(job, CpuNeuronBackend(), world_size=32)
+    assert restore_state(None, job, fresh) == progress
+    for (name, a), (_, b) in zip(t.model.state_dict().items(), fresh.model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert fresh.scheduler.last_epoch == t.scheduler.last_epoch == 3
+    # Both continue identically from here (optimizer moments restored too).
+    nxt = torch.randint(0, 512, (2, 33), generator=gen)
+    a, b = train_step(t, iter([nxt] * 2), CpuNeuronBackend()), train_step(fresh, iter([nxt] * 2), CpuNeuronBackend())
+    assert torch.equal(a.loss, b.loss)
+
+
 def test_plain_neuron_job_has_no_nxd() -> None:
     job = _tp_job("parallel.tensor_parallel_size=1", "parallel.zero1=false")
     assert NeuronBackend().build_parallel_parts(job) is None
@@ -156,7 +235,7 @@ def test_rank0_efficiency_metrics_for_a_trn_job() -> None:
     eff = _Efficiency(job, world_size=1024)  # 32 trn1.32xlarge
     assert eff.cost.num_nodes == 32 and eff.peak == 95e12
     tokens_per_s = 47.95 * 8192  # AWS's published Llama-3.1-8B figure on 32 nodes
-    out = eff.metrics(tokens_per_s, new_tokens=int(tokens_per_s))
+    out = eff.metrics(tokens_per_s, tokens_total=int(tokens_per_s))
     assert out["mfu"] == pytest.approx(tokens_per_s * model_stats(job.model, 8192).flops_per_token / (1024 * 95e12))
     assert out["mfu"] == pytest.approx(0.234, abs=0.002)
     assert out["cost_usd"] > 0 and out["usd_per_1m_tokens"] > 0

@@ -12,6 +12,7 @@ import pytest
 
 from raytrn import submit as sub
 from raytrn.errors import RaytrnError
+from raytrn.runtime import forwarded_env
 from tests.conftest import REPO, _free_port
 
 
@@ -47,7 +48,7 @@ def test_forwarded_env_takes_mlflow_aws_hf_not_local_files() -> None:
         "PATH": "/usr/bin",
         "RAY_AUTH_TOKEN": "secret",
     }
-    env = sub.forwarded_env(environ, {"AWS_REGION": "us-east-1", "EXTRA": "x"})
+    env = forwarded_env(environ, {"AWS_REGION": "us-east-1", "EXTRA": "x"})
     assert env == {
         "MLFLOW_TRACKING_URI": "http://mlflow:5000",
         "MLFLOW_TRACKING_TOKEN": "t",

@@ -147,6 +147,59 @@ def test_tracking_actor_drops_the_steps_a_restarted_group_repeats(tmp_path):
     assert [m.step for m in client.get_metric_history(run_id, "time_to_first_step_s")] == [6]
 
 
+def test_world_size_history_stays_under_mlflows_tag_limit(tmp_path):
+    """Thousands of restarts: the tag keeps the newest entries and counts the rest, and a new invocation
+    continues the count from the run's tag."""
+    from raytrn.tracking.actor import WORLD_SIZE_TAG, TrackingActor, WorldSizeHistory
+
+    uri, run_id = _run(tmp_path)
+    first = TrackingActor(uri, run_id)
+    assert [first.group_started(step * 10, 1 + step % 3) for step in range(3000)][:3] == [0, 1, 2]
+    assert first.close(30) == 0
+    tag = MlflowClient(uri).get_run(run_id).data.tags[WORLD_SIZE_TAG]
+    assert len(tag) <= 4000 and tag.startswith("+") and tag.endswith(",29990:3")
+    history = WorldSizeHistory.parse(tag)
+    assert history.earlier + len(history.entries) == 3000
+    second = TrackingActor(uri, run_id)
+    assert second.group_started(30000, 3) == 0  # the first worker group of this invocation
+    assert second.close(30) == 0
+    again = WorldSizeHistory.parse(MlflowClient(uri).get_run(run_id).data.tags[WORLD_SIZE_TAG])
+    assert again.earlier + len(again.entries) == 3001 and again.entries[-1] == "30000:3"
+
+
+def test_checkpoint_tags_follow_keep_last_across_invocations(tmp_path):
+    from raytrn.tracking.actor import TrackingActor
+
+    uri, run_id = _run(tmp_path)
+    first = TrackingActor(uri, run_id)
+    for step in (5, 10, 15):
+        first.checkpoint_saved(step, f"/ckpt/checkpoint_{step:08d}", 2)
+    assert first.close(30) == 0
+    tags = MlflowClient(uri).get_run(run_id).data.tags
+    assert tags["checkpoint.step_00000005"] == "deleted by checkpoint.keep_last=2: /ckpt/checkpoint_00000005"
+    assert tags["checkpoint.step_00000015"] == tags["checkpoint.latest"] == "/ckpt/checkpoint_00000015"
+    second = TrackingActor(uri, run_id)  # a resumed job: the run's tags say which checkpoints exist
+    assert second.checkpoints == {10: "/ckpt/checkpoint_00000010", 15: "/ckpt/checkpoint_00000015"}
+    second.checkpoint_saved(20, "/ckpt/checkpoint_00000020", 2)
+    assert second.close(30) == 0
+    tags = MlflowClient(uri).get_run(run_id).data.tags
+    assert tags["checkpoint.step_00000010"].startswith("deleted by checkpoint.keep_last=2")
+    assert tags["checkpoint.latest_step"] == "20"
+
+
+def test_tracking_actor_remembers_the_running_cost(tmp_path):
+    from raytrn.tracking.actor import TrackingActor
+
+    uri, run_id = _run(tmp_path)
+    first = TrackingActor(uri, run_id)
+    assert first.last_value("cost_usd") == 0.0
+    first.log_metrics({"loss": 1.0, "cost_usd": 1.5}, 10)
+    first.log_metrics({"loss": 1.0, "cost_usd": 2.5}, 20)
+    assert first.last_value("cost_usd") == 2.5
+    assert first.close(30) == 0
+    assert TrackingActor(uri, run_id).last_value("cost_usd") == 2.5  # read from the run by a new invocation
+
+
 def test_plan_run_checks_the_server_and_writes_nothing(tmp_path):
     """The driver's part: no MLflow import, no store, no marker; the run is the tracking actor's to create."""
     import subprocess

@@ -1,0 +1,77 @@
+"""What both cluster-file validators share: bounded YAML loading, reading unvalidated YAML, problem lists,
+placeholder notes, and the NeuronCore count a Trainium node exposes."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from raytrn.backends.neuron_env import InstanceSpec
+from raytrn.config import read_config_text, safe_load_yaml
+from raytrn.errors import ConfigError
+
+PLACEHOLDER = "REPLACE_ME"
+_LNC_SETTING = re.compile(r"NEURON_LOGICAL_NC_CONFIG\s*=\s*[\"']?(\d+)")
+
+
+def load_yaml_documents(path: str, *, what: str) -> list[Any]:
+    """Every YAML document of ``path`` (empty ones dropped); ConfigError with ``file:line:col`` on bad YAML,
+    and for files too large or too deeply nested to be a cluster config."""
+    text = read_config_text(path, what=what, examples="cluster/")
+    docs = safe_load_yaml(text, path, documents=True)
+    if not docs:
+        raise ConfigError(f"{path}: {what} is empty")
+    return list(docs)
+
+
+def mapping_at(node: Any, *keys: str) -> dict[str, Any]:
+    """``node[k1][k2]...`` when every step is a mapping, else ``{}`` (for reading unvalidated YAML)."""
+    for key in keys:
+        node = node.get(key) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else {}
+
+
+def raise_problems(source: str, problems: list[str]) -> None:
+    """One ConfigError listing every problem (file first), or nothing."""
+    if problems:
+        head = f"{source}: " if len(problems) == 1 else f"{source}: {len(problems)} problems:\n  "
+        raise ConfigError(head + "\n  ".join(problems))
+
+
+def expected_neuron_cores(spec: InstanceSpec, commands: list[str]) -> tuple[int, int | None]:
+    """NeuronCores a node of ``spec`` exposes given the commands run on it, and the LNC they imply.
+
+    Rule: on instances with a logical NeuronCore config (trn2) the count is at the default LNC (2: 64
+    on trn2.48xlarge) unless a command sets ``NEURON_LOGICAL_NC_CONFIG=N``; the last setting wins.
+    """
+    lnc = None
+    if spec.default_lnc is not None:
+        for cmd in commands:
+            for value in _LNC_SETTING.findall(cmd):
+                if value in ("1", "2"):
+                    lnc = int(value)
+    return spec.cores(lnc), (lnc or spec.default_lnc)
+
+
+def placeholder_notes(config: Any, *, before: str) -> list[str]:
+    """A note naming each distinct ``REPLACE_ME`` value still in ``config`` and where it first occurs."""
+    found: dict[str, list[str]] = {}
+    for where, value in _placeholders(config, ""):
+        for token in re.findall(rf"[^\s\"']*{PLACEHOLDER}[^\s\"']*", value):
+            found.setdefault(token, []).append(where)
+    if not found:
+        return []
+    shown = "; ".join(
+        f"{token} (at {paths[0]}{f' and {len(paths) - 1} more' if len(paths) > 1 else ''})"
+        for token, paths in found.items()
+    )
+    return [f"fill these placeholders before {before}: {shown}"]
+
+
+def _placeholders(node: Any, path: str) -> list[tuple[str, str]]:
+    """``(path, value)`` of every string that still contains the placeholder."""
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _placeholders(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in _placeholders(v, f"{path}[{i}]")]
+    return [(path, node)] if isinstance(node, str) and PLACEHOLDER in node else []

@@ -1,0 +1,165 @@
+"""Every use of a private or undocumented Ray or MLflow API, in one place.
+
+Each function says what it stands in for and the public alternative, if there is one.
+:data:`PRIVATE_NAMES` lists what each relies on; ``tests/unit/test_compat.py`` resolves every entry
+against the installed Ray and MLflow and fails, naming it, when one has moved, so an upgrade that breaks
+raytrn is caught by the unit tests rather than by a job. Nothing else in raytrn (or its tests and
+benchmarks) imports a private Ray or MLflow name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+#: The private names this module relies on: ``module`` or ``module:attribute.path``.
+PRIVATE_NAMES: dict[str, str] = {
+    "trainer callbacks": "ray.train.v2.api.data_parallel_trainer:DataParallelTrainer._create_default_callbacks",
+    "Ray Data stats actor": "ray.data._internal.stats:get_or_create_stats_actor",
+    "Ray Train context logger": "ray.train.v2._internal.execution.context",
+    "Ray Train storage logger": "ray.train.v2._internal.execution.storage",
+    "Ray Train storage copy": "ray.train.v2._internal.execution.storage:_pyarrow_fs_copy_files",
+    "Ray Data progress logger": "ray.data._internal.progress",
+    "Ray Data executor logger": "ray.data._internal.execution.streaming_executor",
+    "Ray Train preemption watcher switch": "ray.train.v2._internal.constants:ENABLE_PREEMPTION_WATCHER_ENV_VAR",
+    "Ray cluster-config validation": "ray.autoscaler._private.util:validate_config",
+    "Ray cluster-config defaults": "ray.autoscaler._private.util:prepare_config",
+    "Ray AWS network interfaces": "ray.autoscaler._private.aws.config:_configure_from_network_interfaces",
+    "MLflow run metrics with steps": "mlflow.entities.run_data:RunData",  # ._metric_objs, set per instance
+    "MLflow dataset entity": "mlflow.data.dataset:Dataset._to_mlflow_entity",
+    "MLflow dataset context tag": "mlflow.utils.mlflow_tags:MLFLOW_DATASET_CONTEXT",
+    "MLflow GPU monitor": "mlflow.system_metrics.metrics.gpu_monitor:GPUMonitor",
+}
+
+# -- Ray Train -----------------------------------------------------------------------------------------
+
+#: Ray Train V2's switch for its preemption watcher (an actor polling the nodes). Undocumented environment
+#: variable; no public alternative. An embedded local Ray (one machine, never preempted) turns it off.
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+
+
+def trainer_without_callbacks(base: type, skipped: tuple[str, ...]) -> type:
+    """``base`` (a ``TorchTrainer``) without Ray Train's default callbacks whose class names are in ``skipped``.
+
+    Overrides ``_create_default_callbacks``, Ray Train V2's private hook; public alternative: none (the
+    ``callbacks`` of ``RunConfig`` only add). A Ray without the hook gets ``base`` unchanged.
+    """
+    if not callable(getattr(base, "_create_default_callbacks", None)):
+        return base
+
+    class Trainer(base):  # type: ignore[misc,valid-type]
+        def _create_default_callbacks(self) -> list[Any]:
+            callbacks = super()._create_default_callbacks()
+            return [c for c in callbacks if type(c).__name__ not in skipped]
+
+    Trainer.__name__ = Trainer.__qualname__ = f"Local{base.__name__}"
+    return Trainer
+
+
+def create_data_stats_actor() -> None:
+    """Create Ray Data's (detached) stats actor from this process, i.e. on this node.
+
+    ``ray.data._internal.stats.get_or_create_stats_actor``; public alternative: none (Ray Data creates it
+    wherever the first dataset runs).
+    """
+    from ray.data._internal.stats import get_or_create_stats_actor
+
+    get_or_create_stats_actor()
+
+
+#: Loggers of Ray Train V2's execution internals that log every report and checkpoint at INFO.
+RAY_TRAIN_CHATTY_MODULES = ("ray.train.v2._internal.execution.context", "ray.train.v2._internal.execution.storage")
+#: Ray Data's loggers for "progress bars disabled" and "execution finished" (internal module names).
+RAY_DATA_CHATTY_LOGGERS = ("ray.data._internal.progress", "ray.data._internal.execution.streaming_executor")
+
+
+def quiet_ray_train_logs() -> None:
+    """Set Ray Train's per-report INFO loggers to WARNING (they drown the driver's progress line).
+
+    Those modules name their loggers by ``__name__`` or ``__file__``; public alternative: none short of
+    raising the level of all of ``ray.train``. A Ray without the modules has nothing to quiet.
+    """
+    for name in RAY_TRAIN_CHATTY_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        for logger_name in (module.__name__, getattr(module, "__file__", None)):
+            if logger_name:
+                logging.getLogger(logger_name).setLevel(logging.WARNING)
+
+
+def pyarrow_fs_copy_files(*args: Any, **kwargs: Any) -> Any:
+    """Ray Train's own copy of a checkpoint directory to its storage (``bench/checkpoint.py`` times it).
+
+    ``ray.train.v2._internal.execution.storage._pyarrow_fs_copy_files``; public alternative:
+    ``pyarrow.fs.copy_files``, which it wraps.
+    """
+    from ray.train.v2._internal.execution.storage import _pyarrow_fs_copy_files
+
+    return _pyarrow_fs_copy_files(*args, **kwargs)
+
+
+def ray_validate_cluster_config(config: dict[str, Any]) -> None:
+    """Ray's own checks of a cluster-launcher config (what ``ray up`` runs before it launches): defaults
+    filled, the schema, and AWS's NetworkInterfaces folded into the launch config. Raises on a bad one.
+
+    ``ray.autoscaler._private.util.{prepare_config,validate_config}`` and
+    ``ray.autoscaler._private.aws.config._configure_from_network_interfaces``; public alternative: ``ray up``
+    itself, which needs cloud credentials. raytrn applies Ray's shipped JSON schema on its own; tests use this
+    to check the shipped cluster files pass Ray's full check too.
+    """
+    from ray.autoscaler._private.aws.config import _configure_from_network_interfaces
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    prepared = prepare_config(config)
+    validate_config(prepared)
+    _configure_from_network_interfaces(prepared)
+
+
+# -- MLflow ------------------------------------------------------------------------------------------
+
+
+def metric_objects(run: Any) -> list[Any]:
+    """The latest ``Metric`` (key, value, timestamp, *step*) of each metric of an MLflow ``Run``.
+
+    ``RunData._metric_objs``; public alternative: ``MlflowClient.get_metric_history`` per key (one request
+    per metric; ``run.data.metrics`` has values but not steps).
+    """
+    return list(run.data._metric_objs)
+
+
+def dataset_input(dataset: Any, context: str) -> Any:
+    """An ``mlflow.entities.DatasetInput`` for an ``mlflow.data`` dataset, tagged with its ``context``.
+
+    ``Dataset._to_mlflow_entity`` and ``mlflow.utils.mlflow_tags.MLFLOW_DATASET_CONTEXT``; public
+    alternative: ``mlflow.log_input(dataset, context)``, which needs an active fluent run in this process.
+    """
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    return DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])
+
+
+def gpu_monitor() -> Any:
+    """MLflow's pynvml GPU monitor (``system/gpu_*`` metrics under MLflow's names), or raise ImportError.
+
+    ``mlflow.system_metrics.metrics.gpu_monitor.GPUMonitor``; public alternative: MLflow's system metrics
+    logging for a fluent run (``mlflow.enable_system_metrics_logging``), which samples in the logging process.
+    """
+    from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+
+    return GPUMonitor()
+
+
+def resolve(spec: str) -> Any:
+    """The object a :data:`PRIVATE_NAMES` entry names (``module`` or ``module:attr.path``); raises ImportError
+    or AttributeError naming it when it has moved."""
+    module_name, _, path = spec.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in filter(None, path.split(".")):
+        if not hasattr(obj, part):
+            raise AttributeError(f"{spec}: {getattr(obj, '__qualname__', obj)!r} has no attribute {part!r}")
+        obj = getattr(obj, part)
+    return obj

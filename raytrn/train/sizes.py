@@ -1,0 +1,160 @@
+"""World sizes and batch arithmetic: the worker counts a job can run at, its model replicas at each, and
+the global batch they train with. Pure (no torch, no Ray): ``raytrn validate`` runs it on a laptop.
+
+An elastic job (``scaling.min_workers != max_workers``) is restarted at another size on every resize. Its
+*global* batch (sequences per optimizer step) must not change when that happens, or the training trajectory
+silently changes with the cluster: :func:`check_global_batch` insists on ``data.global_batch_size``
+divisible at every data-parallel size the job can take (or an explicit
+``data.allow_variable_global_batch: true``).
+
+Every enumeration here is bounded: the job spec caps worker counts at :data:`MAX_WORKERS`, and the
+least common multiple used in suggestions stops growing at :data:`MAX_SUGGESTED_BATCH`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from raytrn.errors import ConfigError
+
+if TYPE_CHECKING:
+    from raytrn.config import JobSpec
+
+#: The most workers a job may ask for (the largest Trainium clusters are a few thousand NeuronCores).
+MAX_WORKERS = 100_000
+#: Above this a "use a multiple of N" suggestion is not a batch size anyone trains with.
+MAX_SUGGESTED_BATCH = 1 << 24
+_SHOWN = 8  # sizes listed in a message before "... and N more"
+
+
+def elastic_world_sizes(min_workers: int, max_workers: int, step: int) -> list[int]:
+    """Every worker count of the elastic range at ``step`` granularity (whole nodes), both ends included."""
+    if not 1 <= min_workers <= max_workers <= MAX_WORKERS or step < 1:
+        raise ConfigError(
+            f"worker range {min_workers}..{max_workers} (step {step}): need 1 <= min_workers <= max_workers <= "
+            f"{MAX_WORKERS:,} and a positive step"
+        )
+    return sorted(set(range(min_workers, max_workers + 1, step)) | {min_workers, max_workers})
+
+
+def world_sizes(job: JobSpec) -> list[int]:
+    """Every worker count the job's elastic range can take: whole nodes when ``workers_per_node`` is set."""
+    s = job.scaling
+    return elastic_world_sizes(s.min_workers, s.max_size, s.workers_per_node or 1)
+
+
+def data_parallel_size(job: JobSpec, world_size: int) -> int:
+    """Model replicas at ``world_size`` workers: ``world_size / tensor_parallel_size``.
+
+    The ranks of one TP group hold one replica and read the same batch, so this, not the world size,
+    multiplies the micro-batch (``global batch = micro_batch x grad_accum x DP``).
+    """
+    tp = job.parallel.tensor_parallel_size
+    if world_size % tp:
+        raise ConfigError(
+            f"{job.source}: {world_size} workers is not divisible by parallel.tensor_parallel_size ({tp}); "
+            "every world size must hold whole tensor-parallel groups"
+        )
+    return world_size // tp
+
+
+def data_parallel_rank(job: JobSpec, rank: int) -> int:
+    """This worker's replica index (tensor-parallel ranks are consecutive), i.e. which data slice it reads."""
+    return rank // job.parallel.tensor_parallel_size
+
+
+def data_parallel_sizes(job: JobSpec) -> dict[int, int]:
+    """``{world size: data-parallel size}`` for every world size of the elastic range."""
+    return {n: data_parallel_size(job, n) for n in world_sizes(job)}
+
+
+def global_batch(job: JobSpec, dp: int) -> int:
+    """Sequences per optimizer step at data-parallel size ``dp`` (with ``grad_accum`` when no global batch)."""
+    d = job.data
+    return d.global_batch_size if d.global_batch_size is not None else d.micro_batch_size * (d.grad_accum or 1) * dp
+
+
+def check_global_batch(job: JobSpec) -> None:
+    """ConfigError unless every size of the elastic range trains with the same, whole global batch.
+
+    ``data.global_batch_size`` must be divisible by ``micro_batch_size x DP`` at every data-parallel size
+    DP the job can take (all failing sizes are listed). An elastic job with ``data.grad_accum`` instead
+    would change its global batch at every resize: refused unless ``data.allow_variable_global_batch``.
+    """
+    d, where = job.data, job.source
+    sizes = data_parallel_sizes(job)
+    dps = sorted(set(sizes.values()))
+    units = [d.micro_batch_size * dp for dp in dps]
+    tp = job.parallel.tensor_parallel_size
+    tp_note = (
+        f"; with tensor_parallel_size {tp} the ranks of a TP group share each batch, so DP = workers / TP"
+        if tp > 1
+        else ""
+    )
+    if d.global_batch_size is not None:
+        bad = [(n, dp) for n, dp in sizes.items() if d.global_batch_size % (d.micro_batch_size * dp)]
+        if not bad:
+            return
+        listed = _listing(
+            [
+                f"{n} worker{'s' * (n > 1)} (DP {dp}: {d.micro_batch_size} x {dp} = {d.micro_batch_size * dp})"
+                for n, dp in bad
+            ]
+        )
+        raise ConfigError(
+            f"{where}: data.global_batch_size ({d.global_batch_size}) is not divisible by micro_batch_size x "
+            f"data-parallel size at {listed}{tp_note}. {_fix(units, d.global_batch_size, job)}"
+        )
+    if len(dps) == 1 or d.allow_variable_global_batch:
+        return
+    accum = d.grad_accum or 1
+    low, high = global_batch(job, dps[0]), global_batch(job, dps[-1])
+    raise ConfigError(
+        f"{where}: an elastic job (scaling.min_workers={job.scaling.min_workers}, "
+        f"max_workers={job.scaling.max_size}) with data.grad_accum ({accum}) changes its global batch on every "
+        f"resize: micro_batch_size x grad_accum x DP = {d.micro_batch_size} x {accum} x {dps[0]} = {low} sequences "
+        f"at DP {dps[0]} but {high} at DP {dps[-1]}{tp_note}. Set data.global_batch_size instead (grad_accum is then "
+        f"picked per size). {_fix(units, high, job)} Or set data.allow_variable_global_batch: true to accept a "
+        "global batch that follows the cluster"
+    )
+
+
+def _fix(units: list[int], near: int, job: JobSpec) -> str:
+    """``use a multiple of L (e.g. a or b)``, or why no practical global batch fits every size."""
+    unit = 1
+    for u in units:
+        unit = math.lcm(unit, u)
+        if unit > MAX_SUGGESTED_BATCH:
+            step = job.scaling.workers_per_node
+            return (
+                f"No global batch up to {MAX_SUGGESTED_BATCH:,} sequences divides at every size of this elastic range: "
+                f"narrow it (scaling.min_workers..max_workers){'' if step else ' or set scaling.workers_per_node so it moves in whole nodes'}."
+            )
+    below = near // unit * unit
+    near_values = [x for x in (below, below + unit) if x > 0 and x != near] or [unit]
+    return (
+        f"Every size of the elastic range needs a multiple of {unit:,} "
+        f"(the least common multiple of {_listing([str(u) for u in units])}): use {' or '.join(map(str, near_values))}."
+    )
+
+
+def _listing(items: list[str]) -> str:
+    """``a, b and c`` with at most :data:`_SHOWN` items, then ``... and N more``."""
+    if len(items) > _SHOWN:
+        return ", ".join(items[:_SHOWN]) + f" and {len(items) - _SHOWN:,} more"
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def describe_batch(job: JobSpec) -> str:
+    """``raytrn validate``'s batch line: micro x grad_accum x DP at each size (a range when there are many)."""
+    d = job.data
+    sizes = data_parallel_sizes(job)
+    parts = []
+    for n, dp in sizes.items():
+        total = global_batch(job, dp)
+        accum = total // (d.micro_batch_size * dp)
+        parts.append(f"{n} worker{'s' * (n > 1)}: {d.micro_batch_size} x {accum} x {dp} (DP) = {total} sequences/step")
+    if len(parts) > _SHOWN:
+        parts = [*parts[: _SHOWN // 2], f"... {len(parts) - _SHOWN} more sizes ...", *parts[-_SHOWN // 2 :]]
+    return f"batch: {', '.join(parts)} of {d.seq_len} tokens"

@@ -1,0 +1,105 @@
+"""Every private Ray / MLflow API raytrn uses still exists in the installed versions (raytrn/compat.py).
+
+A failure here names the API that moved: fix raytrn/compat.py (and only it) before upgrading Ray or MLflow.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raytrn import compat
+
+pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("what", sorted(compat.PRIVATE_NAMES))
+def test_private_name_still_exists(what: str) -> None:
+    spec = compat.PRIVATE_NAMES[what]
+    try:
+        compat.resolve(spec)
+    except (ImportError, AttributeError) as e:
+        pytest.fail(f"{what}: {spec} is gone from the installed Ray/MLflow ({e}); update raytrn/compat.py")
+
+
+def test_resolve_names_what_moved() -> None:
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        compat.resolve("ray.train:nope")
+    with pytest.raises(ImportError):
+        compat.resolve("ray.train.v2._internal.no_such_module")
+
+
+def test_preemption_watcher_switch_is_rays() -> None:
+    assert compat.resolve(compat.PRIVATE_NAMES["Ray Train preemption watcher switch"]) == compat.PREEMPTION_WATCHER_ENV
+
+
+def test_trainer_without_callbacks_drops_only_the_named_ones() -> None:
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    kwargs = {"scaling_config": ScalingConfig(num_workers=1)}
+    stock = [type(c).__name__ for c in TorchTrainer(lambda: None, **kwargs)._create_default_callbacks()]
+    assert "PlacementGroupCleanerCallback" in stock
+    local = compat.trainer_without_callbacks(TorchTrainer, ("PlacementGroupCleanerCallback",))
+    assert issubclass(local, TorchTrainer)
+    ours = [type(c).__name__ for c in local(lambda: None, **kwargs)._create_default_callbacks()]
+    assert ours == [name for name in stock if name != "PlacementGroupCleanerCallback"]
+
+
+def test_metric_objects_have_steps() -> None:
+    from mlflow.entities import Metric, Run, RunData, RunInfo
+
+    info = RunInfo("r", "0", "u", "RUNNING", 0, None, "active")
+    run = Run(info, RunData(metrics=[Metric("system/x", 1.0, 0, 7), Metric("loss", 2.0, 0, 3)]))
+    assert sorted((m.key, m.step) for m in compat.metric_objects(run)) == [("loss", 3), ("system/x", 7)]
+
+
+def test_dataset_input_is_an_mlflow_entity() -> None:
+    from mlflow.data.http_dataset_source import HTTPDatasetSource
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput
+
+    dataset = MetaDataset(source=HTTPDatasetSource("http://127.0.0.1/x"), name="d", digest="abc")
+    entity = compat.dataset_input(dataset, "train")
+    assert isinstance(entity, DatasetInput)
+    assert entity.dataset.digest == "abc" and [(t.key, t.value) for t in entity.tags] == [
+        ("mlflow.data.context", "train")
+    ]
+
+
+def test_quiet_ray_train_logs_raises_their_level() -> None:
+    compat.quiet_ray_train_logs()
+    for name in compat.RAY_TRAIN_CHATTY_MODULES:
+        assert logging.getLogger(name).getEffectiveLevel() >= logging.WARNING
+
+
+def test_nothing_else_uses_a_private_ray_or_mlflow_name() -> None:
+    """Private names (``_internal``, ``_private``, a leading underscore after ray./mlflow.) appear only in compat."""
+    pattern = re.compile(
+        r"(ray|mlflow)\.[\w.]*\._\w+|_create_default_callbacks|_resources_per_worker_not_none|_metric_objs|"
+        r"_to_mlflow_entity|RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+    )
+    out = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    offenders = []
+    for rel in out:
+        if rel in ("raytrn/compat.py", "tests/unit/test_compat.py"):
+            continue
+        for n, line in enumerate((REPO / rel).read_text().splitlines(), start=1):
+            if pattern.search(line) and not line.lstrip().startswith("#"):
+                offenders.append(f"{rel}:{n}: {line.strip()}")
+    assert not offenders, "private Ray/MLflow APIs outside raytrn/compat.py:\n" + "\n".join(offenders)
+
+
+def test_compat_imports_no_ray_or_mlflow_at_import_time() -> None:
+    """raytrn.compat is imported by light modules (runtime, the loop): it must not import Ray or MLflow itself."""
+    code = "import sys, raytrn.compat; print(any(m.split('.')[0] in ('ray', 'mlflow') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
