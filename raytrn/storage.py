@@ -7,9 +7,12 @@ the same job runs against AWS S3 or an S3-compatible endpoint (e.g. a local moto
 from __future__ import annotations
 
 import os
+import shutil
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
+
+from raytrn.errors import RaytrnError
 
 
 def is_remote(uri: str) -> bool:
@@ -59,3 +62,26 @@ def write_text(uri: str, text: str) -> None:
 
 def join(base: str, *parts: str) -> str:
     return "/".join([base.rstrip("/"), *parts]) if is_remote(base) else os.path.join(base, *parts)
+
+
+def is_inside(path: str, root: str) -> bool:
+    """Whether local ``path`` resolves (symlinks followed) to ``root`` or below it."""
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    return real == real_root or real.startswith(real_root.rstrip(os.sep) + os.sep)
+
+
+def remove_inside(path: str, root: str) -> None:
+    """Delete the file, symlink or directory tree at local ``path`` (nothing when absent), but only strictly
+    inside ``root``: the directory it sits in must resolve to ``root`` or below. A symlink is removed itself,
+    never what it points to. raytrn deletes through this alone, so a path derived from user input (an output
+    directory, a state file) can never reach outside the directory raytrn was told to write."""
+    name = os.path.basename(path)
+    parent = os.path.dirname(path) or "."
+    if name in ("", ".", "..") or not is_inside(parent, root):
+        raise RaytrnError(f"refusing to delete {path}: not strictly inside {root}")
+    target = os.path.join(os.path.realpath(parent), name)
+    if os.path.islink(target) or os.path.isfile(target):
+        os.unlink(target)
+    elif os.path.isdir(target):
+        shutil.rmtree(target)

@@ -21,6 +21,8 @@ TOKENIZER_NAME = "tokenizer.json"
 COLUMN = "input_ids"
 DTYPE = "int32"
 
+#: A manifest larger than this is not one (a million shards take ~150 MB of JSON; raytrn writes ~100 bytes each).
+MAX_MANIFEST_BYTES = 256 << 20
 _PREPARE_HINT = "run `raytrn data prepare --input DIR --output DIR --seq-len N --vocab-size V` to create it"
 _RECREATE_HINT = "re-create the dataset with `raytrn data prepare ... --overwrite`"
 
@@ -41,6 +43,11 @@ def _kind(path: str) -> str:
     except OSError as e:  # unreachable endpoint, no credentials, no such bucket
         raise DataError(f"{path}: cannot read the dataset location: {e}") from None
     return {pafs.FileType.File: "file", pafs.FileType.Directory: "dir"}.get(kind, "none")
+
+
+def _size(path: str) -> int:
+    fs, inner = storage.filesystem(path)
+    return int(fs.get_file_info(inner).size or 0)
 
 
 def _is_file(path: str) -> bool:
@@ -191,8 +198,31 @@ class Manifest:
             }
         except TypeError as e:  # an unexpected key inside a nested object
             raise DataError(f"{where}: {e}; {_RECREATE_HINT}") from None
-        if top["row_len"] != top["seq_len"] + 1:
-            raise DataError(f"{where}: row_len {top['row_len']} != seq_len {top['seq_len']} + 1; {_RECREATE_HINT}")
+        if top["seq_len"] < 1 or top["row_len"] != top["seq_len"] + 1:
+            raise DataError(
+                f"{where}: seq_len {top['seq_len']} and row_len {top['row_len']}: need seq_len >= 1 and "
+                f"row_len = seq_len + 1; {_RECREATE_HINT}"
+            )
+        counts = [
+            (f"shards[{i}].{k}", getattr(s, k)) for i, s in enumerate(shards) for k in ("rows", "tokens", "bytes")
+        ]
+        counts += [(k, top[k]) for k in ("num_rows", "num_tokens", "dropped_tail_tokens", "rows_per_shard")]
+        counts += [("tokenizer.vocab_size", tokenizer.vocab_size), ("tokenizer.eos_id", tokenizer.eos_id)]
+        negative = next(((k, v) for k, v in counts if v < 0), None)
+        if negative:
+            raise DataError(f"{where}: {negative[0]}: {negative[1]} is negative; {_RECREATE_HINT}")
+        if sum(s.rows for s in shards) != top["num_rows"]:
+            raise DataError(
+                f"{where}: num_rows {top['num_rows']} != the shards' rows ({sum(s.rows for s in shards)}); {_RECREATE_HINT}"
+            )
+        if not 0 <= tokenizer.eos_id < max(tokenizer.vocab_size, 1):
+            raise DataError(
+                f"{where}: tokenizer.eos_id {tokenizer.eos_id} is outside the vocabulary "
+                f"(vocab_size {tokenizer.vocab_size}); {_RECREATE_HINT}"
+            )
+        for i, s in enumerate(shards):
+            _check_relative(s.path, f"{where}: shards[{i}].path")
+        _check_relative(tokenizer.file, f"{where}: tokenizer.file")
         return cls(format=fmt, shards=shards, tokenizer=tokenizer, source=source, root=root, **top)
 
 
@@ -217,6 +247,36 @@ def _fields(data: Any, cls: type, where: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise DataError(f"{where}: expected a JSON object, got {data!r}; {_RECREATE_HINT}")
     return {key: _get(data, key, kind, where) for key, kind in _FIELD_TYPES[cls].items()}
+
+
+def _check_relative(path: str, where: str) -> None:
+    """A path in a manifest names a file inside the dataset: relative, no ``..``, nothing a shell would expand."""
+    parts = path.replace("\\", "/").split("/")
+    if (
+        not path
+        or path.startswith(("/", "~"))
+        or (len(path) > 1 and path[1] == ":")  # C:\...
+        or "://" in path
+        or "\0" in path
+        or any(p in ("", ".", "..") for p in parts)
+    ):
+        raise DataError(
+            f"{where}: {path!r} is not a path inside the dataset directory (it must be relative, without '..'); "
+            f"a manifest only names its own files: {_RECREATE_HINT}"
+        )
+
+
+def _check_inside(manifest: Manifest, where: str) -> None:
+    """Local datasets: every named file resolves (symlinks followed) inside the manifest's directory."""
+    named = [(f"shards[{i}].path", s.path) for i, s in enumerate(manifest.shards)]
+    named.append(("tokenizer.file", manifest.tokenizer.file))
+    for field_name, rel in named:
+        if not storage.is_inside(os.path.join(manifest.root, rel), manifest.root):
+            target = os.path.realpath(os.path.join(manifest.root, rel))
+            raise DataError(
+                f"{where}: {field_name}: {rel!r} resolves to {target}, outside the dataset directory {manifest.root} "
+                f"(a symlink?); a dataset's files must live inside it: copy them in, or {_RECREATE_HINT}"
+            )
 
 
 def _human_bytes(n: int) -> str:
@@ -248,11 +308,20 @@ def load_manifest(path: str, *, check_files: bool = True) -> Manifest:
         if not _is_dir(root):
             raise DataError(f"dataset {path}: no such directory ({root}); {_PREPARE_HINT}")
         raise DataError(f"dataset {path}: no {MANIFEST_NAME} in {root}; {_PREPARE_HINT}")
+    size = _size(mpath)
+    if size > MAX_MANIFEST_BYTES:
+        raise DataError(
+            f"{mpath}: {size:,} bytes is not a manifest (raytrn's are kilobytes; at most {MAX_MANIFEST_BYTES >> 20} MiB)"
+        )
     try:
         data = json.loads(_read_text(mpath))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{mpath}: not valid JSON ({e}); {_RECREATE_HINT}") from None
+    except RecursionError:
+        raise DataError(f"{mpath}: JSON nested too deeply to be a manifest; {_RECREATE_HINT}") from None
     manifest = Manifest.from_dict(data, root=root, where=mpath)
+    if not storage.is_remote(root):
+        _check_inside(manifest, mpath)
     if check_files:
         check_dataset_files(manifest)
     return manifest

@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -36,6 +35,7 @@ from raytrn.data.manifest import (
 )
 from raytrn.data.packing import Packer, rows_per_shard
 from raytrn.errors import DataError
+from raytrn.storage import remove_inside
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -82,20 +82,19 @@ def _walk(top: str, excluded: Callable[[str], bool]) -> list[str]:
 def discover_inputs(inputs: list[str], *, exclude: str | None = None) -> list[InputFile]:
     """Expand directories (recursively) and globs into a sorted, de-duplicated list of input files.
 
-    ``exclude`` is the output directory: it and its temporary siblings are never read as input.
+    ``exclude`` is the output directory: nothing under it (the old dataset, raytrn's staging) is read as input.
     """
     if not inputs:
         raise DataError("no --input given; pass a directory or a glob of text/JSONL/Parquet files")
     accepted = ", ".join(ACCEPTED_EXTENSIONS)
 
+    skip = os.path.realpath(exclude) if exclude is not None else None
+
     def excluded(path: str) -> bool:
-        if exclude is None:
+        if skip is None:
             return False
-        path = os.path.abspath(path)
-        if path == exclude or path.startswith(exclude + os.sep):
-            return True
-        rel = os.path.relpath(path, os.path.dirname(exclude)).split(os.sep)[0]
-        return rel.startswith((os.path.basename(exclude) + ".tmp-", os.path.basename(exclude) + ".old-"))
+        path = os.path.realpath(path)
+        return path == skip or path.startswith(skip.rstrip(os.sep) + os.sep)
 
     paths: set[str] = set()
     for spec in inputs:
@@ -290,34 +289,139 @@ def find_eos(tokenizer: Tokenizer) -> tuple[str, int]:
 
 
 # --- output directory state ------------------------------------------------------------------------------
+#
+# raytrn deletes only what it wrote: the files a readable manifest lists (shards, tokenizer), the manifest
+# itself, its staging directories and its replacement journal. A dataset is built in a staging directory
+# *inside* the output directory (same filesystem: works for mount points, keeps the directory itself, its
+# permissions, symlinks to it and a shell's current directory), then moved into place file by file, the
+# manifest last. While files move, a journal names the old and new files so an interrupted replacement can be
+# finished by the next `--overwrite`.
+
+STAGING_PREFIX = ".raytrn-staging-"
+JOURNAL_NAME = ".raytrn-replacing.json"
 
 
-def _existing_dataset(output: str, fingerprint: str, max_rows: int, overwrite: bool) -> Manifest | None:
-    """Return the manifest when ``output`` already holds this exact dataset; refuse to clobber anything else."""
+@dataclass(kw_only=True)
+class _Output:
+    """What ``--output`` holds: ``state`` is absent, empty, dataset, interrupted or foreign."""
+
+    path: str  # the real directory (symlinks resolved)
+    state: str
+    manifest: Manifest | None = None
+    ours: frozenset[str] = frozenset()  # top-level names raytrn wrote and may replace or delete
+    foreign: tuple[str, ...] = ()  # top-level names raytrn did not write
+    problem: str = ""  # why a manifest.json there is not a dataset raytrn can read
+
+
+def _inspect_output(output: str) -> _Output:
+    """Classify the output directory by its top-level entries (raytrn writes nothing deeper)."""
+    real = os.path.realpath(output)
     if not os.path.lexists(output):
-        return None
+        return _Output(path=real, state="absent")
     if not os.path.isdir(output):
-        raise DataError(f"--output {output}: exists and is not a directory; choose another --output")
-    if not os.listdir(output):
-        return None
-    if os.path.isfile(os.path.join(output, MANIFEST_NAME)):
+        what = "a symlink to nothing" if os.path.islink(output) and not os.path.exists(output) else "not a directory"
+        raise DataError(f"--output {output}: exists and is {what}; choose an empty or new directory for --output")
+    names = sorted(os.listdir(real))
+    staging = {n for n in names if n.startswith(STAGING_PREFIX) and os.path.isdir(os.path.join(real, n))}
+    rest = [n for n in names if n not in staging]
+    if not rest:
+        return _Output(path=real, state="empty", ours=frozenset(staging))
+    if MANIFEST_NAME in rest:
         try:
-            old = load_manifest(output)
+            manifest = load_manifest(output, check_files=False)
         except DataError as e:
-            what = f"a broken dataset ({e})"
-        else:
-            same_tokenizer = _sha256_file(old.tokenizer_path) == old.tokenizer.sha256
-            if old.source.fingerprint == fingerprint and same_tokenizer:
-                if old.rows_per_shard == max_rows:
-                    return old
-                what = f"the same data with {old.rows_per_shard} rows per shard (now {max_rows})"
+            return _Output(path=real, state="foreign", foreign=tuple(rest), problem=str(e))
+        ours = {MANIFEST_NAME, manifest.tokenizer.file, *(s.path for s in manifest.shards)} | staging
+        if JOURNAL_NAME in rest:
+            ours |= _journal_names(real)
+        return _Output(
+            path=real,
+            state="dataset",
+            manifest=manifest,
+            ours=frozenset(ours),
+            foreign=tuple(n for n in rest if n not in ours),
+        )
+    if JOURNAL_NAME in rest:
+        ours = _journal_names(real) | staging
+        return _Output(
+            path=real, state="interrupted", ours=frozenset(ours), foreign=tuple(n for n in rest if n not in ours)
+        )
+    return _Output(path=real, state="foreign", foreign=tuple(rest))
+
+
+def _journal_names(directory: str) -> set[str]:
+    """The names an interrupted replacement's journal says raytrn wrote (nothing if it cannot be read)."""
+    try:
+        with open(os.path.join(directory, JOURNAL_NAME), encoding="utf-8") as f:
+            data = json.load(f)
+        names = [*data.get("old", []), *data.get("new", [])]
+    except (OSError, ValueError, AttributeError, TypeError):
+        return set()
+    return {JOURNAL_NAME} | {n for n in names if isinstance(n, str) and _is_plain_name(n)}
+
+
+def _is_plain_name(name: str) -> bool:
+    """A single path component: what raytrn writes at the top of a dataset directory."""
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+
+
+def _shown(names: tuple[str, ...] | list[str], limit: int = 5) -> str:
+    listed = ", ".join(names[:limit])
+    return listed + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _check_output(out: _Output, output: str, fingerprint: str, max_rows: int, overwrite: bool) -> Manifest | None:
+    """The existing manifest when ``output`` already holds this exact dataset; None when it may be written;
+    DataError (nothing touched) for anything raytrn must not replace."""
+    if out.state in ("absent", "empty"):
+        return None
+    _refuse_foreign(out, output)
+    if out.state == "dataset":
+        assert out.manifest is not None
+        old = out.manifest
+        tokenizer = os.path.join(out.path, old.tokenizer.file)
+        same_tokenizer = os.path.isfile(tokenizer) and _sha256_file(tokenizer) == old.tokenizer.sha256
+        if old.source.fingerprint == fingerprint and same_tokenizer:
+            if not _complete(out):
+                what = "an incomplete copy of this dataset (files its manifest lists are missing)"
+            elif old.rows_per_shard == max_rows:
+                return old
             else:
-                what = "a different dataset (other input, seq_len or tokenizer)"
+                what = f"the same data with {old.rows_per_shard} rows per shard (now {max_rows})"
+        else:
+            what = "a different dataset (other input, seq_len or tokenizer)"
     else:
-        what = f"files but no {MANIFEST_NAME} (not a raytrn dataset)"
+        what = f"an interrupted replacement of a dataset ({JOURNAL_NAME})"
+    if out.foreign:
+        raise DataError(
+            f"--output {output}: holds {what} and also files raytrn did not write ({_shown(out.foreign)}); raytrn "
+            "never deletes those: move them out, or choose an empty or new directory for --output"
+        )
     if overwrite:
         return None
     raise DataError(f"--output {output}: refusing to overwrite {what}; pass --overwrite to replace it")
+
+
+def _refuse_foreign(out: _Output, output: str) -> None:
+    """DataError when ``--output`` holds something that is not a raytrn dataset (checked before anything else)."""
+    if out.state != "foreign":
+        return
+    why = (
+        f"its {MANIFEST_NAME} is not a dataset raytrn can read ({out.problem})"
+        if out.problem
+        else f"it holds files raytrn did not write ({_shown(out.foreign)}) and no {MANIFEST_NAME}"
+    )
+    raise DataError(
+        f"--output {output}: not a raytrn dataset: {why}. raytrn never deletes files it did not write, with or "
+        "without --overwrite: choose an empty or new directory for --output"
+    )
+
+
+def _complete(out: _Output) -> bool:
+    """Every file the manifest lists is there."""
+    assert out.manifest is not None
+    names = [out.manifest.tokenizer.file, *(s.path for s in out.manifest.shards)]
+    return all(os.path.isfile(os.path.join(out.path, n)) for n in names)
 
 
 def _sha256_file(path: str) -> str:
@@ -339,16 +443,31 @@ def _make_dirs(path: str) -> list[str]:
     return list(reversed(created))
 
 
-def _move_into_place(tmp: str, output: str) -> None:
-    if os.path.isdir(output) and not os.listdir(output):
-        os.rmdir(output)
-    if os.path.lexists(output):
-        old = f"{output}.old-{os.getpid()}"
-        os.rename(output, old)
-        os.rename(tmp, output)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, output)
+def _commit(out: _Output, staging: str, new_names: list[str]) -> None:
+    """Move the staged dataset into ``out.path``, manifest last, removing the old dataset's other files.
+
+    Only names in ``out.ours`` (what a readable manifest or journal says raytrn wrote) are ever removed.
+    """
+    directory = out.path
+    old = sorted(n for n in out.ours if not n.startswith(STAGING_PREFIX) and n != JOURNAL_NAME)
+    journal = os.path.join(directory, JOURNAL_NAME)
+    with open(os.path.join(staging, JOURNAL_NAME), "w", encoding="utf-8") as f:
+        json.dump({"old": old, "new": new_names}, f)
+    os.replace(os.path.join(staging, JOURNAL_NAME), journal)
+    if MANIFEST_NAME in old:  # first: no reader ever sees a manifest naming half-replaced shards
+        remove_inside(os.path.join(directory, MANIFEST_NAME), directory)
+    for name in new_names:
+        if name != MANIFEST_NAME:
+            os.replace(os.path.join(staging, name), os.path.join(directory, name))
+    for name in old:
+        if name not in new_names:
+            remove_inside(os.path.join(directory, name), directory)
+    os.replace(os.path.join(staging, MANIFEST_NAME), os.path.join(directory, MANIFEST_NAME))
+    remove_inside(journal, directory)
+    for name in out.ours:
+        if name.startswith(STAGING_PREFIX) and name != os.path.basename(staging):  # an interrupted run's leftovers
+            remove_inside(os.path.join(directory, name), directory)
+    os.rmdir(staging)
 
 
 # --- progress --------------------------------------------------------------------------------------------
@@ -568,7 +687,10 @@ def prepare_dataset(
     _check_args(seq_len, tokenizer, vocab_size, shard_size_mb)
     if "://" in output:
         raise DataError(f"--output {output}: only local output directories are supported for now")
+    given = output
     output = os.path.abspath(os.path.expanduser(output))
+    out = _inspect_output(output)
+    _refuse_foreign(out, given)  # first: the answer to `--output . --overwrite` in a project is this, not the input
     row_len = seq_len + 1
     max_rows = rows_per_shard(shard_size_mb, row_len)
     files = discover_inputs(inputs, exclude=output)
@@ -578,16 +700,17 @@ def prepare_dataset(
         find_eos(given_tok)
     choice = f"file:{hashlib.sha256(given_raw).hexdigest()}" if given_tok is not None else f"bpe:{vocab_size}"
     fingerprint = fingerprint_inputs(files, seq_len=seq_len, tokenizer_choice=choice)
-    existing = _existing_dataset(output, fingerprint, max_rows, overwrite)
+    existing = _check_output(out, output, fingerprint, max_rows, overwrite)
     if existing is not None:
         print(f"{output}: up to date (same input, seq_len and tokenizer)", file=sys.stderr)
         return existing
 
     show = _Progress(progress)
-    created = _make_dirs(os.path.dirname(output))
-    tmp = f"{output}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    created = _make_dirs(out.path)
+    tmp = os.path.join(out.path, f"{STAGING_PREFIX}{os.getpid()}")
+    remove_inside(tmp, out.path)  # a leftover of a process with this pid: raytrn's own
     os.mkdir(tmp)
+    committing = False
     try:
         if given_tok is None:
             assert vocab_size is not None
@@ -649,15 +772,17 @@ def prepare_dataset(
         )
         with open(os.path.join(tmp, MANIFEST_NAME), "w", encoding="utf-8") as f:
             f.write(manifest.to_json())
-        _move_into_place(tmp, output)
+        committing = True  # from here an interruption leaves the journal for the next --overwrite to finish
+        _commit(out, tmp, [TOKENIZER_NAME, *(s.path for s in shards), MANIFEST_NAME])
     except BaseException:
         show.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        for d in reversed(created):
-            try:
-                os.rmdir(d)
-            except OSError:
-                break
+        if not committing:
+            remove_inside(tmp, out.path)
+            for d in reversed(created):
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    break
         raise
     return manifest
 

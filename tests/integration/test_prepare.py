@@ -154,25 +154,142 @@ def test_given_tokenizer_reproduces_the_trained_run(dataset, tmp_path) -> None:
     np.testing.assert_array_equal(_read_rows(m2), _read_rows(manifest))
 
 
+def _tree(path: Path) -> dict[str, bytes | str]:
+    """Everything under ``path``: file bytes, and symlink targets (never followed)."""
+    out: dict[str, bytes | str] = {}
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in sorted(dirnames + filenames):
+            full = Path(dirpath) / name
+            rel = str(full.relative_to(path))
+            out[rel] = (
+                f"-> {os.readlink(full)}" if full.is_symlink() else (full.read_bytes() if full.is_file() else "dir")
+            )
+    return out
+
+
+def _user_files(root: Path) -> Path:
+    """The reproduction from the issue: a directory with src/notes.txt and a README."""
+    (root / "src").mkdir(parents=True)
+    (root / "src" / "notes.txt").write_text("my notes")
+    (root / "README").write_text("my project")
+    return root
+
+
+def _dataset_files(manifest) -> list[str]:
+    return sorted(["manifest.json", "tokenizer.json", *(s.path for s in manifest.shards)])
+
+
 def test_different_dataset_is_refused_then_overwritten(dataset, tmp_path) -> None:
     target = tmp_path / "ds"
     shutil.copytree(dataset[0], target)
     before = _dir_bytes(target)
+    inode = target.stat().st_ino
     with pytest.raises(DataError, match=r"refusing to overwrite a different dataset.*--overwrite"):
         _prepare(target, seq_len=16)
     assert _dir_bytes(target) == before
     m = _prepare(target, seq_len=16, overwrite=True)
     assert load_manifest(str(target)).seq_len == m.seq_len == 16
+    # Replaced in place (the directory itself stays), only the new dataset's files, nothing beside it.
+    assert target.stat().st_ino == inode
+    assert sorted(p.name for p in target.iterdir()) == _dataset_files(m)
     assert _siblings(target) == []
 
 
-def test_not_our_directory_is_refused(tmp_path) -> None:
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_directory_raytrn_did_not_write_is_never_replaced(tmp_path, overwrite: bool) -> None:
+    target = _user_files(tmp_path / "project")
+    before = _tree(target)
+    with pytest.raises(DataError) as e:
+        _prepare(target, overwrite=overwrite)
+    msg = str(e.value)
+    assert "not a raytrn dataset" in msg and "README, src" in msg
+    assert "never deletes files it did not write" in msg and "choose an empty or new directory" in msg
+    assert "pass --overwrite" not in msg
+    assert _tree(target) == before and _siblings(target) == []
+
+
+def test_cli_refuses_output_dot_in_a_project_with_overwrite(tmp_path) -> None:
+    """`raytrn data prepare --output . --overwrite` run in a project directory: exit 2, nothing touched."""
+    project = _user_files(tmp_path / "project")
+    (project / "data.txt").write_text("some text to tokenize " * 50)
+    before = _tree(project)
+    cmd = [sys.executable, "-m", "raytrn.cli", "data", "prepare", "--input", ".", "--output", ".",
+           "--seq-len", "8", "--vocab-size", "300", "--overwrite", "--no-progress"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=project, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("raytrn: error: --output .: not a raytrn dataset") and "Traceback" not in proc.stderr
+    assert _tree(project) == before
+
+
+def test_symlinked_output(dataset, tmp_path) -> None:
+    """A symlink to someone's directory is refused like the directory; a symlink to a dataset is replaced in
+    place: the link stays a link, the data lands where it points."""
+    mine = _user_files(tmp_path / "mine")
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    before = _tree(mine)
+    with pytest.raises(DataError, match="not a raytrn dataset"):
+        _prepare(link, overwrite=True)
+    assert _tree(mine) == before and link.is_symlink()
+
+    real = tmp_path / "real-ds"
+    shutil.copytree(dataset[0], real)
+    ds_link = tmp_path / "ds-link"
+    ds_link.symlink_to(real)
+    m = _prepare(ds_link, seq_len=16, overwrite=True)
+    assert ds_link.is_symlink() and os.readlink(ds_link) == str(real)
+    assert load_manifest(str(real)).seq_len == 16 == m.seq_len
+    assert _siblings(ds_link) == [] and _siblings(real) == []
+
+
+def test_a_dataset_with_foreign_files_is_not_replaced(dataset, tmp_path) -> None:
     target = tmp_path / "ds"
-    target.mkdir()
+    shutil.copytree(dataset[0], target)
     (target / "notes.txt").write_text("mine")
-    with pytest.raises(DataError, match=r"refusing to overwrite files but no manifest\.json.*--overwrite"):
-        _prepare(target)
-    assert (target / "notes.txt").read_text() == "mine"
+    before = _tree(target)
+    with pytest.raises(DataError, match=r"also files raytrn did not write \(notes\.txt\)"):
+        _prepare(target, seq_len=16, overwrite=True)
+    assert _tree(target) == before
+    # The same dataset is still recognised as up to date (nothing to write).
+    assert _prepare(target) == load_manifest(str(target))
+
+
+def test_output_dot_in_an_empty_directory_keeps_the_directory(ray_session, tmp_path, monkeypatch) -> None:
+    here = tmp_path / "here"
+    here.mkdir()
+    inode = here.stat().st_ino
+    monkeypatch.chdir(here)
+    m = prepare_dataset(inputs=[str(CORPUS / "text")], output=".", seq_len=16, vocab_size=300, progress=False)
+    assert here.stat().st_ino == inode and os.getcwd() == str(here)
+    assert load_manifest(".").num_rows == m.num_rows > 0
+    assert sorted(p.name for p in here.iterdir()) == _dataset_files(m)
+
+
+def test_an_interrupted_replacement_is_finished_by_the_next_overwrite(dataset, tmp_path, monkeypatch) -> None:
+    """Killed while moving the new files in: no manifest, a journal; the next --overwrite finishes the job and
+    removes exactly the files the journal names."""
+    from raytrn.data import prepare as prep
+
+    target = tmp_path / "ds"
+    shutil.copytree(dataset[0], target)
+    real_replace, calls = os.replace, []
+
+    def flaky_replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 4:  # the journal, then two files: then "the machine dies"
+            raise KeyboardInterrupt
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(prep.os, "replace", flaky_replace)
+    with pytest.raises(KeyboardInterrupt):
+        _prepare(target, seq_len=16, overwrite=True)
+    monkeypatch.setattr(prep.os, "replace", real_replace)
+    assert not (target / "manifest.json").exists() and (target / prep.JOURNAL_NAME).exists()
+    with pytest.raises(DataError, match="an interrupted replacement of a dataset.*pass --overwrite"):
+        _prepare(target, seq_len=16)
+    m = _prepare(target, seq_len=16, overwrite=True)
+    assert sorted(p.name for p in target.iterdir()) == _dataset_files(m)
+    assert load_manifest(str(target)).seq_len == 16
 
 
 def test_output_inside_input_is_not_read_back(ray_session, tmp_path) -> None:

@@ -142,3 +142,88 @@ def test_manifest_module_imports_no_ray_or_torch() -> None:
     code = "import sys, raytrn.data.manifest; print(any(m in sys.modules for m in ('ray', 'torch', 'tokenizers')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def _rewrite(root: Path, edit) -> None:
+    data = json.loads((root / "manifest.json").read_text())
+    edit(data)
+    (root / "manifest.json").write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("shards[1].path", "/etc/passwd"),
+        ("shards[1].path", "../outside.parquet"),
+        ("shards[1].path", "sub/../../outside.parquet"),
+        ("shards[1].path", "~/x.parquet"),
+        ("shards[1].path", "s3://bucket/x.parquet"),
+        ("shards[1].path", ""),
+        ("tokenizer.file", "../tokenizer.json"),
+        ("tokenizer.file", "/tmp/tokenizer.json"),
+    ],
+)
+def test_paths_outside_the_dataset_are_refused_with_the_field_named(tmp_path: Path, field: str, value: str) -> None:
+    root = tmp_path / "ds"
+    _write_dataset(root)
+
+    def edit(data: dict) -> None:
+        if field.startswith("shards"):
+            data["shards"][1]["path"] = value
+        else:
+            data["tokenizer"]["file"] = value
+
+    _rewrite(root, edit)
+    for check_files in (True, False):  # refused when loaded, before any file is opened
+        with pytest.raises(DataError) as e:
+            load_manifest(str(root), check_files=check_files)
+        assert f"{root / 'manifest.json'}: {field}: {value!r} is not a path inside the dataset directory" in str(
+            e.value
+        )
+
+
+def test_a_symlink_out_of_the_dataset_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "ds"
+    _write_dataset(root)
+    outside = tmp_path / "elsewhere.parquet"
+    outside.write_bytes(b"x")
+    (root / "shard-00002.parquet").unlink()
+    (root / "shard-00002.parquet").symlink_to(outside)
+    with pytest.raises(DataError) as e:
+        load_manifest(str(root))
+    msg = str(e.value)
+    assert "shards[2].path: 'shard-00002.parquet' resolves to" in msg and "outside the dataset directory" in msg
+    # A symlink that stays inside the dataset is fine (e.g. deduplicated shards).
+    (root / "shard-00002.parquet").unlink()
+    (root / "shard-00002.parquet").symlink_to(root / "shard-00001.parquet")
+    load_manifest(str(root))
+    # The dataset directory itself may be a symlink (to where the data lives).
+    (tmp_path / "link").symlink_to(root)
+    assert load_manifest(str(tmp_path / "link")).num_rows == 30
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.update(seq_len=0, row_len=1), "need seq_len >= 1"),
+        (lambda d: d["shards"][0].update(rows=-5), "shards[0].rows: -5 is negative"),
+        (lambda d: d.update(num_rows=31), "num_rows 31 != the shards' rows (30)"),
+        (lambda d: d["tokenizer"].update(eos_id=512), "tokenizer.eos_id 512 is outside the vocabulary"),
+    ],
+)
+def test_inconsistent_counts_are_refused(tmp_path: Path, edit, message: str) -> None:
+    root = tmp_path / "ds"
+    _write_dataset(root)
+    _rewrite(root, edit)
+    with pytest.raises(
+        DataError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(").replace(")", r"\)")
+    ):
+        load_manifest(str(root))
+
+
+def test_deeply_nested_json_is_a_data_error(tmp_path: Path) -> None:
+    root = tmp_path / "ds"
+    root.mkdir()
+    (root / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(DataError, match="nested too deeply|expected a JSON object"):
+        load_manifest(str(root))
