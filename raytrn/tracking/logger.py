@@ -12,6 +12,11 @@ which is exactly the outage case this module exists for.
 Every batch of training metrics also sets the tag :data:`LOGGED_STEP_TAG` to the highest step it delivered
 (in the same ``log_batch`` request): a worker group restarted from an older checkpoint reads it and does not
 log those steps again.
+
+Errors that will never succeed are not retried: when MLflow refuses a batch for good (HTTP 4xx other than
+429: a deleted or unknown run, a key over MLflow's length limit...), the refused items are found by splitting
+the batch, dropped, counted (:attr:`AsyncLogger.rejected`) and logged once; everything else is delivered. A
+deleted run stops all logging into it, with one warning.
 """
 
 from __future__ import annotations
@@ -30,6 +35,13 @@ LOGGED_STEP_TAG = "raytrn.logged_step"
 _MAX_METRICS_PER_BATCH = 900  # MLflow's log_batch takes at most 1000 metrics + params + tags
 _MAX_TAGS_PER_BATCH = 90
 _BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 10.0)
+#: MLflow's limit on a tag value (mlflow.utils.validation.MAX_TAG_VAL_LENGTH in MLflow 3).
+MAX_TAG_VALUE = 8000
+
+
+def _fit(value: str) -> str:
+    """A tag value MLflow accepts: cut to :data:`MAX_TAG_VALUE` characters, marked when cut."""
+    return value if len(value) <= MAX_TAG_VALUE else value[: MAX_TAG_VALUE - 13] + " [truncated]"
 
 
 def quiet_http_retries(timeout_s: int = 10) -> None:
@@ -74,6 +86,10 @@ class AsyncLogger:
         self._dropped = 0
         self.delivered = 0
         self.failures = 0
+        #: Metrics and tags MLflow refused for good (not retried), and why the run is gone if it is.
+        self.rejected = 0
+        self._gone: str | None = None
+        self._said: set[tuple[str, str]] = set()
         self._thread = threading.Thread(target=self._run, name="raytrn-mlflow-logger", daemon=True)
         self._thread.start()
 
@@ -84,6 +100,9 @@ class AsyncLogger:
 
         now = int(time.time() * 1000)
         with self._cond:
+            if self._gone:  # the run was deleted: nothing could be delivered
+                self.rejected += len(metrics)
+                return
             for key, value in metrics.items():
                 self._metrics.append((Metric(key, float(value), now, step), training))
             overflow = len(self._metrics) - self._max_buffered
@@ -96,9 +115,12 @@ class AsyncLogger:
             self._cond.notify()
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        """Queue tags (the newest value of a key wins)."""
+        """Queue tags (the newest value of a key wins; values cut to MLflow's 8,000-character limit)."""
         with self._cond:
-            self._tags.update({k: str(v) for k, v in tags.items()})
+            if self._gone:
+                self.rejected += len(tags)
+                return
+            self._tags.update({k: _fit(str(v)) for k, v in tags.items()})
             self._cond.notify()
 
     @property
@@ -128,6 +150,8 @@ class AsyncLogger:
             left = len(self._metrics) + self._dropped
             self._cond.notify()
         self._thread.join(timeout=15)
+        if self.rejected:
+            log.warning("MLflow at %s refused %d metrics/tags for good: dropped, not retried", self.uri, self.rejected)
         if not delivered or left:
             log.warning(
                 "MLflow at %s: %d metrics could not be delivered (server unreachable for the last %.0f s)",
@@ -172,37 +196,45 @@ class AsyncLogger:
         return self.run_id is not None
 
     def _send_one_batch(self) -> bool:
-        from mlflow.entities import RunTag
+        """Send one batch; False when MLflow could not be reached (retry later, nothing lost).
 
+        A permanent refusal (HTTP 4xx other than 429, or the store's equivalent) is never retried: when the
+        run itself is gone (deleted, unknown) everything queued and everything after is dropped, once logged;
+        otherwise the batch is split until the refused items are alone, and those are dropped and counted.
+        """
         with self._cond:
             batch = [self._metrics.popleft() for _ in range(min(len(self._metrics), _MAX_METRICS_PER_BATCH))]
             tag_keys = list(self._tags)[:_MAX_TAGS_PER_BATCH]
             tags = {k: self._tags.pop(k) for k in tag_keys}
             self._in_flight = len(batch) + len(tags)
-        if not batch and not tags:
+        items: list[_Item] = [("metric", m, training) for m, training in batch]
+        items += [("tag", k, v) for k, v in tags.items()]
+        if not items:
             return True
-        steps = [m.step for m, training in batch if training]
-        if steps:
-            tags[LOGGED_STEP_TAG] = str(max(steps))
-        try:
-            assert self.run_id is not None
-            self.client.log_batch(
-                self.run_id, metrics=[m for m, _ in batch], tags=[RunTag(k, v) for k, v in tags.items()]
-            )
-        except Exception as e:
-            with self._cond:  # put everything back, in order, ahead of what arrived meanwhile
-                self._metrics.extendleft(reversed(batch))
-                tags.pop(LOGGED_STEP_TAG, None)
-                self._tags = {**tags, **self._tags}
-                self._in_flight = 0
-                self._cond.notify_all()
-            if self._down_since is None:
-                self._down_since = time.monotonic()
-                log.warning("MLflow at %s unreachable (training continues, metrics are buffered): %s", self.uri, e)
-            return False
+        pending = [items]
+        while pending:
+            part = pending.pop()
+            try:
+                self._log(part)
+            except Exception as e:
+                if not is_permanent(e):
+                    self._requeue([i for p in pending for i in p] + part)
+                    self._went_down(e)
+                    return False
+                gone = self._run_gone()
+                if gone:
+                    self._give_up(gone, [i for p in pending for i in p] + part)
+                    break
+                if len(part) == 1:
+                    self._reject(part[0], e)
+                else:  # which item did MLflow refuse? halve until it is alone (the rest is delivered)
+                    half = len(part) // 2
+                    pending += [part[half:], part[:half]]
+                continue
+            with self._cond:
+                self.delivered += sum(1 for kind, *_ in part if kind == "metric")
         with self._cond:
             self._in_flight = 0
-            self.delivered += len(batch)
             self._cond.notify_all()
         if self._down_since is not None:
             log.warning(
@@ -212,6 +244,101 @@ class AsyncLogger:
             )
             self._down_since = None
         return True
+
+    def _log(self, items: list[_Item]) -> None:
+        """One ``log_batch`` of ``items``, with :data:`LOGGED_STEP_TAG` at the highest training step among them."""
+        from mlflow.entities import RunTag
+
+        metrics = [m for kind, m, training in items if kind == "metric"]
+        tags = [RunTag(k, v) for kind, k, v in items if kind == "tag"]
+        steps = [m.step for kind, m, training in items if kind == "metric" and training]
+        if steps:
+            tags.append(RunTag(LOGGED_STEP_TAG, str(max(steps))))
+        assert self.run_id is not None
+        if self._gone:  # the run is gone: nothing will ever be accepted
+            raise _RunGone(self._gone)
+        self.client.log_batch(self.run_id, metrics=metrics, tags=tags)
+
+    def _requeue(self, items: list[_Item]) -> None:
+        """Put undelivered items back, in order, ahead of what arrived meanwhile (newer tag values win)."""
+        with self._cond:
+            self._metrics.extendleft(reversed([(m, training) for kind, m, training in items if kind == "metric"]))
+            self._tags = {**{k: v for kind, k, v in items if kind == "tag"}, **self._tags}
+            self._in_flight = 0
+            self._cond.notify_all()
+
+    def _went_down(self, e: Exception) -> None:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            log.warning("MLflow at %s unreachable (training continues, metrics are buffered): %s", self.uri, e)
+
+    def _run_gone(self) -> str | None:
+        """Why the run can no longer be written (deleted or unknown), or None when it can (or we cannot tell)."""
+        if self._gone:
+            return self._gone
+        if self.run_id is None:
+            return None
+        try:
+            run = self.client.get_run(self.run_id)
+        except Exception as e:
+            return f"run {self.run_id} not found ({e})" if is_permanent(e) else None
+        if run.info.lifecycle_stage == "deleted":
+            return f"run {self.run_id} was deleted"
+        return None
+
+    def _give_up(self, why: str, items: list[_Item]) -> None:
+        """The run is gone: drop what is queued and all that comes later, with one warning."""
+        with self._cond:
+            dropped = len(items) + len(self._metrics) + len(self._tags)
+            self._metrics.clear()
+            self._tags.clear()
+            self.rejected += dropped
+            self._gone = why
+        log.warning(
+            "MLflow at %s: %s: %d queued metrics/tags dropped, and later ones will be too (training continues)",
+            self.uri,
+            why,
+            dropped,
+        )
+
+    def _reject(self, item: _Item, e: Exception) -> None:
+        """MLflow refused this one item for good: drop and count it; say so once per kind of refusal."""
+        kind, key, _ = item
+        name = key.key if kind == "metric" else key
+        reason = f"{kind} {name!r}: {getattr(e, 'message', e)}"
+        with self._cond:
+            self.rejected += 1
+        signature = (kind, getattr(e, "error_code", type(e).__name__))
+        if signature not in self._said:
+            self._said.add(signature)
+            log.warning("MLflow at %s refused a %s (dropped, not retried): %s", self.uri, kind, reason[:500])
+
+
+class _RunGone(Exception):
+    """Raised instead of calling MLflow once the run is known to be deleted or unknown."""
+
+    error_code = "RESOURCE_DOES_NOT_EXIST"
+
+    def get_http_status_code(self) -> int:
+        return 404
+
+
+#: A queued item: ("metric", Metric, is_training) or ("tag", key, value).
+_Item = tuple[str, Any, Any]
+
+
+def is_permanent(e: BaseException) -> bool:
+    """Whether MLflow refused for good: an answer with HTTP status 4xx other than 429 (too many requests), or
+    the equivalent error code from a local store. Connection failures (MLflow's INTERNAL_ERROR, 500), 5xx
+    and anything else are transient and retried."""
+    status = getattr(e, "get_http_status_code", None)
+    if not callable(status):
+        return False
+    try:
+        code = int(status())
+    except (TypeError, ValueError):
+        return False
+    return 400 <= code < 500 and code != 429
 
 
 def logged_step_of(run: Any) -> int:

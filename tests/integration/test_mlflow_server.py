@@ -207,3 +207,70 @@ def _group_alive(pgid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+# -- errors that will never succeed are not retried (raytrn.tracking.logger) ------------------------------
+
+
+def _new_run(url: str) -> str:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(url)
+    experiment = client.create_experiment(f"raytrn-refusals-{uuid.uuid4().hex[:8]}")
+    return client.create_run(experiment).info.run_id
+
+
+def test_a_refused_tag_is_dropped_and_everything_else_delivered(mlflow_server) -> None:
+    """A tag key over MLflow's 250-character limit: HTTP 400. The batch it travels in is split until it is
+    alone; it is dropped and counted, the metrics and the other tag arrive, and nothing is retried."""
+    from mlflow.tracking import MlflowClient
+
+    from raytrn.tracking.logger import AsyncLogger
+
+    run_id = _new_run(mlflow_server.url)
+    logger = AsyncLogger(mlflow_server.url, run_id, batch_window_s=0.05)
+    for step in range(1, 21):
+        logger.log_metrics({"loss": 1.0 / step}, step)
+    logger.set_tags({"x" * 300: "too long a key", "checkpoint.latest": "/ckpt/20"})
+    t0 = time.monotonic()
+    assert logger.flush(30), "the queue must drain: a refused item is not retried"
+    assert time.monotonic() - t0 < 20
+    assert logger.rejected == 1 and logger.failures == 0
+    assert logger.close(10) == 0
+    client = MlflowClient(mlflow_server.url)
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(1, 21))
+    tags = client.get_run(run_id).data.tags
+    assert tags["checkpoint.latest"] == "/ckpt/20" and "x" * 300 not in tags
+
+
+def test_a_deleted_run_stops_the_retries(mlflow_server) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from raytrn.tracking.logger import AsyncLogger
+
+    run_id = _new_run(mlflow_server.url)
+    logger = AsyncLogger(mlflow_server.url, run_id, batch_window_s=0.05)
+    logger.log_metrics({"loss": 1.0}, 1)
+    assert logger.flush(30)
+    MlflowClient(mlflow_server.url).delete_run(run_id)
+    for step in range(2, 12):
+        logger.log_metrics({"loss": 1.0 / step}, step)
+    t0 = time.monotonic()
+    assert logger.flush(30) and time.monotonic() - t0 < 20
+    assert logger.rejected == 10
+    logger.log_metrics({"loss": 0.0}, 12)  # later metrics are dropped at once, not queued
+    assert logger.pending == 0 and logger.rejected == 11
+    assert logger.close(10) == 0
+
+
+def test_long_tag_values_are_cut_to_mlflows_limit(mlflow_server) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from raytrn.tracking.logger import MAX_TAG_VALUE, AsyncLogger
+
+    run_id = _new_run(mlflow_server.url)
+    logger = AsyncLogger(mlflow_server.url, run_id, batch_window_s=0.05)
+    logger.set_tags({"note": "y" * 20_000})
+    assert logger.close(30) == 0 and logger.rejected == 0
+    value = MlflowClient(mlflow_server.url).get_run(run_id).data.tags["note"]
+    assert len(value) <= MAX_TAG_VALUE and value.endswith("[truncated]")

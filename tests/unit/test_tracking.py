@@ -464,3 +464,34 @@ def test_tracking_actor_gets_the_drivers_mlflow_and_aws_settings():
         "AWS_PROFILE": "research",
         "MLFLOW_TRACKING_PASSWORD": "pw",
     }
+
+
+def test_permanent_and_transient_mlflow_errors():
+    from mlflow.exceptions import MlflowException, RestException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+    from raytrn.tracking.logger import is_permanent
+
+    def rest(code: str) -> RestException:
+        return RestException({"error_code": code, "message": "x"})
+
+    assert is_permanent(rest("INVALID_PARAMETER_VALUE"))  # 400: a key too long, a deleted run
+    assert is_permanent(rest("RESOURCE_DOES_NOT_EXIST"))  # 404
+    assert is_permanent(MlflowException("bad", error_code=INVALID_PARAMETER_VALUE))  # a local store says so too
+    assert not is_permanent(rest("REQUEST_LIMIT_EXCEEDED"))  # 429: back off and retry
+    assert not is_permanent(rest("TEMPORARILY_UNAVAILABLE"))  # 503
+    assert not is_permanent(MlflowException("API request failed: connection refused"))  # INTERNAL_ERROR, 500
+    assert not is_permanent(OSError("connection reset")) and not is_permanent(TimeoutError())
+
+
+def test_a_local_store_refusal_is_dropped_not_retried(tmp_path):
+    """The same rule on a sqlite store: a tag key over the limit is refused; the metrics still arrive."""
+    uri, run_id = _run(tmp_path)
+    logger = AsyncLogger(uri, run_id, batch_window_s=0.05)
+    for step in range(1, 6):
+        logger.log_metrics({"loss": float(step)}, step)
+    logger.set_tags({"k" * 300: "v"})
+    assert logger.flush(30)
+    assert logger.rejected == 1
+    assert logger.close(10) == 0
+    assert [m.step for m in MlflowClient(uri).get_metric_history(run_id, "loss")] == [1, 2, 3, 4, 5]
