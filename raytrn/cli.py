@@ -147,10 +147,15 @@ def _version() -> str:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from raytrn.config import load_job
+    import os
+
+    from raytrn.config import load_job, resolve_paths
+    from raytrn.runtime import check_paths_for_ray_job
     from raytrn.train.trainer import run_training
 
-    job = load_job(args.job, args.overrides)
+    job = load_job(args.job, args.overrides, resolve=False)
+    check_paths_for_ray_job(job)  # under `ray job submit`: no path into the job's temporary working dir
+    job = resolve_paths(job, os.getcwd())
     summary = run_training(job, live_progress=not args.no_progress)
     print(summary.render())
     return 0

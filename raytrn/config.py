@@ -379,8 +379,12 @@ class JobSpec(_Section):
 # Loading
 
 
-def load_job(path: str | os.PathLike, overrides: list[str] | None = None, *, base_dir: str | None = None) -> JobSpec:
-    """Read, override, validate and path-resolve a job spec; raise ConfigError with a clear message."""
+def load_job(
+    path: str | os.PathLike, overrides: list[str] | None = None, *, base_dir: str | None = None, resolve: bool = True
+) -> JobSpec:
+    """Read, override, validate and path-resolve a job spec; raise ConfigError with a clear message.
+
+    ``resolve=False`` leaves local paths as written (see :func:`relative_local_paths`)."""
     path = str(path)
     text = read_config_text(path, what="job file", examples="jobs/")
     raw = safe_load_yaml(text, path)
@@ -390,7 +394,7 @@ def load_job(path: str | os.PathLike, overrides: list[str] | None = None, *, bas
         raise ConfigError(f"{path}: a job spec must be a YAML mapping of sections, got {type(raw).__name__}")
     overridden = apply_overrides(raw, overrides or [])
     job = parse_job(raw, source=path, overridden=overridden)
-    return resolve_paths(job, base_dir or os.getcwd())
+    return resolve_paths(job, base_dir or os.getcwd()) if resolve else job
 
 
 def read_config_text(path: str, *, what: str, examples: str) -> str:
@@ -510,6 +514,27 @@ def resolve_mlflow_uri(uri: str | None = None, base_dir: str = ".") -> str:
     if not _URI_SCHEME.match(uri) and uri != "databricks":  # a bare path: MLflow's file store
         return absolute(uri)
     return uri
+
+
+def relative_local_paths(job: JobSpec) -> dict[str, str]:
+    """The fields of an unresolved job (``load_job(..., resolve=False)``) that name a local path relative to
+    the directory the job runs in (or to a home directory): ``{field: value}``. On a cluster that directory is
+    a temporary copy of the uploaded working dir, so such a path points at nothing, or at files lost when the
+    job ends. ``tracking.mlflow_uri: null`` is not listed: it is decided where the job runs."""
+    candidates = {
+        "data.manifest": job.data.manifest,
+        "checkpoint.storage": job.checkpoint.storage,
+        "neuron.compile_cache": job.neuron.compile_cache,
+    }
+    out = {k: v for k, v in candidates.items() if v and _is_relative_path(v)}
+    uri = job.tracking.mlflow_uri
+    if uri and _is_relative_path(uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else uri):
+        out["tracking.mlflow_uri"] = uri
+    return out
+
+
+def _is_relative_path(value: str) -> bool:
+    return not _URI_SCHEME.match(value) and not os.path.isabs(value)
 
 
 def resolve_paths(job: JobSpec, base_dir: str) -> JobSpec:

@@ -7,17 +7,21 @@ import math
 import os
 import subprocess
 from collections.abc import Mapping, MutableMapping
+from typing import TYPE_CHECKING
 
 from raytrn.compat import PREEMPTION_WATCHER_ENV
 from raytrn.errors import RaytrnError
+
+if TYPE_CHECKING:
+    from raytrn.config import JobSpec
 
 
 def ensure_ray(min_cpus: float = 0) -> bool:
     """Initialise Ray once per process.
 
     Inside ``ray job submit`` (RAY_ADDRESS is set) this connects to the cluster; on a laptop with no
-    cluster it starts an embedded local Ray with at least ``min_cpus`` logical CPUs (so that training
-    workers that take every core still leave a slot for Ray Data's read tasks). An existing
+    cluster it starts an embedded local Ray with at least ``min_cpus`` logical CPUs (the training workers'
+    CPUs, which may exceed the machine's cores). An existing
     connection (tests, notebooks) is reused. Returns True when it started an embedded local Ray.
     """
     import ray
@@ -80,8 +84,11 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
 # Settings of this shell the job needs on the cluster: where to track, how to reach S3 / the model hub.
 FORWARDED_ENV_PREFIXES: tuple[str, ...] = ("MLFLOW_", "AWS_", "RAYTRN_")
 FORWARDED_ENV_NAMES: tuple[str, ...] = ("HF_TOKEN", "HF_ENDPOINT")
-# They name files on this machine, meaningless on the cluster (which uses its instance role instead).
-NOT_FORWARDED: frozenset[str] = frozenset({"AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"})
+# They name files on this machine, meaningless on the cluster (which uses its instance role instead); the
+# last marks the processes of a local simulator (raytrn.cluster.local.MARKER_ENV), which only it may carry.
+NOT_FORWARDED: frozenset[str] = frozenset(
+    {"AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "RAYTRN_LOCAL_CLUSTER"}
+)
 
 
 def forwarded_env(environ: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -115,6 +122,48 @@ def git_commit(path: str | os.PathLike[str]) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return f"{sha}-dirty" if dirty else sha
+
+
+def ray_job_working_dir(environ: Mapping[str, str] | None = None) -> str | None:
+    """The working directory of this process when it is the driver of a Ray job submitted with a working dir
+    (``ray job submit --working-dir``, ``raytrn submit``): a temporary copy of the upload that disappears with
+    the job. None otherwise."""
+    import json
+
+    environ = os.environ if environ is None else environ
+    try:
+        config = json.loads(environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+    except json.JSONDecodeError:
+        return None
+    runtime_env = config.get("runtime_env") if isinstance(config, dict) else None
+    if isinstance(runtime_env, dict) and runtime_env.get("working_dir"):
+        return os.getcwd()
+    return None
+
+
+def check_paths_for_ray_job(job: JobSpec, environ: Mapping[str, str] | None = None) -> None:
+    """ConfigError when ``job`` (unresolved: ``load_job(..., resolve=False)``) runs as a Ray job in a temporary
+    working dir and names local paths relative to it: the dataset is not there (``data/`` is not uploaded),
+    and checkpoints or an MLflow store written there vanish with the job. Nothing is checked elsewhere."""
+    from raytrn.config import relative_local_paths
+
+    environ = os.environ if environ is None else environ
+    wd = ray_job_working_dir(environ)
+    if wd is None:
+        return
+    found = relative_local_paths(job)
+    if job.tracking.enabled and job.tracking.mlflow_uri is None and not environ.get("MLFLOW_TRACKING_URI"):
+        found["tracking.mlflow_uri"] = "null with no MLFLOW_TRACKING_URI here (the default sqlite:///mlruns/mlflow.db)"
+    if not found:
+        return
+    listed = "\n  ".join(f"{k}: {v}" for k, v in found.items())
+    raise RaytrnError(
+        f"{job.source}: this job runs in Ray's temporary copy of the uploaded working dir ({wd}), so these "
+        f"relative local paths would point inside it (data/, checkpoints/ and mlruns/ are not uploaded) and what is "
+        f"written there is lost when the job ends:\n  {listed}\nUse s3://... or an absolute path on the cluster's "
+        "shared filesystem (and an MLflow server: tracking.mlflow_uri, or MLFLOW_TRACKING_URI on the cluster). "
+        "`raytrn submit` to the local simulator (`raytrn cluster up --local`) makes them absolute for you"
+    )
 
 
 def process_started_at() -> float:

@@ -4,6 +4,11 @@
 dir (without environments, local data or results), forwards the MLflow/AWS settings of this shell to the
 job, records who submitted what (user, git commit) as job metadata, and follows the job's logs. An
 unreachable cluster fails before anything is uploaded.
+
+The job runs in a temporary copy of the working dir, so local paths relative to it would point at nothing:
+for the local simulator (``raytrn cluster up --local``, which shares this filesystem) they are made absolute;
+for any other cluster they are refused (exit 2, nothing submitted). The run name is fixed here, so the name
+printed is the one the cluster's driver uses.
 """
 
 from __future__ import annotations
@@ -71,15 +76,24 @@ def entrypoint(job_file: str, overrides: Sequence[str]) -> str:
 
 
 def resolve_token(
-    explicit: str | None = None, environ: Mapping[str, str] | None = None, home: Path | None = None
+    explicit: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    home: Path | None = None,
+    *,
+    address: str | None = None,
 ) -> str | None:
-    """The Ray auth token, looked up in Ray's own order: given, RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token."""
+    """The Ray auth token, looked up in Ray's own order: given, RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, then the
+    local simulator's token when ``address`` is its dashboard, then ~/.ray/auth_token."""
     environ = os.environ if environ is None else environ
     if explicit:
         return explicit.strip()
     if environ.get("RAY_AUTH_TOKEN"):
         return environ["RAY_AUTH_TOKEN"].strip()
     path = Path(environ["RAY_AUTH_TOKEN_PATH"]) if environ.get("RAY_AUTH_TOKEN_PATH") else None
+    if path is None and address is not None:
+        local = _local_cluster(address)
+        if local is not None and local.token_path:
+            path = Path(local.token_path)
     if path is None:
         path = (home or Path.home()) / ".ray" / "auth_token"
         if not path.is_file():
@@ -113,8 +127,10 @@ def normalize_address(address: str | None, environ: Mapping[str, str] | None = N
     return address.rstrip("/")
 
 
-def check_reachable(address: str, headers: Mapping[str, str], timeout_s: float = 5.0) -> None:
-    """Fail fast and clearly (nothing submitted) when the dashboard is down or refuses our credentials."""
+def check_reachable(
+    address: str, headers: Mapping[str, str], timeout_s: float = 5.0, *, outcome: str = "nothing was submitted"
+) -> None:
+    """Fail fast and clearly (``outcome``: nothing submitted) when the dashboard is down or refuses our credentials."""
     import urllib.error
     import urllib.request
 
@@ -125,19 +141,19 @@ def check_reachable(address: str, headers: Mapping[str, str], timeout_s: float =
         if e.code == 401:
             raise RaytrnError(
                 f"the Ray cluster at {address} requires an auth token and none was found: set RAY_AUTH_TOKEN, "
-                "RAY_AUTH_TOKEN_PATH or --token-file (on the head: `ray get-auth-token`); nothing was submitted"
+                f"RAY_AUTH_TOKEN_PATH or --token-file (on the head: `ray get-auth-token`); {outcome}"
             ) from None
         if e.code == 403:
             raise RaytrnError(
                 f"the Ray cluster at {address} rejected the auth token; check RAY_AUTH_TOKEN / --token-file "
-                "(on the head: `ray get-auth-token`); nothing was submitted"
+                f"(on the head: `ray get-auth-token`); {outcome}"
             ) from None
         # Anything else is the dashboard answering: let the client report it.
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
         raise RaytrnError(
             f"cannot reach the Ray dashboard at {address} ({reason}); check the address and the SSH tunnel "
-            "(`ray dashboard cluster.yaml`); nothing was submitted"
+            f"(`ray dashboard cluster.yaml`); {outcome}"
         ) from None
 
 
@@ -157,9 +173,10 @@ def submit(
     The job spec is validated here first (with ``overrides``; data checks happen on the cluster). ``env``
     adds to the forwarded MLflow/AWS variables of this process.
     """
-    from raytrn.config import load_job
+    from raytrn.config import load_job, resolve_paths
 
-    job = load_job(str(job_path), list(overrides))
+    raw = load_job(str(job_path), list(overrides), resolve=False)
+    job = resolve_paths(raw, os.getcwd())
     wd = Path(working_dir).resolve()
     try:
         job_file = Path(job_path).resolve().relative_to(wd).as_posix()
@@ -169,7 +186,9 @@ def submit(
             "or pass --working-dir)"
         ) from None
     address = normalize_address(address)
-    token = resolve_token(token)
+    local = _local_cluster(address)
+    fixed = [*overrides, *frozen_overrides(raw, job, local=local is not None, address=address)]
+    token = resolve_token(token, address=address)
     headers = auth_headers(token)
     check_reachable(address, headers)
 
@@ -187,18 +206,54 @@ def submit(
         "RAY_JOB_SUBMISSION_ID": submission_id,
     }
     job_id = client.submit_job(
-        entrypoint=entrypoint(job_file, overrides),
+        entrypoint=entrypoint(job_file, fixed),
         submission_id=submission_id,
         runtime_env=runtime_env(wd, job_env),
         metadata=job_metadata(job_file, job.run_name, wd),
     )
-    print(f"raytrn: submitted {job_id} to {address}", flush=True)
+    print(f"raytrn: submitted {job_id} to {address} (run {job.run_name})", flush=True)
     if follow:
         follow_logs(client, job_id)
     else:
         print(f"  logs  raytrn jobs logs {job_id} --address {address}")
         print(f"  stop  raytrn jobs stop {job_id} --address {address}")
     return job_id
+
+
+def frozen_overrides(raw: Any, job: Any, *, local: bool, address: str) -> list[str]:
+    """The ``--set`` values that make the submitted job the one checked here: the run name (the cluster's
+    driver would otherwise stamp its own time into a new one) and, for the local simulator, relative local
+    paths made absolute. Relative paths for any other cluster are a RaytrnError (nothing is submitted)."""
+    from raytrn.config import relative_local_paths
+
+    out = []
+    relative = relative_local_paths(raw)
+    if relative and not local:
+        listed = "\n  ".join(f"{k}: {v}" for k, v in relative.items())
+        raise RaytrnError(
+            f"{raw.source}: relative local paths cannot be used on the cluster at {address}: the job runs in a "
+            f"temporary copy of the working dir, without data/, checkpoints/ or mlruns/, and what it writes there "
+            f"is lost when it ends:\n  {listed}\nUse s3://BUCKET/PREFIX or an absolute path on the cluster's "
+            "shared filesystem (e.g. --set data.manifest=/fsx/data/stdlib), and an MLflow server for "
+            "tracking.mlflow_uri; nothing was submitted"
+        )
+    resolved = {
+        "data.manifest": job.data.manifest,
+        "checkpoint.storage": job.checkpoint.storage,
+        "tracking.mlflow_uri": job.tracking.mlflow_uri,
+        "neuron.compile_cache": os.path.abspath(os.path.expanduser(job.neuron.compile_cache or ".")),
+    }
+    out += [f"{field}={resolved[field]}" for field in relative]  # the simulator shares this filesystem
+    if raw.tracking.run_name is None:
+        out.append(f"tracking.run_name={job.run_name}")
+    return out
+
+
+def _local_cluster(address: str) -> Any:
+    """The running local simulator serving ``address``, or None (any other cluster)."""
+    from raytrn.cluster.local import running
+
+    return running(address)
 
 
 def follow_logs(client: Any, job_id: str) -> str:
@@ -286,13 +341,26 @@ def _token_arg(args: argparse.Namespace) -> str | None:
         raise RaytrnError(f"--token-file {args.token_file}: {e}") from None
 
 
-def _client(args: argparse.Namespace) -> Any:
+def _client(args: argparse.Namespace) -> tuple[Any, str]:
+    """A job-submission client for ``--address`` (checked reachable, with the token), and that address."""
     address = normalize_address(args.address)
-    headers = auth_headers(resolve_token(_token_arg(args)))
-    check_reachable(address, headers)
+    headers = auth_headers(resolve_token(_token_arg(args), address=address))
+    check_reachable(address, headers, outcome="nothing was done")
     from ray.job_submission import JobSubmissionClient
 
-    return JobSubmissionClient(address, headers=headers)
+    return JobSubmissionClient(address, headers=headers), address
+
+
+def _on_job(address: str, job_id: str, call: Any) -> Any:
+    """``call()`` on a job of the cluster; an id the cluster does not know is one clear RaytrnError."""
+    try:
+        return call()
+    except RuntimeError as e:  # the job SDK's "Request failed with status code 404: Job ... does not exist."
+        if "404" not in str(e) and "does not exist" not in str(e):
+            raise
+        raise RaytrnError(
+            f"no job {job_id!r} on the cluster at {address}; `raytrn jobs list --address {address}` shows its jobs"
+        ) from None
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
@@ -307,11 +375,12 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     )
     if args.no_follow:
         return 0
-    return 0 if follow_logs(_client(args), job_id) == "SUCCEEDED" else 1
+    return 0 if follow_logs(_client(args)[0], job_id) == "SUCCEEDED" else 1
 
 
 def _cmd_jobs_list(args: argparse.Namespace) -> int:
-    jobs = sorted(_client(args).list_jobs(), key=lambda j: j.start_time or 0)
+    client, _ = _client(args)
+    jobs = sorted(client.list_jobs(), key=lambda j: j.start_time or 0)
     for j in jobs:
         meta = j.metadata or {}
         print(
@@ -321,16 +390,18 @@ def _cmd_jobs_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_jobs_logs(args: argparse.Namespace) -> int:
-    client = _client(args)
+    client, address = _client(args)
+    logs = _on_job(address, args.job_id, lambda: client.get_job_logs(args.job_id))
     if args.follow:
         follow_logs(client, args.job_id)
     else:
-        print(client.get_job_logs(args.job_id), end="")
+        print(logs, end="")
     return 0
 
 
 def _cmd_jobs_stop(args: argparse.Namespace) -> int:
-    stopped = _client(args).stop_job(args.job_id)
+    client, address = _client(args)
+    stopped = _on_job(address, args.job_id, lambda: client.stop_job(args.job_id))
     print(f"raytrn: {args.job_id} {'stopping' if stopped else 'was not running'}")
     return 0
 

@@ -23,10 +23,11 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray for the whole session: 3 logical CPUs = 2 training workers + 1 for Ray Data."""
+    """One local Ray for the whole session: 3 logical CPUs (2 training workers and some room). Its dashboard
+    takes a free port: 8265 (and 6379, 5000) stay free for the README's laptop path (test_laptop_path.py)."""
     import ray
 
-    ray.init(num_cpus=3, logging_level="WARNING")
+    ray.init(num_cpus=3, logging_level="WARNING", dashboard_port=_free_port())
     yield
     ray.shutdown()
 

@@ -64,8 +64,8 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
     # torch's import for the trainer takes seconds and needs no Ray: it runs while Ray starts.
     with ThreadPoolExecutor(1, thread_name_prefix="raytrn-prepare") as pool:
         pool.submit(importlib.import_module, "ray.train.torch")
-        # One logical CPU more than the workers take, for Ray Data's read tasks (embedded local Ray only).
-        started_locally = ensure_ray(min_cpus=scaling.total_resources.get("CPU", 0) + 1)
+        # As many logical CPUs as the workers take (Ray Data's read tasks reserve none: raytrn.data.source).
+        started_locally = ensure_ray(min_cpus=scaling.total_resources.get("CPU", 0))
     if started_locally:
         _check_local_resources(job, backend)
     import ray

@@ -108,7 +108,8 @@ def test_unreachable_address_fails_before_submitting(monkeypatch: pytest.MonkeyP
     with pytest.raises(
         RaytrnError, match=rf"cannot reach the Ray dashboard at http://127.0.0.1:{port}.*nothing was submitted"
     ):
-        sub.submit("jobs/tiny.yaml", address=f"127.0.0.1:{port}", follow=False, token="")
+        paths = ["data.manifest=/data/stdlib", "checkpoint.storage=s3://b/ckpt"]
+        sub.submit("jobs/tiny.yaml", address=f"127.0.0.1:{port}", overrides=paths, follow=False, token="")
 
 
 def test_job_file_outside_working_dir(tmp_path: Path) -> None:
@@ -158,3 +159,84 @@ def test_register_adds_submit_and_jobs() -> None:
     assert parser.parse_args(["jobs", "logs", "raytrn-x", "-f"]).follow
     with pytest.raises(RaytrnError, match="expected KEY=VALUE"):
         sub._parse_env(["novalue"])
+
+
+# -- relative paths and the run name (the README's laptop path: tests/integration/test_laptop_path.py) -------
+
+
+def _jobs(*overrides: str):
+    from raytrn.config import load_job, resolve_paths
+
+    raw = load_job(REPO / "jobs" / "tiny.yaml", list(overrides), resolve=False)
+    return raw, resolve_paths(raw, "/home/me/raytrn")
+
+
+def test_a_remote_cluster_refuses_relative_local_paths() -> None:
+    raw, job = _jobs()
+    with pytest.raises(RaytrnError) as e:
+        sub.frozen_overrides(raw, job, local=False, address="http://127.0.0.1:8265")
+    msg = str(e.value)
+    assert "data.manifest: data/stdlib\n  checkpoint.storage: checkpoints\n" in msg
+    assert "s3://BUCKET/PREFIX or an absolute path on the cluster's shared filesystem" in msg
+    assert msg.endswith("nothing was submitted")
+    raw, job = _jobs("data.manifest=/fsx/data", "checkpoint.storage=s3://b/ckpt", "tracking.run_name=r1")
+    assert sub.frozen_overrides(raw, job, local=False, address="http://h:8265") == []
+
+
+def test_the_local_simulator_gets_absolute_paths_and_the_run_name_printed() -> None:
+    raw, job = _jobs("tracking.mlflow_uri=sqlite:///mlruns/mlflow.db")
+    sets = sub.frozen_overrides(raw, job, local=True, address="http://127.0.0.1:8265")
+    assert sets == [
+        "data.manifest=/home/me/raytrn/data/stdlib",
+        "checkpoint.storage=/home/me/raytrn/checkpoints",
+        "tracking.mlflow_uri=sqlite:////home/me/raytrn/mlruns/mlflow.db",
+        f"tracking.run_name={job.run_name}",  # the cluster's driver uses the name printed here
+    ]
+    assert job.run_name.startswith("tiny-")
+
+
+def test_a_driver_in_a_ray_job_refuses_relative_paths(tmp_path: Path) -> None:
+    """`ray job submit --working-dir . -- raytrn train jobs/tiny.yaml`: the same paths, caught on the cluster."""
+    import json
+
+    from raytrn.runtime import check_paths_for_ray_job, ray_job_working_dir
+
+    in_job = {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_x.zip"}})}
+    assert ray_job_working_dir(in_job) is not None and ray_job_working_dir({}) is None
+    raw, _ = _jobs()
+    with pytest.raises(RaytrnError) as e:
+        check_paths_for_ray_job(raw, in_job)
+    msg = str(e.value)
+    assert "data.manifest: data/stdlib" in msg and "checkpoint.storage: checkpoints" in msg
+    assert "tracking.mlflow_uri: null with no MLFLOW_TRACKING_URI here" in msg
+    check_paths_for_ray_job(raw, {})  # not in a Ray job: `raytrn train` resolves them where it runs
+    ok, _ = _jobs("data.manifest=/fsx/d", "checkpoint.storage=s3://b/c")
+    check_paths_for_ray_job(ok, {**in_job, "MLFLOW_TRACKING_URI": "http://head:5000"})
+
+
+def test_unknown_job_ids_are_one_clear_error() -> None:
+    def missing() -> None:
+        raise RuntimeError("Request failed with status code 404: Job nope does not exist.")
+
+    with pytest.raises(RaytrnError, match=r"^no job 'nope' on the cluster at http://h:8265; `raytrn jobs list"):
+        sub._on_job("http://h:8265", "nope", missing)
+
+    def broken() -> None:
+        raise RuntimeError("Request failed with status code 500: boom")
+
+    with pytest.raises(RuntimeError, match="500"):  # anything else is not the user's mistake
+        sub._on_job("http://h:8265", "x", broken)
+
+
+def test_the_local_simulators_token_is_found_by_address(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    token = tmp_path / "local-cluster.token"
+    token.write_text("sim-token\n")
+    sim = SimpleNamespace(token_path=str(token))
+    monkeypatch.setattr(sub, "_local_cluster", lambda address: sim if address == "http://127.0.0.1:8265" else None)
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("another-clusters-token")
+    assert sub.resolve_token(None, {}, tmp_path, address="http://127.0.0.1:8265") == "sim-token"
+    assert sub.resolve_token(None, {}, tmp_path, address="http://10.0.0.1:8265") == "another-clusters-token"
+    assert sub.resolve_token(None, {"RAY_AUTH_TOKEN": "env"}, tmp_path, address="http://127.0.0.1:8265") == "env"
