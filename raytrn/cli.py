@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_val.add_argument(
         "--no-data", action="store_true", help="skip the dataset checks (its path exists only on the cluster)"
     )
+    p_val.add_argument(
+        "--cluster",
+        metavar="FILE",
+        help="also check the job fits this cluster file (cluster/*.yaml or a KubeRay manifest): refused when it asks "
+        "for more workers than the cluster can ever provide",
+    )
     p_val.set_defaults(func=_cmd_validate)
 
     p_pre = sub.add_parser(
@@ -166,7 +172,15 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from raytrn.train.checks import check_job
 
     job = load_job(args.job, args.overrides)
-    for line in check_job(job, data=not args.no_data):
+    lines = check_job(job, data=not args.no_data)
+    if args.cluster:
+        from raytrn.backends import get_backend
+        from raytrn.cluster.capacity import check_job_fits
+        from raytrn.cluster.validate import validate_cluster_file
+
+        validate_cluster_file(args.cluster)
+        lines += check_job_fits(job, get_backend(job.scaling.accelerator).worker_resources(job), args.cluster)
+    for line in lines:
         print(line)
     print(f"{args.job}: OK")
     return 0

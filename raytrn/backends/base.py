@@ -27,6 +27,14 @@ class Backend:
     tune_malloc: bool = False
 
     # -- driver side ---------------------------------------------------------------------------
+    def worker_resources(self, job: JobSpec) -> dict[str, float]:
+        """The Ray resources of one training worker: the job's, else this accelerator's default (a GPU worker
+        always holds one GPU); zero amounts dropped, as Ray Train does."""
+        resources = dict(job.scaling.resources_per_worker or self.default_resources)
+        if self.use_gpu:
+            resources.setdefault("GPU", 1)
+        return {k: v for k, v in resources.items() if v}
+
     def ray_backend_config(self, job: JobSpec) -> Any:
         """The Ray Train backend config (process group setup) for ``job``."""
         from ray.train.torch import TorchConfig

@@ -340,7 +340,7 @@ def _check_local_resources(job: JobSpec, backend: Backend) -> None:
     import ray
 
     have = ray.cluster_resources()
-    for name, amount in worker_resources(job, backend).items():
+    for name, amount in backend.worker_resources(job).items():
         need = amount * job.scaling.min_workers
         if amount > 0 and have.get(name, 0) < need:
             raise RaytrnError(
@@ -363,17 +363,8 @@ def _scaling(job: JobSpec, backend: Backend) -> Any:
     # Train V2 takes (min, max) for an elastic worker group.
     num_workers: Any = (s.min_workers, s.max_size) if s.elastic else s.min_workers
     return ScalingConfig(
-        num_workers=num_workers, use_gpu=backend.use_gpu, resources_per_worker=worker_resources(job, backend)
+        num_workers=num_workers, use_gpu=backend.use_gpu, resources_per_worker=backend.worker_resources(job)
     )
-
-
-def worker_resources(job: JobSpec, backend: Backend) -> dict[str, float]:
-    """The Ray resources of one training worker: the job's, else the accelerator's default (a GPU worker
-    always holds one GPU); zero amounts dropped, as Ray Train does."""
-    resources = dict(job.scaling.resources_per_worker or backend.default_resources)
-    if backend.use_gpu:
-        resources.setdefault("GPU", 1)
-    return {k: v for k, v in resources.items() if v}
 
 
 def _run_storage(job: JobSpec) -> dict[str, Any]:
