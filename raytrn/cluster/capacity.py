@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from raytrn.cluster.common import load_yaml_documents, mapping_at
+from raytrn.cluster.common import as_list, load_yaml_documents, mapping_at
 from raytrn.errors import ConfigError
 
 
@@ -67,7 +67,13 @@ class Capacity:
 
 def load_capacity(path: str) -> Capacity:
     """The worker node types of a cluster-launcher YAML or a KubeRay manifest (ConfigError if it has none)."""
-    docs = load_yaml_documents(path, what="cluster file")
+    return capacity_of(load_yaml_documents(path, what="cluster file"), path)
+
+
+def capacity_of(docs: list[Any], path: str) -> Capacity:
+    """:func:`load_capacity` for loaded YAML documents (``path`` names them in messages)."""
+    if not docs:
+        raise ConfigError(f"{path}: cluster file is empty")
     if any(isinstance(d, dict) and "kind" in d for d in docs):
         groups = [g for d in docs if isinstance(d, dict) for g in _kuberay_groups(d)]
         cap = Capacity(path, groups, None)
@@ -95,7 +101,7 @@ def _kuberay_groups(doc: dict[str, Any]) -> list[NodeGroup]:
     if doc.get("kind") == "RayJob":
         spec = mapping_at(spec, "rayClusterSpec")
     groups = []
-    for i, g in enumerate(spec.get("workerGroupSpecs") or []):
+    for i, g in enumerate(as_list(spec.get("workerGroupSpecs"))):
         if not isinstance(g, dict):
             continue
         params = mapping_at(g, "rayStartParams")

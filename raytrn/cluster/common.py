@@ -31,6 +31,11 @@ def mapping_at(node: Any, *keys: str) -> dict[str, Any]:
     return node if isinstance(node, dict) else {}
 
 
+def as_list(value: Any) -> list[Any]:
+    """``value`` when it is a list, else ``[]`` (for reading unvalidated YAML: a string or a bool is no list)."""
+    return value if isinstance(value, list) else []
+
+
 def raise_problems(source: str, problems: list[str]) -> None:
     """One ConfigError listing every problem (file first), or nothing."""
     if problems:

@@ -15,12 +15,14 @@ from typing import Any
 
 from raytrn.backends.neuron_env import INSTANCES
 from raytrn.cluster.common import (
+    as_list,
     expected_neuron_cores,
     load_yaml_documents,
     mapping_at,
     placeholder_notes,
     raise_problems,
 )
+from raytrn.errors import ConfigError
 
 API_VERSION = "ray.io/v1"
 NEURONCORE = "aws.amazon.com/neuroncore"
@@ -36,6 +38,8 @@ def validate_kuberay_file(path: str) -> list[str]:
 
 def validate_kuberay_documents(docs: list[Any], *, source: str) -> list[str]:
     """Validate loaded manifest documents (others, e.g. a Secret, are skipped with a note)."""
+    if not docs:
+        raise ConfigError(f"{source}: KubeRay manifest is empty")
     problems: list[str] = []
     notes: list[str] = []
     multi = len(docs) > 1
@@ -210,7 +214,7 @@ def _check_neuron_group(group: dict[str, Any], where: str, notes: list[str]) -> 
     env = [
         f"{e.get('name')}={e.get('value')}"
         for c in _containers(group)
-        for e in c.get("env") or []
+        for e in as_list(c.get("env"))
         if isinstance(e, dict)
     ]
     node_cores, lnc = expected_neuron_cores(spec, env)

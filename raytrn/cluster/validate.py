@@ -27,6 +27,7 @@ from typing import Any
 
 from raytrn.backends.neuron_env import INSTANCES
 from raytrn.cluster.common import (
+    as_list,
     expected_neuron_cores,
     load_yaml_documents,
     mapping_at,
@@ -184,6 +185,8 @@ def _check_head(config: dict[str, Any], node_types: dict[str, Any]) -> list[str]
     head = config.get("head_node_type")
     if head is None:
         return ["head_node_type: required field is missing; name one of available_node_types (the head node)"]
+    if not isinstance(head, str):
+        return [f"head_node_type: must be the name of one of available_node_types (got {head!r})"]
     if head not in node_types:
         near = difflib.get_close_matches(str(head), list(node_types), n=1, cutoff=0.6)
         hint = f" Did you mean '{near[0]}'?" if near else f" Known: {', '.join(node_types)}."
@@ -202,10 +205,10 @@ def _check_head(config: dict[str, Any], node_types: dict[str, Any]) -> list[str]
 def _node_commands(config: dict[str, Any], node_type: dict[str, Any]) -> list[str]:
     """The shell commands Ray runs on a worker of this type (a node type's own list overrides the global)."""
     cmds: list[Any] = []
-    cmds += node_type.get("initialization_commands", config.get("initialization_commands")) or []
-    cmds += config.get("setup_commands") or []
-    cmds += node_type.get("worker_setup_commands", config.get("worker_setup_commands")) or []
-    cmds += config.get("worker_start_ray_commands") or []
+    cmds += as_list(node_type.get("initialization_commands", config.get("initialization_commands")))
+    cmds += as_list(config.get("setup_commands"))
+    cmds += as_list(node_type.get("worker_setup_commands", config.get("worker_setup_commands")))
+    cmds += as_list(config.get("worker_start_ray_commands"))
     return [c for c in cmds if isinstance(c, str)]
 
 
@@ -294,8 +297,8 @@ def _check_security_group(config: dict[str, Any]) -> list[str]:
     for i, rule in enumerate(rules if isinstance(rules, list) else []):
         if not isinstance(rule, dict):
             continue
-        cidrs = [r.get("CidrIp") for r in rule.get("IpRanges") or [] if isinstance(r, dict)]
-        cidrs += [r.get("CidrIpv6") for r in rule.get("Ipv6Ranges") or [] if isinstance(r, dict)]
+        cidrs = [r.get("CidrIp") for r in as_list(rule.get("IpRanges")) if isinstance(r, dict)]
+        cidrs += [r.get("CidrIpv6") for r in as_list(rule.get("Ipv6Ranges")) if isinstance(r, dict)]
         open_cidrs = [c for c in cidrs if c in _OPEN_CIDRS]
         if not open_cidrs:
             continue
@@ -312,7 +315,7 @@ def _check_security_group(config: dict[str, Any]) -> list[str]:
 
 def _command_notes(config: dict[str, Any]) -> list[str]:
     notes = []
-    head_cmds = " ".join(c for c in config.get("head_start_ray_commands") or [] if isinstance(c, str))
+    head_cmds = " ".join(c for c in as_list(config.get("head_start_ray_commands")) if isinstance(c, str))
     if "ray start" in head_cmds:
         if "--dashboard-host=0.0.0.0" in head_cmds or "--dashboard-host 0.0.0.0" in head_cmds:
             notes.append(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import subprocess
 import threading
@@ -23,9 +24,14 @@ PREFIX = "system/"
 
 
 def _num(value: Any) -> float | None:
+    """A finite number from the report, else None (a bool, a string, NaN, or an integer beyond float range)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _section(parent: Any, key: str) -> dict[str, Any] | None:
@@ -83,7 +89,7 @@ def parse_report(doc: dict[str, Any]) -> dict[str, float]:
     devices = _num(hardware.get("neuron_device_count")) if hardware else None
     if devices is not None:
         metrics[f"{PREFIX}neuron_devices"] = devices
-    return metrics
+    return {k: v for k, v in metrics.items() if math.isfinite(v)}  # sums of absurd values can overflow
 
 
 def iter_reports(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
