@@ -81,6 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
     p_pre.add_argument(
         "--small", action="store_true", help="shrink the model's depth/width (same vocab, seq_len and micro-batch)"
     )
+    p_pre.add_argument(
+        "--tiny",
+        action="store_true",
+        help="--small, and seq_len <= 256 and vocabulary <= 4096: the same step graph, small enough for a laptop",
+    )
+    p_pre.add_argument(
+        "--max-memory-gb",
+        type=float,
+        metavar="GB",
+        help="allow the step this much memory (default: what the machine has available; refused above it)",
+    )
     p_pre.set_defaults(func=_cmd_precheck)
 
     p_comp = sub.add_parser(
@@ -192,7 +203,10 @@ def _cmd_precheck(args: argparse.Namespace) -> int:
 
     job = load_job(args.job, args.overrides)
     steps = args.steps or max(12, 2 * job.run.log_every + 1, args.warmup + 2)
-    report = precheck(job, steps=steps, warmup_steps=args.warmup, small=args.small)
+    cap = int(args.max_memory_gb * (1 << 30)) if args.max_memory_gb else None
+    report = precheck(
+        job, steps=steps, warmup_steps=args.warmup, small=args.small, tiny=args.tiny, max_memory_bytes=cap
+    )
     print(report.render())
     return 0 if report.ok else 1
 

@@ -5,6 +5,11 @@ Every new graph shape is a Neuron compile (minutes each). The precheck runs the 
 ``PJRT_DEVICE=CPU`` and reports per step: graphs compiled, graph hash at the step's end, host-device
 transfers (``.item()`` and friends), and the input shape. A compile after the warm-up steps fails the
 check, with the step and the likely cause.
+
+The step's host memory is estimated first (:func:`estimate_memory`, fitted against measured peaks on
+torch-xla's CPU device) and the run refused, with the estimate, when the machine does not have it: the 1B
+job at seq_len 8192 and vocabulary 128,256 needs ~27 GiB even with a 2-layer model. ``--tiny`` keeps the
+step's graph structure at small shapes, for a laptop.
 """
 
 from __future__ import annotations
@@ -16,10 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrn.config import JobSpec
-from raytrn.errors import ConfigError
+from raytrn.errors import ConfigError, RaytrnError
 
 SHRINK_MAX_LAYERS = 2
 SHRINK_HIDDEN = 256
+#: ``--tiny`` also caps these: the step's graph has the same structure (layers, micro-batches, logging cadence,
+#: every op), only smaller tensors, so shape instability is caught the same way on a laptop.
+TINY_SEQ_LEN = 256
+TINY_VOCAB = 4096
 
 
 @dataclass(kw_only=True)
@@ -39,6 +48,7 @@ class PrecheckReport:
     records: list[StepRecord] = field(default_factory=list)
     data: str = ""
     model: str = ""
+    memory: str = ""
 
     @property
     def late_compiles(self) -> list[StepRecord]:
@@ -69,7 +79,8 @@ class PrecheckReport:
         return why or ["unknown: run with PT_XLA_DEBUG_LEVEL=2 for torch-xla's compilation analysis"]
 
     def render(self) -> str:
-        lines = [f"== raytrn precheck: {self.job} ==", f"model  {self.model}", f"data   {self.data}", ""]
+        lines = [f"== raytrn precheck: {self.job} ==", f"model  {self.model}", f"data   {self.data}"]
+        lines += [f"memory {self.memory} (estimated before the run)"] * bool(self.memory) + [""]
         lines.append("step  compiles  host-syncs  graph-hash        input      logged")
         for r in self.records:
             lines.append(
@@ -93,8 +104,9 @@ class PrecheckReport:
         return "\n".join(lines)
 
 
-def shrink(job: JobSpec) -> JobSpec:
-    """The job with a small model (depth and width) but the same vocabulary, sequence and batch shapes."""
+def shrink(job: JobSpec, *, shapes: bool = False) -> JobSpec:
+    """The job with a small model (depth and width) but the same vocabulary, sequence and batch shapes;
+    ``shapes`` (``--tiny``) also caps the sequence length and the vocabulary."""
     m = job.model
     heads = 4
     kv = heads if m.kv_heads == m.num_attention_heads else 2
@@ -107,7 +119,92 @@ def shrink(job: JobSpec) -> JobSpec:
             "num_key_value_heads": kv,
         }
     )
-    return job.model_copy(update={"model": small})
+    if not shapes:
+        return job.model_copy(update={"model": small})
+    seq_len = min(job.data.seq_len, TINY_SEQ_LEN)
+    small = small.model_copy(update={"vocab_size": min(m.vocab_size, TINY_VOCAB)})
+    data = job.data.model_copy(update={"seq_len": seq_len})
+    return job.model_copy(update={"model": small, "data": data})
+
+
+# -- memory ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Host memory one precheck step needs on xla-cpu (the XLA "device" is host memory), in bytes."""
+
+    state: int  # parameters, gradients and AdamW's two moments
+    activations: int  # what the decoder layers keep for backward, attention scores included
+    logits: int  # the output head's logits and the loss's fp32 copies
+    runtime: int  # the Python process with torch and torch-xla loaded, and the compiler
+
+    @property
+    def total(self) -> int:
+        return self.state + self.activations + self.logits + self.runtime
+
+    def describe(self) -> str:
+        gib = 1 << 30
+        return (
+            f"about {self.total / gib:.1f} GiB (weights, gradients and AdamW {self.state / gib:.1f} GiB, activations "
+            f"{self.activations / gib:.1f} GiB, logits {self.logits / gib:.1f} GiB, torch-xla {self.runtime / gib:.1f} GiB)"
+        )
+
+
+#: Fitted on xla-cpu (torch-xla 2.9, tests/xla/test_precheck.py measures it): copies of each kind of tensor
+#: alive at the step's peak. XLA keeps every layer's activations for the backward pass and materialises the
+#: attention scores (no flash attention on CPU); the loss upcasts the logits to fp32 and keeps its softmax.
+_ACT_COPIES_HIDDEN = 12  # per layer: residual stream, norms, q/k/v/o, their gradients
+_ACT_COPIES_MLP = 4  # per layer: gate, up, their product, its gradient
+_SCORE_COPIES = 3  # per layer: scores, softmax, its gradient
+_LOGIT_COPIES = 5  # head output, fp32 copy, softmax, their gradients
+_RUNTIME_BYTES = 5 << 28  # 1.25 GiB
+
+
+def estimate_memory(job: JobSpec) -> MemoryEstimate:
+    """What one training step of ``job`` (as precheck runs it: one worker, at most 2 micro-batches) needs."""
+    from raytrn.models import model_stats
+
+    m, d = job.model, job.data
+    width = 2 if m.dtype == "bfloat16" else 4
+    params = model_stats(m, d.seq_len).num_params
+    tokens = d.micro_batch_size * d.seq_len
+    per_layer = tokens * (_ACT_COPIES_HIDDEN * m.hidden_size + _ACT_COPIES_MLP * m.intermediate_size) * width
+    scores = _SCORE_COPIES * d.micro_batch_size * m.num_attention_heads * d.seq_len * d.seq_len * 4
+    return MemoryEstimate(
+        state=4 * params * width,
+        activations=m.num_layers * (per_layer + scores),
+        logits=_LOGIT_COPIES * tokens * m.vocab_size * 4,
+        runtime=_RUNTIME_BYTES,
+    )
+
+
+def check_memory(job: JobSpec, *, available: int | None = None, shrunk: str = "") -> MemoryEstimate:
+    """The step's :class:`MemoryEstimate`; RaytrnError (before anything is built) when it exceeds the memory
+    ``available`` (default: what this machine has free now), saying what to shrink (``shrunk``: the job is
+    already ``--small`` or ``--tiny``)."""
+    estimate = estimate_memory(job)
+    if available is None:
+        import psutil
+
+        available = int(psutil.virtual_memory().available)
+    if estimate.total > available:
+        gib = 1 << 30
+        tiny = (
+            f"--tiny (a 2-layer, 256-wide model at seq_len <= {TINY_SEQ_LEN} and vocabulary <= {TINY_VOCAB:,}: the "
+            "same graph structure, so shape instability is still caught)"
+        )
+        fixes = {
+            "": f"Use --small (a 2-layer, 256-wide model: the same shapes) or {tiny}",
+            "small": f"Use {tiny}",
+            "tiny": "Lower data.micro_batch_size with --set",
+        }[shrunk]
+        raise RaytrnError(
+            f"precheck: {job.source}: one step at seq_len {job.data.seq_len:,}, vocabulary {job.model.vocab_size:,} "
+            f"and micro-batch {job.data.micro_batch_size} needs {estimate.describe()}, but this machine has "
+            f"{available / gib:.1f} GiB available. {fixes}, or --max-memory-gb to allow more"
+        )
+    return estimate
 
 
 def precheck(
@@ -116,11 +213,21 @@ def precheck(
     steps: int = 12,
     warmup_steps: int = 3,
     small: bool = False,
+    tiny: bool = False,
     batches: Iterator[Any] | None = None,
+    max_memory_bytes: int | None = None,
 ) -> PrecheckReport:
-    """Run the job's step ``steps`` times on xla-cpu and record compiles, syncs and graph hashes per step."""
+    """Run the job's step ``steps`` times on xla-cpu and record compiles, syncs and graph hashes per step.
+
+    ``small`` shrinks the model's depth and width, ``tiny`` also the sequence length and vocabulary. The
+    step's memory is estimated first and the run refused (RaytrnError) when it would not fit in
+    ``max_memory_bytes`` (default: the memory this machine has available).
+    """
     if steps <= warmup_steps:
         raise ConfigError(f"precheck: --steps ({steps}) must be greater than --warmup ({warmup_steps})")
+    if small or tiny:
+        job = shrink(job, shapes=tiny)
+    memory = check_memory(job, available=max_memory_bytes, shrunk="tiny" if tiny else "small" if small else "")
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     from raytrn.backends.xla import import_torch_xla
 
@@ -130,8 +237,6 @@ def precheck(
     from raytrn.models import model_stats
     from raytrn.train.step import build_training, read_metrics, train_step
 
-    if small:
-        job = shrink(job)
     backend = _recording_backend()
     t = build_training(job, backend, world_size=job.scaling.min_workers if job.data.global_batch_size else 1)
     # Each micro-batch is its own graph on XLA: 2 of them show the first-vs-accumulating variants.
@@ -141,7 +246,11 @@ def precheck(
     # Record shapes as the step consumes them (the device loader prefetches ahead of the step).
     device_batches = _shape_recorder(backend.wrap_batches(host_batches), shapes)
     report = PrecheckReport(
-        job=job.source, warmup_steps=warmup_steps, data=data, model=model_stats(job.model, job.data.seq_len).describe()
+        job=job.source,
+        warmup_steps=warmup_steps,
+        data=data,
+        model=model_stats(job.model, job.data.seq_len).describe(),
+        memory=memory.describe(),
     )
 
     def counters() -> tuple[int, int]:
