@@ -68,7 +68,7 @@ def _kill_train_worker() -> int:
 def test_killed_worker_resumes_and_history_has_each_step_once(ray_session, tiny_dataset, tmp_path):
     name = f"kill-{uuid.uuid4().hex[:8]}"
     job = load_job(REPO / "jobs" / "tiny.yaml", _overrides(tiny_dataset, tmp_path, name, "run.max_steps=80",
-                                                           "scaling.max_failures=2"))  # fmt: skip
+                                                           "scaling.max_failures=2", "tracking.usd_per_hour=36"))  # fmt: skip
     client = MlflowClient(job.tracking.mlflow_uri)
     thread, result = train_in_thread(job)
     try:
@@ -96,6 +96,24 @@ def test_killed_worker_resumes_and_history_has_each_step_once(ray_session, tiny_
     # Two worker group starts: at step 0, and again from a checkpoint (20, or a later one if reached).
     first, second = run.data.tags["world_size_history"].split(",")
     assert first == "0:1" and second in ("20:1", "40:1", "60:1"), run.data.tags["world_size_history"]
+    restart_step = int(second.split(":")[0]) + 1
+    # Start-up: once from the driver's start, then the restarted group's own start-up, not from the driver's.
+    starts = client.get_metric_history(summary.mlflow_run_id, "time_to_first_step_s")
+    assert [m.step for m in starts] == [1]
+    [restart] = client.get_metric_history(summary.mlflow_run_id, "restart_to_first_step_s")
+    assert restart.step == restart_step and 0 < restart.value < (restart.timestamp / 1000 - run.info.start_time / 1000)
+    # The cost keeps running through the restart (it never falls back toward 0).
+    cost = [m.value for m in sorted(client.get_metric_history(summary.mlflow_run_id, "cost_usd"), key=lambda m: m.step)]
+    assert len(cost) == 80 and all(b >= a for a, b in zip(cost, cost[1:], strict=False)), cost
+    # Checkpoint tags match the disk: keep_last 2 left two; the tags of the others say they were deleted.
+    on_disk = {p.name for p in (tmp_path / "ckpt" / name).glob("checkpoint_0*")}
+    assert on_disk == {"checkpoint_00000060", "checkpoint_00000080"}
+    tags = {k: v for k, v in run.data.tags.items() if k.startswith("checkpoint.step_")}
+    live = {k.replace("checkpoint.step_", "checkpoint_") for k, v in tags.items() if not v.startswith("deleted")}
+    assert live == on_disk, tags
+    assert all(
+        v.startswith("deleted by checkpoint.keep_last=2") for k, v in tags.items() if k[-8:] in ("00000020", "00000040")
+    )
 
 
 def test_killed_worker_without_retries_ends_failed(ray_session, tiny_dataset, tmp_path):

@@ -51,7 +51,10 @@ def _metric_history(job, run_id: str, key: str) -> list[tuple[int, float]]:
 @pytest.fixture(scope="module")
 def two_worker_run(ray_session, tiny_dataset, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train")
-    job = _job(tiny_dataset, tmp, "run.max_steps=30", "scaling.min_workers=2", "scaling.max_workers=2")
+    job = _job(
+        tiny_dataset, tmp, "run.max_steps=30", "scaling.min_workers=2", "scaling.max_workers=2",
+        "tracking.usd_per_hour=36",  # 1 cent a second: cost_usd is logged
+    )  # fmt: skip
     return job, run_training(job, live_progress=False)
 
 
@@ -116,6 +119,21 @@ def test_resume_continues_at_saved_step_with_optimizer_state(two_worker_run, ray
 
     steps = [s for s, _ in _metric_history(job, summary.mlflow_run_id, "loss")]
     assert steps == [5, 10, 15, 20, 25, 30, 35, 40]  # each step once, strictly increasing
+
+    # The learning rate does not jump: the run's schedule (warmup 10, cosine to 0.1x at step 30) is kept, so
+    # steps 35 and 40 stay at the floor, as an uninterrupted 40-step run with that horizon would be.
+    from raytrn.train.schedule import Schedule
+
+    horizon_30 = Schedule.from_job(job)
+    lr = _metric_history(job, summary.mlflow_run_id, "lr")
+    assert [s for s, _ in lr] == steps
+    for step, value in lr:
+        assert abs(value - job.optim.lr * horizon_30.factor(step)) <= 1e-9, (step, value)
+    assert state["schedule"] == horizon_30.to_dict()
+    # The cost keeps running over the second invocation (checkpoint progress), never back to 0.
+    cost = [v for _, v in _metric_history(job, summary.mlflow_run_id, "cost_usd")]
+    assert len(cost) == 8 and all(b > a for a, b in zip(cost, cost[1:], strict=False)), cost
+    assert state["progress"]["cost_usd"] >= cost[-1] > 0
     # One start-up time per worker group start: the first invocation's step 1, the resumed one's step 31.
     starts = _metric_history(job, summary.mlflow_run_id, "time_to_first_step_s")
     assert [s for s, _ in starts] == [1, 31] and all(v > 0 for _, v in starts)
