@@ -104,7 +104,7 @@ def child_main(args: argparse.Namespace) -> None:
 
     from raytrn.data.source import read_shards
     from raytrn.tracking.actor import start_tracking_actor
-    from raytrn.tracking.mlflow_run import end_run, start_run
+    from raytrn.tracking.mlflow_run import plan_run
     from raytrn.train.checks import check_data
 
     bench = job_from_args(args)
@@ -124,9 +124,9 @@ def child_main(args: argparse.Namespace) -> None:
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), logging_level=logging.WARNING)
         ray.data.DataContext.get_current().enable_progress_bars = False
         ds = read_shards(manifest)  # as the trainer does
-        tracked = start_run(job)
+        tracked = plan_run(job)
         assert tracked is not None
-        tracker = start_tracking_actor(tracked, job)  # what raytrn's driver starts for the workers
+        tracker = start_tracking_actor(tracked, job)  # what raytrn's driver starts: it creates the run
         out = os.path.join(tmp, "segments.json")
         trainer = TorchTrainer(
             _segments,
@@ -151,8 +151,7 @@ def child_main(args: argparse.Namespace) -> None:
         try:
             trainer.fit()
         finally:
-            ray.get(tracker.close.remote(60), timeout=120)
-            end_run(tracked, "FINISHED")
+            ray.get(tracker.finish.remote("FINISHED", 60), timeout=120)  # flush, then mark the run
         with open(out) as f:
             rows = json.load(f)
     ray.shutdown()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 
 from raytrn.backends.base import Backend
-from raytrn.errors import BackendError, BackendUnavailableError
+from raytrn.errors import BackendError
 
 _BACKENDS = {
     "cpu": "raytrn.backends.cpu:CpuBackend",
@@ -18,19 +18,12 @@ _BACKENDS = {
     "neuron": "raytrn.backends.neuron:NeuronBackend",
     "xla-cpu": "raytrn.backends.xla:XlaCpuBackend",
 }
-#: Accelerators accepted by the spec but not implemented yet: name -> what it would be.
-_PLANNED: dict[str, str] = {}
 
 
 def get_backend(name: str) -> Backend:
     """The backend for ``scaling.accelerator``; a clear error when it is unavailable here."""
     target = _BACKENDS.get(name)
     if target is None:
-        if name in _PLANNED:
-            raise BackendUnavailableError(
-                f"scaling.accelerator={name!r}: {_PLANNED[name]} is not implemented in raytrn "
-                f"yet; use 'cpu' or 'cuda' for now"
-            )
         raise BackendError(f"scaling.accelerator={name!r}: unknown accelerator; choose cpu, cuda, neuron or xla-cpu")
     module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)()

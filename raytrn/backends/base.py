@@ -16,8 +16,6 @@ class Backend:
     """How the loop runs on one kind of accelerator. Subclasses override what differs."""
 
     name: str = "base"
-    #: Lazy-tensor backend: steps end with sync(), host reads (.item()) are potential recompiles.
-    is_xla: bool = False
     #: The Ray resource a worker needs by default.
     default_resources: dict[str, float] = {"CPU": 1}
     use_gpu: bool = False

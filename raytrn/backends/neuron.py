@@ -91,7 +91,6 @@ class NeuronBackend(XlaBackend):
             socket_ifname=n.socket_ifname,
             stochastic_rounding=n.stochastic_rounding,
             cc_flags=n.cc_flags,
-            root_comm_port=getattr(n, "root_comm_port", None),  # a fixed (reserved) port, where the spec has one
             run_id=job.run_name,
             extra_env={k: os.environ[k] for k in FORWARD_ENV if k in os.environ},
         )
@@ -151,8 +150,6 @@ class NeuronXlaConfig(TorchConfig):
     socket_ifname: str = "eth0"
     stochastic_rounding: bool = True
     cc_flags: str | None = None
-    #: The Neuron runtime's root-communicator port on rank 0; None picks a free one at every start.
-    root_comm_port: int | None = None
     #: ``TORCHELASTIC_RUN_ID``: fixed for the job.
     run_id: str = "raytrn"
     #: Driver variables every worker also gets (e.g. neuron_parallel_compile's graph-extraction switches:
@@ -177,7 +174,6 @@ class NeuronXlaConfig(TorchConfig):
             "socket_ifname": self.socket_ifname,
             "stochastic_rounding": self.stochastic_rounding,
             "cc_flags": self.cc_flags,
-            "root_comm_port": self.root_comm_port,
             "run_id": self.run_id,
             "extra_env": dict(self.extra_env),
         }
@@ -264,7 +260,7 @@ class _NeuronRayBackend(RayBackend):
             backend_config,
             master_addr=master_addr,
             master_port=master_port,
-            root_comm_port=backend_config.root_comm_port or free_port,
+            root_comm_port=free_port,
         )
         ray.get([worker_group.execute_single_async(i, _apply_env, env) for i, env in enumerate(envs)])
         logger.info(

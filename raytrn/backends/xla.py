@@ -41,7 +41,6 @@ class XlaBackend(Backend):
     """torch-xla on a PJRT device; subclasses say which device and how workers are wired."""
 
     name = "xla"
-    is_xla = True
 
     def device(self) -> torch.device:
         return import_torch_xla().device()

@@ -7,7 +7,7 @@ boundaries, and the incomplete remainder at the very end is dropped (and counted
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -49,13 +49,6 @@ class Packer:
         self._num_pending = rest.size
         self.num_rows += k
         return stream[:cut].reshape(k, self.row_len)
-
-
-def pack_rows(docs: Iterable[np.ndarray | Iterable[int]], row_len: int) -> Iterator[np.ndarray]:
-    """Yield one ``row_len`` int32 array per row, streaming; the final incomplete remainder is dropped."""
-    packer = Packer(row_len)
-    for doc in docs:
-        yield from packer.push(doc)
 
 
 def pack_all(docs: Iterable[np.ndarray | Iterable[int]], row_len: int) -> tuple[np.ndarray, int]:

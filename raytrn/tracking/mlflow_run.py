@@ -90,21 +90,6 @@ def plan_run(
     )
 
 
-def start_run(
-    job: JobSpec,
-    tags: dict[str, str] | None = None,
-    extra_params: dict[str, Any] | None = None,
-    *,
-    manifest: Any = None,
-) -> TrackedRun | None:
-    """Create the job's MLflow run, or reattach to the one a previous attempt of this job started, now
-    (:func:`plan_run`, then :func:`attach`); a pending run when the server is unreachable."""
-    planned = plan_run(job, tags, extra_params)
-    if planned is None or not planned.reachable:
-        return planned
-    return attach(job, planned.tags, planned.params, manifest=manifest)
-
-
 def sqlite_path(uri: str) -> str | None:
     """The database file of a ``sqlite:///PATH`` tracking URI (None for other stores)."""
     return uri[len("sqlite:///") :] if uri.startswith("sqlite:///") else None
@@ -112,7 +97,7 @@ def sqlite_path(uri: str) -> str | None:
 
 def attach(job: JobSpec, tags: dict[str, str], params: dict[str, Any], *, manifest: Any = None) -> TrackedRun:
     """Create or reattach the run (server reachable), log params and tags, and the ``manifest``'s dataset as
-    the run's input when given; the tracking actor's call (and :func:`start_run`'s)."""
+    the run's input when given; the tracking actor's call."""
     from mlflow.entities import Param, RunTag
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient

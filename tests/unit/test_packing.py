@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from raytrn.data.packing import Packer, pack_all, pack_rows, rows_per_shard
+from raytrn.data.packing import Packer, pack_all, rows_per_shard
 
 pytestmark = pytest.mark.unit
 
@@ -28,10 +28,10 @@ def _check_exact(docs: list[np.ndarray], row_len: int) -> None:
     assert dropped == stream.size - num_rows * row_len
     assert 0 <= dropped < row_len
     np.testing.assert_array_equal(rows.reshape(-1), stream[: num_rows * row_len])
-    # The streaming generator gives the same rows.
-    streamed = list(pack_rows(docs, row_len))
-    assert all(r.shape == (row_len,) for r in streamed)
-    np.testing.assert_array_equal(np.array(streamed, dtype=np.int32).reshape(num_rows, row_len), rows)
+    # Pushed one document at a time (as prepare streams them), the rows are the same.
+    packer = Packer(row_len)
+    streamed = np.concatenate([packer.push(d) for d in docs] or [np.empty((0, row_len), np.int32)])
+    np.testing.assert_array_equal(streamed, rows)
 
 
 @pytest.mark.parametrize(

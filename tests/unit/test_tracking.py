@@ -18,12 +18,12 @@ from raytrn.errors import ConfigError
 from raytrn.tracking.logger import LOGGED_STEP_TAG, AsyncLogger, logged_step_of
 from raytrn.tracking.mlflow_run import (
     REDACTED,
+    attach,
     end_run,
     is_secret_key,
     plan_run,
     redact,
     redact_uri,
-    start_run,
     unreachable,
 )
 from raytrn.tracking.system import SystemSampler, node_label
@@ -291,6 +291,15 @@ def test_async_logger_creates_a_pending_run_when_it_can(tmp_path):
 
 
 # -- bad tracking input -------------------------------------------------------------------------------
+
+
+def start_run(job, tags=None, extra_params=None):
+    """What the driver and its tracking actor do between them: plan (check the server), then create or
+    reattach the run when the server answers."""
+    planned = plan_run(job, tags, extra_params)
+    if planned is None or not planned.reachable:
+        return planned
+    return attach(job, planned.tags, planned.params)
 
 
 def test_unreachable_server_is_an_error_when_required(tmp_path):
