@@ -43,6 +43,21 @@ def _clone(dest: Path) -> Path:
     return dest
 
 
+README_COMMANDS = [
+    "raytrn cluster up --local",
+    f"raytrn submit jobs/tiny.yaml --address {ADDRESS}",
+    f"raytrn jobs logs JOB_ID --address {ADDRESS}",
+    "raytrn cluster down --local",
+]
+
+
+def test_the_readme_shows_these_commands() -> None:
+    """The commands run below are the README's "Try it on a laptop" block, word for word."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("**Try it on a laptop**", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    assert block.strip().splitlines() == README_COMMANDS
+
+
 def _busy(port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(0.5)
