@@ -154,15 +154,23 @@ def check_paths_for_ray_job(job: JobSpec, environ: Mapping[str, str] | None = No
     found = relative_local_paths(job)
     if job.tracking.enabled and job.tracking.mlflow_uri is None and not environ.get("MLFLOW_TRACKING_URI"):
         found["tracking.mlflow_uri"] = "null with no MLFLOW_TRACKING_URI here (the default sqlite:///mlruns/mlflow.db)"
-    if not found:
-        return
+    if found:
+        raise relative_paths_error(
+            f"{job.source}: this job runs in Ray's temporary copy of the uploaded working dir ({wd})",
+            found,
+            "(and an MLflow server: tracking.mlflow_uri, or MLFLOW_TRACKING_URI on the cluster). `raytrn submit` "
+            "to the local simulator (`raytrn cluster up --local`) makes them absolute for you",
+        )
+
+
+def relative_paths_error(what: str, found: Mapping[str, str], fix: str) -> RaytrnError:
+    """The one message for relative local paths a job cannot use where it runs (``raytrn submit`` to a cluster,
+    a driver in a Ray job's temporary working dir): ``what`` happened, the fields, and how to fix them."""
     listed = "\n  ".join(f"{k}: {v}" for k, v in found.items())
-    raise RaytrnError(
-        f"{job.source}: this job runs in Ray's temporary copy of the uploaded working dir ({wd}), so these "
-        f"relative local paths would point inside it (data/, checkpoints/ and mlruns/ are not uploaded) and what is "
-        f"written there is lost when the job ends:\n  {listed}\nUse s3://... or an absolute path on the cluster's "
-        "shared filesystem (and an MLflow server: tracking.mlflow_uri, or MLFLOW_TRACKING_URI on the cluster). "
-        "`raytrn submit` to the local simulator (`raytrn cluster up --local`) makes them absolute for you"
+    return RaytrnError(
+        f"{what}, so these relative local paths would point inside a temporary copy of the working dir (data/, "
+        f"checkpoints/ and mlruns/ are not uploaded) and what is written there is lost when the job ends:\n  "
+        f"{listed}\nUse s3://BUCKET/PREFIX or an absolute path on the cluster's shared filesystem {fix}"
     )
 
 

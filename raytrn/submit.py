@@ -25,7 +25,7 @@ from typing import Any
 
 from raytrn.cli_args import add_set_option
 from raytrn.errors import RaytrnError
-from raytrn.runtime import forwarded_env, git_commit
+from raytrn.runtime import forwarded_env, git_commit, relative_paths_error
 
 # Never uploaded with the working dir: environments, local datasets and results, caches, git history.
 # gitignore syntax, relative to the working dir: a leading "/" anchors at its top, so "/data" skips the
@@ -229,13 +229,11 @@ def frozen_overrides(raw: Any, job: Any, *, local: bool, address: str) -> list[s
     out = []
     relative = relative_local_paths(raw)
     if relative and not local:
-        listed = "\n  ".join(f"{k}: {v}" for k, v in relative.items())
-        raise RaytrnError(
-            f"{raw.source}: relative local paths cannot be used on the cluster at {address}: the job runs in a "
-            f"temporary copy of the working dir, without data/, checkpoints/ or mlruns/, and what it writes there "
-            f"is lost when it ends:\n  {listed}\nUse s3://BUCKET/PREFIX or an absolute path on the cluster's "
-            "shared filesystem (e.g. --set data.manifest=/fsx/data/stdlib), and an MLflow server for "
-            "tracking.mlflow_uri; nothing was submitted"
+        raise relative_paths_error(
+            f"{raw.source}: the job would run on the cluster at {address}",
+            relative,
+            "(e.g. --set data.manifest=/fsx/data/stdlib), and an MLflow server for tracking.mlflow_uri; nothing was "
+            "submitted",
         )
     resolved = {
         "data.manifest": job.data.manifest,
