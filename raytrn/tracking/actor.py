@@ -125,11 +125,21 @@ class TrackingActor(ProgressBoard):
     def set_tags(self, tags: dict[str, str]) -> None:
         self.logger.set_tags(tags)
 
-    def group_started(self, step: int, world_size: int) -> int:
+    def group_started(self, step: int, world_size: int) -> None:
         """A worker group started: append ``step:world_size`` to the run's ``world_size_history`` tag."""
+        super().group_started(step, world_size)
         self.world_sizes.append(step, world_size)
         self.logger.set_tags({WORLD_SIZE_TAG: self.world_sizes.tag()})
-        return super().group_started(step, world_size)
+
+    def first_step_done(self, step: int, since_launch_s: float, since_group_start_s: float) -> None:
+        """Log the start-up cost at ``step``: ``time_to_first_step_s`` (from the ``raytrn train`` process start)
+        for the job's first worker group, ``restart_to_first_step_s`` (from the group's own start) for a
+        restarted one."""
+        super().first_step_done(step, since_launch_s, since_group_start_s)
+        if self.groups <= 1:
+            self.log_metrics({"time_to_first_step_s": since_launch_s}, step, training=False)
+        else:
+            self.log_metrics({"restart_to_first_step_s": since_group_start_s}, step, training=False)
 
     def checkpoint_saved(self, step: int, location: str, keep_last: int | None) -> None:
         """Tag the new checkpoint (``checkpoint.latest``, ``checkpoint.step_<N>``) and mark the tags of those that
@@ -174,6 +184,17 @@ class TrackingActor(ProgressBoard):
 
         run_id = self.logger.run_id
         return register_model(self.logger.uri, run_id, name) if run_id else None
+
+
+def resolve(future: Any, default: float, timeout_s: float = 60) -> float:
+    """The value of a :meth:`RemoteLogger.last_value` future, or ``default`` when the actor cannot say."""
+    import ray
+
+    try:
+        return float(ray.get(future, timeout=timeout_s))
+    except Exception as e:  # tracking never stops training
+        log.warning("tracking actor: value unknown (%s)", e)
+        return default
 
 
 #: Tag of the worker groups' start steps and sizes, ``step:world_size,...``; older entries are folded into a
@@ -248,15 +269,10 @@ class RemoteLogger:
     def checkpoint_saved(self, step: int, location: str, keep_last: int | None) -> None:
         self.actor.checkpoint_saved.remote(step, location, keep_last)
 
-    def last_value(self, key: str) -> float:
-        """The run's last value of a running total (0.0 when unknown: the actor is unreachable)."""
-        import ray
-
-        try:
-            return float(ray.get(self.actor.last_value.remote(key), timeout=60))
-        except Exception as e:  # tracking never stops training
-            log.warning("tracking actor: %s unknown (%s)", key, e)
-            return 0.0
+    def last_value(self, key: str) -> Any:
+        """A future (Ray ObjectRef) of the run's last value of a running total: asked now, read when needed, so
+        a worker never waits for the actor while it starts (see :func:`resolve`)."""
+        return self.actor.last_value.remote(key)
 
     def next_step(self, prefix: str) -> int:
         import ray

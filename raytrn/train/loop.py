@@ -70,17 +70,18 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     logger = tracker if rank == 0 else None
     board = config.get("board") if rank == 0 else None
     group_started_at = process_started_at()
-    group = 0
-    if board is not None:  # the job's board numbers the worker groups (and records world_size_history)
-        group = ray.get(board.group_started.remote(progress.step, world_size), timeout=60)
+    if board is not None:  # the job's board counts the worker groups (and records world_size_history)
+        board.group_started.remote(progress.step, world_size)
     if logger:  # (steps a restarted group repeats are dropped by the tracking actor: no waiting on it here)
         logger.set_tags({"worker.malloc": host_malloc.describe(os.environ)})  # run.tune_malloc, as the workers run
     batches = backend.wrap_batches(first_batches)
 
     efficiency = None
     if rank == 0:  # the run's cost so far: the checkpoint's, or what was logged since (a restart lost steps)
-        spent = max(progress.cost_usd, logger.last_value("cost_usd") if logger else 0.0)
-        efficiency = _Efficiency(job, world_size, spent_usd=spent, started_at=group_started_at)
+        logged = logger.last_value("cost_usd") if logger else None
+        efficiency = _Efficiency(
+            job, world_size, spent_usd=progress.cost_usd, logged_usd=logged, started_at=group_started_at
+        )
 
     # -- train ---------------------------------------------------------------------------------
     window_start, window_tokens, window_steps, data_wait = time.perf_counter(), 0, 0, 0.0
@@ -90,7 +91,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         progress.step += 1
         if first_step:  # start-up cost: launch (or restart) to the first step done, once per worker group
             first_step = False
-            _report_first_step(config, progress.step, logger, board, group=group, group_started_at=group_started_at)
+            if board is not None:  # the board names it: time_to_first_step_s, or restart_to_first_step_s
+                now = time.time()
+                since_launch = now - config.get("started_at", now)
+                board.first_step_done.remote(progress.step, since_launch, now - group_started_at)
         progress.tokens_seen += tokens_per_step
         window_tokens += tokens_per_step
         window_steps += 1
@@ -197,27 +201,6 @@ def _batches(shard: Any, job: JobSpec, progress: Progress, rank: int, world_size
         progress.epoch += 1
 
 
-def _report_first_step(
-    config: dict[str, Any], step: int, logger: Any, board: Any, *, group: int, group_started_at: float
-) -> None:
-    """Start-up cost, once per worker group. The job's first group logs ``time_to_first_step_s``: seconds from
-    the ``raytrn train`` process start to the end of its first step (Ray, MLflow, workers, model, first batch;
-    on XLA also the first graph compile). A restarted group logs ``restart_to_first_step_s``: from the start
-    of its own worker processes to its first step."""
-    now = time.time()
-    if group == 0:
-        started_at = config.get("started_at")
-        if started_at is None:
-            return
-        name, seconds = "time_to_first_step_s", now - started_at
-        if board is not None:
-            board.first_step.remote(seconds)
-    else:
-        name, seconds = "restart_to_first_step_s", now - group_started_at
-    if logger:
-        logger.log_metrics({name: seconds}, step, training=False)
-
-
 def _resume_progress(checkpoint: Any) -> Progress:
     """The counters of Ray's checkpoint from its ``meta.json`` (cheap: no model state), with the epoch
     advanced: a resumed run starts a fresh pass over the data (see README: resume)."""
@@ -273,12 +256,19 @@ class _StartEarly:
 class _Efficiency:
     """Running cost (USD, over the whole run), USD per 1M tokens, tokens per USD and MFU, for rank 0's metrics.
 
-    ``spent_usd``: what the run cost before this worker group; ``started_at``: when the group started (wall
-    clock), from which its own cost runs.
+    ``spent_usd``: what the run cost before this worker group (the checkpoint's), raised to ``logged_usd`` (a
+    future of the last value logged: a restart repeats steps whose time was paid for) when it is first needed;
+    ``started_at``: when the group started (wall clock), from which its own cost runs.
     """
 
     def __init__(
-        self, job: JobSpec, world_size: int, *, spent_usd: float = 0.0, started_at: float | None = None
+        self,
+        job: JobSpec,
+        world_size: int,
+        *,
+        spent_usd: float = 0.0,
+        logged_usd: Any = None,
+        started_at: float | None = None,
     ) -> None:
         from raytrn.models import model_stats
         from raytrn.tracking.cost import CostTracker, peak_flops_per_worker, usd_per_hour
@@ -296,11 +286,20 @@ class _Efficiency:
         self.flops_per_token = model_stats(job.model, job.data.seq_len).flops_per_token
         self.world_size = world_size
         self.start = time.time() if started_at is None else started_at
+        self._logged_usd = logged_usd
+
+    def _spent(self) -> None:
+        if self._logged_usd is not None:  # read once, at the first log step (never while the group starts)
+            from raytrn.tracking.actor import resolve
+
+            self.cost.base_usd = max(self.cost.base_usd, resolve(self._logged_usd, 0.0))
+            self._logged_usd = None
 
     def metrics(self, tokens_per_s: float, tokens_total: int) -> dict[str, float]:
         """Cost metrics with ``tokens_total`` tokens trained over the run, MFU at ``tokens_per_s``."""
         from raytrn.tracking.cost import mfu
 
+        self._spent()
         out = self.cost.update(time.time() - self.start, tokens_total)
         value = mfu(tokens_per_s, self.flops_per_token, self.world_size, self.peak)
         if value is not None:
@@ -309,6 +308,7 @@ class _Efficiency:
 
     def cost_usd(self) -> float:
         """The run's cost up to now (what a checkpoint stores)."""
+        self._spent()
         self.cost.update(time.time() - self.start, 0)
         return self.cost.cost_usd
 

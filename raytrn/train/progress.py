@@ -26,16 +26,16 @@ class ProgressBoard:
         self.first_step_s: float | None = None
         self.groups = 0
 
-    def group_started(self, step: int, world_size: int) -> int:
-        """A worker group (re)started at ``step`` with ``world_size`` workers; returns how many started before
-        it in this job (0: the first, a restart otherwise)."""
+    def group_started(self, step: int, world_size: int) -> None:
+        """A worker group (re)started at ``step`` with ``world_size`` workers (rank 0 says so, not waiting)."""
         self.groups += 1
-        return self.groups - 1
 
-    def first_step(self, seconds: float) -> None:
-        """The first worker group's time to its first step (restarts do not change it)."""
-        if self.first_step_s is None:
-            self.first_step_s = seconds
+    def first_step_done(self, step: int, since_launch_s: float, since_group_start_s: float) -> None:
+        """The current worker group finished its first step: the job's first group sets the start-up time
+        (launch to first step); a restart does not change it. Calls from rank 0 arrive in order, after its
+        :meth:`group_started`."""
+        if self.groups <= 1 and self.first_step_s is None:
+            self.first_step_s = since_launch_s
 
     def update(self, step: int, max_steps: int, metrics: dict[str, float]) -> None:
         entry = {"step": step, "max_steps": max_steps, "time": time.time(), **metrics}

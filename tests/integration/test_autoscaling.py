@@ -176,28 +176,3 @@ def test_job_scales_cluster_up_and_down(sim_cluster, tiny_dataset: Path, tmp_pat
     }
     print(f"autoscaling timings: {timings}")
     (tmp_path / "autoscaling-timings.json").write_text(json.dumps(timings, indent=2))
-
-
-def test_raytrn_submit_follows_the_job_and_tags_the_run(sim_cluster, tiny_dataset: Path, tmp_path: Path) -> None:
-    """`raytrn submit`: validates locally, uploads the working dir, follows the logs, exits 0 on success."""
-    import re
-
-    from mlflow.tracking import MlflowClient
-
-    from tests.conftest import run_cli
-
-    sets = _job_overrides(tiny_dataset, tmp_path, "autoscaling-submit")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | sim_cluster.env
-    args = ["submit", "jobs/tiny.yaml", "--address", sim_cluster.dashboard_url, "--working-dir", str(REPO)]
-    proc = run_cli(*args, *[a for kv in sets for a in ("--set", kv)], cwd=REPO, env=env, timeout=JOB_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "== raytrn: training finished ==" in proc.stdout
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    [run] = client.search_runs([client.get_experiment_by_name("autoscaling-submit").experiment_id])
-    job_id = run.data.tags["ray.job_submission_id"]
-    assert re.search(re.escape(job_id), proc.stdout + proc.stderr), "the printed job id is the run's Ray job id"
-    # run.tune_malloc reaches the workers of a submitted job too (merged into the job's runtime env).
-    from raytrn.backends.host_malloc import TUNED, describe, user_allocator_settings
-
-    if not user_allocator_settings(env):
-        assert run.data.tags["worker.malloc"] == describe(TUNED)

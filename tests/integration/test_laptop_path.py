@@ -116,6 +116,11 @@ def test_readme_laptop_path_verbatim(ray_session, tmp_path: Path) -> None:
         assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == list(range(10, 101, 10))
         assert run.data.tags["ray.job_submission_id"] == job_id
         assert run.data.params["data.manifest"] == str(clone / "data" / "stdlib")
+        # run.tune_malloc reaches the workers of a submitted job too (merged into the job's runtime env).
+        from raytrn.backends.host_malloc import TUNED, describe, user_allocator_settings
+
+        if not user_allocator_settings(env):
+            assert run.data.tags["worker.malloc"] == describe(TUNED)
         # The checkpoints are on this disk, under the clone (keep_last 2), and the run's tags say so.
         kept = sorted(p.name for p in (clone / "checkpoints" / run_name).glob("checkpoint_0*"))
         assert kept == ["checkpoint_00000050", "checkpoint_00000100"]

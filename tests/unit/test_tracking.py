@@ -154,14 +154,17 @@ def test_world_size_history_stays_under_mlflows_tag_limit(tmp_path):
 
     uri, run_id = _run(tmp_path)
     first = TrackingActor(uri, run_id)
-    assert [first.group_started(step * 10, 1 + step % 3) for step in range(3000)][:3] == [0, 1, 2]
+    for step in range(3000):
+        first.group_started(step * 10, 1 + step % 3)
+    assert first.groups == 3000
     assert first.close(30) == 0
     tag = MlflowClient(uri).get_run(run_id).data.tags[WORLD_SIZE_TAG]
     assert len(tag) <= 4000 and tag.startswith("+") and tag.endswith(",29990:3")
     history = WorldSizeHistory.parse(tag)
     assert history.earlier + len(history.entries) == 3000
     second = TrackingActor(uri, run_id)
-    assert second.group_started(30000, 3) == 0  # the first worker group of this invocation
+    second.group_started(30000, 3)
+    assert second.groups == 1  # the first worker group of this invocation
     assert second.close(30) == 0
     again = WorldSizeHistory.parse(MlflowClient(uri).get_run(run_id).data.tags[WORLD_SIZE_TAG])
     assert again.earlier + len(again.entries) == 3001 and again.entries[-1] == "30000:3"
@@ -504,3 +507,20 @@ def test_a_local_store_refusal_is_dropped_not_retried(tmp_path):
     assert logger.rejected == 1
     assert logger.close(10) == 0
     assert [m.step for m in MlflowClient(uri).get_metric_history(run_id, "loss")] == [1, 2, 3, 4, 5]
+
+
+def test_start_up_is_named_by_worker_group(tmp_path):
+    """The first worker group's start-up counts from the launch; a restarted group's from its own start."""
+    from raytrn.tracking.actor import TrackingActor
+
+    uri, run_id = _run(tmp_path)
+    actor = TrackingActor(uri, run_id)
+    actor.group_started(0, 2)
+    actor.first_step_done(1, 15.5, 9.0)
+    actor.group_started(20, 1)  # a restart from the step-20 checkpoint
+    actor.first_step_done(21, 95.0, 7.5)
+    assert actor.first_step_s == 15.5  # the summary's start-up is the launch's
+    assert actor.close(30) == 0
+    client = MlflowClient(uri)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "time_to_first_step_s")] == [(1, 15.5)]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "restart_to_first_step_s")] == [(21, 7.5)]
