@@ -1,0 +1,286 @@
+"""Parallelism applied to the single-device model, in one place: tensor parallel, activation checkpointing,
+``torch.compile``, then FSDP2 or DDP (torchtitan's order).
+
+The model code (:mod:`raytrn.models.decoder`) knows nothing of this. With ``parallel.tensor_parallel_size``
+> 1 the workers form a ``(dp, tp)`` :class:`~torch.distributed.device_mesh.DeviceMesh` (consecutive ranks
+form a TP group, all on one node) and DTensor's ``parallelize_module`` shards each decoder block Megatron
+style: q/k/v and gate/up column-wise, o and down row-wise, the embedding by vocabulary rows and the head by
+vocabulary columns (logits gathered), norms replicated. ``parallel.data_parallel: fsdp`` then shards every
+block and the root with ``fully_shard`` over the ``dp`` dimension; ``ddp`` wraps the model in
+``DistributedDataParallel`` (TP 1 only). The same code runs on cpu (gloo) and cuda (nccl); a ``neuron``
+device is one more device type.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from raytrn.errors import BackendError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from raytrn.config import JobSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class Parallelized:
+    """The model as trained, and how it was laid out."""
+
+    model: nn.Module
+    #: None without a device mesh (one process, or DDP).
+    mesh: DeviceMesh | None
+    data_parallel: str  # "ddp" | "fsdp" | "none" (one replica)
+    tensor_parallel_size: int
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        """Around every micro-batch but the last of a step: gradients accumulate locally, with no collective."""
+        model = self.model
+        if self.data_parallel == "ddp":
+            return model.no_sync()  # type: ignore[operator,no-any-return]
+        if self.data_parallel == "fsdp":
+            return _fsdp_no_sync(model)
+        return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def parallelize(
+    model: nn.Module,
+    job: JobSpec,
+    *,
+    device: torch.device,
+    world_size: int,
+    compile: bool = False,
+    mixed_precision: torch.dtype | None = None,
+) -> Parallelized:
+    """Lay ``model`` (built on ``device``, identically seeded on every rank) out over ``world_size`` workers.
+
+    ``mixed_precision``: under FSDP, parameters are cast to this dtype for compute and gradients reduced in
+    float32 (FSDP's ``MixedPrecisionPolicy``, instead of ``torch.autocast``).
+    """
+    p = job.parallel
+    tp = p.tensor_parallel_size
+    distributed = world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+    mesh = None
+    if distributed and (tp > 1 or p.data_parallel == "fsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        check_tp_placement(tp)
+        mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    if mesh is not None and tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], tie_word_embeddings=job.model.tie_word_embeddings)
+    if p.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, p.activation_checkpointing)
+    if compile:  # per block under FSDP (torchtitan); the whole model in place otherwise (keys unchanged)
+        if p.data_parallel == "fsdp":
+            for layer in _layers(model):
+                layer.compile()
+        else:
+            model.compile()
+    if not distributed:
+        return Parallelized(model=model, mesh=None, data_parallel="none", tensor_parallel_size=1)
+    if p.data_parallel == "fsdp":
+        assert mesh is not None
+        apply_fsdp(model, mesh["dp"], p.reshard_after_forward, mixed_precision)
+        return Parallelized(model=model, mesh=mesh, data_parallel="fsdp", tensor_parallel_size=tp)
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index] if device.type == "cuda" and device.index is not None else None
+    return Parallelized(
+        model=DistributedDataParallel(model, device_ids=ids), mesh=None, data_parallel="ddp", tensor_parallel_size=1
+    )
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    return list(model.model.layers)  # type: ignore[union-attr,arg-type]
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, tie_word_embeddings: bool) -> None:
+    """Megatron-style TP over ``tp_mesh``; activations stay replicated between blocks (no sequence parallel)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    decoder = model.model  # type: ignore[union-attr]
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),  # logits gathered: the loss is the usual one
+        },
+    )
+    block = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in decoder.layers:
+        parallelize_module(layer, tp_mesh, block)
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            _replicate(norm, tp_mesh)
+    _replicate(decoder.norm, tp_mesh)
+    if tie_word_embeddings:  # each module got its own copy of the shared matrix: share it again (both Shard(0))
+        model.lm_head.weight = decoder.embed_tokens.weight  # type: ignore[union-attr]
+
+
+def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Parameters as replicated DTensors (so every parameter lives on the same mesh, as FSDP and the grad norm
+    need), taking and returning plain tensors: the activations around it are replicated already."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def to_dtensor(_mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+    def to_local(_mod: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+        return output.to_local()
+
+    distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Recompute each decoder block's activations in backward. ``full``: keep only the block's input;
+    ``selective``: also keep the matmul and attention outputs (recompute only the cheap pointwise ops).
+
+    The block's ``forward`` is wrapped in place, so parameter names (checkpoints, exports) do not change.
+    """
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    context_fn = None
+    if mode == "selective":
+        saved = {
+            torch.ops.aten.mm.default,
+            torch.ops.aten.addmm.default,
+            torch.ops.aten.bmm.default,
+            torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        }
+
+        def policy(_ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            from torch.utils.checkpoint import CheckpointPolicy
+
+            return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+        context_fn = partial(create_selective_checkpoint_contexts, policy)
+    for layer in _layers(model):
+        forward = layer.forward
+        kwargs: dict[str, Any] = {"use_reentrant": False}
+        if context_fn is not None:
+            kwargs["context_fn"] = context_fn
+        layer.forward = _checkpointed(checkpoint, forward, kwargs)  # type: ignore[method-assign]
+
+
+def _checkpointed(checkpoint: Callable[..., Any], forward: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    def run(*args: Any) -> Any:
+        return checkpoint(forward, *args, **kwargs)
+
+    return run
+
+
+def apply_fsdp(
+    model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool, mixed_precision: torch.dtype | None
+) -> None:
+    """``fully_shard`` every decoder block, then the root (embedding, final norm, head)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {"mesh": dp_mesh}
+    if mixed_precision is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
+    layers = _layers(model)
+    for i, layer in enumerate(layers):
+        # The last block's parameters are needed at once by backward: no point resharding them (torchtitan).
+        fully_shard(layer, reshard_after_forward=reshard_after_forward and i < len(layers) - 1, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+
+
+def check_tp_placement(tp: int) -> None:
+    """BackendError unless every tensor-parallel group (consecutive ranks) sits on one node (a collective)."""
+    if tp == 1:
+        return
+    import socket
+
+    import torch.distributed as dist
+
+    from raytrn.backends.neuron_env import check_tp_groups
+
+    nodes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, _node_id() or socket.gethostname())
+    check_tp_groups([str(n) for n in nodes], tp)
+
+
+def _node_id() -> str | None:
+    from raytrn.backends.base import in_ray_train_worker
+
+    if not in_ray_train_worker():
+        return None
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
+def grad_norm_and_clip(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    """The total gradient norm over all workers (before clipping), clipping to ``max_norm`` when set.
+
+    Plain tensors (DDP: already all-reduced) use torch's own function. DTensors may live on different meshes
+    (e.g. TP-sharded and replicated): each mesh's partial norm is completed there, then combined.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(g, DTensor) for g in grads):
+        if max_norm is None:
+            return torch.nn.utils.get_total_norm(grads)
+        return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    squares = []
+    for key, members in groups.items():
+        norm = torch.nn.utils.get_total_norm(members)
+        if key is not None:
+            norm = norm.full_tensor()  # type: ignore[attr-defined]  # a collective over that mesh
+        squares.append(norm.float() ** 2)
+    total = torch.stack(squares).sum().sqrt()
+    if max_norm is not None:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for members in groups.values():
+            torch._foreach_mul_(members, coef.to(members[0].dtype))
+    return total
+
+
+def full_state_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's state dict one full CPU tensor at a time (HF names, DDP's ``module.`` dropped).
+
+    Sharded tensors are gathered here: every rank must iterate (the gathers are collectives), in the same
+    order; only one full tensor is held at a time.
+    """
+    from torch.distributed.tensor import DTensor
+
+    inner = getattr(model, "module", model)
+    for name, value in inner.state_dict().items():
+        tensor = value.full_tensor() if isinstance(value, DTensor) else value
+        yield name, tensor.detach().cpu()
