@@ -236,6 +236,12 @@ class CheckpointConfig(_Section):
     storage: str = Field("checkpoints", min_length=1, description="local directory or s3://bucket/prefix")
     every_n_steps: int = Field(100, gt=0, le=10**12, description="save every N optimizer steps (and at the last step)")
     keep_last: int | None = Field(3, gt=0, le=10**6, description="checkpoints kept; null keeps all")
+    async_: bool = Field(
+        False,
+        alias="async",
+        description="write sharded checkpoints in the background: the step waits only for the copy to host "
+        "memory; a checkpoint is recorded (resumable) once written, at the next save or at the end",
+    )
 
 
 class TrackingConfig(_Section):
@@ -317,12 +323,33 @@ class RunConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """Model parallelism (neuronx-distributed on Neuron). 1 / false everywhere = plain data parallelism."""
+    """How a model replica is laid out over workers. Defaults: plain data parallelism (DDP)."""
 
-    tensor_parallel_size: int = Field(1, gt=0, le=4096, description="NeuronCores one model replica is sharded over")
-    zero1: bool = Field(False, description="shard optimizer state over data-parallel ranks (ZeRO-1)")
-    activation_checkpointing: bool = Field(False, description="recompute activations in backward (full layers)")
-    sequence_parallel: bool = Field(False, description="shard norms/dropout activations along the sequence (TP>1)")
+    data_parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="ddp: every worker holds the whole model; fsdp: parameters, gradients and optimizer state "
+        "sharded over the data-parallel ranks (FSDP2 fully_shard per decoder block and at the root)",
+    )
+    tensor_parallel_size: int = Field(
+        1, gt=0, le=4096, description="workers (consecutive ranks, one node) one model replica is split over"
+    )
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none",
+        description="recompute activations in backward: full (each decoder block keeps only its input), "
+        "selective (also keeps matmul and attention outputs); true/false mean full/none",
+    )
+    reshard_after_forward: bool = Field(
+        True, description="fsdp: free gathered parameters after each block's forward (less memory, more traffic)"
+    )
+    zero1: bool = Field(False, description="neuron XLA path: shard optimizer state over data-parallel ranks (NxD)")
+    sequence_parallel: bool = Field(
+        False, description="neuron XLA path: shard norm activations along the sequence (TP>1, NxD)"
+    )
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _bool_means_full(cls, value: Any) -> Any:
+        return {True: "full", False: "none"}.get(value, value) if isinstance(value, bool) else value
 
 
 class NeuronConfig(_Section):
@@ -566,7 +593,7 @@ def _describe_error(err: Any, raw: dict[str, Any], overridden: set[str] | frozen
     kind = err["type"]
     if kind == "extra_forbidden":
         model = _model_at(loc[:-1])
-        choices = [n for n in model.model_fields if n != "source"] if model else []
+        choices = [f.alias or n for n, f in model.model_fields.items() if n != "source"] if model else []
         near = difflib.get_close_matches(loc[-1], choices, n=1, cutoff=0.6)
         hint = f" Did you mean '{near[0]}'?" if near else f" Known fields: {', '.join(choices)}."
         return f"{where}: unknown field.{hint}"

@@ -38,3 +38,8 @@ class BackendError(RaytrnError):
 
 class BackendUnavailableError(BackendError):
     """The accelerator's packages are not installed on this machine (e.g. torch-neuronx off a trn host)."""
+
+
+class CheckpointError(RaytrnError):
+    """A checkpoint cannot be resumed: incomplete, written for another model, or in a format this layout
+    cannot read."""

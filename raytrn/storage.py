@@ -85,3 +85,18 @@ def remove_inside(path: str, root: str) -> None:
         os.unlink(target)
     elif os.path.isdir(target):
         shutil.rmtree(target)
+
+
+def remove_tree(uri: str, root: str) -> None:
+    """Delete the directory tree at ``uri`` (local or remote), only strictly inside ``root`` (see
+    :func:`remove_inside`; for a remote store, by path prefix: no symlinks there)."""
+    if not is_remote(uri):
+        remove_inside(uri, root)
+        return
+    fs, path = filesystem(uri)
+    _, root_path = filesystem(root)
+    parts = path.split("/")
+    if not path.startswith(root_path.rstrip("/") + "/") or ".." in parts or "." in parts or not parts[-1]:
+        raise RaytrnError(f"refusing to delete {uri}: not strictly inside {root}")
+    if fs.get_file_info(path).type != pafs.FileType.NotFound:
+        fs.delete_dir(path)

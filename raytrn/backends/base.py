@@ -1,15 +1,29 @@
-"""The backend interface and the plain PyTorch (DDP) implementation shared by cpu and cuda."""
+"""The backend interface, and its torch.distributed implementation shared by cpu and cuda.
+
+A backend says, for one kind of accelerator: the device and the process-group backend, the Ray Train
+backend config, the mixed-precision dtype, how the model is laid out (:meth:`Backend.parallelize`), how the
+step clips and steps, and how state is checkpointed (:meth:`Backend.checkpoints`). :meth:`Backend.build_training`
+puts them together into the typed :class:`~raytrn.train.step.Training` the loop runs; the loop itself has no
+backend ``if``.
+"""
 
 from __future__ import annotations
 
+import logging
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
     from raytrn.config import JobSpec
+    from raytrn.train.checkpointing import Checkpoints
+    from raytrn.train.parallelize import Parallelized
+    from raytrn.train.schedule import Schedule
+    from raytrn.train.step import Training
+
+log = logging.getLogger(__name__)
 
 
 class Backend:
@@ -47,21 +61,81 @@ class Backend:
 
         return torch.device("cpu")
 
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Move to the device and wrap for data parallelism (DDP when world size > 1).
+    def autocast_dtype(self, job: JobSpec) -> torch.dtype | None:
+        """The mixed-precision compute dtype (``model.autocast``) where this backend applies it, else None."""
+        import torch
 
-        Outside a Ray Train worker (one process, e.g. ``bench/gpu.py``) there is nothing to wrap: only move.
-        """
-        if not in_ray_train_worker():
-            return model.to(self.device())
-        import ray.train.torch
+        return torch.bfloat16 if self.cuda_speedups and job.model.autocast == "bfloat16" else None
 
-        return ray.train.torch.prepare_model(model, move_to_device=self.device())
+    def build_training(
+        self, job: JobSpec, *, world_size: int, schedule: Schedule | None = None, rank: int = 0
+    ) -> Training:
+        """Seeded model laid out over ``world_size`` workers (:meth:`parallelize`), AdamW, the learning-rate
+        ``schedule`` (default: the job's), how the step clips and steps, and how state is checkpointed."""
+        import torch
 
-    def build_parallel_parts(self, job: JobSpec) -> dict[str, Any] | None:
-        """Model, optimizer and step flags of a model-parallel setup (neuronx-distributed), or None for plain
-        data parallelism. Keys: model, optimizer, and optionally loss_fn, fused_optimizer, sharded (see Training)."""
-        return None
+        from raytrn.models import build_model
+        from raytrn.train.optim import build_adamw, lr_scheduler
+        from raytrn.train.schedule import Schedule
+        from raytrn.train.sizes import data_parallel_size
+        from raytrn.train.step import Training, cross_entropy
+
+        self.seed(job.run.seed)
+        for warning in self.ignored_settings(job):
+            log.warning(warning)
+        compile_ = self.cuda_speedups and job.run.compile
+        model = build_model(job.model, seed=job.run.seed).to(self.device())
+        par = self.parallelize(model, job, world_size=world_size, compile=compile_)
+        optimizer = build_adamw(par.model, job, fused=self.cuda_speedups and job.optim.fused)
+        params = [p for p in par.model.parameters() if p.requires_grad]
+        fsdp = par.data_parallel == "fsdp"
+        return Training(
+            model=par.model,
+            optimizer=optimizer,
+            scheduler=lr_scheduler(optimizer, schedule or Schedule.from_job(job)),
+            grad_accum=job.data.grad_accum_for(data_parallel_size(job, world_size)),
+            # compiled, the fp32 upcast fuses into the loss
+            loss_fn=torch.compile(cross_entropy) if compile_ else cross_entropy,
+            autocast_dtype=None if fsdp else self.autocast_dtype(job),  # FSDP: its MixedPrecisionPolicy
+            no_sync=par.no_sync,
+            clip_and_step=self._clip_and_step(optimizer, params, job.optim.grad_clip_norm),
+            checkpoints=self.checkpoints(job, par, rank=rank),
+            export=par.full_state_items,
+        )
+
+    def parallelize(self, model: torch.nn.Module, job: JobSpec, *, world_size: int, compile: bool) -> Parallelized:
+        """Tensor parallel, activation checkpointing, compile, then FSDP2 or DDP (:mod:`raytrn.train.parallelize`)."""
+        from raytrn.train.parallelize import parallelize
+
+        return parallelize(
+            model,
+            job,
+            device=self.device(),
+            world_size=world_size,
+            compile=compile,
+            mixed_precision=self.autocast_dtype(job),
+        )
+
+    def checkpoints(self, job: JobSpec, par: Parallelized, *, rank: int) -> Checkpoints:
+        """Sharded, reshardable ``torch.distributed.checkpoint`` checkpoints (every rank writes its shards)."""
+        from raytrn.train.checkpointing import DcpCheckpoints
+
+        return DcpCheckpoints(
+            job, rank=rank, plain_layout=par.tensor_parallel_size == 1 and par.data_parallel != "fsdp"
+        )
+
+    def _clip_and_step(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float | None
+    ) -> Callable[[], torch.Tensor]:
+        from raytrn.train.parallelize import grad_norm_and_clip
+
+        def clip_and_step() -> torch.Tensor:
+            self.reduce_gradients(optimizer)  # XLA: all-reduce before clipping; DDP/FSDP did it in backward
+            norm = grad_norm_and_clip(params, max_norm)
+            self.optimizer_step(optimizer)
+            return norm
+
+        return clip_and_step
 
     def check(self, job: JobSpec) -> list[str]:
         """Backend-specific checks of a job (layout, worker counts): notes to show, or BackendError."""

@@ -31,6 +31,7 @@ from raytrn.backends.neuron_env import (
     neuron_worker_env,
 )
 from raytrn.backends.nxd import (
+    NxdCheckpoints,
     build_nxd_config,
     build_parallel_model,
     build_parallel_optimizer,
@@ -42,6 +43,10 @@ from raytrn.errors import BackendError
 
 if TYPE_CHECKING:
     from raytrn.config import JobSpec
+    from raytrn.train.checkpointing import Checkpoints
+    from raytrn.train.parallelize import Parallelized
+    from raytrn.train.schedule import Schedule
+    from raytrn.train.step import Training
 
 logger = logging.getLogger(__name__)
 
@@ -95,19 +100,46 @@ class NeuronBackend(XlaBackend):
             extra_env={k: os.environ[k] for k in FORWARD_ENV if k in os.environ},
         )
 
-    def build_parallel_parts(self, job: JobSpec) -> dict[str, Any] | None:
-        """NxD's tensor-parallel Llama + NxDOptimizer (ZeRO-1) when the job asks for ``parallel`` features."""
+    def build_training(
+        self, job: JobSpec, *, world_size: int, schedule: Schedule | None = None, rank: int = 0
+    ) -> Training:
+        """NxD's tensor-parallel Llama + NxDOptimizer (ZeRO-1) when the job asks for ``parallel`` features;
+        otherwise the plain XLA model."""
         if not uses_nxd(job):
-            return None
+            return super().build_training(job, world_size=world_size, schedule=schedule, rank=rank)
+        from raytrn.train.optim import lr_scheduler
+        from raytrn.train.schedule import Schedule
+        from raytrn.train.sizes import data_parallel_size
+        from raytrn.train.step import Training
+
+        self.seed(job.run.seed)
         nxd_config = build_nxd_config(job)
         model = build_parallel_model(job, nxd_config)
-        return {
-            "model": model,
-            "optimizer": build_parallel_optimizer(job, nxd_config, model),
-            "loss_fn": vocab_parallel_loss,
-            "fused_optimizer": True,  # NxDOptimizer.step all-reduces, clips and steps; .grad_norm after
-            "sharded": True,
-        }
+        optimizer = build_parallel_optimizer(job, nxd_config, model)
+
+        def clip_and_step() -> Any:  # NxDOptimizer.step all-reduces over DP, clips and steps; .grad_norm after
+            self.optimizer_step(optimizer)
+            return optimizer.grad_norm
+
+        return Training(
+            model=model,
+            optimizer=optimizer,
+            scheduler=lr_scheduler(optimizer, schedule or Schedule.from_job(job)),
+            grad_accum=job.data.grad_accum_for(data_parallel_size(job, world_size)),
+            loss_fn=vocab_parallel_loss,
+            clip_and_step=clip_and_step,
+            checkpoints=self._checkpoints(NxdCheckpoints(job)),
+            export=None,  # NxD's shards: no Hugging Face export from this layout
+        )
+
+    def checkpoints(self, job: JobSpec, par: Parallelized, *, rank: int) -> Checkpoints:
+        return self._checkpoints(super().checkpoints(job, par, rank=rank))
+
+    def _checkpoints(self, checkpoints: Checkpoints) -> Checkpoints:
+        """``neuron_parallel_compile``'s trial run writes nothing (its outputs are invalid)."""
+        from raytrn.train.checkpointing import NoCheckpoints
+
+        return NoCheckpoints() if os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY") else checkpoints
 
 
 def _require_layout(job: JobSpec) -> tuple[str, int]:

@@ -25,16 +25,21 @@ import importlib.util
 import logging
 import math
 import sys
+from dataclasses import asdict, replace
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from raytrn.checkpoint import Progress, write_meta
 from raytrn.errors import BackendError, BackendUnavailableError, ConfigError
+from raytrn.train.checkpointing import Checkpoints, Saved
 from raytrn.train.sizes import data_parallel_size, world_sizes
 
 if TYPE_CHECKING:
     import torch
 
     from raytrn.config import JobSpec
+    from raytrn.train.schedule import Schedule
+    from raytrn.train.step import Training
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +62,7 @@ LAYOUT_KEY = "raytrn_parallel"
 def uses_nxd(job: JobSpec) -> bool:
     """Whether the job runs through neuronx-distributed: a neuron job that asks for any ``parallel`` feature."""
     p = job.parallel
-    wants = p.tensor_parallel_size > 1 or p.zero1 or p.sequence_parallel or p.activation_checkpointing
+    wants = p.tensor_parallel_size > 1 or p.zero1 or p.sequence_parallel or p.activation_checkpointing != "none"
     return job.scaling.accelerator == "neuron" and wants
 
 
@@ -111,7 +116,7 @@ def check_parallel(job: JobSpec, *, require_installed: bool = True) -> list[str]
             f"groups: make min_workers, max_workers{' and workers_per_node' if step else ''} multiples of {tp}"
         )
     if not uses_nxd(job):
-        return []
+        return _describe_native(job, sizes)
     lines = _describe(job, sizes)
     if require_installed:
         require_nxd(job)
@@ -127,25 +132,60 @@ def require_nxd(job: JobSpec) -> None:
 
 
 def _check_accelerator(job: JobSpec) -> None:
+    """What each accelerator's layout supports: torch.distributed (cpu, cuda) does DDP/FSDP, tensor parallel and
+    activation checkpointing; the frozen XLA path does tensor parallel, ZeRO-1, sequence parallel and full
+    activation checkpointing through neuronx-distributed; xla-cpu runs one plain worker."""
     acc, p = job.scaling.accelerator, job.parallel
+    where = job.source
     if acc == "neuron":
+        if p.data_parallel == "fsdp":
+            raise ConfigError(
+                f"{where}: parallel.data_parallel=fsdp is not available on scaling.accelerator: neuron (the XLA "
+                "path, frozen): there tensor parallelism and ZeRO-1 are neuronx-distributed's. Use "
+                "data_parallel: ddp with parallel.zero1: true to shard the optimizer state"
+            )
+        if p.activation_checkpointing == "selective":
+            raise ConfigError(
+                f"{where}: parallel.activation_checkpointing=selective is not available on scaling.accelerator: "
+                "neuron (neuronx-distributed checkpoints full layers): use full"
+            )
         return
-    asked = [
+    nxd_only = [
         name
-        for name, on in (
-            (f"parallel.tensor_parallel_size={p.tensor_parallel_size}", p.tensor_parallel_size > 1),
-            ("parallel.zero1=true", p.zero1),
-            ("parallel.sequence_parallel=true", p.sequence_parallel),
-            ("parallel.activation_checkpointing=true", p.activation_checkpointing),
-        )
+        for name, on in (("parallel.zero1=true", p.zero1), ("parallel.sequence_parallel=true", p.sequence_parallel))
         if on
     ]
-    if asked:
+    if nxd_only:
+        fix = "use parallel.data_parallel: fsdp, which shards parameters, gradients and optimizer state"
         raise ConfigError(
-            f"{job.source}: {', '.join(asked)} need{'s' * (len(asked) == 1)} scaling.accelerator: neuron "
-            f"(got {acc!r}): tensor parallelism, ZeRO-1, sequence parallelism and activation checkpointing are "
-            f"applied by neuronx-distributed on Trainium. On {acc} train with plain data parallelism: remove the "
-            "parallel section (tensor_parallel_size: 1, the rest false)"
+            f"{where}: {' and '.join(nxd_only)} {'is' if len(nxd_only) == 1 else 'are'} neuronx-distributed's "
+            f"(scaling.accelerator: neuron, the XLA path); on {acc} {fix if p.zero1 else 'remove it'}"
+            + ("" if not p.sequence_parallel else " (sequence parallelism is not supported on torch.distributed yet)")
+        )
+    if acc == "xla-cpu":
+        asked = [
+            name
+            for name, on in (
+                ("parallel.data_parallel=fsdp", p.data_parallel == "fsdp"),
+                (f"parallel.tensor_parallel_size={p.tensor_parallel_size}", p.tensor_parallel_size > 1),
+                (
+                    f"parallel.activation_checkpointing={p.activation_checkpointing}",
+                    p.activation_checkpointing != "none",
+                ),
+            )
+            if on
+        ]
+        if asked:
+            raise ConfigError(
+                f"{where}: {', '.join(asked)}: scaling.accelerator xla-cpu runs one plain worker (the frozen XLA "
+                "path on CPU); remove the parallel section"
+            )
+        return
+    if p.tensor_parallel_size > 1 and p.data_parallel == "ddp":
+        raise ConfigError(
+            f"{where}: parallel.tensor_parallel_size={p.tensor_parallel_size} needs parallel.data_parallel: fsdp "
+            "(DDP cannot hold tensor-parallel (DTensor) parameters); set data_parallel: fsdp, which also shards "
+            "the rest of the state over the data-parallel ranks"
         )
 
 
@@ -153,18 +193,25 @@ def _check_model_dims(job: JobSpec) -> None:
     m, tp = job.model, job.parallel.tensor_parallel_size
     if tp == 1:
         return
+    nxd = job.scaling.accelerator == "neuron"
     dims = {
         "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.kv_heads,
         "hidden_size": m.hidden_size,
         "intermediate_size": m.intermediate_size,
         "vocab_size": m.vocab_size,
     }
+    if nxd:  # NxD replicates kv heads TP / gcd(kv_heads, TP) times when TP does not divide them
+        del dims["num_key_value_heads"]
+    else:  # DTensor's plan splits q/k/v and o by heads, MLP by intermediate, embedding/head by vocab
+        del dims["hidden_size"]
     problems = []
     for field, value in dims.items():
         if value % tp == 0:
             continue
         why = {
             "num_attention_heads": "each rank computes num_attention_heads / TP query heads",
+            "num_key_value_heads": "each rank computes num_key_value_heads / TP kv heads (GQA groups stay whole)",
             "hidden_size": "the attention output and down projections are split along it",
             "intermediate_size": "the MLP gate/up/down projections are split along it",
             "vocab_size": "the embedding and the output head are split by vocabulary rows",
@@ -174,13 +221,31 @@ def _check_model_dims(job: JobSpec) -> None:
         problems.append(f"model.{field} ({value}) % {tp} = {value % tp}: {why}")
     if problems:
         valid = [d for d in range(1, m.num_attention_heads + 1) if all(v % d == 0 for v in dims.values())]
+        note = (
+            f" (num_key_value_heads ({m.kv_heads}) needs no rule of its own: NxD replicates kv heads "
+            "TP / gcd(kv_heads, TP) times when TP does not divide them.)"
+            if nxd
+            else ""
+        )
         raise ConfigError(
             f"{job.source}: parallel.tensor_parallel_size ({tp}) must divide the model's sharded dimensions:\n  "
             + "\n  ".join(problems)
-            + f"\n  tensor_parallel_size values this model allows: {', '.join(map(str, valid))}. "
-            f"(num_key_value_heads ({m.kv_heads}) needs no rule of its own: NxD replicates kv heads "
-            "TP / gcd(kv_heads, TP) times when TP does not divide them.)"
+            + f"\n  tensor_parallel_size values this model allows: {', '.join(map(str, valid))}.{note}"
         )
+
+
+def _describe_native(job: JobSpec, sizes: list[int]) -> list[str]:
+    """One line on the torch.distributed layout (nothing for plain DDP)."""
+    p = job.parallel
+    if p.data_parallel == "ddp" and p.tensor_parallel_size == 1 and p.activation_checkpointing == "none":
+        return []
+    tp = p.tensor_parallel_size
+    parts = [f"{p.data_parallel} over {'/'.join(str(n // tp) for n in sizes)} data-parallel rank(s)"]
+    if tp > 1:
+        parts.append(f"tensor parallel {tp} (DTensor)")
+    if p.activation_checkpointing != "none":
+        parts.append(f"{p.activation_checkpointing} activation checkpointing")
+    return [f"parallel: {', '.join(parts)}"]
 
 
 def _features(job: JobSpec, *, tp: bool = True) -> str:
@@ -191,7 +256,7 @@ def _features(job: JobSpec, *, tp: bool = True) -> str:
         parts.append(f"ZeRO-1{master} (optimizer state sharded over DP)")
     if p.sequence_parallel:
         parts.append("sequence parallel")
-    if p.activation_checkpointing:
+    if p.activation_checkpointing != "none":
         parts.append("full activation checkpointing")
     k = kv_replication(m.kv_heads, p.tensor_parallel_size)
     if k > 1:
@@ -257,7 +322,7 @@ def nxd_config_kwargs(job: JobSpec) -> dict[str, Any]:
         "pipeline_parallel_size": 1,
         "optimizer_config": optimizer_config,
         "sequence_parallel": p.sequence_parallel,
-        "activation_checkpoint_config": "full" if p.activation_checkpointing else None,
+        "activation_checkpoint_config": "full" if p.activation_checkpointing != "none" else None,
         "mixed_precision_config": _mixed_precision_config(job),
         "lnc_size": _lnc_size(job),
     }
@@ -460,3 +525,35 @@ def _saved_layout(storage: Any, tag: str) -> dict[str, int] | None:
         return None
     content = storage.load_object(name, map_location="cpu")
     return content.get(LAYOUT_KEY) if isinstance(content, dict) else None
+
+
+class NxdCheckpoints(Checkpoints):
+    """neuronx-distributed's sharded checkpoints under ``<checkpoint.storage>/<run>/nxd`` (every rank writes
+    its shards; rank 0 the scheduler and raytrn's counters as NxD's user content)."""
+
+    def __init__(self, job: JobSpec) -> None:
+        from raytrn import storage
+
+        self.job = job
+        self.directory = storage.join(job.checkpoint.storage, job.run_name, "nxd")
+
+    def save(
+        self, t: Training, progress: Progress, schedule: Schedule, report: dict[str, Any], *, final: bool
+    ) -> list[Saved]:
+        counters, pinned = replace(progress), schedule.to_dict()
+        save_sharded_checkpoint(
+            self.directory, f"step_{progress.step:08d}", t.model, t.optimizer, t.scheduler,
+            {**asdict(counters), "schedule": pinned}, self.job.checkpoint.keep_last,
+        )  # fmt: skip
+        where = self.directory
+        return [
+            Saved(
+                step=progress.step,
+                report=report,
+                write=lambda d: write_meta(d, counters, schedule=pinned, sharded=where),
+            )
+        ]
+
+    def load(self, directory: str, t: Training) -> Progress:
+        saved = load_sharded_checkpoint(self.directory, t.model, t.optimizer, t.scheduler)
+        return Progress.from_dict(saved) if isinstance(saved, dict) else Progress()

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     import torch
 
     from raytrn.config import JobSpec
+    from raytrn.train.checkpointing import Checkpoints
+    from raytrn.train.parallelize import Parallelized
 
 
 def import_torch_xla() -> Any:
@@ -45,9 +47,18 @@ class XlaBackend(Backend):
     def device(self) -> torch.device:
         return import_torch_xla().device()
 
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        # No DDP on XLA: reduce_gradients all-reduces over the XLA process group instead.
-        return model.to(self.device())
+    def parallelize(self, model: torch.nn.Module, job: JobSpec, *, world_size: int, compile: bool) -> Parallelized:
+        """No wrapper on XLA: :meth:`reduce_gradients` all-reduces over the XLA process group instead (model
+        parallelism is neuronx-distributed's, see ``NeuronBackend.build_training``)."""
+        from raytrn.train.parallelize import Parallelized
+
+        return Parallelized(model=model.to(self.device()), mesh=None, data_parallel="none", tensor_parallel_size=1)
+
+    def checkpoints(self, job: JobSpec, par: Parallelized, *, rank: int) -> Checkpoints:
+        """The whole state in ``state.pt``, written by rank 0 (the frozen XLA path's format)."""
+        from raytrn.train.checkpointing import StateFileCheckpoints
+
+        return StateFileCheckpoints(self.to_cpu)
 
     def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """All-reduce (mean) gradients over the replicas; before clipping, as xm.optimizer_step would."""

@@ -127,7 +127,7 @@ def _number(value: Any) -> bool:
         return False
     try:
         return math.isfinite(float(value)) and float(value) >= 0
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int too large for a float
         return False
 
 

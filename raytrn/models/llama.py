@@ -7,6 +7,8 @@ gives parameter counts and training FLOPs per token (6N + attention term) for MF
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -100,19 +102,89 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
     return model.to(device=device, dtype=dtype)
 
 
-def save_hf(cfg: ModelConfig, state_dict: dict[str, Any], out_dir: str) -> None:
-    """Write ``state_dict`` (of :func:`build_model`'s model, on the CPU) as a Hugging Face Llama checkpoint:
-    ``config.json`` + ``model.safetensors``, loadable with ``AutoModelForCausalLM.from_pretrained``.
+def save_hf(
+    cfg: ModelConfig, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], out_dir: str | None, *, specs: Any = None
+) -> None:
+    """Write a model's state (of :func:`build_model`'s model) as a Hugging Face Llama checkpoint: ``config.json``
+    + ``model.safetensors``, loadable with ``AutoModelForCausalLM.from_pretrained``.
 
-    The HF model is made on the meta device (no memory, no init): only its config and its saving code are used.
+    ``tensors``: a state dict, or (name, CPU tensor) pairs arriving one at a time (a sharded model gathered
+    tensor by tensor: only one full tensor is in memory at a time), with ``specs`` {name: (dtype, shape)} in
+    the same order. ``out_dir=None`` only consumes the pairs (a rank that takes part in the gathers but does not
+    write). A tied output head is written once, as the embedding (HF re-ties it).
     """
-    import torch
-    from transformers import LlamaForCausalLM
+    if isinstance(tensors, Mapping):
+        specs = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+        tensors = tensors.items()
+    assert specs is not None, "specs are needed for streamed tensors"
+    skip = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    specs = {name: spec for name, spec in specs.items() if name not in skip}
+    written = write_safetensors(None if out_dir is None else os.path.join(out_dir, "model.safetensors"), specs,
+                                ((n, t) for n, t in tensors if n not in skip))  # fmt: skip
+    if out_dir is None or not written:
+        return
+    config = hf_config(cfg)
+    dtypes = {dtype for dtype, _ in specs.values()}
+    config.torch_dtype = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(out_dir)
 
-    with torch.device("meta"):
-        hf = LlamaForCausalLM(hf_config(cfg))
-    hf.to(next(iter(state_dict.values())).dtype)  # config.json records the model's dtype
-    hf.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+
+_SAFETENSORS_DTYPES = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16"}
+
+
+def write_safetensors(path: str | None, specs: dict[str, Any], tensors: Iterable[tuple[str, Any]]) -> bool:
+    """Stream tensors into a ``.safetensors`` file: the header from ``specs`` {name: (dtype, shape)} first, then
+    each tensor's bytes as it arrives (in ``specs``' order). Every item is consumed even when writing fails or
+    ``path`` is None (the producer may be a collective gather); returns whether the file was written, and
+    re-raises a write error once all items are consumed."""
+    import json
+    import math
+    import struct
+
+    import torch
+
+    header, start = {}, 0
+    for name, (dtype, shape) in specs.items():
+        size = math.prod(shape) * _element_size(dtype)
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[str(dtype)],
+            "shape": list(shape),
+            "data_offsets": [start, start + size],
+        }
+        start += size
+    blob = json.dumps({"__metadata__": {"format": "pt"}, **header}, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    error: BaseException | None = None
+    f = None
+    try:
+        if path is not None:
+            f = open(path, "wb")
+            f.write(struct.pack("<Q", len(blob)) + blob)
+        for name, tensor in tensors:
+            expected = specs.get(name)
+            if expected is None or tuple(tensor.shape) != tuple(expected[1]) or tensor.dtype != expected[0]:
+                raise ValueError(
+                    f"{name}: tensor {tuple(tensor.shape)} {tensor.dtype} does not match its spec {expected}"
+                )
+            if f is not None and error is None:
+                try:
+                    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+                    f.write(memoryview(data))
+                except OSError as e:  # keep consuming: the other ranks are still gathering
+                    error = e
+    finally:
+        if f is not None:
+            f.close()
+    if error is not None:
+        raise error
+    return f is not None
+
+
+def _element_size(dtype: Any) -> int:
+    import torch
+
+    return int(torch.empty((), dtype=dtype).element_size())
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,18 +12,18 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from raytrn import storage
-from raytrn.backends import Backend, get_backend, host_malloc
-from raytrn.checkpoint import Progress, load_state, save_state, write_meta
+from raytrn.backends import get_backend, host_malloc
+from raytrn.checkpoint import Progress
 from raytrn.compat import quiet_ray_train_logs
 from raytrn.config import JobSpec
 from raytrn.errors import DataError
 from raytrn.runtime import process_started_at
+from raytrn.train.checkpointing import Saved
 from raytrn.train.schedule import Schedule
 from raytrn.train.sizes import data_parallel_size
 from raytrn.train.step import Training, build_training, read_metrics, train_step
@@ -50,7 +50,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # The schedule was pinned by the driver (raytrn.train.schedule.resolve_schedule): the same on every worker
     # group of this job, and the horizon a resumed run started with.
     schedule = Schedule.from_dict(config["schedule"]) if config.get("schedule") else Schedule.from_job(job)
-    t = build_training(job, backend, world_size=world_size, schedule=schedule)
+    t = build_training(job, backend, world_size=world_size, schedule=schedule, rank=rank)
     scheduler = t.scheduler
     max_steps = job.run.max_steps
     # Tokens per optimizer step over the job: one batch per model replica (data-parallel rank).
@@ -59,7 +59,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # -- resume --------------------------------------------------------------------------------
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
-            loaded = restore_state(d, job, t)
+            loaded = t.checkpoints.load(d, t)
         # The full state is the authority; the data pipeline already started with meta.json's epoch.
         progress.step, progress.tokens_seen, progress.cost_usd = loaded.step, loaded.tokens_seen, loaded.cost_usd
         progress.last_logged_step = max(progress.last_logged_step, loaded.last_logged_step)
@@ -128,37 +128,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if step % job.checkpoint.every_n_steps == 0 or is_last:
             if efficiency is not None:
                 progress.cost_usd = efficiency.cost_usd()
-            _save_and_report(job, rank, backend, t, progress, schedule, metrics, logger)
+            report = {**metrics, "step": progress.step, "tokens_seen": progress.tokens_seen}
+            for saved in t.checkpoints.save(t, progress, schedule, report, final=is_last):
+                _report(job, rank, saved, logger)  # every worker (Ray Train counts the reports)
 
     if sampler:
         sampler.close()
-    if logger and job.tracking.log_model and not t.sharded:
-        logger.flush(job.tracking.flush_timeout_s)  # an outage near the end: wait (bounded) for the server
-        log_final_model(job, t.model, backend, logger)
-
-
-def save_sharded(job: JobSpec, t: Training, progress: Progress, schedule: Schedule) -> None:
-    """Every rank writes its NxD shards of model and optimizer under :func:`sharded_dir` (rank 0 also the
-    scheduler and the counters, as NxD's user content); :func:`restore_state` reads them back."""
-    from raytrn.backends.nxd import save_sharded_checkpoint
-
-    save_sharded_checkpoint(
-        sharded_dir(job), f"step_{progress.step:08d}", t.model, t.optimizer, t.scheduler,
-        {**asdict(progress), "schedule": schedule.to_dict()}, job.checkpoint.keep_last,
-    )  # fmt: skip
-
-
-def restore_state(directory: str | None, job: JobSpec, t: Training) -> Progress:
-    """Load a checkpoint into ``t`` and return its counters: ``state.pt`` from ``directory``, or for NxD
-    (sharded) every rank's shards from :func:`sharded_dir` (the user content NxD returns holds raytrn's
-    counters next to the layout key: only the counters are taken)."""
-    if t.sharded:
-        from raytrn.backends.nxd import load_sharded_checkpoint
-
-        saved = load_sharded_checkpoint(sharded_dir(job), t.model, t.optimizer, t.scheduler)
-        return Progress.from_dict(saved) if isinstance(saved, dict) else Progress()
-    assert directory is not None
-    return load_state(directory, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
+    if job.tracking.log_model and config.get("tracker") is not None and t.export is not None:
+        if logger:
+            logger.flush(job.tracking.flush_timeout_s)  # an outage near the end: wait (bounded) for the server
+        log_final_model(job, t, logger)  # every rank: a sharded model's tensors are gathered one by one
 
 
 def _batches(shard: Any, job: JobSpec, progress: Progress, rank: int, world_size: int) -> Iterator[torch.Tensor]:
@@ -335,54 +314,21 @@ class _TokenCollate(_token_collate_base()):  # type: ignore[misc]
         return torch.from_numpy(arr.astype(np.int64, copy=False))
 
 
-def sharded_dir(job: JobSpec) -> str:
-    """Where NxD writes the sharded checkpoints of this run (next to Ray's checkpoints)."""
-    return storage.join(job.checkpoint.storage, job.run_name, "nxd")
-
-
-def _save_and_report(
-    job: JobSpec,
-    rank: int,
-    backend: Backend,
-    t: Training,
-    progress: Progress,
-    schedule: Schedule,
-    metrics: dict[str, float],
-    logger: Any,
-) -> None:
-    """Rank 0 writes the state (all ranks their shards when sharded); every worker calls report."""
+def _report(job: JobSpec, rank: int, saved: Saved, logger: Any) -> None:
+    """Record a complete checkpoint with Ray Train: rank 0 passes the directory ``saved`` fills (the counters,
+    and where the state is); every worker calls report."""
     import ray.train
 
-    report = {**metrics, "step": progress.step, "tokens_seen": progress.tokens_seen}
-    if os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY"):  # neuron_parallel_compile's trial run: outputs are invalid
-        ray.train.report(report, checkpoint=None)
+    if rank != 0 or saved.write is None:
+        ray.train.report(saved.report, checkpoint=None)
         return
-    if t.sharded:  # NxD: every rank writes its shard of model and optimizer (to S3 or a shared FS)
-        save_sharded(job, t, progress, schedule)
-    if rank != 0:
-        ray.train.report(report, checkpoint=None)
-        return
+    name = f"checkpoint_{saved.step:08d}"
     with tempfile.TemporaryDirectory(prefix="raytrn-ckpt-") as d:
-        if t.sharded:  # Ray's checkpoint holds the counters and points at the shards
-            write_meta(d, progress, schedule=schedule.to_dict(), sharded=sharded_dir(job))
-        else:
-            save_state(
-                d,
-                model=t.model,
-                optimizer=t.optimizer,
-                scheduler=t.scheduler,
-                progress=progress,
-                schedule=schedule.to_dict(),
-                to_cpu=backend.to_cpu,
-            )
-        ray.train.report(
-            report,
-            checkpoint=ray.train.Checkpoint.from_directory(d),
-            checkpoint_dir_name=f"checkpoint_{progress.step:08d}",
-        )
+        saved.write(d)
+        ray.train.report(saved.report, checkpoint=ray.train.Checkpoint.from_directory(d), checkpoint_dir_name=name)
     if logger:  # the run's checkpoint tags (those keep_last deleted are marked so by the tracking actor)
-        location = storage.join(job.checkpoint.storage, job.run_name, f"checkpoint_{progress.step:08d}")
-        logger.checkpoint_saved(progress.step, location, job.checkpoint.keep_last)
+        location = storage.join(job.checkpoint.storage, job.run_name, name)
+        logger.checkpoint_saved(saved.step, location, job.checkpoint.keep_last)
 
 
 def _tracker(config: dict[str, Any]) -> Any:
@@ -404,27 +350,28 @@ def _system_sampler(job: JobSpec, logger: Any) -> Any:
     return SystemSampler.start(logger, ray.get_runtime_context().get_node_id(), job.tracking.system_metrics_interval_s)
 
 
-def log_final_model(job: JobSpec, model: torch.nn.Module, backend: Backend, logger: Any) -> None:
-    """The trained model (and the dataset's tokenizer) in Hugging Face format, as the run's ``model`` artifact."""
-    if logger.run_id is None:
-        log.warning("final model not logged: the MLflow run was never created (server unreachable)")
-        return
-    from transformers.utils import logging as hf_logging
+def log_final_model(job: JobSpec, t: Training, logger: Any) -> None:
+    """The trained model (and the dataset's tokenizer) in Hugging Face format, as the run's ``model`` artifact.
 
+    Every rank calls it: a sharded model's tensors are gathered one at a time (collectives) and streamed into
+    the safetensors file by rank 0 (``logger``), which never holds the whole model.
+    """
     from raytrn.data.manifest import load_manifest
     from raytrn.models.llama import save_hf
 
-    hf_logging.disable_progress_bar()  # "Writing model shards" in every job's log
-    inner = getattr(model, "module", model)  # DDP
-    try:
-        state = backend.to_cpu(inner.state_dict())
-        with tempfile.TemporaryDirectory(prefix="raytrn-model-") as d:
-            save_hf(job.model, state, d)
-            tokenizer = load_manifest(job.data.manifest, check_files=False).tokenizer_path
-            _save_tokenizer(tokenizer, d)
-            logger.client.log_artifacts(logger.run_id, d, "model")
-    except Exception as e:  # tracking never fails a finished training
-        log.warning("could not log the final model to MLflow: %s", e)
+    assert t.export is not None
+    writing = logger is not None and logger.run_id is not None
+    if logger is not None and not writing:
+        log.warning("final model not logged: the MLflow run was never created (server unreachable)")
+    specs = {name: (v.dtype, tuple(v.shape)) for name, v in getattr(t.model, "module", t.model).state_dict().items()}
+    with tempfile.TemporaryDirectory(prefix="raytrn-model-") as d:
+        try:
+            save_hf(job.model, t.export(), d if writing else None, specs=specs)
+            if writing:
+                _save_tokenizer(load_manifest(job.data.manifest, check_files=False).tokenizer_path, d)
+                logger.client.log_artifacts(logger.run_id, d, "model")
+        except Exception as e:  # tracking never fails a finished training
+            log.warning("could not log the final model to MLflow: %s", e)
 
 
 def _save_tokenizer(path: str, out_dir: str) -> None:

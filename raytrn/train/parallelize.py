@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-
-from raytrn.errors import BackendError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -50,6 +48,10 @@ class Parallelized:
         if self.data_parallel == "fsdp":
             return _fsdp_no_sync(model)
         return contextlib.nullcontext()
+
+    def full_state_items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """See :func:`full_state_items`."""
+        return full_state_items(self.model)
 
 
 @contextlib.contextmanager
@@ -117,7 +119,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, tie_word_emb
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    decoder = model.model  # type: ignore[union-attr]
+    decoder: Any = model.model
     parallelize_module(
         model,
         tp_mesh,
@@ -155,7 +157,7 @@ def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
     def to_local(_mod: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
         return output.to_local()
 
-    distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
+    distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)  # type: ignore[arg-type]
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -232,16 +234,17 @@ def check_tp_placement(tp: int) -> None:
 
 
 def _node_id() -> str | None:
-    from raytrn.backends.base import in_ray_train_worker
+    """This process's Ray node, when it runs inside Ray (a Ray Train worker)."""
+    import sys
 
-    if not in_ray_train_worker():
+    if "ray" not in sys.modules:
         return None
     import ray
 
-    return str(ray.get_runtime_context().get_node_id())
+    return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else None
 
 
-def grad_norm_and_clip(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+def grad_norm_and_clip(params: Sequence[torch.Tensor], max_norm: float | None) -> torch.Tensor:
     """The total gradient norm over all workers (before clipping), clipping to ``max_norm`` when set.
 
     Plain tensors (DDP: already all-reduced) use torch's own function. DTensors may live on different meshes

@@ -95,3 +95,10 @@ def test_validate_cluster_flag_exits_2(capsys: pytest.CaptureFixture[str]) -> No
     assert "is more than" in capsys.readouterr().err
     assert main(["validate", job, "--no-data", "--cluster", cluster]) == 0
     assert "holds up to 2 worker(s)" in capsys.readouterr().out
+
+
+def test_a_count_too_large_for_a_float_is_not_a_number() -> None:
+    """Found by the property test on a mutated KubeRay manifest: float(10**400) raises OverflowError."""
+    from raytrn.cluster.capacity import _number
+
+    assert _number(10**400) is False and _number(2.5) is True

@@ -19,7 +19,7 @@ from raytrn.config import JobSpec, parse_job
 from raytrn.errors import ConfigError
 from raytrn.models import build_model
 from raytrn.train.checks import check_job
-from raytrn.train.step import build_training, train_step
+from raytrn.train.step import build_training, cross_entropy, train_step
 
 pytestmark = pytest.mark.unit
 
@@ -51,9 +51,11 @@ def test_outside_ray_train_the_cuda_backend_uses_the_current_gpu() -> None:
     assert CudaBackend().device() == torch.device("cuda", 0)  # a device object; no GPU needed to name it
 
 
-def test_outside_ray_train_prepare_model_only_moves() -> None:
+def test_one_process_is_not_wrapped() -> None:
+    """Without a process group (one process, e.g. bench/gpu.py) the model is trained as built: no DDP/FSDP."""
     model = build_model(job().model, seed=0)
-    assert CpuBackend().prepare_model(model) is model  # no DDP, no ray.train.torch.prepare_model
+    par = CpuBackend().parallelize(model, job("cpu"), world_size=1, compile=False)
+    assert par.model is model and par.data_parallel == "none"
 
 
 def test_cuda_step_uses_autocast_and_fused_adamw() -> None:
@@ -77,10 +79,10 @@ def test_off_cuda_the_settings_are_ignored_with_a_warning(caplog: pytest.LogCapt
     assert [w.split("=")[0] for w in warnings] == ["model.autocast", "optim.fused", "run.compile"]
     assert all("ignored on scaling.accelerator='cpu'" in w for w in warnings)
     assert CudaBackend().ignored_settings(j) == []
-    with caplog.at_level("WARNING", logger="raytrn.train.step"):
+    with caplog.at_level("WARNING", logger="raytrn.backends.base"):
         t = build_training(j, CpuBackend(), world_size=1)
     assert t.autocast_dtype is None and not t.optimizer.defaults["fused"]
-    assert t.loss_fn is None  # not compiled
+    assert t.loss_fn is cross_entropy  # not compiled
     assert [r.getMessage() for r in caplog.records] == warnings
     assert [line for line in check_job(j, data=False) if line.startswith("warning:")] == [
         f"warning: {w}" for w in warnings

@@ -74,7 +74,7 @@ def test_llama3_8b_parallel_follows_aws_recipe() -> None:
     p = job.parallel
     # tp_zero1_llama3_8B_hf_pretrain.sh: TP 32, ZeRO-1, sequence parallel, --kv_replicator 4.
     assert (p.tensor_parallel_size, p.zero1, p.sequence_parallel) == (32, True, True)
-    assert not p.activation_checkpointing  # AWS recomputes selectively; full recompute is off
+    assert p.activation_checkpointing == "none"  # AWS recomputes selectively; full recompute is off
     assert kv_replication(job.model.kv_heads, p.tensor_parallel_size) == 4
     n = job.neuron
     assert n.compile_cache is not None and n.compile_cache.startswith("s3://")  # shared by every node
@@ -98,7 +98,7 @@ def test_llama32_1b_trn1() -> None:
     assert (s.min_workers, s.max_workers) == (32, 128)
     assert s.resources_per_worker == {"neuron_cores": 1.0, "CPU": 1.0}
     p = job.parallel
-    assert (p.tensor_parallel_size, p.zero1, p.sequence_parallel, p.activation_checkpointing) == (8, True, True, False)
+    assert (p.tensor_parallel_size, p.zero1, p.sequence_parallel, p.activation_checkpointing) == (8, True, True, "none")
     assert kv_replication(job.model.kv_heads, p.tensor_parallel_size) == 1  # 8 kv heads, one per TP rank
     assert job.neuron.compile_cache is not None and job.neuron.compile_cache.startswith("s3://")
     assert job.checkpoint.storage.startswith("s3://")

@@ -131,28 +131,50 @@ def test_plain_jobs_have_nothing_to_say() -> None:
 # check_parallel: every ConfigError
 
 
-@pytest.mark.parametrize("accelerator", ["cpu", "cuda", "xla-cpu"])
+PLAIN = "parallel={tensor_parallel_size: 1, zero1: false, sequence_parallel: false}"
+
+
 @pytest.mark.parametrize(
-    ("override", "named"),
+    ("accelerator", "overrides", "expected"),
     [
-        ("parallel.tensor_parallel_size=2", "parallel.tensor_parallel_size=2"),
-        ("parallel.zero1=true", "parallel.zero1=true"),
-        ("parallel.activation_checkpointing=true", "parallel.activation_checkpointing=true"),
+        ("cpu", ["parallel.tensor_parallel_size=2"], "parallel.tensor_parallel_size=2 needs parallel.data_parallel: fsdp"),
+        ("cuda", ["parallel.zero1=true"], "parallel.zero1=true is neuronx-distributed's"),
+        ("cpu", ["parallel.zero1=true"], "use parallel.data_parallel: fsdp, which shards parameters, gradients"),
+        ("cpu", ["parallel.sequence_parallel=true", "parallel.tensor_parallel_size=2"], "sequence parallelism is not supported on torch.distributed yet"),
+        ("xla-cpu", ["parallel.data_parallel=fsdp"], "parallel.data_parallel=fsdp: scaling.accelerator xla-cpu runs one plain worker"),
+        ("xla-cpu", ["parallel.activation_checkpointing=true"], "parallel.activation_checkpointing=full: scaling.accelerator xla-cpu"),
+        ("neuron", ["parallel.data_parallel=fsdp"], "parallel.data_parallel=fsdp is not available on scaling.accelerator: neuron"),
+        ("neuron", ["parallel.activation_checkpointing=selective"], "activation_checkpointing=selective is not available"),
     ],
-)
-def test_parallel_features_need_neuron(accelerator: str, override: str, named: str) -> None:
-    plain = "parallel={tensor_parallel_size: 1, zero1: false, sequence_parallel: false}"
-    msg = config_error(job("llama3.2-1b-trn1.yaml", plain, f"scaling.accelerator={accelerator}", override))
-    assert msg.startswith(f"job.yaml: {named} needs scaling.accelerator: neuron (got {accelerator!r})")
-    assert "neuronx-distributed" in msg and "plain data parallelism" in msg
+)  # fmt: skip
+def test_each_accelerator_refuses_the_layouts_it_cannot_run(
+    accelerator: str, overrides: list[str], expected: str
+) -> None:
+    msg = config_error(job("llama3.2-1b-trn1.yaml", PLAIN, f"scaling.accelerator={accelerator}", *overrides))
+    assert msg.startswith("job.yaml: ") and expected in msg, msg
 
 
-def test_every_non_neuron_feature_is_named_at_once() -> None:
-    msg = config_error(job("llama3.2-1b-trn1.yaml", "scaling.accelerator=cpu"))
-    assert msg.startswith(
-        "job.yaml: parallel.tensor_parallel_size=8, parallel.zero1=true, parallel.sequence_parallel=true need "
-        "scaling.accelerator: neuron (got 'cpu')"
+def test_torch_distributed_layouts_are_accepted_and_described() -> None:
+    cpu = job(
+        "llama3.2-1b-trn1.yaml", PLAIN, "scaling.accelerator=cpu",
+        "parallel.data_parallel=fsdp", "parallel.tensor_parallel_size=8", "parallel.activation_checkpointing=selective",
+    )  # fmt: skip
+    [line] = check_parallel(cpu)
+    assert line.startswith("parallel: fsdp over ") and line.endswith(
+        "data-parallel rank(s), tensor parallel 8 (DTensor), selective activation checkpointing"
     )
+
+
+def test_native_tensor_parallel_needs_whole_kv_heads_per_rank() -> None:
+    """DTensor's plan splits the kv heads too (NxD would replicate them): 8 kv heads and TP 16 is refused."""
+    cpu = job(
+        "llama3.2-1b-trn1.yaml", PLAIN, "scaling.accelerator=cpu", "parallel.data_parallel=fsdp",
+        "parallel.tensor_parallel_size=16",
+    )  # fmt: skip
+    msg = config_error(cpu)
+    assert "model.num_key_value_heads (8) % 16 = 8: each rank computes num_key_value_heads / TP kv heads" in msg
+    assert "tensor_parallel_size values this model allows: 1, 2, 4, 8." in msg
+    assert "NxD replicates" not in msg
 
 
 def test_sequence_parallel_needs_tensor_parallel() -> None:

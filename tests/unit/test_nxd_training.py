@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from raytrn.backends.neuron import NeuronBackend
+from raytrn.backends.nxd import NxdCheckpoints, uses_nxd
 from raytrn.checkpoint import Progress
 from raytrn.config import load_job
-from raytrn.train.loop import owns_batch, restore_state, save_sharded, sharded_dir
+from raytrn.train.loop import owns_batch
 from raytrn.train.schedule import Schedule
 from raytrn.train.step import build_training, train_step
 
@@ -168,7 +169,7 @@ def _tp_job(*overrides: str):
 def test_tensor_parallel_training_uses_nxd_model_optimizer_and_loss(nxd_standin: dict[str, Any]) -> None:
     job = _tp_job()
     t = build_training(job, CpuNeuronBackend(), world_size=32)
-    assert t.fused_optimizer and t.sharded
+    assert isinstance(t.checkpoints, NxdCheckpoints) and t.export is None  # NxD's shards, no HF export
     assert isinstance(t.optimizer, ClippingAdamW)
     # ZeRO-1: the clip norm goes to the optimizer itself (NxD would otherwise default it to 1.0).
     assert nxd_standin["optimizer_defaults"]["max_norm"] == job.optim.grad_clip_norm
@@ -197,12 +198,14 @@ def test_sharded_checkpoint_resumes_counters_weights_and_schedule(nxd_standin: d
     for _ in range(3):
         train_step(t, batches, CpuNeuronBackend())
     progress = Progress(step=3, tokens_seen=3 * 64 * 32, epoch=1, last_logged_step=3, cost_usd=1.25)
-    save_sharded(job, t, progress, Schedule.from_job(job))
-    [content] = [e["user_content.pt"] for e in nxd_standin["saved"][sharded_dir(job)].values()]
+    [saved] = t.checkpoints.save(t, progress, Schedule.from_job(job), {"step": 3}, final=False)
+    assert saved.step == 3 and saved.write is not None
+    directory = t.checkpoints.directory  # type: ignore[attr-defined]
+    [content] = [e["user_content.pt"] for e in nxd_standin["saved"][directory].values()]
     assert "raytrn_parallel" in content  # the layout key travels in the same user content
 
     fresh = build_training(job, CpuNeuronBackend(), world_size=32)
-    assert restore_state(None, job, fresh) == progress
+    assert fresh.checkpoints.load(str(tmp_path), fresh) == progress
     for (name, a), (_, b) in zip(t.model.state_dict().items(), fresh.model.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     assert fresh.scheduler.last_epoch == t.scheduler.last_epoch == 3
@@ -214,7 +217,7 @@ def test_sharded_checkpoint_resumes_counters_weights_and_schedule(nxd_standin: d
 
 def test_plain_neuron_job_has_no_nxd() -> None:
     job = _tp_job("parallel.tensor_parallel_size=1", "parallel.zero1=false")
-    assert NeuronBackend().build_parallel_parts(job) is None
+    assert not uses_nxd(job)
 
 
 @pytest.mark.parametrize(("tp", "world"), [(2, 8), (8, 32), (32, 128)])

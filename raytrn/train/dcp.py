@@ -1,0 +1,264 @@
+"""Sharded, reshardable checkpoints through ``torch.distributed.checkpoint`` (DCP).
+
+Every rank writes its own shards of model and optimizer (``get_state_dict``: no gather to rank 0) into one
+directory per checkpoint, ``<checkpoint.storage>/<run>/dcp/step_<N>``, a local path or ``s3://``. DCP
+records every tensor's global shape and which piece each file holds, so a checkpoint written by N workers in
+one layout (DDP, FSDP, tensor parallel) loads into M workers in another: each rank reads the pieces its new
+shards need. Ray Train records a small directory per checkpoint whose ``meta.json`` points here.
+
+S3 goes through pyarrow's S3 filesystem (the one raytrn already uses for data and Ray uses for its
+storage), as a DCP ``FileSystemBase``: see ``docs/performance.md`` for the measurement behind the choice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import pyarrow.fs as pafs
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
+
+from raytrn import storage
+from raytrn.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from raytrn.config import JobSpec
+
+log = logging.getLogger(__name__)
+
+#: The DCP checkpoints of a run sit in ``<checkpoint.storage>/<run>/DCP_DIR/step_<N>``.
+DCP_DIR = "dcp"
+_STEP = re.compile(r"^step_(\d{8})$")
+METADATA = ".metadata"
+
+
+def dcp_root(job: JobSpec) -> str:
+    return storage.join(job.checkpoint.storage, job.run_name, DCP_DIR)
+
+
+def step_location(job: JobSpec, step: int) -> str:
+    return storage.join(dcp_root(job), f"step_{step:08d}")
+
+
+# -- storage ---------------------------------------------------------------------------------------
+
+
+class ArrowFileSystem(FileSystemBase):
+    """DCP's file operations on a pyarrow filesystem (S3 here; any pyarrow filesystem works)."""
+
+    def __init__(self, fs: pafs.FileSystem) -> None:
+        self.fs = fs
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
+        path = os.fspath(path)
+        if "w" in mode:
+            with self.fs.open_output_stream(path) as stream:
+                yield stream
+        else:
+            with self.fs.open_input_file(path) as stream:
+                yield stream
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
+        return f"{os.fspath(path).rstrip('/')}/{suffix}"
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        self.fs.move(os.fspath(path), os.fspath(new_path))
+
+    def init_path(self, path: str | os.PathLike[str]) -> str:
+        return os.fspath(path)
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        self.fs.create_dir(os.fspath(path), recursive=True)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return True
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return bool(self.fs.get_file_info(os.fspath(path)).type != pafs.FileType.NotFound)
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        self.fs.delete_file(os.fspath(path))
+
+    def ls(self, path: str | os.PathLike[str]) -> list[str]:
+        return [i.path for i in self.fs.get_file_info(pafs.FileSelector(os.fspath(path)))]
+
+
+class _ArrowWriter(FileSystemWriter):
+    def __init__(self, fs: pafs.FileSystem, path: str, *, thread_count: int) -> None:
+        # sync_files: fsync has no meaning on S3 (an object exists once its upload completed)
+        super().__init__(path, thread_count=thread_count, sync_files=False)
+        self.fs = ArrowFileSystem(fs)  # type: ignore[assignment]  # DCP's own FsspecWriter does the same
+        self.path = path
+
+
+class _ArrowReader(FileSystemReader):
+    def __init__(self, fs: pafs.FileSystem, path: str) -> None:
+        super().__init__(path)
+        self.fs = ArrowFileSystem(fs)  # type: ignore[assignment]  # DCP's own FsspecWriter does the same
+        self.path = path
+
+
+def storage_writer(location: str, *, thread_count: int = 1) -> FileSystemWriter:
+    """The DCP writer for a local path or ``s3://`` URI: one file per rank (plus DCP's ``.metadata``)."""
+    if storage.is_remote(location):
+        fs, path = storage.filesystem(location)
+        return _ArrowWriter(fs, path, thread_count=thread_count)
+    return FileSystemWriter(storage.filesystem(location)[1], thread_count=thread_count)
+
+
+def storage_reader(location: str) -> FileSystemReader:
+    if storage.is_remote(location):
+        fs, path = storage.filesystem(location)
+        return _ArrowReader(fs, path)
+    return FileSystemReader(storage.filesystem(location)[1])
+
+
+# -- the state -------------------------------------------------------------------------------------
+
+
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
+    """What a checkpoint holds, in this rank's layout: model and optimizer state by parameter name (sharded
+    tensors as DTensors), the scheduler's counters and the torch RNG state."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {
+        "model": model_state,
+        "optim": optim_state,
+        "scheduler": scheduler.state_dict(),
+        "rng": torch.get_rng_state(),
+    }
+
+
+def _no_dist() -> bool:
+    """One process (no process group): DCP then says so in a warning on every call; it is the intent here."""
+    import warnings
+
+    single = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    if single:
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    return single
+
+
+def save(state: dict[str, Any], location: str) -> None:
+    dcp.save(state, storage_writer=storage_writer(location), no_dist=_no_dist())
+
+
+def async_save(state: dict[str, Any], location: str, *, process_group: Any) -> Any:
+    """Stage ``state`` to host memory now, write it in a background thread; returns the write's future.
+
+    ``process_group``: a gloo group of its own, so the background thread's collectives never interleave with
+    the training step's on the default group.
+    """
+    return dcp.async_save(
+        state, storage_writer=storage_writer(location), process_group=process_group, no_dist=_no_dist()
+    )
+
+
+def load(
+    location: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *, source: str
+) -> None:
+    """Restore a checkpoint written in any layout into this rank's (resharding as needed).
+
+    Refused with one CheckpointError, before anything is read, when a shard file is missing or short, or a
+    model tensor's shape differs from the job's model (naming the first such tensor).
+    """
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    metadata = check_complete(location)
+    state = training_state(model, optimizer, scheduler)
+    check_shapes(metadata, state["model"], location=location, source=source)
+    dcp.load(state, storage_reader=storage_reader(location), no_dist=_no_dist())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+
+
+def read_metadata(location: str) -> Any:
+    """DCP's ``.metadata`` of the checkpoint at ``location``; CheckpointError when there is none."""
+    try:
+        return storage_reader(location).read_metadata()
+    except (FileNotFoundError, OSError) as e:
+        raise CheckpointError(
+            f"checkpoint {location}: no readable {METADATA} ({e}); DCP writes it last, so the save that made this "
+            "checkpoint did not finish. Resume from an earlier checkpoint (delete or move this one)"
+        ) from None
+
+
+def check_complete(location: str) -> Any:
+    """The checkpoint's metadata, after checking that every file it names exists and is long enough."""
+    metadata = read_metadata(location)
+    fs, path = storage.filesystem(location)
+    sizes = {i.base_name: i.size for i in fs.get_file_info(pafs.FileSelector(path)) if i.type == pafs.FileType.File}
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    missing = sorted(name for name in needed if name not in sizes)
+    short = sorted(name for name, end in needed.items() if name in sizes and sizes[name] < end)
+    if missing or short:
+        what = []
+        if missing:
+            what.append(f"missing {', '.join(missing)}")
+        if short:
+            what.append(f"truncated {', '.join(short)}")
+        raise CheckpointError(
+            f"checkpoint {location} is incomplete ({'; '.join(what)} of {len(needed)} shard file(s)); it cannot "
+            "be resumed. Restore the files, or resume from an earlier checkpoint (delete or move this one)"
+        )
+    return metadata
+
+
+def check_shapes(metadata: Any, model_state: dict[str, Any], *, location: str, source: str) -> None:
+    """CheckpointError naming the first model tensor whose saved global shape differs from the job's model."""
+    saved = metadata.state_dict_metadata
+    for name, value in model_state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        key = f"model.{name}"
+        entry = saved.get(key)
+        shape = tuple(value.shape)  # a DTensor's shape is the global one
+        if entry is None or not hasattr(entry, "size"):
+            raise CheckpointError(
+                f"{source}: checkpoint {location} has no tensor {name!r} that the job's model has; it was written "
+                "for another model. Use the job that wrote it, or a new run (tracking.run_name)"
+            )
+        if tuple(entry.size) != shape:
+            raise CheckpointError(
+                f"{source}: checkpoint {location}: tensor {name!r} has shape {tuple(entry.size)} but the job's model "
+                f"has {shape}; the model section differs from the one the checkpoint was written with. Use that "
+                "model's sizes, or start a new run (tracking.run_name)"
+            )
+
+
+# -- retention -------------------------------------------------------------------------------------
+
+
+def checkpoint_steps(root: str) -> list[int]:
+    """The steps of the DCP checkpoints under ``root`` (raytrn's ``step_<N>`` directories only), ascending."""
+    fs, path = storage.filesystem(root)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    except OSError:
+        return []
+    steps = [int(m.group(1)) for i in infos if i.type == pafs.FileType.Directory and (m := _STEP.match(i.base_name))]
+    return sorted(steps)
+
+
+def prune(root: str, keep: int, *, upto: int) -> list[int]:
+    """Of the ``step_<N>`` directories under ``root`` with N <= ``upto``, delete all but the newest ``keep``;
+    returns the steps deleted. Newer ones (a write in flight) are left alone. Only raytrn's own step
+    directories, strictly inside ``root``."""
+    steps = [s for s in checkpoint_steps(root) if s <= upto]
+    deleted = []
+    for step in steps[:-keep]:
+        storage.remove_tree(storage.join(root, f"step_{step:08d}"), root)
+        deleted.append(step)
+    return deleted

@@ -1,0 +1,260 @@
+"""FSDP2, tensor parallelism and DCP checkpoints on real multi-process ``torch.distributed`` (gloo, CPU).
+
+Every layout is compared with one process training on the same global batches: loss curves within a
+stated tolerance (collectives sum in another order), and checkpoints that reload bit-equal into any other
+layout (4 workers fsdp -> 2 workers ddp -> 3 workers fsdp). The workers run raytrn's own build and step
+(``Backend.build_training`` + ``train_step``) without Ray; ``test_train.py`` runs the same code under Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from raytrn.config import load_job
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+GLOBAL_ROWS = 12  # divisible by every data-parallel size used here: 1, 2, 3, 4
+SEQ = 32
+#: Loss of a distributed layout vs one process, per step: the same maths, summed in another order.
+LOSS_RTOL = 2e-5
+
+
+def tiny_job(tmp: Path, *overrides: str) -> Any:
+    return load_job(
+        REPO / "jobs" / "tiny.yaml",
+        [
+            "data.manifest=unused",
+            f"data.seq_len={SEQ}",
+            "model.vocab_size=512",
+            "data.grad_accum=null",
+            f"data.global_batch_size={GLOBAL_ROWS}",
+            "data.micro_batch_size=1",
+            "optim.warmup_steps=2",
+            "scaling.min_workers=1",
+            "scaling.max_workers=4",
+            f"checkpoint.storage={tmp / 'ckpt'}",
+            "tracking.run_name=parallel",
+            "run.max_steps=20",
+            *overrides,
+        ],
+        resolve=False,
+    )
+
+
+def global_batch(step: int) -> torch.Tensor:
+    """The rows of global step ``step`` (the same for every layout): 16 of the 512 token ids, so the loss falls
+    within a few steps."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, 16, (GLOBAL_ROWS, SEQ + 1), generator=gen) * 31 % 512
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- the worker (a spawned process) ------------------------------------------------------------------
+
+
+def _worker(rank: int, world: int, port: int, plan: dict[str, Any], out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        _run_plan(rank, world, plan, Path(out))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run_plan(rank: int, world: int, plan: dict[str, Any], out: Path) -> None:
+    from raytrn.backends.cpu import CpuBackend
+    from raytrn.train.sizes import data_parallel_size
+    from raytrn.train.step import build_training, read_metrics, train_step
+
+    job = tiny_job(Path(plan["tmp"]), *plan["overrides"])
+    backend = CpuBackend()
+    t = build_training(job, backend, world_size=world, rank=rank)
+    tp = job.parallel.tensor_parallel_size
+    dp, dp_rank = data_parallel_size(job, world), rank // tp
+    record: dict[str, Any] = {"losses": {}}
+    start = 0
+    if plan.get("load"):
+        from raytrn.train import dcp
+
+        dcp.load(plan["load"], t.model, t.optimizer, t.scheduler, source="test")
+        start = plan["start"]
+        _dump_full(t, out / f"loaded-{plan['name']}.pt", rank)
+    for step in range(start + 1, plan["steps"] + 1):
+        rows = global_batch(step).chunk(dp)[dp_rank]  # this replica's share, micro-batch by micro-batch
+        result = train_step(t, iter(rows.split(job.data.micro_batch_size)), backend)
+        record["losses"][step] = read_metrics(result, world)["loss"]
+    if plan.get("save"):
+        from raytrn.train import dcp
+
+        state = dcp.training_state(t.model, t.optimizer, t.scheduler)
+        if plan.get("async"):
+            group = torch.distributed.new_group(backend="gloo") if world > 1 else None
+            dcp.async_save(state, plan["save"], process_group=group).result()
+        else:
+            dcp.save(state, plan["save"])
+        _dump_full(t, out / f"saved-{plan['name']}.pt", rank)
+    if plan.get("export"):
+        from raytrn.models.llama import save_hf
+
+        specs = {n: (v.dtype, tuple(v.shape)) for n, v in getattr(t.model, "module", t.model).state_dict().items()}
+        save_hf(job.model, t.export(), plan["export"] if rank == 0 else None, specs=specs)
+    if rank == 0:
+        (out / f"record-{plan['name']}.json").write_text(json.dumps(record))
+
+
+def _dump_full(t: Any, path: Path, rank: int) -> None:
+    """Model weights and AdamW moments as full tensors keyed by name (a collective under FSDP/TP)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optim_state = get_state_dict(
+        t.model, t.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if rank == 0:
+        torch.save({"model": model_state, "optim": optim_state["state"], "sched": t.scheduler.state_dict()}, path)
+
+
+def run_layout(tmp: Path, world: int, name: str, *overrides: str, **plan: Any) -> dict[str, Any]:
+    """Run ``plan`` on ``world`` gloo processes; rank 0's record (loss per step)."""
+    import torch.multiprocessing as mp
+
+    out = tmp / "out"
+    out.mkdir(exist_ok=True)
+    plan = {"name": name, "tmp": str(tmp), "overrides": list(overrides), "steps": 6, **plan}
+    mp.start_processes(_worker, args=(world, _free_port(), plan, str(out)), nprocs=world, start_method="spawn")
+    return json.loads((out / f"record-{name}.json").read_text())
+
+
+def losses(record: dict[str, Any]) -> list[float]:
+    return [record["losses"][k] for k in sorted(record["losses"], key=int)]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
+    """The reference: one process, the whole global batch, 12 steps."""
+    tmp = tmp_path_factory.mktemp("single")
+    record = run_layout(tmp, 1, "single", steps=12)
+    return tmp, record
+
+
+# -- tests ---------------------------------------------------------------------------------------------
+
+
+def test_fsdp_and_ddp_follow_the_single_process_curve(single, tmp_path) -> None:
+    _, ref = single
+    ddp = run_layout(tmp_path, 2, "ddp", "parallel.data_parallel=ddp")
+    fsdp = run_layout(tmp_path, 2, "fsdp", "parallel.data_parallel=fsdp")
+    assert losses(ddp) == pytest.approx(losses(ref)[:6], rel=LOSS_RTOL)
+    assert losses(fsdp) == pytest.approx(losses(ddp), rel=LOSS_RTOL)
+    assert losses(ref)[5] < losses(ref)[0] - 0.3  # it trains
+
+
+def test_tensor_parallel_2_equals_tp_1(single, tmp_path) -> None:
+    _, ref = single
+    tp2 = run_layout(tmp_path, 2, "tp2", "parallel.data_parallel=fsdp", "parallel.tensor_parallel_size=2")
+    assert losses(tp2) == pytest.approx(losses(ref)[:6], rel=LOSS_RTOL)
+
+
+def test_dp2_x_tp2_on_4_workers_with_activation_checkpointing(single, tmp_path) -> None:
+    _, ref = single
+    run = run_layout(
+        tmp_path, 4, "dp2tp2", "parallel.data_parallel=fsdp", "parallel.tensor_parallel_size=2",
+        "parallel.activation_checkpointing=selective", "model.tie_word_embeddings=false",
+    )  # fmt: skip
+    assert losses(run) == pytest.approx(losses(ref)[:6], rel=LOSS_RTOL)
+
+
+def test_resharded_resume_fsdp4_ddp2_fsdp3(single, tmp_path) -> None:
+    """A checkpoint written by 4 fsdp workers loads bit-equal into 2 ddp workers, whose checkpoint loads
+    bit-equal into 3 fsdp workers; the losses stay on the uninterrupted single-process curve."""
+    _, ref = single
+    out = tmp_path / "out"
+    first = run_layout(
+        tmp_path, 4, "fsdp4", "parallel.data_parallel=fsdp", steps=4, save=str(tmp_path / "ck4")
+    )
+    second = run_layout(
+        tmp_path, 2, "ddp2", "parallel.data_parallel=ddp", steps=8, start=4,
+        load=str(tmp_path / "ck4"), save=str(tmp_path / "ck8"),
+    )  # fmt: skip
+    third = run_layout(
+        tmp_path, 3, "fsdp3", "parallel.data_parallel=fsdp", "parallel.activation_checkpointing=full",
+        steps=12, start=8, load=str(tmp_path / "ck8"),
+    )  # fmt: skip
+    for saved, loaded in (("fsdp4", "ddp2"), ("ddp2", "fsdp3")):
+        a = torch.load(out / f"saved-{saved}.pt", weights_only=False)
+        b = torch.load(out / f"loaded-{loaded}.pt", weights_only=False)
+        assert a["model"].keys() == b["model"].keys()
+        for name in a["model"]:
+            assert torch.equal(a["model"][name], b["model"][name]), (saved, loaded, name)
+        assert a["optim"].keys() == b["optim"].keys()
+        for name, moments in a["optim"].items():
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(moments[key], b["optim"][name][key]), (saved, loaded, name, key)
+        assert a["sched"] == b["sched"]
+    curve = losses(first) + losses(second) + losses(third)
+    assert curve == pytest.approx(losses(ref), rel=LOSS_RTOL)
+
+
+def test_async_save_writes_the_same_checkpoint_as_sync(tmp_path) -> None:
+    from raytrn.backends.cpu import CpuBackend
+    from raytrn.train import dcp
+    from raytrn.train.step import build_training
+
+    run_layout(tmp_path, 2, "sync", "parallel.data_parallel=fsdp", steps=2, save=str(tmp_path / "sync"))
+    run_layout(tmp_path, 2, "async", "parallel.data_parallel=fsdp", steps=2, save=str(tmp_path / "async"), **{"async": True})
+    job = tiny_job(tmp_path)
+    states = []
+    for name in ("sync", "async"):
+        t = build_training(job, CpuBackend(), world_size=1)
+        dcp.load(str(tmp_path / name), t.model, t.optimizer, t.scheduler, source="test")
+        states.append((t.model.state_dict(), t.optimizer.state_dict()))
+    (ma, oa), (mb, ob) = states
+    assert all(torch.equal(ma[k], mb[k]) for k in ma)
+    assert all(torch.equal(oa["state"][i][k], ob["state"][i][k]) for i in oa["state"] for k in oa["state"][i])
+
+
+def test_s3_round_trip_and_hf_export_from_shards(single, tmp_path, s3_bucket, s3_endpoint) -> None:
+    """2 tensor-parallel workers save to S3 (moto) and export HF safetensors gathered tensor by tensor; one
+    process loads the S3 checkpoint, and transformers loads the export: all equal to the 2-worker weights."""
+    from transformers import AutoModelForCausalLM
+
+    from raytrn.backends.cpu import CpuBackend
+    from raytrn.train import dcp
+    from raytrn.train.step import build_training
+
+    location = f"s3://{s3_bucket}/ckpt/run/dcp/step_00000002"
+    os.environ["AWS_ENDPOINT_URL"] = s3_endpoint  # the spawned workers inherit it (monkeypatch set it here)
+    export = tmp_path / "hf"
+    export.mkdir()
+    run_layout(
+        tmp_path, 2, "s3", "parallel.data_parallel=fsdp", "parallel.tensor_parallel_size=2",
+        steps=2, save=location, export=str(export),
+    )  # fmt: skip
+    job = tiny_job(tmp_path)
+    t = build_training(job, CpuBackend(), world_size=1)
+    dcp.load(location, t.model, t.optimizer, t.scheduler, source="test")
+    saved = torch.load(tmp_path / "out" / "saved-s3.pt", weights_only=False)["model"]
+    for name, value in t.model.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    hf = AutoModelForCausalLM.from_pretrained(export).eval()
+    ids = global_batch(99)[:2, :SEQ]
+    with torch.no_grad():
+        assert torch.equal(hf(input_ids=ids).logits, t.model.eval()(input_ids=ids).logits)
