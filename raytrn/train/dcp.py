@@ -238,6 +238,17 @@ def check_shapes(metadata: Any, model_state: dict[str, Any], *, location: str, s
             )
 
 
+def check_resumable(job: JobSpec, location: str) -> None:
+    """On the driver, before any worker starts: the checkpoint at ``location`` is complete and was written for
+    the job's model (shapes from a model built on the meta device: no memory, no init)."""
+    from raytrn.models import build_model
+
+    metadata = check_complete(location)
+    with torch.device("meta"):
+        model = build_model(job.model, seed=0, device="meta")
+    check_shapes(metadata, model.state_dict(), location=location, source=job.source)
+
+
 # -- retention -------------------------------------------------------------------------------------
 
 

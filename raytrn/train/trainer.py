@@ -43,6 +43,10 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
         )
     if latest:
         print(f"raytrn: resuming run '{job.run_name}' from step {start_step} ({latest})", flush=True)
+    if meta is not None and isinstance(meta.extra.get("dcp"), str):  # refused here, not on every worker
+        from raytrn.train.dcp import check_resumable
+
+        check_resumable(job, meta.extra["dcp"])
     # The learning-rate schedule is pinned by the run's first invocation; said once, here, when it moves or stays.
     schedule, note = resolve_schedule(job, meta.schedule if meta else None, start_step)
     if note:
@@ -286,9 +290,14 @@ def _local_trainer_class(base: type) -> type:
     return trainer_without_callbacks(base, LOCAL_SKIPPED_CALLBACKS)
 
 
+#: The S3 endpoint and region the driver uses reach the workers too (they write sharded checkpoints themselves).
+S3_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION")
+
+
 def _worker_runtime_env(job: JobSpec, backend: Backend) -> dict[str, Any]:
     """Environment variables the training worker processes start with: the allocator settings of
-    ``run.tune_malloc`` (glibc reads them at process start, so they cannot be set from the loop)."""
+    ``run.tune_malloc`` (glibc reads them at process start, so they cannot be set from the loop), and the
+    driver's S3 endpoint and region (:data:`S3_ENV`; credentials are never copied)."""
     from raytrn.backends.host_malloc import malloc_env, user_allocator_settings
 
     enabled = backend.tune_malloc if job.run.tune_malloc is None else job.run.tune_malloc
@@ -297,6 +306,7 @@ def _worker_runtime_env(job: JobSpec, backend: Backend) -> dict[str, Any]:
         log.info(
             "run.tune_malloc: keeping your allocator settings (%s)", ", ".join(user_allocator_settings(os.environ))
         )
+    env.update({k: os.environ[k] for k in S3_ENV if os.environ.get(k)})
     return {"env_vars": env} if env else {}
 
 

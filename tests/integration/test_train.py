@@ -74,6 +74,10 @@ def test_checkpoints_kept_and_complete(two_worker_run):
     assert kept == ["checkpoint_00000020", "checkpoint_00000030"]  # keep_last=2
     meta = json.loads((run_dir / "checkpoint_00000030" / "meta.json").read_text())
     assert meta["step"] == 30 and meta["tokens_seen"] == summary.tokens
+    # The state itself: sharded DCP checkpoints, as many kept as Ray keeps pointers, each with its metadata.
+    assert meta["dcp"] == str(run_dir / "dcp" / "step_00000030")
+    assert sorted(p.name for p in (run_dir / "dcp").iterdir()) == ["step_00000020", "step_00000030"]
+    assert all((run_dir / "dcp" / name / ".metadata").is_file() for name in ("step_00000020", "step_00000030"))
     assert summary.checkpoint == str(run_dir / "checkpoint_00000030")
 
 
@@ -100,7 +104,15 @@ def test_mlflow_run_has_params_and_metrics(two_worker_run):
         assert len(_metric_history(job, summary.mlflow_run_id, key)) == 6, key
 
 
-def test_resume_continues_at_saved_step_with_optimizer_state(two_worker_run, ray_session):
+def _dcp_state(location: str, tmp: Path) -> dict:
+    """A DCP checkpoint as one plain dict (torch's own converter)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(location, tmp / "state.pt")
+    return torch.load(tmp / "state.pt", map_location="cpu", weights_only=False)
+
+
+def test_resume_continues_at_saved_step_with_optimizer_state(two_worker_run, ray_session, tmp_path_factory):
     job, first = two_worker_run
     # Resumed with run.tune_malloc off: the new worker group starts with glibc's defaults (numerics unchanged).
     resumed_job = job.model_copy(update={"run": job.run.model_copy(update={"max_steps": 40, "tune_malloc": False})})
@@ -109,11 +121,12 @@ def test_resume_continues_at_saved_step_with_optimizer_state(two_worker_run, ray
     assert summary.mlflow_run_id == first.mlflow_run_id  # one MLflow run per job across invocations
     assert summary.tokens == 10 * 2 * 8 * 32
 
-    state = torch.load(Path(summary.checkpoint) / "state.pt", map_location="cpu", weights_only=False)
-    assert state["progress"]["step"] == 40
+    meta = json.loads((Path(summary.checkpoint) / "meta.json").read_text())
+    assert meta["step"] == 40
+    state = _dcp_state(meta["dcp"], tmp_path_factory.mktemp("dcp"))
     # AdamW counts its own steps: 40 means the state of the first 30 steps was restored, 10 would
     # mean it was re-initialised on resume.
-    adam_steps = {float(s["step"]) for s in state["optimizer"]["state"].values()}
+    adam_steps = {float(s["step"]) for s in state["optim"]["state"].values()}
     assert adam_steps == {40.0}
     assert state["scheduler"]["last_epoch"] == 40
 
@@ -129,11 +142,11 @@ def test_resume_continues_at_saved_step_with_optimizer_state(two_worker_run, ray
     assert [s for s, _ in lr] == steps
     for step, value in lr:
         assert abs(value - job.optim.lr * horizon_30.factor(step)) <= 1e-9, (step, value)
-    assert state["schedule"] == horizon_30.to_dict()
+    assert meta["schedule"] == horizon_30.to_dict()
     # The cost keeps running over the second invocation (checkpoint progress), never back to 0.
     cost = [v for _, v in _metric_history(job, summary.mlflow_run_id, "cost_usd")]
     assert len(cost) == 8 and all(b > a for a, b in zip(cost, cost[1:], strict=False)), cost
-    assert state["progress"]["cost_usd"] >= cost[-1] > 0
+    assert meta["cost_usd"] >= cost[-1] > 0
     # One start-up time per worker group start: the first invocation's step 1, the resumed one's step 31.
     starts = _metric_history(job, summary.mlflow_run_id, "time_to_first_step_s")
     assert [s for s, _ in starts] == [1, 31] and all(v > 0 for _, v in starts)
@@ -189,14 +202,41 @@ def test_checkpoints_on_s3_and_resume(ray_session, tiny_dataset, tmp_path, s3_bu
         o["Key"] for o in boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(Bucket=s3_bucket)["Contents"]
     }
     prefix = f"ckpt/{job.run_name}"
-    assert f"{prefix}/checkpoint_00000004/state.pt" in keys
     assert f"{prefix}/checkpoint_00000004/meta.json" in keys
+    assert f"{prefix}/dcp/step_00000004/.metadata" in keys  # every rank wrote its shards to S3 itself
+    assert f"{prefix}/dcp/step_00000004/__0_0.distcp" in keys
     assert f"{prefix}/raytrn-mlflow.json" in keys
 
     more = job.model_copy(update={"run": job.run.model_copy(update={"max_steps": 6})})
     second = run_training(more, live_progress=False)
     assert (second.start_step, second.final_step) == (4, 6)
     assert second.mlflow_run_id == first.mlflow_run_id
+
+
+def test_fsdp_tensor_parallel_run_resumes_as_ddp(ray_session, tiny_dataset, tmp_path):
+    """Under Ray: 2 workers as one tensor-parallel group (fsdp, TP 2, async checkpoints), then the same run
+    resumed by 2 DDP workers from the sharded checkpoint (a layout change; numerics are proven equal in
+    test_parallel.py)."""
+    job = _job(
+        tiny_dataset, tmp_path, "run.max_steps=10", "scaling.min_workers=2", "scaling.max_workers=2",
+        "parallel.data_parallel=fsdp", "parallel.tensor_parallel_size=2", "checkpoint.every_n_steps=5",
+        "checkpoint.async=true", "run.log_every=5",
+    )  # fmt: skip
+    first = run_training(job, live_progress=False)
+    assert first.final_step == 10
+    run_dir = Path(job.checkpoint.storage) / job.run_name
+    assert sorted(p.name for p in (run_dir / "dcp").iterdir()) == ["step_00000005", "step_00000010"]
+    ddp = job.model_copy(
+        update={
+            "run": job.run.model_copy(update={"max_steps": 15}),
+            "parallel": job.parallel.model_copy(update={"data_parallel": "ddp", "tensor_parallel_size": 1}),
+        }
+    )
+    second = run_training(ddp, live_progress=False)
+    assert (second.start_step, second.final_step) == (10, 15)
+    assert second.final_loss < first.first_loss
+    steps = [s for s, _ in _metric_history(job, second.mlflow_run_id, "loss")]
+    assert steps == [5, 10, 15]
 
 
 def _upload_dir(local: Path, bucket: str, prefix: str, endpoint: str) -> None:
