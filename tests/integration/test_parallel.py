@@ -187,9 +187,7 @@ def test_resharded_resume_fsdp4_ddp2_fsdp3(single, tmp_path) -> None:
     bit-equal into 3 fsdp workers; the losses stay on the uninterrupted single-process curve."""
     _, ref = single
     out = tmp_path / "out"
-    first = run_layout(
-        tmp_path, 4, "fsdp4", "parallel.data_parallel=fsdp", steps=4, save=str(tmp_path / "ck4")
-    )
+    first = run_layout(tmp_path, 4, "fsdp4", "parallel.data_parallel=fsdp", steps=4, save=str(tmp_path / "ck4"))
     second = run_layout(
         tmp_path, 2, "ddp2", "parallel.data_parallel=ddp", steps=8, start=4,
         load=str(tmp_path / "ck4"), save=str(tmp_path / "ck8"),
@@ -219,7 +217,9 @@ def test_async_save_writes_the_same_checkpoint_as_sync(tmp_path) -> None:
     from raytrn.train.step import build_training
 
     run_layout(tmp_path, 2, "sync", "parallel.data_parallel=fsdp", steps=2, save=str(tmp_path / "sync"))
-    run_layout(tmp_path, 2, "async", "parallel.data_parallel=fsdp", steps=2, save=str(tmp_path / "async"), **{"async": True})
+    run_layout(
+        tmp_path, 2, "async", "parallel.data_parallel=fsdp", steps=2, save=str(tmp_path / "async"), **{"async": True}
+    )
     job = tiny_job(tmp_path)
     states = []
     for name in ("sync", "async"):

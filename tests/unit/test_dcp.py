@@ -1,0 +1,145 @@
+"""Sharded checkpoints refused before training, the older state.pt format, retention; one process, no Ray."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from raytrn.backends.cpu import CpuBackend
+from raytrn.checkpoint import Progress
+from raytrn.config import load_job
+from raytrn.errors import CheckpointError, RaytrnError
+from raytrn.train import dcp
+from raytrn.train.checkpointing import DcpCheckpoints
+from raytrn.train.schedule import Schedule
+from raytrn.train.step import build_training, train_step
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def job(tmp: Path, *overrides: str) -> Any:
+    return load_job(
+        REPO / "jobs" / "tiny.yaml",
+        ["data.manifest=unused", "data.seq_len=16", "model.vocab_size=512", "scaling.min_workers=1",
+         "scaling.max_workers=1", f"checkpoint.storage={tmp}", "tracking.run_name=r", *overrides],
+        resolve=False,
+    )  # fmt: skip
+
+
+def trained(j: Any, steps: int = 2) -> Any:
+    t = build_training(j, CpuBackend(), world_size=1)
+    rows = torch.randint(0, 512, (steps * 16, 17), generator=torch.Generator().manual_seed(0))
+    batches = iter(rows.split(16))
+    for _ in range(steps):
+        train_step(t, batches, CpuBackend())
+    return t
+
+
+def saved(tmp: Path, *overrides: str) -> tuple[Any, str]:
+    j = job(tmp, *overrides)
+    t = trained(j)
+    location = dcp.step_location(j, 2)
+    dcp.save(dcp.training_state(t.model, t.optimizer, t.scheduler), location)
+    return j, location
+
+
+def test_missing_shard_is_refused_before_anything_loads(tmp_path: Path) -> None:
+    j, location = saved(tmp_path)
+    (Path(location) / "__0_0.distcp").unlink()
+    with pytest.raises(CheckpointError) as e:
+        dcp.check_resumable(j, location)
+    assert f"checkpoint {location} is incomplete (missing __0_0.distcp of 1 shard file(s))" in str(e.value)
+    assert "resume from an earlier checkpoint" in str(e.value)
+
+
+def test_truncated_shard_and_missing_metadata_are_refused(tmp_path: Path) -> None:
+    j, location = saved(tmp_path)
+    shard = Path(location) / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="truncated __0_0.distcp"):
+        dcp.check_resumable(j, location)
+    (Path(location) / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"no readable \.metadata .* the save that made this checkpoint did not"):
+        dcp.check_resumable(j, location)
+
+
+def test_another_model_names_the_first_mismatching_tensor(tmp_path: Path) -> None:
+    _, location = saved(tmp_path)
+    wider = job(tmp_path, "model.intermediate_size=256")
+    with pytest.raises(CheckpointError) as e:
+        dcp.check_resumable(wider, location)
+    assert (
+        "tensor 'model.layers.0.mlp.gate_proj.weight' has shape (384, 128) but the job's model has (256, 128)"
+        in str(e.value)
+    )
+    t = build_training(wider, CpuBackend(), world_size=1)  # the workers refuse it the same way
+    with pytest.raises(CheckpointError, match="model.layers.0.mlp.gate_proj.weight"):
+        dcp.load(location, t.model, t.optimizer, t.scheduler, source=wider.source)
+    deeper = job(tmp_path, "model.num_layers=3")
+    with pytest.raises(CheckpointError, match="has no tensor 'model.layers.2.self_attn.q_proj.weight'"):
+        dcp.check_resumable(deeper, location)
+
+
+def test_older_state_pt_resumes_into_ddp_and_is_refused_by_fsdp_with_how_to_convert(tmp_path: Path) -> None:
+    from raytrn.checkpoint import save_state
+
+    j = job(tmp_path)
+    t = trained(j)
+    old = tmp_path / "checkpoint_00000002"
+    progress = Progress(step=2, tokens_seen=64)
+    save_state(str(old), model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, progress=progress)
+    fresh = build_training(j, CpuBackend(), world_size=1)
+    assert fresh.checkpoints.load(str(old), fresh) == progress
+    assert all(
+        torch.equal(a, b) for a, b in zip(t.model.state_dict().values(), fresh.model.state_dict().values(), strict=True)
+    )
+    sharded = DcpCheckpoints(j, rank=0, plain_layout=False)  # what an fsdp / TP worker has
+    with pytest.raises(CheckpointError) as e:
+        sharded.load(str(old), fresh)
+    assert "single-file state.pt of an older raytrn" in str(e.value)
+    assert "parallel.data_parallel: ddp and parallel.tensor_parallel_size: 1" in str(e.value)
+
+
+def test_save_points_ray_at_the_shards_and_keeps_the_newest(tmp_path: Path) -> None:
+    j = job(tmp_path, "checkpoint.keep_last=2")
+    t = trained(j, steps=1)
+    for step in (1, 2, 3, 4):
+        [record] = t.checkpoints.save(t, Progress(step=step), Schedule.from_job(j), {"step": step}, final=False)
+        assert record.step == step
+    assert dcp.checkpoint_steps(dcp.dcp_root(j)) == [3, 4]
+    ray_dir = tmp_path / "ray"
+    ray_dir.mkdir()
+    assert record.write is not None
+    record.write(str(ray_dir))
+    meta = json.loads((ray_dir / "meta.json").read_text())
+    assert meta["step"] == 4 and meta["dcp"] == dcp.step_location(j, 4)
+    (Path(dcp.dcp_root(j)) / "notes").mkdir()  # not raytrn's: never touched
+    assert dcp.prune(dcp.dcp_root(j), 1, upto=4) == [3]
+    assert sorted(p.name for p in Path(dcp.dcp_root(j)).iterdir()) == ["notes", "step_00000004"]
+
+
+def test_async_checkpoint_is_recorded_once_written(tmp_path: Path) -> None:
+    """checkpoint.async: a save returns the previous checkpoint (now complete); the final save is synchronous."""
+    j = job(tmp_path, "checkpoint.async=true", "checkpoint.keep_last=null")
+    t = trained(j, steps=1)
+    sched = Schedule.from_job(j)
+    assert t.checkpoints.save(t, Progress(step=1), sched, {}, final=False) == []
+    [first] = t.checkpoints.save(t, Progress(step=2), sched, {}, final=False)
+    assert first.step == 1 and (Path(dcp.step_location(j, 1)) / ".metadata").is_file()
+    done = t.checkpoints.save(t, Progress(step=3), sched, {}, final=True)
+    assert [r.step for r in done] == [2, 3]
+    assert dcp.checkpoint_steps(dcp.dcp_root(j)) == [1, 2, 3]
+
+
+def test_remote_deletes_stay_inside_their_root() -> None:
+    from raytrn.storage import remove_tree
+
+    for uri in ("s3://bucket/run/other/step_00000001", "s3://bucket/run/dcp/../x", "s3://bucket/run/dcp"):
+        with pytest.raises(RaytrnError, match="not strictly inside"):
+            remove_tree(uri, "s3://bucket/run/dcp")
