@@ -1,7 +1,8 @@
-"""Checkpoint to S3: raytrn's save (``save_state`` into a local directory, then the copy Ray Train makes to
-``checkpoint.storage`` through raytrn's S3 filesystem) vs a raw boto3 ``put_object`` of the same bytes,
-and the way back (raytrn: copy down + ``load_state``; boto3: ``get_object``). A moto server on
-127.0.0.1 stands in for S3, started and stopped by PID here. Alternated, MB/s.
+"""Checkpoint to S3: raytrn's save (a DCP checkpoint written straight to ``s3://`` through pyarrow's S3
+filesystem, :mod:`raytrn.train.dcp`) vs a raw boto3 ``put_object`` of the same files, and the way back
+(raytrn: ``dcp.load`` into the model and optimizer; boto3: ``get_object``); and ``checkpoint.async``: how
+long the step is blocked (staging to host memory) against the whole save. A moto server on 127.0.0.1 stands
+in for S3, started and stopped by PID here. Alternated, MB/s.
 """
 
 from __future__ import annotations
@@ -46,63 +47,58 @@ def _training_state(fields: dict[str, Any]) -> tuple[Any, Any, Any]:
     return model, opt, sched
 
 
-def _copy(src: str, dst: str, src_fs: Any, dst_fs: Any) -> None:
-    """The copy Ray Train makes when it persists (or restores) a checkpoint directory."""
-    from raytrn.compat import pyarrow_fs_copy_files
-
-    pyarrow_fs_copy_files(src, dst, source_filesystem=src_fs, destination_filesystem=dst_fs)
-
-
 def child_main(args: argparse.Namespace) -> None:
     import boto3
-    import pyarrow.fs as pafs
 
-    from raytrn import storage
-    from raytrn.checkpoint import STATE_FILE, Progress, load_state, save_state
+    from raytrn.train import dcp
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
     os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
     results: dict[str, Any] = {}
+    keys = ("save_s", "boto3_put_s", "restore_s", "boto3_get_s", "async_blocked_s", "async_total_s")
     with tempfile.TemporaryDirectory(prefix="raytrn-bench-ckpt-") as tmp, moto_server(tmp) as endpoint:
         os.environ["AWS_ENDPOINT_URL"] = endpoint  # raytrn.storage honours it (pyarrow itself does not)
         s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
         s3.create_bucket(Bucket="bench")
-        local = pafs.LocalFileSystem()
         for name in args.models.split(","):
             model, opt, sched = _training_state(MODELS[name])
-            rows: dict[str, list[float]] = {k: [] for k in ("save_s", "upload_s", "boto3_put_s", "restore_s",
-                                                            "boto3_get_s")}  # fmt: skip
+            rows: dict[str, list[float]] = {k: [] for k in keys}
             size = 0
             for i in range(args.repeats):
-                # raytrn: serialize into a local directory, then Ray's copy to s3:// through raytrn's filesystem
-                d = os.path.join(tmp, f"{name}-{i}")
+                state = dcp.training_state(model, opt, sched)
+                # raytrn: DCP straight to S3 (one file per rank; one rank here)
+                location = f"s3://bench/raytrn/{name}/step_{i:08d}"
                 t0 = time.perf_counter()
-                save_state(d, model=model, optimizer=opt, scheduler=sched, progress=Progress(step=i))
+                dcp.save(state, location)
                 t1 = time.perf_counter()
-                fs, path = storage.filesystem(f"s3://bench/raytrn/{name}/checkpoint_{i:08d}")
-                _copy(d, path, local, fs)
+                # boto3: the same files (written locally first, untimed), one put_object each
+                local = os.path.join(tmp, f"{name}-{i}")
+                dcp.save(state, local)
+                files = {}
+                for f in sorted(os.listdir(local)):
+                    with open(os.path.join(local, f), "rb") as fh:
+                        files[f] = fh.read()
+                size = sum(len(b) for b in files.values())
                 t2 = time.perf_counter()
-                size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
-                # boto3: the same bytes, one put_object
-                with open(os.path.join(d, STATE_FILE), "rb") as f:
-                    body = f.read()
+                for f, body in files.items():
+                    s3.put_object(Bucket="bench", Key=f"raw/{name}/{i}/{f}", Body=body)
                 t3 = time.perf_counter()
-                s3.put_object(Bucket="bench", Key=f"raw/{name}/{i}/{STATE_FILE}", Body=body)
+                dcp.load(location, model, opt, sched, source="bench")
                 t4 = time.perf_counter()
-                # and back: raytrn copies the directory down and loads it; boto3 reads the bytes
-                back = os.path.join(tmp, f"{name}-{i}-restored")
+                for f in files:
+                    s3.get_object(Bucket="bench", Key=f"raw/{name}/{i}/{f}")["Body"].read()
                 t5 = time.perf_counter()
-                os.makedirs(back)
-                _copy(path, back, fs, local)
-                load_state(back, model=model, optimizer=opt, scheduler=sched)
+                # checkpoint.async: the step waits for the staging only
+                state = dcp.training_state(model, opt, sched)
                 t6 = time.perf_counter()
-                s3.get_object(Bucket="bench", Key=f"raw/{name}/{i}/{STATE_FILE}")["Body"].read()
+                future = dcp.async_save(state, f"s3://bench/raytrn-async/{name}/step_{i:08d}", process_group=None)
                 t7 = time.perf_counter()
-                for k, v in zip(rows, (t1 - t0, t2 - t1, t4 - t3, t6 - t5, t7 - t6), strict=True):
+                future.result()
+                t8 = time.perf_counter()
+                for k, v in zip(keys, (t1 - t0, t3 - t2, t4 - t3, t5 - t4, t7 - t6, t8 - t6), strict=True):
                     rows[k].append(v)
-                shutil.rmtree(d)
-                shutil.rmtree(back)
+                shutil.rmtree(local)
             results[name] = {"bytes": size, **rows}
     emit({"models": results})
 
@@ -111,9 +107,9 @@ def run(*, models: tuple[str, ...], repeats: int) -> dict[str, Any]:
     try:
         import boto3  # noqa: F401
 
-        from raytrn.checkpoint import save_state  # noqa: F401
+        from raytrn.train import dcp  # noqa: F401
     except ImportError as e:
-        raise Skip(f"checkpoint benchmark needs boto3 and raytrn.checkpoint ({e})") from None
+        raise Skip(f"checkpoint benchmark needs boto3 and raytrn.train.dcp ({e})") from None
     r = run_child("checkpoint", ["--models", ",".join(models), "--repeats", str(repeats)], threads=1, timeout_s=400)
     out: dict[str, Any] = {}
     for name, m in r["models"].items():
@@ -123,16 +119,17 @@ def run(*, models: tuple[str, ...], repeats: int) -> dict[str, Any]:
             t = mean(m[key])
             return mb / t if t else None
 
-        save_total = [a + b for a, b in zip(m["save_s"], m["upload_s"], strict=True)]
         out[name] = {
             "mb": mb,
-            "raytrn_save_mb_per_s": mb / mean(save_total) if save_total else None,  # serialize + upload
-            "raytrn_upload_mb_per_s": rate("upload_s"),
+            "raytrn_save_mb_per_s": rate("save_s"),  # serialize + upload
             "boto3_put_mb_per_s": rate("boto3_put_s"),
-            "raytrn_restore_mb_per_s": rate("restore_s"),  # download + torch.load into the model
+            "raytrn_restore_mb_per_s": rate("restore_s"),  # download + load into model and optimizer
             "boto3_get_mb_per_s": rate("boto3_get_s"),
-            "upload_over_boto3": mean([b / a for a, b in zip(m["upload_s"], m["boto3_put_s"], strict=True)]),
-            "save_over_boto3": mean([b / a for a, b in zip(save_total, m["boto3_put_s"], strict=True)]),
+            "save_over_boto3": mean([b / a for a, b in zip(m["save_s"], m["boto3_put_s"], strict=True)]),
+            "restore_over_boto3": mean([b / a for a, b in zip(m["restore_s"], m["boto3_get_s"], strict=True)]),
+            "async_blocked_fraction": mean(
+                [a / b for a, b in zip(m["async_blocked_s"], m["async_total_s"], strict=True)]
+            ),
             "raw_seconds": m,
         }
     return out

@@ -152,11 +152,18 @@ def render(report: dict[str, Any]) -> str:
     for name, v in ck.items():
         if not isinstance(v, dict) or "mb" not in v:
             continue
+        save, restore, blocked = v.get("save_over_boto3"), v.get("restore_over_boto3"), v.get("async_blocked_fraction")
+        goal = []
+        if v["mb"] >= 100 and save is not None:
+            goal.append(f"save >= 0.8 of raw {'met' if save >= 0.8 else '**not met**'}")
+        if blocked is not None:
+            goal.append(f"async blocked < 10% {'met' if blocked < 0.1 else '**not met**'}")
         lines.append(
-            f"| checkpoint to S3 (moto), {name} model, {v['mb']:.0f} MB | raytrn save "
-            f"{_num(v.get('raytrn_save_mb_per_s'), ',.0f')} MB/s (upload alone {_num(v.get('raytrn_upload_mb_per_s'), ',.0f')})"
-            f" vs boto3 put {_num(v.get('boto3_put_mb_per_s'), ',.0f')} MB/s; restore "
-            f"{_num(v.get('raytrn_restore_mb_per_s'), ',.0f')} vs get {_num(v.get('boto3_get_mb_per_s'), ',.0f')} MB/s | |"
+            f"| checkpoint to S3 (moto), sharded (DCP), {name} model, {v['mb']:.0f} MB | save "
+            f"{_num(v.get('raytrn_save_mb_per_s'), ',.0f')} MB/s vs boto3 put {_num(v.get('boto3_put_mb_per_s'), ',.0f')}"
+            f" ({_num(save, '.2f')}x); restore {_num(v.get('raytrn_restore_mb_per_s'), ',.0f')} vs get "
+            f"{_num(v.get('boto3_get_mb_per_s'), ',.0f')} ({_num(restore, '.2f')}x); `checkpoint.async` blocks the step "
+            f"{_pct(blocked)} of the save | {'; '.join(goal)} |"
         )
     rec = res.get("recovery", {})
     row = _status_row("recovery", rec)

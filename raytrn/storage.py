@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Any
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
@@ -100,3 +101,18 @@ def remove_tree(uri: str, root: str) -> None:
         raise RaytrnError(f"refusing to delete {uri}: not strictly inside {root}")
     if fs.get_file_info(path).type != pafs.FileType.NotFound:
         fs.delete_dir(path)
+
+
+def s3_upload(path: str, data: Any) -> None:
+    """Upload ``data`` (bytes-like) to ``bucket/key`` with boto3's managed transfer (multipart, parts in
+    parallel). Measured against pyarrow's S3 output stream for sharded checkpoints: 2-2.7x faster for 136 MB
+    (docs/performance.md). boto3 reads the same ``AWS_ENDPOINT_URL[_S3]`` and region settings as
+    :func:`s3_filesystem`."""
+    import io
+
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+
+    bucket, _, key = path.partition("/")
+    config = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=16 << 20, max_concurrency=8)
+    boto3.client("s3").upload_fileobj(io.BytesIO(data), bucket, key, Config=config)

@@ -6,12 +6,14 @@ records every tensor's global shape and which piece each file holds, so a checkp
 one layout (DDP, FSDP, tensor parallel) loads into M workers in another: each rank reads the pieces its new
 shards need. Ray Train records a small directory per checkpoint whose ``meta.json`` points here.
 
-S3 goes through pyarrow's S3 filesystem (the one raytrn already uses for data and Ray uses for its
-storage), as a DCP ``FileSystemBase``: see ``docs/performance.md`` for the measurement behind the choice.
+S3 goes through a DCP ``FileSystemBase`` of raytrn's own: listing, metadata and reads through pyarrow's S3
+filesystem (as raytrn's data and Ray's storage), each file built in memory and uploaded with boto3's managed
+transfer. Why, measured: ``docs/performance.md``.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
@@ -59,11 +61,25 @@ class ArrowFileSystem(FileSystemBase):
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
         path = os.fspath(path)
         if "w" in mode:
-            with self.fs.open_output_stream(path) as stream:
-                yield stream
-        else:
-            with self.fs.open_input_file(path) as stream:
-                yield stream
+            # Writing: DCP writes each item with torch.save in many small pieces; into memory first, then one
+            # upload (S3: boto3's managed transfer, see storage.s3_upload). Nothing is left half-written on
+            # S3: an object exists once its upload completed.
+            buffer = _Buffer()
+            yield buffer
+            if isinstance(self.fs, pafs.S3FileSystem):
+                storage.s3_upload(path, buffer.getbuffer())
+            else:
+                with self.fs.open_output_stream(path) as stream:
+                    stream.write(buffer.getbuffer())
+            io.BytesIO.close(buffer)
+            return
+        # Reading: the whole file in one request. DCP then reads each stored item through torch.load in many
+        # small reads, each of which would be a ranged request (measured on the moto server, 136 MB: 23 s that
+        # way, about 1 s like this). A rank reads the files holding the pieces it needs: its own after a
+        # restart at the same layout, one or two per tensor after a resize. (open_input_file, not
+        # open_input_stream: pyarrow 25's stream read() of a whole S3 object took 62 s for the same bytes.)
+        with self.fs.open_input_file(path) as stream:
+            yield io.BytesIO(stream.read())
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
         return f"{os.fspath(path).rstrip('/')}/{suffix}"
@@ -89,6 +105,13 @@ class ArrowFileSystem(FileSystemBase):
 
     def ls(self, path: str | os.PathLike[str]) -> list[str]:
         return [i.path for i in self.fs.get_file_info(pafs.FileSelector(os.fspath(path)))]
+
+
+class _Buffer(io.BytesIO):
+    """Kept open when DCP closes it: its bytes are uploaded afterwards."""
+
+    def close(self) -> None:
+        pass
 
 
 class _ArrowWriter(FileSystemWriter):
