@@ -165,6 +165,22 @@ def render(report: dict[str, Any]) -> str:
             f"{_num(v.get('boto3_get_mb_per_s'), ',.0f')} ({_num(restore, '.2f')}x); `checkpoint.async` blocks the step "
             f"{_pct(blocked)} of the save | {'; '.join(goal)} |"
         )
+    par = res.get("parallel", {})
+    row = _status_row("parallel", par)
+    if row:
+        lines.append(row)
+    if "fsdp_over_ddp" in par:
+        ratio = par["fsdp_over_ddp"]
+        lines.append(
+            f"| memory per worker (parameters + gradients + AdamW state), 4 CPU workers, 136 MB state: fsdp vs ddp | "
+            f"{_num(par['memory_fsdp_mb'], ',.1f')} vs {_num(par['memory_ddp_mb'], ',.1f')} MB ({ratio:.3f}x) | "
+            f"<= 0.275x {'met' if ratio <= 0.275 else '**not met**'} |"
+        )
+        lines.append(
+            f"| throughput, 2 CPU workers (gloo, no Ray) vs a bare 1-process loop ({_num(par['bare_tokens_per_s'])} "
+            f"tokens/s) | ddp {_num(par['ddp_2_tokens_per_s'])} ({par['ddp_over_bare']:.2f}x), fsdp "
+            f"{_num(par['fsdp_2_tokens_per_s'])} ({par['fsdp_over_bare']:.2f}x) | 2 cores: ceiling 2x |"
+        )
     rec = res.get("recovery", {})
     row = _status_row("recovery", rec)
     if row:

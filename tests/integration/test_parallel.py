@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from raytrn.backends.cpu import CpuBackend
 from raytrn.config import load_job
 
 pytestmark = pytest.mark.integration
@@ -81,13 +82,14 @@ def _worker(rank: int, world: int, port: int, plan: dict[str, Any], out: str) ->
 
 
 def _run_plan(rank: int, world: int, plan: dict[str, Any], out: Path) -> None:
-    from raytrn.backends.cpu import CpuBackend
     from raytrn.train.sizes import data_parallel_size
     from raytrn.train.step import build_training, read_metrics, train_step
 
     job = tiny_job(Path(plan["tmp"]), *plan["overrides"])
-    backend = CpuBackend()
+    backend = _Bf16Cpu() if plan.get("bf16") else CpuBackend()
     t = build_training(job, backend, world_size=world, rank=rank)
+    seen: list[str] = []
+    t.model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(str(o.dtype)))
     tp = job.parallel.tensor_parallel_size
     dp, dp_rank = data_parallel_size(job, world), rank // tp
     record: dict[str, Any] = {"losses": {}}
@@ -117,8 +119,18 @@ def _run_plan(rank: int, world: int, plan: dict[str, Any], out: Path) -> None:
 
         specs = {n: (v.dtype, tuple(v.shape)) for n, v in getattr(t.model, "module", t.model).state_dict().items()}
         save_hf(job.model, t.export(), plan["export"] if rank == 0 else None, specs=specs)
+    record["compute_dtypes"] = sorted(set(seen))
+    record["param_dtypes"] = sorted({str(p.dtype) for p in t.model.parameters()})
+    record["autocast"] = str(t.autocast_dtype)
     if rank == 0:
         (out / f"record-{plan['name']}.json").write_text(json.dumps(record))
+
+
+class _Bf16Cpu(CpuBackend):
+    """The cuda backend's mixed precision (model.autocast: bfloat16) on gloo/CPU."""
+
+    def autocast_dtype(self, job: Any) -> torch.dtype | None:
+        return torch.bfloat16
 
 
 def _dump_full(t: Any, path: Path, rank: int) -> None:
@@ -182,6 +194,17 @@ def test_dp2_x_tp2_on_4_workers_with_activation_checkpointing(single, tmp_path) 
     assert losses(run) == pytest.approx(losses(ref)[:6], rel=LOSS_RTOL)
 
 
+def test_fsdp_mixed_precision_computes_in_bf16_and_keeps_fp32_weights(single, tmp_path) -> None:
+    """model.autocast: bfloat16 under fsdp is FSDP's MixedPrecisionPolicy (bf16 compute, fp32 reduce), not
+    torch.autocast; the parameters (and AdamW state) stay float32."""
+    _, ref = single
+    run = run_layout(tmp_path, 2, "bf16", "parallel.data_parallel=fsdp", bf16=True)
+    assert run["compute_dtypes"] == ["torch.bfloat16"] and run["param_dtypes"] == ["torch.float32"]
+    assert run["autocast"] == "None"  # the policy casts; no autocast region on top
+    assert losses(run) == pytest.approx(losses(ref)[:6], rel=2e-2)  # bf16 rounding, same trajectory
+    assert losses(run) != pytest.approx(losses(ref)[:6], rel=1e-6)  # and it did compute in bf16
+
+
 def test_resharded_resume_fsdp4_ddp2_fsdp3(single, tmp_path) -> None:
     """A checkpoint written by 4 fsdp workers loads bit-equal into 2 ddp workers, whose checkpoint loads
     bit-equal into 3 fsdp workers; the losses stay on the uninterrupted single-process curve."""
@@ -212,7 +235,6 @@ def test_resharded_resume_fsdp4_ddp2_fsdp3(single, tmp_path) -> None:
 
 
 def test_async_save_writes_the_same_checkpoint_as_sync(tmp_path) -> None:
-    from raytrn.backends.cpu import CpuBackend
     from raytrn.train import dcp
     from raytrn.train.step import build_training
 
@@ -236,7 +258,6 @@ def test_s3_round_trip_and_hf_export_from_shards(single, tmp_path, s3_bucket, s3
     process loads the S3 checkpoint, and transformers loads the export: all equal to the 2-worker weights."""
     from transformers import AutoModelForCausalLM
 
-    from raytrn.backends.cpu import CpuBackend
     from raytrn.train import dcp
     from raytrn.train.step import build_training
 
