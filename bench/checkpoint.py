@@ -1,6 +1,7 @@
 """Checkpoint to S3: raytrn's save (a DCP checkpoint written straight to ``s3://`` through pyarrow's S3
-filesystem, :mod:`raytrn.train.dcp`) vs a raw boto3 ``put_object`` of the same files, and the way back
-(raytrn: ``dcp.load`` into the model and optimizer; boto3: ``get_object``); and ``checkpoint.async``: how
+filesystem, :mod:`raytrn.train.dcp`) vs a raw boto3 multipart upload (``upload_fileobj``, boto3's managed
+transfer with its defaults) of the same files, and the way back (raytrn: ``dcp.load`` into the model and
+optimizer; boto3: ``download_fileobj``); and ``checkpoint.async``: how
 long the step is blocked (staging to host memory) against the whole save. A moto server on 127.0.0.1 stands
 in for S3, started and stopped by PID here. Alternated, MB/s.
 """
@@ -8,6 +9,7 @@ in for S3, started and stopped by PID here. Alternated, MB/s.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import shutil
 import tempfile
@@ -72,7 +74,7 @@ def child_main(args: argparse.Namespace) -> None:
                 t0 = time.perf_counter()
                 dcp.save(state, location)
                 t1 = time.perf_counter()
-                # boto3: the same files (written locally first, untimed), one put_object each
+                # boto3: the same files (written locally first, untimed), one managed (multipart) upload each
                 local = os.path.join(tmp, f"{name}-{i}")
                 dcp.save(state, local)
                 files = {}
@@ -82,12 +84,12 @@ def child_main(args: argparse.Namespace) -> None:
                 size = sum(len(b) for b in files.values())
                 t2 = time.perf_counter()
                 for f, body in files.items():
-                    s3.put_object(Bucket="bench", Key=f"raw/{name}/{i}/{f}", Body=body)
+                    s3.upload_fileobj(io.BytesIO(body), "bench", f"raw/{name}/{i}/{f}")
                 t3 = time.perf_counter()
                 dcp.load(location, model, opt, sched, source="bench")
                 t4 = time.perf_counter()
                 for f in files:
-                    s3.get_object(Bucket="bench", Key=f"raw/{name}/{i}/{f}")["Body"].read()
+                    s3.download_fileobj("bench", f"raw/{name}/{i}/{f}", io.BytesIO())
                 t5 = time.perf_counter()
                 # checkpoint.async: the step waits for the staging only
                 state = dcp.training_state(model, opt, sched)

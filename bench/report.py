@@ -160,8 +160,8 @@ def render(report: dict[str, Any]) -> str:
             goal.append(f"async blocked < 10% {'met' if blocked < 0.1 else '**not met**'}")
         lines.append(
             f"| checkpoint to S3 (moto), sharded (DCP), {name} model, {v['mb']:.0f} MB | save "
-            f"{_num(v.get('raytrn_save_mb_per_s'), ',.0f')} MB/s vs boto3 put {_num(v.get('boto3_put_mb_per_s'), ',.0f')}"
-            f" ({_num(save, '.2f')}x); restore {_num(v.get('raytrn_restore_mb_per_s'), ',.0f')} vs get "
+            f"{_num(v.get('raytrn_save_mb_per_s'), ',.0f')} MB/s vs boto3 multipart upload {_num(v.get('boto3_put_mb_per_s'), ',.0f')}"
+            f" ({_num(save, '.2f')}x); restore {_num(v.get('raytrn_restore_mb_per_s'), ',.0f')} vs download "
             f"{_num(v.get('boto3_get_mb_per_s'), ',.0f')} ({_num(restore, '.2f')}x); `checkpoint.async` blocks the step "
             f"{_pct(blocked)} of the save | {'; '.join(goal)} |"
         )

@@ -7,8 +7,8 @@ one layout (DDP, FSDP, tensor parallel) loads into M workers in another: each ra
 shards need. Ray Train records a small directory per checkpoint whose ``meta.json`` points here.
 
 S3 goes through a DCP ``FileSystemBase`` of raytrn's own: listing, metadata and reads through pyarrow's S3
-filesystem (as raytrn's data and Ray's storage), each file built in memory and uploaded with boto3's managed
-transfer. Why, measured: ``docs/performance.md``.
+filesystem (as raytrn's data and Ray's storage), writes as boto3 multipart uploads whose parts go up while DCP
+is still serializing (:class:`raytrn.storage.S3Upload`). Why, measured: ``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -61,17 +61,19 @@ class ArrowFileSystem(FileSystemBase):
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
         path = os.fspath(path)
         if "w" in mode:
-            # Writing: DCP writes each item with torch.save in many small pieces; into memory first, then one
-            # upload (S3: boto3's managed transfer, see storage.s3_upload). Nothing is left half-written on
-            # S3: an object exists once its upload completed.
-            buffer = _Buffer()
-            yield buffer
             if isinstance(self.fs, pafs.S3FileSystem):
-                storage.s3_upload(path, buffer.getbuffer())
+                # DCP serializes item by item into the stream; parts go up in background threads meanwhile
+                # (storage.S3Upload: boto3's multipart upload; nothing is left behind on an error).
+                upload = storage.S3Upload(path)
+                try:
+                    yield upload
+                except BaseException:
+                    upload.abort()
+                    raise
+                upload.finish()
             else:
                 with self.fs.open_output_stream(path) as stream:
-                    stream.write(buffer.getbuffer())
-            io.BytesIO.close(buffer)
+                    yield stream
             return
         # Reading: the whole file in one request. DCP then reads each stored item through torch.load in many
         # small reads, each of which would be a ranged request (measured on the moto server, 136 MB: 23 s that
@@ -105,13 +107,6 @@ class ArrowFileSystem(FileSystemBase):
 
     def ls(self, path: str | os.PathLike[str]) -> list[str]:
         return [i.path for i in self.fs.get_file_info(pafs.FileSelector(os.fspath(path)))]
-
-
-class _Buffer(io.BytesIO):
-    """Kept open when DCP closes it: its bytes are uploaded afterwards."""
-
-    def close(self) -> None:
-        pass
 
 
 class _ArrowWriter(FileSystemWriter):

@@ -89,7 +89,8 @@ def _run_plan(rank: int, world: int, plan: dict[str, Any], out: Path) -> None:
     backend = _Bf16Cpu() if plan.get("bf16") else CpuBackend()
     t = build_training(job, backend, world_size=world, rank=rank)
     seen: list[str] = []
-    t.model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(str(o.dtype)))
+    inner = getattr(t.model, "module", t.model)  # DDP wraps
+    inner.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(str(o.dtype)))
     tp = job.parallel.tensor_parallel_size
     dp, dp_rank = data_parallel_size(job, world), rank // tp
     record: dict[str, Any] = {"losses": {}}
@@ -279,3 +280,30 @@ def test_s3_round_trip_and_hf_export_from_shards(single, tmp_path, s3_bucket, s3
     ids = global_batch(99)[:2, :SEQ]
     with torch.no_grad():
         assert torch.equal(hf(input_ids=ids).logits, t.model.eval()(input_ids=ids).logits)
+
+
+def test_s3_upload_streams_parts_and_leaves_nothing_on_error(s3_bucket, s3_endpoint) -> None:
+    """raytrn.storage.S3Upload (how DCP files reach S3): parts go up while writing; small objects are one put;
+    an aborted upload leaves neither an object nor a pending multipart upload."""
+    import boto3
+
+    from raytrn.storage import S3Upload
+
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    data = os.urandom(12 << 20)
+    up = S3Upload(f"{s3_bucket}/big", part_size=5 << 20)
+    for i in range(0, len(data), 1 << 20):  # written in 1 MB pieces, as torch.save writes
+        up.write(data[i : i + (1 << 20)])
+    assert up.tell() == len(data)
+    up.close()
+    up.close()  # idempotent
+    assert s3.get_object(Bucket=s3_bucket, Key="big")["Body"].read() == data
+    small = S3Upload(f"{s3_bucket}/small")
+    small.write(b"abc")
+    small.finish()
+    assert s3.get_object(Bucket=s3_bucket, Key="small")["Body"].read() == b"abc"
+    broken = S3Upload(f"{s3_bucket}/broken", part_size=5 << 20)
+    broken.write(data)
+    broken.abort()
+    assert "Contents" not in s3.list_objects_v2(Bucket=s3_bucket, Prefix="broken")
+    assert not s3.list_multipart_uploads(Bucket=s3_bucket).get("Uploads")
