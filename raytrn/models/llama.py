@@ -125,7 +125,7 @@ def save_hf(
         return
     config = hf_config(cfg)
     dtypes = {dtype for dtype, _ in specs.values()}
-    config.torch_dtype = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
+    config.dtype = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(out_dir)
 
