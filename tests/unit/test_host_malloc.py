@@ -13,7 +13,7 @@ import pytest
 from raytrn.backends import get_backend
 from raytrn.backends.host_malloc import TUNED, describe, malloc_env, user_allocator_settings
 from raytrn.config import load_job
-from raytrn.train.trainer import _worker_runtime_env
+from raytrn.train.trainer import S3_ENV, _worker_runtime_env
 
 pytestmark = pytest.mark.unit
 TINY = Path(__file__).resolve().parents[2] / "jobs" / "tiny.yaml"
@@ -57,12 +57,26 @@ def test_worker_runtime_env_follows_backend_default_and_job(
 ) -> None:
     for key in [k for k in os.environ if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "LD_PRELOAD")]:
         monkeypatch.delenv(key)
+    for key in S3_ENV:  # tested on its own below
+        monkeypatch.delenv(key, raising=False)
     sets = [f"scaling.accelerator={accelerator}"] + ([] if override is None else [f"run.tune_malloc={override}"])
     job = load_job(TINY, sets)
     env = _worker_runtime_env(job, get_backend(accelerator))
     assert env == ({"env_vars": TUNED} if tuned else {})
     monkeypatch.setenv("MALLOC_ARENA_MAX", "8")  # the user's own setting: nothing added on top
     assert _worker_runtime_env(job, get_backend(accelerator)) == {}
+
+
+def test_workers_get_the_drivers_s3_endpoint_and_region_never_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers write sharded checkpoints to S3 themselves: the driver's endpoint and region go with them."""
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")  # no allocator settings in the way
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    env = _worker_runtime_env(load_job(TINY, []), get_backend("cpu"))
+    assert env == {"env_vars": {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_REGION": "eu-west-1"}}
 
 
 _FAULTS = textwrap.dedent(
