@@ -78,19 +78,19 @@ def test_dynamic_shape_is_caught() -> None:
 
 def test_lazy_tensor_read_inside_the_step_is_caught(monkeypatch) -> None:
     """A debug print of the grad norm before the optimizer step, every 5 steps: the graph is cut there."""
-    import raytrn.train.step as step_mod
+    import raytrn.train.parallelize as parallelize_mod
 
-    original = step_mod._clip
+    original = parallelize_mod.grad_norm_and_clip  # what the backend's clip_and_step calls (bound at build)
     calls = {"n": 0}
 
-    def clip_and_peek(model, max_norm):
-        norm = original(model, max_norm)
+    def clip_and_peek(params, max_norm):
+        norm = original(params, max_norm)
         calls["n"] += 1
         if calls["n"] % 5 == 0:
             print(f"grad norm {norm.item():.3f}")  # host-device sync in the middle of the step
         return norm
 
-    monkeypatch.setattr(step_mod, "_clip", clip_and_peek)
+    monkeypatch.setattr(parallelize_mod, "grad_norm_and_clip", clip_and_peek)
     report = precheck(_job("run.log_every=100", seq_len=72), steps=9, warmup_steps=3)
     assert not report.ok
     assert [r.step for r in report.late_compiles] == [5]
