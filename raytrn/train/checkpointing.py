@@ -90,8 +90,9 @@ class DcpCheckpoints(Checkpoints):
             self._pending = (dcp.async_save(state, location, process_group=self._group), saved)
             return ready
         dcp.save(state, location)
-        self._prune(progress.step)
-        return [*ready, saved]
+        done = [*ready, saved]
+        self._prune(min(r.step for r in done))  # those not yet reported to Ray are kept
+        return done
 
     def _finish_pending(self) -> list[Saved]:
         if self._pending is None:
@@ -103,20 +104,22 @@ class DcpCheckpoints(Checkpoints):
         return [saved]
 
     def _prune(self, step: int) -> None:
-        """Rank 0 keeps the newest ``checkpoint.keep_last`` DCP checkpoints up to ``step`` (Ray keeps as many
-        of its pointers); newer directories (a write in flight) are left alone."""
-        keep = self.job.checkpoint.keep_last
-        if self.rank != 0 or keep is None:
+        """Rank 0 deletes the DCP checkpoints older than ``step`` whose pointers Ray Train has dropped
+        (``checkpoint.keep_last`` is Ray's retention; see :func:`raytrn.train.dcp.prune`)."""
+        if self.rank != 0 or self.job.checkpoint.keep_last is None:
             return
+        from raytrn import storage
         from raytrn.train import dcp
 
+        root = dcp.dcp_root(self.job)
         try:
-            deleted = dcp.prune(dcp.dcp_root(self.job), keep, upto=step)
+            recorded = dcp.recorded_steps(storage.join(self.job.checkpoint.storage, self.job.run_name))
+            deleted = dcp.prune(root, upto=step, recorded=recorded)
         except OSError as e:  # retention never fails training
-            log.warning("could not delete old checkpoints under %s: %s", dcp.dcp_root(self.job), e)
+            log.warning("could not delete old checkpoints under %s: %s", root, e)
             return
         if deleted:
-            log.info("deleted DCP checkpoints of steps %s (checkpoint.keep_last=%d)", deleted, keep)
+            log.info("deleted DCP checkpoints of steps %s (no longer recorded by Ray Train)", deleted)
 
     def load(self, directory: str, t: Training) -> Progress:
         from raytrn.train import dcp

@@ -106,22 +106,29 @@ def test_older_state_pt_resumes_into_ddp_and_is_refused_by_fsdp_with_how_to_conv
     assert "parallel.data_parallel: ddp and parallel.tensor_parallel_size: 1" in str(e.value)
 
 
-def test_save_points_ray_at_the_shards_and_keeps_the_newest(tmp_path: Path) -> None:
+def test_shards_are_deleted_only_after_ray_dropped_their_pointer(tmp_path: Path) -> None:
+    """Ray registers reports asynchronously: a restart may resume from an older checkpoint than the newest
+    save, so a DCP checkpoint goes only once Ray's own retention (keep_last) removed its pointer."""
     j = job(tmp_path, "checkpoint.keep_last=2")
     t = trained(j, steps=1)
-    for step in (1, 2, 3, 4):
+    run_dir = tmp_path / "r"
+    for step in (1, 2, 3):
         [record] = t.checkpoints.save(t, Progress(step=step), Schedule.from_job(j), {"step": step}, final=False)
-        assert record.step == step
-    assert dcp.checkpoint_steps(dcp.dcp_root(j)) == [3, 4]
-    ray_dir = tmp_path / "ray"
-    ray_dir.mkdir()
-    assert record.write is not None
-    record.write(str(ray_dir))
-    meta = json.loads((ray_dir / "meta.json").read_text())
-    assert meta["step"] == 4 and meta["dcp"] == dcp.step_location(j, 4)
+        assert record.step == step and record.write is not None
+        (run_dir / f"checkpoint_{step:08d}").mkdir(parents=True)  # what Ray's report makes
+        record.write(str(run_dir / f"checkpoint_{step:08d}"))
+    meta = json.loads((run_dir / "checkpoint_00000003" / "meta.json").read_text())
+    assert meta["step"] == 3 and meta["dcp"] == dcp.step_location(j, 3)
+    assert dcp.checkpoint_steps(dcp.dcp_root(j)) == [1, 2, 3]  # every pointer still there: nothing deleted
+    (run_dir / "checkpoint_00000001" / "meta.json").unlink()  # Ray's retention drops pointer 1
+    (run_dir / "checkpoint_00000001").rmdir()
     (Path(dcp.dcp_root(j)) / "notes").mkdir()  # not raytrn's: never touched
-    assert dcp.prune(dcp.dcp_root(j), 1, upto=4) == [3]
-    assert sorted(p.name for p in Path(dcp.dcp_root(j)).iterdir()) == ["notes", "step_00000004"]
+    t.checkpoints.save(t, Progress(step=4), Schedule.from_job(j), {"step": 4}, final=False)
+    assert dcp.checkpoint_steps(dcp.dcp_root(j)) == [2, 3, 4]
+    assert sorted(p.name for p in Path(dcp.dcp_root(j)).iterdir()) == [
+        "notes",
+        *(f"step_0000000{i}" for i in (2, 3, 4)),
+    ]
 
 
 def test_async_checkpoint_is_recorded_once_written(tmp_path: Path) -> None:
@@ -143,3 +150,15 @@ def test_remote_deletes_stay_inside_their_root() -> None:
     for uri in ("s3://bucket/run/other/step_00000001", "s3://bucket/run/dcp/../x", "s3://bucket/run/dcp"):
         with pytest.raises(RaytrnError, match="not strictly inside"):
             remove_tree(uri, "s3://bucket/run/dcp")
+
+
+def test_async_final_save_keeps_the_checkpoint_it_is_about_to_report(tmp_path: Path) -> None:
+    """The last save returns the pending checkpoint and its own: neither is recorded by Ray yet, both stay."""
+    j = job(tmp_path, "checkpoint.async=true", "checkpoint.keep_last=1")
+    t = trained(j, steps=1)
+    sched = Schedule.from_job(j)
+    t.checkpoints.save(t, Progress(step=1), sched, {}, final=False)
+    t.checkpoints.save(t, Progress(step=2), sched, {}, final=False)
+    done = t.checkpoints.save(t, Progress(step=3), sched, {}, final=True)
+    assert [r.step for r in done] == [2, 3]
+    assert dcp.checkpoint_steps(dcp.dcp_root(j)) == [2, 3]  # 1: never recorded here, older than both: deleted
