@@ -155,9 +155,9 @@ def render(report: dict[str, Any]) -> str:
         save, restore, blocked = v.get("save_over_boto3"), v.get("restore_over_boto3"), v.get("async_blocked_fraction")
         goal = []
         if v["mb"] >= 100 and save is not None:
-            goal.append(f"save >= 0.8 of raw {'met' if save >= 0.8 else '**not met**'}")
+            goal.append(_goal(save >= 0.8, "save >= 0.8 of raw"))
         if blocked is not None:
-            goal.append(f"async blocked < 10% {'met' if blocked < 0.1 else '**not met**'}")
+            goal.append(_goal(blocked < 0.1, "async blocked < 10%"))
         lines.append(
             f"| checkpoint to S3 (moto), sharded (DCP), {name} model, {v['mb']:.0f} MB | save "
             f"{_num(v.get('raytrn_save_mb_per_s'), ',.0f')} MB/s vs boto3 multipart upload {_num(v.get('boto3_put_mb_per_s'), ',.0f')}"
@@ -174,7 +174,7 @@ def render(report: dict[str, Any]) -> str:
         lines.append(
             f"| memory per worker (parameters + gradients + AdamW state), 4 CPU workers, 136 MB state: fsdp vs ddp | "
             f"{_num(par['memory_fsdp_mb'], ',.1f')} vs {_num(par['memory_ddp_mb'], ',.1f')} MB ({ratio:.3f}x) | "
-            f"<= 0.275x {'met' if ratio <= 0.275 else '**not met**'} |"
+            f"{_goal(ratio <= 0.275, '<= 0.275x')} |"
         )
         lines.append(
             f"| throughput, 2 CPU workers (gloo, no Ray) vs a bare 1-process loop ({_num(par['bare_tokens_per_s'])} "
