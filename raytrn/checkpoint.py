@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -130,6 +131,26 @@ def parse_meta(text: str) -> Meta:
         schedule=schedule if isinstance(schedule, dict) else None,
         extra={k: v for k, v in data.items() if k not in fields and k != "schedule"},
     )
+
+
+#: Ray Train's checkpoint directories of a run: ``checkpoint_<N>`` (raytrn names them by step).
+_RECORDED = re.compile(r"^checkpoint_(\d{8})$")
+
+
+def recorded_steps(run_dir: str) -> list[int]:
+    """The steps of the checkpoints Ray Train records for the run at ``run_dir`` (its ``checkpoint_<N>``
+    directories), ascending; empty when the directory is missing or cannot be listed."""
+    import pyarrow.fs as pafs
+
+    from raytrn import storage
+
+    fs, path = storage.filesystem(run_dir)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    except OSError:
+        return []
+    matches = (_RECORDED.match(i.base_name) for i in infos if i.type == pafs.FileType.Directory)
+    return sorted(int(m.group(1)) for m in matches if m)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -20,7 +20,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from raytrn.checkpoint import META_FILE, STATE_FILE, Progress, load_state, parse_meta, save_state, write_meta
+from raytrn.checkpoint import (
+    META_FILE,
+    STATE_FILE,
+    Progress,
+    load_state,
+    parse_meta,
+    recorded_steps,
+    save_state,
+    write_meta,
+)
 from raytrn.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -113,7 +122,7 @@ class DcpCheckpoints(Checkpoints):
 
         root = dcp.dcp_root(self.job)
         try:
-            recorded = dcp.recorded_steps(storage.join(self.job.checkpoint.storage, self.job.run_name))
+            recorded = set(recorded_steps(storage.join(self.job.checkpoint.storage, self.job.run_name)))
             deleted = dcp.prune(root, upto=step, recorded=recorded)
         except OSError as e:  # retention never fails training
             log.warning("could not delete old checkpoints under %s: %s", root, e)

@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 #: The DCP checkpoints of a run sit in ``<checkpoint.storage>/<run>/DCP_DIR/step_<N>``.
 DCP_DIR = "dcp"
 _STEP = re.compile(r"^step_(\d{8})$")
-_RECORDED = re.compile(r"^checkpoint_(\d{8})$")
 METADATA = ".metadata"
 
 
@@ -282,19 +281,9 @@ def checkpoint_steps(root: str) -> list[int]:
     return sorted(steps)
 
 
-def recorded_steps(run_dir: str) -> set[int]:
-    """The steps of the checkpoints Ray Train still records for the run (its ``checkpoint_<N>`` directories)."""
-    fs, path = storage.filesystem(run_dir)
-    try:
-        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-    except OSError:
-        return set()
-    return {int(m.group(1)) for i in infos if i.type == pafs.FileType.Directory and (m := _RECORDED.match(i.base_name))}
-
-
 def prune(root: str, *, upto: int, recorded: set[int]) -> list[int]:
     """Delete the ``step_<N>`` directories under ``root`` older than ``upto`` that Ray Train no longer records
-    (``recorded``: the steps of its checkpoint directories). Ray's retention (``checkpoint.keep_last``) decides;
+    (``recorded``: :func:`raytrn.checkpoint.recorded_steps`). Ray's retention (``checkpoint.keep_last``) decides;
     a directory is deleted only after Ray dropped its pointer, so a restart can never point at deleted state
     (Ray registers reports asynchronously: its latest checkpoint can be older than the newest save). Newer
     directories (the save just made, a write in flight) are left alone. Only raytrn's own step directories,

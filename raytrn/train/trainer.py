@@ -6,13 +6,12 @@ import contextlib
 import importlib
 import logging
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from raytrn import storage
 from raytrn.backends import Backend, get_backend
-from raytrn.checkpoint import Meta, Progress, read_meta
+from raytrn.checkpoint import Meta, Progress, read_meta, recorded_steps
 from raytrn.compat import create_data_stats_actor, trainer_without_callbacks
 from raytrn.config import JobSpec
 from raytrn.errors import RaytrnError
@@ -23,7 +22,6 @@ from raytrn.train.progress import ProgressBoard, ProgressPrinter, Summary
 from raytrn.train.schedule import Schedule, resolve_schedule
 
 log = logging.getLogger(__name__)
-_CKPT = re.compile(r"^checkpoint_(\d{8})$")
 
 
 def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
@@ -204,17 +202,9 @@ class _RunRefused:
 
 def latest_checkpoint(job: JobSpec) -> tuple[Meta | None, str | None]:
     """What the newest checkpoint of this run says (counters, schedule) and where it is, or (None, None)."""
-    import pyarrow.fs as pafs
-
     root = storage.join(job.checkpoint.storage, job.run_name)
-    fs, path = storage.filesystem(root)
-    try:
-        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-    except OSError:
-        return None, None
-    names = sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory and _CKPT.match(i.base_name))
-    for name in reversed(names):
-        location = storage.join(root, name)
+    for step in reversed(recorded_steps(root)):
+        location = storage.join(root, f"checkpoint_{step:08d}")
         try:
             meta = read_meta(location)
         except ValueError as e:  # a damaged meta.json: the one before it
