@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from raytrn.errors import ConfigError
 
 _URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
-Accelerator = Literal["cpu", "cuda", "neuron", "xla-cpu"]
+Accelerator = Literal["cpu", "cuda", "neuron", "neuron-xla", "xla-cpu"]
 
 #: A job file larger than this is not a job file (a job spec is a few kilobytes).
 MAX_JOB_FILE_BYTES = 1 << 20

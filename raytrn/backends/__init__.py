@@ -1,8 +1,8 @@
 """Accelerator backends behind one small seam.
 
 The training loop asks its backend for the device, how to wrap the model, how to step and sync, and
-which Ray Train backend config to use. Adding an accelerator (e.g. AWS's native PyTorch on Neuron) is
-a new module registered in :data:`_BACKENDS`, not a change to the loop.
+which Ray Train backend config to use. An accelerator is a module registered in :data:`_BACKENDS`, not a change
+to the loop: ``neuron`` is TorchNeuron (trn2/trn3), ``neuron-xla`` the frozen XLA path (trn1).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ _BACKENDS = {
     "cpu": "raytrn.backends.cpu:CpuBackend",
     "cuda": "raytrn.backends.cuda:CudaBackend",
     "neuron": "raytrn.backends.neuron:NeuronBackend",
+    "neuron-xla": "raytrn.backends.neuron_xla:NeuronXlaBackend",
     "xla-cpu": "raytrn.backends.xla:XlaCpuBackend",
 }
 
@@ -24,7 +25,9 @@ def get_backend(name: str) -> Backend:
     """The backend for ``scaling.accelerator``; a clear error when it is unavailable here."""
     target = _BACKENDS.get(name)
     if target is None:
-        raise BackendError(f"scaling.accelerator={name!r}: unknown accelerator; choose cpu, cuda, neuron or xla-cpu")
+        raise BackendError(
+            f"scaling.accelerator={name!r}: unknown accelerator; choose cpu, cuda, neuron (TorchNeuron, trn2/trn3), neuron-xla (trn1) or xla-cpu"
+        )
     module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)()
 

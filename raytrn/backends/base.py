@@ -33,8 +33,12 @@ class Backend:
     #: The Ray resource a worker needs by default.
     default_resources: dict[str, float] = {"CPU": 1}
     use_gpu: bool = False
-    #: Applies the CUDA speed settings (model.autocast, optim.fused, run.compile); others ignore them with a warning.
-    cuda_speedups: bool = False
+    #: Applies ``model.autocast`` (``torch.autocast`` on this device, or FSDP's policy); others warn and ignore it.
+    autocast_supported: bool = False
+    #: ``run.compile``: the ``torch.compile`` options on this backend; None: ignored with a warning.
+    compile_options: dict[str, Any] | None = None
+    #: Applies ``optim.fused`` (the fused AdamW kernel); others warn and ignore it.
+    fused_optim: bool = False
     #: ``run.tune_malloc`` defaults to on: the step's tensors are allocated and freed in host memory.
     tune_malloc: bool = False
 
@@ -65,7 +69,7 @@ class Backend:
         """The mixed-precision compute dtype (``model.autocast``) where this backend applies it, else None."""
         import torch
 
-        return torch.bfloat16 if self.cuda_speedups and job.model.autocast == "bfloat16" else None
+        return torch.bfloat16 if self.autocast_supported and job.model.autocast == "bfloat16" else None
 
     def build_training(
         self, job: JobSpec, *, world_size: int, schedule: Schedule | None = None, rank: int = 0
@@ -83,10 +87,10 @@ class Backend:
         self.seed(job.run.seed)
         for warning in self.ignored_settings(job):
             log.warning(warning)
-        compile_ = self.cuda_speedups and job.run.compile
+        compile_ = self.compile_options if job.run.compile else None
         model = build_model(job.model, seed=job.run.seed).to(self.device())
         par = self.parallelize(model, job, world_size=world_size, compile=compile_)
-        optimizer = build_adamw(par.model, job, fused=self.cuda_speedups and job.optim.fused)
+        optimizer = build_adamw(par.model, job, fused=self.fused_optim and job.optim.fused)
         params = [p for p in par.model.parameters() if p.requires_grad]
         fsdp = par.data_parallel == "fsdp"
         return Training(
@@ -95,7 +99,7 @@ class Backend:
             scheduler=lr_scheduler(optimizer, schedule or Schedule.from_job(job)),
             grad_accum=job.data.grad_accum_for(data_parallel_size(job, world_size)),
             # compiled, the fp32 upcast fuses into the loss
-            loss_fn=torch.compile(cross_entropy) if compile_ else cross_entropy,
+            loss_fn=torch.compile(cross_entropy, **compile_) if compile_ is not None else cross_entropy,
             autocast_dtype=None if fsdp else self.autocast_dtype(job),  # FSDP: its MixedPrecisionPolicy
             no_sync=par.no_sync,
             clip_and_step=self._clip_and_step(optimizer, params, job.optim.grad_clip_norm),
@@ -103,7 +107,9 @@ class Backend:
             export=par.full_state_items,
         )
 
-    def parallelize(self, model: torch.nn.Module, job: JobSpec, *, world_size: int, compile: bool) -> Parallelized:
+    def parallelize(
+        self, model: torch.nn.Module, job: JobSpec, *, world_size: int, compile: dict[str, Any] | None
+    ) -> Parallelized:
         """Tensor parallel, activation checkpointing, compile, then FSDP2 or DDP (:mod:`raytrn.train.parallelize`)."""
         from raytrn.train.parallelize import parallelize
 
@@ -142,23 +148,27 @@ class Backend:
         return []
 
     def ignored_settings(self, job: JobSpec) -> list[str]:
-        """Warnings for job settings this backend does not apply (the CUDA speed settings off cuda)."""
-        if self.cuda_speedups:
-            return []
+        """Warnings for job settings this backend does not apply (autocast, fused AdamW, torch.compile)."""
         asked = {
-            "model.autocast": job.model.autocast if job.model.autocast != "none" else None,
-            "optim.fused": job.optim.fused or None,
-            "run.compile": job.run.compile or None,
+            "model.autocast": (job.model.autocast if job.model.autocast != "none" else None, self.autocast_supported),
+            "optim.fused": (job.optim.fused or None, self.fused_optim),
+            "run.compile": (job.run.compile or None, self.compile_options is not None),
         }
+        where = {"model.autocast": "cuda and neuron", "optim.fused": "cuda", "run.compile": "cuda and neuron"}
         hint = {
-            "neuron": "; on Trainium use model.dtype: bfloat16 (with neuron.stochastic_rounding)",
+            "neuron-xla": "; on trn1 use model.dtype: bfloat16 (with neuron.stochastic_rounding)",
             "xla-cpu": "; XLA compiles whole steps by itself",
         }.get(self.name, "")
         return [
-            f"{key}={value!r} is ignored on scaling.accelerator={self.name!r}: it applies to 'cuda' only{hint}"
-            for key, value in asked.items()
-            if value is not None
+            f"{key}={value!r} is ignored on scaling.accelerator={self.name!r}: it applies to {where[key]} only{hint}"
+            for key, (value, applied) in asked.items()
+            if value is not None and not applied
         ]
+
+    def device_memory(self) -> dict[str, float]:
+        """The device allocator's memory as system metrics (``neuron`` reads ``torch.neuron``); {} where the
+        node's own monitors cover it (cuda: MLflow's GPU monitor) or there is no device memory."""
+        return {}
 
     def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """All-reduce gradients before clipping. DDP already did it during backward."""

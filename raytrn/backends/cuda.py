@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from raytrn.backends.base import Backend, in_ray_train_worker
 
@@ -15,7 +15,9 @@ class CudaBackend(Backend):
     default_resources = {"GPU": 1}
     use_gpu = True
     process_group_backend = "nccl"
-    cuda_speedups = True
+    autocast_supported = True
+    compile_options: dict[str, Any] | None = {}  # inductor
+    fused_optim = True
 
     def device(self) -> torch.device:
         """The worker's GPU from Ray Train; outside a Ray Train worker (one process), the current CUDA device."""

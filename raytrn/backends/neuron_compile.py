@@ -82,25 +82,33 @@ def precompile_plan(
     ``overrides`` are the ``--set`` values the job was loaded with: the trial runs repeat them so they
     trace the same shapes. ``hostname`` picks the per-host compile cache directory (default: this host).
     """
-    from raytrn.backends.neuron_env import cc_flags_for, compile_cache_env
+    from raytrn.backends.neuron_env import cc_flags_for, compile_cache_env, instance_spec, neff_cache_env
     from raytrn.train.checks import check_spec
     from raytrn.train.sizes import data_parallel_size, world_sizes
 
-    if job.scaling.accelerator != "neuron":
+    acc = job.scaling.accelerator
+    if acc not in ("neuron", "neuron-xla"):
         raise ConfigError(
-            f"{job.source}: precompile is for scaling.accelerator: neuron (got {job.scaling.accelerator!r}); "
+            f"{job.source}: precompile is for scaling.accelerator: neuron-xla (got {acc!r}); "
             "other accelerators compile nothing ahead of time"
         )
     check_spec(job)
     stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
-    env = dict(compile_cache_env(job.neuron.compile_cache, hostname=hostname or socket.gethostname()))
-    flags = cc_flags_for(job.neuron.cc_flags, job.neuron.lnc)
+    host = hostname or socket.gethostname()
+    lnc: int | None = job.neuron.lnc
+    if acc == "neuron":  # a warm-up run: TorchNeuron compiles as it trains, into its NEFF cache
+        lnc = lnc or instance_spec(job.scaling.instance_type or "").default_lnc
+        env = neff_cache_env(job.neuron.compile_cache, hostname=host)
+    else:
+        env = dict(compile_cache_env(job.neuron.compile_cache, hostname=host))
+    flags = cc_flags_for(job.neuron.cc_flags, lnc)
     if flags:
         env["NEURON_CC_FLAGS"] = flags
-    # neuron_parallel_compile finds the graphs in "Extracting graphs (<path>)" lines of the trial run's
-    # output. Workers' lines reach it through the driver, whose log dedup would fold the lines of different
-    # workers (they differ only in hashes) into one "[repeated Nx across cluster]".
-    env["RAY_DEDUP_LOGS"] = "0"
+    if acc == "neuron-xla":
+        # neuron_parallel_compile finds the graphs in "Extracting graphs (<path>)" lines of the trial run's
+        # output. Workers' lines reach it through the driver, whose log dedup would fold the lines of different
+        # workers (they differ only in hashes) into one "[repeated Nx across cluster]".
+        env["RAY_DEDUP_LOGS"] = "0"
     storage = f"{job.checkpoint.storage.rstrip('/')}/raytrn-precompile"
     num_parallel = NUM_PARALLEL.get(job.scaling.instance_type or "")
     per_node = job.scaling.workers_per_node
@@ -121,9 +129,9 @@ def precompile_plan(
             f"checkpoint.every_n_steps={_NO_PERIODIC_CHECKPOINT}",
             "checkpoint.keep_last=1",
         ]
+        wrapper = ["neuron_parallel_compile", *(["--num_parallel", str(num_parallel)] if num_parallel else [])]
         command = [
-            "neuron_parallel_compile",
-            *(["--num_parallel", str(num_parallel)] if num_parallel else []),
+            *(wrapper if acc == "neuron-xla" else []),
             python,
             "-m",
             "raytrn.cli",
@@ -161,8 +169,16 @@ def precompile(
     overrides: Sequence[str] = (),
     timeout_s: float = PRECOMPILE_TIMEOUT_S,
 ) -> int:
-    """Print the plan; unless ``dry_run``, run each step and return the first non-zero exit code (else 0)."""
+    """Print the plan; unless ``dry_run``, run each step and return the first non-zero exit code (else 0).
+
+    ``neuron`` (TorchNeuron) has no ahead-of-time compile tool: print that, and the warm-up runs that fill the
+    NEFF cache instead, and return 2.
+    """
     plan = precompile_plan(job, overrides=overrides)
+    if job.scaling.accelerator == "neuron":
+        for line in _torchneuron_warmup(job, plan):
+            echo(line)
+        return 2
     echo(f"precompile {job.source}: {len(plan)} world size(s), {PRECOMPILE_STEPS} trial steps each")
     for note in _cache_notes(job, plan):
         echo(f"note: {note}")
@@ -195,6 +211,28 @@ def precompile(
         echo(f"[{i}/{len(plan)}] {step.world_size} workers done in {time.monotonic() - started:.0f} s")
     echo(f"precompile {job.source}: all {len(plan)} world size(s) compiled")
     return 0
+
+
+def _torchneuron_warmup(job: JobSpec, plan: list[PrecompileStep]) -> list[str]:
+    cache = job.neuron.compile_cache
+    lines = [
+        f"precompile {job.source}: scaling.accelerator 'neuron' (TorchNeuron) has no ahead-of-time compile tool: "
+        "neuron_parallel_compile is for the XLA path (neuron-xla) only. TorchNeuron compiles each graph the first "
+        "time it runs (eager ops and torch.compile(backend='neuron') alike) and caches the result.",
+        f"Instead, run a short warm-up job at every world size the job can take ({len(plan)}), on the same instance "
+        "type with the same shapes and compiler flags, so the real run finds its graphs in the NEFF cache"
+        + (
+            f" ({cache}: per host under a shared mount)."
+            if cache
+            else "; set neuron.compile_cache to a directory that outlives the nodes (e.g. on FSx) first."
+        ),
+        "Whether the cache carries across nodes and releases as AWS's docs describe is not yet verified on "
+        "hardware by raytrn; `raytrn precheck JOB.yaml` catches recompiles on CPU before you rent a node.",
+    ]
+    for i, step in enumerate(plan, 1):
+        lines.append(f"[{i}/{len(plan)}] {step.world_size} workers on {step.num_nodes} node(s): {step.note}")
+        lines.append(f"  {step.shell()}")
+    return lines
 
 
 def _cache_notes(job: JobSpec, plan: list[PrecompileStep]) -> list[str]:

@@ -1,11 +1,15 @@
 """The Trainium process layout and the environment of one worker: pure functions, no torch, no Ray.
 
-raytrn runs one Ray Train worker per NeuronCore, wired the way ``torchrun`` wires torch-neuronx: the
-torchrun variables (``RANK``, ``LOCAL_RANK``, ...) plus ``TORCHELASTIC_RUN_ID``, which makes torch-xla
-and torch-neuronx derive the PJRT process layout from them, plus the PJRT and Neuron runtime variables
-set explicitly (Ray's stock ``TorchXLAConfig`` sets neither ``NEURON_RT_ROOT_COMM_ID`` nor the PJRT
-variables; see ray-project/ray#65070). A worker must get this environment before it imports
-``torch_xla``: the XLA runtime reads it once, at import.
+Which stack an instance family trains with: trn2/trn2u (and trn3 once its core counts are confirmed) use
+TorchNeuron (``scaling.accelerator: neuron``, :func:`torchneuron_worker_env`); trn1 uses the frozen XLA path
+(``neuron-xla``, :func:`neuron_xla_worker_env`). Both run one Ray Train worker per (logical) NeuronCore,
+wired the way ``torchrun`` wires a torch.distributed program: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``.
+
+On the XLA path, ``TORCHELASTIC_RUN_ID`` makes torch-xla and torch-neuronx derive the PJRT process layout
+from those, and the PJRT and Neuron runtime variables are set explicitly (Ray's stock ``TorchXLAConfig`` sets
+neither ``NEURON_RT_ROOT_COMM_ID`` nor the PJRT variables; see ray-project/ray#65070). A worker must get
+this environment before it imports ``torch_xla``: the XLA runtime reads it once, at import.
 
 Layout rules: every node runs ``workers_per_node`` workers (or a single node runs fewer), ranks are
 numbered node by node (``rank = node_rank * workers_per_node + local_rank``), and a tensor-parallel
@@ -17,9 +21,13 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from raytrn.errors import BackendError
 from raytrn.train.sizes import elastic_world_sizes
+
+if TYPE_CHECKING:
+    from raytrn.config import JobSpec
 
 #: torch-xla's default root-communicator port (``MASTER_ADDR:62182``); raytrn picks a free one instead.
 DEFAULT_ROOT_COMM_PORT = 62182
@@ -46,6 +54,18 @@ class InstanceSpec:
     #: The default logical NeuronCore config (trn2: 2 physical cores per logical core); None: no LNC.
     default_lnc: int | None = None
 
+    @property
+    def family(self) -> str:
+        """``trn1``, ``trn2`` (trn2u included) or ``trn3``."""
+        match = re.match(r"trn\d+", self.name)
+        assert match, self.name
+        return match.group(0)
+
+    @property
+    def accelerator(self) -> str:
+        """The ``scaling.accelerator`` this family trains with: ``neuron`` (TorchNeuron) or ``neuron-xla`` (trn1)."""
+        return "neuron-xla" if self.family == "trn1" else "neuron"
+
     def cores(self, lnc: int | None = None) -> int:
         """NeuronCores the runtime exposes, i.e. workers a node can run (one per core)."""
         if self.default_lnc is None:
@@ -63,13 +83,29 @@ INSTANCES: dict[str, InstanceSpec] = {
         InstanceSpec("trn1.32xlarge", physical_cores=32, efa_devices=8, neuron_devices=16),
         InstanceSpec("trn1n.32xlarge", physical_cores=32, efa_devices=16, neuron_devices=16),
         InstanceSpec("trn2.48xlarge", physical_cores=128, efa_devices=16, neuron_devices=16, default_lnc=2),
+        # The UltraServer member: the same server, four of them joined by NeuronLink (64 chips).
+        InstanceSpec("trn2u.48xlarge", physical_cores=128, efa_devices=16, neuron_devices=16, default_lnc=2),
     )
 }
+
+#: Trainium3 instance types seen only in the Neuron driver's source: their NeuronCore and EFA counts are not in
+#: AWS's public documentation yet, so raytrn refuses them rather than guess a layout (add them to INSTANCES
+#: once confirmed).
+UNCONFIRMED_INSTANCES = ("trn3.48xlarge", "trn3p.48xlarge", "trn3e.24xlarge")
+
+#: ``scaling.accelerator`` values that run on Trainium.
+NEURON_ACCELERATORS = ("neuron", "neuron-xla")
 
 
 def instance_spec(instance_type: str) -> InstanceSpec:
     """The spec of a Trainium instance type; BackendError naming the known ones (and a near miss)."""
     spec = INSTANCES.get(instance_type)
+    if spec is None and (instance_type in UNCONFIRMED_INSTANCES or str(instance_type).startswith("trn3")):
+        raise BackendError(
+            f"scaling.instance_type={instance_type!r}: Trainium3 instance types are not yet known to raytrn: their "
+            "NeuronCore and EFA counts are not confirmed in AWS's public documentation, and the layout depends on "
+            f"them. Known: {', '.join(INSTANCES)}"
+        )
     if spec is None:
         near = difflib.get_close_matches(str(instance_type), list(INSTANCES), n=1, cutoff=0.6)
         hint = f" Did you mean '{near[0]}'?" if near else ""
@@ -78,6 +114,77 @@ def instance_spec(instance_type: str) -> InstanceSpec:
             f"Known: {', '.join(INSTANCES)}"
         )
     return spec
+
+
+def check_stack(accelerator: str, instance_type: str) -> InstanceSpec:
+    """The instance's spec; BackendError when ``accelerator`` is not the stack its family trains with."""
+    spec = instance_spec(instance_type)
+    if accelerator == spec.accelerator:
+        return spec
+    if accelerator == "neuron":  # trn1
+        raise BackendError(
+            f"scaling.accelerator='neuron' is TorchNeuron, which runs on trn2 and trn3 only; {instance_type} is "
+            f"{spec.family}: use scaling.accelerator: neuron-xla (torch-neuronx's XLA build with neuronx-distributed, "
+            "Neuron <= 2.29; frozen), or a trn2 instance type"
+        )
+    raise BackendError(
+        f"scaling.accelerator={accelerator!r} is the PyTorch/XLA path, whose training support AWS ended with Neuron "
+        f"2.30; {instance_type} ({spec.family}) trains with TorchNeuron: use scaling.accelerator: neuron"
+    )
+
+
+def require_layout(job: JobSpec) -> tuple[str, int]:
+    """``scaling.instance_type`` and ``scaling.workers_per_node`` of a Trainium job; BackendError when unset."""
+    s = job.scaling
+    missing = [f for f in ("instance_type", "workers_per_node") if getattr(s, f) is None]
+    if missing:
+        example = (
+            "scaling.instance_type: trn2.48xlarge and scaling.workers_per_node: 64"
+            if s.accelerator == "neuron"
+            else "scaling.instance_type: trn1.32xlarge and scaling.workers_per_node: 32"
+        )
+        raise BackendError(
+            f"{job.source}: scaling.accelerator={s.accelerator!r} needs "
+            f"{' and '.join('scaling.' + f for f in missing)} (one worker per NeuronCore): set e.g. {example}"
+        )
+    assert s.instance_type is not None and s.workers_per_node is not None
+    return s.instance_type, s.workers_per_node
+
+
+def check_neuron_job(job: JobSpec) -> list[str]:
+    """``raytrn validate``'s checks of a Trainium job, for either stack: the instance family's stack, the layout of
+    every world size of the elastic range, the compile cache and the compiler flags. Info notes, or BackendError
+    prefixed with the job file."""
+    s, n = job.scaling, job.neuron
+    instance_type, workers_per_node = require_layout(job)
+    torchneuron = s.accelerator == "neuron"
+    try:
+        check_stack(s.accelerator, instance_type)
+        notes = check_layout(
+            min_workers=s.min_workers,
+            max_workers=s.max_size,
+            workers_per_node=workers_per_node,
+            instance_type=instance_type,
+            lnc=n.lnc,
+            tensor_parallel_size=job.parallel.tensor_parallel_size,
+            every_core=torchneuron,
+        )
+        if torchneuron:
+            neff_cache_env(n.compile_cache, hostname="<host>")
+        else:
+            compile_cache_env(n.compile_cache, hostname="<host>")
+        flags = cc_flags_for(n.cc_flags, n.lnc)
+    except BackendError as e:
+        raise BackendError(f"{job.source}: {e}") from None
+    resources = s.resources_per_worker
+    if resources is not None and resources.get("neuron_cores") != 1:
+        notes.append(
+            f"scaling.resources_per_worker={resources} does not request neuron_cores: 1; each worker still "
+            "uses one NeuronCore, which Ray then does not reserve for it (add neuron_cores: 1)"
+        )
+    if n.compile_cache is not None and flags and "--cache_dir" in flags:
+        notes.append("neuron.cc_flags sets --cache_dir, which takes precedence over neuron.compile_cache")
+    return notes
 
 
 def cores_per_instance(instance_type: str, lnc: int | None = None) -> int:
@@ -111,15 +218,19 @@ def check_layout(
     instance_type: str,
     lnc: int | None,
     tensor_parallel_size: int,
+    every_core: bool = False,
 ) -> list[str]:
     """Check that every world size of the elastic range is a valid Neuron layout; return info notes.
 
     Sizes are taken at node granularity (``min_workers..max_workers`` stepping by ``workers_per_node``,
     plus both ends). Each must be whole nodes or a single partial node; the tensor-parallel size must
-    divide ``workers_per_node`` (so a TP group never spans nodes) and every size.
+    divide ``workers_per_node`` (so a TP group never spans nodes) and every size. ``every_core``
+    (TorchNeuron): ``workers_per_node`` must be the node's (logical) NeuronCore count.
     """
     cores = cores_per_instance(instance_type, lnc)
-    _check_counts(workers_per_node=workers_per_node, cores=cores, instance_type=instance_type, lnc=lnc)
+    _check_counts(
+        workers_per_node=workers_per_node, cores=cores, instance_type=instance_type, lnc=lnc, every_core=every_core
+    )
     if min_workers < 1 or max_workers < min_workers:
         raise BackendError(f"scaling: need 1 <= min_workers <= max_workers, got {min_workers} and {max_workers}")
     tp = tensor_parallel_size
@@ -220,6 +331,24 @@ def compile_cache_env(cache: str | None, *, hostname: str) -> dict[str, str]:
     return {"NEURON_COMPILE_CACHE_URL": path}
 
 
+#: TorchNeuron's compiled-graph (NEFF) cache directory (UNCONFIRMED name: see NEURON-NOTES; one place to fix).
+NEFF_CACHE_ENV = "TORCH_NEURONX_NEFF_CACHE_DIR"
+
+
+def neff_cache_env(cache: str | None, *, hostname: str) -> dict[str, str]:
+    """TorchNeuron's NEFF cache directory for ``neuron.compile_cache``: the same path rules as
+    :func:`compile_cache_env` (per-host subdirectory under a shared mount, ``{host}``), but a directory only:
+    the S3 cache is the XLA path's (``NEURON_COMPILE_CACHE_URL``)."""
+    if cache is not None and cache.startswith("s3://"):
+        raise BackendError(
+            f"neuron.compile_cache={cache!r}: TorchNeuron's compiled-graph (NEFF) cache is a directory on the node; "
+            "an s3:// cache is the XLA path's (neuron-xla). Use a local path, or a shared mount such as /fsx/neff-cache "
+            "(raytrn gives each host its own subdirectory)"
+        )
+    xla = compile_cache_env(cache, hostname=hostname)
+    return {NEFF_CACHE_ENV: xla["NEURON_COMPILE_CACHE_URL"]} if xla else {}
+
+
 def is_shared_path(path: str) -> bool:
     """Whether ``path`` lies under one of :data:`SHARED_FS_PREFIXES` (by whole path components)."""
     return any(path == p or path.startswith(p + "/") for p in SHARED_FS_PREFIXES)
@@ -248,7 +377,7 @@ def cc_flags_for(cc_flags: str | None, lnc: int | None) -> str | None:
     return f"{flags} --logical-nc-config {lnc}".strip()
 
 
-def neuron_worker_env(
+def neuron_xla_worker_env(
     *,
     world_rank: int,
     local_rank: int,
@@ -267,45 +396,25 @@ def neuron_worker_env(
     hostname: str | None = None,
     run_id: str = "raytrn",
 ) -> dict[str, str]:
-    """Every environment variable one worker (one NeuronCore) needs, validated against the layout.
+    """Every environment variable one trn1 worker (one NeuronCore, the XLA path) needs, validated against the layout.
 
     ``master_addr`` is rank 0's IP: it hosts the torch.distributed store (``master_port``) and the Neuron
     runtime's root communicator (``root_comm_port``). ``hostname`` is needed only for a per-host compile
     cache. ``run_id`` becomes ``TORCHELASTIC_RUN_ID``, whose presence makes torch-xla read the torchrun
     variables.
     """
-    cores = cores_per_instance(instance_type, lnc)
-    _check_counts(workers_per_node=workers_per_node, cores=cores, instance_type=instance_type, lnc=lnc)
-    for name, value in (("world_rank", world_rank), ("local_rank", local_rank), ("node_rank", node_rank)):
-        if value < 0:
-            raise BackendError(f"{name}={value}: must be >= 0")
-    if world_size < 1:
-        raise BackendError(f"world_size={world_size}: must be >= 1")
-    for name, port in (("master_port", master_port), ("root_comm_port", root_comm_port)):
-        if not 0 < port < 65536:
-            raise BackendError(f"{name}={port}: not a TCP port")
-    if not master_addr:
-        raise BackendError("master_addr is empty: it must be the IP of the rank-0 worker's node")
-    if world_size > workers_per_node and world_size % workers_per_node:
-        raise BackendError(
-            f"{world_size} workers is not a whole number of nodes at workers_per_node={workers_per_node} "
-            f"({world_size // workers_per_node} nodes + {world_size % workers_per_node} workers): an uneven "
-            f"layout; use a multiple of {workers_per_node}"
-        )
-    num_nodes = -(-world_size // workers_per_node)
-    local_world_size = min(workers_per_node, world_size)
-    if world_rank >= world_size:
-        raise BackendError(f"world_rank={world_rank} is out of range for world_size={world_size}")
-    if node_rank >= num_nodes:
-        raise BackendError(f"node_rank={node_rank} is out of range for {num_nodes} node(s)")
-    if local_rank >= local_world_size:
-        raise BackendError(f"local_rank={local_rank} is out of range for {local_world_size} worker(s) per node")
-    if world_rank != node_rank * workers_per_node + local_rank:
-        raise BackendError(
-            f"world_rank={world_rank} is inconsistent with node_rank={node_rank}, local_rank={local_rank} and "
-            f"workers_per_node={workers_per_node} (expected {node_rank * workers_per_node + local_rank}): "
-            "ranks must be numbered node by node"
-        )
+    check_stack("neuron-xla", instance_type)
+    num_nodes, local_world_size = _check_ranks(
+        world_rank=world_rank,
+        local_rank=local_rank,
+        node_rank=node_rank,
+        world_size=world_size,
+        workers_per_node=workers_per_node,
+        master_addr=master_addr,
+        ports={"master_port": master_port, "root_comm_port": root_comm_port},
+        instance_type=instance_type,
+        lnc=lnc,
+    )
     env = {
         # torchrun's contract (GROUP_RANK is the node rank; AWS's Ray sample sets it to the world size).
         "MASTER_ADDR": master_addr,
@@ -345,6 +454,129 @@ def neuron_worker_env(
     return env
 
 
+def torchneuron_worker_env(
+    *,
+    world_rank: int,
+    local_rank: int,
+    node_rank: int,
+    world_size: int,
+    workers_per_node: int,
+    master_addr: str,
+    master_port: int,
+    instance_type: str,
+    lnc: int | None = None,
+    visible_cores: str | None = None,
+    compile_cache: str | None = None,
+    cc_flags: str | None = None,
+    hostname: str | None = None,
+) -> dict[str, str]:
+    """Every environment variable one TorchNeuron worker (one logical NeuronCore, trn2/trn3) needs, validated.
+
+    The process group is ``neuron`` with ``init_method="env://"``: torchrun's variables. ``visible_cores`` is
+    ``NEURON_RT_VISIBLE_CORES`` as Ray assigned it from the worker's ``neuron_cores`` (kept: Ray reserved that
+    core for this worker); None (no ``neuron_cores`` requested) falls back to ``LOCAL_RANK``, as TorchNeuron
+    itself does. ``NEURON_LOGICAL_NC_CONFIG`` is always set (the instance default when ``lnc`` is None) and the
+    compiler gets the same LNC. ``NEURON_RT_ROOT_COMM_ID`` is not set: TorchNeuron derives it from
+    ``MASTER_ADDR`` at ``init_process_group`` (NEURON-NOTES: from the backend's source, not yet in AWS's docs).
+    """
+    spec = check_stack("neuron", instance_type)
+    num_nodes, local_world_size = _check_ranks(
+        world_rank=world_rank,
+        local_rank=local_rank,
+        node_rank=node_rank,
+        world_size=world_size,
+        workers_per_node=workers_per_node,
+        master_addr=master_addr,
+        ports={"master_port": master_port},
+        instance_type=instance_type,
+        lnc=lnc,
+        every_core=True,
+    )
+    cores = spec.cores(lnc)
+    if visible_cores is None:
+        visible_cores = str(local_rank)
+    elif not visible_cores.isdigit() or int(visible_cores) >= cores:
+        raise BackendError(
+            f"NEURON_RT_VISIBLE_CORES={visible_cores!r} (rank {world_rank}, as Ray assigned it): TorchNeuron needs "
+            f"exactly one logical NeuronCore per worker, an id in 0-{cores - 1} on {instance_type}"
+            f"{f' at LNC={lnc}' if lnc else ''}; request scaling.resources_per_worker: {{neuron_cores: 1}}"
+        )
+    effective_lnc = lnc or spec.default_lnc
+    assert effective_lnc is not None  # trn2/trn3 have a logical NeuronCore config
+    env = {
+        # torchrun's contract, read by init_process_group("neuron", init_method="env://").
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "RANK": str(world_rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(num_nodes),
+        # One logical NeuronCore per process: the device is neuron:0 of what this process sees.
+        "NEURON_RT_VISIBLE_CORES": visible_cores,
+        "NEURON_LOGICAL_NC_CONFIG": str(effective_lnc),
+    }
+    if spec.efa_devices:  # AWS's multi-node scripts; harmless on one node
+        env.update({"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"})
+    flags = cc_flags_for(cc_flags, effective_lnc)
+    if flags:
+        env["NEURON_CC_FLAGS"] = flags
+    env.update(neff_cache_env(compile_cache, hostname=hostname or ""))
+    return env
+
+
+def _check_ranks(
+    *,
+    world_rank: int,
+    local_rank: int,
+    node_rank: int,
+    world_size: int,
+    workers_per_node: int,
+    master_addr: str,
+    ports: dict[str, int],
+    instance_type: str,
+    lnc: int | None,
+    every_core: bool = False,
+) -> tuple[int, int]:
+    """Validate one worker's place in the layout; return (nodes, workers on this node)."""
+    cores = cores_per_instance(instance_type, lnc)
+    _check_counts(
+        workers_per_node=workers_per_node, cores=cores, instance_type=instance_type, lnc=lnc, every_core=every_core
+    )
+    for name, value in (("world_rank", world_rank), ("local_rank", local_rank), ("node_rank", node_rank)):
+        if value < 0:
+            raise BackendError(f"{name}={value}: must be >= 0")
+    if world_size < 1:
+        raise BackendError(f"world_size={world_size}: must be >= 1")
+    for name, port in ports.items():
+        if not 0 < port < 65536:
+            raise BackendError(f"{name}={port}: not a TCP port")
+    if not master_addr:
+        raise BackendError("master_addr is empty: it must be the IP of the rank-0 worker's node")
+    if world_size > workers_per_node and world_size % workers_per_node:
+        raise BackendError(
+            f"{world_size} workers is not a whole number of nodes at workers_per_node={workers_per_node} "
+            f"({world_size // workers_per_node} nodes + {world_size % workers_per_node} workers): an uneven "
+            f"layout; use a multiple of {workers_per_node}"
+        )
+    num_nodes = -(-world_size // workers_per_node)
+    local_world_size = min(workers_per_node, world_size)
+    if world_rank >= world_size:
+        raise BackendError(f"world_rank={world_rank} is out of range for world_size={world_size}")
+    if node_rank >= num_nodes:
+        raise BackendError(f"node_rank={node_rank} is out of range for {num_nodes} node(s)")
+    if local_rank >= local_world_size:
+        raise BackendError(f"local_rank={local_rank} is out of range for {local_world_size} worker(s) per node")
+    if world_rank != node_rank * workers_per_node + local_rank:
+        raise BackendError(
+            f"world_rank={world_rank} is inconsistent with node_rank={node_rank}, local_rank={local_rank} and "
+            f"workers_per_node={workers_per_node} (expected {node_rank * workers_per_node + local_rank}): "
+            "ranks must be numbered node by node"
+        )
+    return num_nodes, local_world_size
+
+
 def host_port(addr: str, port: int) -> str:
     """``addr:port``, with an IPv6 address in brackets."""
     if ":" in addr and not addr.startswith("["):
@@ -352,11 +584,24 @@ def host_port(addr: str, port: int) -> str:
     return f"{addr}:{port}"
 
 
-def _check_counts(*, workers_per_node: int, cores: int, instance_type: str, lnc: int | None) -> None:
+def _check_counts(
+    *, workers_per_node: int, cores: int, instance_type: str, lnc: int | None, every_core: bool = False
+) -> None:
     if workers_per_node < 1:
         raise BackendError(f"scaling.workers_per_node={workers_per_node}: must be >= 1")
+    at_lnc = f" at neuron.lnc={lnc}" if lnc is not None else ""
+    spec = instance_spec(instance_type)
+    if every_core and workers_per_node != cores:
+        effective = lnc or spec.default_lnc
+        at = at_lnc or (f" at the default LNC={effective}" if effective else "")
+        other = {1: 2, 2: 1}.get(effective or 0)
+        alt = f", or {spec.cores(other)} with neuron.lnc: {other}" if other else ""
+        raise BackendError(
+            f"scaling.workers_per_node={workers_per_node} does not match the {cores} NeuronCores of {instance_type}{at}: "
+            f"TorchNeuron runs one worker per logical NeuronCore of every node; set scaling.workers_per_node: "
+            f"{cores}{alt} (a job smaller than one node keeps max_workers below that)"
+        )
     if workers_per_node > cores:
-        at_lnc = f" at neuron.lnc={lnc}" if lnc is not None else ""
         raise BackendError(
             f"scaling.workers_per_node={workers_per_node} exceeds the {cores} NeuronCores of {instance_type}{at_lnc} "
             f"(one worker per NeuronCore); set scaling.workers_per_node <= {cores}"

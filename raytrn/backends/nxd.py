@@ -60,10 +60,10 @@ LAYOUT_KEY = "raytrn_parallel"
 
 
 def uses_nxd(job: JobSpec) -> bool:
-    """Whether the job runs through neuronx-distributed: a neuron job that asks for any ``parallel`` feature."""
+    """Whether the job runs through neuronx-distributed: a neuron-xla job that asks for any ``parallel`` feature."""
     p = job.parallel
     wants = p.tensor_parallel_size > 1 or p.zero1 or p.sequence_parallel or p.activation_checkpointing != "none"
-    return job.scaling.accelerator == "neuron" and wants
+    return job.scaling.accelerator == "neuron-xla" and wants
 
 
 def kv_replication(num_kv_heads: int, tensor_parallel_size: int) -> int:
@@ -137,17 +137,17 @@ def _check_accelerator(job: JobSpec) -> None:
     activation checkpointing through neuronx-distributed; xla-cpu runs one plain worker."""
     acc, p = job.scaling.accelerator, job.parallel
     where = job.source
-    if acc == "neuron":
+    if acc == "neuron-xla":
         if p.data_parallel == "fsdp":
             raise ConfigError(
-                f"{where}: parallel.data_parallel=fsdp is not available on scaling.accelerator: neuron (the XLA "
-                "path, frozen): there tensor parallelism and ZeRO-1 are neuronx-distributed's. Use "
+                f"{where}: parallel.data_parallel=fsdp is not available on scaling.accelerator: neuron-xla (the "
+                "XLA path, frozen): there tensor parallelism and ZeRO-1 are neuronx-distributed's. Use "
                 "data_parallel: ddp with parallel.zero1: true to shard the optimizer state"
             )
         if p.activation_checkpointing == "selective":
             raise ConfigError(
                 f"{where}: parallel.activation_checkpointing=selective is not available on scaling.accelerator: "
-                "neuron (neuronx-distributed checkpoints full layers): use full"
+                "neuron-xla (neuronx-distributed checkpoints full layers): use full"
             )
         return
     nxd_only = [
@@ -159,7 +159,7 @@ def _check_accelerator(job: JobSpec) -> None:
         fix = "use parallel.data_parallel: fsdp, which shards parameters, gradients and optimizer state"
         raise ConfigError(
             f"{where}: {' and '.join(nxd_only)} {'is' if len(nxd_only) == 1 else 'are'} neuronx-distributed's "
-            f"(scaling.accelerator: neuron, the XLA path); on {acc} {fix if p.zero1 else 'remove it'}"
+            f"(scaling.accelerator: neuron-xla, the XLA path); on {acc} {fix if p.zero1 else 'remove it'}"
             + ("" if not p.sequence_parallel else " (sequence parallelism is not supported on torch.distributed yet)")
         )
     if acc == "xla-cpu":
@@ -193,7 +193,7 @@ def _check_model_dims(job: JobSpec) -> None:
     m, tp = job.model, job.parallel.tensor_parallel_size
     if tp == 1:
         return
-    nxd = job.scaling.accelerator == "neuron"
+    nxd = job.scaling.accelerator == "neuron-xla"
     dims = {
         "num_attention_heads": m.num_attention_heads,
         "num_key_value_heads": m.kv_heads,

@@ -1,4 +1,4 @@
-"""XLA backends: the code path torch-neuronx runs, shared by ``neuron`` and ``xla-cpu``.
+"""XLA backends: the code path torch-neuronx's XLA build runs, shared by ``neuron-xla`` (trn1) and ``xla-cpu``.
 
 On XLA the loop builds a lazy graph; :meth:`XlaBackend.sync` cuts it once per optimizer step, batches
 arrive through ``MpDeviceLoader``, gradients are all-reduced by ``xm.reduce_gradients`` (no DDP) and
@@ -47,9 +47,11 @@ class XlaBackend(Backend):
     def device(self) -> torch.device:
         return import_torch_xla().device()
 
-    def parallelize(self, model: torch.nn.Module, job: JobSpec, *, world_size: int, compile: bool) -> Parallelized:
+    def parallelize(
+        self, model: torch.nn.Module, job: JobSpec, *, world_size: int, compile: dict[str, Any] | None
+    ) -> Parallelized:
         """No wrapper on XLA: :meth:`reduce_gradients` all-reduces over the XLA process group instead (model
-        parallelism is neuronx-distributed's, see ``NeuronBackend.build_training``)."""
+        parallelism is neuronx-distributed's, see ``NeuronXlaBackend.build_training``)."""
         from raytrn.train.parallelize import Parallelized
 
         return Parallelized(model=model.to(self.device()), mesh=None, data_parallel="none", tensor_parallel_size=1)

@@ -18,6 +18,8 @@ PRICES_USD_PER_HOUR: dict[str, float] = {
     "trn1n.32xlarge": 24.78,
     # Trainium2: us-east-1 on-demand list price, check your region (commonly cited figure, not re-verified).
     "trn2.48xlarge": 46.98,
+    # trn2u (UltraServer members) are sold through capacity reservations, not on demand: no list price here.
+    # Set tracking.usd_per_hour to what your reservation costs per instance-hour.
     # NVIDIA GPUs, after AWS's June 2025 price cut on P4/P5 (check: not re-verified).
     "p4d.24xlarge": 21.96,  # 8x A100 40GB
     "p5.48xlarge": 55.04,  # 8x H100 SXM
@@ -52,14 +54,15 @@ def peak_flops_per_worker(
 ) -> float | None:
     """Dense BF16 peak FLOP/s of one worker's device, or None when unknown (cpu, unlisted hardware).
 
-    neuron: one (logical) NeuronCore; trn2 at ``lnc`` (default 2) physical cores per logical core.
+    neuron / neuron-xla: one (logical) NeuronCore; trn2/trn2u at ``lnc`` (default 2) physical cores per logical
+    core. Trainium3 is not listed until its per-core figures are confirmed.
     cuda: one GPU, named by ``gpu`` or inferred from the instance family (p4d: A100, p5: H100, p5e/p5en: H200).
     """
-    if accelerator == "neuron":
-        family = _family(instance_type) or "trn1"
+    if accelerator in ("neuron", "neuron-xla"):
+        family = _family(instance_type) or ("trn2" if accelerator == "neuron" else "trn1")
         if family in ("trn1", "trn1n"):
             return PEAK_FLOPS_BF16["trn1"]
-        if family == "trn2":
+        if family in ("trn2", "trn2u"):
             return PEAK_FLOPS_BF16["trn2"] * (lnc or 2)
         return None
     if accelerator == "cuda":

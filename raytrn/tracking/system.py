@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from raytrn.tracking.neuron_monitor import PREFIX, NeuronMonitor
@@ -73,6 +74,13 @@ class _GpuMonitor:
             self._monitor.clear_metrics()
 
 
+class _DeviceMemoryMonitor:
+    """The local rank 0 worker's device memory, as its backend reads it (``Backend.device_memory``)."""
+
+    def __init__(self, read: Callable[[], dict[str, float]]) -> None:
+        self.sample = read
+
+
 def _gpu_monitor() -> _GpuMonitor | None:
     try:
         import torch
@@ -87,25 +95,35 @@ def _gpu_monitor() -> _GpuMonitor | None:
 class SystemSampler:
     """Samples this node every ``interval_s`` and queues ``system/<node>/...`` metrics into ``logger``."""
 
-    def __init__(self, logger: Any, node: str, interval_s: float) -> None:
+    def __init__(
+        self, logger: Any, node: str, interval_s: float, device_memory: Callable[[], dict[str, float]] | None = None
+    ) -> None:
         self.logger = logger
         self.node = node
         self.interval_s = interval_s
         self.neuron: NeuronMonitor | None = None  # started by the sampler's thread, where installed
         self.step = 0
         self._monitors: list[Any] = [_HostMonitor()]  # cheap (psutil); primes the CPU percentage now
+        if device_memory is not None:  # the backend's allocator counters (TorchNeuron: torch.neuron)
+            self._monitors.append(_DeviceMemoryMonitor(device_memory))
         self._gpu_checked = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._set_up_and_run, name="raytrn-system-metrics", daemon=True)
 
     @classmethod
-    def start(cls, logger: Any, node_id: str, interval_s: float) -> SystemSampler:
+    def start(
+        cls,
+        logger: Any,
+        node_id: str,
+        interval_s: float,
+        device_memory: Callable[[], dict[str, float]] | None = None,
+    ) -> SystemSampler:
         """Start sampling (and ``neuron-monitor`` where it is installed) for the node ``node_id``.
 
         Returns at once: the set-up (asking the tracking actor for this node's last system step, starting
         neuron-monitor) runs in the sampler's thread, not before the first training step.
         """
-        sampler = cls(logger, node_label(node_id), interval_s)
+        sampler = cls(logger, node_label(node_id), interval_s, device_memory)
         sampler._thread.start()
         return sampler
 

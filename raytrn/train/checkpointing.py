@@ -150,7 +150,7 @@ class DcpCheckpoints(Checkpoints):
         if "sharded" in meta.extra:
             raise CheckpointError(
                 f"{self.job.source}: the checkpoint to resume ({directory}) was written by neuronx-distributed "
-                "(scaling.accelerator: neuron on the XLA path); it loads only there"
+                "(scaling.accelerator: neuron-xla); it loads only there"
             )
         raise CheckpointError(f"{self.job.source}: checkpoint {directory} holds no training state")
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from raytrn import storage
-from raytrn.backends import get_backend, host_malloc
+from raytrn.backends import Backend, get_backend, host_malloc
 from raytrn.checkpoint import Progress
 from raytrn.compat import quiet_ray_train_logs
 from raytrn.config import JobSpec
@@ -66,7 +66,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # Rank 0 sends the training metrics to the job's tracking actor; the first worker of every node samples
     # its node's system metrics. Neither waits for MLflow.
     tracker = _tracker(config)
-    sampler = _system_sampler(job, tracker) if tracker and ctx.get_local_rank() == 0 else None
+    sampler = _system_sampler(job, tracker, backend) if tracker and ctx.get_local_rank() == 0 else None
     logger = tracker if rank == 0 else None
     board = config.get("board") if rank == 0 else None
     group_started_at = process_started_at()
@@ -340,14 +340,19 @@ def _tracker(config: dict[str, Any]) -> Any:
     return RemoteLogger(config["tracker"], config["mlflow_uri"])
 
 
-def _system_sampler(job: JobSpec, logger: Any) -> Any:
+def _system_sampler(job: JobSpec, logger: Any, backend: Backend) -> Any:
     if not job.tracking.system_metrics:
         return None
     import ray
 
     from raytrn.tracking.system import SystemSampler
 
-    return SystemSampler.start(logger, ray.get_runtime_context().get_node_id(), job.tracking.system_metrics_interval_s)
+    return SystemSampler.start(
+        logger,
+        ray.get_runtime_context().get_node_id(),
+        job.tracking.system_metrics_interval_s,
+        device_memory=backend.device_memory,
+    )
 
 
 def log_final_model(job: JobSpec, t: Training, logger: Any) -> None:

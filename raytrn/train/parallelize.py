@@ -69,7 +69,7 @@ def parallelize(
     *,
     device: torch.device,
     world_size: int,
-    compile: bool = False,
+    compile: dict[str, Any] | None = None,
     mixed_precision: torch.dtype | None = None,
 ) -> Parallelized:
     """Lay ``model`` (built on ``device``, identically seeded on every rank) out over ``world_size`` workers.
@@ -90,12 +90,12 @@ def parallelize(
         apply_tensor_parallel(model, mesh["tp"], tie_word_embeddings=job.model.tie_word_embeddings)
     if p.activation_checkpointing != "none":
         apply_activation_checkpointing(model, p.activation_checkpointing)
-    if compile:  # per block under FSDP (torchtitan); the whole model in place otherwise (keys unchanged)
+    if compile is not None:  # per block under FSDP (torchtitan); the whole model in place otherwise (keys unchanged)
         if p.data_parallel == "fsdp":
             for layer in _layers(model):
-                layer.compile()
+                layer.compile(**compile)
         else:
-            model.compile()
+            model.compile(**compile)
     if not distributed:
         return Parallelized(model=model, mesh=None, data_parallel="none", tensor_parallel_size=1)
     if p.data_parallel == "fsdp":

@@ -24,7 +24,7 @@ def _probe(config: dict) -> None:
 
     job = load_job(REPO / "jobs" / "tiny.yaml", ["data.manifest=unused"], resolve=False)
     ctx = ray.train.get_context()
-    par = CpuBackend().parallelize(build_model(job.model, seed=0), job, world_size=ctx.get_world_size(), compile=False)
+    par = CpuBackend().parallelize(build_model(job.model, seed=0), job, world_size=ctx.get_world_size(), compile=None)
     seen = {
         "in_worker": in_ray_train_worker(),
         "process_group": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,

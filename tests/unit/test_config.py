@@ -209,7 +209,7 @@ def test_missing_required_section(tmp_path: Path) -> None:
         (
             "scaling",
             {"accelerator": "tpu"},
-            "scaling.accelerator: Input should be 'cpu', 'cuda', 'neuron' or 'xla-cpu' (got 'tpu')",
+            "scaling.accelerator: Input should be 'cpu', 'cuda', 'neuron', 'neuron-xla' or 'xla-cpu' (got 'tpu')",
         ),
     ],
 )

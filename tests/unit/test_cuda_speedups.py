@@ -54,7 +54,7 @@ def test_outside_ray_train_the_cuda_backend_uses_the_current_gpu() -> None:
 def test_one_process_is_not_wrapped() -> None:
     """Without a process group (one process, e.g. bench/gpu.py) the model is trained as built: no DDP/FSDP."""
     model = build_model(job().model, seed=0)
-    par = CpuBackend().parallelize(model, job("cpu"), world_size=1, compile=False)
+    par = CpuBackend().parallelize(model, job("cpu"), world_size=1, compile=None)
     assert par.model is model and par.data_parallel == "none"
 
 

@@ -57,7 +57,7 @@ def test_tiny() -> None:
 def test_llama3_8b_trn1() -> None:
     job = load("llama3-8b-trn1.yaml")
     s = job.scaling
-    assert s.accelerator == "neuron"
+    assert s.accelerator == "neuron-xla"
     assert s.instance_type == "trn1.32xlarge"
     assert s.workers_per_node == 32  # one worker per NeuronCore-v2
     assert s.min_workers % 32 == 0 and (s.max_workers or s.min_workers) % 32 == 0
@@ -94,7 +94,7 @@ def test_llama32_1b_trn1() -> None:
     assert job.model.dtype == "bfloat16"
     assert model_stats(job.model, job.data.seq_len).num_params == pytest.approx(1.236e9, rel=0.005)
     s = job.scaling
-    assert (s.accelerator, s.instance_type, s.workers_per_node) == ("neuron", "trn1.32xlarge", 32)
+    assert (s.accelerator, s.instance_type, s.workers_per_node) == ("neuron-xla", "trn1.32xlarge", 32)
     assert (s.min_workers, s.max_workers) == (32, 128)
     assert s.resources_per_worker == {"neuron_cores": 1.0, "CPU": 1.0}
     p = job.parallel

@@ -11,7 +11,7 @@ from raytrn.backends.neuron_env import (
     compile_cache_env,
     cores_per_instance,
     efa_devices,
-    neuron_worker_env,
+    neuron_xla_worker_env,
 )
 from raytrn.errors import BackendError
 
@@ -36,7 +36,7 @@ def env(world_rank: int, *, world_size: int = 32, workers_per_node: int = 32, **
         instance_type="trn1.32xlarge",
     )
     args.update(kw)
-    return neuron_worker_env(**args)  # type: ignore[arg-type]
+    return neuron_xla_worker_env(**args)  # type: ignore[arg-type]
 
 
 # --- instances -----------------------------------------------------------------------------------------------------
@@ -159,28 +159,9 @@ def test_trn1_2xlarge_two_cores_no_efa() -> None:
         env(0, world_size=3, workers_per_node=3, instance_type="trn1.2xlarge")
 
 
-def test_trn2_lnc2() -> None:
-    envs = [env(r, world_size=128, workers_per_node=64, instance_type="trn2.48xlarge", lnc=2) for r in range(128)]
-    assert envs[127]["GROUP_RANK"] == "1" and envs[127]["NEURON_RT_VISIBLE_CORES"] == "63"
-    for e in envs:
-        assert e["NEURON_LOGICAL_NC_CONFIG"] == "2"
-        assert e["LOCAL_WORLD_SIZE"] == "64"
-        assert e["NEURON_CC_FLAGS"] == "--logical-nc-config 2"  # the compiler's LNC must match the runtime's
-        assert e["FI_PROVIDER"] == "efa"
-    with pytest.raises(BackendError, match="workers_per_node=128 exceeds the 64 NeuronCores of trn2.48xlarge"):
-        env(0, world_size=128, workers_per_node=128, instance_type="trn2.48xlarge", lnc=2)
-
-
-def test_trn2_lnc1() -> None:
-    e = env(127, world_size=128, workers_per_node=128, instance_type="trn2.48xlarge", lnc=1, cc_flags="-O1")
-    assert e["NEURON_LOGICAL_NC_CONFIG"] == "1"
-    assert e["NEURON_RT_VISIBLE_CORES"] == "127" and e["LOCAL_WORLD_SIZE"] == "128"
-    assert e["NEURON_CC_FLAGS"] == "-O1 --logical-nc-config 1"
-
-
-def test_trn2_default_lnc_sets_no_lnc_vars() -> None:
-    e = env(0, world_size=64, workers_per_node=64, instance_type="trn2.48xlarge")
-    assert "NEURON_LOGICAL_NC_CONFIG" not in e and "NEURON_CC_FLAGS" not in e
+def test_the_xla_env_refuses_trn2() -> None:
+    with pytest.raises(BackendError, match=r"trn2.48xlarge \(trn2\) trains with TorchNeuron"):
+        env(0, world_size=64, workers_per_node=64, instance_type="trn2.48xlarge")
 
 
 def test_options() -> None:
@@ -292,7 +273,7 @@ def test_layout_single_partial_node_is_fine() -> None:
         (dict(tensor_parallel_size=64), "tensor_parallel_size=64 does not divide scaling.workers_per_node=32"),
         (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not divide scaling.workers_per_node=32"),
         (dict(min_workers=4, max_workers=4, tensor_parallel_size=8), "4 workers is not divisible by"),
-        (dict(instance_type="trn3.48xlarge"), "unknown Trainium instance type"),
+        (dict(instance_type="trn3.48xlarge"), "Trainium3 instance types are not yet known to raytrn"),
         (dict(lnc=1), "neuron.lnc=1: the logical NeuronCore config applies only to trn2"),
         (dict(instance_type="trn2.48xlarge", workers_per_node=128), "exceeds the 64 NeuronCores of trn2.48xlarge"),
     ],

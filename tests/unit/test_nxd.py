@@ -143,8 +143,8 @@ PLAIN = "parallel={tensor_parallel_size: 1, zero1: false, sequence_parallel: fal
         ("cpu", ["parallel.sequence_parallel=true", "parallel.tensor_parallel_size=2"], "sequence parallelism is not supported on torch.distributed yet"),
         ("xla-cpu", ["parallel.data_parallel=fsdp"], "parallel.data_parallel=fsdp: scaling.accelerator xla-cpu runs one plain worker"),
         ("xla-cpu", ["parallel.activation_checkpointing=true"], "parallel.activation_checkpointing=full: scaling.accelerator xla-cpu"),
-        ("neuron", ["parallel.data_parallel=fsdp"], "parallel.data_parallel=fsdp is not available on scaling.accelerator: neuron"),
-        ("neuron", ["parallel.activation_checkpointing=selective"], "activation_checkpointing=selective is not available"),
+        ("neuron-xla", ["parallel.data_parallel=fsdp"], "parallel.data_parallel=fsdp is not available on scaling.accelerator: neuron-xla"),
+        ("neuron-xla", ["parallel.activation_checkpointing=selective"], "activation_checkpointing=selective is not available"),
     ],
 )  # fmt: skip
 def test_each_accelerator_refuses_the_layouts_it_cannot_run(

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raytrn.backends.neuron import NeuronBackend
+from raytrn.backends.neuron_xla import NeuronXlaBackend
 from raytrn.backends.nxd import NxdCheckpoints, uses_nxd
 from raytrn.checkpoint import Progress
 from raytrn.config import load_job
@@ -125,7 +125,7 @@ def nxd_standin(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return seen
 
 
-class CpuNeuronBackend(NeuronBackend):
+class CpuNeuronBackend(NeuronXlaBackend):
     """The Neuron backend's training construction, on eager CPU tensors instead of NeuronCores."""
 
     def device(self) -> torch.device:
@@ -145,7 +145,7 @@ def _tp_job(*overrides: str):
     return load_job(
         REPO / "jobs" / "tiny.yaml",
         [
-            "scaling.accelerator=neuron",
+            "scaling.accelerator=neuron-xla",
             "scaling.instance_type=trn1.32xlarge",
             "scaling.workers_per_node=32",
             "scaling.min_workers=32",

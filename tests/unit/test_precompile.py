@@ -146,7 +146,7 @@ def test_trn2_lnc_reaches_the_compiler_flags() -> None:
 
 
 def test_precompile_is_for_neuron() -> None:
-    with pytest.raises(ConfigError, match=r"precompile is for scaling.accelerator: neuron \(got 'cpu'\)"):
+    with pytest.raises(ConfigError, match=r"precompile is for scaling.accelerator: neuron-xla \(got 'cpu'\)"):
         precompile_plan(load(JOBS / "tiny.yaml"))
 
 

@@ -1,4 +1,4 @@
-"""The neuron backend: job checks, the Ray backend config, and per-worker env planning (no Ray cluster)."""
+"""The neuron-xla backend (trn1, frozen): job checks, the Ray backend config, and per-worker env planning (no Ray cluster)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,17 @@ from typing import Any
 import pytest
 from ray import cloudpickle
 
-import raytrn.backends.neuron as neuron
+import raytrn.backends.neuron_ray as neuron_ray
+import raytrn.backends.neuron_xla as neuron_xla
 from raytrn.backends import get_backend
-from raytrn.backends.neuron import NeuronBackend, NeuronXlaConfig, WorkerInfo, plan_worker_envs
-from raytrn.backends.neuron_env import neuron_worker_env
+from raytrn.backends.neuron_env import neuron_xla_worker_env
+from raytrn.backends.neuron_ray import WorkerInfo
+from raytrn.backends.neuron_xla import NeuronXlaBackend, NeuronXlaConfig
+from raytrn.backends.neuron_xla import plan_xla_worker_envs as plan_worker_envs
 from raytrn.backends.xla import XlaBackend
 from raytrn.config import JobSpec, load_job
 from raytrn.errors import BackendError
+from tests.unit.neuron_fakes import FakeWorkerGroup, workers
 
 pytestmark = pytest.mark.unit
 
@@ -28,28 +32,6 @@ JOB = Path(__file__).resolve().parents[2] / "jobs" / "llama3-8b-trn1.yaml"
 
 def job(*overrides: str) -> JobSpec:
     return load_job(JOB, list(overrides), base_dir="/base")
-
-
-def workers(nodes: list[int], *, world_size: int | None = None) -> list[WorkerInfo]:
-    """WorkerInfo as Ray Train assigns it: ranks node by node, ``nodes[i]`` workers on node i."""
-    n = world_size or sum(nodes)
-    out, rank = [], 0
-    for node, count in enumerate(nodes):
-        for local in range(count):
-            out.append(
-                WorkerInfo(
-                    world_rank=rank,
-                    local_rank=local,
-                    node_rank=node,
-                    world_size=n,
-                    local_world_size=count,
-                    node_id=f"node-{node}",
-                    node_ip=f"10.0.0.{node + 1}",
-                    hostname=f"ip-10-0-0-{node + 1}",
-                )
-            )
-            rank += 1
-    return out
 
 
 def config(**kw: Any) -> NeuronXlaConfig:
@@ -63,39 +45,39 @@ PORTS = dict(master_addr="10.0.0.1", master_port=29500, root_comm_port=41000)
 
 
 def test_registered() -> None:
-    backend = get_backend("neuron")
-    assert isinstance(backend, NeuronBackend) and isinstance(backend, XlaBackend)
-    assert backend.name == "neuron"
+    backend = get_backend("neuron-xla")
+    assert isinstance(backend, NeuronXlaBackend) and isinstance(backend, XlaBackend)
+    assert backend.name == "neuron-xla"
     assert backend.default_resources == {"neuron_cores": 1}
 
 
 def test_check_llama3_8b_trn1() -> None:
     spec = job()  # as shipped
     tp = spec.parallel.tensor_parallel_size
-    notes = NeuronBackend().check(spec)
+    notes = NeuronXlaBackend().check(spec)
     assert notes[0] == (
         "neuron layout: trn1.32xlarge (32 NeuronCores), 32 workers per node, 32, 64, 96, 128 workers on 1-4 "
         f"node(s), tensor parallel {tp} (data parallel {', '.join(str(n // tp) for n in (32, 64, 96, 128))})"
     )
     # Plain data parallelism over the same layout, pinned exactly.
-    assert NeuronBackend().check(job("parallel.tensor_parallel_size=1")) == [
+    assert NeuronXlaBackend().check(job("parallel.tensor_parallel_size=1")) == [
         "neuron layout: trn1.32xlarge (32 NeuronCores), 32 workers per node, 32, 64, 96, 128 workers on 1-4 "
         "node(s), tensor parallel 1 (data parallel 32, 64, 96, 128)"
     ]
 
 
 def test_check_notes() -> None:
-    notes = NeuronBackend().check(job("scaling.resources_per_worker={CPU: 1}", "parallel.tensor_parallel_size=8"))
+    notes = NeuronXlaBackend().check(job("scaling.resources_per_worker={CPU: 1}", "parallel.tensor_parallel_size=8"))
     assert "tensor parallel 8 (data parallel 4, 8, 12, 16)" in notes[0]
     assert any("scaling.resources_per_worker={'CPU': 1.0} does not request neuron_cores: 1" in n for n in notes)
-    notes = NeuronBackend().check(job("neuron.compile_cache=/fsx/cache", "neuron.cc_flags='--cache_dir=/tmp/c'"))
+    notes = NeuronXlaBackend().check(job("neuron.compile_cache=/fsx/cache", "neuron.cc_flags='--cache_dir=/tmp/c'"))
     assert notes[-1] == "neuron.cc_flags sets --cache_dir, which takes precedence over neuron.compile_cache"
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["scaling.instance_type=null"], "scaling.accelerator='neuron' needs scaling.instance_type (one worker"),
+        (["scaling.instance_type=null"], "scaling.accelerator='neuron-xla' needs scaling.instance_type (one worker"),
         (
             ["scaling.instance_type=null", "scaling.workers_per_node=null"],
             "needs scaling.instance_type and scaling.workers_per_node",
@@ -111,16 +93,19 @@ def test_check_notes() -> None:
 )
 def test_check_broken_jobs(overrides: list[str], message: str) -> None:
     with pytest.raises(BackendError) as e:
-        NeuronBackend().check(job(*overrides))
+        NeuronXlaBackend().check(job(*overrides))
     assert str(e.value).startswith(f"{JOB}: ")
     assert message in str(e.value)
 
 
-def test_check_trn2_lnc_conflict_with_cc_flags() -> None:
+def test_check_refuses_trn2_and_trn3() -> None:
     trn2 = ["scaling.instance_type=trn2.48xlarge", "scaling.workers_per_node=64", "scaling.min_workers=64"]
-    assert "(64 NeuronCores at LNC=2)" in NeuronBackend().check(job(*trn2, "scaling.max_workers=128"))[0]
-    with pytest.raises(BackendError, match="logical NeuronCore config to 2 but neuron.lnc=1"):
-        NeuronBackend().check(job(*trn2, "scaling.max_workers=128", "neuron.lnc=1", "neuron.cc_flags='--lnc 2'"))
+    with pytest.raises(
+        BackendError, match="trn2.48xlarge .trn2. trains with TorchNeuron: use scaling.accelerator: neuron"
+    ):
+        NeuronXlaBackend().check(job(*trn2, "scaling.max_workers=128"))
+    with pytest.raises(BackendError, match="Trainium3 instance types are not yet known"):
+        NeuronXlaBackend().check(job("scaling.instance_type=trn3.48xlarge"))
 
 
 # --- the Ray backend config ----------------------------------------------------------------------------------------
@@ -133,7 +118,7 @@ def test_ray_backend_config_carries_plain_fields() -> None:
         "neuron.cc_flags='--model-type transformer'",
         "parallel.tensor_parallel_size=8",
     )
-    cfg = NeuronBackend().ray_backend_config(spec)
+    cfg = NeuronXlaBackend().ray_backend_config(spec)
     assert isinstance(cfg, NeuronXlaConfig)
     assert cfg.to_dict() == {
         "backend": "xla",
@@ -152,14 +137,14 @@ def test_ray_backend_config_carries_plain_fields() -> None:
     }
     for dumps, loads in ((pickle.dumps, pickle.loads), (cloudpickle.dumps, cloudpickle.loads)):
         back = loads(dumps(cfg))
-        assert back == cfg and back.backend_cls is neuron._NeuronRayBackend
+        assert back == cfg and back.backend_cls is neuron_xla._NeuronXlaRayBackend
 
 
 def test_precompile_switches_reach_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """neuron_parallel_compile sets its switches in the driver's env; Ray workers don't inherit it."""
     monkeypatch.setenv("NEURON_EXTRACT_GRAPHS_ONLY", "1")
     monkeypatch.delenv("NEURON_PARALLEL_COMPILE_CACHE_PATH_LOG", raising=False)
-    cfg = NeuronBackend().ray_backend_config(job())
+    cfg = NeuronXlaBackend().ray_backend_config(job())
     assert cfg.extra_env == {"NEURON_EXTRACT_GRAPHS_ONLY": "1"}
     workers = [
         WorkerInfo(world_rank=r, local_rank=r, node_rank=0, world_size=2, local_world_size=2, node_id="n0",
@@ -173,7 +158,7 @@ def test_precompile_switches_reach_the_workers(monkeypatch: pytest.MonkeyPatch) 
 
 def test_ray_backend_config_needs_the_layout() -> None:
     with pytest.raises(BackendError, match="needs scaling.workers_per_node"):
-        NeuronBackend().ray_backend_config(job("scaling.workers_per_node=null"))
+        NeuronXlaBackend().ray_backend_config(job("scaling.workers_per_node=null"))
     with pytest.raises(BackendError, match="unknown Trainium instance type"):
         config(instance_type="trn9.huge")
 
@@ -182,8 +167,13 @@ def test_the_ray_backend_never_kills_processes() -> None:
     """Ray's TorchXLAConfig runs ``pkill -f xrt_run_server`` on every worker; raytrn's must not."""
     from ray.train.torch.xla.config import _TorchAwsNeuronXLABackend
 
-    assert not issubclass(neuron._NeuronRayBackend, _TorchAwsNeuronXLABackend)
-    tree = ast.parse(inspect.getsource(neuron))
+    assert not issubclass(neuron_xla._NeuronXlaRayBackend, _TorchAwsNeuronXLABackend)
+    for module in (neuron_xla, neuron_ray):
+        assert_never_kills(module)
+
+
+def assert_never_kills(module: Any) -> None:
+    tree = ast.parse(inspect.getsource(module))
     docstrings = {
         id(node.body[0].value)
         for node in ast.walk(tree)
@@ -212,7 +202,7 @@ def test_plan_two_nodes_in_any_order() -> None:
     envs = plan_worker_envs(shuffled, cfg, **PORTS)
     assert len(envs) == 64
     for info, env in zip(shuffled, envs, strict=True):  # in the order given
-        assert env == neuron_worker_env(
+        assert env == neuron_xla_worker_env(
             world_rank=info.world_rank,
             local_rank=info.local_rank,
             node_rank=info.node_rank,
@@ -258,50 +248,12 @@ def test_plan_refuses_bad_ranks() -> None:
 # --- the Ray backend against a fake worker group -------------------------------------------------------------------
 
 
-class FakeWorkerGroup:
-    """Stands in for Ray Train's worker group: runs the backend's worker functions as the workers would."""
-
-    def __init__(self, infos: list[WorkerInfo]) -> None:
-        self.infos = infos
-        self.applied: dict[int, dict[str, str]] = {}
-        self.calls: list[tuple[str, int | None]] = []
-
-    def __len__(self) -> int:
-        return len(self.infos)
-
-    def _run(self, index: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        self.calls.append((fn.__name__, index))
-        if fn is neuron._describe_worker:
-            return self.infos[index]
-        if fn is neuron._free_ports:
-            return self.infos[index].node_ip, [29500 + index, 41000 + index]
-        if fn is neuron._apply_env:
-            self.applied[index] = args[0]
-            return None
-        return None
-
-    def execute(self, fn: Any, *args: Any, **kwargs: Any) -> list[Any]:
-        return [self._run(i, fn, *args, **kwargs) for i in range(len(self.infos))]
-
-    execute_async = execute
-
-    def execute_single(self, index: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return self._run(index, fn, *args, **kwargs)
-
-    execute_single_async = execute_single
-
-
-@pytest.fixture
-def no_ray_get(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(neuron.ray, "get", lambda refs, timeout=None: refs)
-
-
 def test_on_start_sets_each_workers_env(no_ray_get: None) -> None:
     infos = workers([32, 32])
     infos = infos[5:] + infos[:5]  # rank 0 is at index 59
     group = FakeWorkerGroup(infos)
-    neuron._NeuronRayBackend().on_start(group, config())
-    assert ("_free_ports", 59) in group.calls  # both ports come from rank 0's node
+    neuron_xla._NeuronXlaRayBackend().on_start(group, config())
+    assert ("free_ports", 59) in group.calls  # both ports come from rank 0's node
     assert sorted(group.applied) == list(range(64))
     for index, env in group.applied.items():
         assert env["RANK"] == str(infos[index].world_rank)
@@ -312,33 +264,33 @@ def test_on_start_sets_each_workers_env(no_ray_get: None) -> None:
 def test_on_start_refuses_uneven_placement_before_setting_anything(no_ray_get: None) -> None:
     group = FakeWorkerGroup(workers([1, 2], world_size=3))
     with pytest.raises(BackendError, match="Ray placed 3 workers unevenly"):
-        neuron._NeuronRayBackend().on_start(group, config(instance_type="trn1.2xlarge", workers_per_node=2))
+        neuron_xla._NeuronXlaRayBackend().on_start(group, config(instance_type="trn1.2xlarge", workers_per_node=2))
     assert group.applied == {}
 
 
 def test_training_start_and_shutdown_only_touch_the_process_group(no_ray_get: None) -> None:
     group = FakeWorkerGroup(workers([2]))
     cfg = config(instance_type="trn1.2xlarge", workers_per_node=2)
-    neuron._NeuronRayBackend().on_training_start(group, cfg)
-    neuron._NeuronRayBackend().on_shutdown(group, cfg)
-    assert [name for name, _ in group.calls] == ["_init_xla_process_group"] * 2 + ["_destroy_process_group"] * 2
+    neuron_xla._NeuronXlaRayBackend().on_training_start(group, cfg)
+    neuron_xla._NeuronXlaRayBackend().on_shutdown(group, cfg)
+    assert [name for name, _ in group.calls] == ["_init_xla_process_group"] * 2 + ["destroy_process_group"] * 2
 
 
 # --- worker-side helpers -------------------------------------------------------------------------------------------
 
 
 def test_free_ports_are_distinct(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(neuron.ray.util, "get_node_ip_address", lambda: "127.0.0.1")
-    addr, ports = neuron._free_ports(2)
+    monkeypatch.setattr(neuron_ray.ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    addr, ports = neuron_ray.free_ports(2)
     assert addr == "127.0.0.1" and len(set(ports)) == 2 and all(0 < p < 65536 for p in ports)
 
 
 def test_apply_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RAYTRN_TEST_NEURON_VAR", raising=False)
-    neuron._apply_env({"RAYTRN_TEST_NEURON_VAR": "1"})
+    neuron_ray.apply_env({"RAYTRN_TEST_NEURON_VAR": "1"})
     assert os.environ["RAYTRN_TEST_NEURON_VAR"] == "1"
     monkeypatch.delenv("RAYTRN_TEST_NEURON_VAR")
 
 
 def test_destroy_process_group_without_one_is_a_no_op() -> None:
-    neuron._destroy_process_group()
+    neuron_ray.destroy_process_group()
