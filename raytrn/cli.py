@@ -68,11 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_pre = sub.add_parser(
         "precheck",
-        help="run the training step on torch-xla (CPU) and catch recompiles before renting a trn node",
-        description="Run the job's real training step K times on xla-cpu (PJRT_DEVICE=CPU; needs torch-xla, e.g. "
-        "`.venv-xla/bin/raytrn precheck JOB.yaml`) with the job's sequence length and micro-batch, and report "
-        "graphs compiled, graph hashes and host-device syncs per step. Exit 1 when a step after warm-up compiles "
-        "a new graph (each one is a Neuron compile), 0 otherwise.",
+        help="run the training step on CPU and catch graph breaks and recompiles before renting a trn node",
+        description="Run the job's real training step K times on CPU with the job's sequence length and micro-batch, "
+        "and report graphs compiled and graph hashes per step. scaling.accelerator neuron (TorchNeuron), cpu and "
+        "cuda: under torch.compile(fullgraph=True, dynamic=False), as TorchNeuron's torch.compile(backend='neuron') "
+        "traces it; a graph break fails. neuron-xla and xla-cpu: on torch-xla (PJRT_DEVICE=CPU; needs torch-xla, e.g. "
+        "`.venv-xla/bin/raytrn precheck JOB.yaml`), also counting host-device syncs. Exit 1 when a step after warm-up "
+        "compiles a new graph (each one is a Neuron compile) or the graph breaks, 0 otherwise.",
     )
     p_pre.add_argument("job", metavar="JOB.yaml")
     add_set_option(p_pre)
@@ -96,10 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_comp = sub.add_parser(
         "precompile",
-        help="compile the Neuron graphs for every world size of the elastic range (on a trn node)",
-        description="Run neuron_parallel_compile (graph extraction, then parallel compile into the job's "
+        help="compile the Neuron graphs for every world size of the elastic range (neuron-xla, on a trn node)",
+        description="neuron-xla: run neuron_parallel_compile (graph extraction, then parallel compile into the job's "
         "neuron.compile_cache) once per world size that min_workers..max_workers can take at node granularity, "
-        "so an elastic resize never waits for a compile. --dry-run prints the plan and commands.",
+        "so an elastic resize never waits for a compile. --dry-run prints the plan and commands. neuron "
+        "(TorchNeuron) has no ahead-of-time compile tool: prints the warm-up runs that fill its cache instead, exit 2.",
     )
     p_comp.add_argument("job", metavar="JOB.yaml")
     add_set_option(p_comp)

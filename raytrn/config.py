@@ -55,7 +55,7 @@ class ModelConfig(_Section):
     autocast: Literal["none", "bfloat16"] = Field(
         "none",
         description="mixed precision: forward/backward under torch.autocast in this dtype while parameters and "
-        "AdamW state stay float32 (master weights); cuda only, ignored with a warning elsewhere",
+        "AdamW state stay float32 (master weights); cuda and neuron (TorchNeuron), ignored with a warning elsewhere",
     )
 
     @model_validator(mode="before")
@@ -311,7 +311,8 @@ class RunConfig(_Section):
     compile: bool = Field(
         False,
         description="torch.compile the model (in place: checkpoint keys unchanged) and the loss; the first steps "
-        "compile. cuda only, ignored with a warning elsewhere (XLA compiles whole steps anyway)",
+        "compile. cuda (inductor) and neuron (backend='neuron', fullgraph=True, dynamic=False); ignored with a "
+        "warning elsewhere (XLA compiles whole steps anyway)",
     )
     tune_malloc: bool | None = Field(
         None,
@@ -356,12 +357,21 @@ class NeuronConfig(_Section):
     """Trainium-only settings; ignored (with a warning) on other accelerators."""
 
     compile_cache: str | None = Field(
-        None, description="NEURON_COMPILE_CACHE_URL: s3://bucket/prefix or a local/shared path (per-host subdirs)"
+        None,
+        description="neuron: TorchNeuron's NEFF cache directory, local or shared (per-host subdirs); neuron-xla: "
+        "NEURON_COMPILE_CACHE_URL, s3://bucket/prefix or a local/shared path",
     )
-    lnc: Literal[1, 2] | None = Field(None, description="trn2 logical NeuronCore config (default 2); trn1 has none")
-    stochastic_rounding: bool = Field(True, description="NEURON_RT_STOCHASTIC_ROUNDING_EN for bf16 training")
+    lnc: Literal[1, 2] | None = Field(
+        None,
+        description="trn2 logical NeuronCore config, 1 or 2 (default 2: 64 workers per trn2.48xlarge); trn1 has none",
+    )
+    stochastic_rounding: bool = Field(
+        True, description="neuron-xla: NEURON_RT_STOCHASTIC_ROUNDING_EN for bf16 parameters (TorchNeuron: use autocast)"
+    )
     cc_flags: str = Field("--model-type transformer", description="NEURON_CC_FLAGS for the Neuron compiler")
-    socket_ifname: str = Field("eth0", description="network interface for collective bootstrap (CCOM_SOCKET_IFNAME)")
+    socket_ifname: str = Field(
+        "eth0", description="neuron-xla: network interface for collective bootstrap (CCOM_SOCKET_IFNAME)"
+    )
 
 
 class JobSpec(_Section):

@@ -25,7 +25,13 @@ from ray.train.backend import Backend as RayBackend
 from ray.train.torch import TorchConfig
 
 from raytrn.backends.base import Backend
-from raytrn.backends.neuron_env import check_neuron_job, cores_per_instance, require_layout, torchneuron_worker_env
+from raytrn.backends.neuron_env import (
+    check_neuron_job,
+    check_stack,
+    cores_per_instance,
+    require_layout,
+    torchneuron_worker_env,
+)
 from raytrn.backends.neuron_ray import WorkerInfo, plan_worker_envs, set_up_workers, shut_down_process_group
 from raytrn.errors import BackendUnavailableError
 
@@ -88,6 +94,18 @@ class NeuronBackend(Backend):
         """The instance family (trn2/trn3), one worker per logical core of every node, every world size of the
         elastic range, the NEFF cache and compiler flags."""
         return check_neuron_job(job)
+
+    def ignored_settings(self, job: JobSpec) -> list[str]:
+        """Also the XLA path's ``neuron`` settings, when a job sets them: TorchNeuron has no use for them."""
+        unused = {
+            "neuron.stochastic_rounding": "bf16 compute comes from model.autocast (float32 master weights)",
+            "neuron.socket_ifname": "the neuron process group bootstraps from MASTER_ADDR",
+        }
+        return super().ignored_settings(job) + [
+            f"{key} is ignored on scaling.accelerator='neuron' (neuron-xla only): {why}"
+            for key, why in unused.items()
+            if key.split(".")[1] in job.neuron.model_fields_set
+        ]
 
     def ray_backend_config(self, job: JobSpec) -> TorchNeuronConfig:
         instance_type, workers_per_node = require_layout(job)
@@ -156,7 +174,8 @@ class TorchNeuronConfig(TorchConfig):
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        cores_per_instance(self.instance_type, self.lnc)  # unknown instance type / bad LNC: fail on the driver
+        check_stack("neuron", self.instance_type)  # trn1, trn3 or an unknown type: fail on the driver
+        cores_per_instance(self.instance_type, self.lnc)
 
     @property
     def backend_cls(self) -> type:

@@ -1,10 +1,16 @@
-"""``raytrn precheck``: run the real training step on torch-xla (CPU) and catch recompiles before a trn node is rented.
+"""``raytrn precheck``: run the real training step on CPU and catch recompiles before a trn node is rented.
 
 Every new graph shape is a Neuron compile (minutes each). The precheck runs the job's own step
-(:func:`raytrn.train.step.train_step`, same batch shape, the job's logging cadence) ``steps`` times on
-``PJRT_DEVICE=CPU`` and reports per step: graphs compiled, graph hash at the step's end, host-device
-transfers (``.item()`` and friends), and the input shape. A compile after the warm-up steps fails the
-check, with the step and the likely cause.
+(:func:`raytrn.train.step.train_step`, same batch shape, the job's logging cadence) ``steps`` times and reports
+per step: graphs compiled, graph hash, and the input shape. A compile after the warm-up steps fails the check,
+with the step and the likely cause.
+
+- ``neuron-xla`` (and ``xla-cpu``): on torch-xla's ``PJRT_DEVICE=CPU``, also counting host-device transfers
+  (``.item()`` and friends), which cut XLA's lazy graph.
+- ``neuron`` (TorchNeuron) and the other torch.distributed backends: the job's model and loss under
+  ``torch.compile(fullgraph=True, dynamic=False)`` on CPU, as ``torch.compile(backend="neuron")`` traces them, with
+  a backend that counts the graphs Dynamo hands it. A graph break fails the check with Dynamo's reason (the job
+  itself, with ``fullgraph=True``, would stop there); so does a recompile after warm-up.
 
 The step's host memory is estimated first (:func:`estimate_memory`, fitted against measured peaks on
 torch-xla's CPU device) and the run refused, with the estimate, when the machine does not have it: the 1B
@@ -35,7 +41,7 @@ TINY_VOCAB = 4096
 class StepRecord:
     step: int
     compiles: int
-    host_syncs: int
+    host_syncs: int | None  # None: not measured (the torch.compile path has no lazy graph to cut)
     graph_hash: str
     input_shape: tuple[int, ...]
     logged: bool
@@ -49,6 +55,10 @@ class PrecheckReport:
     data: str = ""
     model: str = ""
     memory: str = ""
+    #: How the step ran: torch-xla's CPU device, or torch.compile on CPU.
+    mode: str = "torch-xla, PJRT_DEVICE=CPU"
+    #: The torch.compile path: Dynamo's reason for the first graph break (the run stopped there).
+    graph_break: str = ""
 
     @property
     def late_compiles(self) -> list[StepRecord]:
@@ -60,7 +70,7 @@ class PrecheckReport:
 
     @property
     def ok(self) -> bool:
-        return not self.late_compiles
+        return not self.late_compiles and not self.graph_break
 
     def reasons(self, r: StepRecord) -> list[str]:
         """Why step ``r`` compiled, judged against the steady steps before it."""
@@ -68,23 +78,30 @@ class PrecheckReport:
         why = []
         if before and r.input_shape != before[-1].input_shape:
             why.append(f"input shape changed from {list(before[-1].input_shape)} to {list(r.input_shape)}")
-        steady_syncs = {x.host_syncs for x in before if x.step > self.warmup_steps and x.logged == r.logged}
+        steady_syncs = {
+            x.host_syncs for x in before if x.step > self.warmup_steps and x.logged == r.logged and x.host_syncs
+        }
         if r.host_syncs and (not steady_syncs or r.host_syncs > max(steady_syncs)):
             why.append(
                 f"{r.host_syncs} host-device sync(s) in this step (a lazy tensor read with .item()/float()/print "
                 "inside the step cuts the graph: read metrics after the step's sync, as the loop does)"
             )
+        if r.host_syncs is None:  # torch.compile: a compile always adds a graph; Dynamo's guards say why
+            return why or [
+                "a Dynamo guard failed (a Python value the model reads changed): run with TORCH_LOGS=recompiles"
+            ]
         if before and r.graph_hash != before[-1].graph_hash and not why:
             why.append("the step built a different graph (Python control flow depends on the step or on values)")
         return why or ["unknown: run with PT_XLA_DEBUG_LEVEL=2 for torch-xla's compilation analysis"]
 
     def render(self) -> str:
-        lines = [f"== raytrn precheck: {self.job} ==", f"model  {self.model}", f"data   {self.data}"]
-        lines += [f"memory {self.memory} (estimated before the run)"] * bool(self.memory) + [""]
-        lines.append("step  compiles  host-syncs  graph-hash        input      logged")
+        lines = [f"== raytrn precheck: {self.job} ==", f"mode   {self.mode}", f"model  {self.model}"]
+        lines += [f"data   {self.data}"] + [f"memory {self.memory} (estimated before the run)"] * bool(self.memory)
+        lines += ["", "step  compiles  host-syncs  graph-hash        input      logged"]
         for r in self.records:
+            syncs = "-" if r.host_syncs is None else str(r.host_syncs)
             lines.append(
-                f"{r.step:>4}  {r.compiles:>8}  {r.host_syncs:>10}  {r.graph_hash}  "
+                f"{r.step:>4}  {r.compiles:>8}  {syncs:>10}  {r.graph_hash}  "
                 f"{'x'.join(map(str, r.input_shape)):<9}  {'yes' if r.logged else ''}"
             )
         steady = [r for r in self.records if r.step > self.warmup_steps and not r.logged]
@@ -93,14 +110,22 @@ class PrecheckReport:
             f"distinct step graphs: {self.distinct_graphs}; compiles during warm-up (steps 1-{self.warmup_steps}): "
             f"{sum(r.compiles for r in self.records if r.step <= self.warmup_steps)}; after warm-up: "
             f"{sum(r.compiles for r in self.late_compiles)}",
-            f"host-device syncs per steady step: {max((r.host_syncs for r in steady), default=0)} "
-            "(metrics are read only on log steps)",
         ]
+        if any(r.host_syncs is not None for r in self.records):
+            lines.append(
+                f"host-device syncs per steady step: {max((r.host_syncs or 0 for r in steady), default=0)} "
+                "(metrics are read only on log steps)"
+            )
         for r in self.late_compiles:
             lines.append(f"step {r.step}: compiled {r.compiles} new graph(s): " + "; ".join(self.reasons(r)))
-        lines.append(
-            "verdict: PASS (no recompiles after warm-up)" if self.ok else "verdict: FAIL (recompiles after warm-up)"
-        )
+        if self.graph_break:
+            step = len(self.records) + 1
+            lines.append(f"step {step}: graph break (fullgraph=True stops the run here): {self.graph_break}")
+            lines.append("verdict: FAIL (graph break)")
+        else:
+            lines.append(
+                "verdict: PASS (no recompiles after warm-up)" if self.ok else "verdict: FAIL (recompiles after warm-up)"
+            )
         return "\n".join(lines)
 
 
@@ -147,7 +172,7 @@ class MemoryEstimate:
         gib = 1 << 30
         return (
             f"about {self.total / gib:.1f} GiB (weights, gradients and AdamW {self.state / gib:.1f} GiB, activations "
-            f"{self.activations / gib:.1f} GiB, logits {self.logits / gib:.1f} GiB, torch-xla {self.runtime / gib:.1f} GiB)"
+            f"{self.activations / gib:.1f} GiB, logits {self.logits / gib:.1f} GiB, runtime {self.runtime / gib:.1f} GiB)"
         )
 
 
@@ -228,6 +253,18 @@ def precheck(
     if small or tiny:
         job = shrink(job, shapes=tiny)
     memory = check_memory(job, available=max_memory_bytes, shrunk="tiny" if tiny else "small" if small else "")
+    if job.scaling.accelerator in XLA_ACCELERATORS:
+        return _precheck_xla(job, steps=steps, warmup_steps=warmup_steps, batches=batches, memory=memory)
+    return _precheck_compiled(job, steps=steps, warmup_steps=warmup_steps, batches=batches, memory=memory)
+
+
+#: The accelerators whose step precheck runs on torch-xla; the others run it under torch.compile.
+XLA_ACCELERATORS = ("neuron-xla", "xla-cpu")
+
+
+def _precheck_xla(
+    job: JobSpec, *, steps: int, warmup_steps: int, batches: Iterator[Any] | None, memory: MemoryEstimate
+) -> PrecheckReport:
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     from raytrn.backends.xla import import_torch_xla
 
@@ -276,6 +313,74 @@ def precheck(
             )
         )
     return report
+
+
+def _precheck_compiled(
+    job: JobSpec, *, steps: int, warmup_steps: int, batches: Iterator[Any] | None, memory: MemoryEstimate
+) -> PrecheckReport:
+    """The step with ``run.compile`` on, under ``torch.compile(fullgraph=True, dynamic=False)`` with a backend that
+    records each graph Dynamo hands it (and runs it eagerly): what TorchNeuron's ``backend="neuron"`` would compile."""
+    import torch
+
+    from raytrn.backends.cpu import CpuBackend
+    from raytrn.models import model_stats
+    from raytrn.train.step import build_training, read_metrics, train_step
+
+    graphs: list[str] = []
+
+    def recording_backend(gm: Any, example_inputs: Any) -> Any:
+        graphs.append(hashlib.sha1(gm.code.encode()).hexdigest()[:16])
+        return gm.forward
+
+    class CompileRecordingBackend(CpuBackend):
+        autocast_supported = True  # model.autocast as TorchNeuron applies it (CPU autocast)
+        compile_options = {"backend": recording_backend, "fullgraph": True, "dynamic": False}
+        tune_malloc = False
+
+    torch._dynamo.reset()  # graphs cached by an earlier precheck in this process would hide compiles
+    job = job.model_copy(update={"run": job.run.model_copy(update={"compile": True})})
+    backend = CompileRecordingBackend()
+    t = build_training(job, backend, world_size=job.scaling.min_workers if job.data.global_batch_size else 1)
+    t.grad_accum = min(t.grad_accum, 2)
+    host_batches, data = (batches, "given batches") if batches is not None else _job_batches(job)
+    shapes: list[tuple[int, ...]] = []
+    device_batches = _shape_recorder(iter(host_batches), shapes)
+    report = PrecheckReport(
+        job=job.source,
+        warmup_steps=warmup_steps,
+        data=data,
+        model=model_stats(job.model, job.data.seq_len).describe(),
+        memory=memory.describe(),
+        mode=f"torch.compile(fullgraph=True, dynamic=False) on CPU, as {job.scaling.accelerator!r} compiles the step",
+    )
+    for step in range(1, steps + 1):
+        compiled_before, n_shapes = len(graphs), len(shapes)
+        try:
+            result = train_step(t, device_batches, backend)
+        except torch._dynamo.exc.TorchDynamoException as e:  # fullgraph=True: the first graph break stops the run
+            report.graph_break = _dynamo_reason(e)
+            break
+        logged = step % job.run.log_every == 0
+        if logged:
+            read_metrics(result, 1)
+        report.records.append(
+            StepRecord(
+                step=step,
+                compiles=len(graphs) - compiled_before,
+                host_syncs=None,
+                graph_hash=hashlib.sha1("".join(graphs).encode()).hexdigest()[:16],
+                input_shape=_odd_one_out(shapes[n_shapes:], shapes[0]),
+                logged=logged,
+            )
+        )
+    return report
+
+
+def _dynamo_reason(e: Exception) -> str:
+    """Dynamo's graph-break message, condensed: what broke and where in the user's code."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    where = [line for line in lines if line.startswith("File ")]
+    return " ".join(lines[:1] + where[-1:])[:800]
 
 
 def _recording_backend() -> Any:
