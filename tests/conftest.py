@@ -23,11 +23,12 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray for the whole session: 3 logical CPUs (2 training workers and some room). Its dashboard
-    takes a free port: 8265 (and 6379, 5000) stay free for the README's laptop path (test_laptop_path.py)."""
+    """One local Ray for the whole session: 3 logical CPUs (2 training workers and some room) and 2 logical
+    ``neuron_cores`` (Ray assigns them and sets ``NEURON_RT_VISIBLE_CORES``, as on a trn node; no Neuron device).
+    Its dashboard takes a free port: 8265 (and 6379, 5000) stay free for the README's laptop path."""
     import ray
 
-    ray.init(num_cpus=3, logging_level="WARNING", dashboard_port=_free_port())
+    ray.init(num_cpus=3, resources={"neuron_cores": 2}, logging_level="WARNING", dashboard_port=_free_port())
     yield
     ray.shutdown()
 
