@@ -11,7 +11,41 @@ from raytrn.config import read_config_text, safe_load_yaml
 from raytrn.errors import ConfigError
 
 PLACEHOLDER = "REPLACE_ME"
+
+#: The Neuron DLAMI's PyTorch virtual environments and the ``scaling.accelerator`` each one trains with:
+#: ``aws_neuronx_venv_torch_neuronx_<version>`` is TorchNeuron (trn2/trn3, Neuron 2.33+),
+#: ``aws_neuronx_venv_pytorch_<version>[_nxd_training]`` the PyTorch/XLA + NxD stack (trn1, Neuron <= 2.29).
+DLAMI_VENVS = (
+    (re.compile(r"/opt/aws_neuronx_venv_torch_neuronx_[0-9_]+"), "neuron"),
+    (re.compile(r"/opt/aws_neuronx_venv_pytorch_[0-9A-Za-z_]+"), "neuron-xla"),
+)
+#: The venv to name in a fix, by accelerator.
+DLAMI_VENV_FOR = {
+    "neuron": "/opt/aws_neuronx_venv_torch_neuronx_2_14_0 (DLAMI 'Deep Learning AMI Neuron torch-neuronx 2.14.0')",
+    "neuron-xla": "/opt/aws_neuronx_venv_pytorch_2_9_nxd_training (a Neuron 2.28/2.29 DLAMI)",
+}
 _LNC_SETTING = re.compile(r"NEURON_LOGICAL_NC_CONFIG\s*=\s*[\"']?(\d+)")
+
+
+def venv_stacks(texts: list[str]) -> dict[str, str]:
+    """Every DLAMI venv path named in ``texts`` (commands, env values), with the accelerator it trains with."""
+    found: dict[str, str] = {}
+    for text in texts:
+        for pattern, accelerator in DLAMI_VENVS:
+            for path in pattern.findall(text):
+                found.setdefault(path, accelerator)
+    return found
+
+
+def stack_warnings(where: str, spec: InstanceSpec, texts: list[str]) -> list[str]:
+    """A warning per DLAMI venv in ``texts`` that is not the stack ``spec``'s family trains with."""
+    return [
+        f"warning: {where}: {spec.name} trains with scaling.accelerator {spec.accelerator}, but {path} is the "
+        f"{accelerator} venv ({'TorchNeuron' if accelerator == 'neuron' else 'PyTorch/XLA + NxD'}); use "
+        f"{DLAMI_VENV_FOR[spec.accelerator]}"
+        for path, accelerator in venv_stacks(texts).items()
+        if accelerator != spec.accelerator
+    ]
 
 
 def load_yaml_documents(path: str, *, what: str) -> list[Any]:

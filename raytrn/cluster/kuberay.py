@@ -21,6 +21,7 @@ from raytrn.cluster.common import (
     mapping_at,
     placeholder_notes,
     raise_problems,
+    stack_warnings,
 )
 from raytrn.errors import ConfigError
 
@@ -218,6 +219,8 @@ def _check_neuron_group(group: dict[str, Any], where: str, notes: list[str]) -> 
         if isinstance(e, dict)
     ]
     node_cores, lnc = expected_neuron_cores(spec, env)
+    commands = [str(x) for c in _containers(group) for x in as_list(c.get("command")) + as_list(c.get("args"))]
+    notes += stack_warnings(where, spec, env + commands + [str(c.get("image", "")) for c in _containers(group)])
     per_device = node_cores // spec.neuron_devices
     if NEURONCORE in requested and NEURON_DEVICE in requested:
         problems.append(

@@ -33,6 +33,7 @@ from raytrn.cluster.common import (
     mapping_at,
     placeholder_notes,
     raise_problems,
+    stack_warnings,
 )
 from raytrn.errors import ConfigError
 
@@ -228,6 +229,7 @@ def _check_trn_node_type(config: dict[str, Any], name: str, nt: dict[str, Any], 
             f"Known: {', '.join(INSTANCES)}"
         ]
     problems = []
+    notes += stack_warnings(name, spec, _node_commands(config, nt))
     cores, lnc = expected_neuron_cores(spec, _node_commands(config, nt))
     lnc_note = f" at LNC={lnc}" if lnc else ""
     lnc_fix = " (or set NEURON_LOGICAL_NC_CONFIG in the node type's worker_setup_commands)" if lnc else ""

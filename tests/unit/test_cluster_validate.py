@@ -59,6 +59,31 @@ def test_shipped_files_exist_and_use_the_documented_ami_parameter() -> None:
         assert "--dashboard-host=127.0.0.1" in text and "RAY_AUTH_MODE=token" in text
 
 
+def test_each_shipped_file_activates_its_familys_venv() -> None:
+    assert "source /opt/aws_neuronx_venv_torch_neuronx_2_14_0/bin/activate" in TRN2.read_text()
+    assert "source /opt/aws_neuronx_venv_pytorch_2_9_nxd_training/bin/activate" in TRN1.read_text()
+    for path in (TRN1, TRN2):
+        assert not [n for n in validate_cluster_file(str(path)) if n.startswith("warning:")]
+
+
+@pytest.mark.parametrize(
+    ("path", "venv", "expected"),
+    [
+        (TRN2, "/opt/aws_neuronx_venv_pytorch_2_9_nxd_training", "xlarge trains with scaling.accelerator "
+         "neuron, but /opt/aws_neuronx_venv_pytorch_2_9_nxd_training is the neuron-xla venv (PyTorch/XLA + NxD); use "
+         "/opt/aws_neuronx_venv_torch_neuronx_2_14_0"),
+        (TRN1, "/opt/aws_neuronx_venv_torch_neuronx_2_14_0", "xlarge trains with scaling.accelerator "
+         "neuron-xla, but /opt/aws_neuronx_venv_torch_neuronx_2_14_0 is the neuron venv (TorchNeuron); use "
+         "/opt/aws_neuronx_venv_pytorch_2_9_nxd_training"),
+    ],
+)  # fmt: skip
+def test_the_wrong_venv_for_the_instance_family_is_warned(path: Path, venv: str, expected: str) -> None:
+    config = load(path)
+    config["setup_commands"] = [f"echo 'source {venv}/bin/activate' >> ~/.bashrc"]
+    warnings = [n for n in validate_cluster_config(config, source="c.yaml") if n.startswith("warning:")]
+    assert warnings and all(expected in w for w in warnings)  # one per trn node type
+
+
 def test_shipped_files_pass_rays_own_validation() -> None:
     """Ray's full check (defaults filled, NetworkInterfaces folded), not just the schema."""
     from raytrn.compat import ray_validate_cluster_config

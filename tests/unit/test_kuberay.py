@@ -20,6 +20,7 @@ pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
 KUBERAY_FILES = sorted((REPO / "cluster" / "kuberay").glob("*.yaml"))
 RAYCLUSTER = REPO / "cluster" / "kuberay" / "raycluster-trn1.yaml"
+RAYCLUSTER_TRN2 = REPO / "cluster" / "kuberay" / "raycluster-trn2.yaml"
 RAYJOB = REPO / "cluster" / "kuberay" / "rayjob-llama3-8b.yaml"
 
 
@@ -45,8 +46,23 @@ def container(doc: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("path", KUBERAY_FILES, ids=lambda p: p.name)
 def test_shipped_manifests_validate(path: Path) -> None:
     notes = validate_kuberay_file(str(path))
-    assert any("32 NeuronCores per pod" in n for n in notes)
+    cores = "64 NeuronCores at LNC=2 per pod" if "trn2" in path.name else "32 NeuronCores per pod"
+    assert any(cores in n for n in notes)
+    assert not any(n.startswith("warning:") for n in notes)
     assert validate_cluster_file(str(path)) == notes  # the generic command dispatches on kind
+
+
+def test_a_trn2_pod_running_the_xla_venv_is_warned() -> None:
+    doc = load(RAYCLUSTER_TRN2)
+    container(doc)["env"].append(
+        {"name": "PATH", "value": "/opt/aws_neuronx_venv_pytorch_2_9_nxd_training/bin:/usr/bin"}
+    )
+    notes = validate_kuberay_documents([doc], source="c.yaml")
+    assert (
+        "warning: spec.workerGroupSpecs[0]: trn2.48xlarge trains with scaling.accelerator neuron, but "
+        "/opt/aws_neuronx_venv_pytorch_2_9_nxd_training is the neuron-xla venv (PyTorch/XLA + NxD); use "
+        "/opt/aws_neuronx_venv_torch_neuronx_2_14_0 (DLAMI 'Deep Learning AMI Neuron torch-neuronx 2.14.0')"
+    ) in notes
 
 
 def test_shipped_manifests_are_autoscaling_trn1() -> None:
