@@ -14,12 +14,20 @@ BENCH_ARGS ?=
 VENV_XLA := .venv-xla
 XLA_PINS := torch==2.9.0 torch-xla==2.9.0
 
-.PHONY: help venv venv-xla data demo test test-xla unit integration lint format clean bench
+# The Python 3.12 venv: TorchNeuron (torch-neuronx 2.13/2.14) supports Python 3.12-3.14 only, so the code that
+# runs on trn2 is tested on 3.12 too. torch 2.13 for 3.12 is the registry's CUDA build (~4.7 GB venv, CPU use
+# here); the venv is kept between runs (rebuilt when pyproject.toml changes).
+VENV_PY312 := .venv-py312
+PYTHON312 = $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$p"; break; }; done)
+
+.PHONY: help venv venv-xla venv-py312 data demo test test-xla test-py312 unit integration lint format clean bench
 
 help:
 	@echo "make demo   - create .venv, install, prepare data/stdlib, train jobs/tiny.yaml on a local Ray"
 	@echo "make test   - run the test suite (unit + integration; what CI runs)"
 	@echo "make test-xla - build .venv-xla (torch 2.9 + torch-xla 2.9) and run tests/xla on PJRT_DEVICE=CPU"
+	@echo "make test-py312 - build .venv-py312 (Python 3.12, TorchNeuron's Python) and run the unit suite + a Ray training test"
 	@echo "make lint   - ruff + mypy"
 	@echo "make bench  - CPU benchmarks (~15 min): bench/results/<date>-<host>.json + the README table (BENCH_ARGS=--quick)"
 
@@ -39,6 +47,16 @@ $(VENV_XLA)/bin/.installed: pyproject.toml
 	$(VENV_XLA)/bin/python -m pip install -q --upgrade pip
 	$(VENV_XLA)/bin/python -m pip install -q $(XLA_PINS)
 	$(VENV_XLA)/bin/python -m pip install -q -e ".[dev]" $(XLA_PINS)
+	touch $@
+
+venv-py312: $(VENV_PY312)/bin/.installed
+
+$(VENV_PY312)/bin/.installed: pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "make test-py312 needs Python 3.12 (python3.12 on PATH, or pyenv's 3.12)" >&2; exit 2; }
+	test -x $(VENV_PY312)/bin/python || $(PYTHON312) -m venv $(VENV_PY312)
+	$(VENV_PY312)/bin/python -m pip install -q --upgrade pip
+	$(VENV_PY312)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(VENV_PY312)/bin/python -m pip install -q -e ".[dev]" "$(TORCH_PIN)"
 	touch $@
 
 # The demo corpus: the Python standard library's own top-level modules (on every machine, no download).
@@ -62,6 +80,12 @@ test: venv
 test-xla: venv-xla
 	PJRT_DEVICE=CPU $(VENV_XLA)/bin/python -m pytest -q tests/xla $(PYTEST_ARGS)
 
+# Python 3.12: the unit suite, then a real-Ray training test (TorchNeuron's Ray backend on gloo, FSDP + compile).
+test-py312: venv-py312
+	$(VENV_PY312)/bin/python -m pytest -q -m unit $(PYTEST_ARGS)
+	$(VENV_PY312)/bin/python -m pytest -q $(PYTEST_ARGS) \
+		tests/integration/test_backend_in_ray.py::test_torchneuron_ray_backend_sets_the_env_and_trains_like_one_process
+
 unit: venv
 	$(BIN)/python -m pytest -q -m unit $(PYTEST_ARGS)
 
@@ -78,4 +102,4 @@ format: venv
 	$(BIN)/ruff check --fix raytrn tests
 
 clean:
-	rm -rf $(VENV) $(VENV_XLA) data checkpoints mlruns .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(VENV_XLA) $(VENV_PY312) data checkpoints mlruns .pytest_cache .ruff_cache .mypy_cache
