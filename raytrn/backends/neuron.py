@@ -32,7 +32,13 @@ from raytrn.backends.neuron_env import (
     require_layout,
     torchneuron_worker_env,
 )
-from raytrn.backends.neuron_ray import WorkerInfo, plan_worker_envs, set_up_workers, shut_down_process_group
+from raytrn.backends.neuron_ray import (
+    WorkerInfo,
+    config_dict,
+    plan_worker_envs,
+    set_up_workers,
+    shut_down_process_group,
+)
 from raytrn.errors import BackendUnavailableError
 
 if TYPE_CHECKING:
@@ -182,16 +188,7 @@ class TorchNeuronConfig(TorchConfig):
         return _TorchNeuronRayBackend
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            **super().to_dict(),
-            "instance_type": self.instance_type,
-            "workers_per_node": self.workers_per_node,
-            "lnc": self.lnc,
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "compile_cache": self.compile_cache,
-            "cc_flags": self.cc_flags,
-            "extra_env": dict(self.extra_env),
-        }
+        return config_dict(self, super().to_dict())
 
 
 def plan_torchneuron_worker_envs(

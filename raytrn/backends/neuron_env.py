@@ -416,15 +416,9 @@ def neuron_xla_worker_env(
         lnc=lnc,
     )
     env = {
-        # torchrun's contract (GROUP_RANK is the node rank; AWS's Ray sample sets it to the world size).
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-        "RANK": str(world_rank),
-        "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(local_world_size),
-        "GROUP_RANK": str(node_rank),
-        "GROUP_WORLD_SIZE": str(num_nodes),
+        **torchrun_env(
+            master_addr, master_port, world_rank, local_rank, world_size, node_rank, num_nodes, workers_per_node
+        ),
         "TORCHELASTIC_RUN_ID": run_id,
         # PJRT on Neuron: one process per NeuronCore, global process index = rank.
         "PJRT_DEVICE": "NEURON",
@@ -505,14 +499,9 @@ def torchneuron_worker_env(
     assert effective_lnc is not None  # trn2/trn3 have a logical NeuronCore config
     env = {
         # torchrun's contract, read by init_process_group("neuron", init_method="env://").
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-        "RANK": str(world_rank),
-        "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(local_world_size),
-        "GROUP_RANK": str(node_rank),
-        "GROUP_WORLD_SIZE": str(num_nodes),
+        **torchrun_env(
+            master_addr, master_port, world_rank, local_rank, world_size, node_rank, num_nodes, workers_per_node
+        ),
         # One logical NeuronCore per process: the device is neuron:0 of what this process sees.
         "NEURON_RT_VISIBLE_CORES": visible_cores,
         "NEURON_LOGICAL_NC_CONFIG": str(effective_lnc),
@@ -524,6 +513,29 @@ def torchneuron_worker_env(
         env["NEURON_CC_FLAGS"] = flags
     env.update(neff_cache_env(compile_cache, hostname=hostname or ""))
     return env
+
+
+def torchrun_env(
+    master_addr: str,
+    master_port: int,
+    world_rank: int,
+    local_rank: int,
+    world_size: int,
+    node_rank: int,
+    num_nodes: int,
+    workers_per_node: int,
+) -> dict[str, str]:
+    """torchrun's variables for one worker (``GROUP_RANK`` is the node rank)."""
+    return {
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "RANK": str(world_rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(min(workers_per_node, world_size)),
+        "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(num_nodes),
+    }
 
 
 def _check_ranks(

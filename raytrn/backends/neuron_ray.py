@@ -81,6 +81,17 @@ def plan_worker_envs(
     return [env_for(w) for w in workers]
 
 
+def config_dict(config: Any, base: dict[str, Any]) -> dict[str, Any]:
+    """A backend config's ``to_dict``: ``base`` (``TorchConfig``'s) plus every field the subclass adds, copied."""
+    import dataclasses
+
+    out = dict(base)
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        out.setdefault(f.name, dict(value) if isinstance(value, dict) else value)
+    return out
+
+
 def set_up_workers(
     worker_group: Any, plan: Callable[[list[WorkerInfo], str, list[int]], list[dict[str, str]]], ports: int
 ) -> list[dict[str, str]]:

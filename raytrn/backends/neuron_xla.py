@@ -30,7 +30,13 @@ from raytrn.backends.neuron_env import (
     neuron_xla_worker_env,
     require_layout,
 )
-from raytrn.backends.neuron_ray import WorkerInfo, plan_worker_envs, set_up_workers, shut_down_process_group
+from raytrn.backends.neuron_ray import (
+    WorkerInfo,
+    config_dict,
+    plan_worker_envs,
+    set_up_workers,
+    shut_down_process_group,
+)
 from raytrn.backends.nxd import (
     NxdCheckpoints,
     build_nxd_config,
@@ -160,19 +166,7 @@ class NeuronXlaConfig(TorchConfig):
         return _NeuronXlaRayBackend
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            **super().to_dict(),
-            "instance_type": self.instance_type,
-            "workers_per_node": self.workers_per_node,
-            "lnc": self.lnc,
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "compile_cache": self.compile_cache,
-            "socket_ifname": self.socket_ifname,
-            "stochastic_rounding": self.stochastic_rounding,
-            "cc_flags": self.cc_flags,
-            "run_id": self.run_id,
-            "extra_env": dict(self.extra_env),
-        }
+        return config_dict(self, super().to_dict())
 
 
 def plan_xla_worker_envs(
