@@ -18,9 +18,13 @@ def test_mfu_matches_aws_llama31_8b_figure():
 
 def test_peak_flops_per_worker():
     assert peak_flops_per_worker("neuron", "trn1n.32xlarge") == 95e12
-    assert peak_flops_per_worker("neuron", None) == 95e12
+    assert peak_flops_per_worker("neuron-xla", None) == 95e12  # the XLA path: trn1 by default
     assert peak_flops_per_worker("neuron", "trn2.48xlarge") == pytest.approx(2 * 667e12 / 8)
     assert peak_flops_per_worker("neuron", "trn2.48xlarge", lnc=1) == pytest.approx(667e12 / 8)
+    assert peak_flops_per_worker("neuron", "trn2u.48xlarge") == pytest.approx(2 * 667e12 / 8)  # UltraServer member
+    assert peak_flops_per_worker("neuron-xla", "trn1.32xlarge") == 95e12  # the frozen XLA path, same trn1 cores
+    assert peak_flops_per_worker("neuron", None) == pytest.approx(2 * 667e12 / 8)  # TorchNeuron: trn2 by default
+    assert peak_flops_per_worker("neuron", "trn3.48xlarge") is None  # not confirmed yet: no MFU rather than a guess
     assert peak_flops_per_worker("cuda", "p4d.24xlarge") == 312e12
     assert peak_flops_per_worker("cuda", "p5.48xlarge") == 989e12
     assert peak_flops_per_worker("cuda", "p5en.48xlarge") == 989e12
