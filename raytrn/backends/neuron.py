@@ -13,6 +13,7 @@ raytrn's. The trn1 XLA path is :mod:`raytrn.backends.neuron_xla`.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 import os
@@ -127,10 +128,7 @@ class NeuronBackend(Backend):
 
     def device(self) -> torch.device:
         """``neuron:0``: each worker sees exactly its own NeuronCore (``NEURON_RT_VISIBLE_CORES``)."""
-        import torch
-
-        import_torch_neuronx()
-        return torch.device("neuron", 0)
+        return _neuron_device()
 
     def device_memory(self) -> dict[str, float]:
         """The device allocator's memory, after ``torch.neuron.synchronize()`` (the allocator is asynchronous)."""
@@ -138,6 +136,15 @@ class NeuronBackend(Backend):
 
         neuron: Any = torch.neuron  # type: ignore[attr-defined]
         return neuron_memory_metrics(neuron)
+
+
+@functools.cache
+def _neuron_device() -> torch.device:
+    """Checked once per process (the step asks for the device every step); a failed check is not cached."""
+    import torch
+
+    import_torch_neuronx()
+    return torch.device("neuron", 0)
 
 
 def neuron_memory_metrics(neuron: Any) -> dict[str, float]:
