@@ -404,7 +404,7 @@ def neuron_xla_worker_env(
     variables.
     """
     check_stack("neuron-xla", instance_type)
-    num_nodes, local_world_size = _check_ranks(
+    num_nodes = _check_ranks(
         world_rank=world_rank,
         local_rank=local_rank,
         node_rank=node_rank,
@@ -427,7 +427,7 @@ def neuron_xla_worker_env(
         "NEURON_PJRT_PROCESSES_NUM_DEVICES": ",".join(["1"] * world_size),
         "NEURON_PJRT_WORLD_SIZE": str(world_size),
         "PJRT_LOCAL_PROCESS_RANK": str(local_rank),
-        "PJRT_LOCAL_PROCESS_COUNT": str(local_world_size),
+        "PJRT_LOCAL_PROCESS_COUNT": str(min(workers_per_node, world_size)),
         "NEURON_RT_VISIBLE_CORES": str(local_rank),
         # Collective bootstrap interface: CCOM finds no interface by subnet where hosts carry a /32.
         "CCOM_SOCKET_IFNAME": socket_ifname,
@@ -474,7 +474,7 @@ def torchneuron_worker_env(
     ``MASTER_ADDR`` at ``init_process_group`` (NEURON-NOTES: from the backend's source, not yet in AWS's docs).
     """
     spec = check_stack("neuron", instance_type)
-    num_nodes, local_world_size = _check_ranks(
+    num_nodes = _check_ranks(
         world_rank=world_rank,
         local_rank=local_rank,
         node_rank=node_rank,
@@ -550,8 +550,8 @@ def _check_ranks(
     instance_type: str,
     lnc: int | None,
     every_core: bool = False,
-) -> tuple[int, int]:
-    """Validate one worker's place in the layout; return (nodes, workers on this node)."""
+) -> int:
+    """Validate one worker's place in the layout; return the number of nodes."""
     cores = cores_per_instance(instance_type, lnc)
     _check_counts(
         workers_per_node=workers_per_node, cores=cores, instance_type=instance_type, lnc=lnc, every_core=every_core
@@ -586,7 +586,7 @@ def _check_ranks(
             f"workers_per_node={workers_per_node} (expected {node_rank * workers_per_node + local_rank}): "
             "ranks must be numbered node by node"
         )
-    return num_nodes, local_world_size
+    return num_nodes
 
 
 def host_port(addr: str, port: int) -> str:
