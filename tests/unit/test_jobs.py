@@ -149,3 +149,30 @@ def test_check_job_for_8b_without_data() -> None:
         assert f"{workers} workers: " in batch
     assert batch.count("= 768 sequences/step") == 4
     assert lines[-1] == "data: not checked (--no-data): /fsx/data/llama3-8k"
+
+
+@pytest.mark.parametrize(
+    ("name", "tp", "dps"),
+    [("llama3-8b-trn2.yaml", 4, (16, 32, 48, 64)), ("llama3.2-1b-trn2.yaml", 1, (64, 128, 192, 256))],
+)
+def test_trn2_jobs_validate_as_torchneuron(name: str, tp: int, dps: tuple[int, ...]) -> None:
+    """The trn2 jobs: TorchNeuron, one worker per logical core (64 at LNC=2), FSDP (x TP), bf16 compute over fp32
+    master weights, seq 8192, compiled; `raytrn validate --no-data` passes at every node count of 1-4."""
+    job = load(name)
+    s, p = job.scaling, job.parallel
+    assert (s.accelerator, s.instance_type, s.workers_per_node, s.min_workers, s.max_workers) == (
+        "neuron", "trn2.48xlarge", 64, 64, 256,
+    )  # fmt: skip
+    assert (p.data_parallel, p.tensor_parallel_size) == ("fsdp", tp)
+    assert (job.model.dtype, job.model.autocast, job.data.seq_len, job.run.compile) == (
+        "float32",
+        "bfloat16",
+        8192,
+        True,
+    )
+    assert [data_parallel_size(job, n) for n in world_sizes(job)] == list(dps)
+    lines = check_job(job, data=False)
+    assert any(line.startswith("note: neuron layout: trn2.48xlarge (64 NeuronCores at LNC=2)") for line in lines)
+    batch = next(line for line in lines if line.startswith("batch: "))
+    assert batch.count("= 768 sequences/step") == 4
+    assert not [line for line in lines if line.startswith("warning:")]
