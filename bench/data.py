@@ -16,15 +16,22 @@ from typing import Any
 from bench.common import BenchJob, Skip, add_job_args, emit, job_from_args, load_bench_job, mean, run_child
 
 
-def _raytrn_pass(ds: Any, job: Any, rows_wanted: int) -> float:
-    """Seconds to draw ``rows_wanted`` rows through raytrn's batch iterator (a fresh pass over the data)."""
-    from raytrn.checkpoint import Progress
-    from raytrn.train.loop import _batches  # the loop's own iterator: shuffle buffer, collate, shape check
+def _raytrn_pass(job: Any, manifest: Any, epoch: int, rows_wanted: int) -> float:
+    """Seconds to draw ``rows_wanted`` rows through the loop's own path: Ray Data streaming one rank's rows of
+    the job's global order (:mod:`raytrn.data.source`), cut into int64 micro-batches (``rows_tensor``)."""
 
-    it = _batches(ds.iterator(), job, Progress(), 0, 1)
+    from raytrn.data.order import Position, RankSlice, SampleOrder
+    from raytrn.data.source import rank_tables
+    from raytrn.train.loop import rows_tensor
+
+    mb = job.data.micro_batch_size
+    tables = rank_tables(
+        manifest, SampleOrder.for_job(manifest, job), RankSlice(rank=0, size=1, global_batch=mb),
+        Position(epoch=epoch), batch_rows=mb,
+    )  # fmt: skip
     t0, rows = time.perf_counter(), 0
     while rows < rows_wanted:
-        rows += len(next(it))
+        rows += len(rows_tensor(next(tables), job.data.seq_len + 1))
     return time.perf_counter() - t0
 
 
@@ -52,7 +59,6 @@ def child_main(args: argparse.Namespace) -> None:
     import ray
     import ray.data
 
-    from raytrn.data.source import read_shards
     from raytrn.train.checks import check_data
 
     bench = job_from_args(args)
@@ -61,11 +67,10 @@ def child_main(args: argparse.Namespace) -> None:
     rows_wanted = (manifest.num_rows // bench.micro_batch_size) * bench.micro_batch_size
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), logging_level=logging.WARNING)
     ray.data.DataContext.get_current().enable_progress_bars = False
-    ds = read_shards(manifest)  # as the trainer does
-    first = _raytrn_pass(ds, job, rows_wanted)  # cold: Ray Data's first execution
+    first = _raytrn_pass(job, manifest, 0, rows_wanted)  # cold: Ray Data's first execution
     ray_s, raw_s = [], []
-    for _ in range(args.repeats):
-        ray_s.append(_raytrn_pass(ds, job, rows_wanted))
+    for epoch in range(1, args.repeats + 1):
+        ray_s.append(_raytrn_pass(job, manifest, epoch, rows_wanted))
         raw_s.append(_raw_pass(manifest.shard_paths(), bench.micro_batch_size, rows_wanted))
     ray.shutdown()
     emit(
@@ -84,10 +89,6 @@ def run(bench: BenchJob, *, repeats: int, training_tokens_per_s: float | None) -
         load_bench_job(bench)
     except Exception as e:
         raise Skip(f"no dataset for the data benchmark ({e}); run `make data` first") from None
-    try:
-        from raytrn.train.loop import _batches  # noqa: F401
-    except ImportError:
-        raise Skip("raytrn.train.loop has no _batches iterator any more: the data benchmark needs updating") from None
     r = run_child("data", [*bench.as_args(), "--repeats", str(repeats)], threads=bench.threads, timeout_s=300)
     ray_rate, raw_rate = mean(r["raytrn_rows_per_s"]), mean(r["raw_rows_per_s"])
     ratios = [a / b for a, b in zip(r["raytrn_rows_per_s"], r["raw_rows_per_s"], strict=True)]

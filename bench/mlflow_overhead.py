@@ -92,6 +92,7 @@ def _segments(config: dict[str, Any]) -> None:
                 "board": board,
                 "mlflow_uri": config["mlflow_uri"] if on else None,
                 "tracker": config["tracker"] if on else None,
+                "manifest": config["manifest"],
             }
         )
         total = time.perf_counter() - t0
@@ -110,7 +111,6 @@ def child_main(args: argparse.Namespace) -> None:
     from ray.train import CheckpointConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from raytrn.data.source import read_shards
     from raytrn.tracking.actor import start_tracking_actor
     from raytrn.tracking.mlflow_run import plan_run
     from raytrn.train.checks import check_data
@@ -131,7 +131,6 @@ def child_main(args: argparse.Namespace) -> None:
         manifest = check_data(job)
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), logging_level=logging.WARNING)
         ray.data.DataContext.get_current().enable_progress_bars = False
-        ds = read_shards(manifest)  # as the trainer does
         tracked = plan_run(job)
         assert tracked is not None
         tracker = start_tracking_actor(tracked, job)  # what raytrn's driver starts: it creates the run
@@ -147,6 +146,7 @@ def child_main(args: argparse.Namespace) -> None:
                 "mlflow_uri": tracked.uri,
                 "tracker": tracker,
                 "out": out,
+                "manifest": manifest,  # every worker streams its own rows, as the trainer's do
             },
             scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
             run_config=RunConfig(
@@ -154,7 +154,6 @@ def child_main(args: argparse.Namespace) -> None:
                 storage_path=f"{tmp}/checkpoints",
                 checkpoint_config=CheckpointConfig(num_to_keep=job.checkpoint.keep_last),
             ),
-            datasets={"train": ds},
         )
         try:
             trainer.fit()

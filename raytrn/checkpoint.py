@@ -28,7 +28,8 @@ class Progress:
 
     step: int = 0  # optimizer steps completed
     tokens_seen: int = 0  # tokens trained on, over all workers
-    epoch: int = 0  # passes over the dataset started
+    epoch: int = 0  # the pass over the dataset in progress (0-based; raytrn.data.order)
+    epoch_samples: int = 0  # rows of it trained on (whole global batches)
     last_logged_step: int = 0  # last step whose metrics were logged (never log a step twice)
     cost_usd: float = 0.0  # what the run has cost so far (with a known price), over every worker group
 

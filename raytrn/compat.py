@@ -75,11 +75,14 @@ RAY_DATA_CHATTY_LOGGERS = ("ray.data._internal.progress", "ray.data._internal.ex
 
 
 def quiet_ray_train_logs() -> None:
-    """Set Ray Train's per-report INFO loggers to WARNING (they drown the driver's progress line).
+    """Set Ray Train's per-report and Ray Data's per-execution INFO loggers to WARNING (they drown the driver's
+    progress line).
 
     Those modules name their loggers by ``__name__`` or ``__file__``; public alternative: none short of
     raising the level of all of ``ray.train``. A Ray without the modules has nothing to quiet.
     """
+    for name in RAY_DATA_CHATTY_LOGGERS:  # every worker streams its own data: "execution started/finished" per epoch
+        logging.getLogger(name).setLevel(logging.WARNING)
     for name in RAY_TRAIN_CHATTY_MODULES:
         try:
             module = importlib.import_module(name)

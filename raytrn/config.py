@@ -118,7 +118,17 @@ class DataConfig(_Section):
         "it resizes; default: refused, set global_batch_size instead",
     )
     shuffle: bool = Field(
-        True, description="shuffle rows within a local buffer of 8 micro-batches, seeded per epoch and worker"
+        True,
+        description="a new order every epoch, seeded by run.seed and the epoch, the same at every world size: the "
+        "row groups (~8 MiB of tokens) are permuted, then the rows of every shuffle_window consecutive groups; "
+        "false: manifest order",
+    )
+    shuffle_window: int = Field(
+        4,
+        gt=0,
+        le=4096,
+        description="row groups whose rows are shuffled together (memory and reads per data-parallel rank grow "
+        "with it: each rank reads a window's row groups and keeps its share)",
     )
 
     @model_validator(mode="after")

@@ -23,6 +23,15 @@ DTYPE = "int32"
 
 #: A manifest larger than this is not one (a million shards take ~150 MB of JSON; raytrn writes ~100 bytes each).
 MAX_MANIFEST_BYTES = 256 << 20
+#: Tokens per Parquet row group of a prepared shard (~8 MiB of int32 ids): the unit of reading and of shuffling.
+GROUP_TOKENS = 2 << 20
+
+
+def rows_per_group(row_len: int) -> int:
+    """Rows per Parquet row group for rows of ``row_len`` token ids (the last group of a shard may be shorter)."""
+    return max(1, GROUP_TOKENS // row_len)
+
+
 _PREPARE_HINT = "run `raytrn data prepare --input DIR --output DIR --seq-len N --vocab-size V` to create it"
 _RECREATE_HINT = "re-create the dataset with `raytrn data prepare ... --overwrite`"
 

@@ -32,6 +32,7 @@ from raytrn.data.manifest import (
     SourceInfo,
     TokenizerInfo,
     load_manifest,
+    rows_per_group,
 )
 from raytrn.data.packing import Packer, rows_per_shard
 from raytrn.errors import DataError
@@ -546,8 +547,9 @@ class _ShardWriter:
         column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.int32()))
         name = f"shard-{len(self.shards):05d}.parquet"
         path = os.path.join(self.directory, name)
-        group_rows = max(1, (8 << 20) // (4 * self.row_len))  # row groups of ~8 MiB of tokens
-        pq.write_table(pa.table({"input_ids": column}), path, row_group_size=group_rows, compression="snappy")
+        pq.write_table(
+            pa.table({"input_ids": column}), path, row_group_size=rows_per_group(self.row_len), compression="snappy"
+        )
         self.shards.append(
             ShardInfo(path=name, rows=self._num_rows, tokens=int(values.size), bytes=os.path.getsize(path))
         )

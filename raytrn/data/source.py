@@ -1,11 +1,13 @@
-"""A Ray Data source for a prepared dataset: one read task per Parquet shard named in its manifest.
+"""A data-parallel rank's rows, streamed by Ray Data in the job's global order (:mod:`raytrn.data.order`).
 
-``ray.data.read_parquet`` lists the files and reads every footer first (a listing task and footer-reader
-actors: new processes, seconds before the first row on a small machine). The manifest already holds each
-shard's rows and bytes, so this source plans the read from it and the first task starts reading at once.
+Every worker reads its own rows: one Ray Dataset per epoch whose read tasks are the windows of the epoch
+order (one task per window, the rank's rows of it, in training order), planned from the manifest (no
+listing, no footer reads before the first task). Ray Data streams them with bounded memory and prefetch;
+order is preserved, so which rows a worker trains on is determined, never first-come.
 
-The read tasks reserve no CPU (``num_cpus=0``), with at most :data:`READ_CONCURRENCY` at a time. Training
-workers commonly take every CPU slot of their nodes (one worker per core on a small node, or
+The read tasks reserve no CPU (``num_cpus=0``), with at most :data:`READ_CONCURRENCY` at a time per worker;
+needing no resources, they run on the worker's own node (Ray's default policy prefers it). Training workers
+commonly take every CPU slot of their nodes (one worker per core on a small node, or
 ``resources_per_worker: {CPU: N}``); read tasks that each wanted a whole CPU could then never be scheduled
 and the job would hang forever waiting for its first batch. Token data is light (a 1B model on a trn1 node
 consumes ~0.3 MB/s), so a few unreserved readers cost the training nothing measurable.
@@ -17,8 +19,17 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
-from raytrn import storage
 from raytrn.data.manifest import Manifest
+from raytrn.data.order import (
+    Position,
+    RankSlice,
+    SampleOrder,
+    ShardFiles,
+    Window,
+    epoch_windows,
+    plan_window,
+    read_plan,
+)
 
 
 def _datasource_base() -> type:
@@ -27,22 +38,28 @@ def _datasource_base() -> type:
     return Datasource
 
 
-class ShardsDatasource(_datasource_base()):  # type: ignore[misc]
-    """Reads the ``input_ids`` column of every shard, in manifest order, a row group at a time."""
+class RankDatasource(_datasource_base()):  # type: ignore[misc]
+    """One epoch of one data-parallel rank's rows from position ``start``: a read task per window."""
 
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(self, manifest: Manifest, order: SampleOrder, part: RankSlice, epoch: int, start: int = 0) -> None:
         super().__init__()
-        self._fs, _ = storage.filesystem(manifest.root)
-        self._shards = [
-            (storage.filesystem(p)[1], s.rows, s.bytes)
-            for p, s in zip(manifest.shard_paths(), manifest.shards, strict=True)
-        ]
+        self._files = ShardFiles.of(manifest.shard_paths())
         self._column = manifest.column
-        # int32 on disk; Arrow holds the same bytes in memory (a list column: values + offsets).
-        self._row_bytes = 4 * (manifest.row_len + 1)
+        self._order, self._part, self._epoch, self._start = order, part, epoch, start
+        self._windows = epoch_windows(order, part, epoch, start)
+        # int32 on disk; Arrow holds the same bytes in memory (a list column: values + offsets), plus the row id.
+        self._row_bytes = 4 * (manifest.row_len + 1) + 8
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self._windows)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(n for _, n in self._windows)
 
     def estimate_inmemory_data_size(self) -> int:
-        return sum(rows for _, rows, _ in self._shards) * self._row_bytes
+        return self.num_rows * self._row_bytes
 
     def get_read_tasks(
         self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None
@@ -50,41 +67,51 @@ class ShardsDatasource(_datasource_base()):  # type: ignore[misc]
         from ray.data import ReadTask
         from ray.data.block import BlockMetadata
 
-        fs, column = self._fs, self._column
-        tasks: list[Any] = []
-        for path, rows, _ in self._shards:
-            meta = BlockMetadata(num_rows=rows, size_bytes=rows * self._row_bytes, input_files=(path,), exec_stats=None)
-            tasks.append(
-                ReadTask(
-                    functools.partial(_read_shard, fs, path, column),
-                    meta,
-                    per_task_row_limit=per_task_row_limit,
-                )
+        return [
+            ReadTask(
+                functools.partial(_read_window, self._files, self._column, self._order, self._part, self._epoch, w, self._start),
+                BlockMetadata(num_rows=n, size_bytes=n * self._row_bytes, input_files=None, exec_stats=None),
+                per_task_row_limit=per_task_row_limit,
             )
-        return tasks
+            for w, n in self._windows
+        ]  # fmt: skip
 
     def get_name(self) -> str:
-        return "RaytrnShards"
+        return "RaytrnRank"
 
 
-def _read_shard(fs: Any, path: str, column: str) -> Iterator[Any]:
-    """One shard's row groups as Arrow tables (a block each: memory stays bounded by the row-group size)."""
-    import pyarrow.parquet as pq
-
-    with fs.open_input_file(path) as f:
-        shard = pq.ParquetFile(f)
-        for group in range(shard.num_row_groups):
-            yield shard.read_row_group(group, columns=[column])
+def _read_window(
+    files: ShardFiles, column: str, order: SampleOrder, part: RankSlice, epoch: int, window: Window, start: int
+) -> Iterator[Any]:
+    yield read_plan(files, column, plan_window(order, part, epoch, window, start))
 
 
-#: Read tasks in flight at once (each streams one shard a row group at a time).
-READ_CONCURRENCY = 4
+#: Read tasks in flight at once per worker (each reads one window: a few row groups).
+READ_CONCURRENCY = 2
 
 
-def read_shards(manifest: Manifest) -> Any:
-    """The dataset's rows as a Ray Dataset with one column, ``input_ids`` (fixed length: seq_len + 1), read
-    by tasks that reserve no CPU (see the module docstring)."""
+def read_rank_epoch(manifest: Manifest, order: SampleOrder, part: RankSlice, epoch: int, start: int = 0) -> Any:
+    """One epoch of ``part``'s rows from ``start`` as an ordered Ray Dataset (``input_ids``, ``row_id``),
+    read by tasks that reserve no CPU (see the module docstring)."""
     import ray.data
 
-    concurrency = max(1, min(READ_CONCURRENCY, len(manifest.shards)))
-    return ray.data.read_datasource(ShardsDatasource(manifest), num_cpus=0, concurrency=concurrency)
+    source = RankDatasource(manifest, order, part, epoch, start)
+    ds = ray.data.read_datasource(
+        source,
+        num_cpus=0,
+        concurrency=max(1, min(READ_CONCURRENCY, source.num_tasks)),
+    )
+    ds.context.execution_options.preserve_order = True
+    return ds
+
+
+def rank_tables(
+    manifest: Manifest, order: SampleOrder, part: RankSlice, position: Position, *, batch_rows: int
+) -> Iterator[Any]:
+    """Endless Arrow tables of ``batch_rows`` rows of ``part`` from ``position``, epoch after epoch, through
+    Ray Data (a dataset per epoch)."""
+    epoch, start = position.epoch, position.samples
+    while True:
+        ds = read_rank_epoch(manifest, order, part, epoch, start)
+        yield from ds.iter_batches(batch_size=batch_rows, batch_format="pyarrow", prefetch_batches=2, drop_last=False)
+        epoch, start = epoch + 1, 0

@@ -8,7 +8,7 @@ from raytrn.config import JobSpec
 from raytrn.data.manifest import Manifest, load_manifest
 from raytrn.errors import BackendUnavailableError, DataError
 from raytrn.models import model_stats
-from raytrn.train.sizes import check_global_batch, describe_batch
+from raytrn.train.sizes import check_global_batch, data_parallel_sizes, describe_batch, global_batch
 
 
 def check_spec(job: JobSpec) -> list[str]:
@@ -64,5 +64,12 @@ def check_data(job: JobSpec) -> Manifest:
             f"{where}: the dataset's tokenizer has {vocab:,} tokens but model.vocab_size={job.model.vocab_size:,}; "
             f"token ids would fall outside the embedding: set model.vocab_size >= {vocab}, or prepare the data "
             f"with --vocab-size {job.model.vocab_size}"
+        )
+    largest = max(global_batch(job, dp) for dp in set(data_parallel_sizes(job).values()))
+    if manifest.num_rows < largest:
+        raise DataError(
+            f"{where}: the dataset has {manifest.num_rows:,} rows, fewer than one global batch ({largest:,} sequences "
+            f"per step at {job.scaling.max_size} workers): prepare more data, or lower data.global_batch_size / "
+            "data.micro_batch_size"
         )
     return manifest

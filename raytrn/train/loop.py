@@ -21,11 +21,12 @@ from raytrn.backends import Backend, get_backend, host_malloc
 from raytrn.checkpoint import Progress
 from raytrn.compat import quiet_ray_train_logs
 from raytrn.config import JobSpec
+from raytrn.data.order import SAMPLE_TRACE_ENV
 from raytrn.errors import DataError
 from raytrn.runtime import process_started_at
 from raytrn.train.checkpointing import Saved
 from raytrn.train.schedule import Schedule
-from raytrn.train.sizes import data_parallel_size
+from raytrn.train.sizes import data_parallel_rank, data_parallel_size
 from raytrn.train.step import Training, build_training, read_metrics, train_step
 
 log = logging.getLogger(__name__)
@@ -41,10 +42,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     backend = get_backend(job.scaling.accelerator)
 
     # -- data first: Ray Data's first read starts new processes (seconds), so it runs while the model builds.
-    # The resumed epoch seeds the shuffle, so it is read from the checkpoint's meta.json before anything else.
+    # Where the data resumes (epoch, rows consumed) is read from the checkpoint's meta.json before anything else.
     checkpoint = ray.train.get_checkpoint()
     progress = _resume_progress(checkpoint)
-    first_batches = _StartEarly(lambda: _batches(ray.train.get_dataset_shard("train"), job, progress, rank, world_size))
+    dp = data_parallel_size(job, world_size)
+    data = _DataPlan(job, config["manifest"], dp=dp, dp_rank=data_parallel_rank(job, rank))
+    first_batches = data.start(progress, rank)
 
     # -- build ---------------------------------------------------------------------------------
     # The schedule was pinned by the driver (raytrn.train.schedule.resolve_schedule): the same on every worker
@@ -60,7 +63,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             loaded = t.checkpoints.load(d, t)
-        # The full state is the authority; the data pipeline already started with meta.json's epoch.
+        # The full state is the authority; the data pipeline already started where meta.json said.
+        if (loaded.step, loaded.epoch, loaded.epoch_samples) != (progress.step, progress.epoch, progress.epoch_samples):
+            log.warning(
+                "checkpoint: meta.json and the saved state disagree on the step or data position; using the state"
+            )
+            progress.epoch, progress.epoch_samples, progress.step = loaded.epoch, loaded.epoch_samples, loaded.step
+            first_batches = data.start(progress, rank)
         progress.step, progress.tokens_seen, progress.cost_usd = loaded.step, loaded.tokens_seen, loaded.cost_usd
         progress.last_logged_step = max(progress.last_logged_step, loaded.last_logged_step)
     # Rank 0 sends the training metrics to the job's tracking actor; the first worker of every node samples
@@ -89,6 +98,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     while progress.step < max_steps:
         result = train_step(t, batches, backend)
         progress.step += 1
+        data.advance(progress)
         if first_step:  # start-up cost: launch (or restart) to the first step done, once per worker group
             first_step = False
             if board is not None:  # the board names it: time_to_first_step_s, or restart_to_first_step_s
@@ -140,61 +150,110 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         log_final_model(job, t, logger)  # every rank: a sharded model's tensors are gathered one by one
 
 
-def _batches(shard: Any, job: JobSpec, progress: Progress, rank: int, world_size: int) -> Iterator[torch.Tensor]:
-    """Endless micro-batches of shape [micro_batch_size, seq_len + 1], one dataset pass per epoch.
+class _DataPlan:
+    """This worker's rows: its data-parallel rank's share of every global batch, in the job's one global order
+    (:mod:`raytrn.data.order`), streamed by Ray Data (:mod:`raytrn.data.source`). Ranks of a tensor-parallel
+    group share a data-parallel rank and read the same rows."""
 
-    Under tensor parallelism the ranks of one TP group must see the same batches: every worker reads
-    the unsplit dataset in the same order and keeps the batches of its data-parallel rank.
-    """
-    row_len = job.data.seq_len + 1
-    tp = job.parallel.tensor_parallel_size
-    dp, dp_rank = data_parallel_size(job, world_size), rank // tp
-    while True:
-        seen = 0
-        for index, batch in enumerate(
-            shard.iter_torch_batches(
-                batch_size=job.data.micro_batch_size,
-                drop_last=True,  # fixed shapes: a short last batch would be a new graph on XLA
-                local_shuffle_buffer_size=8 * job.data.micro_batch_size if job.data.shuffle else None,
-                local_shuffle_seed=(job.run.seed * 1_000_003 + progress.epoch * 101 + (0 if tp > 1 else rank))
-                if job.data.shuffle
-                else None,
-                collate_fn=_TokenCollate(),
-            )
-        ):
-            if not owns_batch(index, tp=tp, dp=dp, dp_rank=dp_rank):
-                continue
-            if batch.shape[1] != row_len:
-                raise DataError(
-                    f"dataset rows have {batch.shape[1]} tokens but data.seq_len + 1 = {row_len}; "
-                    "prepare the data with the job's seq_len"
-                )
-            seen += 1
+    def __init__(self, job: JobSpec, manifest: Any, *, dp: int, dp_rank: int) -> None:
+        from raytrn.data.order import RankSlice, SampleOrder
+        from raytrn.train.sizes import global_batch
+
+        self.job, self.manifest = job, manifest
+        self.order = SampleOrder.for_job(manifest, job)
+        self.part = RankSlice(rank=dp_rank, size=dp, global_batch=global_batch(job, dp))
+        self.row_len = job.data.seq_len + 1
+
+    def advance(self, progress: Progress) -> None:
+        """One optimizer step consumed a global batch: the counters a checkpoint saves move with it."""
+        from raytrn.data.order import Position
+
+        position = Position(epoch=progress.epoch, samples=progress.epoch_samples)
+        position.advance(self.part.global_batch, self.order.num_rows)
+        progress.epoch, progress.epoch_samples = position.epoch, position.samples
+
+    def start(self, progress: Progress, rank: int) -> _StartEarly:
+        """:meth:`batches` from where ``progress`` says, its first batch fetched at once in the background."""
+        from raytrn.data.order import Position
+
+        position = Position(epoch=progress.epoch, samples=progress.epoch_samples)  # a copy: the loop moves on
+        trace = _SampleTrace.open(rank, progress.step, self)
+        return _StartEarly(lambda: self.batches(position, trace))
+
+    def batches(self, position: Any, trace: _SampleTrace | None = None) -> Iterator[torch.Tensor]:
+        """Endless micro-batches of shape [micro_batch_size, seq_len + 1] from ``position`` (epoch, rows)."""
+
+        from raytrn.data.source import rank_tables
+
+        mb = self.job.data.micro_batch_size
+        tables = rank_tables(
+            self.manifest, self.order, self.part, position,
+            batch_rows=mb,
+        )  # fmt: skip
+        for table in tables:
+            batch = rows_tensor(table, self.row_len)
+            if trace is not None:
+                trace.record(table)
             yield batch
-        if seen == 0:
-            raise DataError(
-                f"worker {rank} got no complete micro-batch of {job.data.micro_batch_size} rows from the dataset; "
-                "it is too small for this many workers and micro_batch_size: prepare more data, or lower "
-                "data.micro_batch_size or scaling.max_workers"
-            )
-        progress.epoch += 1
+
+
+def rows_tensor(table: Any, row_len: int) -> torch.Tensor:
+    """The ``input_ids`` rows of an Arrow table as one int64 tensor [rows, row_len]."""
+    import numpy as np
+
+    column = table.column("input_ids").combine_chunks()
+    values = column.flatten().to_numpy()  # flatten: only the rows of a sliced table
+    if len(values) != len(column) * row_len:
+        raise DataError(
+            f"dataset rows are not {row_len} tokens (data.seq_len + 1) long; prepare the data with the job's seq_len"
+        )
+    return torch.from_numpy(values.reshape(len(column), row_len).astype(np.int64))
+
+
+class _SampleTrace:
+    """``$RAYTRN_SAMPLE_TRACE/group-<first step>-dp<size>-<start ns>-rank<r>.jsonl``: one line per micro-batch, ``{"step", "dp_rank",
+    "rows"}`` (global row ids, in order) and the first tokens of each row. An audit of what a run trained on;
+    the exactly-once tests read it."""
+
+    def __init__(self, path: str, first_step: int, grad_accum: int, dp_rank: int) -> None:
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 (one line per micro-batch, closed at exit)
+        self._micro, self._first_step, self._accum, self._dp_rank = 0, first_step, grad_accum, dp_rank
+
+    @classmethod
+    def open(cls, rank: int, first_step: int, data: _DataPlan) -> _SampleTrace | None:
+        directory = os.environ.get(SAMPLE_TRACE_ENV)
+        if not directory:
+            return None
+        os.makedirs(directory, exist_ok=True)
+        # Ranks of one group agree on the step they start at and their number, not on a clock.
+        name = f"group-{first_step:08d}-dp{data.part.size}-{time.time_ns()}-rank{rank}.jsonl"
+        path = os.path.join(directory, name)
+        accum = data.part.rows_per_step // data.job.data.micro_batch_size
+        return cls(path, first_step, accum, data.part.rank)
+
+    def record(self, table: Any) -> None:
+        import json
+
+        step = self._first_step + self._micro // self._accum + 1
+        heads = [row[:4] for row in table.column("input_ids").to_pylist()]
+        line = {"step": step, "dp_rank": self._dp_rank, "rows": table.column("row_id").to_pylist(), "heads": heads}
+        self._file.write(json.dumps(line) + "\n")
+        self._micro += 1
 
 
 def _resume_progress(checkpoint: Any) -> Progress:
-    """The counters of Ray's checkpoint from its ``meta.json`` (cheap: no model state), with the epoch
-    advanced: a resumed run starts a fresh pass over the data (see README: resume)."""
+    """The counters of Ray's checkpoint from its ``meta.json`` (cheap: no model state): the step, and where
+    in the data the next step starts (epoch, rows consumed)."""
     if checkpoint is None:
         return Progress()
     from raytrn.checkpoint import META_FILE, parse_meta
 
     try:
         with checkpoint.filesystem.open_input_stream(f"{checkpoint.path}/{META_FILE}") as f:
-            progress = parse_meta(f.read().decode()).progress
+            return parse_meta(f.read().decode()).progress
     except (OSError, ValueError) as e:  # the full state still restores the counters
         log.warning("checkpoint %s: no readable %s (%s)", checkpoint.path, META_FILE, e)
-        progress = Progress()
-    progress.epoch += 1
-    return progress
+        return Progress()
 
 
 class _StartEarly:
@@ -290,28 +349,6 @@ class _Efficiency:
         self._spent()
         self.cost.update(time.time() - self.start, 0)
         return self.cost.cost_usd
-
-
-def owns_batch(index: int, *, tp: int, dp: int, dp_rank: int) -> bool:
-    """Whether a worker keeps batch ``index`` of the unsplit stream (TP > 1); with TP 1 Ray splits the data."""
-    return tp == 1 or index % dp == dp_rank
-
-
-def _token_collate_base() -> type:
-    from ray.data.collate_fn import NumpyBatchCollateFn
-
-    return NumpyBatchCollateFn
-
-
-class _TokenCollate(_token_collate_base()):  # type: ignore[misc]
-    """Numpy rows of token ids -> one int64 tensor [batch, seq_len + 1]."""
-
-    def __call__(self, batch: dict[str, Any]) -> torch.Tensor:
-        import numpy as np
-
-        col = batch["input_ids"]
-        arr = np.stack(col) if col.dtype == object else np.asarray(col)
-        return torch.from_numpy(arr.astype(np.int64, copy=False))
 
 
 def _report(job: JobSpec, rank: int, saved: Saved, logger: Any) -> None:

@@ -433,18 +433,12 @@ def _job_batches(job: JobSpec) -> tuple[Iterator[Any], str]:
 
         return synthetic(), f"synthetic token ids [{mb} x {row}] (dataset not readable here: {e.__class__.__name__})"
 
-    import numpy as np
-    import pyarrow.parquet as pq
+    from raytrn.data.order import Position, RankSlice, SampleOrder, iter_rows, plan_reads
+    from raytrn.train.loop import rows_tensor
 
-    from raytrn import storage
-
-    def rows() -> Iterator[Any]:
-        while True:
-            for path in manifest.shard_paths():
-                fs, inner = storage.filesystem(path)
-                table = pq.read_table(inner, filesystem=fs, columns=["input_ids"])
-                ids = np.stack(table.column("input_ids").to_numpy(zero_copy_only=False))
-                for i in range(0, len(ids) - mb + 1, mb):  # drop_last, as the loop does
-                    yield torch.from_numpy(ids[i : i + mb].astype(np.int64))
+    def rows() -> Iterator[Any]:  # the job's order, one worker's view: micro-batches as the loop gets them
+        plans = plan_reads(SampleOrder.for_job(manifest, job), RankSlice(rank=0, size=1, global_batch=mb), Position())
+        for table in iter_rows(manifest.shard_paths(), manifest.column, plans):
+            yield rows_tensor(table, row)
 
     return rows(), f"{manifest.root} ({manifest.num_rows:,} rows), micro-batches [{mb} x {row}]"

@@ -14,6 +14,7 @@ from raytrn.backends import Backend, get_backend
 from raytrn.checkpoint import Meta, Progress, read_meta, recorded_steps
 from raytrn.compat import create_data_stats_actor, trainer_without_callbacks
 from raytrn.config import JobSpec
+from raytrn.data.order import SAMPLE_TRACE_ENV
 from raytrn.errors import RaytrnError
 from raytrn.models import model_stats
 from raytrn.runtime import ensure_ray, process_started_at
@@ -234,11 +235,8 @@ def _trainer(
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
-    from raytrn.data.source import read_shards
-
     ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows its own progress
     _pin_data_stats_actor()
-    dataset = read_shards(manifest)
     trainer_class: Any = _local_trainer_class(TorchTrainer) if local else TorchTrainer
     return trainer_class(
         _train_fn(),
@@ -249,6 +247,9 @@ def _trainer(
             "tracker": tracker,
             "started_at": process_started_at(),
             "schedule": schedule.to_dict(),
+            # Every worker streams its own rows of the job's global order (raytrn.data.order): no Ray Train
+            # datasets, whose split hands blocks to whichever worker asks first.
+            "manifest": manifest,
         },
         scaling_config=scaling,
         torch_config=backend.ray_backend_config(job),
@@ -260,8 +261,6 @@ def _trainer(
             checkpoint_config=CheckpointConfig(num_to_keep=job.checkpoint.keep_last),
             worker_runtime_env=_worker_runtime_env(job, backend),
         ),
-        datasets={"train": dataset},
-        dataset_config=_data_config(job),
     )
 
 
@@ -287,7 +286,8 @@ S3_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_
 def _worker_runtime_env(job: JobSpec, backend: Backend) -> dict[str, Any]:
     """Environment variables the training worker processes start with: the allocator settings of
     ``run.tune_malloc`` (glibc reads them at process start, so they cannot be set from the loop), and the
-    driver's S3 endpoint and region (:data:`S3_ENV`; credentials are never copied)."""
+    driver's S3 endpoint and region (:data:`S3_ENV`; credentials are never copied), and where to write the
+    sample trace (``RAYTRN_SAMPLE_TRACE``, see :mod:`raytrn.train.loop`)."""
     from raytrn.backends.host_malloc import malloc_env, user_allocator_settings
 
     enabled = backend.tune_malloc if job.run.tune_malloc is None else job.run.tune_malloc
@@ -296,38 +296,15 @@ def _worker_runtime_env(job: JobSpec, backend: Backend) -> dict[str, Any]:
         log.info(
             "run.tune_malloc: keeping your allocator settings (%s)", ", ".join(user_allocator_settings(os.environ))
         )
-    env.update({k: os.environ[k] for k in S3_ENV if os.environ.get(k)})
+    env.update({k: os.environ[k] for k in (*S3_ENV, SAMPLE_TRACE_ENV) if os.environ.get(k)})
     return {"env_vars": env} if env else {}
-
-
-def _data_config(job: JobSpec) -> Any:
-    """How Ray Train hands the dataset to the workers.
-
-    Several data-parallel workers: Ray splits it (a split-coordinator actor streams to each worker).
-    One worker (fixed size): it reads the dataset itself, in order, without that actor (one process less).
-    Tensor parallelism: every rank of a TP group must read the same batches, so the dataset is not split
-    and keeps its order; the loop keeps the batches of its data-parallel rank.
-    """
-    import ray.train
-    from ray.data import ExecutionOptions
-
-    if not splits_data(job):
-        return ray.train.DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True))
-    return ray.train.DataConfig()
-
-
-def splits_data(job: JobSpec) -> bool:
-    """Whether Ray splits the dataset over the workers: not for one worker (fixed size; ``max_workers: null``
-    included) nor under tensor parallelism (every rank of a TP group reads the same, unsplit stream)."""
-    return job.parallel.tensor_parallel_size == 1 and job.scaling.max_size > 1
 
 
 def _pin_data_stats_actor() -> None:
     """Create Ray Data's stats actor here, on the driver's node (the head under ``ray job submit``).
 
-    It is detached and pinned to the node of whoever runs a dataset first: a worker that reads its data
-    unsplit (one worker, or tensor parallelism) would put it on a worker node and keep that node from
-    ever scaling down. (A private Ray Data function; without it the actor is created as before.)
+    It is detached and pinned to the node of whoever runs a dataset first: a training worker (each reads its
+    own rows) would put it on a worker node and keep that node from ever scaling down. (A private Ray Data function; without it the actor is created as before.)
     """
     try:
         create_data_stats_actor()

@@ -1,10 +1,9 @@
-"""The manifest's Ray Data source: every row once, in manifest order, planned without listing or footers."""
+"""A rank's rows through Ray Data (raytrn.data.source): the planned rows in the planned order, from local disk or S3."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -25,53 +24,73 @@ def sharded_dataset(ray_session, tmp_path_factory) -> Path:
     return out
 
 
-def _pyarrow_rows(manifest) -> list[list[int]]:
-    """The baseline: every (local) shard read with pyarrow, in manifest order."""
-    tables = [pq.read_table(p, columns=["input_ids"]) for p in manifest.shard_paths()]
-    return pa.concat_tables(tables).column("input_ids").to_pylist()
+def _in_process(manifest, part, epoch: int, start: int = 0) -> list[list[int]]:
+    """The baseline: the same plan read by pyarrow in this process."""
+    from raytrn.data.order import SampleOrder, iter_rows, plan_epoch
+
+    order = SampleOrder(shard_rows=[s.rows for s in manifest.shards], block_rows=4, seed=7, window_blocks=3)
+    plans = plan_epoch(order, part, epoch, start)
+    return [r for t in iter_rows(manifest.shard_paths(), "input_ids", plans) for r in t.column("row_id").to_pylist()]
 
 
-def test_read_tasks_come_from_the_manifest(sharded_dataset: Path) -> None:
+def _order(manifest):
+    from raytrn.data.order import SampleOrder
+
+    # Blocks of 4 rows: many windows (read tasks) even on the small fixture.
+    return SampleOrder(shard_rows=[s.rows for s in manifest.shards], block_rows=4, seed=7, window_blocks=3)
+
+
+def test_read_tasks_are_the_windows_of_the_rank(sharded_dataset: Path) -> None:
     from raytrn.data.manifest import load_manifest
-    from raytrn.data.source import ShardsDatasource
+    from raytrn.data.order import RankSlice, epoch_windows
+    from raytrn.data.source import RankDatasource
 
     manifest = load_manifest(str(sharded_dataset))
     assert len(manifest.shards) >= 3, "the fixture should span several shards"
-    source = ShardsDatasource(manifest)
+    part = RankSlice(rank=1, size=2, global_batch=8)
+    source = RankDatasource(manifest, _order(manifest), part, epoch=0, start=8)
     tasks = source.get_read_tasks(parallelism=1)
-    assert [t.metadata.num_rows for t in tasks] == [s.rows for s in manifest.shards]  # one task per shard
-    assert [t.metadata.input_files[0] for t in tasks] == [p for p in manifest.shard_paths()]
-    assert source.estimate_inmemory_data_size() == manifest.num_rows * 4 * (manifest.row_len + 1)
+    windows = epoch_windows(_order(manifest), part, 0, 8)
+    assert [t.metadata.num_rows for t in tasks] == [n for _, n in windows]
+    assert source.num_rows == (manifest.num_rows - 8) // 8 * 4
 
 
-def test_every_row_once_in_manifest_order(sharded_dataset: Path) -> None:
-    import ray.data
+def test_ray_data_streams_the_ranks_rows_in_order(sharded_dataset: Path) -> None:
+    """Two ranks through Ray Data: each gets its planned rows, in order, with the tokens of those rows."""
 
     from raytrn.data.manifest import load_manifest
-    from raytrn.data.source import read_shards
+    from raytrn.data.order import Position, RankSlice
+    from raytrn.data.source import rank_tables
 
     manifest = load_manifest(str(sharded_dataset))
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True
-    try:
-        rows = [list(r["input_ids"]) for r in read_shards(manifest).iter_rows()]
-    finally:
-        ctx.execution_options.preserve_order = False
-    assert len(rows) == manifest.num_rows
-    assert all(len(r) == manifest.row_len for r in rows)
-    assert rows == _pyarrow_rows(manifest)
+    every = pq.read_table(manifest.shard_paths()).column("input_ids").to_pylist()  # rows by global id
+    for rank in range(2):
+        part = RankSlice(rank=rank, size=2, global_batch=8)
+        want = _in_process(manifest, part, 0, 8) + _in_process(manifest, part, 1)
+        ids, rows = [], []
+        for table in rank_tables(manifest, _order(manifest), part, Position(epoch=0, samples=8), batch_rows=2):
+            assert table.num_rows == 2
+            ids += table.column("row_id").to_pylist()
+            rows += table.column("input_ids").to_pylist()
+            if len(ids) >= len(want):
+                break
+        assert ids == want
+        assert rows == [every[i] for i in ids]
 
 
 def test_reads_from_s3(sharded_dataset: Path, s3_bucket: str, s3_endpoint: str) -> None:
     import boto3
 
     from raytrn.data.manifest import load_manifest
-    from raytrn.data.source import read_shards
+    from raytrn.data.order import RankSlice
+    from raytrn.data.source import read_rank_epoch
 
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
     for path in sharded_dataset.iterdir():
         s3.upload_file(str(path), s3_bucket, f"sharded/{path.name}")
     manifest = load_manifest(f"s3://{s3_bucket}/sharded")
-    assert read_shards(manifest).count() == manifest.num_rows
-    total = sum(len(batch["input_ids"]) for batch in read_shards(manifest).iter_batches(batch_size=7))
-    assert total == manifest.num_rows
+    part = RankSlice(rank=0, size=1, global_batch=7)
+    ds = read_rank_epoch(manifest, _order(manifest), part, epoch=0)
+    assert ds.take_all()[0]["input_ids"] is not None
+    assert [r["row_id"] for r in ds.iter_rows()] == _in_process(manifest, part, 0)
+    assert ds.count() == manifest.num_rows // 7 * 7

@@ -172,14 +172,20 @@ def test_validate_bad_dataset(tmp_path: Path, make, needles: tuple[str, ...]) ->
 
 
 def test_validate_ok(tmp_path: Path) -> None:
-    ds = make_dataset(tmp_path / "ds")
+    ds = make_dataset(tmp_path / "ds", rows=64)
     result = cli("validate", TINY, "--set", f"data.manifest={ds}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[-1] == f"{TINY}: OK"
     assert "model: llama, " in result.stdout
     assert "batch: 2 workers: 16 x 1 x 2 (DP) = 32 sequences/step of 128 tokens" in lines
-    assert "data: 4 rows x 129 tokens in 1 shard(s), tokenizer vocab 4,096 (model vocab 4,096)" in lines
+    assert "data: 64 rows x 129 tokens in 1 shard(s), tokenizer vocab 4,096 (model vocab 4,096)" in lines
+
+
+def test_validate_dataset_smaller_than_one_global_batch(tmp_path: Path) -> None:
+    ds = make_dataset(tmp_path / "ds", rows=31)
+    result = cli("validate", TINY, "--set", f"data.manifest={ds}", cwd=tmp_path)
+    assert_user_error(result, "the dataset has 31 rows, fewer than one global batch (32 sequences per step")
 
 
 # --- train fails before Ray starts ------------------------------------------------------------------------------

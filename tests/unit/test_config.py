@@ -421,17 +421,13 @@ def test_job_spec_pickles(tmp_path: Path) -> None:
 
 
 def test_max_workers_null_is_a_fixed_size_everywhere() -> None:
-    """``max_workers: null`` is the same job as ``max_workers == min_workers``: the same spec after parsing,
-    and the same data path (one worker reads the dataset unsplit, in order)."""
-    from raytrn.train.trainer import splits_data
-
+    """``max_workers: null`` is the same job as ``max_workers == min_workers``: the same spec after parsing."""
     raw = tiny_raw()
     raw["scaling"] = {"min_workers": 1, "max_workers": None}
     null = parse_job(raw)
     raw["scaling"] = {"min_workers": 1, "max_workers": 1}
     same = parse_job(raw)
     assert null == same and null.scaling.max_workers == 1 and not null.scaling.elastic
-    assert not splits_data(null) and not splits_data(same)
     raw["scaling"] = {"min_workers": 3}
     assert parse_job(raw).scaling.max_workers == 3
     assert parse_job(raw, overridden={"scaling.min_workers"}).flat()["scaling.max_workers"] == 3

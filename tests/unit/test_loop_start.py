@@ -73,16 +73,16 @@ def test_resume_progress_from_meta_json(tmp_path) -> None:
     from ray.train import Checkpoint
 
     assert _resume_progress(None) == Progress()
-    write_meta(str(tmp_path), Progress(step=30, tokens_seen=960, epoch=2, last_logged_step=30), sharded="s3://b/nxd")
-    resumed = _resume_progress(Checkpoint.from_directory(str(tmp_path)))
-    # A resumed run starts a fresh pass over the data: the epoch (which seeds the shuffle) moves on.
-    assert resumed == Progress(step=30, tokens_seen=960, epoch=3, last_logged_step=30)
+    saved = Progress(step=30, tokens_seen=960, epoch=2, epoch_samples=96, last_logged_step=30)
+    write_meta(str(tmp_path), saved, sharded="s3://b/nxd")
+    # A resumed run continues the pass over the data where it stopped: same epoch, same sample.
+    assert _resume_progress(Checkpoint.from_directory(str(tmp_path))) == saved
 
 
-def test_resume_progress_without_meta_json_starts_at_epoch_one(tmp_path) -> None:
+def test_resume_progress_without_meta_json_starts_at_the_beginning(tmp_path) -> None:
     from ray.train import Checkpoint
 
     (tmp_path / "meta.json").write_text("{not json")
-    assert _resume_progress(Checkpoint.from_directory(str(tmp_path))).epoch == 1
+    assert _resume_progress(Checkpoint.from_directory(str(tmp_path))) == Progress()
     (tmp_path / "meta.json").unlink()
-    assert _resume_progress(Checkpoint.from_directory(str(tmp_path))).epoch == 1
+    assert _resume_progress(Checkpoint.from_directory(str(tmp_path))) == Progress()

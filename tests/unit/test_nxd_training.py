@@ -23,7 +23,6 @@ from raytrn.backends.neuron_xla import NeuronXlaBackend
 from raytrn.backends.nxd import NxdCheckpoints, uses_nxd
 from raytrn.checkpoint import Progress
 from raytrn.config import load_job
-from raytrn.train.loop import owns_batch
 from raytrn.train.schedule import Schedule
 from raytrn.train.step import build_training, train_step
 
@@ -221,12 +220,22 @@ def test_plain_neuron_job_has_no_nxd() -> None:
 
 
 @pytest.mark.parametrize(("tp", "world"), [(2, 8), (8, 32), (32, 128)])
-def test_tp_groups_share_batches_and_replicas_partition_them(tp: int, world: int) -> None:
+def test_tp_groups_share_rows_and_replicas_partition_them(tp: int, world: int) -> None:
+    from raytrn.data.order import RankSlice, SampleOrder, plan_epoch
+    from raytrn.train.sizes import data_parallel_rank
+
+    job = _tp_job(f"parallel.tensor_parallel_size={tp}")
     dp = world // tp
-    owners = {i: {r // tp for r in range(world) if owns_batch(i, tp=tp, dp=dp, dp_rank=r // tp)} for i in range(50)}
-    assert all(len(o) == 1 for o in owners.values())  # each batch belongs to exactly one replica
-    assert {next(iter(o)) for o in owners.values()} == set(range(min(dp, 50)))
-    assert owns_batch(7, tp=1, dp=world, dp_rank=3)  # TP 1: Ray already split the data per worker
+    order = SampleOrder(shard_rows=[20 * dp], block_rows=8, seed=1)
+
+    def rows(rank: int) -> list[int]:
+        part = RankSlice(rank=data_parallel_rank(job, rank), size=dp, global_batch=2 * dp)
+        return [i for p in plan_epoch(order, part, 0) for i in p.ids.tolist()]
+
+    by_rank = {r: rows(r) for r in range(world)}
+    assert all(by_rank[r] == by_rank[r - r % tp] for r in range(world))  # a TP group reads the same rows
+    replicas = [by_rank[g * tp] for g in range(dp)]
+    assert sorted(sum(replicas, [])) == list(range(20 * dp))  # the replicas share the epoch out, once each
 
 
 def test_rank0_efficiency_metrics_for_a_trn_job() -> None:
