@@ -22,6 +22,11 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Train storage copy": "ray.train.v2._internal.execution.storage:_pyarrow_fs_copy_files",
     "Ray Data progress logger": "ray.data._internal.progress",
     "Ray Data executor logger": "ray.data._internal.execution.streaming_executor",
+    "Ray Train controller start": "ray.train.v2.api.data_parallel_trainer:DataParallelTrainer._initialize_and_run_controller",
+    "Ray Train elastic policy": "ray.train.v2._internal.execution.scaling_policy:ElasticScalingPolicy",
+    "Ray Train elastic policy counting": "ray.train.v2._internal.execution.scaling_policy:ElasticScalingPolicy._count_possible_workers",
+    "Ray Train elastic policy reservations": "ray.train.v2._internal.execution.scaling_policy:ElasticScalingPolicy._get_reserved_resources",
+    "Ray autoscaling coordinator reservations": "ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator:_AutoscalingCoordinatorActor.get_reserved_resources",
     "Ray Train preemption watcher switch": "ray.train.v2._internal.constants:ENABLE_PREEMPTION_WATCHER_ENV_VAR",
     "Ray cluster-config validation": "ray.autoscaler._private.util:validate_config",
     "Ray cluster-config defaults": "ray.autoscaler._private.util:prepare_config",
@@ -55,6 +60,77 @@ def trainer_without_callbacks(base: type, skipped: tuple[str, ...]) -> type:
 
     Trainer.__name__ = Trainer.__qualname__ = f"Local{base.__name__}"
     return Trainer
+
+
+def trainer_with_scaling_policy(base: type, make_policy: Any) -> type:
+    """``base`` (a ``TorchTrainer``) whose controller runs with the scaling policy ``make_policy(scaling_config)``
+    instead of the one Ray picks (for an elastic job, ``ElasticScalingPolicy``).
+
+    Overrides ``DataParallelTrainer._initialize_and_run_controller``, Ray Train V2's private hook (``fit``
+    passes it the policy); public alternative: none (``ScalingConfig`` has no policy field). A Ray without the
+    hook gets ``base`` unchanged, i.e. Ray's own policy.
+    """
+    if not callable(getattr(base, "_initialize_and_run_controller", None)):
+        return base
+
+    class Trainer(base):  # type: ignore[misc,valid-type]
+        def _initialize_and_run_controller(self, **kwargs: Any) -> Any:
+            if "scaling_policy" in kwargs:
+                kwargs["scaling_policy"] = make_policy(self.scaling_config)
+            return super()._initialize_and_run_controller(**kwargs)
+
+    Trainer.__name__ = Trainer.__qualname__ = base.__name__
+    return Trainer
+
+
+def elastic_scaling_policy(scaling_config: Any, choose: Any) -> Any:
+    """Ray Train V2's elastic scaling policy with raytrn's choice of size (:mod:`raytrn.train.elastic`).
+
+    Extends the private ``ElasticScalingPolicy`` (public alternative: none; Ray rounds sizes only for TPU
+    slices) in two places:
+
+    - ``_count_possible_workers(reserved)`` -> ``choose(reserved)``: whole nodes, valid sizes only;
+    - ``_get_reserved_resources()`` asks the autoscaling coordinator to recompute against a fresh view of the
+      cluster (``get_reserved_resources(..., recompute=True)``; its own view refreshes every 20 s) and drops
+      the nodes whose raylet does not answer (:func:`raytrn.train.elastic.reachable_nodes`): a (re)start is
+      sized from the live cluster, not from before a node was lost.
+
+    Everything else (when to decide, the resource requests to the autoscaler, ``min_workers``) is Ray's.
+    """
+    import time
+
+    import ray
+    from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+    from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client import (
+        AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
+    )
+
+    from raytrn.train.elastic import reachable_nodes
+
+    class RaytrnElasticPolicy(ElasticScalingPolicy):  # type: ignore[misc]
+        def _count_possible_workers(self, reserved_resources: dict[str, dict[str, float]]) -> int:
+            return int(choose(reserved_resources))
+
+        def _get_reserved_resources(self) -> dict[str, dict[str, float]] | None:
+            now = time.monotonic()
+            if now - self._latest_reserved_resources_query_time < self.GET_RESERVED_RESOURCES_INTERVAL_S:
+                return self._latest_reserved_resources  # type: ignore[no-any-return]
+            reserved = None
+            try:
+                reserved = ray.get(
+                    self._autoscaling_coordinator.get_reserved_resources.remote(self._requester_id, recompute=True),
+                    timeout=AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
+                )
+                live = reachable_nodes(ray.nodes())
+                reserved = {node: res for node, res in reserved.items() if node in live}
+            except Exception as e:  # as Ray's: no decision this time, try again shortly
+                logging.getLogger(__name__).warning("raytrn elastic policy: no view of the cluster this time: %s", e)
+            finally:
+                self._latest_reserved_resources_query_time = time.monotonic()
+                self._latest_reserved_resources = reserved
+            return reserved
+
+    return RaytrnElasticPolicy(scaling_config)
 
 
 def create_data_stats_actor() -> None:

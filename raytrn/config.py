@@ -202,6 +202,13 @@ class ScalingConfig(_Section):
     instance_type: str | None = Field(None, description="e.g. trn1.32xlarge; used for topology and cost")
     workers_per_node: int | None = Field(None, gt=0, description="workers on one node (NeuronCores per instance)")
     max_failures: int = Field(3, ge=0, le=10**6, description="worker-group restarts from the last checkpoint")
+    resize_interval_s: float = Field(
+        30.0,
+        ge=1,
+        le=3600,
+        description="elastic: how often a running group checks for more capacity (a returning node is used within "
+        "this); each resize restarts the group from the last checkpoint",
+    )
 
     @model_validator(mode="before")
     @classmethod

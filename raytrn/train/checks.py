@@ -8,7 +8,7 @@ from raytrn.config import JobSpec
 from raytrn.data.manifest import Manifest, load_manifest
 from raytrn.errors import BackendUnavailableError, DataError
 from raytrn.models import model_stats
-from raytrn.train.sizes import check_global_batch, data_parallel_sizes, describe_batch, global_batch
+from raytrn.train.sizes import check_global_batch, data_parallel_sizes, describe_batch, describe_sizes, global_batch
 
 
 def check_spec(job: JobSpec) -> list[str]:
@@ -36,6 +36,7 @@ def check_job(job: JobSpec, *, data: bool = True) -> list[str]:
     except BackendUnavailableError as e:  # a trn job validated on a laptop: fine, noted
         lines.append(f"note: {e} (checked again when the job starts)")
     lines.append(f"model: llama, {model_stats(job.model, job.data.seq_len).describe()}")
+    lines.append(describe_sizes(job))
     # One batch per model replica: data-parallel size = workers / tensor-parallel size.
     lines.append(describe_batch(job))
     if not data:

@@ -39,9 +39,46 @@ def elastic_world_sizes(min_workers: int, max_workers: int, step: int) -> list[i
 
 
 def world_sizes(job: JobSpec) -> list[int]:
-    """Every worker count the job's elastic range can take: whole nodes when ``workers_per_node`` is set."""
+    """Every worker count the job can run at: its fixed size, or, for an elastic job, the sizes in
+    ``min_workers..max_workers`` that are whole nodes (multiples of ``scaling.workers_per_node``) holding whole
+    tensor-parallel groups. The elastic scaling policy (:mod:`raytrn.train.elastic`) never picks another.
+
+    ConfigError, with why, when an elastic range holds no such size."""
     s = job.scaling
-    return elastic_world_sizes(s.min_workers, s.max_size, s.workers_per_node or 1)
+    if not s.elastic:
+        return [s.min_workers]
+    unit = size_unit(job)
+    sizes = list(range(-(-s.min_workers // unit) * unit, s.max_size + 1, unit))
+    if not sizes:
+        raise ConfigError(
+            f"{job.source}: scaling: no worker count in min_workers..max_workers ({s.min_workers}..{s.max_size}) is "
+            f"{_unit_reason(job)}: widen the range to include a multiple of {unit}"
+        )
+    return sizes
+
+
+def size_unit(job: JobSpec) -> int:
+    """What every elastic size is a multiple of: whole nodes (``workers_per_node``, which whole TP groups must
+    divide: a group never spans two nodes), else whole tensor-parallel groups."""
+    return job.scaling.workers_per_node or job.parallel.tensor_parallel_size
+
+
+def _unit_reason(job: JobSpec) -> str:
+    wpn, tp = job.scaling.workers_per_node, job.parallel.tensor_parallel_size
+    if wpn:
+        return f"a multiple of {wpn}: whole nodes (scaling.workers_per_node={wpn})"
+    return f"a multiple of {tp}: whole tensor-parallel groups (parallel.tensor_parallel_size={tp})"
+
+
+def describe_sizes(job: JobSpec) -> str:
+    """``raytrn validate``'s line on the sizes an elastic job can take, and why only those."""
+    sizes, s = world_sizes(job), job.scaling
+    if not s.elastic:
+        return f"size: fixed at {s.min_workers} worker{'s' * (s.min_workers > 1)}"
+    shown = _listing([str(n) for n in sizes])
+    unit = size_unit(job)
+    why = f" ({_unit_reason(job)})" if unit > 1 else ""
+    return f"elastic sizes: {shown} workers{why}"
 
 
 def data_parallel_size(job: JobSpec, world_size: int) -> int:

@@ -12,15 +12,22 @@ from typing import Any
 from raytrn import storage
 from raytrn.backends import Backend, get_backend
 from raytrn.checkpoint import Meta, Progress, read_meta, recorded_steps
-from raytrn.compat import create_data_stats_actor, trainer_without_callbacks
+from raytrn.compat import (
+    create_data_stats_actor,
+    elastic_scaling_policy,
+    trainer_with_scaling_policy,
+    trainer_without_callbacks,
+)
 from raytrn.config import JobSpec
 from raytrn.data.order import SAMPLE_TRACE_ENV
 from raytrn.errors import RaytrnError
 from raytrn.models import model_stats
 from raytrn.runtime import ensure_ray, process_started_at
 from raytrn.train.checks import check_data, check_spec
+from raytrn.train.elastic import SizeChooser
 from raytrn.train.progress import ProgressBoard, ProgressPrinter, Summary
 from raytrn.train.schedule import Schedule, resolve_schedule
+from raytrn.train.sizes import world_sizes
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +245,8 @@ def _trainer(
     ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows its own progress
     _pin_data_stats_actor()
     trainer_class: Any = _local_trainer_class(TorchTrainer) if local else TorchTrainer
+    if scaling.elasticity_enabled:
+        trainer_class = trainer_with_scaling_policy(trainer_class, _ElasticPolicy(job, backend))
     return trainer_class(
         _train_fn(),
         train_loop_config={
@@ -337,11 +346,30 @@ def _scaling(job: JobSpec, backend: Backend) -> Any:
     from ray.train import ScalingConfig
 
     s = job.scaling
-    # Train V2 takes (min, max) for an elastic worker group.
-    num_workers: Any = (s.min_workers, s.max_size) if s.elastic else s.min_workers
+    sizes = world_sizes(job)
+    # Train V2 takes (min, max) for an elastic worker group; raytrn's policy picks only the sizes in between
+    # that are whole nodes and whole TP groups (_ElasticPolicy).
+    elastic = len(sizes) > 1
+    num_workers: Any = (sizes[0], sizes[-1]) if elastic else sizes[0]
+    extra: dict[str, Any] = {"elastic_resize_monitor_interval_s": s.resize_interval_s} if elastic else {}
     return ScalingConfig(
-        num_workers=num_workers, use_gpu=backend.use_gpu, resources_per_worker=backend.worker_resources(job)
+        num_workers=num_workers, use_gpu=backend.use_gpu, resources_per_worker=backend.worker_resources(job), **extra
     )
+
+
+class _ElasticPolicy:
+    """``make_policy`` for :func:`raytrn.compat.trainer_with_scaling_policy`: Ray's elastic policy choosing
+    sizes by :class:`raytrn.train.elastic.SizeChooser` (picklable: it travels to the controller actor)."""
+
+    def __init__(self, job: JobSpec, backend: Backend) -> None:
+        self.chooser = SizeChooser(
+            resources=dict(backend.worker_resources(job) or {}),
+            sizes=tuple(world_sizes(job)),
+            workers_per_node=job.scaling.workers_per_node,
+        )
+
+    def __call__(self, scaling_config: Any) -> Any:
+        return elastic_scaling_policy(scaling_config, self.chooser)
 
 
 def _run_storage(job: JobSpec) -> dict[str, Any]:

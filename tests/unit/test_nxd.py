@@ -37,7 +37,7 @@ from raytrn.backends.nxd import (
 from raytrn.config import JobSpec, apply_overrides, parse_job
 from raytrn.errors import BackendError, BackendUnavailableError, ConfigError
 from raytrn.train.checks import check_spec
-from raytrn.train.sizes import data_parallel_rank, data_parallel_size
+from raytrn.train.sizes import data_parallel_rank, data_parallel_size, describe_sizes, world_sizes
 
 pytestmark = pytest.mark.unit
 
@@ -240,9 +240,14 @@ def test_tp_must_divide_every_world_size_of_the_elastic_range() -> None:
     assert "make min_workers, max_workers and workers_per_node multiples of 8" in msg
 
 
-def test_a_ragged_top_of_the_range_is_checked_too() -> None:
-    msg = config_error(job("llama3.2-1b-trn1.yaml", "scaling.max_workers=100"))
-    assert "does not divide 100 worker(s)" in msg
+def test_a_ragged_top_of_the_range_is_never_a_size() -> None:
+    # 32 per node: 100 workers is three nodes and a bit; the job runs at 32, 64 or 96, and says so.
+    j = job("llama3.2-1b-trn1.yaml", "scaling.max_workers=100")
+    assert world_sizes(j) == [32, 64, 96]
+    assert (
+        describe_sizes(j)
+        == "elastic sizes: 32, 64 and 96 workers (a multiple of 32: whole nodes (scaling.workers_per_node=32))"
+    )
 
 
 def test_global_batch_must_divide_by_micro_batch_times_data_parallel_size() -> None:

@@ -11,13 +11,14 @@ import pytest
 from raytrn.config import JobSpec, parse_job
 from raytrn.errors import ConfigError
 from raytrn.train.checks import check_job, check_spec
-from raytrn.train.sizes import MAX_WORKERS, data_parallel_sizes, describe_batch, world_sizes
+from raytrn.train.sizes import MAX_WORKERS, data_parallel_sizes, describe_batch, describe_sizes, world_sizes
 
 pytestmark = pytest.mark.unit
 
 
-def job(scaling: dict[str, Any], data: dict[str, Any] | None = None) -> JobSpec:
+def job(scaling: dict[str, Any], data: dict[str, Any] | None = None, parallel: dict[str, Any] | None = None) -> JobSpec:
     raw = {
+        "parallel": parallel or {},
         "model": {"preset": "tiny"},
         "data": {"manifest": "unused", "seq_len": 16, "micro_batch_size": 8, **(data or {})},
         "optim": {"lr": 1e-3},
@@ -102,3 +103,42 @@ def test_the_largest_allowed_range_is_checked_arithmetically() -> None:
     lines = check_job(ok, data=False)
     assert max(len(line) for line in lines) < 2000
     assert "... 99992 more sizes ..." in describe_batch(ok)
+
+
+def test_elastic_sizes_are_whole_nodes_and_whole_tp_groups() -> None:
+    # 2..9 workers, 4 per node: 4 and 8 only (2 is half a node, 9 two nodes and a bit).
+    j = job({"min_workers": 2, "max_workers": 9, "workers_per_node": 4}, {"global_batch_size": 64})
+    assert world_sizes(j) == [4, 8]
+    assert (
+        describe_sizes(j)
+        == "elastic sizes: 4 and 8 workers (a multiple of 4: whole nodes (scaling.workers_per_node=4))"
+    )
+    tp = job(
+        {"min_workers": 1, "max_workers": 7},
+        {"global_batch_size": 48},
+        {"data_parallel": "fsdp", "tensor_parallel_size": 2},
+    )
+    assert world_sizes(tp) == [2, 4, 6]
+    check_spec(tp)  # DP 1, 2, 3: 48 divides at each
+    assert "whole tensor-parallel groups (parallel.tensor_parallel_size=2)" in describe_sizes(tp)
+    assert describe_sizes(job({"min_workers": 2})) == "size: fixed at 2 workers"
+    assert (
+        describe_sizes(job({"min_workers": 1, "max_workers": 3}, {"global_batch_size": 48}))
+        == "elastic sizes: 1, 2 and 3 workers"
+    )
+
+
+def test_an_elastic_range_without_a_valid_size_says_why() -> None:
+    msg = error(job({"min_workers": 5, "max_workers": 7, "workers_per_node": 4}, {"global_batch_size": 64}))
+    assert msg == (
+        "job.yaml: scaling: no worker count in min_workers..max_workers (5..7) is a multiple of 4: whole nodes "
+        "(scaling.workers_per_node=4): widen the range to include a multiple of 4"
+    )
+
+
+def test_elastic_sizes_of_a_huge_range_are_bounded() -> None:
+    start = time.monotonic()
+    j = job({"min_workers": 64, "max_workers": MAX_WORKERS, "workers_per_node": 64}, {"global_batch_size": 64 * 8})
+    assert len(world_sizes(j)) == MAX_WORKERS // 64
+    assert "and 1,554 more" in describe_sizes(j)
+    assert time.monotonic() - start < 5

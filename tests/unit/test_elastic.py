@@ -1,0 +1,132 @@
+"""The elastic size rule (raytrn.train.elastic) and the policy built on Ray's private ElasticScalingPolicy."""
+
+from __future__ import annotations
+
+import inspect
+import socket
+
+import pytest
+
+from raytrn import compat
+from raytrn.train.elastic import SizeChooser, reachable_nodes
+
+pytestmark = pytest.mark.unit
+
+TRN2 = {"neuron_cores": 1.0}
+
+
+def test_whole_nodes_only() -> None:
+    choose = SizeChooser(resources=TRN2, sizes=(64, 128, 192), workers_per_node=64)
+    assert choose({"a": {"neuron_cores": 64}, "b": {"neuron_cores": 64}, "c": {"neuron_cores": 64}}) == 192
+    # A node with 40 free cores holds no whole node's worth: two nodes, not 168 workers.
+    assert choose({"a": {"neuron_cores": 64}, "b": {"neuron_cores": 64}, "c": {"neuron_cores": 40}}) == 128
+    # Two half-free nodes add up to 64 cores but hold no whole node: nothing to start.
+    assert choose({"a": {"neuron_cores": 32}, "b": {"neuron_cores": 32}}) == 0
+    assert choose({}) == 0
+
+
+def test_largest_valid_size_that_fits() -> None:
+    # The job may run at 1, 2, 3 or 6 workers: 5 free slots run 3, never 4 or 5.
+    choose = SizeChooser(resources={"CPU": 1.0, "neuron_cores": 1.0}, sizes=(1, 2, 3, 6))
+    assert choose({"a": {"CPU": 2, "neuron_cores": 1}, "b": {"CPU": 8, "neuron_cores": 4}}) == 3
+    assert choose({"a": {"CPU": 0.5, "neuron_cores": 1}}) == 0  # every resource must fit
+    assert choose({f"n{i}": {"CPU": 1, "neuron_cores": 1} for i in range(7)}) == 6
+
+
+def test_workers_that_need_nothing_take_the_largest_size() -> None:
+    assert SizeChooser(resources={"CPU": 0.0}, sizes=(2, 4))({"a": {}}) == 4
+
+
+def test_reachable_nodes_probes_the_raylet_port() -> None:
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    dead_port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now: a refused connection, like a killed raylet
+    try:
+        nodes = [
+            {
+                "NodeID": "up",
+                "Alive": True,
+                "NodeManagerAddress": "127.0.0.1",
+                "NodeManagerPort": listening.getsockname()[1],
+            },
+            {"NodeID": "gone", "Alive": True, "NodeManagerAddress": "127.0.0.1", "NodeManagerPort": dead_port},
+            {
+                "NodeID": "dead",
+                "Alive": False,
+                "NodeManagerAddress": "127.0.0.1",
+                "NodeManagerPort": listening.getsockname()[1],
+            },
+            {"NodeID": "odd", "Alive": True},
+        ]
+        assert reachable_nodes(nodes, timeout_s=2) == {"up"}
+        assert reachable_nodes([]) == set()
+    finally:
+        listening.close()
+
+
+# --- the Ray internals the policy relies on (raytrn/compat.py) -----------------------------------------------
+
+
+def test_ray_elastic_policy_internals_are_where_the_policy_expects_them() -> None:
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import _AutoscalingCoordinatorActor
+    from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    assert list(inspect.signature(ElasticScalingPolicy._count_possible_workers).parameters) == [
+        "self",
+        "reserved_resources",
+    ]
+    assert list(inspect.signature(ElasticScalingPolicy._get_reserved_resources).parameters) == ["self"]
+    assert ElasticScalingPolicy.GET_RESERVED_RESOURCES_INTERVAL_S > 0
+    init = inspect.getsource(ElasticScalingPolicy.__init__)
+    assert "self._latest_reserved_resources_query_time" in init and "self._latest_reserved_resources" in init
+    # Both decisions size the group through _count_possible_workers(_get_reserved_resources()).
+    for decision in ("make_decision_for_non_running_worker_group", "make_decision_for_running_worker_group"):
+        source = inspect.getsource(getattr(ElasticScalingPolicy, decision))
+        assert "self._get_reserved_resources()" in source and "self._count_possible_workers(" in source, decision
+    assert "recompute" in inspect.signature(_AutoscalingCoordinatorActor.get_reserved_resources).parameters
+    # fit() hands the policy to the controller through this hook, as a keyword.
+    assert "scaling_policy=" in inspect.getsource(DataParallelTrainer.fit)
+    assert "controller_init_kwargs" in inspect.signature(DataParallelTrainer._initialize_and_run_controller).parameters
+
+
+def test_policy_counts_with_the_chooser_and_travels_to_the_controller() -> None:
+    import ray.cloudpickle
+    from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+    from ray.train.v2.api.config import ScalingConfig
+
+    choose = SizeChooser(resources=TRN2, sizes=(64, 128), workers_per_node=64)
+    config = ScalingConfig(num_workers=(64, 128), resources_per_worker=dict(TRN2))
+    policy = compat.elastic_scaling_policy(config, choose)
+    assert isinstance(policy, ElasticScalingPolicy)
+    reserved = {"a": {"neuron_cores": 64.0}, "b": {"neuron_cores": 63.0}}
+    # Ray's own count: 127 workers (capped at 128); the chooser's: one whole node.
+    assert ElasticScalingPolicy(config)._count_possible_workers(reserved) == 127
+    assert policy._count_possible_workers(reserved) == 64
+    copy = ray.cloudpickle.loads(ray.cloudpickle.dumps(policy))  # the controller is an actor
+    assert copy._count_possible_workers(reserved) == 64
+
+
+def test_trainer_hook_replaces_only_the_policy() -> None:
+    calls = []
+
+    class Base:
+        def _initialize_and_run_controller(self, **kwargs):
+            calls.append(kwargs)
+            return "result"
+
+    trainer = compat.trainer_with_scaling_policy(Base, lambda config: ("policy for", config))
+    t = trainer()
+    t.scaling_config = "cfg"
+    assert t._initialize_and_run_controller(scaling_policy="ray's", failure_policy="f") == "result"
+    assert calls == [{"scaling_policy": ("policy for", "cfg"), "failure_policy": "f"}]
+    assert trainer.__name__ == "Base"
+
+    class NoHook:
+        pass
+
+    assert compat.trainer_with_scaling_policy(NoHook, lambda config: None) is NoHook
