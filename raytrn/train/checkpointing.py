@@ -197,3 +197,53 @@ def _read_meta(directory: str) -> Any:
             return parse_meta(f.read())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {directory}: unreadable {META_FILE} ({e})") from None
+
+
+def newest_complete(job: JobSpec, checkpoint: Any) -> Any:
+    """The checkpoint a (re)started worker group resumes from: Ray Train's latest (``checkpoint``, or None),
+    unless the run's storage holds a newer complete one.
+
+    Ray Train registers a checkpoint only once its controller has polled every worker after the report
+    (every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s): a group that loses a node within that time leaves its
+    newest checkpoint written but unregistered, and Ray resumes from the one before (one interval of work lost
+    twice over). A ``checkpoint_<N>`` directory is written by rank 0 only after every rank's DCP shards and
+    DCP's ``.metadata`` are (a DCP save returns after its metadata is written), so a newer one whose
+    ``meta.json`` reads and whose shard files are all there (:func:`raytrn.train.dcp.check_complete`) is
+    resumable; any other is skipped with a warning naming it. Every rank lists the same storage (no one writes
+    while a group starts), so all pick the same one.
+    """
+    import re
+
+    from raytrn import storage
+    from raytrn.checkpoint import read_meta
+    from raytrn.train import dcp
+
+    root = storage.join(job.checkpoint.storage, job.run_name)
+    known = -1
+    if checkpoint is not None:
+        m = re.search(r"checkpoint_(\d+)/?$", str(checkpoint.path))
+        known = int(m.group(1)) if m else 10**18  # a checkpoint raytrn did not name: Ray's, as it is
+    for step in reversed(recorded_steps(root)):
+        if step <= known:
+            break
+        location = storage.join(root, f"checkpoint_{step:08d}")
+        try:
+            meta = read_meta(location)
+            shards = meta.extra.get("dcp") if meta else None
+            if not isinstance(shards, str):
+                raise CheckpointError(f"checkpoint {location}: no {META_FILE} naming sharded (DCP) state")
+            dcp.check_complete(shards)
+        except (CheckpointError, ValueError, OSError) as e:
+            log.warning("not resuming from %s: %s", location, e)
+            continue
+        import ray.train
+
+        log.warning(
+            "resuming from %s, newer than Ray Train's latest checkpoint (%s): it was written but not yet registered "
+            "when the worker group failed",
+            location,
+            checkpoint.path if checkpoint is not None else "none",
+        )
+        fs, path = storage.filesystem(location)
+        return ray.train.Checkpoint(path=path, filesystem=fs)
+    return checkpoint

@@ -72,9 +72,10 @@ def test_reachable_nodes_probes_the_raylet_port() -> None:
 
 
 def test_ray_elastic_policy_internals_are_where_the_policy_expects_them() -> None:
-    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import _AutoscalingCoordinatorActor
-    from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    ElasticScalingPolicy = compat.resolve(compat.PRIVATE_NAMES["Ray Train elastic policy"])
+    coordinator_reservations = compat.resolve(compat.PRIVATE_NAMES["Ray autoscaling coordinator reservations"])
 
     assert list(inspect.signature(ElasticScalingPolicy._count_possible_workers).parameters) == [
         "self",
@@ -88,7 +89,7 @@ def test_ray_elastic_policy_internals_are_where_the_policy_expects_them() -> Non
     for decision in ("make_decision_for_non_running_worker_group", "make_decision_for_running_worker_group"):
         source = inspect.getsource(getattr(ElasticScalingPolicy, decision))
         assert "self._get_reserved_resources()" in source and "self._count_possible_workers(" in source, decision
-    assert "recompute" in inspect.signature(_AutoscalingCoordinatorActor.get_reserved_resources).parameters
+    assert "recompute" in inspect.signature(coordinator_reservations).parameters
     # fit() hands the policy to the controller through this hook, as a keyword.
     assert "scaling_policy=" in inspect.getsource(DataParallelTrainer.fit)
     assert "controller_init_kwargs" in inspect.signature(DataParallelTrainer._initialize_and_run_controller).parameters
@@ -96,8 +97,9 @@ def test_ray_elastic_policy_internals_are_where_the_policy_expects_them() -> Non
 
 def test_policy_counts_with_the_chooser_and_travels_to_the_controller() -> None:
     import ray.cloudpickle
-    from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
     from ray.train.v2.api.config import ScalingConfig
+
+    ElasticScalingPolicy = compat.resolve(compat.PRIVATE_NAMES["Ray Train elastic policy"])
 
     choose = SizeChooser(resources=TRN2, sizes=(64, 128), workers_per_node=64)
     config = ScalingConfig(num_workers=(64, 128), resources_per_worker=dict(TRN2))
