@@ -24,9 +24,15 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Data executor logger": "ray.data._internal.execution.streaming_executor",
     "Ray Train controller start": "ray.train.v2.api.data_parallel_trainer:DataParallelTrainer._initialize_and_run_controller",
     "Ray Train elastic policy": "ray.train.v2._internal.execution.scaling_policy:ElasticScalingPolicy",
+    "Ray Train scaling decisions": "ray.train.v2._internal.execution.scaling_policy:ResizeDecision",
+    "Ray Train no-op decision": "ray.train.v2._internal.execution.scaling_policy:NoopDecision",
     "Ray Train elastic policy counting": "ray.train.v2._internal.execution.scaling_policy:ElasticScalingPolicy._count_possible_workers",
     "Ray Train elastic policy reservations": "ray.train.v2._internal.execution.scaling_policy:ElasticScalingPolicy._get_reserved_resources",
     "Ray autoscaling coordinator reservations": "ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator:_AutoscalingCoordinatorActor.get_reserved_resources",
+    "Ray Train worker preemption notice": "ray.train.v2._internal.execution.context:TrainContext",  # .preemption_context
+    "Ray Train worker context": "ray.train.v2._internal.execution.context:get_train_context",
+    "Ray Train preemption context": "ray.train.v2._internal.execution.preemption:PreemptionContext",
+    "Ray draining nodes": "ray._private.state:GlobalState.get_draining_nodes",
     "Ray Train preemption watcher switch": "ray.train.v2._internal.constants:ENABLE_PREEMPTION_WATCHER_ENV_VAR",
     "Ray cluster-config validation": "ray.autoscaler._private.util:validate_config",
     "Ray cluster-config defaults": "ray.autoscaler._private.util:prepare_config",
@@ -87,20 +93,23 @@ def elastic_scaling_policy(scaling_config: Any, choose: Any) -> Any:
     """Ray Train V2's elastic scaling policy with raytrn's choice of size (:mod:`raytrn.train.elastic`).
 
     Extends the private ``ElasticScalingPolicy`` (public alternative: none; Ray rounds sizes only for TPU
-    slices) in two places:
+    slices) in three places:
 
     - ``_count_possible_workers(reserved)`` -> ``choose(reserved)``: whole nodes, valid sizes only;
     - ``_get_reserved_resources()`` asks the autoscaling coordinator to recompute against a fresh view of the
       cluster (``get_reserved_resources(..., recompute=True)``; its own view refreshes every 20 s) and drops
-      the nodes whose raylet does not answer (:func:`raytrn.train.elastic.reachable_nodes`): a (re)start is
-      sized from the live cluster, not from before a node was lost.
+      the nodes whose raylet does not answer (:func:`raytrn.train.elastic.reachable_nodes`) or that are being
+      drained (:func:`draining_nodes`): a (re)start is sized from the live cluster, not from before a node was
+      lost, and never lands on a node about to be preempted;
+    - ``make_decision_for_running_worker_group`` never shrinks a running group (failures and preemption
+      deadlines do, after their checkpoints).
 
     Everything else (when to decide, the resource requests to the autoscaler, ``min_workers``) is Ray's.
     """
     import time
 
     import ray
-    from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+    from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy, NoopDecision, ResizeDecision
     from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client import (
         AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
     )
@@ -108,6 +117,15 @@ def elastic_scaling_policy(scaling_config: Any, choose: Any) -> Any:
     from raytrn.train.elastic import reachable_nodes
 
     class RaytrnElasticPolicy(ElasticScalingPolicy):  # type: ignore[misc]
+        def make_decision_for_running_worker_group(self, worker_group_state: Any, worker_group_status: Any) -> Any:
+            # A running group only grows. It shrinks when a worker fails, or when a preemption notice's deadline
+            # passes after the group checkpointed (raytrn.train.preemption); shrinking it here, on seeing a
+            # draining node, would restart it before that checkpoint.
+            decision = super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
+            if isinstance(decision, ResizeDecision) and decision.num_workers < worker_group_state.num_workers:
+                return NoopDecision()
+            return decision
+
         def _count_possible_workers(self, reserved_resources: dict[str, dict[str, float]]) -> int:
             return int(choose(reserved_resources))
 
@@ -121,7 +139,7 @@ def elastic_scaling_policy(scaling_config: Any, choose: Any) -> Any:
                     self._autoscaling_coordinator.get_reserved_resources.remote(self._requester_id, recompute=True),
                     timeout=AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
                 )
-                live = reachable_nodes(ray.nodes())
+                live = reachable_nodes(ray.nodes()) - draining_nodes()
                 reserved = {node: res for node, res in reserved.items() if node in live}
             except Exception as e:  # as Ray's: no decision this time, try again shortly
                 logging.getLogger(__name__).warning("raytrn elastic policy: no view of the cluster this time: %s", e)
@@ -131,6 +149,31 @@ def elastic_scaling_policy(scaling_config: Any, choose: Any) -> Any:
             return reserved
 
     return RaytrnElasticPolicy(scaling_config)
+
+
+def preemption_notice() -> Any:
+    """This worker's copy of a preemption notice for its group (a ``ray.train.PreemptionInfo``), or None.
+
+    ``ray.train.v2._internal.execution.context.get_train_context().preemption_context.preemption_info``, set on
+    every worker by Ray Train's preemption watcher; public alternative: ``ray.train.get_preemption_info()``,
+    the same value agreed through Ray (a barrier over every worker through Ray's actors, milliseconds): raytrn
+    reads the local copy every step and agrees on it with one small all-reduce
+    (:mod:`raytrn.train.preemption`).
+    """
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    return get_train_context().preemption_context.preemption_info
+
+
+def draining_nodes() -> set[str]:
+    """The ids of the nodes being drained (``ray drain-node``, a spot notice): no new work is placed there.
+
+    ``ray._private.state.state.get_draining_nodes()``; public alternative: none (``ray.nodes()`` shows a
+    draining node as alive).
+    """
+    from ray._private.state import state
+
+    return set(state.get_draining_nodes())
 
 
 def create_data_stats_actor() -> None:

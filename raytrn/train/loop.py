@@ -25,6 +25,8 @@ from raytrn.data.order import SAMPLE_TRACE_ENV
 from raytrn.errors import DataError
 from raytrn.runtime import process_started_at
 from raytrn.train.checkpointing import Saved, newest_complete
+from raytrn.train.preemption import PreemptionWatch, wait_for_teardown
+from raytrn.train.preemption import describe as describe_notice
 from raytrn.train.schedule import Schedule
 from raytrn.train.sizes import data_parallel_rank, data_parallel_size
 from raytrn.train.step import Training, build_training, read_metrics, train_step
@@ -93,6 +95,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         )
 
     # -- train ---------------------------------------------------------------------------------
+    # A spot interruption notice ends this group at a checkpoint (raytrn.train.preemption): agreed every step.
+    watch = PreemptionWatch(world_size)
     window_start, window_tokens, window_steps, data_wait = time.perf_counter(), 0, 0, 0.0
     first_step = True
     while progress.step < max_steps:
@@ -135,12 +139,23 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             progress.last_logged_step = max(progress.last_logged_step, step)
             window_start, window_tokens, window_steps, data_wait = time.perf_counter(), 0, 0, 0.0
 
-        if step % job.checkpoint.every_n_steps == 0 or is_last:
+        notice = watch.notice()  # a collective: every rank, every step
+        preempted = notice is not None and not is_last
+        if step % job.checkpoint.every_n_steps == 0 or is_last or preempted:
             if efficiency is not None:
                 progress.cost_usd = efficiency.cost_usd()
             report = {**metrics, "step": progress.step, "tokens_seen": progress.tokens_seen}
-            for saved in t.checkpoints.save(t, progress, schedule, report, final=is_last):
+            # Synchronous at the end and on a notice: the checkpoint must exist before the group goes.
+            for saved in t.checkpoints.save(t, progress, schedule, report, final=is_last or preempted):
                 _report(job, rank, saved, logger)  # every worker (Ray Train counts the reports)
+        if preempted:
+            if rank == 0:
+                log.warning(
+                    "preemption notice (%s): checkpointed step %d; waiting for Ray Train to restart without the node",
+                    describe_notice(notice),
+                    step,
+                )
+            wait_for_teardown()  # the steps until the deadline would be trained again: train none
 
     if sampler:
         sampler.close()

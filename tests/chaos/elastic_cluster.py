@@ -6,7 +6,9 @@ with the process, so a test or a benchmark runs it in a subprocess with a timeou
 writes. Events happen at seeded steps, in order:
 
 - ``remove``: a node that holds a worker is removed (its raylet and workers killed);
-- ``add``: a node is added back (the group should grow within ``scaling.resize_interval_s``).
+- ``add``: a node is added back (the group should grow within ``scaling.resize_interval_s``);
+- ``drain``: a node that holds a worker gets a preemption notice (``ray drain-node --reason
+  DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds 15``) and is removed at the deadline.
 
 The result has, per event, the seconds until the next new step was logged (recovery) or until a step ran
 at the larger size (scale-up), the steps logged (each exactly once?), the world sizes and the final loss.
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import sqlite3
+import subprocess
 import sys
 import threading
 import time
@@ -27,6 +30,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = {"num_cpus": 1, "resources": {"neuron_cores": 1}}
+DRAIN_DEADLINE_S = 15
 
 
 def _logged_steps(db: Path) -> list[tuple[int, float]]:
@@ -48,6 +52,18 @@ def _trace_groups(trace: Path) -> list[tuple[float, int, int]]:
         _, first, dp, ns, _ = path.stem.split("-")
         seen.add((int(ns) / 1e9, int(first), int(dp[2:])))
     return sorted(seen)
+
+
+def _last_traced_step(trace: Path, group: tuple[float, int, int]) -> int:
+    """The last step any rank of ``group`` started (its rank files share the first step and DP size)."""
+    _, first, dp = group
+    steps = [
+        json.loads(line)["step"]
+        for path in trace.glob(f"group-{first:08d}-dp{dp}-*.jsonl")
+        for line in path.read_text().splitlines()
+        if line.endswith("}")
+    ]
+    return max(steps, default=first)
 
 
 def _free_port() -> int:
@@ -146,9 +162,21 @@ def main(argv: list[str] | None = None) -> int:
                 break
             last_step = max(s for s, _ in _logged_steps(db))
             event: dict[str, Any] = {"kind": kind, "at_step": last_step}
-            if kind == "remove":
+            if kind in ("remove", "drain"):
                 holding = _worker_nodes()
                 victim = next(n for n in reversed(nodes) if n.node_id in holding and n not in removed)
+                if kind == "drain":
+                    notice_at = time.time()
+                    subprocess.run(
+                        [str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address,
+                         "--node-id", victim.node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                         "--reason-message", "spot interruption (test)",
+                         "--deadline-remaining-seconds", str(DRAIN_DEADLINE_S)],
+                        check=True, capture_output=True, timeout=30,
+                    )  # fmt: skip
+                    time.sleep(max(0.0, notice_at + DRAIN_DEADLINE_S - time.time()))
+                    old = [g for g in _trace_groups(trace) if g[0] < notice_at]
+                    event["old_group_last_step"] = _last_traced_step(trace, old[-1]) if old else None
                 t0 = time.time()
                 cluster.remove_node(victim, allow_graceful=False)
                 removed.append(victim)
@@ -164,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                 event["recovery_s"] = round(new[0][1] - t0, 2) if new else None
                 event["resumed_from_step"] = restarted[0][1] if restarted else None
                 event["restarted_dp"] = restarted[0][2] if restarted else None
+                if kind == "drain" and restarted and event["old_group_last_step"] is not None:
+                    event["steps_lost"] = event["old_group_last_step"] - restarted[0][1]
             elif kind == "add":
                 t0 = time.time()
                 nodes.append(cluster.add_node(**NODE))

@@ -132,3 +132,24 @@ def test_trainer_hook_replaces_only_the_policy() -> None:
         pass
 
     assert compat.trainer_with_scaling_policy(NoHook, lambda config: None) is NoHook
+
+
+def test_a_running_group_only_grows() -> None:
+    """Ray's decision for a running group, with the cluster view replaced: one node fewer (draining: the
+    preemption flow shrinks the group after its checkpoint) is no resize; one node more is."""
+    from types import SimpleNamespace
+
+    from ray.train.v2.api.config import ScalingConfig
+
+    resize = compat.resolve(compat.PRIVATE_NAMES["Ray Train scaling decisions"])
+    noop = compat.resolve(compat.PRIVATE_NAMES["Ray Train no-op decision"])
+    config = ScalingConfig(num_workers=(1, 3), resources_per_worker={"neuron_cores": 1.0})
+    policy = compat.elastic_scaling_policy(config, SizeChooser(resources={"neuron_cores": 1.0}, sizes=(1, 2, 3)))
+    policy._maybe_send_resource_request = lambda: None  # no autoscaling coordinator in a unit test
+    running = SimpleNamespace(start_time=float("-inf"), num_workers=2)
+    for nodes, expected in ((1, noop), (2, noop), (3, resize)):
+        policy._latest_monitor_time = float("-inf")
+        policy._get_reserved_resources = lambda n=nodes: {f"n{i}": {"neuron_cores": 1.0} for i in range(n)}
+        decision = policy.make_decision_for_running_worker_group(running, None)
+        assert type(decision) is expected, (nodes, decision)
+    assert decision.num_workers == 3
