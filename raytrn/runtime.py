@@ -7,7 +7,7 @@ import math
 import os
 import subprocess
 from collections.abc import Mapping, MutableMapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from raytrn.compat import PREEMPTION_WATCHER_ENV
 from raytrn.errors import RaytrnError
@@ -180,3 +180,17 @@ def process_started_at() -> float:
     import psutil
 
     return float(psutil.Process().create_time())
+
+
+def on_this_node() -> dict[str, Any]:
+    """Ray options that place an actor on this process's node, strictly: the job's own actors (tracking,
+    progress) live and die with the driver, never on a worker node an elastic job may lose. (A *soft* node
+    affinity does not hold for zero-CPU actors: Ray spreads them over the cluster.)"""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(
+            node_id=ray.get_runtime_context().get_node_id(), soft=False
+        )
+    }

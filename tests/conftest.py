@@ -28,7 +28,9 @@ def ray_session():
     Its dashboard takes a free port: 8265 (and 6379, 5000) stay free for the README's laptop path."""
     import ray
 
-    ray.init(num_cpus=3, resources={"neuron_cores": 2}, logging_level="WARNING", dashboard_port=_free_port())
+    ray.init(
+        address="local", num_cpus=3, resources={"neuron_cores": 2}, logging_level="WARNING", dashboard_port=_free_port()
+    )
     yield
     ray.shutdown()
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from raytrn.compat import metric_objects
 from raytrn.errors import RaytrnError
+from raytrn.runtime import on_this_node
 from raytrn.train.progress import ProgressBoard
 
 log = logging.getLogger(__name__)
@@ -306,10 +307,8 @@ def start_tracking_actor(tracked: Any, job: Any, *, manifest: Any = None, env: d
 
     ``env``: variables the actor's process needs and may lack (see :func:`driver_env`)."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
-    options: dict[str, Any] = {"scheduling_strategy": here}
+    options: dict[str, Any] = on_this_node()
     if env:
         options["runtime_env"] = {"env_vars": env}
     return (

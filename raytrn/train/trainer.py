@@ -22,7 +22,7 @@ from raytrn.config import JobSpec
 from raytrn.data.order import SAMPLE_TRACE_ENV
 from raytrn.errors import RaytrnError
 from raytrn.models import model_stats
-from raytrn.runtime import ensure_ray, process_started_at
+from raytrn.runtime import ensure_ray, on_this_node, process_started_at
 from raytrn.train.checks import check_data, check_spec
 from raytrn.train.elastic import SizeChooser
 from raytrn.train.progress import ProgressBoard, ProgressPrinter, Summary
@@ -89,7 +89,7 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
     # A Ray this process did not start has another environment: give the actor the driver's MLflow/AWS settings.
     env = None if started_locally else driver_env(os.environ)
     tracker = start_tracking_actor(tracked, job, manifest=manifest, env=env) if tracked else None
-    board = tracker if tracker is not None else ray.remote(num_cpus=0)(ProgressBoard).remote()
+    board = tracker if tracker is not None else ray.remote(num_cpus=0)(ProgressBoard).options(**on_this_node()).remote()
     watch = _RunRefused(tracker)
     status = "FAILED"
 

@@ -74,13 +74,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker_nodes() -> set[str]:
+def _actor_nodes(class_name: str) -> set[str]:
+    """The nodes of this session's live actors of ``class_name`` (Ray's state API)."""
     import ray
     from ray.util.state import list_actors
 
     actors = list_actors(
         address=ray.get_runtime_context().gcs_address,
-        filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
+        filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")],
         timeout=30,
     )
     return {a.node_id for a in actors}
@@ -162,8 +163,12 @@ def main(argv: list[str] | None = None) -> int:
                 break
             last_step = max(s for s, _ in _logged_steps(db))
             event: dict[str, Any] = {"kind": kind, "at_step": last_step}
+            result.setdefault("driver_node", ray.get_runtime_context().get_node_id())
+            result.setdefault("tracking_nodes", sorted(_actor_nodes("TrackingActor")))
             if kind in ("remove", "drain"):
-                holding = _worker_nodes()
+                # Never the driver's node (its tracking actor lives there): on a real cluster that is the head,
+                # not a spot node; here every node shares the host and the driver attaches to any of them.
+                holding = _actor_nodes("RayTrainWorker") - {ray.get_runtime_context().get_node_id()}
                 victim = next(n for n in reversed(nodes) if n.node_id in holding and n not in removed)
                 if kind == "drain":
                     notice_at = time.time()

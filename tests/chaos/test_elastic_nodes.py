@@ -41,6 +41,8 @@ def _run(dataset, tmp_path, events: str, steps: int) -> dict:
     result = json.loads(out.read_text())
     assert result["finished"], result
     assert result["steps_logged"] == result["distinct_steps"] == result["max_step"] == steps, result
+    # The job's tracking actor lives on the driver's node, never on a worker node the job may lose.
+    assert result["tracking_nodes"] == [result["driver_node"]], result
     return result
 
 
