@@ -24,7 +24,7 @@ from raytrn.config import JobSpec
 from raytrn.data.order import SAMPLE_TRACE_ENV
 from raytrn.errors import DataError
 from raytrn.runtime import process_started_at
-from raytrn.train.checkpointing import Saved, newest_complete
+from raytrn.train.checkpointing import Saved
 from raytrn.train.preemption import PreemptionWatch, wait_for_teardown
 from raytrn.train.preemption import describe as describe_notice
 from raytrn.train.schedule import Schedule
@@ -45,7 +45,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     # -- data first: Ray Data's first read starts new processes (seconds), so it runs while the model builds.
     # Where the data resumes (epoch, rows consumed) is read from the checkpoint's meta.json before anything else.
-    checkpoint = newest_complete(job, ray.train.get_checkpoint())
+    checkpoint = ray.train.get_checkpoint()
     progress = _resume_progress(checkpoint)
     dp = data_parallel_size(job, world_size)
     data = _DataPlan(job, config["manifest"], dp=dp, dp_rank=data_parallel_rank(job, rank))

@@ -162,39 +162,3 @@ def test_async_final_save_keeps_the_checkpoint_it_is_about_to_report(tmp_path: P
     done = t.checkpoints.save(t, Progress(step=3), sched, {}, final=True)
     assert [r.step for r in done] == [2, 3]
     assert dcp.checkpoint_steps(dcp.dcp_root(j)) == [2, 3]  # 1: never recorded here, older than both: deleted
-
-
-def test_a_restart_resumes_from_the_newest_complete_checkpoint_ray_did_not_register(tmp_path: Path, caplog) -> None:
-    """Ray registers a checkpoint only after polling every worker: a group that dies right after a save leaves
-    a complete checkpoint Ray does not know. The next group resumes from it; damaged newer ones are skipped,
-    each named in a warning."""
-    from ray.train import Checkpoint
-
-    from raytrn.checkpoint import write_meta
-    from raytrn.train.checkpointing import newest_complete
-
-    j = job(tmp_path)
-    t = trained(j)
-    state = dcp.training_state(t.model, t.optimizer, t.scheduler)
-    run = tmp_path / "r"
-    for step in (10, 15, 20, 25):
-        location = dcp.step_location(j, step)
-        dcp.save(state, location)
-        (run / f"checkpoint_{step:08d}").mkdir(parents=True)
-        write_meta(str(run / f"checkpoint_{step:08d}"), Progress(step=step), dcp=location)
-    (Path(dcp.step_location(j, 25)) / "__0_0.distcp").unlink()  # a shard lost
-    (run / "checkpoint_00000020" / "meta.json").write_text('{"step": 2')  # cut off mid-write
-    ray_latest = Checkpoint.from_directory(str(run / "checkpoint_00000010"))
-
-    with caplog.at_level("WARNING"):
-        chosen = newest_complete(j, ray_latest)
-    assert chosen.path.endswith("checkpoint_00000015")
-    warned = caplog.text
-    assert "not resuming from" in warned and "checkpoint_00000025" in warned and "missing __0_0.distcp" in warned
-    assert "checkpoint_00000020" in warned
-    assert "resuming from" in warned and "newer than Ray Train's latest checkpoint" in warned
-    # Nothing newer than Ray's: Ray's own; no checkpoint at all and an empty store: a fresh start.
-    assert newest_complete(j, Checkpoint.from_directory(str(run / "checkpoint_00000025"))).path.endswith("00000025")
-    assert newest_complete(job(tmp_path / "empty"), None) is None
-    # A first start of a run whose storage already holds a complete checkpoint resumes from it too.
-    assert newest_complete(j, None).path.endswith("checkpoint_00000015")
