@@ -239,12 +239,18 @@ def plan_epoch(order: SampleOrder, part: RankSlice, epoch: int, start: int = 0) 
         yield plan_window(order, part, epoch, w, start)
 
 
-def plan_reads(order: SampleOrder, part: RankSlice, position: Position) -> Iterator[ReadPlan]:
-    """Endless reads of ``part`` from ``position``: the rest of its epoch, then whole epochs."""
+def epochs_from(position: Position) -> Iterator[tuple[int, int]]:
+    """``(epoch, first position)`` from ``position`` on: the rest of its epoch, then whole epochs, endlessly."""
     epoch, start = position.epoch, position.samples
     while True:
-        yield from plan_epoch(order, part, epoch, start)
+        yield epoch, start
         epoch, start = epoch + 1, 0
+
+
+def plan_reads(order: SampleOrder, part: RankSlice, position: Position) -> Iterator[ReadPlan]:
+    """Endless reads of ``part`` from ``position``: the rest of its epoch, then whole epochs."""
+    for epoch, start in epochs_from(position):
+        yield from plan_epoch(order, part, epoch, start)
 
 
 @dataclass(frozen=True)
@@ -280,7 +286,8 @@ def read_plan(files: ShardFiles, column: str, plan: ReadPlan) -> Any:
         with files.fs.open_input_file(path) as f:
             pf = pq.ParquetFile(f)
             bounds = np.cumsum([0] + [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)])
-            groups = np.unique(np.searchsorted(bounds, local, side="right") - 1)
+            group_of = np.searchsorted(bounds, local, side="right") - 1
+            groups = np.unique(group_of)
             if len(groups) == 0 or bounds[-1] <= local.max():
                 raise DataError(
                     f"{path}: the manifest's order needs row {int(local.max())} of it, it has "
@@ -290,7 +297,6 @@ def read_plan(files: ShardFiles, column: str, plan: ReadPlan) -> Any:
         # Row k of the table just read: the groups' rows, one group after another.
         sizes = np.diff(bounds)[groups]
         table_start = dict(zip(groups.tolist(), (np.cumsum(sizes) - sizes).tolist(), strict=True))
-        group_of = np.searchsorted(bounds, local, side="right") - 1
         index = np.array([table_start[g] for g in group_of.tolist()], dtype=np.int64) + local - bounds[group_of]
         pieces.append(table.column(column).take(pa.array(index)))
         where[sel] = np.arange(taken, taken + len(sel))

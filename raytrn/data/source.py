@@ -27,6 +27,7 @@ from raytrn.data.order import (
     ShardFiles,
     Window,
     epoch_windows,
+    epochs_from,
     plan_window,
     read_plan,
 )
@@ -110,8 +111,6 @@ def rank_tables(
 ) -> Iterator[Any]:
     """Endless Arrow tables of ``batch_rows`` rows of ``part`` from ``position``, epoch after epoch, through
     Ray Data (a dataset per epoch)."""
-    epoch, start = position.epoch, position.samples
-    while True:
+    for epoch, start in epochs_from(position):
         ds = read_rank_epoch(manifest, order, part, epoch, start)
         yield from ds.iter_batches(batch_size=batch_rows, batch_format="pyarrow", prefetch_batches=2, drop_last=False)
-        epoch, start = epoch + 1, 0

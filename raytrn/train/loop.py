@@ -197,14 +197,9 @@ class _DataPlan:
 
     def batches(self, position: Any, trace: _SampleTrace | None = None) -> Iterator[torch.Tensor]:
         """Endless micro-batches of shape [micro_batch_size, seq_len + 1] from ``position`` (epoch, rows)."""
-
         from raytrn.data.source import rank_tables
 
-        mb = self.job.data.micro_batch_size
-        tables = rank_tables(
-            self.manifest, self.order, self.part, position,
-            batch_rows=mb,
-        )  # fmt: skip
+        tables = rank_tables(self.manifest, self.order, self.part, position, batch_rows=self.job.data.micro_batch_size)
         for table in tables:
             batch = rows_tensor(table, self.row_len)
             if trace is not None:
@@ -226,9 +221,9 @@ def rows_tensor(table: Any, row_len: int) -> torch.Tensor:
 
 
 class _SampleTrace:
-    """``$RAYTRN_SAMPLE_TRACE/group-<first step>-dp<size>-<start ns>-rank<r>.jsonl``: one line per micro-batch, ``{"step", "dp_rank",
-    "rows"}`` (global row ids, in order) and the first tokens of each row. An audit of what a run trained on;
-    the exactly-once tests read it."""
+    """``$RAYTRN_SAMPLE_TRACE/group-<first step>-dp<size>-<start ns>-rank<r>.jsonl``: one line per micro-batch,
+    ``{"step", "dp_rank", "rows"}`` (global row ids, in order) and the first tokens of each row. An audit of
+    what a run trained on; the exactly-once tests read it."""
 
     def __init__(self, path: str, first_step: int, grad_accum: int, dp_rank: int) -> None:
         self._file = open(path, "a", buffering=1)  # noqa: SIM115 (one line per micro-batch, closed at exit)

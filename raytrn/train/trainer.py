@@ -313,7 +313,8 @@ def _pin_data_stats_actor() -> None:
     """Create Ray Data's stats actor here, on the driver's node (the head under ``ray job submit``).
 
     It is detached and pinned to the node of whoever runs a dataset first: a training worker (each reads its
-    own rows) would put it on a worker node and keep that node from ever scaling down. (A private Ray Data function; without it the actor is created as before.)
+    own rows) would put it on a worker node and keep that node from ever scaling down. (A private Ray Data
+    function; without it the actor is created as before.)
     """
     try:
         create_data_stats_actor()
