@@ -231,7 +231,9 @@ def _torchneuron_warmup(job: JobSpec, plan: list[PrecompileStep]) -> list[str]:
     ]
     for i, step in enumerate(plan, 1):
         lines.append(f"[{i}/{len(plan)}] {step.world_size} workers on {step.num_nodes} node(s): {step.note}")
-        lines.append(f"  {step.shell()}")
+        # No environment in front: every worker derives its NEFF cache and compiler flags from the job itself
+        # (raytrn.backends.neuron_env), on its own host.
+        lines.append(f"  {shlex.join(step.command)}")
     return lines
 
 

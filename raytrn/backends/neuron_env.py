@@ -118,6 +118,12 @@ def instance_spec(instance_type: str) -> InstanceSpec:
 
 def check_stack(accelerator: str, instance_type: str) -> InstanceSpec:
     """The instance's spec; BackendError when ``accelerator`` is not the stack its family trains with."""
+    if accelerator == "neuron-xla" and str(instance_type).startswith("trn3"):  # before "not yet known"
+        raise BackendError(
+            f"scaling.accelerator='neuron-xla' is the PyTorch/XLA path, which never ran on Trainium3 ({instance_type}) "
+            "and whose training support AWS ended with Neuron 2.30; trn3 trains with TorchNeuron (scaling.accelerator: "
+            "neuron), once raytrn knows its instance types (their NeuronCore counts are not yet confirmed)"
+        )
     spec = instance_spec(instance_type)
     if accelerator == spec.accelerator:
         return spec

@@ -24,6 +24,20 @@ DLAMI_VENV_FOR = {
     "neuron": "/opt/aws_neuronx_venv_torch_neuronx_2_14_0 (DLAMI 'Deep Learning AMI Neuron torch-neuronx 2.14.0')",
     "neuron-xla": "/opt/aws_neuronx_venv_pytorch_2_9_nxd_training (a Neuron 2.28/2.29 DLAMI)",
 }
+#: The Neuron DLAMIs' SSM parameters (``resolve:ssm:/aws/service/neuron/dlami/<framework>-<version>/<os>/...``)
+#: and the ``scaling.accelerator`` each one's PyTorch trains with; None: no PyTorch venv at all (the
+#: multi-framework DLAMIs since Neuron 2.32). An ``ami-...`` id says nothing about its stack: not checked.
+DLAMI_IMAGES = (
+    (re.compile(r"/aws/service/neuron/dlami/torch-neuronx-[0-9.]+/"), "neuron"),
+    (re.compile(r"/aws/service/neuron/dlami/pytorch-[0-9.]+/"), "neuron-xla"),
+    (re.compile(r"/aws/service/neuron/dlami/(multi-framework|base)/"), None),
+)
+#: The DLAMI to name in a fix, by accelerator.
+DLAMI_IMAGE_FOR = {
+    "neuron": "resolve:ssm:/aws/service/neuron/dlami/torch-neuronx-2.14.0/ubuntu-24.04/latest/image_id",
+    "neuron-xla": "resolve:ssm:/aws/service/neuron/dlami/pytorch-2.9/ubuntu-24.04/latest/image_id (or a Neuron "
+    "2.28 DLAMI's AMI id)",
+}
 _LNC_SETTING = re.compile(r"NEURON_LOGICAL_NC_CONFIG\s*=\s*[\"']?(\d+)")
 
 
@@ -46,6 +60,24 @@ def stack_warnings(where: str, spec: InstanceSpec, texts: list[str]) -> list[str
         for path, accelerator in venv_stacks(texts).items()
         if accelerator != spec.accelerator
     ]
+
+
+def image_warnings(where: str, spec: InstanceSpec, image: Any) -> list[str]:
+    """A warning when ``image`` (a node's ImageId) is a Neuron DLAMI whose PyTorch is not the stack ``spec``'s
+    family trains with, or that has no PyTorch at all."""
+    if not isinstance(image, str):
+        return []
+    for pattern, accelerator in DLAMI_IMAGES:
+        if not pattern.search(image) or accelerator == spec.accelerator:
+            continue
+        what = "has no PyTorch venv (multi-framework and base DLAMIs since Neuron 2.32)"
+        if accelerator is not None:
+            what = f"is the {accelerator} stack's DLAMI ({'TorchNeuron' if accelerator == 'neuron' else 'PyTorch/XLA'})"
+        return [
+            f"warning: {where}: {spec.name} trains with scaling.accelerator {spec.accelerator}, but its ImageId "
+            f"{image} {what}; use {DLAMI_IMAGE_FOR[spec.accelerator]}"
+        ]
+    return []
 
 
 def load_yaml_documents(path: str, *, what: str) -> list[Any]:

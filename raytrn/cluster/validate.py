@@ -29,6 +29,7 @@ from raytrn.backends.neuron_env import INSTANCES
 from raytrn.cluster.common import (
     as_list,
     expected_neuron_cores,
+    image_warnings,
     load_yaml_documents,
     mapping_at,
     placeholder_notes,
@@ -230,6 +231,7 @@ def _check_trn_node_type(config: dict[str, Any], name: str, nt: dict[str, Any], 
         ]
     problems = []
     notes += stack_warnings(name, spec, _node_commands(config, nt))
+    notes += image_warnings(name, spec, node_config.get("ImageId"))
     cores, lnc = expected_neuron_cores(spec, _node_commands(config, nt))
     lnc_note = f" at LNC={lnc}" if lnc else ""
     lnc_fix = " (or set NEURON_LOGICAL_NC_CONFIG in the node type's worker_setup_commands)" if lnc else ""

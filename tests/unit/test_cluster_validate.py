@@ -50,12 +50,20 @@ def test_shipped_cluster_files_validate(path: Path) -> None:
     assert any("neuron_cores" in n for n in notes)
 
 
-def test_shipped_files_exist_and_use_the_documented_ami_parameter() -> None:
+DLAMI = {
+    TRN1: "resolve:ssm:/aws/service/neuron/dlami/pytorch-2.9/ubuntu-24.04/latest/image_id",
+    TRN2: "resolve:ssm:/aws/service/neuron/dlami/torch-neuronx-2.14.0/ubuntu-24.04/latest/image_id",
+}
+
+
+def test_shipped_files_exist_and_boot_their_stacks_dlami() -> None:
     assert TRN1 in CLUSTER_FILES and TRN2 in CLUSTER_FILES
     for path in (TRN1, TRN2):
         text = path.read_text()
-        assert "resolve:ssm:/aws/service/neuron/dlami/multi-framework/ubuntu-22.04/latest/image_id" in text
-        assert "ami-" not in text  # no stale hard-coded AMI id
+        images = {nt["node_config"]["ImageId"] for nt in load(path)["available_node_types"].values()}
+        assert images == {DLAMI[path]}, images  # head and workers alike
+        assert "multi-framework" not in text.split("ImageId")[1]  # no PyTorch there since Neuron 2.32
+        assert "ImageId: ami-" not in text  # no stale hard-coded AMI id
         assert "--dashboard-host=127.0.0.1" in text and "RAY_AUTH_MODE=token" in text
 
 
@@ -82,6 +90,31 @@ def test_the_wrong_venv_for_the_instance_family_is_warned(path: Path, venv: str,
     config["setup_commands"] = [f"echo 'source {venv}/bin/activate' >> ~/.bashrc"]
     warnings = [n for n in validate_cluster_config(config, source="c.yaml") if n.startswith("warning:")]
     assert warnings and all(expected in w for w in warnings)  # one per trn node type
+
+
+@pytest.mark.parametrize(
+    ("path", "image", "expected"),
+    [
+        (TRN2, DLAMI[TRN1], "trains with scaling.accelerator neuron, but its ImageId " + DLAMI[TRN1] + " is the "
+         "neuron-xla stack's DLAMI (PyTorch/XLA); use " + DLAMI[TRN2].split()[0]),
+        (TRN1, DLAMI[TRN2], "trains with scaling.accelerator neuron-xla, but its ImageId " + DLAMI[TRN2] + " is the "
+         "neuron stack's DLAMI (TorchNeuron); use " + DLAMI[TRN1]),
+        (TRN2, "resolve:ssm:/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id",
+         "has no PyTorch venv (multi-framework and base DLAMIs since Neuron 2.32)"),
+    ],
+)  # fmt: skip
+def test_the_wrong_dlami_for_the_instance_family_is_warned(path: Path, image: str, expected: str) -> None:
+    config = load(path)
+    trn = [nt for nt in config["available_node_types"].values() if nt["node_config"]["InstanceType"].startswith("trn")]
+    for nt in trn:
+        nt["node_config"]["ImageId"] = image
+    config["available_node_types"]["ray.head.default"]["node_config"]["ImageId"] = image  # a CPU head: never checked
+    warnings = [n for n in validate_cluster_config(config, source="c.yaml") if "ImageId" in n]
+    assert len(warnings) == len(trn) and all(expected in w for w in warnings), warnings
+    config = load(path)
+    for nt in trn:
+        nt["node_config"]["ImageId"] = "ami-0123456789abcdef0"  # an AMI id says nothing about its stack
+    assert not [n for n in validate_cluster_config(config, source="c.yaml") if "ImageId" in n]
 
 
 def test_shipped_files_pass_rays_own_validation() -> None:

@@ -44,6 +44,8 @@ def test_usd_per_hour_precedence():
     assert usd_per_hour("trn1.32xlarge") == 21.50
     assert usd_per_hour("trn1.2xlarge") == 1.34
     assert usd_per_hour("trn1n.32xlarge") == 24.78
+    assert usd_per_hour("trn2.48xlarge") == 46.98  # on demand, us-east-1
+    assert usd_per_hour("trn2u.48xlarge") is None  # capacity reservations only: set tracking.usd_per_hour
     assert usd_per_hour("trn1.32xlarge", override=20.0) == 20.0
     assert usd_per_hour("trn1.32xlarge", override=20.0, spot_price=7.5) == 7.5
     assert usd_per_hour("x9.huge") is None

@@ -104,7 +104,9 @@ def test_check_refuses_trn2_and_trn3() -> None:
         BackendError, match="trn2.48xlarge .trn2. trains with TorchNeuron: use scaling.accelerator: neuron"
     ):
         NeuronXlaBackend().check(job(*trn2, "scaling.max_workers=128"))
-    with pytest.raises(BackendError, match="Trainium3 instance types are not yet known"):
+    with pytest.raises(
+        BackendError, match=r"never ran on Trainium3 .*trn3 trains with TorchNeuron .scaling.accelerator: neuron"
+    ):
         NeuronXlaBackend().check(job("scaling.instance_type=trn3.48xlarge"))
 
 

@@ -180,6 +180,29 @@ def test_dry_run_warns_about_a_per_host_cache_for_multi_node_sizes(monkeypatch: 
     assert not any(line.startswith("note:") for line in out)
 
 
+def test_torchneuron_has_no_precompile_and_says_what_to_do(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``neuron`` (TorchNeuron, trn2): no ahead-of-time tool exists; precompile says so, prints a warm-up run per
+    world size (the workers take their NEFF cache from the job, not from a driver variable) and exits 2, with or
+    without --dry-run and without neuron_parallel_compile on PATH."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    job = load(JOBS / "llama3-8b-trn2.yaml", "neuron.compile_cache=/fsx/neff")
+    for dry_run in (True, False):
+        out: list[str] = []
+        assert precompile(job, dry_run=dry_run, echo=out.append) == 2
+        text = "\n".join(out)
+        assert "has no ahead-of-time compile tool" in out[0] and "neuron_parallel_compile is for the XLA path" in out[0]
+        assert "run a short warm-up job at every world size the job can take (4)" in text and "/fsx/neff" in text
+        for n, nodes in ((64, 1), (128, 2), (192, 3), (256, 4)):
+            assert f"{n} workers on {nodes} node(s)" in text
+            assert f"--set scaling.min_workers={n} --set scaling.max_workers={n} --set run.max_steps=" in text
+        commands = [line.strip() for line in out if line.startswith("  ")]
+        assert len(commands) == 4 and all(" train " in c and "=" not in c.split()[0] for c in commands), commands
+        assert "neuron_parallel_compile --" not in text and "TORCH_NEURONX_NEFF_CACHE_DIR" not in text
+    out.clear()
+    precompile(load(JOBS / "llama3-8b-trn2.yaml", "neuron.compile_cache=null"), dry_run=True, echo=out.append)
+    assert "set neuron.compile_cache to a directory that outlives the nodes" in "\n".join(out)
+
+
 def test_running_needs_neuron_parallel_compile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(BackendUnavailableError, match="run this on a trn node with the Neuron DLAMI"):
