@@ -94,7 +94,7 @@ def child_main(args: argparse.Namespace) -> None:
                 # checkpoint.async: the step waits for the staging only
                 state = dcp.training_state(model, opt, sched)
                 t6 = time.perf_counter()
-                future = dcp.async_save(state, f"s3://bench/raytrn-async/{name}/step_{i:08d}", process_group=None)
+                future, _ = dcp.async_save(state, f"s3://bench/raytrn-async/{name}/step_{i:08d}", process_group=None)
                 t7 = time.perf_counter()
                 future.result()
                 t8 = time.perf_counter()

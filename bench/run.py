@@ -17,15 +17,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import checkpoint, data, mlflow_overhead, parallel, recovery, training, trainium
+from bench import checkpoint, data, elastic, mlflow_overhead, parallel, recovery, training, trainium
 from bench.common import REPO, BenchJob, Skip, load_average, machine
 from bench.report import gpu_result, render, update_readme
 
-ALL = ("peak", "training", "mlflow", "recovery", "data", "checkpoint", "parallel", "trainium")
+ALL = ("peak", "training", "mlflow", "recovery", "elastic", "data", "checkpoint", "parallel", "trainium")
 #: Rough minutes each needs here (full mode, a busy 2-core machine): a benchmark starts only if this much
 #: budget is left, and the training rounds stop early enough to leave it to the ones after them.
-ESTIMATE_MIN = {"peak": 0.2, "training": 7.0, "mlflow": 2.5, "recovery": 1.5, "data": 0.5, "checkpoint": 0.5, "parallel": 2.0,
-                "trainium": 0.1}  # fmt: skip
+ESTIMATE_MIN = {"peak": 0.2, "training": 7.0, "mlflow": 2.5, "recovery": 1.5, "elastic": 6.0, "data": 0.5,
+                "checkpoint": 0.5, "parallel": 2.0, "trainium": 0.1}  # fmt: skip
 
 
 def _benchmarks(args: argparse.Namespace, results: dict[str, Any], deadline: float) -> dict[str, Callable[[], Any]]:
@@ -56,6 +56,7 @@ def _benchmarks(args: argparse.Namespace, results: dict[str, Any], deadline: flo
             kill_after=5 if quick else 15,
             timeout_s=300,
         ),
+        "elastic": lambda: elastic.run(quick=quick),
         "mlflow": lambda: mlflow_overhead.run(
             bench,
             log_every_values=(2,) if quick else (10, 1),
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few steps of each benchmark (smoke run)")
     parser.add_argument("--only", default=",".join(ALL), help=f"comma-separated subset of: {','.join(ALL)}")
     parser.add_argument("--rounds", type=int, default=2, help="alternated rounds of the training variants")
-    parser.add_argument("--budget-min", type=float, default=14.0, help="stop starting benchmarks after this")
+    parser.add_argument("--budget-min", type=float, default=20.0, help="stop starting benchmarks after this")
     parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README block")
     parser.add_argument(

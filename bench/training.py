@@ -331,11 +331,15 @@ def run_raytrn(bench: BenchJob, *, workers: int = 1, timeout_s: float = 300) -> 
         tokens = bench.tokens_per_step(job.data.seq_len, workers)
         points = metric_points(run.tracking_uri, run_id, "loss")
         reported = [v for s, v in metric_values(run.tracking_uri, run_id, "tokens_per_s") if s > bench.warmup]
+        # The loop's per-step wait for its next micro-batches, against its step time (both averaged per log window).
+        wait = [v for s, v in metric_values(run.tracking_uri, run_id, "data_wait_s") if s > bench.warmup]
+        step = [v for s, v in metric_values(run.tracking_uri, run_id, "step_time_s") if s > bench.warmup]
         # The loop's own start-up metric: process start (raytrn train) to the end of step 1.
         first_step = [v for _, v in metric_values(run.tracking_uri, run_id, "time_to_first_step_s")]
     return {
         "tokens_per_s": steady_rate(points, bench.warmup, tokens),
         "tokens_per_s_loop_reported": mean(reported),
+        "data_wait_fraction": (mean(wait) or 0.0) / mean(step) if wait and mean(step) else None,
         "first_step_s": first_step[0] if first_step else None,
         "wall_s": time.time() - run.started_at,
         "workers": workers,
@@ -427,6 +431,7 @@ def overhead_and_scaling(bench: BenchJob, *, rounds: int, scaling: bool, deadlin
         "stock_tokens_per_s": mean(col("stock", "tokens_per_s")),
         "raytrn_tokens_per_s": mean(col("raytrn", "tokens_per_s")),
         "raytrn_tokens_per_s_loop_reported": mean(col("raytrn", "tokens_per_s_loop_reported")),
+        "raytrn_data_wait_fraction": mean(col("raytrn", "data_wait_fraction")),
         "c_over_a": mean(ratios("raytrn", "bare")),
         "c_over_b": mean(ratios("raytrn", "stock")),
         "b_over_a": mean(ratios("stock", "bare")),

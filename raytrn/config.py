@@ -259,6 +259,11 @@ class CheckpointConfig(_Section):
         description="write sharded checkpoints in the background: the step waits only for the copy to host "
         "memory; a checkpoint is recorded (resumable) once written, at the next save or at the end",
     )
+    verify: Literal["sha256", "size"] = Field(
+        "sha256",
+        description="what a resume checks of a committed checkpoint's files against its manifest: sizes and "
+        "sha256 (every byte read once more, split over the workers) or sizes only",
+    )
 
 
 class TrackingConfig(_Section):

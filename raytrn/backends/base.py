@@ -41,6 +41,9 @@ class Backend:
     fused_optim: bool = False
     #: ``run.tune_malloc`` defaults to on: the step's tensors are allocated and freed in host memory.
     tune_malloc: bool = False
+    #: Checkpoints carry a commit manifest and resume from the newest committed one (:mod:`raytrn.train.commit`);
+    #: False: from Ray Train's latest registered checkpoint (the frozen XLA paths' single-file and NxD formats).
+    committed_checkpoints: bool = True
 
     # -- driver side ---------------------------------------------------------------------------
     def worker_resources(self, job: JobSpec) -> dict[str, float]:
@@ -126,9 +129,9 @@ class Backend:
         """Sharded, reshardable ``torch.distributed.checkpoint`` checkpoints (every rank writes its shards)."""
         from raytrn.train.checkpointing import DcpCheckpoints
 
-        return DcpCheckpoints(
-            job, rank=rank, plain_layout=par.tensor_parallel_size == 1 and par.data_parallel != "fsdp"
-        )
+        tp = par.tensor_parallel_size
+        layout = {"data_parallel": par.data_parallel, "tensor_parallel_size": tp}
+        return DcpCheckpoints(job, rank=rank, plain_layout=tp == 1 and par.data_parallel != "fsdp", layout=layout)
 
     def _clip_and_step(
         self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float | None

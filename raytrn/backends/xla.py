@@ -43,6 +43,7 @@ class XlaBackend(Backend):
     """torch-xla on a PJRT device; subclasses say which device and how workers are wired."""
 
     name = "xla"
+    committed_checkpoints = False  # state.pt / NxD checkpoints, resumed through Ray Train (frozen path)
 
     def device(self) -> torch.device:
         return import_torch_xla().device()

@@ -110,7 +110,30 @@ def rank_tables(
     manifest: Manifest, order: SampleOrder, part: RankSlice, position: Position, *, batch_rows: int
 ) -> Iterator[Any]:
     """Endless Arrow tables of ``batch_rows`` rows of ``part`` from ``position``, epoch after epoch, through
-    Ray Data (a dataset per epoch)."""
+    Ray Data (a dataset per epoch).
+
+    Ray Data hands over whole blocks (one per read task: a window's rows, prefetched two ahead); the micro-batches
+    are zero-copy slices of them cut here. Asking Ray Data for ``batch_rows`` at a time instead costs about a
+    millisecond per batch in its iterator (measured: the read path was 0.03x of pyarrow's that way)."""
     for epoch, start in epochs_from(position):
         ds = read_rank_epoch(manifest, order, part, epoch, start)
-        yield from ds.iter_batches(batch_size=batch_rows, batch_format="pyarrow", prefetch_batches=2, drop_last=False)
+        blocks = ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2)
+        yield from slices(blocks, batch_rows)
+
+
+def slices(tables: Iterator[Any], rows: int) -> Iterator[Any]:
+    """The rows of ``tables``, in order, as tables of ``rows`` rows (the last may be shorter): slices of each
+    table, a piece left at the end of one joined to the start of the next."""
+    import pyarrow as pa
+
+    carry = None
+    for table in tables:
+        if carry is not None:
+            table, carry = pa.concat_tables([carry, table]), None
+        whole = len(table) // rows * rows
+        for i in range(0, whole, rows):
+            yield table.slice(i, rows)
+        if whole < len(table):
+            carry = table.slice(whole)
+    if carry is not None:
+        yield carry

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,6 @@ from raytrn.checkpoint import (
     Progress,
     load_state,
     parse_meta,
-    recorded_steps,
     save_state,
     write_meta,
 )
@@ -65,30 +65,56 @@ class Checkpoints:
         raise NotImplementedError
 
 
-class DcpCheckpoints(Checkpoints):
-    """Sharded DCP checkpoints under ``<checkpoint.storage>/<run>/dcp/step_<N>`` (see :mod:`raytrn.train.dcp`)."""
+def _save_errors() -> tuple[type[BaseException], ...]:
+    """What a failed DCP save raises (on every rank): DCP's CheckpointException is a BaseException."""
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    def __init__(self, job: JobSpec, *, rank: int, plain_layout: bool) -> None:
+    return (Exception, CheckpointException)
+
+
+class DcpCheckpoints(Checkpoints):
+    """Sharded DCP checkpoints under ``<checkpoint.storage>/<run>/dcp/step_<N>``, each committed by a manifest once
+    every rank's files are written (:mod:`raytrn.train.commit`; the write itself: :mod:`raytrn.train.dcp`).
+
+    A save that fails (storage unavailable past the retries of :mod:`raytrn.storage`) is left uncommitted and
+    training goes on, unless it is the last one or a preemption's: those raise."""
+
+    def __init__(self, job: JobSpec, *, rank: int, plain_layout: bool, layout: dict[str, Any] | None = None) -> None:
         import torch.distributed as dist
 
         self.job, self.rank = job, rank
         #: DDP or one process, TP 1: ``state.pt`` checkpoints of older raytrn versions load as they are.
         self.plain_layout = plain_layout
+        self.layout = dict(layout or {})
         self.asynchronous = job.checkpoint.async_
         self.distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.layout["data_parallel_size"] = self.world_size // int(self.layout.get("tensor_parallel_size", 1))
         # The background write's collectives get a gloo group of their own (also on nccl): never interleaved
         # with the step's collectives on the default group. Created by every rank at the same point.
         self._group = dist.new_group(backend="gloo") if self.asynchronous and self.distributed else None
-        self._pending: tuple[Any, Saved] | None = None
+        self._pending: tuple[Any, Any, Saved, Any] | None = None
+        #: Saves that failed and were skipped (uncommitted), this worker group.
+        self.failed = 0
 
     def save(
         self, t: Training, progress: Progress, schedule: Schedule, report: dict[str, Any], *, final: bool
     ) -> list[Saved]:
-        from raytrn.train import dcp
+        from raytrn.train import commit, dcp
 
-        ready = self._finish_pending()
-        location = dcp.step_location(self.job, progress.step)
+        ready = self._finish_pending(final=final)
+        root = commit.dcp_root(self.job.checkpoint.storage, self.job.run_name)
+        location = commit.location_of(root, progress.step)
+        if self.rank == 0:  # before the save's first collective: no rank writes there until rank 0 joins it
+            try:
+                commit.clear_staging(root, progress.step)
+            except OSError as e:  # the save goes on (and fails everywhere if the storage is down): the manifest
+                log.warning("checkpoint %s: could not clear it before saving: %s", location, e)  # lists its files
         counters, pinned = replace(progress), schedule.to_dict()
+        manifest = commit.Commit(
+            step=progress.step, world_size=self.world_size, layout=self.layout, files={}, progress=counters,
+            schedule=pinned,
+        )  # fmt: skip
         saved = Saved(
             step=progress.step,
             report=report,
@@ -96,39 +122,99 @@ class DcpCheckpoints(Checkpoints):
         )
         state = dcp.training_state(t.model, t.optimizer, t.scheduler)
         if self.asynchronous and not final:  # the step waits for staging to host memory only
-            self._pending = (dcp.async_save(state, location, process_group=self._group), saved)
+            future, writer = dcp.async_save(state, location, process_group=self._group)
+            self._pending = (future, writer, saved, manifest)
             return ready
-        dcp.save(state, location)
-        done = [*ready, saved]
-        self._prune(min(r.step for r in done))  # those not yet reported to Ray are kept
-        return done
+        try:
+            digests: dict[str, tuple[int, str]] | None = dcp.save(state, location)
+        except _save_errors() as e:  # every rank gets DCP's error (its collectives carry it)
+            self._failed(location, e, final=final)
+            digests = None
+        done = self._commit(location, manifest, digests, saved, final=final)
+        return [*ready, *done]
 
-    def _finish_pending(self) -> list[Saved]:
+    def _finish_pending(self, *, final: bool) -> list[Saved]:
         if self._pending is None:
             return []
-        future, saved = self._pending
+        future, writer, saved, manifest = self._pending
         self._pending = None
-        future.result()  # the previous checkpoint's write: usually long done
-        self._prune(saved.step)
+        from raytrn.train import commit
+
+        location = commit.location_of(commit_root(self.job), saved.step)
+        try:
+            future.result()  # the previous checkpoint's write: usually long done
+            digests: dict[str, tuple[int, str]] | None = dict(writer.digests)
+        except _save_errors() as e:
+            self._failed(location, e, final=final)
+            digests = None
+        return self._commit(location, manifest, digests, saved, final=final)
+
+    def _failed(self, location: str, error: BaseException, *, final: bool) -> None:
+        """A save failed on every rank: skipped if the storage failed (and it is not the last save), else raised
+        (a lost peer fails the group anyway; anything else is a bug to see)."""
+        if not _storage_failure(error):
+            raise error
+        if final:
+            raise CheckpointError(f"checkpoint {location} could not be written: {_first_cause(error)}") from error
+        self.failed += 1
+        if self.rank == 0:
+            log.warning(
+                "checkpoint %s could not be written (%s); training goes on, it is left uncommitted (never resumed) "
+                "and the next save tries again",
+                location,
+                _first_cause(error),
+            )
+
+    def _commit(
+        self, location: str, manifest: Any, digests: dict[str, tuple[int, str]] | None, saved: Saved, *, final: bool
+    ) -> list[Saved]:
+        """Gather every rank's files (a collective on every rank; None: this save failed everywhere), and let rank 0
+        write the manifest; the checkpoint is reported only when committed."""
+        from raytrn.train import commit
+
+        files = _gather(digests, group=self._group)
+        if any(f is None for f in files):
+            return []
+        ok = True
+        if self.rank == 0:
+            manifest.files = {name: {"size": size, "sha256": sha} for f in files for name, (size, sha) in f.items()}
+            manifest.written_at = time.time()
+            try:
+                commit.write_commit(location, manifest)
+            except Exception as e:
+                ok = False
+                if final:
+                    raise CheckpointError(f"checkpoint {location} could not be committed: {e}") from e
+                log.warning("checkpoint %s could not be committed (%s); training goes on", location, e)
+            else:
+                self._prune()
+        if not _all_true(ok, group=self._group):
+            self.failed += 1
+            return []
         return [saved]
 
-    def _prune(self, step: int) -> None:
-        """Rank 0 deletes the DCP checkpoints older than ``step`` whose pointers Ray Train has dropped
-        (``checkpoint.keep_last`` is Ray's retention; see :func:`raytrn.train.dcp.prune`)."""
-        if self.rank != 0 or self.job.checkpoint.keep_last is None:
-            return
-        from raytrn import storage
-        from raytrn.train import dcp
+    def _prune(self) -> None:
+        """Rank 0, after a commit: ``checkpoint.keep_last`` of raytrn's committed checkpoints (see
+        :func:`raytrn.train.commit.prune`)."""
+        from raytrn.train import commit
 
-        root = dcp.dcp_root(self.job)
+        root = commit_root(self.job)
         try:
-            recorded = set(recorded_steps(storage.join(self.job.checkpoint.storage, self.job.run_name)))
-            deleted = dcp.prune(root, upto=step, recorded=recorded)
+            deleted = commit.prune(root, keep_last=self.job.checkpoint.keep_last)
         except OSError as e:  # retention never fails training
             log.warning("could not delete old checkpoints under %s: %s", root, e)
             return
         if deleted:
-            log.info("deleted DCP checkpoints of steps %s (no longer recorded by Ray Train)", deleted)
+            log.info(
+                "deleted checkpoints of steps %s (checkpoint.keep_last=%s)", deleted, self.job.checkpoint.keep_last
+            )
+
+    def load_committed(self, candidate: Any, t: Training) -> Progress:
+        """Restore the committed checkpoint :func:`resume_point` chose."""
+        from raytrn.train import dcp
+
+        dcp.load(candidate.location, t.model, t.optimizer, t.scheduler, source=self.job.source)
+        return replace(candidate.commit.progress)
 
     def load(self, directory: str, t: Training) -> Progress:
         from raytrn.train import dcp
@@ -153,6 +239,108 @@ class DcpCheckpoints(Checkpoints):
                 "(scaling.accelerator: neuron-xla); it loads only there"
             )
         raise CheckpointError(f"{self.job.source}: checkpoint {directory} holds no training state")
+
+
+def _storage_failure(error: BaseException) -> bool:
+    """Whether a failed save failed on the storage (every rank's error an OSError or an S3 client error), not on a
+    lost peer or a bug."""
+    from raytrn.storage import is_transient
+
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+    errors = [e for e, _ in failures.values()] if isinstance(failures, dict) else [error]
+    return bool(errors) and all(isinstance(e, OSError) or is_transient(e) for e in errors)
+
+
+def _first_cause(error: BaseException) -> str:
+    """The first rank's error of a DCP CheckpointException (one line), else the error."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (first, _) = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))
+        return f"rank {rank}: {type(first).__name__}: {first}"
+    return str(error)
+
+
+def commit_root(job: JobSpec) -> str:
+    from raytrn.train import commit
+
+    return commit.dcp_root(job.checkpoint.storage, job.run_name)
+
+
+def resume_point(job: JobSpec, *, rank: int, world_size: int) -> Any:
+    """The committed checkpoint this worker group resumes from (a :class:`raytrn.train.commit.Candidate`), or None
+    when the run has none (a new run, one whose first save never finished, or one older than commit manifests:
+    Ray Train's own checkpoint is then the one). A collective: every rank calls it, at the start.
+
+    Rank 0 lists the committed checkpoints whose files are there at their sizes, newest first; with
+    ``checkpoint.verify: sha256`` every rank then hashes a share of the newest one's files. A checkpoint that fails
+    is skipped with a warning naming the file and the next is tried; CheckpointError when every committed one
+    fails (nothing is silently started over)."""
+    from raytrn.train import commit
+
+    root = commit_root(job)
+    listing: list[Any] = [None, False]
+    if rank == 0:
+        listing = [list(commit.candidates(root)), commit.has_commits(root)]
+    found, any_commits = _broadcast(listing)
+    rejected: list[str] = []
+    for candidate in found:
+        if job.checkpoint.verify == "sha256":
+            names = sorted(candidate.commit.files)[rank::world_size]
+            problems = [
+                p for mine in _gather(commit.digest_problems(candidate.location, candidate.commit, names)) for p in mine
+            ]
+            if problems:
+                if rank == 0:
+                    log.warning(
+                        "checkpoint %s: skipped: its files do not match its manifest (%s); trying the one before",
+                        candidate.location,
+                        "; ".join(problems),
+                    )
+                rejected.append(f"{candidate.location}: {problems[0]}")
+                continue
+        return candidate
+    if any_commits:
+        raise commit.corrupt_error(root, rejected or ["no committed checkpoint has all its files"])
+    return None
+
+
+def _gather(value: Any, *, group: Any = None) -> list[Any]:
+    """``value`` of every rank, in rank order (one element without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value, group=group or _host_group())
+    return out
+
+
+def _all_true(value: bool, *, group: Any = None) -> bool:
+    return all(_gather(bool(value), group=group))
+
+
+def _broadcast(value: list[Any]) -> list[Any]:
+    """Rank 0's ``value`` on every rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = list(value)
+    dist.broadcast_object_list(box, src=0, group=_host_group())
+    return box
+
+
+_HOST_GROUP: list[Any] = []
+
+
+def _host_group() -> Any:
+    """A gloo group over every rank for small host-side agreements (None: the default group is gloo already).
+    Created once per process, at the first agreement, which every rank reaches at the same point."""
+    import torch.distributed as dist
+
+    if not _HOST_GROUP:
+        _HOST_GROUP.append(None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
+    return _HOST_GROUP[0]
 
 
 class StateFileCheckpoints(Checkpoints):

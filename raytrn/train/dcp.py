@@ -109,12 +109,74 @@ class ArrowFileSystem(FileSystemBase):
         return [i.path for i in self.fs.get_file_info(pafs.FileSelector(os.fspath(path)))]
 
 
+class DigestingFileSystem(FileSystemBase):
+    """DCP's file operations on ``inner``, keeping the size and sha256 of every file written (by its name in the
+    checkpoint directory, after DCP's rename of ``.metadata.tmp``): what the commit manifest records."""
+
+    def __init__(self, inner: FileSystemBase) -> None:
+        self.inner = inner
+        self.digests: dict[str, tuple[int, str]] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
+        if "w" not in mode:
+            with self.inner.create_stream(path, mode) as stream:
+                yield stream
+            return
+        with self.inner.create_stream(path, mode) as stream:
+            digest = storage.DigestStream(stream)
+            yield digest
+        self.digests[os.path.basename(os.fspath(path))] = (digest.size, digest.hexdigest())  # complete only
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        self.inner.rename(path, new_path)
+        digest = self.digests.pop(os.path.basename(os.fspath(path)), None)
+        if digest is not None:
+            self.digests[os.path.basename(os.fspath(new_path))] = digest
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str | os.PathLike[str]:
+        return self.inner.concat_path(path, suffix)
+
+    def init_path(self, path: str | os.PathLike[str]) -> str | os.PathLike[str]:
+        return self.inner.init_path(path)
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        self.inner.mkdir(path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return True
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return bool(self.inner.exists(path))
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        self.inner.rm_file(path)
+
+    def ls(self, path: str | os.PathLike[str]) -> list[str]:
+        return list(self.inner.ls(path))  # type: ignore[attr-defined]
+
+
+class _LocalWriter(FileSystemWriter):
+    def __init__(self, path: str, *, thread_count: int) -> None:
+        super().__init__(path, thread_count=thread_count)
+        self.fs = DigestingFileSystem(self.fs)  # type: ignore[assignment]
+
+    @property
+    def digests(self) -> dict[str, tuple[int, str]]:
+        return self.fs.digests  # type: ignore[attr-defined,no-any-return]
+
+
 class _ArrowWriter(FileSystemWriter):
     def __init__(self, fs: pafs.FileSystem, path: str, *, thread_count: int) -> None:
         # sync_files: fsync has no meaning on S3 (an object exists once its upload completed)
         super().__init__(path, thread_count=thread_count, sync_files=False)
-        self.fs = ArrowFileSystem(fs)  # type: ignore[assignment]  # DCP's own FsspecWriter does the same
+        self.fs = DigestingFileSystem(ArrowFileSystem(fs))  # type: ignore[assignment]  # as DCP's FsspecWriter
         self.path = path
+
+    @property
+    def digests(self) -> dict[str, tuple[int, str]]:
+        return self.fs.digests  # type: ignore[attr-defined,no-any-return]
 
 
 class _ArrowReader(FileSystemReader):
@@ -124,12 +186,13 @@ class _ArrowReader(FileSystemReader):
         self.path = path
 
 
-def storage_writer(location: str, *, thread_count: int = 1) -> FileSystemWriter:
-    """The DCP writer for a local path or ``s3://`` URI: one file per rank (plus DCP's ``.metadata``)."""
+def storage_writer(location: str, *, thread_count: int = 1) -> _LocalWriter | _ArrowWriter:
+    """The DCP writer for a local path or ``s3://`` URI: one file per rank (plus DCP's ``.metadata``); its
+    ``digests`` are the files this rank wrote, ``{name: (size, sha256)}``, once the save is done."""
     if storage.is_remote(location):
         fs, path = storage.filesystem(location)
         return _ArrowWriter(fs, path, thread_count=thread_count)
-    return FileSystemWriter(storage.filesystem(location)[1], thread_count=thread_count)
+    return _LocalWriter(storage.filesystem(location)[1], thread_count=thread_count)
 
 
 def storage_reader(location: str) -> FileSystemReader:
@@ -166,19 +229,23 @@ def _no_dist() -> bool:
     return single
 
 
-def save(state: dict[str, Any], location: str) -> None:
-    dcp.save(state, storage_writer=storage_writer(location), no_dist=_no_dist())
+def save(state: dict[str, Any], location: str) -> dict[str, tuple[int, str]]:
+    """Write ``state`` (every rank its shards); the files this rank wrote, ``{name: (size, sha256)}``."""
+    writer = storage_writer(location)
+    dcp.save(state, storage_writer=writer, no_dist=_no_dist())
+    return dict(writer.digests)
 
 
-def async_save(state: dict[str, Any], location: str, *, process_group: Any) -> Any:
-    """Stage ``state`` to host memory now, write it in a background thread; returns the write's future.
+def async_save(state: dict[str, Any], location: str, *, process_group: Any) -> tuple[Any, Any]:
+    """Stage ``state`` to host memory now, write it in a background thread; returns the write's future and
+    the writer (whose ``digests`` are this rank's files once the future is done).
 
     ``process_group``: a gloo group of its own, so the background thread's collectives never interleave with
     the training step's on the default group.
     """
-    return dcp.async_save(
-        state, storage_writer=storage_writer(location), process_group=process_group, no_dist=_no_dist()
-    )
+    writer = storage_writer(location)
+    future = dcp.async_save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist())
+    return future, writer
 
 
 def load(

@@ -7,11 +7,13 @@ host-device syncs are marked; on XLA backends each one is a potential recompile.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,7 +26,8 @@ from raytrn.config import JobSpec
 from raytrn.data.order import SAMPLE_TRACE_ENV
 from raytrn.errors import DataError
 from raytrn.runtime import process_started_at
-from raytrn.train.checkpointing import Saved
+from raytrn.train.checkpointing import Saved, resume_point
+from raytrn.train.commit import describe as describe_commit
 from raytrn.train.preemption import PreemptionWatch, wait_for_teardown
 from raytrn.train.preemption import describe as describe_notice
 from raytrn.train.schedule import Schedule
@@ -44,12 +47,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     backend = get_backend(job.scaling.accelerator)
 
     # -- data first: Ray Data's first read starts new processes (seconds), so it runs while the model builds.
-    # Where the data resumes (epoch, rows consumed) is read from the checkpoint's meta.json before anything else.
-    checkpoint = ray.train.get_checkpoint()
-    progress = _resume_progress(checkpoint)
+    # Where the data resumes (epoch, rows consumed) comes from the checkpoint to resume, chosen before anything
+    # else: the newest committed one whose files check out (raytrn.train.commit; all ranks agree), or, for a run
+    # without commit manifests (an older raytrn, the XLA paths), Ray Train's latest.
+    resume = resume_point(job, rank=rank, world_size=world_size) if backend.committed_checkpoints else None
+    checkpoint = None if resume is not None else ray.train.get_checkpoint()
+    progress = replace(resume.commit.progress) if resume is not None else _resume_progress(checkpoint)
     dp = data_parallel_size(job, world_size)
     data = _DataPlan(job, config["manifest"], dp=dp, dp_rank=data_parallel_rank(job, rank))
-    first_batches = data.start(progress, rank)
+    first_batches = data.start(progress, rank, resumed_from=resume.location if resume is not None else None)
 
     # -- build ---------------------------------------------------------------------------------
     # The schedule was pinned by the driver (raytrn.train.schedule.resolve_schedule): the same on every worker
@@ -62,9 +68,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     tokens_per_step = t.grad_accum * job.data.micro_batch_size * job.data.seq_len * data_parallel_size(job, world_size)
 
     # -- resume --------------------------------------------------------------------------------
-    if checkpoint is not None:
-        with checkpoint.as_directory() as d:
-            loaded = t.checkpoints.load(d, t)
+    loaded = _restore(t, resume, checkpoint, rank)
+    if loaded is not None:
         # The full state is the authority; the data pipeline already started where meta.json said.
         if (loaded.step, loaded.epoch, loaded.epoch_samples) != (progress.step, progress.epoch, progress.epoch_samples):
             log.warning(
@@ -187,12 +192,12 @@ class _DataPlan:
         position.advance(self.part.global_batch, self.order.num_rows)
         progress.epoch, progress.epoch_samples = position.epoch, position.samples
 
-    def start(self, progress: Progress, rank: int) -> _StartEarly:
+    def start(self, progress: Progress, rank: int, *, resumed_from: str | None = None) -> _StartEarly:
         """:meth:`batches` from where ``progress`` says, its first batch fetched at once in the background."""
         from raytrn.data.order import Position
 
         position = Position(epoch=progress.epoch, samples=progress.epoch_samples)  # a copy: the loop moves on
-        trace = _SampleTrace.open(rank, progress.step, self)
+        trace = _SampleTrace.open(rank, progress.step, self, resumed_from=resumed_from)
         return _StartEarly(lambda: self.batches(position, trace))
 
     def batches(self, position: Any, trace: _SampleTrace | None = None) -> Iterator[torch.Tensor]:
@@ -230,7 +235,9 @@ class _SampleTrace:
         self._micro, self._first_step, self._accum, self._dp_rank = 0, first_step, grad_accum, dp_rank
 
     @classmethod
-    def open(cls, rank: int, first_step: int, data: _DataPlan) -> _SampleTrace | None:
+    def open(
+        cls, rank: int, first_step: int, data: _DataPlan, *, resumed_from: str | None = None
+    ) -> _SampleTrace | None:
         directory = os.environ.get(SAMPLE_TRACE_ENV)
         if not directory:
             return None
@@ -239,16 +246,31 @@ class _SampleTrace:
         name = f"group-{first_step:08d}-dp{data.part.size}-{time.time_ns()}-rank{rank}.jsonl"
         path = os.path.join(directory, name)
         accum = data.part.rows_per_step // data.job.data.micro_batch_size
-        return cls(path, first_step, accum, data.part.rank)
+        trace = cls(path, first_step, accum, data.part.rank)
+        if resumed_from is not None:  # the first line: which committed checkpoint the group resumed from
+            trace._file.write(json.dumps({"resumed_from": resumed_from, "step": first_step}) + "\n")
+        return trace
 
     def record(self, table: Any) -> None:
-        import json
-
         step = self._first_step + self._micro // self._accum + 1
         heads = [row[:4] for row in table.column("input_ids").to_pylist()]
         line = {"step": step, "dp_rank": self._dp_rank, "rows": table.column("row_id").to_pylist(), "heads": heads}
         self._file.write(json.dumps(line) + "\n")
         self._micro += 1
+
+
+def _restore(t: Training, resume: Any, checkpoint: Any, rank: int) -> Progress | None:
+    """Load the committed checkpoint ``resume``, else Ray Train's ``checkpoint``, into ``t``; its counters (None:
+    nothing to resume)."""
+    if resume is not None:
+        loaded: Progress = t.checkpoints.load_committed(resume, t)  # type: ignore[attr-defined]
+        if rank == 0:
+            log.info("resumed from %s", describe_commit(resume))
+        return loaded
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as d:
+        return t.checkpoints.load(d, t)
 
 
 def _resume_progress(checkpoint: Any) -> Progress:

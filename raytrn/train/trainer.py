@@ -7,6 +7,7 @@ import importlib
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from raytrn import storage
@@ -38,7 +39,7 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
     check_spec(job)
     backend.check(job)
     manifest = check_data(job)
-    meta, latest = latest_checkpoint(job)
+    meta, latest = latest_checkpoint(job, committed=backend.committed_checkpoints)
     resumed = meta.progress if meta else Progress()
     start_step = resumed.step
     if start_step >= job.run.max_steps:
@@ -120,6 +121,8 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
             )
             with ProgressPrinter(board, live=live_progress), watch:
                 result = trainer.fit()
+        if backend.committed_checkpoints:
+            tidy_pointers(job)
         watch.raise_if_refused()  # fit was aborted because MLflow refused the run
         status = "FINISHED"
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C or SIGTERM; Ray turns an interrupted wait into SystemExit
@@ -208,8 +211,22 @@ class _RunRefused:
             self._fitting = False
 
 
-def latest_checkpoint(job: JobSpec) -> tuple[Meta | None, str | None]:
-    """What the newest checkpoint of this run says (counters, schedule) and where it is, or (None, None)."""
+def latest_checkpoint(job: JobSpec, *, committed: bool = True) -> tuple[Meta | None, str | None]:
+    """What the checkpoint this run resumes from says (counters, schedule) and where it is, or (None, None): the
+    newest committed one whose files are there (the workers check their bytes too, :mod:`raytrn.train.commit`),
+    else, for a run without commit manifests, Ray Train's newest recorded one."""
+    if committed:
+        from raytrn.train import commit
+
+        dcp_root = commit.dcp_root(job.checkpoint.storage, job.run_name)
+        found = commit.newest(dcp_root)
+        if found is not None:
+            c = found.commit
+            return Meta(
+                progress=replace(c.progress), schedule=c.schedule, extra={"dcp": found.location}
+            ), found.location
+        if commit.has_commits(dcp_root):
+            raise commit.corrupt_error(dcp_root, ["no committed checkpoint has all its files (see the warnings)"])
     root = storage.join(job.checkpoint.storage, job.run_name)
     for step in reversed(recorded_steps(root)):
         location = storage.join(root, f"checkpoint_{step:08d}")
@@ -221,6 +238,29 @@ def latest_checkpoint(job: JobSpec) -> tuple[Meta | None, str | None]:
         if meta is not None:
             return meta, location
     return None, None
+
+
+def tidy_pointers(job: JobSpec) -> list[str]:
+    """After a run, delete Ray Train's checkpoint directories (``checkpoint_<N>``, raytrn's ``meta.json`` pointer)
+    whose sharded checkpoint is gone: a group that failed right after a save leaves a pointer Ray never registered,
+    which Ray's retention never deletes, while raytrn's retention (:mod:`raytrn.train.commit`) has deleted what it
+    pointed at. Done by the driver once ``fit()`` returned (Ray Train holds none of them any more); pointers to
+    committed checkpoints are kept. Returns the directories deleted."""
+    from raytrn.train import commit
+
+    root = storage.join(job.checkpoint.storage, job.run_name)
+    deleted = []
+    for step in recorded_steps(root):
+        location = storage.join(root, f"checkpoint_{step:08d}")
+        try:
+            meta = read_meta(location)
+            target = meta.extra.get("dcp") if meta else None
+            if isinstance(target, str) and not commit.is_committed(target):
+                storage.remove_tree(location, root)
+                deleted.append(location)
+        except (OSError, ValueError, RaytrnError) as e:  # tidying never fails a run
+            log.warning("checkpoint %s: not tidied: %s", location, e)
+    return deleted
 
 
 def _trainer(

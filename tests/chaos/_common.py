@@ -66,3 +66,49 @@ def wait_until(predicate: Any, timeout_s: float, what: str) -> None:
             return
         time.sleep(0.2)
     raise TimeoutError(f"{what} not seen after {timeout_s} s")
+
+
+def read_trace(directory: Path) -> dict[int, list[tuple[int, list[int]]]]:
+    """``{step: [(row, first tokens), ...]}`` of a run's sample trace (``RAYTRN_SAMPLE_TRACE``, written by every
+    worker per micro-batch): per step, the latest worker group that trained it (a failed group's steps are
+    trained again by the next), its data-parallel ranks' rows in rank order.
+
+    A group's files share their first step and data-parallel size (``group-<step>-dp<n>-<ns>-rank<r>``); groups
+    run one after another, so when two groups share both, the later one's file of each rank is the newer."""
+    import json
+
+    groups: dict[tuple[str, str], dict[int, Path]] = {}
+    for path in directory.glob("group-*.jsonl"):
+        _, first, dp, ns, rank = path.stem.split("-")
+        ranks = groups.setdefault((first, dp), {})
+        if int(rank[4:]) not in ranks or ns > ranks[int(rank[4:])].stem.split("-")[3]:
+            ranks[int(rank[4:])] = path
+    by_step: dict[int, tuple[int, dict[int, list[tuple[int, list[int]]]]]] = {}
+    for ranks in groups.values():
+        started = min(int(p.stem.split("-")[3]) for p in ranks.values())
+        rows: dict[int, dict[int, list[tuple[int, list[int]]]]] = {}
+        for path in ranks.values():
+            for line in path.read_text().splitlines():
+                if not line.endswith("}"):
+                    continue  # a line the kill cut short
+                record = json.loads(line)
+                if "rows" not in record:
+                    continue  # the group's resume record
+                per_rank = rows.setdefault(record["step"], {}).setdefault(record["dp_rank"], [])
+                per_rank.extend(zip(record["rows"], record["heads"], strict=True))
+        for step, per_rank in rows.items():
+            if step not in by_step or by_step[step][0] < started:
+                by_step[step] = (started, per_rank)
+    return {step: sum((r[k] for k in sorted(r)), []) for step, (_, r) in sorted(by_step.items())}
+
+
+def read_resumes(directory: Path) -> list[dict[str, Any]]:
+    """The ``{"resumed_from", "step"}`` records the worker groups of a run wrote (rank 0's files)."""
+    import json
+
+    out = []
+    for path in sorted(directory.glob("group-*-rank0.jsonl")):
+        first = path.read_text().split("\n", 1)[0]
+        if first.endswith("}") and "resumed_from" in (record := json.loads(first)):
+            out.append(record)
+    return out

@@ -1,17 +1,24 @@
-"""The tiny job on a local 3-node Ray, elastic 1..3 workers (one per node), while nodes go and come back.
+"""The tiny job on a local 3-node Ray, elastic 1..3 workers (one per node), while things break.
 
-Run as a program (``python -m tests.chaos.elastic_cluster --out result.json [--events ...]``): the cluster
-(``ray.cluster_utils.Cluster``: a head without ``neuron_cores`` and three nodes with one each) lives and dies
-with the process, so a test or a benchmark runs it in a subprocess with a timeout and reads the JSON it
-writes. Events happen at seeded steps, in order:
+Run as a program (``python -m tests.chaos.elastic_cluster --out result.json [--events ...] [--s3] [--reference]``):
+the cluster (``ray.cluster_utils.Cluster``: a head without ``neuron_cores`` and three nodes with one each), and
+with ``--s3`` a moto S3 server behind an :class:`~tests.outage_proxy.OutageProxy` holding the checkpoints, live
+and die with the process (stopped by PID), so a test or a benchmark runs it in a subprocess with a timeout and
+reads the JSON it writes. Events happen at seeded steps, in order:
 
+- ``kill``: a training worker process is SIGKILLed (Ray Train restarts the group, ``scaling.max_failures``);
 - ``remove``: a node that holds a worker is removed (its raylet and workers killed);
 - ``add``: a node is added back (the group should grow within ``scaling.resize_interval_s``);
 - ``drain``: a node that holds a worker gets a preemption notice (``ray drain-node --reason
-  DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds 15``) and is removed at the deadline.
+  DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds 15``) and is removed at the deadline;
+- ``s3down``: the S3 endpoint refuses every connection for ``--outage-s`` seconds (needs ``--s3``), covering
+  the next checkpoint.
 
-The result has, per event, the seconds until the next new step was logged (recovery) or until a step ran
-at the larger size (scale-up), the steps logged (each exactly once?), the world sizes and the final loss.
+The result has, per event, the seconds until the next new step was logged (recovery) or until a step ran at
+the larger size (scale-up); the steps logged (each exactly once?); the worker groups and what each resumed
+from (committed?); with ``--reference``, an uninterrupted 1-worker run of the same job and seed on the same
+cluster, and whether both trained on the same rows at every step, every epoch's rows exactly once, and how far
+their loss curves are apart.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -31,18 +39,25 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 NODE = {"num_cpus": 1, "resources": {"neuron_cores": 1}}
 DRAIN_DEADLINE_S = 15
+GLOBAL_BATCH = 48
 
 
-def _logged_steps(db: Path) -> list[tuple[int, float]]:
-    """``(step, timestamp s)`` of every ``loss`` MLflow has, from its sqlite store (read-only, no server)."""
+def _logged(db: Path, key: str = "loss") -> list[tuple[int, float, float]]:
+    """``(step, timestamp s, value)`` of every ``key`` metric MLflow has, from its sqlite store (read-only)."""
     if not db.exists():
         return []
     try:
         with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
-            rows = conn.execute("SELECT step, timestamp FROM metrics WHERE key = 'loss' ORDER BY timestamp").fetchall()
+            rows = conn.execute(
+                "SELECT step, timestamp, value FROM metrics WHERE key = ? ORDER BY timestamp", (key,)
+            ).fetchall()
     except sqlite3.Error:
         return []
-    return [(int(step), ts / 1000) for step, ts in rows]
+    return [(int(step), ts / 1000, float(value)) for step, ts, value in rows]
+
+
+def _logged_steps(db: Path) -> list[tuple[int, float]]:
+    return [(s, ts) for s, ts, _ in _logged(db)]
 
 
 def _trace_groups(trace: Path) -> list[tuple[float, int, int]]:
@@ -54,16 +69,19 @@ def _trace_groups(trace: Path) -> list[tuple[float, int, int]]:
     return sorted(seen)
 
 
+def _traced_steps(trace: Path, pattern: str = "group-*.jsonl") -> list[int]:
+    return [
+        json.loads(line)["step"]
+        for path in trace.glob(pattern)
+        for line in path.read_text().splitlines()
+        if line.endswith("}") and '"rows"' in line
+    ]
+
+
 def _last_traced_step(trace: Path, group: tuple[float, int, int]) -> int:
     """The last step any rank of ``group`` started (its rank files share the first step and DP size)."""
     _, first, dp = group
-    steps = [
-        json.loads(line)["step"]
-        for path in trace.glob(f"group-{first:08d}-dp{dp}-*.jsonl")
-        for line in path.read_text().splitlines()
-        if line.endswith("}")
-    ]
-    return max(steps, default=first)
+    return max(_traced_steps(trace, f"group-{first:08d}-dp{dp}-*.jsonl"), default=first)
 
 
 def _free_port() -> int:
@@ -74,17 +92,106 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _actor_nodes(class_name: str) -> set[str]:
-    """The nodes of this session's live actors of ``class_name`` (Ray's state API)."""
+def _actors(class_name: str) -> list[Any]:
+    """This session's live actors of ``class_name`` (Ray's state API)."""
     import ray
     from ray.util.state import list_actors
 
-    actors = list_actors(
-        address=ray.get_runtime_context().gcs_address,
-        filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")],
-        timeout=30,
+    return list(
+        list_actors(
+            address=ray.get_runtime_context().gcs_address,
+            filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")],
+            timeout=30,
+        )
     )
-    return {a.node_id for a in actors}
+
+
+class _S3:
+    """A moto server (by PID) behind an outage proxy, and a bucket on it; AWS_ENDPOINT_URL points at the proxy."""
+
+    def __init__(self, work: Path) -> None:
+        import boto3
+
+        from tests.outage_proxy import OutageProxy
+
+        port = _free_port()
+        self.log = open(work / "moto.log", "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}").list_buckets()
+                break
+            except Exception:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise
+                time.sleep(0.2)
+        self.proxy = OutageProxy(("127.0.0.1", port))
+        os.environ["AWS_ENDPOINT_URL"] = self.proxy.url
+        self.bucket = f"chaos-{uuid.uuid4().hex[:8]}"
+        boto3.client("s3", endpoint_url=self.proxy.url).create_bucket(Bucket=self.bucket)
+
+    def stop(self) -> None:
+        self.proxy.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.log.close()
+
+
+def _job(args: Any, work: Path, storage_root: str, *, name: str, workers: tuple[int, int], db: Path) -> Any:
+    from raytrn.config import load_job
+
+    return load_job(
+        REPO / "jobs" / "tiny.yaml",
+        [
+            f"data.manifest={args.dataset}",
+            "data.seq_len=32",
+            "data.micro_batch_size=8",
+            "data.grad_accum=null",
+            f"data.global_batch_size={GLOBAL_BATCH}",
+            "model.vocab_size=512",
+            f"scaling.min_workers={workers[0]}",
+            f"scaling.max_workers={workers[1]}",
+            "scaling.workers_per_node=1",
+            "scaling.resources_per_worker={neuron_cores: 1}",
+            "scaling.max_failures=10",
+            "scaling.resize_interval_s=15",
+            f"checkpoint.storage={storage_root}",
+            "checkpoint.every_n_steps=5",
+            "checkpoint.keep_last=null",  # every checkpoint stays: what each group resumed from is checked after
+            f"tracking.mlflow_uri=sqlite:///{db}",
+            "tracking.experiment=raytrn-elastic",
+            f"tracking.run_name={name}",
+            "tracking.log_model=false",
+            "tracking.system_metrics=false",
+            f"run.max_steps={args.steps}",
+            "run.log_every=1",
+            *args.overrides,
+        ],
+    )
+
+
+def _train_in_thread(job: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    from raytrn.train.trainer import run_training
+
+    outcome: dict[str, Any] = {}
+
+    def train() -> None:
+        try:
+            outcome["summary"] = run_training(job, live_progress=False)
+        except BaseException as e:
+            outcome["error"] = repr(e)
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    return thread, outcome
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,19 +200,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--events", default="remove@12,add@+3", help="EVENT@STEP (or @+N: N steps after the last)")
     parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--s3", action="store_true", help="checkpoints on a moto S3 server behind an outage proxy")
+    parser.add_argument("--outage-s", type=float, default=10.0)
+    parser.add_argument("--reference", action="store_true", help="then an uninterrupted 1-worker run to compare")
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     args = parser.parse_args(argv)
 
     import ray
     from ray.cluster_utils import Cluster
 
-    from raytrn.config import load_job
-    from raytrn.train.trainer import run_training
-
     work = Path(args.out).resolve().parent / f"elastic-{uuid.uuid4().hex[:6]}"
     work.mkdir(parents=True)
     trace, db = work / "trace", work / "mlflow.db"
     os.environ["RAYTRN_SAMPLE_TRACE"] = str(trace)
+    s3 = _S3(work) if args.s3 else None  # before the cluster: its processes inherit the endpoint
     cluster = Cluster(
         initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": True, "dashboard_port": _free_port()}
     )
@@ -114,47 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ray.init(address=cluster.address, logging_level="WARNING")
         cluster.wait_for_nodes(timeout=60)
-        job = load_job(
-            REPO / "jobs" / "tiny.yaml",
-            [
-                f"data.manifest={args.dataset}",
-                "data.seq_len=32",
-                "data.micro_batch_size=8",
-                "data.grad_accum=null",
-                "data.global_batch_size=48",
-                "model.vocab_size=512",
-                "scaling.min_workers=1",
-                "scaling.max_workers=3",
-                "scaling.workers_per_node=1",
-                "scaling.resources_per_worker={neuron_cores: 1}",
-                "scaling.max_failures=10",
-                "scaling.resize_interval_s=15",
-                f"checkpoint.storage={work / 'ckpt'}",
-                "checkpoint.every_n_steps=5",
-                "checkpoint.keep_last=3",
-                f"tracking.mlflow_uri=sqlite:///{db}",
-                "tracking.experiment=raytrn-elastic",
-                "tracking.run_name=elastic",
-                "tracking.log_model=false",
-                "tracking.system_metrics=false",
-                f"run.max_steps={args.steps}",
-                "run.log_every=1",
-                *args.overrides,
-            ],
-        )
-        outcome: dict[str, Any] = {}
-
-        def train() -> None:
-            try:
-                outcome["summary"] = run_training(job, live_progress=False)
-            except BaseException as e:
-                outcome["error"] = repr(e)
-
-        thread = threading.Thread(target=train, daemon=True)
-        thread.start()
+        storage_root = f"s3://{s3.bucket}/ckpt" if s3 else str(work / "ckpt")
+        job = _job(args, work, storage_root, name="elastic", workers=(1, 3), db=db)
+        thread, outcome = _train_in_thread(job)
         removed: list[Any] = []
         last_step = 0
-        for spec in args.events.split(","):
+        for spec in filter(None, args.events.split(",")):
             kind, at = spec.split("@")
             step = last_step + int(at[1:]) if at.startswith("+") else int(at)
             while thread.is_alive() and max((s for s, _ in _logged_steps(db)), default=0) < step:
@@ -163,12 +236,14 @@ def main(argv: list[str] | None = None) -> int:
                 break
             last_step = max(s for s, _ in _logged_steps(db))
             event: dict[str, Any] = {"kind": kind, "at_step": last_step}
-            result.setdefault("driver_node", ray.get_runtime_context().get_node_id())
-            result.setdefault("tracking_nodes", sorted(_actor_nodes("TrackingActor")))
-            if kind in ("remove", "drain"):
+            driver_node = ray.get_runtime_context().get_node_id()
+            result.setdefault("driver_node", driver_node)
+            result.setdefault("tracking_nodes", sorted({a.node_id for a in _actors("TrackingActor")}))
+            if kind in ("remove", "drain", "kill"):
                 # Never the driver's node (its tracking actor lives there): on a real cluster that is the head,
                 # not a spot node; here every node shares the host and the driver attaches to any of them.
-                holding = _actor_nodes("RayTrainWorker") - {ray.get_runtime_context().get_node_id()}
+                workers = [a for a in _actors("RayTrainWorker") if a.node_id != driver_node]
+                holding = {a.node_id for a in workers}
                 victim = next(n for n in reversed(nodes) if n.node_id in holding and n not in removed)
                 if kind == "drain":
                     notice_at = time.time()
@@ -183,9 +258,16 @@ def main(argv: list[str] | None = None) -> int:
                     old = [g for g in _trace_groups(trace) if g[0] < notice_at]
                     event["old_group_last_step"] = _last_traced_step(trace, old[-1]) if old else None
                 t0 = time.time()
-                cluster.remove_node(victim, allow_graceful=False)
-                removed.append(victim)
-                # Recovery: until a step is logged by a group started after the loss (a step the old group
+                if kind != "drain":
+                    old = [g for g in _trace_groups(trace) if g[0] < t0]
+                    event["old_group_last_step"] = _last_traced_step(trace, old[-1]) if old else None
+                if kind == "kill":
+                    pid = next(int(a.pid) for a in workers if a.node_id == victim.node_id)
+                    os.kill(pid, signal.SIGKILL)
+                else:
+                    cluster.remove_node(victim, allow_graceful=False)
+                    removed.append(victim)
+                # Recovery: until a step is logged by a group started after the event (a step the old group
                 # finished may still be on its way to MLflow).
                 while thread.is_alive() and not [g for g in _trace_groups(trace) if g[0] > t0]:
                     time.sleep(0.1)
@@ -197,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
                 event["recovery_s"] = round(new[0][1] - t0, 2) if new else None
                 event["resumed_from_step"] = restarted[0][1] if restarted else None
                 event["restarted_dp"] = restarted[0][2] if restarted else None
-                if kind == "drain" and restarted and event["old_group_last_step"] is not None:
-                    event["steps_lost"] = event["old_group_last_step"] - restarted[0][1]
+                if restarted and event["old_group_last_step"] is not None:
+                    # Trained again: the last step the old group started, minus the step the new one resumed at.
+                    event["steps_lost"] = max(0, event["old_group_last_step"] - restarted[0][1])
             elif kind == "add":
                 t0 = time.time()
                 nodes.append(cluster.add_node(**NODE))
@@ -206,6 +289,20 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(0.1)
                 grown = [g for g in _trace_groups(trace) if g[0] > t0 and g[2] == 3]
                 event["scale_up_s"] = round(grown[0][0] - t0, 2) if grown else None
+            elif kind == "s3down":
+                assert s3 is not None, "s3down needs --s3"
+                groups_before = len(_trace_groups(trace))
+                s3.proxy.cut(args.outage_s)
+                start, end = s3.proxy.outages[-1]
+                # The next commit after the outage's start, once it is there (it waited for S3 to come back).
+                while thread.is_alive() and not [c for c in _commits(storage_root) if c["written_at"] > start]:
+                    time.sleep(0.2)
+                after = [c for c in _commits(storage_root) if c["written_at"] > start]
+                event.update(
+                    outage=[round(start, 2), round(end, 2)],
+                    first_commit_after=after[0] if after else None,
+                    restarts_during=len(_trace_groups(trace)) - groups_before,
+                )
             result["events"].append(event)
             last_step = max(s for s, _ in _logged_steps(db))
         thread.join(timeout=600)
@@ -217,13 +314,87 @@ def main(argv: list[str] | None = None) -> int:
             distinct_steps=len(set(steps)),
             max_step=max(steps, default=0),
             groups=[{"start": round(t, 2), "first_step": s, "dp": d} for t, s, d in _trace_groups(trace)],
+            resumes=_resumes(trace),
             work=str(work),
         )
+        if args.reference:
+            result["reference"] = _compare_with_reference(args, work, trace, db)
     finally:
         Path(args.out).write_text(json.dumps(result, indent=2))
         ray.shutdown()
         cluster.shutdown()
+        if s3 is not None:
+            s3.stop()
     return 0
+
+
+def _commits(storage_root: str) -> list[dict[str, Any]]:
+    """``{"step", "written_at"}`` of every committed checkpoint of the run, oldest first."""
+    from raytrn.train import commit
+
+    root = commit.dcp_root(storage_root, "elastic")
+    out = []
+    for step in commit.step_dirs(root):
+        try:
+            c = commit.read_commit(commit.location_of(root, step))
+        except (OSError, ValueError):
+            continue
+        if c is not None:
+            out.append({"step": c.step, "written_at": round(c.written_at, 2)})
+    return out
+
+
+def _resumes(trace: Path) -> list[dict[str, Any]]:
+    """What every restarted group resumed from, and whether that checkpoint is committed with that step."""
+    from raytrn.train import commit
+    from tests.chaos._common import read_resumes
+
+    out = []
+    for record in read_resumes(trace):
+        try:
+            c = commit.read_commit(record["resumed_from"])
+        except (OSError, ValueError):
+            c = None
+        out.append({**record, "committed": c is not None and c.step == record["step"]})
+    return out
+
+
+def _compare_with_reference(args: Any, work: Path, trace: Path, db: Path) -> dict[str, Any]:
+    """The same job and seed on 1 worker, uninterrupted: the rows of every step, the losses."""
+    from tests.chaos._common import read_trace
+
+    ref_trace, ref_db = work / "trace-ref", work / "mlflow-ref.db"
+    os.environ["RAYTRN_SAMPLE_TRACE"] = str(ref_trace)
+    job = _job(args, work, str(work / "ckpt-ref"), name="reference", workers=(1, 1), db=ref_db)
+    thread, outcome = _train_in_thread(job)
+    thread.join(timeout=600)
+    chaos, ref = read_trace(trace), read_trace(ref_trace)
+    per_epoch = args_steps_per_epoch(args)
+    epochs_once = []
+    for e in range(args.steps // per_epoch):
+        rows = [row for s in range(e * per_epoch + 1, (e + 1) * per_epoch + 1) for row, _ in chaos.get(s, [])]
+        epochs_once.append(len(rows) == per_epoch * GLOBAL_BATCH and len(set(rows)) == len(rows))
+    losses = {s: v for s, _, v in _logged(db)}
+    ref_losses = {s: v for s, _, v in _logged(ref_db)}
+    common = sorted(set(losses) & set(ref_losses))
+    return {
+        "finished": "summary" in outcome,
+        "error": outcome.get("error"),
+        "steps": len(ref),
+        "same_rows_every_step": chaos == ref,
+        "steps_with_other_rows": [s for s in ref if chaos.get(s) != ref[s]][:10],
+        "epochs_exactly_once": epochs_once,
+        "final_loss": losses.get(args.steps),
+        "reference_final_loss": ref_losses.get(args.steps),
+        "max_loss_diff": max((abs(losses[s] - ref_losses[s]) for s in common), default=None),
+    }
+
+
+def args_steps_per_epoch(args: Any) -> int:
+    """Steps per epoch of the job's dataset at the fixed global batch (the last partial batch is dropped)."""
+    from raytrn.data.manifest import load_manifest
+
+    return load_manifest(args.dataset).num_rows // GLOBAL_BATCH
 
 
 if __name__ == "__main__":

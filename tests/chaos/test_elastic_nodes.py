@@ -1,12 +1,17 @@
-"""Whole-node elasticity on a local 3-node Ray (tests/chaos/elastic_cluster.py, in a subprocess: the cluster
-lives and dies with it): the tiny job elastic 1..3 (one worker per node) loses a node, then gets it back.
+"""The chaos suite: the tiny job, elastic 1..3 workers on a local 3-node Ray (tests/chaos/elastic_cluster.py, in a
+subprocess: the cluster, a moto S3 server and the proxy that cuts it live and die with it), checkpoints on S3,
+through one run that is hit, at seeded steps, by: a SIGKILLed worker, a lost node, the node coming back, a spot
+interruption notice on another node (``ray drain-node``), and S3 refusing every connection for 10 s across a
+checkpoint. Then the same job and seed on 1 worker, uninterrupted, on the same cluster.
 
-- the restart after the loss runs at 2 workers at once (sized from the live cluster: no attempt at the old
-  size 3 that waits out Ray's 60 s worker-group start timeout), from a checkpoint;
-- the returning node is used: a group of 3 starts within ``scaling.resize_interval_s`` plus a restart;
-- the run ends FINISHED with every step logged exactly once.
+Asserted: the run reaches ``max_steps`` and ends FINISHED; every step is logged exactly once; every step trained
+on the same rows as the uninterrupted run, and every epoch on each of its rows exactly once; the final loss
+within ``LOSS_TOLERANCE`` of the uninterrupted run's; every restart resumed from a committed checkpoint; after the
+lost node the group restarts at 2 at once (sized from the live cluster, no wait on Ray's 60 s start timeout); the
+returning node is used; the preemption notice loses no step; the S3 outage restarts nothing and the checkpoint it
+covered is committed once S3 is back.
 
-The seconds themselves are measured by ``make bench`` (bench/elastic.py), not asserted here; the bounds below
+The seconds themselves are measured by ``make bench`` (bench/elastic.py), not asserted tightly here; the bounds
 only tell "sized from the live view" from "waited out a start timeout".
 """
 
@@ -24,16 +29,23 @@ pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 EVERY = 5  # checkpoint.every_n_steps of the driver's job
 RESIZE_INTERVAL_S = 15
+STEPS = 110
+#: Loss, chaos run vs the uninterrupted 1-worker run, at every step: the same rows and arithmetic, but the gradients
+#: summed over 1, 2 or 3 workers in other orders, and AdamW (lr 3e-3 here) amplifies those last-bit differences
+#: within a few dozen steps. Measured over 110 steps: an uninterrupted 3-worker run vs the 1-worker run at most
+#: 0.020 apart; the chaos run 0.027. A lost optimizer state or a wrong data position moves it by far more.
+LOSS_TOLERANCE = 0.05
+EVENTS = "kill@8,remove@+6,add@+3,drain@+6,s3down@+6"
 
 
-def _run(dataset, tmp_path, events: str, steps: int) -> dict:
+def _run(dataset, tmp_path, events: str, steps: int, *extra: str) -> dict:
     """The driver in a subprocess (its cluster dies with it): its result, after checking the run finished with
     every step logged exactly once."""
     out = tmp_path / "result.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tests.chaos.elastic_cluster", "--out", str(out), "--dataset", str(dataset),
-         "--events", events, "--steps", str(steps)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+         "--events", events, "--steps", str(steps), *extra],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     (tmp_path / "driver.log").write_text(proc.stdout + proc.stderr)  # what Ray said, for a failure
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -45,24 +57,31 @@ def _run(dataset, tmp_path, events: str, steps: int) -> dict:
     return result
 
 
-def test_node_lost_and_returned(tiny_dataset, tmp_path):
-    result = _run(tiny_dataset, tmp_path, "remove@12,add@+3", 100)
-    removed, added = result["events"]
-    assert removed["kind"] == "remove" and added["kind"] == "add"
-    assert removed["restarted_dp"] == 2, result  # not 3 on a stale view
-    # From a checkpoint (Ray's latest registered one: it can lag the newest written by a few seconds of steps).
-    assert removed["resumed_from_step"] % EVERY == 0 and removed["resumed_from_step"] <= removed["at_step"], result
-    assert removed["recovery_s"] is not None and removed["recovery_s"] < 45, result
-    assert added["scale_up_s"] is not None and added["scale_up_s"] < RESIZE_INTERVAL_S + 30, result
-    assert [g["dp"] for g in result["groups"]][:3] == [3, 2, 3], result
+def test_chaos_suite(tiny_dataset, tmp_path):
+    result = _run(tiny_dataset, tmp_path, EVENTS, STEPS, "--s3", "--reference")
+    kill, remove, add, drain, s3down = result["events"]
+    assert [e["kind"] for e in result["events"]] == ["kill", "remove", "add", "drain", "s3down"], result
 
+    # Every restart resumed from a committed checkpoint (never a half-written one), at or before the event.
+    assert result["resumes"] and all(r["committed"] for r in result["resumes"]), result["resumes"]
+    for event in (kill, remove, drain):
+        assert event["steps_lost"] <= EVERY, event  # at most one checkpoint interval trained again
+        assert event["recovery_s"] is not None and event["recovery_s"] < 45, event
+    assert kill["resumed_from_step"] % EVERY == 0 and remove["resumed_from_step"] % EVERY == 0, result
+    assert kill["restarted_dp"] == 3, kill  # every node still there
+    assert remove["restarted_dp"] == 2, remove  # not 3 on a stale view
+    assert add["scale_up_s"] is not None and add["scale_up_s"] < RESIZE_INTERVAL_S + 30, add
+    assert drain["restarted_dp"] == 2 and drain["steps_lost"] == 0, drain  # checkpointed on the notice
+    assert drain["resumed_from_step"] >= drain["at_step"], drain  # the notice's checkpoint, not the one before
 
-def test_preemption_notice_checkpoints_and_loses_no_step(tiny_dataset, tmp_path):
-    """``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds 15`` on a node that
-    holds a worker, the node removed at the deadline: the group checkpoints at once, trains no further step,
-    and the restart (at 2 workers, not on the draining node) resumes at exactly that step."""
-    result = _run(tiny_dataset, tmp_path, "drain@12", 40)
-    [drained] = result["events"]
-    assert drained["restarted_dp"] == 2, result
-    assert drained["steps_lost"] == 0, result
-    assert drained["resumed_from_step"] >= drained["at_step"], result  # checkpointed on the notice, not at 10
+    # S3 down for 10 s across a checkpoint: retried, nothing restarted, committed once S3 answered again.
+    start, end = s3down["outage"]
+    assert s3down["restarts_during"] == 0, s3down
+    assert s3down["first_commit_after"] is not None and s3down["first_commit_after"]["written_at"] >= end, s3down
+
+    ref = result["reference"]
+    assert ref["finished"] and ref["steps"] == STEPS, ref
+    assert ref["same_rows_every_step"], ref["steps_with_other_rows"]
+    assert ref["epochs_exactly_once"] and all(ref["epochs_exactly_once"]), ref
+    assert abs(ref["final_loss"] - ref["reference_final_loss"]) < LOSS_TOLERANCE, ref
+    assert ref["max_loss_diff"] < LOSS_TOLERANCE, ref

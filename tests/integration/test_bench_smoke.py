@@ -105,3 +105,31 @@ def test_bench_report_replaces_only_its_readme_block(tmp_path: Path) -> None:
     again = readme.read_text()
     assert "first table" not in again and again.count(START) == 1 and again.count("## Benchmarks") == 1
     assert again.replace("second table", "first table") == text
+
+
+def test_bench_report_renders_the_elastic_and_data_rows() -> None:
+    """The rows issue 18 asks of `make bench`: recovery after node loss (median, with the goal), worker kill, spot
+    notice, scale-up; the data path vs raw pyarrow and the step's data wait, each against its goal."""
+    from bench.report import render
+
+    elastic = {
+        "checkpoint_every_n_steps": 5, "resize_interval_s": 15, "node_loss_recovery_s": [14.2, 15.0, 16.1],
+        "node_loss_recovery_s_median": 15.0, "node_loss_restarted_dp": [2, 2, 2], "node_loss_steps_lost": [3, 5, 1],
+        "kill_recovery_s": 12.5, "kill_steps_lost": [4], "notice_recovery_s": 14.0, "notice_steps_lost": [0],
+        "scale_up_s": [18.0, 20.5, 19.0], "scale_up_s_median": 19.0,
+    }  # fmt: skip
+    report = {
+        "machine": {"host": "h", "logical_cores": 2, "cpu": "c", "ram_gib": 1, "accelerator": "none", "python": "3",
+                    "torch": "t", "ray": "r", "mlflow": "m"},
+        "date": "d", "load_start": [0.1], "load_end": [0.2], "mode": "full", "wall_s": 60,
+        "results": {"elastic": elastic, "training": {"raytrn_data_wait_fraction": 0.004},
+                    "data": {"raytrn_rows_per_s_mean": 200_000, "raw_rows_per_s_mean": 300_000, "raytrn_over_raw": 0.667,
+                             "headroom_vs_training": 30}},
+    }  # fmt: skip
+    text = render(report)
+    assert "node lost -> next step logged, median of 3 | **15.0 s** (14.2, 15.0, 16.1; restarted at 2, 2, 2" in text
+    assert "| <= 20 s met |" in text
+    assert "worker SIGKILLed -> next step logged | 12.5 s" in text and "steps lost 0) | 0 steps lost |" in text
+    assert "node back -> 3-worker group running (`resize_interval_s` 15) | median 19.0 s" in text
+    assert "(0.667x); 30x what (c) consumes | >= 0.5x met |" in text
+    assert "| 0.40% of step time | < 2% met |" in text

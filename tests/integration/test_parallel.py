@@ -112,7 +112,7 @@ def _run_plan(rank: int, world: int, plan: dict[str, Any], out: Path) -> None:
         state = dcp.training_state(t.model, t.optimizer, t.scheduler)
         if plan.get("async"):
             group = torch.distributed.new_group(backend="gloo") if world > 1 else None
-            dcp.async_save(state, plan["save"], process_group=group).result()
+            dcp.async_save(state, plan["save"], process_group=group)[0].result()
         else:
             dcp.save(state, plan["save"])
         _dump_full(t, out / f"saved-{plan['name']}.pt", rank)

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from raytrn.config import load_job
-from tests.chaos._common import REPO, train_in_thread, wait_until
+from tests.chaos._common import REPO, read_trace, train_in_thread, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -105,31 +105,14 @@ def _train(job, trace: Path, monkeypatch) -> None:
 
 
 def _trace(directory: Path) -> dict[int, list[int]]:
-    """``{step: ids of its global batch}`` from the workers' records: per step, the latest worker group that
-    trained it (a killed group's steps are trained again by the next), its ranks' rows in rank order.
-
-    A group's files share their first step and data-parallel size (``group-<step>-dp<n>-<ns>-rank<r>``);
-    groups run one after another, so a later group's files are all newer than an earlier one's."""
-    groups: dict[tuple[str, str], dict[int, Path]] = {}
-    for path in directory.glob("group-*.jsonl"):
-        _, first, dp, ns, rank = path.stem.split("-")
-        ranks = groups.setdefault((first, dp), {})
-        if int(rank[4:]) not in ranks or ns > ranks[int(rank[4:])].stem.split("-")[3]:
-            ranks[int(rank[4:])] = path
-    by_step: dict[int, tuple[int, dict[int, list[int]]]] = {}
-    for ranks in groups.values():
-        started = min(int(p.stem.split("-")[3]) for p in ranks.values())
-        rows: dict[int, dict[int, list[int]]] = {}
-        for path in ranks.values():
-            for line in path.read_text().splitlines():
-                record = json.loads(line)
-                ids = [_decode(h) for h in record["heads"]]
-                assert ids == record["rows"], "the rows a worker got are not the rows raytrn says it read"
-                rows.setdefault(record["step"], {}).setdefault(record["dp_rank"], []).extend(ids)
-        for step, per_rank in rows.items():
-            if step not in by_step or by_step[step][0] < started:
-                by_step[step] = (started, per_rank)
-    return {step: sum((r[k] for k in sorted(r)), []) for step, (_, r) in sorted(by_step.items())}
+    """``{step: ids of its global batch}`` from the workers' records (see :func:`read_trace`), read from the tokens
+    the workers got, and checked against the rows raytrn says it read."""
+    out = {}
+    for step, rows in read_trace(directory).items():
+        ids = [_decode(head) for _, head in rows]
+        assert ids == [row for row, _ in rows], "the rows a worker got are not the rows raytrn says it read"
+        out[step] = ids
+    return out
 
 
 def _losses(job) -> list[tuple[int, float]]:

@@ -1,8 +1,7 @@
-"""Sharded checkpoints refused before training, the older state.pt format, retention; one process, no Ray."""
+"""Sharded checkpoints refused before training, the older state.pt format, async saves; one process, no Ray."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ from raytrn.backends.cpu import CpuBackend
 from raytrn.checkpoint import Progress
 from raytrn.config import load_job
 from raytrn.errors import CheckpointError, RaytrnError
-from raytrn.train import dcp
+from raytrn.train import commit, dcp
 from raytrn.train.checkpointing import DcpCheckpoints
 from raytrn.train.schedule import Schedule
 from raytrn.train.step import build_training, train_step
@@ -106,31 +105,6 @@ def test_older_state_pt_resumes_into_ddp_and_is_refused_by_fsdp_with_how_to_conv
     assert "parallel.data_parallel: ddp and parallel.tensor_parallel_size: 1" in str(e.value)
 
 
-def test_shards_are_deleted_only_after_ray_dropped_their_pointer(tmp_path: Path) -> None:
-    """Ray registers reports asynchronously: a restart may resume from an older checkpoint than the newest
-    save, so a DCP checkpoint goes only once Ray's own retention (keep_last) removed its pointer."""
-    j = job(tmp_path, "checkpoint.keep_last=2")
-    t = trained(j, steps=1)
-    run_dir = tmp_path / "r"
-    for step in (1, 2, 3):
-        [record] = t.checkpoints.save(t, Progress(step=step), Schedule.from_job(j), {"step": step}, final=False)
-        assert record.step == step and record.write is not None
-        (run_dir / f"checkpoint_{step:08d}").mkdir(parents=True)  # what Ray's report makes
-        record.write(str(run_dir / f"checkpoint_{step:08d}"))
-    meta = json.loads((run_dir / "checkpoint_00000003" / "meta.json").read_text())
-    assert meta["step"] == 3 and meta["dcp"] == dcp.step_location(j, 3)
-    assert dcp.checkpoint_steps(dcp.dcp_root(j)) == [1, 2, 3]  # every pointer still there: nothing deleted
-    (run_dir / "checkpoint_00000001" / "meta.json").unlink()  # Ray's retention drops pointer 1
-    (run_dir / "checkpoint_00000001").rmdir()
-    (Path(dcp.dcp_root(j)) / "notes").mkdir()  # not raytrn's: never touched
-    t.checkpoints.save(t, Progress(step=4), Schedule.from_job(j), {"step": 4}, final=False)
-    assert dcp.checkpoint_steps(dcp.dcp_root(j)) == [2, 3, 4]
-    assert sorted(p.name for p in Path(dcp.dcp_root(j)).iterdir()) == [
-        "notes",
-        *(f"step_0000000{i}" for i in (2, 3, 4)),
-    ]
-
-
 def test_async_checkpoint_is_recorded_once_written(tmp_path: Path) -> None:
     """checkpoint.async: a save returns the previous checkpoint (now complete); the final save is synchronous."""
     j = job(tmp_path, "checkpoint.async=true", "checkpoint.keep_last=null")
@@ -141,7 +115,8 @@ def test_async_checkpoint_is_recorded_once_written(tmp_path: Path) -> None:
     assert first.step == 1 and (Path(dcp.step_location(j, 1)) / ".metadata").is_file()
     done = t.checkpoints.save(t, Progress(step=3), sched, {}, final=True)
     assert [r.step for r in done] == [2, 3]
-    assert dcp.checkpoint_steps(dcp.dcp_root(j)) == [1, 2, 3]
+    assert commit.step_dirs(dcp.dcp_root(j)) == [1, 2, 3]
+    assert all(commit.is_committed(dcp.step_location(j, s)) for s in (1, 2, 3))
 
 
 def test_remote_deletes_stay_inside_their_root() -> None:
@@ -152,8 +127,8 @@ def test_remote_deletes_stay_inside_their_root() -> None:
             remove_tree(uri, "s3://bucket/run/dcp")
 
 
-def test_async_final_save_keeps_the_checkpoint_it_is_about_to_report(tmp_path: Path) -> None:
-    """The last save returns the pending checkpoint and its own: neither is recorded by Ray yet, both stay."""
+def test_async_final_save_reports_the_pending_checkpoint_and_its_own(tmp_path: Path) -> None:
+    """The last save returns the pending checkpoint and its own, both committed; keep_last keeps the newest."""
     j = job(tmp_path, "checkpoint.async=true", "checkpoint.keep_last=1")
     t = trained(j, steps=1)
     sched = Schedule.from_job(j)
@@ -161,4 +136,4 @@ def test_async_final_save_keeps_the_checkpoint_it_is_about_to_report(tmp_path: P
     t.checkpoints.save(t, Progress(step=2), sched, {}, final=False)
     done = t.checkpoints.save(t, Progress(step=3), sched, {}, final=True)
     assert [r.step for r in done] == [2, 3]
-    assert dcp.checkpoint_steps(dcp.dcp_root(j)) == [2, 3]  # 1: never recorded here, older than both: deleted
+    assert commit.step_dirs(dcp.dcp_root(j)) == [3]

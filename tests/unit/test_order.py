@@ -182,3 +182,18 @@ def test_a_read_past_the_shard_is_an_error(tmp_path: Path) -> None:
     read_plan(files, "input_ids", plans[1])  # rows 2, 3: there
     with pytest.raises(DataError, match="row 5 of it, it has 4 rows"):
         read_plan(files, "input_ids", plans[2])
+
+
+@pytest.mark.parametrize("sizes", [[5, 3, 8, 1, 7], [8, 8], [1, 1, 1, 1, 1, 1, 1, 1, 1], [], [3]])
+def test_micro_batches_are_slices_of_the_blocks_in_order(sizes: list[int]) -> None:
+    """Ray Data's blocks (one per read task) cut into micro-batches: every row once, in order; whole batches but
+    for the last; a piece left at a block's end joins the next block's start."""
+    import pyarrow as pa
+
+    from raytrn.data.source import slices
+
+    ids = iter(range(sum(sizes)))
+    blocks = [pa.table({"row_id": pa.array([next(ids) for _ in range(n)], pa.int64())}) for n in sizes]
+    out = list(slices(iter(blocks), 4))
+    assert [r for t in out for r in t.column("row_id").to_pylist()] == list(range(sum(sizes)))
+    assert all(len(t) == 4 for t in out[:-1]) and (not out or 0 < len(out[-1]) <= 4)

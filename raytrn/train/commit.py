@@ -1,0 +1,250 @@
+"""Checkpoints you can trust: a sharded checkpoint counts only once its commit manifest exists.
+
+Every rank writes its shards into ``<checkpoint.storage>/<run>/dcp/step_<N>`` (:mod:`raytrn.train.dcp`); while
+that directory has no ``commit.json`` it is staging: never resumed, and deleted by the next save's retention once
+a newer checkpoint is committed. When every rank's write is done, rank 0 gathers what each wrote (name, size,
+sha256, computed while the bytes went out) and writes the manifest last, with the step, the world size, the
+layout and the counters a resume needs. On object storage a rename is a copy, so the commit is this one small
+write, not a move of the shards.
+
+Resuming takes the newest committed checkpoint whose files match their manifest: sizes on the driver (a listing),
+sizes and sha256 on the workers before they load (each rank hashes a share of the files); a checkpoint that fails
+is skipped with a warning naming the file, and the one before it is tried. Retention (``checkpoint.keep_last``)
+keeps the newest committed ones, so the newest committed checkpoint is never deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from raytrn import storage
+from raytrn.checkpoint import Progress
+from raytrn.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+COMMIT_FILE = "commit.json"
+FORMAT = "raytrn.checkpoint/1"
+#: The step directories of a run's sharded checkpoints, under ``<run>/dcp``.
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+@dataclass(kw_only=True)
+class Commit:
+    """What ``commit.json`` says about a complete checkpoint."""
+
+    step: int
+    world_size: int
+    #: ``data_parallel`` (ddp|fsdp), ``tensor_parallel_size``, ``data_parallel_size``: how it was written (DCP
+    #: reshards on load, so any layout resumes it).
+    layout: dict[str, Any]
+    #: ``{file name: {"size": bytes, "sha256": hex}}``, every file of the checkpoint.
+    files: dict[str, dict[str, Any]]
+    progress: Progress
+    schedule: dict[str, Any] | None = None
+    written_at: float = field(default_factory=time.time)
+
+    def to_json(self) -> str:
+        data = {"format": FORMAT, **asdict(self)}
+        return json.dumps(data, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Commit:
+        """Parse a manifest; ValueError naming what is wrong with it."""
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"not a {FORMAT} manifest")
+        files = data.get("files")
+        if not isinstance(files, dict) or not files:
+            raise ValueError("it lists no files")
+        for name, entry in files.items():
+            if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or not entry.get("sha256"):
+                raise ValueError(f"file {name!r} has no size and sha256")
+        try:
+            return cls(
+                step=int(data["step"]),
+                world_size=int(data["world_size"]),
+                layout=dict(data.get("layout") or {}),
+                files=files,
+                progress=Progress.from_dict(data.get("progress") or {}),
+                schedule=data.get("schedule") if isinstance(data.get("schedule"), dict) else None,
+                written_at=float(data.get("written_at", 0.0)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"bad field ({e})") from None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A committed checkpoint: where it is and its manifest."""
+
+    location: str
+    commit: Commit
+
+
+def dcp_root(checkpoint_storage: str, run_name: str) -> str:
+    return storage.join(checkpoint_storage, run_name, "dcp")
+
+
+def step_dirs(root: str) -> list[int]:
+    """The steps of the ``step_<N>`` directories under ``root`` (raytrn's own only), ascending."""
+    fs, path = storage.filesystem(root)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    except OSError:
+        return []
+    return sorted(
+        int(m.group(1)) for i in infos if i.type == pafs.FileType.Directory and (m := STEP_DIR.match(i.base_name))
+    )
+
+
+def location_of(root: str, step: int) -> str:
+    return storage.join(root, f"step_{step:08d}")
+
+
+def write_commit(location: str, commit: Commit) -> None:
+    """Commit the checkpoint at ``location`` (retried while the storage is briefly unavailable)."""
+    storage.retrying(
+        lambda: storage.write_text(storage.join(location, COMMIT_FILE), commit.to_json()), f"commit {location}"
+    )
+
+
+def is_committed(location: str) -> bool:
+    fs, path = storage.filesystem(storage.join(location, COMMIT_FILE))
+    return bool(fs.get_file_info(path).type == pafs.FileType.File)
+
+
+def read_commit(location: str) -> Commit | None:
+    """The manifest at ``location``: None when there is none (staging); ValueError when it is unreadable."""
+    text = storage.read_text(storage.join(location, COMMIT_FILE))
+    if text is None:
+        return None
+    return Commit.from_json(text)
+
+
+def size_problems(location: str, commit: Commit) -> list[str]:
+    """``'name: ...'`` for every file of the manifest that is missing or not its recorded size."""
+    fs, path = storage.filesystem(location)
+    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    sizes = {i.base_name: i.size for i in infos if i.type == pafs.FileType.File}
+    problems = []
+    for name, entry in sorted(commit.files.items()):
+        if name not in sizes:
+            problems.append(f"{name}: missing")
+        elif sizes[name] != entry["size"]:
+            problems.append(f"{name}: {sizes[name]} bytes, the manifest says {entry['size']}")
+    return problems
+
+
+def digest_problems(location: str, commit: Commit, names: list[str]) -> list[str]:
+    """``'name: ...'`` for each of ``names`` whose bytes are not the manifest's size and sha256 (read whole)."""
+    import hashlib
+
+    fs, path = storage.filesystem(location)
+    problems = []
+    for name in names:
+        entry = commit.files[name]
+        sha, size = hashlib.sha256(), 0
+        try:
+            with fs.open_input_file(f"{path}/{name}") as f:
+                while chunk := f.read(8 << 20):
+                    sha.update(chunk)
+                    size += len(chunk)
+        except OSError as e:
+            problems.append(f"{name}: unreadable ({e})")
+            continue
+        if size != entry["size"] or sha.hexdigest() != entry["sha256"]:
+            problems.append(f"{name}: sha256 {sha.hexdigest()[:12]}..., the manifest says {entry['sha256'][:12]}...")
+    return problems
+
+
+def candidates(root: str) -> Iterator[Candidate]:
+    """The committed checkpoints under ``root``, newest first, whose files are all there at their recorded sizes.
+
+    A checkpoint without a manifest (a save that never finished) is passed over quietly if it is the newest
+    (the usual crash during a save) and with a warning otherwise; one whose manifest is unreadable or does not
+    match its files, with a warning naming the file."""
+    for step in reversed(step_dirs(root)):
+        location = location_of(root, step)
+        try:
+            commit = read_commit(location)
+        except (ValueError, OSError) as e:
+            log.warning("checkpoint %s: skipped: its %s is unreadable (%s)", location, COMMIT_FILE, e)
+            continue
+        if commit is None:
+            log.info("checkpoint %s: never committed (its save did not finish): not resumed", location)
+            continue
+        problems = size_problems(location, commit)
+        if problems:
+            log.warning(
+                "checkpoint %s: skipped: its files do not match its manifest (%s)", location, "; ".join(problems)
+            )
+            continue
+        yield Candidate(location, commit)
+
+
+def newest(root: str) -> Candidate | None:
+    """The newest committed checkpoint under ``root`` whose files are there (sizes only: the driver's check)."""
+    return next(candidates(root), None)
+
+
+def has_commits(root: str) -> bool:
+    """Whether any checkpoint under ``root`` was ever committed (a run older than manifests has none)."""
+    return any(is_committed(location_of(root, step)) for step in step_dirs(root))
+
+
+def prune(root: str, *, keep_last: int | None) -> list[int]:
+    """Retention after a commit: keep the newest ``keep_last`` committed checkpoints (all when None) and anything
+    newer than the newest committed one (a save in flight); delete older committed ones and uncommitted leftovers
+    older than the newest committed one. Only raytrn's ``step_<N>`` directories, strictly inside ``root``.
+    Returns the steps deleted."""
+    steps = step_dirs(root)
+    committed = [s for s in steps if is_committed(location_of(root, s))]
+    if not committed:
+        return []
+    keep = set(committed if keep_last is None else committed[-keep_last:])
+    deleted = []
+    for step in steps:
+        if step in keep or step > committed[-1]:
+            continue
+        storage.remove_tree(location_of(root, step), root)
+        deleted.append(step)
+    return deleted
+
+
+def clear_staging(root: str, step: int) -> None:
+    """Remove what an earlier, unfinished save left in ``step``'s directory before saving there again (a restart
+    from an older checkpoint repeats the step; the new world size may write other file names). Its manifest, if
+    any, goes first: a resume from an older checkpoint means this one was not usable."""
+    location = location_of(root, step)
+    fs, path = storage.filesystem(location)
+    files = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+    if not [f for f in files if f.type == pafs.FileType.File]:
+        return  # nothing, or only the directory (every rank creates it as its save begins)
+    log.warning("checkpoint %s: replacing what an earlier, unfinished or unusable save left there", location)
+    commit = storage.join(location, COMMIT_FILE)
+    cfs, cpath = storage.filesystem(commit)
+    if cfs.get_file_info(cpath).type == pafs.FileType.File:
+        cfs.delete_file(cpath)
+    storage.remove_tree(location, root)
+
+
+def describe(candidate: Candidate) -> str:
+    c = candidate.commit
+    return f"{candidate.location} (step {c.step}, {c.world_size} workers, {len(c.files)} files)"
+
+
+def corrupt_error(root: str, rejected: list[str]) -> CheckpointError:
+    return CheckpointError(
+        f"every committed checkpoint under {root} failed its check ({'; '.join(rejected)}); raytrn will not silently "
+        "start over. Restore the files, or move the run's checkpoints away (or set tracking.run_name) to start a new "
+        "run"
+    )

@@ -1,0 +1,191 @@
+"""Checkpoints you can trust (raytrn.train.commit): a checkpoint counts once its manifest is written; resume takes
+the newest committed one whose files match; retention never deletes the newest committed one; a failed save is
+left uncommitted and training goes on. One process, real files, no Ray."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from raytrn.backends.cpu import CpuBackend
+from raytrn.checkpoint import Progress
+from raytrn.config import load_job
+from raytrn.errors import CheckpointError
+from raytrn.train import commit, dcp
+from raytrn.train.checkpointing import resume_point
+from raytrn.train.schedule import Schedule
+from raytrn.train.step import build_training, train_step
+from raytrn.train.trainer import latest_checkpoint
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def job(tmp: Path, *overrides: str) -> Any:
+    return load_job(
+        REPO / "jobs" / "tiny.yaml",
+        ["data.manifest=unused", "data.seq_len=16", "model.vocab_size=512", "scaling.min_workers=1",
+         "scaling.max_workers=1", f"checkpoint.storage={tmp}", "tracking.run_name=r", *overrides],
+        resolve=False,
+    )  # fmt: skip
+
+
+def trained(j: Any) -> Any:
+    t = build_training(j, CpuBackend(), world_size=1)
+    rows = torch.randint(0, 512, (16, 17), generator=torch.Generator().manual_seed(0))
+    train_step(t, iter([rows]), CpuBackend())
+    return t
+
+
+def save(t: Any, j: Any, step: int, *, final: bool = False) -> list[Any]:
+    progress = Progress(step=step, tokens_seen=100 * step, epoch=step // 10, epoch_samples=step % 10)
+    return list(t.checkpoints.save(t, progress, Schedule.from_job(j), {"step": step}, final=final))
+
+
+def root(j: Any) -> Path:
+    return Path(dcp.dcp_root(j))
+
+
+def test_a_save_is_committed_with_every_file_its_size_and_sha256(tmp_path: Path) -> None:
+    j = job(tmp_path, "checkpoint.keep_last=null")
+    t = trained(j)
+    [saved] = save(t, j, 7)
+    location = root(j) / "step_00000007"
+    manifest = json.loads((location / commit.COMMIT_FILE).read_text())
+    assert manifest["format"] == commit.FORMAT and manifest["step"] == 7 and manifest["world_size"] == 1
+    assert manifest["layout"] == {"data_parallel": "none", "tensor_parallel_size": 1, "data_parallel_size": 1}
+    assert manifest["progress"]["tokens_seen"] == 700 and manifest["progress"]["epoch_samples"] == 7
+    assert manifest["schedule"] == Schedule.from_job(j).to_dict()
+    on_disk = sorted(p.name for p in location.iterdir() if p.name != commit.COMMIT_FILE)
+    assert sorted(manifest["files"]) == on_disk == [".metadata", "__0_0.distcp"]
+    for name, entry in manifest["files"].items():
+        data = (location / name).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert saved.step == 7  # reported to Ray only once committed
+
+
+def test_keep_last_keeps_the_newest_committed_and_leaves_others_alone(tmp_path: Path) -> None:
+    j = job(tmp_path, "checkpoint.keep_last=2")
+    t = trained(j)
+    for step in (1, 2, 3):
+        save(t, j, step)
+    assert commit.step_dirs(str(root(j))) == [2, 3]
+    (root(j) / "notes").mkdir()  # not raytrn's: never touched
+    shutil.copytree(root(j) / "step_00000003", root(j) / "step_00000009")  # a save in flight (newer): kept
+    (root(j) / "step_00000009" / commit.COMMIT_FILE).unlink()
+    save(t, j, 4)
+    assert commit.step_dirs(str(root(j))) == [3, 4, 9]
+    assert sorted(p.name for p in root(j).iterdir()) == ["notes", "step_00000003", "step_00000004", "step_00000009"]
+    save(t, j, 10)  # newer than the leftover: it goes
+    assert commit.step_dirs(str(root(j))) == [4, 10]
+
+
+def test_an_uncommitted_checkpoint_is_never_resumed(tmp_path: Path) -> None:
+    """A save that died before its manifest (here: every shard there, only the manifest missing)."""
+    j = job(tmp_path, "checkpoint.keep_last=null")
+    t = trained(j)
+    save(t, j, 2)
+    save(t, j, 4)
+    (root(j) / "step_00000004" / commit.COMMIT_FILE).unlink()
+    assert resume_point(j, rank=0, world_size=1).commit.step == 2
+    meta, location = latest_checkpoint(j)
+    assert meta is not None and meta.progress.step == 2 and location == str(root(j) / "step_00000002")
+    save(t, j, 4)  # saving the step again replaces the leftover and commits it
+    assert resume_point(j, rank=0, world_size=1).commit.step == 4
+
+
+def test_a_corrupt_checkpoint_is_skipped_with_a_warning_naming_the_file(tmp_path: Path, caplog) -> None:
+    j = job(tmp_path, "checkpoint.keep_last=null")
+    t = trained(j)
+    save(t, j, 2)
+    save(t, j, 4)
+    shard = root(j) / "step_00000004" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one bit flipped, same size: only the sha256 tells
+    shard.write_bytes(bytes(data))
+    assert latest_checkpoint(j)[0].progress.step == 4  # type: ignore[union-attr]  # the driver checks sizes
+    with caplog.at_level(logging.WARNING, logger="raytrn.train.checkpointing"):
+        chosen = resume_point(j, rank=0, world_size=1)
+    assert chosen.commit.step == 2
+    assert "step_00000004: skipped: its files do not match its manifest (__0_0.distcp: sha256" in caplog.text
+    sized = job(tmp_path, "checkpoint.keep_last=null", "checkpoint.verify=size")
+    assert resume_point(sized, rank=0, world_size=1).commit.step == 4  # what verify: size trades away
+
+    shard.write_bytes(bytes(data[:100]))  # truncated: the size check (driver and workers) catches it
+    with caplog.at_level(logging.WARNING, logger="raytrn.train.commit"):
+        assert latest_checkpoint(j)[0].progress.step == 2  # type: ignore[union-attr]
+    assert "__0_0.distcp: 100 bytes, the manifest says" in caplog.text
+
+
+def test_a_manifest_that_does_not_match_its_files_is_skipped(tmp_path: Path, caplog) -> None:
+    j = job(tmp_path, "checkpoint.keep_last=null")
+    t = trained(j)
+    save(t, j, 2)
+    save(t, j, 4)
+    path = root(j) / "step_00000004" / commit.COMMIT_FILE
+    manifest = json.loads(path.read_text())
+    manifest["files"]["__1_0.distcp"] = {"size": 10, "sha256": "0" * 64}  # a rank's file that is not there
+    path.write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="raytrn.train.commit"):
+        assert resume_point(j, rank=0, world_size=1).commit.step == 2
+    assert "__1_0.distcp: missing" in caplog.text
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="raytrn.train.commit"):
+        assert resume_point(j, rank=0, world_size=1).commit.step == 2
+    assert "commit.json is unreadable" in caplog.text
+
+
+def test_when_every_committed_checkpoint_is_bad_nothing_silently_starts_over(tmp_path: Path) -> None:
+    j = job(tmp_path, "checkpoint.keep_last=null")
+    t = trained(j)
+    save(t, j, 2)
+    (root(j) / "step_00000002" / "__0_0.distcp").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="every committed checkpoint under .* failed its check"):
+        resume_point(j, rank=0, world_size=1)
+    with pytest.raises(CheckpointError, match="raytrn will not silently start over"):
+        latest_checkpoint(j)
+    fresh = job(tmp_path / "other")
+    assert resume_point(fresh, rank=0, world_size=1) is None and latest_checkpoint(fresh) == (None, None)
+
+
+def test_a_failed_save_is_left_uncommitted_and_training_goes_on(tmp_path: Path, monkeypatch, caplog) -> None:
+    """The storage failing past raytrn's retries (here: the write raises): not reported, not committed, counted;
+    the last save (or a preemption's) raises instead."""
+    j = job(tmp_path, "checkpoint.keep_last=null")
+    t = trained(j)
+    save(t, j, 2)
+    real = dcp.save
+
+    def failing(state: Any, location: str) -> Any:
+        real(state, location)  # every shard written ...
+        raise OSError("S3 unavailable")  # ... but the save failed (as DCP raises it on every rank)
+
+    monkeypatch.setattr(dcp, "save", failing)
+    with caplog.at_level(logging.WARNING, logger="raytrn.train.checkpointing"):
+        assert save(t, j, 4) == []
+    assert "could not be written (S3 unavailable); training goes on" in caplog.text
+    assert t.checkpoints.failed == 1 and not commit.is_committed(str(root(j) / "step_00000004"))
+    assert resume_point(j, rank=0, world_size=1).commit.step == 2
+    with pytest.raises(CheckpointError, match="could not be written: S3 unavailable"):
+        save(t, j, 6, final=True)
+
+
+def test_a_save_that_fails_for_another_reason_than_storage_raises(tmp_path: Path, monkeypatch) -> None:
+    """A lost peer (gloo's error) or a bug is not skipped as a storage hiccup: the group fails and restarts."""
+    j = job(tmp_path)
+    t = trained(j)
+
+    def broken(state: Any, location: str) -> Any:
+        raise RuntimeError("gloo: Connection reset by peer")
+
+    monkeypatch.setattr(dcp, "save", broken)
+    with pytest.raises(RuntimeError, match="Connection reset by peer"):
+        save(t, j, 2)
