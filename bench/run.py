@@ -64,7 +64,9 @@ def _benchmarks(args: argparse.Namespace, results: dict[str, Any], deadline: flo
             segment_steps=8 if quick else 30,
             warmup=3 if quick else 10,
         ),
-        "data": lambda: data.run(bench, repeats=1 if quick else 3, training_tokens_per_s=train_tps()),
+        "data": lambda: data.run(
+            bench, repeats=1 if quick else 3, training_tokens_per_s=train_tps(), copies=2 if quick else 20
+        ),
         "checkpoint": lambda: checkpoint.run(
             models=("tiny",) if quick else ("tiny", "small"), repeats=1 if quick else 3
         ),

@@ -23,6 +23,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Data progress logger": "ray.data._internal.progress",
     "Ray Data executor logger": "ray.data._internal.execution.streaming_executor",
     "Ray Train controller start": "ray.train.v2.api.data_parallel_trainer:DataParallelTrainer._initialize_and_run_controller",
+    "Ray Train torch backend": "ray.train.torch.config:_TorchBackend.on_start",
     "Ray Train elastic policy": "ray.train.v2._internal.execution.scaling_policy:ElasticScalingPolicy",
     "Ray Train scaling decisions": "ray.train.v2._internal.execution.scaling_policy:ResizeDecision",
     "Ray Train no-op decision": "ray.train.v2._internal.execution.scaling_policy:NoopDecision",
@@ -87,6 +88,17 @@ def trainer_with_scaling_policy(base: type, make_policy: Any) -> type:
 
     Trainer.__name__ = Trainer.__qualname__ = base.__name__
     return Trainer
+
+
+def torch_backend_class() -> type:
+    """Ray Train's torch backend (``ray.train.torch.config._TorchBackend``: forms the gloo/nccl process group in
+    ``on_start``), for raytrn's subclass that also sets up its workers (:mod:`raytrn.backends.ray_torch`).
+
+    Public alternative: ``ray.train.backend.Backend`` from scratch, i.e. re-implementing the process group set-up.
+    """
+    from ray.train.torch.config import _TorchBackend
+
+    return _TorchBackend
 
 
 def elastic_scaling_policy(scaling_config: Any, choose: Any) -> Any:

@@ -48,8 +48,13 @@ def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
 
 
 def s3_filesystem() -> pafs.S3FileSystem:
+    return pafs.S3FileSystem(retry_strategy=pafs.AwsDefaultS3RetryStrategy(max_attempts=S3_ATTEMPTS), **s3_options())
+
+
+def s3_options() -> dict[str, Any]:
+    """The endpoint and region :func:`s3_filesystem` uses (from this process's environment)."""
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    kwargs: dict = {}
+    kwargs: dict[str, Any] = {}
     if endpoint:
         parsed = urlparse(endpoint)
         kwargs["endpoint_override"] = parsed.netloc or parsed.path
@@ -57,7 +62,90 @@ def s3_filesystem() -> pafs.S3FileSystem:
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if region:
         kwargs["region"] = region
-    return pafs.S3FileSystem(retry_strategy=pafs.AwsDefaultS3RetryStrategy(max_attempts=S3_ATTEMPTS), **kwargs)
+    return kwargs
+
+
+class _RetryingS3(pafs.FileSystemHandler):
+    """A pyarrow S3 filesystem that keeps raytrn's retry strategy (:data:`S3_ATTEMPTS`) where it is sent to another
+    process: pickling a ``pyarrow.fs.S3FileSystem`` drops its retry strategy (pyarrow 25), so Ray Train's controller
+    and the workers would fall back to 3 quick attempts, and an S3 hiccup of a few seconds during the controller's
+    write of its checkpoint list failed the whole run (found by the chaos suite). Every call goes to the S3
+    filesystem this rebuilds from its options in each process."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = dict(options)
+        self._fs: pafs.S3FileSystem | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"options": self.options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.options, self._fs = state["options"], None
+
+    @property
+    def fs(self) -> pafs.S3FileSystem:
+        if self._fs is None:
+            self._fs = pafs.S3FileSystem(
+                retry_strategy=pafs.AwsDefaultS3RetryStrategy(max_attempts=S3_ATTEMPTS), **self.options
+            )
+        return self._fs
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _RetryingS3) and other.options == self.options
+
+    def get_type_name(self) -> str:
+        return "raytrn-s3"
+
+    def normalize_path(self, path: str) -> str:
+        return str(self.fs.normalize_path(path))
+
+    def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
+        return list(self.fs.get_file_info(paths))
+
+    def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
+        return list(self.fs.get_file_info(selector))
+
+    def create_dir(self, path: str, recursive: bool) -> None:
+        self.fs.create_dir(path, recursive=recursive)
+
+    def delete_dir(self, path: str) -> None:
+        self.fs.delete_dir(path)
+
+    def delete_dir_contents(self, path: str, missing_dir_ok: bool = False) -> None:
+        self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
+
+    def delete_root_dir_contents(self) -> None:
+        self.fs.delete_dir_contents("/", accept_root_dir=True)
+
+    def delete_file(self, path: str) -> None:
+        self.fs.delete_file(path)
+
+    def move(self, src: str, dest: str) -> None:
+        self.fs.move(src, dest)
+
+    def copy_file(self, src: str, dest: str) -> None:
+        self.fs.copy_file(src, dest)
+
+    def open_input_stream(self, path: str) -> Any:
+        return self.fs.open_input_stream(path)
+
+    def open_input_file(self, path: str) -> Any:
+        return self.fs.open_input_file(path)
+
+    def open_output_stream(self, path: str, metadata: Any) -> Any:
+        return self.fs.open_output_stream(path, metadata=metadata)
+
+    def open_append_stream(self, path: str, metadata: Any) -> Any:
+        return self.fs.open_append_stream(path, metadata=metadata)
+
+
+def portable_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """:func:`filesystem`, for a filesystem object that is pickled into other processes (Ray Train's storage, Ray
+    Data's read tasks): on S3, one that keeps raytrn's retries there (see :class:`_RetryingS3`)."""
+    fs, path = filesystem(uri)
+    if isinstance(fs, pafs.S3FileSystem):
+        return pafs.PyFileSystem(_RetryingS3(s3_options())), path
+    return fs, path
 
 
 def is_transient(error: BaseException) -> bool:

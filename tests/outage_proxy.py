@@ -73,13 +73,7 @@ class OutageProxy:
     def cut(self, seconds: float) -> None:
         """Refuse and reset every connection for ``seconds`` (blocking), then serve again on the same port."""
         start = time.time()
-        with self._lock:
-            listener, self._listener = self._listener, None
-            conns, self._conns = self._conns, set()
-        if listener is not None:
-            listener.close()
-        for conn in conns:
-            _reset(conn)
+        self._drop()
         time.sleep(seconds)
         with self._lock:
             self._listener = self._listen(self.port)
@@ -92,6 +86,11 @@ class OutageProxy:
 
     def close(self) -> None:
         self._closed = True
+        self._drop()
+        self._accepting.join(timeout=5)
+
+    def _drop(self) -> None:
+        """Stop listening and reset every open connection."""
         with self._lock:
             listener, self._listener = self._listener, None
             conns, self._conns = self._conns, set()
@@ -99,7 +98,6 @@ class OutageProxy:
             listener.close()
         for conn in conns:
             _reset(conn)
-        self._accepting.join(timeout=5)
 
 
 def _reset(sock: socket.socket) -> None:

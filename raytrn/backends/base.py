@@ -55,10 +55,10 @@ class Backend:
         return {k: v for k, v in resources.items() if v}
 
     def ray_backend_config(self, job: JobSpec) -> Any:
-        """The Ray Train backend config (process group setup) for ``job``."""
-        from ray.train.torch import TorchConfig
+        """The Ray Train backend config (process group setup, then raytrn's worker set-up) for ``job``."""
+        from raytrn.backends.ray_torch import RaytrnTorchConfig
 
-        return TorchConfig(backend=self.process_group_backend)
+        return RaytrnTorchConfig(backend=self.process_group_backend)
 
     process_group_backend: str = "gloo"
 

@@ -249,6 +249,9 @@ class _TorchNeuronRayBackend(RayBackend):
             envs[0]["NEURON_LOGICAL_NC_CONFIG"],
         )
         worker_group.execute(_init_process_group, backend_config.backend, backend_config.timeout_s)
+        from raytrn.backends.ray_torch import install_on_workers
+
+        install_on_workers(worker_group)
 
     def on_shutdown(self, worker_group: Any, backend_config: Any) -> None:
         shut_down_process_group(worker_group, str(backend_config.backend))

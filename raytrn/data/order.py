@@ -267,18 +267,18 @@ class ShardFiles:
 
         if not shard_paths:
             return cls(fs=None, paths=())
-        fs, _ = storage.filesystem(shard_paths[0])
+        fs, _ = storage.portable_filesystem(shard_paths[0])  # it travels to Ray Data's read tasks
         return cls(fs=fs, paths=tuple(storage.filesystem(p)[1] for p in shard_paths))
 
 
 def read_plan(files: ShardFiles, column: str, plan: ReadPlan) -> Any:
-    """The rows of ``plan`` as an Arrow table (``column`` and ``row_id``, in plan order): every shard it
-    touches is opened once and only the row groups holding its rows are read."""
+    """The rows of ``plan`` as an Arrow table (``column`` as fixed-size lists of token ids, and ``row_id``, in plan
+    order): every shard it touches is opened once and only the row groups holding its rows are read; the rows are
+    gathered with numpy (one copy)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pieces, where = [], np.empty(len(plan), dtype=np.int64)
-    taken = 0
+    out: np.ndarray | None = None
     for shard in np.unique(plan.shards):
         sel = np.flatnonzero(plan.shards == shard)
         local = plan.rows[sel]
@@ -293,22 +293,29 @@ def read_plan(files: ShardFiles, column: str, plan: ReadPlan) -> Any:
                     f"{path}: the manifest's order needs row {int(local.max())} of it, it has "
                     f"{int(bounds[-1])} rows: the shard changed after `raytrn data prepare`; re-create the dataset"
                 )
-            table = pf.read_row_groups([int(g) for g in groups], columns=[column])
-        # Row k of the table just read: the groups' rows, one group after another.
+            values = pf.read_row_groups([int(g) for g in groups], columns=[column]).column(column).combine_chunks()
+        tokens = values.flatten().to_numpy()
+        if len(values) == 0 or len(tokens) % len(values):
+            raise DataError(f"{path}: rows of different lengths in '{column}'; re-create the dataset")
+        rows = tokens.reshape(len(values), -1)
+        if out is None:
+            out = np.empty((len(plan), rows.shape[1]), dtype=rows.dtype)
+        elif rows.shape[1] != out.shape[1]:
+            raise DataError(f"{path}: its rows are {rows.shape[1]} tokens long, other shards' {out.shape[1]}")
+        # Row k of what was read: the groups' rows, one group after another.
         sizes = np.diff(bounds)[groups]
-        table_start = dict(zip(groups.tolist(), (np.cumsum(sizes) - sizes).tolist(), strict=True))
-        index = np.array([table_start[g] for g in group_of.tolist()], dtype=np.int64) + local - bounds[group_of]
-        pieces.append(table.column(column).take(pa.array(index)))
-        where[sel] = np.arange(taken, taken + len(sel))
-        taken += len(sel)
-    values = (
-        pa.chunked_array([c for p in pieces for c in p.chunks])
-        if pieces
-        else pa.chunked_array([], pa.list_(pa.int32()))
+        first_of = np.zeros(int(groups.max()) + 1, dtype=np.int64)
+        first_of[groups] = np.cumsum(sizes) - sizes
+        out[sel] = rows[first_of[group_of] + local - bounds[group_of]]
+    if out is None:
+        out = np.empty((0, 1), dtype=np.int32)
+    flat = pa.array(out.reshape(-1))
+    return pa.table(
+        {
+            column: pa.FixedSizeListArray.from_arrays(flat, out.shape[1]),
+            "row_id": pa.array(plan.ids, type=pa.int64()),
+        }
     )
-    # Back to plan order: row k of the plan is row where[k] of the concatenation.
-    values = values.take(pa.array(where))
-    return pa.table({column: values, "row_id": pa.array(plan.ids, type=pa.int64())})
 
 
 def iter_rows(shard_paths: Sequence[str], column: str, plans: Iterator[ReadPlan]) -> Iterator[Any]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import re
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -36,7 +35,6 @@ log = logging.getLogger(__name__)
 
 #: The DCP checkpoints of a run sit in ``<checkpoint.storage>/<run>/DCP_DIR/step_<N>``.
 DCP_DIR = "dcp"
-_STEP = re.compile(r"^step_(\d{8})$")
 METADATA = ".metadata"
 
 
@@ -45,6 +43,7 @@ def dcp_root(job: JobSpec) -> str:
 
 
 def step_location(job: JobSpec, step: int) -> str:
+    """Where the DCP checkpoint of ``step`` goes (retention and commits: :mod:`raytrn.train.commit`)."""
     return storage.join(dcp_root(job), f"step_{step:08d}")
 
 
@@ -332,33 +331,3 @@ def check_resumable(job: JobSpec, location: str) -> None:
     with torch.device("meta"):
         model = build_model(job.model, seed=0, device="meta")
     check_shapes(metadata, model.state_dict(), location=location, source=job.source)
-
-
-# -- retention -------------------------------------------------------------------------------------
-
-
-def checkpoint_steps(root: str) -> list[int]:
-    """The steps of the DCP checkpoints under ``root`` (raytrn's ``step_<N>`` directories only), ascending."""
-    fs, path = storage.filesystem(root)
-    try:
-        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-    except OSError:
-        return []
-    steps = [int(m.group(1)) for i in infos if i.type == pafs.FileType.Directory and (m := _STEP.match(i.base_name))]
-    return sorted(steps)
-
-
-def prune(root: str, *, upto: int, recorded: set[int]) -> list[int]:
-    """Delete the ``step_<N>`` directories under ``root`` older than ``upto`` that Ray Train no longer records
-    (``recorded``: :func:`raytrn.checkpoint.recorded_steps`). Ray's retention (``checkpoint.keep_last``) decides;
-    a directory is deleted only after Ray dropped its pointer, so a restart can never point at deleted state
-    (Ray registers reports asynchronously: its latest checkpoint can be older than the newest save). Newer
-    directories (the save just made, a write in flight) are left alone. Only raytrn's own step directories,
-    strictly inside ``root``; returns the steps deleted."""
-    deleted = []
-    for step in checkpoint_steps(root):
-        if step >= upto or step in recorded:
-            continue
-        storage.remove_tree(storage.join(root, f"step_{step:08d}"), root)
-        deleted.append(step)
-    return deleted

@@ -28,7 +28,7 @@ from raytrn.errors import DataError
 from raytrn.runtime import process_started_at
 from raytrn.train.checkpointing import Saved, resume_point
 from raytrn.train.commit import describe as describe_commit
-from raytrn.train.preemption import PreemptionWatch, wait_for_teardown
+from raytrn.train.preemption import TRAINING, PreemptionWatch, exit_after_sigterm, sigterm_received, wait_for_teardown
 from raytrn.train.preemption import describe as describe_notice
 from raytrn.train.schedule import Schedule
 from raytrn.train.sizes import data_parallel_rank, data_parallel_size
@@ -102,6 +102,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # -- train ---------------------------------------------------------------------------------
     # A spot interruption notice ends this group at a checkpoint (raytrn.train.preemption): agreed every step.
     watch = PreemptionWatch(world_size)
+    TRAINING.set()  # from here a SIGTERM is a notice (raytrn.train.preemption)
     window_start, window_tokens, window_steps, data_wait = time.perf_counter(), 0, 0, 0.0
     first_step = True
     while progress.step < max_steps:
@@ -160,8 +161,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     describe_notice(notice),
                     step,
                 )
+            if sigterm_received():  # this worker was told to go: it does, now that its state is committed
+                exit_after_sigterm(logger, job.tracking.flush_timeout_s, step)
             wait_for_teardown()  # the steps until the deadline would be trained again: train none
 
+    TRAINING.clear()
     if sampler:
         sampler.close()
     if job.tracking.log_model and config.get("tracker") is not None and t.export is not None:
@@ -201,15 +205,16 @@ class _DataPlan:
         return _StartEarly(lambda: self.batches(position, trace))
 
     def batches(self, position: Any, trace: _SampleTrace | None = None) -> Iterator[torch.Tensor]:
-        """Endless micro-batches of shape [micro_batch_size, seq_len + 1] from ``position`` (epoch, rows)."""
-        from raytrn.data.source import rank_tables
+        """Endless int64 micro-batches of shape [micro_batch_size, seq_len + 1] from ``position`` (epoch, rows)."""
+        import numpy as np
 
-        tables = rank_tables(self.manifest, self.order, self.part, position, batch_rows=self.job.data.micro_batch_size)
-        for table in tables:
-            batch = rows_tensor(table, self.row_len)
+        from raytrn.data.source import rank_batches
+
+        mb = self.job.data.micro_batch_size
+        for batch in rank_batches(self.manifest, self.order, self.part, position, batch_rows=mb):
             if trace is not None:
-                trace.record(table)
-            yield batch
+                trace.record(batch)
+            yield torch.from_numpy(batch.tokens.astype(np.int64))
 
 
 def rows_tensor(table: Any, row_len: int) -> torch.Tensor:
@@ -251,10 +256,10 @@ class _SampleTrace:
             trace._file.write(json.dumps({"resumed_from": resumed_from, "step": first_step}) + "\n")
         return trace
 
-    def record(self, table: Any) -> None:
+    def record(self, batch: Any) -> None:
         step = self._first_step + self._micro // self._accum + 1
-        heads = [row[:4] for row in table.column("input_ids").to_pylist()]
-        line = {"step": step, "dp_rank": self._dp_rank, "rows": table.column("row_id").to_pylist(), "heads": heads}
+        heads = batch.tokens[:, :4].tolist()
+        line = {"step": step, "dp_rank": self._dp_rank, "rows": batch.row_ids.tolist(), "heads": heads}
         self._file.write(json.dumps(line) + "\n")
         self._micro += 1
 

@@ -14,12 +14,57 @@ the same time and loses nothing. The restart is sized without the draining node
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
 import time
 from typing import Any
 
 from raytrn.compat import preemption_notice
 
 log = logging.getLogger(__name__)
+
+#: What a worker's copy of the notice is when it got a SIGTERM (no ``PreemptionInfo`` comes with one).
+SIGTERM_NOTICE = "SIGTERM"
+#: Set by the worker's SIGTERM handler; read by the loop every step.
+_SIGTERM = threading.Event()
+#: Set while the loop trains (a SIGTERM outside of it ends the process as Ray's own handler would).
+TRAINING = threading.Event()
+#: After a SIGTERM, the process ends this much later even if the loop never got to its checkpoint.
+SIGTERM_GRACE_S = 120.0
+
+
+def install_sigterm_handler() -> bool:
+    """Make SIGTERM to this training worker a notice (checkpoint at once, then exit) instead of an immediate exit.
+
+    Runs on the worker actor's main thread (Ray Train runs its backends' ``on_start`` there; Python signal handlers
+    can only be set from it); False elsewhere. While the loop trains, the handler only flags the notice (and ends
+    the process after :data:`SIGTERM_GRACE_S` whatever happens); otherwise it calls the handler it replaced (Ray's,
+    which exits)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum: int, frame: Any) -> None:
+        if not TRAINING.is_set():
+            if callable(previous):
+                previous(signum, frame)
+            raise SystemExit(128 + signum)
+        if not _SIGTERM.is_set():
+            _SIGTERM.set()
+            log.warning(
+                "SIGTERM: checkpointing at the next step, then exiting (at the latest in %.0f s)", SIGTERM_GRACE_S
+            )
+            timer = threading.Timer(SIGTERM_GRACE_S, os._exit, args=(128 + signum,))
+            timer.daemon = True
+            timer.start()
+
+    signal.signal(signal.SIGTERM, handler)
+    return True
+
+
+def sigterm_received() -> bool:
+    return _SIGTERM.is_set()
 
 
 class PreemptionWatch:
@@ -36,9 +81,11 @@ class PreemptionWatch:
             self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
     def notice(self) -> Any:
-        """The notice (this worker's copy, or True when only another rank has one), or None: a collective,
-        every rank calls it once per step."""
+        """The notice (this worker's copy: Ray Train's ``PreemptionInfo``, or :data:`SIGTERM_NOTICE`; True when only
+        another rank has one), or None: a collective, every rank calls it once per step."""
         info = _local_notice()
+        if info is None and _SIGTERM.is_set():
+            info = SIGTERM_NOTICE
         if self._world_size == 1:
             return info
         import torch
@@ -60,6 +107,8 @@ def describe(info: Any) -> str:
     """``node n1 (ranks [1]), deadline in 25 s`` from a ``ray.train.PreemptionInfo`` (or what is known)."""
     if info is True or info is None:
         return "another rank's node"
+    if info == SIGTERM_NOTICE:
+        return "SIGTERM to this worker"
     parts = []
     nodes = getattr(info, "preempted_node_ids", None)
     ranks = getattr(info, "preempted_ranks", None)
@@ -78,3 +127,16 @@ def wait_for_teardown(max_wait_s: float = 24 * 3600) -> None:
     deadline = time.monotonic() + max_wait_s
     while time.monotonic() < deadline:
         time.sleep(0.5)
+
+
+def exit_after_sigterm(logger: Any, flush_timeout_s: float, step: int) -> None:
+    """End this worker after its SIGTERM's checkpoint: rank 0 first delivers what it logged (bounded), so the
+    restarted group (resumed from that checkpoint, by Ray Train's failure handling) logs no step twice or never."""
+    log.warning("SIGTERM: step %d is committed; this worker exits and the group restarts from it", step)
+    if logger is not None:
+        try:
+            logger.flush(flush_timeout_s)
+        except Exception as e:  # exiting regardless: the signal asked for it
+            log.warning("SIGTERM: metrics not flushed: %s", e)
+    logging.shutdown()
+    os._exit(128 + signal.SIGTERM)

@@ -418,7 +418,7 @@ def _run_storage(job: JobSpec) -> dict[str, Any]:
     uri = job.checkpoint.storage
     if not uri.startswith("s3://"):
         return {"storage_path": uri, "storage_filesystem": None}
-    fs, path = storage.filesystem(uri)
+    fs, path = storage.portable_filesystem(uri)  # the controller and workers keep raytrn's S3 retries
     return {"storage_path": path, "storage_filesystem": fs}
 
 

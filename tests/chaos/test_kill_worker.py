@@ -50,7 +50,7 @@ def _wait_for_step(client: MlflowClient, name: str, step: int, timeout_s: float 
     raise TimeoutError(f"step {step} of {name} not logged after {timeout_s} s")
 
 
-def _kill_train_worker() -> int:
+def _kill_train_worker(sig: int = signal.SIGKILL) -> int:
     import ray
     from ray.util.state import list_actors
 
@@ -61,7 +61,7 @@ def _kill_train_worker() -> int:
     )
     assert len(workers) == 1, workers
     pid = int(workers[0].pid)
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, sig)
     return pid
 
 
@@ -114,6 +114,34 @@ def test_killed_worker_resumes_and_history_has_each_step_once(ray_session, tiny_
     assert all(
         v.startswith("deleted by checkpoint.keep_last=2") for k, v in tags.items() if k[-8:] in ("00000020", "00000040")
     )
+
+
+def test_sigterm_to_a_worker_checkpoints_at_once_and_loses_no_step(ray_session, tiny_dataset, tmp_path):
+    """SIGTERM to the training worker (what a node's shutdown or a pod's eviction sends): it checkpoints at the next
+    step, well off the every-20-steps schedule, and exits; Ray Train restarts the group, which resumes from that
+    checkpoint: no step is trained again."""
+    name = f"term-{uuid.uuid4().hex[:8]}"
+    job = load_job(REPO / "jobs" / "tiny.yaml", _overrides(tiny_dataset, tmp_path, name, "run.max_steps=30",
+                                                           "scaling.max_failures=2"))  # fmt: skip
+    client = MlflowClient(job.tracking.mlflow_uri)
+    thread, result = train_in_thread(job)
+    try:
+        run_id = _wait_for_step(client, name, 6)
+        logged = max(m.step for m in client.get_metric_history(run_id, "loss"))
+        _kill_train_worker(signal.SIGTERM)
+    finally:
+        thread.join(timeout=480)
+    assert not thread.is_alive()
+    if "error" in result:
+        raise result["error"]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(1, 31))
+    first, second = run.data.tags["world_size_history"].split(",")
+    resumed = int(second.split(":")[0])
+    assert first == "0:1" and logged <= resumed < 20, run.data.tags["world_size_history"]  # not the step-20 save
+    committed = tmp_path / "ckpt" / name / "dcp" / f"step_{resumed:08d}" / "commit.json"
+    assert committed.is_file()
 
 
 def test_killed_worker_without_retries_ends_failed(ray_session, tiny_dataset, tmp_path):

@@ -104,3 +104,28 @@ def test_past_the_retry_budget_the_save_is_skipped_and_the_next_commits(proxy, s
     assert [s.step for s in _save(job, t, 3)] == [3]
     assert resume_point(job, rank=0, world_size=1).commit.step == 3
     assert 2 not in commit.step_dirs(root)  # the leftover went with the next commit's retention
+
+
+def test_the_filesystem_sent_to_ray_keeps_its_retries(proxy, s3_bucket) -> None:
+    """Ray Train's controller writes its checkpoint list to S3 with the filesystem raytrn passes it (pickled): a
+    plain pyarrow S3FileSystem loses its retry strategy on the way (pyarrow 25) and failed on a 3 s outage; the
+    portable one rebuilds it."""
+    import pickle
+
+    import pyarrow.fs as pafs
+
+    plain = pickle.loads(pickle.dumps(storage.s3_filesystem()))
+    portable = pickle.loads(pickle.dumps(storage.portable_filesystem(f"s3://{s3_bucket}/x")[0]))
+    assert isinstance(portable, pafs.PyFileSystem)
+    for fs, survives in ((plain, False), (portable, True)):
+        outage = proxy.cut_in_background(3.0)
+        time.sleep(0.2)
+        try:
+            with fs.open_output_stream(f"{s3_bucket}/snapshot.json") as f:
+                f.write(b"{}")
+            ok = True
+        except OSError:
+            ok = False
+        outage.join()
+        assert ok == survives, fs
+    assert portable.get_file_info(f"{s3_bucket}/snapshot.json").size == 2

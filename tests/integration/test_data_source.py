@@ -60,7 +60,7 @@ def test_ray_data_streams_the_ranks_rows_in_order(sharded_dataset: Path) -> None
 
     from raytrn.data.manifest import load_manifest
     from raytrn.data.order import Position, RankSlice
-    from raytrn.data.source import rank_tables
+    from raytrn.data.source import rank_batches
 
     manifest = load_manifest(str(sharded_dataset))
     every = pq.read_table(manifest.shard_paths()).column("input_ids").to_pylist()  # rows by global id
@@ -68,12 +68,14 @@ def test_ray_data_streams_the_ranks_rows_in_order(sharded_dataset: Path) -> None
         part = RankSlice(rank=rank, size=2, global_batch=8)
         want = _in_process(manifest, part, 0, 8) + _in_process(manifest, part, 1)
         ids, rows = [], []
-        for table in rank_tables(manifest, _order(manifest), part, Position(epoch=0, samples=8), batch_rows=2):
-            assert table.num_rows == 2
-            ids += table.column("row_id").to_pylist()
-            rows += table.column("input_ids").to_pylist()
+        batches = rank_batches(manifest, _order(manifest), part, Position(epoch=0, samples=8), batch_rows=2)
+        for batch in batches:
+            assert len(batch) == 2 and batch.tokens.shape == (2, manifest.row_len)
+            ids += batch.row_ids.tolist()
+            rows += batch.tokens.tolist()
             if len(ids) >= len(want):
                 break
+        batches.close()
         assert ids == want
         assert rows == [every[i] for i in ids]
 

@@ -12,37 +12,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from raytrn.backends.cpu import CpuBackend
 from raytrn.checkpoint import Progress
-from raytrn.config import load_job
 from raytrn.errors import CheckpointError
 from raytrn.train import commit, dcp
 from raytrn.train.checkpointing import resume_point
 from raytrn.train.schedule import Schedule
-from raytrn.train.step import build_training, train_step
 from raytrn.train.trainer import latest_checkpoint
+from tests.unit.test_dcp import job, trained
 
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def job(tmp: Path, *overrides: str) -> Any:
-    return load_job(
-        REPO / "jobs" / "tiny.yaml",
-        ["data.manifest=unused", "data.seq_len=16", "model.vocab_size=512", "scaling.min_workers=1",
-         "scaling.max_workers=1", f"checkpoint.storage={tmp}", "tracking.run_name=r", *overrides],
-        resolve=False,
-    )  # fmt: skip
-
-
-def trained(j: Any) -> Any:
-    t = build_training(j, CpuBackend(), world_size=1)
-    rows = torch.randint(0, 512, (16, 17), generator=torch.Generator().manual_seed(0))
-    train_step(t, iter([rows]), CpuBackend())
-    return t
 
 
 def save(t: Any, j: Any, step: int, *, final: bool = False) -> list[Any]:

@@ -186,14 +186,44 @@ def test_a_read_past_the_shard_is_an_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("sizes", [[5, 3, 8, 1, 7], [8, 8], [1, 1, 1, 1, 1, 1, 1, 1, 1], [], [3]])
 def test_micro_batches_are_slices_of_the_blocks_in_order(sizes: list[int]) -> None:
-    """Ray Data's blocks (one per read task) cut into micro-batches: every row once, in order; whole batches but
-    for the last; a piece left at a block's end joins the next block's start."""
-    import pyarrow as pa
-
-    from raytrn.data.source import slices
+    """Ray Data's blocks (one per read task) cut into micro-batches: every row once, in order, its tokens with it;
+    whole batches but for the last; a piece left at a block's end joins the next block's start."""
+    from raytrn.data.source import MicroBatch, slices
 
     ids = iter(range(sum(sizes)))
-    blocks = [pa.table({"row_id": pa.array([next(ids) for _ in range(n)], pa.int64())}) for n in sizes]
+    blocks = []
+    for n in sizes:
+        rows = np.array([next(ids) for _ in range(n)], dtype=np.int64)
+        blocks.append(MicroBatch(tokens=np.stack([rows, rows * 2]).T.astype(np.int32).reshape(n, 2), row_ids=rows))
     out = list(slices(iter(blocks), 4))
-    assert [r for t in out for r in t.column("row_id").to_pylist()] == list(range(sum(sizes)))
-    assert all(len(t) == 4 for t in out[:-1]) and (not out or 0 < len(out[-1]) <= 4)
+    assert [r for b in out for r in b.row_ids.tolist()] == list(range(sum(sizes)))
+    assert all((b.tokens[:, 1] == 2 * b.row_ids).all() and b.tokens.shape == (len(b), 2) for b in out)
+    assert all(len(b) == 4 for b in out[:-1]) and (not out or 0 < len(out[-1]) <= 4)
+
+
+def test_blocks_become_arrays_and_odd_rows_are_refused() -> None:
+    import pyarrow as pa
+
+    from raytrn.data.source import block_arrays
+    from raytrn.errors import DataError
+
+    table = pa.table({"input_ids": pa.array([[1, 2, 3], [4, 5, 6]], pa.list_(pa.int32())), "row_id": [7, 9]})
+    block = block_arrays(table, "input_ids", 3)
+    assert block.tokens.tolist() == [[1, 2, 3], [4, 5, 6]] and block.row_ids.tolist() == [7, 9]
+    with pytest.raises(DataError, match="not 4 tokens .data.seq_len \\+ 1. long"):
+        block_arrays(table, "input_ids", 4)
+
+
+def test_ahead_runs_in_the_background_and_passes_errors_on() -> None:
+    from raytrn.data.source import ahead
+
+    assert list(ahead(iter(range(100)), depth=2)) == list(range(100))
+
+    def broken():
+        yield 1
+        raise ValueError("bad shard")
+
+    items = ahead(broken(), depth=2)
+    assert next(items) == 1
+    with pytest.raises(ValueError, match="bad shard"):
+        next(items)

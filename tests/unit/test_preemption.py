@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
@@ -65,3 +66,65 @@ def test_ray_keeps_the_notice_where_raytrn_reads_it() -> None:
     assert "preemption_context" in context.__dataclass_fields__
     holder = compat.resolve(compat.PRIVATE_NAMES["Ray Train preemption context"])
     assert holder().preemption_info is None  # set by Ray's watcher on every worker of the group
+
+
+@pytest.fixture
+def sigterm_handler(monkeypatch):
+    """raytrn's SIGTERM handler in this (main) thread over a recording one; restored and reset afterwards."""
+    import signal
+
+    seen: list[int] = []
+    original = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    monkeypatch.setattr(preemption, "SIGTERM_GRACE_S", 3600.0)  # its exit timer never fires in a test run
+    assert preemption.install_sigterm_handler()
+    yield seen
+    signal.signal(signal.SIGTERM, original)
+    preemption.TRAINING.clear()
+    preemption._SIGTERM.clear()
+
+
+def test_sigterm_while_training_is_a_notice_not_an_exit(sigterm_handler) -> None:
+    """A spot node's shutdown, or a scheduler, sends SIGTERM: the worker stays up to checkpoint first."""
+    import signal
+
+    preemption.TRAINING.set()
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.1)  # Python runs the handler between bytecodes of the main thread
+    assert preemption.sigterm_received() and sigterm_handler == []  # the old handler (an exit) was not called
+    watch = PreemptionWatch(1)
+    assert watch.notice() == preemption.SIGTERM_NOTICE
+    assert describe(preemption.SIGTERM_NOTICE) == "SIGTERM to this worker"
+
+
+def test_sigterm_outside_training_exits_as_before(sigterm_handler) -> None:
+    import signal
+
+    with pytest.raises(SystemExit):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+    assert sigterm_handler == [signal.SIGTERM] and not preemption.sigterm_received()
+
+
+def test_the_handler_is_set_only_from_the_main_thread() -> None:
+    import threading
+
+    result: list[bool] = []
+    thread = threading.Thread(target=lambda: result.append(preemption.install_sigterm_handler()))
+    thread.start()
+    thread.join()
+    assert result == [False]
+
+
+def test_ray_keeps_its_torch_backend_where_raytrn_extends_it() -> None:
+    from ray.train.torch import TorchConfig
+
+    from raytrn.backends.cpu import CpuBackend
+    from raytrn.backends.ray_torch import RaytrnTorchConfig, _RaytrnTorchBackend
+    from raytrn.config import load_job
+
+    assert callable(compat.resolve(compat.PRIVATE_NAMES["Ray Train torch backend"]))
+    assert issubclass(_RaytrnTorchBackend, compat.torch_backend_class())
+    job = load_job(Path(__file__).resolve().parents[2] / "jobs" / "tiny.yaml", ["data.manifest=unused"], resolve=False)
+    config = CpuBackend().ray_backend_config(job)
+    assert isinstance(config, RaytrnTorchConfig) and isinstance(config, TorchConfig)
+    assert config.backend == "gloo" and config.backend_cls is _RaytrnTorchBackend
