@@ -90,6 +90,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         board.group_started.remote(progress.step, world_size)
     if logger:  # (steps a restarted group repeats are dropped by the tracking actor: no waiting on it here)
         logger.set_tags({"worker.malloc": host_malloc.describe(os.environ)})  # run.tune_malloc, as the workers run
+        if resume is not None:  # its tag may never have been sent (a group killed right after its save)
+            name = f"checkpoint_{resume.commit.step:08d}"
+            location = storage.join(job.checkpoint.storage, job.run_name, name)
+            logger.checkpoint_saved(resume.commit.step, location, job.checkpoint.keep_last)
     batches = backend.wrap_batches(first_batches)
 
     efficiency = None
