@@ -51,6 +51,16 @@ class ModelConfig(_Section):
     rope_theta: float = Field(10000.0, gt=0, allow_inf_nan=False)
     rms_norm_eps: float = Field(1e-5, gt=0, lt=1)
     tie_word_embeddings: bool = False
+    rope_scaling: dict[str, Any] | None = Field(
+        None,
+        description="Llama 3.x RoPE scaling ({rope_type: llama3, factor, low_freq_factor, high_freq_factor, "
+        "original_max_position_embeddings}); from config.json with init_from; null: the default RoPE",
+    )
+    init_from: str | None = Field(
+        None,
+        description="a Hugging Face Llama checkpoint directory (local or s3://): config.json + *.safetensors; its "
+        "config gives the sizes (any the job gives must match) and its weights the starting point",
+    )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
     autocast: Literal["none", "bfloat16"] = Field(
         "none",
@@ -92,6 +102,16 @@ class ModelConfig(_Section):
                 f"got dtype={self.dtype!r}: set model.dtype: float32, or model.autocast: none for pure bf16 parameters"
             )
         return self
+
+    @field_validator("rope_scaling", mode="before")
+    @classmethod
+    def _check_rope_scaling(cls, value: Any) -> Any:
+        from raytrn.models.hf import rope_scaling
+
+        try:
+            return rope_scaling(value, where="model.rope_scaling")
+        except ConfigError as e:
+            raise ValueError(str(e).removeprefix("model.rope_scaling: ")) from None
 
     @property
     def kv_heads(self) -> int:
@@ -452,8 +472,22 @@ def load_job(
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a job spec must be a YAML mapping of sections, got {type(raw).__name__}")
     overridden = apply_overrides(raw, overrides or [])
+    raw = _with_init_from(raw, base_dir or os.getcwd(), source=path)
     job = parse_job(raw, source=path, overridden=overridden)
     return resolve_paths(job, base_dir or os.getcwd()) if resolve else job
+
+
+def _with_init_from(raw: dict[str, Any], base_dir: str, *, source: str) -> dict[str, Any]:
+    """``model.init_from``'s config.json merged into the model section (the job's own values must agree)."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("init_from"), str):
+        return raw
+    from raytrn.models.hf import merge_config
+
+    location = model["init_from"]
+    if "://" not in location:
+        location = os.path.abspath(os.path.join(base_dir, os.path.expanduser(location)))
+    return {**raw, "model": merge_config(model, location, where=source)}
 
 
 def read_config_text(path: str, *, what: str, examples: str) -> str:
@@ -581,6 +615,7 @@ def relative_local_paths(job: JobSpec) -> dict[str, str]:
     a temporary copy of the uploaded working dir, so such a path points at nothing, or at files lost when the
     job ends. ``tracking.mlflow_uri: null`` is not listed: it is decided where the job runs."""
     candidates = {
+        "model.init_from": job.model.init_from or "",
         "data.manifest": job.data.manifest,
         "checkpoint.storage": job.checkpoint.storage,
         "neuron.compile_cache": job.neuron.compile_cache,
@@ -605,6 +640,9 @@ def resolve_paths(job: JobSpec, base_dir: str) -> JobSpec:
     tracking = {"mlflow_uri": resolve_mlflow_uri(job.tracking.mlflow_uri, base_dir), "run_name": job.run_name}
     return job.model_copy(
         update={
+            "model": job.model.model_copy(
+                update={"init_from": absolute(job.model.init_from) if job.model.init_from else None}
+            ),
             "data": job.data.model_copy(update={"manifest": absolute(job.data.manifest)}),
             "checkpoint": job.checkpoint.model_copy(update={"storage": absolute(job.checkpoint.storage)}),
             "tracking": job.tracking.model_copy(update=tracking),

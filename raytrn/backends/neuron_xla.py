@@ -65,6 +65,7 @@ class NeuronXlaBackend(XlaBackend):
 
     def check(self, job: JobSpec) -> list[str]:
         """The layout of every world size of the elastic range, the compile cache and compiler flags."""
+        self.refuse_new_features(job)
         return check_neuron_job(job)
 
     def ray_backend_config(self, job: JobSpec) -> NeuronXlaConfig:

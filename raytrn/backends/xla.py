@@ -45,6 +45,22 @@ class XlaBackend(Backend):
     name = "xla"
     committed_checkpoints = False  # state.pt / NxD checkpoints, resumed through Ray Train (frozen path)
 
+    def refuse_new_features(self, job: JobSpec) -> None:
+        """The XLA path is frozen: fine-tuning features (Hugging Face init, instruction data, LoRA, validation)
+        are for the torch.distributed backends; BackendError naming the first one asked for."""
+        asked = {
+            "model.init_from": job.model.init_from,
+            "model.lora": getattr(job.model, "lora", None),
+            "data.validation": getattr(job.data, "validation", None),
+            "data.attention: document": getattr(job.data, "attention", "causal") == "document" or None,
+        }
+        for name, value in asked.items():
+            if value:
+                raise BackendError(
+                    f"{name} is not supported on scaling.accelerator={self.name!r} (the XLA path is frozen: fixes only); "
+                    "use cpu, cuda or neuron (TorchNeuron)"
+                )
+
     def device(self) -> torch.device:
         return import_torch_xla().device()
 
@@ -109,6 +125,7 @@ class XlaCpuBackend(XlaBackend):
         return XlaCpuConfig()
 
     def check(self, job: JobSpec) -> list[str]:
+        self.refuse_new_features(job)
         s = job.scaling
         if s.max_size != 1 or s.min_workers != 1:
             raise BackendError(

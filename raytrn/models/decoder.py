@@ -19,6 +19,7 @@ Compatibility is by construction and tested (``tests/unit/test_model.py``):
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -50,20 +51,37 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin of the default RoPE for positions ``0..seq-1``, computed in float32 and cast to the activations'
-    dtype. The frequencies are not a buffer, so they stay float32 in a bfloat16 model (as in a HF model loaded
-    with ``from_pretrained``; ``.to(bfloat16)`` on a HF model rounds them)."""
+    """cos/sin of RoPE at each token's position (``0..seq-1``, or per-token ``positions``: they restart at every
+    document of a packed row), computed in float32 and cast to the activations' dtype. The frequencies are not a
+    buffer, so they stay float32 in a bfloat16 model (as in a HF model loaded with ``from_pretrained``;
+    ``.to(bfloat16)`` on a HF model rounds them). ``scaling``: Llama 3.x's ``llama3`` frequency scaling, as
+    transformers' ``_compute_llama3_parameters``."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, float] | None = None) -> None:
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        dim = self.head_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+        if not self.scaling:
+            return inv_freq
+        factor, low, high = self.scaling["factor"], self.scaling["low_freq_factor"], self.scaling["high_freq_factor"]
+        old_context = self.scaling["original_max_position_embeddings"]
+        low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths (low frequencies) are slowed by ``factor``; short ones kept; in between, interpolated.
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return torch.where(medium, smoothed, scaled)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dim = self.head_dim
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=x.device) / dim))
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        freqs = positions[..., None].float() * inv_freq
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        freqs = positions[..., None].float() * self.inv_freq(x.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
@@ -74,8 +92,30 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, seq, head_dim]: broadcast over batch and heads
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1 or batch, 1, seq, head_dim]: broadcast over heads
     return (x * cos) + (_rotate_half(x) * sin)
+
+
+def document_mask(segments: torch.Tensor) -> torch.Tensor:
+    """The attention mask of packed rows: ``[batch, 1, seq, seq]``, True where query ``i`` may attend to key ``j``:
+    ``j <= i`` in the same document (``segments``: a document number per token). A token never sees another
+    document; padding (segment 0) sees only itself (its loss is masked; no row is empty, so no NaN)."""
+    seq = segments.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=segments.device).tril()
+    same = segments[:, :, None] == segments[:, None, :]
+    alone = torch.eye(seq, dtype=torch.bool, device=segments.device)
+    pad = (segments == 0)[:, :, None]
+    return ((same & causal & ~pad) | (alone & pad)).unsqueeze(1)
+
+
+def document_positions(segments: torch.Tensor) -> torch.Tensor:
+    """Each token's position within its document (``0, 1, ...`` restarting where the segment changes)."""
+    seq = segments.shape[1]
+    index = torch.arange(seq, device=segments.device).expand_as(segments)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
+    return index - first
 
 
 class Attention(nn.Module):
@@ -89,16 +129,20 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         batch, seq = x.shape[:2]
         shape = (batch, seq, -1, self.head_dim)
         q = self.q_proj(x).view(shape).transpose(1, 2)  # [batch, heads, seq, head_dim]
         k = self.k_proj(x).view(shape).transpose(1, 2)
         v = self.v_proj(x).view(shape).transpose(1, 2)
         q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
-        out = F.scaled_dot_product_attention(
-            q, k, v, scale=self.scaling, is_causal=seq > 1, enable_gqa=self.num_kv_groups > 1
-        )
+        gqa = self.num_kv_groups > 1
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, scale=self.scaling, is_causal=seq > 1, enable_gqa=gqa)
+        else:  # packed documents: causal within each, never across (document_mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).contiguous().reshape(batch, seq, -1))
 
 
@@ -121,8 +165,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope)
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -140,6 +186,7 @@ class Decoder(nn.Module):
         num_kv_heads: int,
         rope_theta: float,
         eps: float,
+        rope_scaling: dict[str, float] | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
@@ -147,13 +194,18 @@ class Decoder(nn.Module):
             DecoderLayer(hidden_size, intermediate_size, num_heads, num_kv_heads, eps) for _ in range(num_layers)
         )
         self.norm = RMSNorm(hidden_size, eps)
-        self.rotary_emb = RotaryEmbedding(hidden_size // num_heads, rope_theta)
+        self.rotary_emb = RotaryEmbedding(hidden_size // num_heads, rope_theta, rope_scaling)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """``segments``: a document number per token of packed rows (0: padding): attention stays inside each
+        document and positions restart at each (:func:`document_mask`); None: plain causal attention."""
         x = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(x)
+        if segments is None:
+            rope, mask = self.rotary_emb(x), None
+        else:
+            rope, mask = self.rotary_emb(x, document_positions(segments)), document_mask(segments)
         for layer in self.layers:
-            x = layer(x, rope)
+            x = layer(x, rope, mask)
         return self.norm(x)
 
 
@@ -187,5 +239,5 @@ class LlamaForCausalLM(nn.Module):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
-    def forward(self, input_ids: torch.Tensor) -> CausalLMOutput:
-        return CausalLMOutput(logits=self.lm_head(self.model(input_ids)))
+    def forward(self, input_ids: torch.Tensor, segments: torch.Tensor | None = None) -> CausalLMOutput:
+        return CausalLMOutput(logits=self.lm_head(self.model(input_ids, segments)))

@@ -71,6 +71,7 @@ def hf_config(cfg: ModelConfig):
         num_key_value_heads=cfg.kv_heads,
         max_position_embeddings=cfg.max_position_embeddings,
         rope_theta=cfg.rope_theta,
+        rope_scaling=cfg.rope_scaling,
         rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=cfg.tie_word_embeddings,
         attn_implementation="sdpa",
@@ -97,6 +98,7 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
             num_kv_heads=cfg.kv_heads,
             rope_theta=cfg.rope_theta,
             eps=cfg.rms_norm_eps,
+            rope_scaling=cfg.rope_scaling,
         )
         model = LlamaForCausalLM(decoder, tie_word_embeddings=cfg.tie_word_embeddings)
     return model.to(device=device, dtype=dtype)

@@ -69,6 +69,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     # -- resume --------------------------------------------------------------------------------
     loaded = _restore(t, resume, checkpoint, rank)
+    if job.model.init_from and loaded is None:  # a new run starts from the Hugging Face checkpoint's weights
+        _load_init_from(job, t, rank)
     if loaded is not None:
         # The full state is the authority; the data pipeline already started where meta.json said.
         if (loaded.step, loaded.epoch, loaded.epoch_samples) != (progress.step, progress.epoch, progress.epoch_samples):
@@ -280,6 +282,16 @@ def _restore(t: Training, resume: Any, checkpoint: Any, rank: int) -> Progress |
         return None
     with checkpoint.as_directory() as d:
         return t.checkpoints.load(d, t)
+
+
+def _load_init_from(job: JobSpec, t: Training, rank: int) -> None:
+    """``model.init_from``'s weights into the laid-out model (every rank reads the slices it holds)."""
+    from raytrn.models.hf import load_weights
+
+    started = time.perf_counter()
+    n = load_weights(t.model, str(job.model.init_from), tied=job.model.tie_word_embeddings, source=job.source)
+    if rank == 0:
+        log.info("model.init_from: %d tensors from %s in %.1f s", n, job.model.init_from, time.perf_counter() - started)
 
 
 def _resume_progress(checkpoint: Any) -> Progress:
