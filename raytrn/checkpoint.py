@@ -32,6 +32,8 @@ class Progress:
     epoch_samples: int = 0  # rows of it trained on (whole global batches)
     last_logged_step: int = 0  # last step whose metrics were logged (never log a step twice)
     cost_usd: float = 0.0  # what the run has cost so far (with a known price), over every worker group
+    best_val_loss: float | None = None  # the lowest validation loss so far (raytrn.train.evaluate)
+    last_logged_val_step: int = 0  # last step whose validation metrics were logged
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Progress:

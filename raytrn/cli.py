@@ -147,13 +147,47 @@ def build_parser() -> argparse.ArgumentParser:
     p_prep.add_argument("--output", required=True, metavar="PATH", help="output directory for shards + manifest.json")
     p_prep.add_argument("--seq-len", type=int, required=True, metavar="N", help="tokens per training sequence")
     tok = p_prep.add_mutually_exclusive_group(required=True)
-    tok.add_argument("--tokenizer", metavar="tokenizer.json", help="an existing HF tokenizers file to use")
+    tok.add_argument(
+        "--tokenizer",
+        metavar="DIR|tokenizer.json",
+        help="an existing tokenizer: a Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json with its "
+        "special tokens and chat template; the model's own, for fine-tuning) or a tokenizers JSON file",
+    )
     tok.add_argument("--vocab-size", type=int, metavar="V", help="train a byte-level BPE of this size on the input")
     p_prep.add_argument(
         "--shard-size-mb", type=float, default=64.0, metavar="MB", help="upper bound on a shard's token payload"
     )
     p_prep.add_argument(
         "--overwrite", action="store_true", help="replace an output directory that holds a different dataset"
+    )
+    p_prep.add_argument(
+        "--format",
+        choices=("text", "prompt-completion", "chat"),
+        default="text",
+        help="text: documents packed into rows, every token trained on (default); prompt-completion: JSONL "
+        '{"prompt", "completion"}; chat: JSONL {"messages": [{"role", "content"}, ...]} rendered with the tokenizer\'s '
+        "chat template. Instruction rows carry a loss mask (only completions / assistant turns are trained on) and "
+        "segment ids",
+    )
+    p_prep.add_argument(
+        "--no-packing",
+        dest="packing",
+        action="store_false",
+        help="instruction data: one example per row, padded (default: several whole examples per row, kept apart "
+        "by document masking)",
+    )
+    p_prep.add_argument(
+        "--validation-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="put this fraction of the documents (examples) in a validation split (validation.json next to the "
+        "manifest), chosen by a hash of file and position: the same split on every run",
+    )
+    p_prep.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        help="instruction data: skip (and count) lines that are not an example, instead of stopping at the first",
     )
     p_prep.add_argument("--no-progress", action="store_true", help="do not show progress")
     p_prep.set_defaults(func=_cmd_data_prepare)
@@ -233,6 +267,10 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
         shard_size_mb=args.shard_size_mb,
         overwrite=args.overwrite,
         progress=not args.no_progress,
+        format=args.format,
+        packing=args.packing,
+        validation_fraction=args.validation_fraction,
+        skip_bad_lines=args.skip_bad_lines,
     )
     print(manifest.describe())
     return 0

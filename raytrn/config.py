@@ -36,6 +36,19 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
+class LoraConfig(_Section):
+    """Low-rank adapters (raytrn.models.lora): only they train; the base model stays as init_from gave it."""
+
+    rank: int = Field(8, gt=0, le=4096, description="the adapters' rank r")
+    alpha: float = Field(16.0, gt=0, allow_inf_nan=False, description="scale: the update is (alpha / rank) * B A x")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    targets: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="linear layers to adapt, by name: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj",
+    )
+
+
 class ModelConfig(_Section):
     """A Llama-family decoder (HF ``LlamaConfig``). ``preset`` fills sizes; explicit fields win."""
 
@@ -60,6 +73,9 @@ class ModelConfig(_Section):
         None,
         description="a Hugging Face Llama checkpoint directory (local or s3://): config.json + *.safetensors; its "
         "config gives the sizes (any the job gives must match) and its weights the starting point",
+    )
+    lora: LoraConfig | None = Field(
+        None, description="train low-rank adapters only (needs init_from): rank, alpha, dropout, targets"
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
     autocast: Literal["none", "bfloat16"] = Field(
@@ -113,6 +129,15 @@ class ModelConfig(_Section):
         except ConfigError as e:
             raise ValueError(str(e).removeprefix("model.rope_scaling: ")) from None
 
+    @model_validator(mode="after")
+    def _lora_needs_a_base(self) -> ModelConfig:
+        if self.lora is not None and not self.init_from:
+            raise ValueError(
+                "model.lora trains adapters on a pretrained model: set model.init_from (a Hugging Face checkpoint); "
+                "adapters on random weights learn nothing useful"
+            )
+        return self
+
     @property
     def kv_heads(self) -> int:
         return self.num_key_value_heads or self.num_attention_heads
@@ -149,6 +174,22 @@ class DataConfig(_Section):
         le=4096,
         description="row groups whose rows are shuffled together (memory and reads per data-parallel rank grow "
         "with it: each rank reads a window's row groups and keeps its share)",
+    )
+    attention: Literal["causal", "document"] | None = Field(
+        None,
+        description="causal: every token of a row attends to every earlier one; document: only to earlier tokens of "
+        "its own document (positions restart at each; for text, documents end at EOS). Default: document for "
+        "instruction data (its examples are packed), causal for text",
+    )
+    packing: bool | None = Field(
+        None,
+        description="instruction data: whether its rows pack several examples (set by `raytrn data prepare "
+        "--no-packing`); the job refuses a dataset prepared otherwise. null: as prepared",
+    )
+    validation: str | None = Field(
+        None,
+        description="the validation set: a prepared dataset's manifest (or directory), or 'none'. null: the split "
+        "`raytrn data prepare --validation-fraction` wrote with the training set, if any",
     )
 
     @model_validator(mode="after")
@@ -315,6 +356,11 @@ class TrackingConfig(_Section):
         None, description="attach to this existing MLflow run instead of creating one (it must exist)"
     )
     log_model: bool = Field(True, description="log the final model in Hugging Face format as the run's 'model'")
+    export: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="with model.lora: log the model with the adapters merged into its weights (a plain Llama), or "
+        "only the adapters (a peft adapter directory, loaded on top of init_from)",
+    )
     register_model: str | None = Field(
         None, min_length=1, description="register the final model under this name in the MLflow model registry"
     )
@@ -350,6 +396,20 @@ class RunConfig(_Section):
     )
     seed: int = Field(0, ge=0, lt=2**63)
     log_every: int = Field(10, gt=0, le=10**12, description="report metrics every N steps")
+    eval_every: int | None = Field(
+        None,
+        gt=0,
+        le=10**12,
+        description="compute val_loss / val_perplexity on the validation set every N steps and at the last step "
+        "(null: at the last step only, when there is a validation set)",
+    )
+    eval_batches: int = Field(
+        8,
+        gt=0,
+        le=1 << 20,
+        description="global batches of the validation set each evaluation covers: the same rows every time, at any "
+        "world size",
+    )
     compile: bool = Field(
         False,
         description="torch.compile the model (in place: checkpoint keys unchanged) and the loss; the first steps "
@@ -438,6 +498,12 @@ class JobSpec(_Section):
             raise ValueError(
                 f"data.seq_len ({self.data.seq_len}) exceeds model.max_position_embeddings "
                 f"({self.model.max_position_embeddings})"
+            )
+        if self.model.lora is not None and self.parallel.tensor_parallel_size > 1:
+            raise ValueError(
+                "model.lora with parallel.tensor_parallel_size > 1 is not supported: the adapters would have to be "
+                "sharded like the layers they adapt; use data_parallel ddp or fsdp (TP 1): LoRA keeps optimizer "
+                "memory small enough for it"
             )
         return self
 
@@ -617,6 +683,7 @@ def relative_local_paths(job: JobSpec) -> dict[str, str]:
     candidates = {
         "model.init_from": job.model.init_from or "",
         "data.manifest": job.data.manifest,
+        "data.validation": job.data.validation if job.data.validation != "none" else "",
         "checkpoint.storage": job.checkpoint.storage,
         "neuron.compile_cache": job.neuron.compile_cache,
     }
@@ -643,7 +710,12 @@ def resolve_paths(job: JobSpec, base_dir: str) -> JobSpec:
             "model": job.model.model_copy(
                 update={"init_from": absolute(job.model.init_from) if job.model.init_from else None}
             ),
-            "data": job.data.model_copy(update={"manifest": absolute(job.data.manifest)}),
+            "data": job.data.model_copy(
+                update={
+                    "manifest": absolute(job.data.manifest),
+                    "validation": absolute(v) if (v := job.data.validation) and v != "none" else v,
+                }
+            ),
             "checkpoint": job.checkpoint.model_copy(update={"storage": absolute(job.checkpoint.storage)}),
             "tracking": job.tracking.model_copy(update=tracking),
         }

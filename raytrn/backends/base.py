@@ -92,6 +92,10 @@ class Backend:
             log.warning(warning)
         compile_ = self.compile_options if job.run.compile else None
         model = build_model(job.model, seed=job.run.seed).to(self.device())
+        if job.model.lora is not None:  # adapters before the layout (the model code is single-device)
+            from raytrn.models.lora import apply_lora
+
+            apply_lora(model, job.model.lora, seed=job.run.seed)
         par = self.parallelize(model, job, world_size=world_size, compile=compile_)
         optimizer = build_adamw(par.model, job, fused=self.fused_optim and job.optim.fused)
         params = [p for p in par.model.parameters() if p.requires_grad]
@@ -108,6 +112,8 @@ class Backend:
             clip_and_step=self._clip_and_step(optimizer, params, job.optim.grad_clip_norm),
             checkpoints=self.checkpoints(job, par, rank=rank),
             export=par.full_state_items,
+            world_size=world_size,
+            data_parallel_size=data_parallel_size(job, world_size),
         )
 
     def parallelize(

@@ -18,6 +18,9 @@ from raytrn.errors import DataError
 FORMAT = "raytrn.packed/v1"
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_NAME = "tokenizer.json"
+TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
+#: The validation split's manifest, next to the training set's (its shards: ``val-<n>.parquet``).
+VALIDATION_NAME = "validation.json"
 COLUMN = "input_ids"
 DTYPE = "int32"
 
@@ -86,7 +89,8 @@ class ShardInfo:
 
 @dataclass(kw_only=True, frozen=True)
 class TokenizerInfo:
-    """The tokenizer saved with the dataset (``file`` relative to the manifest) and its EOS token."""
+    """The tokenizer saved with the dataset (``file`` relative to the manifest) and its EOS token;
+    ``config_file``: its Hugging Face ``tokenizer_config.json`` (special tokens, chat template), when given one."""
 
     file: str
     sha256: str
@@ -94,6 +98,7 @@ class TokenizerInfo:
     eos_token: str
     eos_id: int
     trained: bool
+    config_file: str = ""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -123,13 +128,28 @@ class Manifest:
     tokenizer: TokenizerInfo
     source: SourceInfo
     created_by: str
+    #: ``text`` (packed documents), ``prompt-completion`` or ``chat`` (rows with a loss mask and segment ids).
+    kind: str = "text"
+    #: Per-row columns besides ``column``: ``loss_mask`` (int8, 1 = a target to train on) and ``segment_ids``
+    #: (int32, 1, 2, ... per example of the row, 0 = padding), each ``row_len`` long, for instruction data.
+    extra_columns: list[str] = field(default_factory=list)
+    #: Instruction data: several whole examples per row (True) or one, padded (False).
+    packing: bool = True
+    #: Instruction data: examples kept, skipped (no token to train on), cut to a row, bad lines skipped, trained
+    #: tokens.
+    examples: dict[str, int] = field(default_factory=dict)
+    #: The validation split written with the dataset: ``{"manifest": "validation.json", "fraction": F,
+    #: "num_rows": N}`` (documents or examples chosen by a hash of their file and position), or empty.
+    validation: dict[str, Any] = field(default_factory=dict)
     root: str = field(default="", compare=False)
     """Absolute directory holding manifest.json; not serialized."""
+    name: str = field(default=MANIFEST_NAME, compare=False)
+    """The manifest's file name (``validation.json`` for a validation split); not serialized."""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready content of manifest.json (everything but ``root``)."""
         data = asdict(self)
-        del data["root"]
+        del data["root"], data["name"]
         return data
 
     def to_json(self) -> str:
@@ -138,7 +158,22 @@ class Manifest:
 
     @property
     def manifest_path(self) -> str:
-        return _join(self.root, MANIFEST_NAME)
+        return _join(self.root, self.name)
+
+    @property
+    def instruction(self) -> bool:
+        """Rows carry a loss mask and segment ids (prompt-completion or chat data)."""
+        return bool(self.extra_columns)
+
+    def validation_path(self) -> str | None:
+        """The validation split's manifest, when the dataset was prepared with one."""
+        name = self.validation.get("manifest")
+        return _join(self.root, name) if isinstance(name, str) and name else None
+
+    def files(self) -> list[str]:
+        """Every file this manifest names, relative to its directory (shards, tokenizer files)."""
+        names = [self.tokenizer.file, *(s.path for s in self.shards)]
+        return names + ([self.tokenizer.config_file] if self.tokenizer.config_file else [])
 
     @property
     def tokenizer_path(self) -> str:
@@ -154,6 +189,19 @@ class Manifest:
         total_bytes = sum(s.bytes for s in self.shards)
         tok = self.tokenizer
         origin = "BPE trained on the input" if tok.trained else "given with --tokenizer"
+        extra = []
+        if self.instruction:
+            e = self.examples
+            extra.append(
+                f"examples     {self.kind}: {e.get('examples', 0):,} in rows ({'packed' if self.packing else 'one a row'}), "
+                f"{e.get('skipped', 0):,} skipped (nothing to train on), {e.get('truncated', 0):,} cut to a row, "
+                f"{e.get('bad_lines', 0):,} bad lines skipped; {e.get('trained_tokens', 0):,} tokens trained on"
+            )
+        if self.validation:
+            extra.append(
+                f"validation   {self.validation.get('num_rows', 0):,} rows in {self.validation.get('manifest')} "
+                f"({float(self.validation.get('fraction', 0)):.1%} of the documents)"
+            )
         inputs = ", ".join(self.source.inputs[:3]) + (
             f" (+{len(self.source.inputs) - 3} more)" if len(self.source.inputs) > 3 else ""
         )
@@ -170,12 +218,13 @@ class Manifest:
             ),
             f"tokenizer    {tok.file}: vocab {tok.vocab_size:,}, EOS {tok.eos_token!r} = {tok.eos_id}, {origin}",
             f"source       {self.source.num_files:,} file(s), {self.source.num_documents:,} document(s) from {inputs}",
+            *extra,
             f"fingerprint  {self.source.fingerprint[:16]}",
         ]
         return "\n".join(lines)
 
     @classmethod
-    def from_dict(cls, data: Any, *, root: str = "", where: str = MANIFEST_NAME) -> Manifest:
+    def from_dict(cls, data: Any, *, root: str = "", where: str = MANIFEST_NAME, name: str = MANIFEST_NAME) -> Manifest:
         """Build a Manifest from parsed JSON, raising DataError naming ``where`` on a missing or mistyped field."""
         if not isinstance(data, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(data).__name__}; {_RECREATE_HINT}")
@@ -187,8 +236,10 @@ class Manifest:
                 ShardInfo(**_fields(s, ShardInfo, f"{where}: shards[{i}]"))
                 for i, s in enumerate(_get(data, "shards", list, where))
             ]
+            tok_data = _get(data, "tokenizer", dict, where)
             tokenizer = TokenizerInfo(
-                **_fields(_get(data, "tokenizer", dict, where), TokenizerInfo, f"{where}: tokenizer")
+                **_fields(tok_data, TokenizerInfo, f"{where}: tokenizer"),
+                config_file=_optional(tok_data, "config_file", str, "", f"{where}: tokenizer"),
             )
             source = SourceInfo(**_fields(_get(data, "source", dict, where), SourceInfo, f"{where}: source"))
             top = {
@@ -232,7 +283,29 @@ class Manifest:
         for i, s in enumerate(shards):
             _check_relative(s.path, f"{where}: shards[{i}].path")
         _check_relative(tokenizer.file, f"{where}: tokenizer.file")
-        return cls(format=fmt, shards=shards, tokenizer=tokenizer, source=source, root=root, **top)
+        if tokenizer.config_file:
+            _check_relative(tokenizer.config_file, f"{where}: tokenizer.config_file")
+        optional = {
+            "kind": _optional(data, "kind", str, "text", where),
+            "extra_columns": _optional(data, "extra_columns", list, [], where),
+            "packing": _optional(data, "packing", bool, True, where),
+            "examples": _optional(data, "examples", dict, {}, where),
+            "validation": _optional(data, "validation", dict, {}, where),
+        }
+        if optional["kind"] not in ("text", "prompt-completion", "chat"):
+            raise DataError(
+                f"{where}: kind {optional['kind']!r} is not text, prompt-completion or chat; {_RECREATE_HINT}"
+            )
+        if not set(optional["extra_columns"]) <= {"loss_mask", "segment_ids"}:
+            raise DataError(f"{where}: extra_columns {optional['extra_columns']!r}: unknown column; {_RECREATE_HINT}")
+        val = optional["validation"].get("manifest")
+        if val is not None:
+            if not isinstance(val, str):
+                raise DataError(f"{where}: validation.manifest should be a file name; {_RECREATE_HINT}")
+            _check_relative(val, f"{where}: validation.manifest")
+        return cls(
+            format=fmt, shards=shards, tokenizer=tokenizer, source=source, root=root, name=name, **top, **optional
+        )
 
 
 _FIELD_TYPES: dict[type, dict[str, type | tuple[type, ...]]] = {
@@ -250,6 +323,11 @@ def _get(data: dict, key: str, kind: type | tuple[type, ...], where: str) -> Any
         name = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
         raise DataError(f"{where}: field '{key}' should be {name}, got {value!r}; {_RECREATE_HINT}")
     return value
+
+
+def _optional(data: dict, key: str, kind: type, default: Any, where: str) -> Any:
+    """``data[key]`` checked like :func:`_get`, or ``default`` when absent (fields newer manifests add)."""
+    return _get(data, key, kind, where) if key in data else default
 
 
 def _fields(data: Any, cls: type, where: str) -> dict[str, Any]:
@@ -279,6 +357,8 @@ def _check_inside(manifest: Manifest, where: str) -> None:
     """Local datasets: every named file resolves (symlinks followed) inside the manifest's directory."""
     named = [(f"shards[{i}].path", s.path) for i, s in enumerate(manifest.shards)]
     named.append(("tokenizer.file", manifest.tokenizer.file))
+    if manifest.tokenizer.config_file:
+        named.append(("tokenizer.config_file", manifest.tokenizer.config_file))
     for field_name, rel in named:
         if not storage.is_inside(os.path.join(manifest.root, rel), manifest.root):
             target = os.path.realpath(os.path.join(manifest.root, rel))
@@ -328,7 +408,8 @@ def load_manifest(path: str, *, check_files: bool = True) -> Manifest:
         raise DataError(f"{mpath}: not valid JSON ({e}); {_RECREATE_HINT}") from None
     except RecursionError:
         raise DataError(f"{mpath}: JSON nested too deeply to be a manifest; {_RECREATE_HINT}") from None
-    manifest = Manifest.from_dict(data, root=root, where=mpath)
+    name = mpath.rsplit("/", 1)[-1] if storage.is_remote(mpath) else os.path.basename(mpath)
+    manifest = Manifest.from_dict(data, root=root, where=mpath, name=name)
     if not storage.is_remote(root):
         _check_inside(manifest, mpath)
     if check_files:

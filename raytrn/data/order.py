@@ -271,14 +271,15 @@ class ShardFiles:
         return cls(fs=fs, paths=tuple(storage.filesystem(p)[1] for p in shard_paths))
 
 
-def read_plan(files: ShardFiles, column: str, plan: ReadPlan) -> Any:
-    """The rows of ``plan`` as an Arrow table (``column`` as fixed-size lists of token ids, and ``row_id``, in plan
-    order): every shard it touches is opened once and only the row groups holding its rows are read; the rows are
-    gathered with numpy (one copy)."""
+def read_plan(files: ShardFiles, columns: str | Sequence[str], plan: ReadPlan) -> Any:
+    """The rows of ``plan`` as an Arrow table (each of ``columns`` as fixed-size lists: token ids, and for
+    instruction data the loss mask and segment ids; and ``row_id``, in plan order): every shard it touches is
+    opened once and only the row groups holding its rows are read; the rows are gathered with numpy (one copy)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    out: np.ndarray | None = None
+    names = [columns] if isinstance(columns, str) else list(columns)
+    out: dict[str, np.ndarray] = {}
     for shard in np.unique(plan.shards):
         sel = np.flatnonzero(plan.shards == shard)
         local = plan.rows[sel]
@@ -293,33 +294,33 @@ def read_plan(files: ShardFiles, column: str, plan: ReadPlan) -> Any:
                     f"{path}: the manifest's order needs row {int(local.max())} of it, it has "
                     f"{int(bounds[-1])} rows: the shard changed after `raytrn data prepare`; re-create the dataset"
                 )
-            values = pf.read_row_groups([int(g) for g in groups], columns=[column]).column(column).combine_chunks()
-        tokens = values.flatten().to_numpy()
-        if len(values) == 0 or len(tokens) % len(values):
-            raise DataError(f"{path}: rows of different lengths in '{column}'; re-create the dataset")
-        rows = tokens.reshape(len(values), -1)
-        if out is None:
-            out = np.empty((len(plan), rows.shape[1]), dtype=rows.dtype)
-        elif rows.shape[1] != out.shape[1]:
-            raise DataError(f"{path}: its rows are {rows.shape[1]} tokens long, other shards' {out.shape[1]}")
+            table = pf.read_row_groups([int(g) for g in groups], columns=names)
         # Row k of what was read: the groups' rows, one group after another.
         sizes = np.diff(bounds)[groups]
         first_of = np.zeros(int(groups.max()) + 1, dtype=np.int64)
         first_of[groups] = np.cumsum(sizes) - sizes
-        out[sel] = rows[first_of[group_of] + local - bounds[group_of]]
-    if out is None:
-        out = np.empty((0, 1), dtype=np.int32)
-    flat = pa.array(out.reshape(-1))
-    return pa.table(
-        {
-            column: pa.FixedSizeListArray.from_arrays(flat, out.shape[1]),
-            "row_id": pa.array(plan.ids, type=pa.int64()),
-        }
-    )
+        taken = first_of[group_of] + local - bounds[group_of]
+        for name in names:
+            values = table.column(name).combine_chunks()
+            flat = values.flatten().to_numpy()
+            if len(values) == 0 or len(flat) % len(values):
+                raise DataError(f"{path}: rows of different lengths in '{name}'; re-create the dataset")
+            rows = flat.reshape(len(values), -1)
+            if name not in out:
+                out[name] = np.empty((len(plan), rows.shape[1]), dtype=rows.dtype)
+            elif rows.shape[1] != out[name].shape[1]:
+                raise DataError(f"{path}: its rows are {rows.shape[1]} long, other shards' {out[name].shape[1]}")
+            out[name][sel] = rows[taken]
+    arrays = {}
+    for name in names:
+        data = out.get(name, np.empty((0, 1), dtype=np.int32))
+        arrays[name] = pa.FixedSizeListArray.from_arrays(pa.array(data.reshape(-1)), data.shape[1])
+    return pa.table({**arrays, "row_id": pa.array(plan.ids, type=pa.int64())})
 
 
-def iter_rows(shard_paths: Sequence[str], column: str, plans: Iterator[ReadPlan]) -> Iterator[Any]:
-    """Arrow tables of ``plans``, read in this process (``raytrn precheck``, tests; the workers use Ray Data)."""
+def iter_rows(shard_paths: Sequence[str], columns: str | Sequence[str], plans: Iterator[ReadPlan]) -> Iterator[Any]:
+    """Arrow tables of ``plans``, read in this process (``raytrn precheck``, evaluation, tests; training workers
+    stream through Ray Data)."""
     files = ShardFiles.of(shard_paths)
     for plan in plans:
-        yield read_plan(files, column, plan)
+        yield read_plan(files, columns, plan)

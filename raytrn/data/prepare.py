@@ -23,10 +23,23 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from raytrn.compat import RAY_DATA_CHATTY_LOGGERS
+from raytrn.data.instruct import (
+    FORMATS,
+    INSTRUCTION_FORMATS,
+    MASK_COLUMN,
+    SEGMENT_COLUMN,
+    BadLine,
+    Encoder,
+    Example,
+    RowPacker,
+    iter_jsonl_examples,
+)
 from raytrn.data.manifest import (
     FORMAT,
     MANIFEST_NAME,
+    TOKENIZER_CONFIG_NAME,
     TOKENIZER_NAME,
+    VALIDATION_NAME,
     Manifest,
     ShardInfo,
     SourceInfo,
@@ -41,6 +54,8 @@ from raytrn.storage import remove_inside
 if TYPE_CHECKING:
     import pyarrow as pa
     from tokenizers import Tokenizer
+
+log = logging.getLogger(__name__)
 
 TEXT_EXTENSIONS = (".txt", ".md", ".rst", ".py", ".text")
 ACCEPTED_EXTENSIONS = (*TEXT_EXTENSIONS, ".jsonl", ".parquet")
@@ -260,11 +275,20 @@ def check_vocab_size(vocab_size: int) -> None:
 
 
 def load_tokenizer(path: str) -> tuple[Tokenizer, bytes]:
-    """Load a HF ``tokenizers`` JSON file; returns the tokenizer and the file's bytes (copied into the dataset)."""
+    """Load a HF ``tokenizers`` JSON file, or the ``tokenizer.json`` of a Hugging Face tokenizer directory; returns the
+    tokenizer and the file's bytes (copied into the dataset)."""
     from tokenizers import Tokenizer
 
+    path = os.path.expanduser(path)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, TOKENIZER_NAME)):
+            raise DataError(
+                f"--tokenizer {path}: a directory without {TOKENIZER_NAME}; give a Hugging Face tokenizer directory "
+                "(tokenizer.json + tokenizer_config.json, as save_pretrained writes it) or a tokenizer.json file"
+            )
+        path = os.path.join(path, TOKENIZER_NAME)
     try:
-        with open(os.path.expanduser(path), "rb") as f:
+        with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:
         raise DataError(
@@ -277,8 +301,39 @@ def load_tokenizer(path: str) -> tuple[Tokenizer, bytes]:
         raise DataError(f"--tokenizer {path}: not a valid HF tokenizers JSON file ({e})") from None
 
 
-def find_eos(tokenizer: Tokenizer) -> tuple[str, int]:
-    """The EOS token appended after every document: the first of EOS_CANDIDATES in the vocabulary."""
+def load_tokenizer_config(path: str | None) -> tuple[dict[str, Any] | None, bytes]:
+    """A tokenizer directory's ``tokenizer_config.json`` (special tokens, chat template) and its bytes; (None, b"")
+    for a plain tokenizer.json or a directory without one."""
+    if path is None or not os.path.isdir(os.path.expanduser(path)):
+        return None, b""
+    file = os.path.join(os.path.expanduser(path), TOKENIZER_CONFIG_NAME)
+    if not os.path.isfile(file):
+        return None, b""
+    with open(file, "rb") as f:
+        raw = f.read()
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise DataError(f"--tokenizer {path}: {TOKENIZER_CONFIG_NAME} is not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise DataError(f"--tokenizer {path}: {TOKENIZER_CONFIG_NAME} holds {type(config).__name__}, not an object")
+    return config, raw
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def find_eos(tokenizer: Tokenizer, config: dict[str, Any] | None = None) -> tuple[str, int]:
+    """The EOS token appended after every document (and every completion): the tokenizer config's ``eos_token``
+    when it names one of its tokens, else the first of EOS_CANDIDATES in the vocabulary."""
+    named = _token_text((config or {}).get("eos_token"))
+    named_id = tokenizer.token_to_id(named) if named is not None else None
+    if named is not None and named_id is not None:
+        return named, int(named_id)
     for name in EOS_CANDIDATES:
         token_id = tokenizer.token_to_id(name)
         if token_id is not None:
@@ -332,7 +387,7 @@ def _inspect_output(output: str) -> _Output:
             manifest = load_manifest(output, check_files=False)
         except DataError as e:
             return _Output(path=real, state="foreign", foreign=tuple(rest), problem=str(e))
-        ours = {MANIFEST_NAME, manifest.tokenizer.file, *(s.path for s in manifest.shards)} | staging
+        ours = {MANIFEST_NAME, *_dataset_files(manifest)} | staging
         if JOURNAL_NAME in rest:
             ours |= _journal_names(real)
         return _Output(
@@ -348,6 +403,20 @@ def _inspect_output(output: str) -> _Output:
             path=real, state="interrupted", ours=frozenset(ours), foreign=tuple(n for n in rest if n not in ours)
         )
     return _Output(path=real, state="foreign", foreign=tuple(rest))
+
+
+def _dataset_files(manifest: Manifest) -> list[str]:
+    """Every file of a dataset but its manifest.json: shards, tokenizer files, its validation split's manifest and
+    shards (when its manifest cannot be read, only its name: the rest is then not raytrn's to delete)."""
+    names = manifest.files()
+    val = manifest.validation_path()
+    if val is not None:
+        names.append(os.path.basename(val))
+        try:
+            names += load_manifest(val, check_files=False).files()
+        except DataError:
+            pass
+    return sorted(set(names))
 
 
 def _journal_names(directory: str) -> set[str]:
@@ -421,8 +490,7 @@ def _refuse_foreign(out: _Output, output: str) -> None:
 def _complete(out: _Output) -> bool:
     """Every file the manifest lists is there."""
     assert out.manifest is not None
-    names = [out.manifest.tokenizer.file, *(s.path for s in out.manifest.shards)]
-    return all(os.path.isfile(os.path.join(out.path, n)) for n in names)
+    return all(os.path.isfile(os.path.join(out.path, n)) for n in _dataset_files(out.manifest))
 
 
 def _sha256_file(path: str) -> str:
@@ -514,22 +582,28 @@ class _Progress:
 
 
 class _ShardWriter:
-    """Collect packed rows and write ``shard-00000.parquet``, ... of at most ``max_rows`` rows each."""
+    """Collect rows and write ``<prefix>-00000.parquet``, ... of at most ``max_rows`` rows each: ``input_ids`` and,
+    for instruction data, ``loss_mask`` (int8) and ``segment_ids`` (int32), each a list of ``row_len``."""
 
-    def __init__(self, directory: str, row_len: int, max_rows: int) -> None:
+    def __init__(self, directory: str, row_len: int, max_rows: int, *, prefix: str = "shard", extra: bool = False):
         self.directory = directory
         self.row_len = row_len
         self.max_rows = max_rows
+        self.prefix = prefix
+        self.columns = ["input_ids", MASK_COLUMN, SEGMENT_COLUMN] if extra else ["input_ids"]
         self.shards: list[ShardInfo] = []
-        self._blocks: list[np.ndarray] = []
+        self._blocks: list[list[np.ndarray]] = [[] for _ in self.columns]
         self._num_rows = 0
 
-    def add(self, rows: np.ndarray) -> None:
-        while len(rows):
-            take = min(len(rows), self.max_rows - self._num_rows)
-            self._blocks.append(rows[:take])
+    def add(self, rows: np.ndarray, *extra: np.ndarray) -> None:
+        arrays = [rows, *extra]
+        assert len(arrays) == len(self.columns)
+        while len(arrays[0]):
+            take = min(len(arrays[0]), self.max_rows - self._num_rows)
+            for blocks, a in zip(self._blocks, arrays, strict=True):
+                blocks.append(a[:take])
             self._num_rows += take
-            rows = rows[take:]
+            arrays = [a[take:] for a in arrays]
             if self._num_rows == self.max_rows:
                 self._flush()
 
@@ -542,18 +616,26 @@ class _ShardWriter:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        values = np.concatenate(self._blocks).reshape(-1)
-        offsets = np.arange(0, values.size + 1, self.row_len, dtype=np.int32)
-        column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.int32()))
-        name = f"shard-{len(self.shards):05d}.parquet"
+        offsets = pa.array(np.arange(0, self._num_rows * self.row_len + 1, self.row_len, dtype=np.int32))
+        table = {}
+        for name, blocks in zip(self.columns, self._blocks, strict=True):
+            values = np.concatenate(blocks).reshape(-1)
+            table[name] = pa.ListArray.from_arrays(offsets, pa.array(values))
+        name = f"{self.prefix}-{len(self.shards):05d}.parquet"
         path = os.path.join(self.directory, name)
-        pq.write_table(
-            pa.table({"input_ids": column}), path, row_group_size=rows_per_group(self.row_len), compression="snappy"
-        )
-        self.shards.append(
-            ShardInfo(path=name, rows=self._num_rows, tokens=int(values.size), bytes=os.path.getsize(path))
-        )
-        self._blocks, self._num_rows = [], 0
+        pq.write_table(pa.table(table), path, row_group_size=rows_per_group(self.row_len), compression="snappy")
+        tokens = self._num_rows * self.row_len
+        self.shards.append(ShardInfo(path=name, rows=self._num_rows, tokens=tokens, bytes=os.path.getsize(path)))
+        self._blocks, self._num_rows = [[] for _ in self.columns], 0
+
+
+def in_validation(rel: str, index: int, fraction: float) -> bool:
+    """Whether document (or example) ``index`` of input file ``rel`` goes to the validation split: a hash of the two
+    against ``fraction``, so the split is the same on every run and machine, and independent of the tokenizer."""
+    if fraction <= 0:
+        return False
+    digest = hashlib.sha256(f"{rel}\0{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2**64
 
 
 # --- tokenizing with Ray Data ----------------------------------------------------------------------------
@@ -561,8 +643,11 @@ class _ShardWriter:
 _TOKENIZER_CACHE: dict[str, Any] = {}
 
 
-def _tokenize_files(batch: pa.Table, *, tokenizer_json: str, tokenizer_sha: str, eos_id: int) -> Iterator[pa.Table]:
-    """Ray Data UDF: for each input file row, yield tables of documents (``ids`` = tokens + EOS) in file order.
+def _tokenize_files(
+    batch: pa.Table, *, tokenizer_json: str, tokenizer_sha: str, eos_id: int, validation_fraction: float = 0.0
+) -> Iterator[pa.Table]:
+    """Ray Data UDF: for each input file row, yield tables of documents (``ids`` = tokens + EOS, ``val``: in the
+    validation split) in file order.
 
     A user error (bad JSONL line, unreadable file) comes back as a row with ``error`` set, so the driver can
     raise it as one clean DataError instead of a wrapped Ray task failure.
@@ -573,23 +658,29 @@ def _tokenize_files(batch: pa.Table, *, tokenizer_json: str, tokenizer_sha: str,
     tok = _TOKENIZER_CACHE.get(tokenizer_sha)
     if tok is None:
         tok = _TOKENIZER_CACHE[tokenizer_sha] = Tokenizer.from_str(tokenizer_json)
-    schema = pa.schema([("file", pa.int32()), ("ids", pa.list_(pa.int32())), ("error", pa.string())])
-    for index, path, kind in zip(*(batch.column(c).to_pylist() for c in ("index", "path", "kind")), strict=True):
+    schema = pa.schema(
+        [("file", pa.int32()), ("ids", pa.list_(pa.int32())), ("val", pa.bool_()), ("error", pa.string())]
+    )
+    columns = ("index", "path", "kind", "rel")
+    for index, path, kind, rel in zip(*(batch.column(c).to_pylist() for c in columns), strict=True):
         texts: list[str] = []
+        count = 0
         try:
             for text in iter_documents(path, kind):
                 texts.append(text)
                 if len(texts) == _DOCS_PER_BLOCK:
-                    yield _docs_table(schema, index, tok.encode_batch(texts, add_special_tokens=False), eos_id)
-                    texts = []
+                    val = [in_validation(rel, count + i, validation_fraction) for i in range(len(texts))]
+                    yield _docs_table(schema, index, tok.encode_batch(texts, add_special_tokens=False), eos_id, val)
+                    count, texts = count + len(texts), []
             if texts:
-                yield _docs_table(schema, index, tok.encode_batch(texts, add_special_tokens=False), eos_id)
+                val = [in_validation(rel, count + i, validation_fraction) for i in range(len(texts))]
+                yield _docs_table(schema, index, tok.encode_batch(texts, add_special_tokens=False), eos_id, val)
         except DataError as e:
-            yield pa.table({"file": [index], "ids": [[]], "error": [str(e)]}, schema=schema)
+            yield pa.table({"file": [index], "ids": [[]], "val": [False], "error": [str(e)]}, schema=schema)
             return
 
 
-def _docs_table(schema: pa.Schema, index: int, encodings: list, eos_id: int) -> pa.Table:
+def _docs_table(schema: pa.Schema, index: int, encodings: list, eos_id: int, val: list[bool]) -> pa.Table:
     import pyarrow as pa
 
     lengths = np.fromiter((len(e.ids) + 1 for e in encodings), dtype=np.int64, count=len(encodings))
@@ -601,13 +692,98 @@ def _docs_table(schema: pa.Schema, index: int, encodings: list, eos_id: int) -> 
         values[end - 1] = eos_id
     ids = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, type=pa.int32()))
     n = len(encodings)
-    return pa.Table.from_arrays([pa.array([index] * n, pa.int32()), ids, pa.nulls(n, pa.string())], schema=schema)
+    return pa.Table.from_arrays(
+        [pa.array([index] * n, pa.int32()), ids, pa.array(val, pa.bool_()), pa.nulls(n, pa.string())], schema=schema
+    )
+
+
+_ENCODER_CACHE: dict[str, Any] = {}
+
+
+def _encode_examples(
+    batch: pa.Table,
+    *,
+    fmt: str,
+    tokenizer_json: str,
+    tokenizer_config: dict[str, Any] | None,
+    eos_id: int,
+    skip_bad_lines: bool,
+    validation_fraction: float,
+) -> Iterator[pa.Table]:
+    """Ray Data UDF for instruction data: each JSONL line of each file as one example (``ids``, ``mask``, ``val``),
+    in order; a skipped bad line as a row with ``bad`` set, a user error as a row with ``error`` set."""
+    import pyarrow as pa
+
+    key = hashlib.sha256((fmt + tokenizer_json + json.dumps(tokenizer_config, sort_keys=True)).encode()).hexdigest()
+    encoder = _ENCODER_CACHE.get(key)
+    if encoder is None:
+        encoder = _ENCODER_CACHE[key] = Encoder(fmt, tokenizer_json, eos_id, tokenizer_config)
+    schema = pa.schema(
+        [("file", pa.int32()), ("ids", pa.list_(pa.int32())), ("mask", pa.list_(pa.int8())), ("val", pa.bool_()),
+         ("bad", pa.string()), ("error", pa.string())]
+    )  # fmt: skip
+    columns = ("index", "path", "rel")
+    for index, path, rel in zip(*(batch.column(c).to_pylist() for c in columns), strict=True):
+        rows: list[tuple[Any, ...]] = []
+        try:
+            for lineno, example, bad in iter_jsonl_examples(path, rel, fmt, skip_bad_lines=skip_bad_lines):
+                if example is None:
+                    rows.append((index, [], [], False, bad, None))
+                    continue
+                try:
+                    enc = encoder.encode(example, where=f"{rel}:{lineno}")
+                except BadLine as e:
+                    if not skip_bad_lines:
+                        raise
+                    rows.append((index, [], [], False, str(e), None))
+                    continue
+                rows.append((index, enc.ids, enc.mask, in_validation(rel, lineno, validation_fraction), None, None))
+                if len(rows) >= _DOCS_PER_BLOCK:
+                    yield _rows_table(schema, rows)
+                    rows = []
+        except (DataError, OSError) as e:
+            message = str(e) if isinstance(e, DataError) else f"{path}: cannot read ({e})"
+            rows.append((index, [], [], False, None, message))
+        if rows:
+            yield _rows_table(schema, rows)
+
+
+def _rows_table(schema: Any, rows: list[tuple[Any, ...]]) -> Any:
+    import pyarrow as pa
+
+    return pa.table({name: [r[k] for r in rows] for k, name in enumerate(schema.names)}, schema=schema)
 
 
 def _stream_token_batches(
-    files: list[InputFile], tokenizer_json: str, eos_id: int
-) -> Iterator[tuple[int, int, np.ndarray]]:
-    """Tokenize ``files`` on Ray; yield ``(last file index, documents, flat token ids)`` per block, in order."""
+    files: list[InputFile], tokenizer_json: str, eos_id: int, validation_fraction: float = 0.0
+) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
+    """Tokenize ``files`` on Ray; yield ``(last file index, documents, flat token ids, flat validation token ids)``
+    per block, in order."""
+    kwargs = {
+        "tokenizer_json": tokenizer_json,
+        "tokenizer_sha": hashlib.sha256(tokenizer_json.encode()).hexdigest(),
+        "eos_id": eos_id,
+        "validation_fraction": validation_fraction,
+    }
+    for block in _run_udf(files, _tokenize_files, kwargs):
+        val = block.column("val").to_numpy(zero_copy_only=False)
+        yield block.column("file")[-1].as_py(), block.num_rows, _flat(block, ~val), _flat(block, val)
+
+
+def _flat(block: Any, rows: np.ndarray) -> np.ndarray:
+    """The token ids of ``block``'s selected ``rows``, one after another."""
+    ids = block.column("ids").filter(rows).combine_chunks()
+    return ids.flatten().to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+
+
+def _stream_examples(files: list[InputFile], kwargs: dict[str, Any]) -> Iterator[Any]:
+    """Encode instruction ``files`` on Ray; yield their blocks of examples (see :func:`_encode_examples`), in order."""
+    yield from _run_udf(files, _encode_examples, kwargs)
+
+
+def _run_udf(files: list[InputFile], udf: Any, kwargs: dict[str, Any]) -> Iterator[Any]:
+    """``udf`` over ``files`` (one task per file) on Ray Data, its blocks in file order; a row with ``error`` set
+    raises it as a DataError."""
     import ray
     from ray.data import DataContext
 
@@ -625,28 +801,16 @@ def _stream_token_batches(
     for log in quiet.values():
         log.setLevel(logging.ERROR)
     try:
-        items = [{"index": i, "path": f.path, "kind": f.kind} for i, f in enumerate(files)]
+        items = [{"index": i, "path": f.path, "kind": f.kind, "rel": f.rel} for i, f in enumerate(files)]
         ds: Any = ray.data.from_items(items, override_num_blocks=min(len(items), 200))  # Any: loose Ray Data stubs
-        ds = ds.map_batches(
-            _tokenize_files,
-            batch_size=1,
-            batch_format="pyarrow",
-            fn_kwargs={
-                "tokenizer_json": tokenizer_json,
-                "tokenizer_sha": hashlib.sha256(tokenizer_json.encode()).hexdigest(),
-                "eos_id": eos_id,
-            },
-            num_cpus=1,
-        )
+        ds = ds.map_batches(udf, batch_size=1, batch_format="pyarrow", fn_kwargs=kwargs, num_cpus=1)
         for block in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             if block.num_rows == 0:
                 continue
             errors = block.column("error").drop_null()
             if len(errors):
                 raise DataError(errors[0].as_py())
-            ids = block.column("ids").combine_chunks()
-            flat = ids.flatten().to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
-            yield block.column("file")[-1].as_py(), block.num_rows, flat
+            yield block
     finally:
         ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.print_on_execution_start = saved
         for name, log in quiet.items():
@@ -656,7 +820,18 @@ def _stream_token_batches(
 # --- the command -----------------------------------------------------------------------------------------
 
 
-def _check_args(seq_len: int, tokenizer: str | None, vocab_size: int | None, shard_size_mb: float) -> None:
+def _check_args(
+    seq_len: int, tokenizer: str | None, vocab_size: int | None, shard_size_mb: float, fmt: str, fraction: float
+) -> None:
+    if fmt not in FORMATS:
+        raise DataError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if fmt in INSTRUCTION_FORMATS and tokenizer is None:
+        raise DataError(
+            f"--format {fmt} needs --tokenizer (the tokenizer of the model you fine-tune: a Hugging Face tokenizer "
+            "directory, or its tokenizer.json); a tokenizer trained on the examples would not match any model"
+        )
+    if not 0 <= fraction <= 0.5:
+        raise DataError(f"--validation-fraction must be in [0, 0.5], got {fraction:g}")
     if seq_len <= 0:
         raise DataError(f"--seq-len must be a positive number of tokens, got {seq_len}")
     if tokenizer is not None and vocab_size is not None:
@@ -679,14 +854,22 @@ def prepare_dataset(
     shard_size_mb: float = 64.0,
     overwrite: bool = False,
     progress: bool = True,
+    format: str = "text",  # noqa: A002 (the CLI flag's name)
+    packing: bool = True,
+    validation_fraction: float = 0.0,
+    skip_bad_lines: bool = False,
 ) -> Manifest:
-    """Tokenize and pack ``inputs`` into ``output`` (shards, tokenizer.json, manifest.json); return the manifest.
+    """Tokenize and pack ``inputs`` into ``output`` (shards, tokenizer files, manifest.json, and with
+    ``validation_fraction`` a validation split: validation.json and its shards); return the manifest.
 
-    Re-running with the same input, seq_len and tokenizer is a no-op that returns the existing manifest.
+    ``format``: ``text`` documents (packed, every token trained on), or ``prompt-completion`` / ``chat`` JSONL
+    examples (rows with a loss mask and segment ids, see :mod:`raytrn.data.instruct`; ``packing``: several whole
+    examples per row, or one). Re-running with the same input and settings is a no-op that returns the existing
+    manifest.
     """
     from raytrn import __version__
 
-    _check_args(seq_len, tokenizer, vocab_size, shard_size_mb)
+    _check_args(seq_len, tokenizer, vocab_size, shard_size_mb, format, validation_fraction)
     if "://" in output:
         raise DataError(f"--output {output}: only local output directories are supported for now")
     given = output
@@ -696,15 +879,26 @@ def prepare_dataset(
     row_len = seq_len + 1
     max_rows = rows_per_shard(shard_size_mb, row_len)
     files = discover_inputs(inputs, exclude=output)
+    instruction = format in INSTRUCTION_FORMATS
+    if instruction:
+        not_jsonl = [f.rel for f in files if f.kind != "jsonl"]
+        if not_jsonl:
+            raise DataError(f"--format {format} reads JSONL files, one example a line; not JSONL: {_shown(not_jsonl)}")
     check_inputs(files)
     given_tok, given_raw = load_tokenizer(tokenizer) if tokenizer is not None else (None, b"")
+    tok_config, config_raw = load_tokenizer_config(tokenizer)
     if given_tok is not None:
-        find_eos(given_tok)
-    choice = f"file:{hashlib.sha256(given_raw).hexdigest()}" if given_tok is not None else f"bpe:{vocab_size}"
+        eos_token, eos_id = find_eos(given_tok, tok_config)
+        if format == "chat":
+            Encoder(format, given_raw.decode("utf-8"), eos_id, tok_config)  # no chat template: refused now
+    choice = (
+        f"file:{hashlib.sha256(given_raw + config_raw).hexdigest()}" if given_tok is not None else f"bpe:{vocab_size}"
+    )
+    choice += f"|format={format}|packing={packing}|validation={validation_fraction!r}|skip_bad={skip_bad_lines}"
     fingerprint = fingerprint_inputs(files, seq_len=seq_len, tokenizer_choice=choice)
     existing = _check_output(out, output, fingerprint, max_rows, overwrite)
     if existing is not None:
-        print(f"{output}: up to date (same input, seq_len and tokenizer)", file=sys.stderr)
+        print(f"{output}: up to date (same input, seq_len, tokenizer and settings)", file=sys.stderr)
         return existing
 
     show = _Progress(progress)
@@ -726,56 +920,77 @@ def prepare_dataset(
             tok = given_tok
             with open(os.path.join(tmp, TOKENIZER_NAME), "wb") as f:
                 f.write(given_raw)
-        eos_token, eos_id = find_eos(tok)
-        with open(os.path.join(tmp, TOKENIZER_NAME), "rb") as f:
-            tokenizer_bytes = f.read()
+        if config_raw:
+            with open(os.path.join(tmp, TOKENIZER_CONFIG_NAME), "wb") as cf:
+                cf.write(config_raw)
+        eos_token, eos_id = find_eos(tok, tok_config)
+        with open(os.path.join(tmp, TOKENIZER_NAME), "rb") as rf:
+            tokenizer_bytes = rf.read()
 
         show.note(f"tokenizing {len(files)} file(s) with Ray Data into rows of {row_len} tokens")
-        packer = Packer(row_len)
-        writer = _ShardWriter(tmp, row_len, max_rows)
-        num_documents = 0
-        # closing(): on any error the stream stops Ray Data and restores the DataContext at once.
-        with contextlib.closing(_stream_token_batches(files, tokenizer_bytes.decode("utf-8"), eos_id)) as stream:  # type: ignore[type-var]
-            for last_file, docs, flat in stream:
-                num_documents += docs
-                writer.add(packer.push(flat))
-                show.update(f"tokenized {last_file}/{len(files)} files, {packer.num_rows:,} rows packed")
-        shards = writer.close()
-        show.update(f"tokenized {len(files)}/{len(files)} files, {packer.num_rows:,} rows packed", force=True)
+        writers = (
+            _ShardWriter(tmp, row_len, max_rows, extra=instruction),
+            _ShardWriter(tmp, row_len, max_rows, prefix="val", extra=instruction),
+        )
+        if instruction:
+            kwargs = {
+                "fmt": format, "tokenizer_json": tokenizer_bytes.decode("utf-8"), "tokenizer_config": tok_config,
+                "eos_id": eos_id, "skip_bad_lines": skip_bad_lines, "validation_fraction": validation_fraction,
+            }  # fmt: skip
+            counts = _pack_examples(files, kwargs, row_len, eos_id, packing, writers, show)
+            num_documents, rows, tail = counts["documents"], counts["rows"], (0, 0)
+        else:
+            num_documents, rows, tail = _pack_text(files, tokenizer_bytes, eos_id, validation_fraction, writers, show)
+            counts = {}
+        shards, val_shards = writers[0].close(), writers[1].close()
         show.close()
         if num_documents == 0:
             raise DataError(f"the {len(files)} input file(s) contain no text (every document is empty)")
-        if packer.num_rows == 0:
+        if rows[0] == 0:
             raise DataError(
-                f"the input has only {packer.num_tokens_in:,} tokens (with one EOS per document) but one row needs "
-                f"seq_len + 1 = {row_len}; use a smaller --seq-len or more input"
+                f"the input makes no training row: {'every example was skipped (nothing to train on)' if instruction else f'one row needs seq_len + 1 = {row_len} tokens'}"
+                "; use a smaller --seq-len, more input, or a lower --validation-fraction"
             )
-        manifest = Manifest(
-            seq_len=seq_len,
-            row_len=row_len,
-            num_rows=packer.num_rows,
-            num_tokens=packer.num_rows * row_len,
-            dropped_tail_tokens=packer.pending_tokens,
-            rows_per_shard=max_rows,
-            shards=shards,
-            tokenizer=TokenizerInfo(
-                file=TOKENIZER_NAME,
-                sha256=hashlib.sha256(tokenizer_bytes).hexdigest(),
-                vocab_size=tok.get_vocab_size(),
-                eos_token=eos_token,
-                eos_id=eos_id,
-                trained=given_tok is None,
-            ),
-            source=SourceInfo(
-                inputs=list(inputs), num_files=len(files), num_documents=num_documents, fingerprint=fingerprint
-            ),
-            created_by=f"raytrn {__version__}",
-            root=output,
+        if validation_fraction > 0 and rows[1] == 0:
+            raise DataError(
+                f"--validation-fraction {validation_fraction:g} left no validation row ({num_documents} "
+                "document(s)); raise it or add input"
+            )
+        tok_info = TokenizerInfo(
+            file=TOKENIZER_NAME,
+            sha256=hashlib.sha256(tokenizer_bytes).hexdigest(),
+            vocab_size=tok.get_vocab_size(),
+            eos_token=eos_token,
+            eos_id=eos_id,
+            trained=given_tok is None,
+            config_file=TOKENIZER_CONFIG_NAME if config_raw else "",
         )
-        with open(os.path.join(tmp, MANIFEST_NAME), "w", encoding="utf-8") as f:
-            f.write(manifest.to_json())
+        common: dict[str, Any] = dict(
+            seq_len=seq_len, row_len=row_len, rows_per_shard=max_rows, tokenizer=tok_info,
+            source=SourceInfo(inputs=list(inputs), num_files=len(files), num_documents=num_documents,
+                              fingerprint=fingerprint),
+            created_by=f"raytrn {__version__}", kind=format,
+            extra_columns=[MASK_COLUMN, SEGMENT_COLUMN] if instruction else [], packing=packing,
+        )  # fmt: skip
+        validation = {}
+        new_names = [TOKENIZER_NAME, *([TOKENIZER_CONFIG_NAME] if config_raw else []), *(s.path for s in shards)]
+        if val_shards:
+            val_manifest = Manifest(
+                **common, num_rows=rows[1], num_tokens=rows[1] * row_len, dropped_tail_tokens=tail[1],
+                shards=val_shards, examples=counts.get("val", {}), root=output, name=VALIDATION_NAME,
+            )  # fmt: skip
+            with open(os.path.join(tmp, VALIDATION_NAME), "w", encoding="utf-8") as vf:
+                vf.write(val_manifest.to_json())
+            validation = {"manifest": VALIDATION_NAME, "fraction": validation_fraction, "num_rows": rows[1]}
+            new_names += [VALIDATION_NAME, *(s.path for s in val_shards)]
+        manifest = Manifest(
+            **common, num_rows=rows[0], num_tokens=rows[0] * row_len, dropped_tail_tokens=tail[0], shards=shards,
+            examples=counts.get("train", {}), validation=validation, root=output,
+        )  # fmt: skip
+        with open(os.path.join(tmp, MANIFEST_NAME), "w", encoding="utf-8") as mf:
+            mf.write(manifest.to_json())
         committing = True  # from here an interruption leaves the journal for the next --overwrite to finish
-        _commit(out, tmp, [TOKENIZER_NAME, *(s.path for s in shards), MANIFEST_NAME])
+        _commit(out, tmp, [*new_names, MANIFEST_NAME])
     except BaseException:
         show.close()
         if not committing:
@@ -787,6 +1002,87 @@ def prepare_dataset(
                     break
         raise
     return manifest
+
+
+def _pack_text(
+    files: list[InputFile],
+    tokenizer_bytes: bytes,
+    eos_id: int,
+    validation_fraction: float,
+    writers: tuple[_ShardWriter, _ShardWriter],
+    show: _Progress,
+) -> tuple[int, tuple[int, int], tuple[int, int]]:
+    """Text documents packed into rows (training and validation split apart); (documents, rows, dropped tails)."""
+    row_len = writers[0].row_len
+    packers = (Packer(row_len), Packer(row_len))
+    num_documents = 0
+    stream = _stream_token_batches(files, tokenizer_bytes.decode("utf-8"), eos_id, validation_fraction)
+    # closing(): on any error the stream stops Ray Data and restores the DataContext at once.
+    with contextlib.closing(stream):  # type: ignore[type-var]
+        for last_file, docs, train, val in stream:
+            num_documents += docs
+            for packer, writer, flat in zip(packers, writers, (train, val), strict=True):
+                writer.add(packer.push(flat))
+            show.update(f"tokenized {last_file}/{len(files)} files, {packers[0].num_rows:,} rows packed")
+    show.update(f"tokenized {len(files)}/{len(files)} files, {packers[0].num_rows:,} rows packed", force=True)
+    if packers[0].num_rows == 0 and packers[0].num_tokens_in:
+        raise DataError(
+            f"the input has only {packers[0].num_tokens_in:,} tokens (with one EOS per document) but one row needs "
+            f"seq_len + 1 = {row_len}; use a smaller --seq-len or more input"
+        )
+    rows = (packers[0].num_rows, packers[1].num_rows)
+    return num_documents, rows, (packers[0].pending_tokens, packers[1].pending_tokens)
+
+
+def _pack_examples(
+    files: list[InputFile],
+    kwargs: dict[str, Any],
+    row_len: int,
+    pad_id: int,
+    packing: bool,
+    writers: tuple[_ShardWriter, _ShardWriter],
+    show: _Progress,
+) -> dict[str, Any]:
+    """Instruction examples packed into rows with loss masks and segment ids (training and validation apart)."""
+    packers = (RowPacker(row_len, pad_id, packing), RowPacker(row_len, pad_id, packing))
+    documents, bad = 0, [0, 0]
+    first_bad = ""
+
+    def write(writer: _ShardWriter, done: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        if done:
+            writer.add(*(np.stack([row[k] for row in done]) for k in range(3)))
+
+    stream = _stream_examples(files, kwargs)
+    with contextlib.closing(stream):  # type: ignore[type-var]
+        for block in stream:
+            ids, masks = block.column("ids").to_pylist(), block.column("mask").to_pylist()
+            vals, bads = block.column("val").to_pylist(), block.column("bad").to_pylist()
+            for example_ids, mask, val, why in zip(ids, masks, vals, bads, strict=True):
+                if why is not None:
+                    bad[0] += 1
+                    first_bad = first_bad or why
+                    continue
+                documents += 1
+                k = int(bool(val))
+                write(
+                    writers[k], packers[k].push(Example(np.asarray(example_ids, np.int32), np.asarray(mask, np.int8)))
+                )
+            show.update(f"encoded {documents:,} examples, {packers[0].rows:,} rows")
+    for packer, writer in zip(packers, writers, strict=True):
+        write(writer, packer.flush())
+    if bad[0]:
+        log.warning("--skip-bad-lines: %d line(s) skipped, the first: %s", bad[0], first_bad)
+
+    def stats(p: RowPacker, bad_lines: int) -> dict[str, int]:
+        return {"examples": p.examples, "skipped": p.skipped, "truncated": p.truncated, "bad_lines": bad_lines,
+                "trained_tokens": p.trained_tokens}  # fmt: skip
+
+    return {
+        "documents": documents,
+        "rows": (packers[0].rows, packers[1].rows),
+        "train": stats(packers[0], bad[0]),
+        "val": stats(packers[1], 0),
+    }
 
 
 class _DocCounter:

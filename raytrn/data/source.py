@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -49,7 +49,7 @@ class RankDatasource(_datasource_base()):  # type: ignore[misc]
     def __init__(self, manifest: Manifest, order: SampleOrder, part: RankSlice, epoch: int, start: int = 0) -> None:
         super().__init__()
         self._files = ShardFiles.of(manifest.shard_paths())
-        self._column = manifest.column
+        self._columns = (manifest.column, *manifest.extra_columns)
         self._order, self._part, self._epoch, self._start = order, part, epoch, start
         self._windows = epoch_windows(order, part, epoch, start)
         # int32 on disk; Arrow holds the same bytes in memory (a list column: values + offsets), plus the row id.
@@ -74,7 +74,7 @@ class RankDatasource(_datasource_base()):  # type: ignore[misc]
 
         return [
             ReadTask(
-                functools.partial(_read_window, self._files, self._column, self._order, self._part, self._epoch, w, self._start),
+                functools.partial(_read_window, self._files, self._columns, self._order, self._part, self._epoch, w, self._start),
                 BlockMetadata(num_rows=n, size_bytes=n * self._row_bytes, input_files=None, exec_stats=None),
                 per_task_row_limit=per_task_row_limit,
             )
@@ -86,9 +86,15 @@ class RankDatasource(_datasource_base()):  # type: ignore[misc]
 
 
 def _read_window(
-    files: ShardFiles, column: str, order: SampleOrder, part: RankSlice, epoch: int, window: Window, start: int
+    files: ShardFiles,
+    columns: tuple[str, ...],
+    order: SampleOrder,
+    part: RankSlice,
+    epoch: int,
+    window: Window,
+    start: int,
 ) -> Iterator[Any]:
-    yield read_plan(files, column, plan_window(order, part, epoch, window, start))
+    yield read_plan(files, columns, plan_window(order, part, epoch, window, start))
 
 
 #: Read tasks in flight at once per worker (each reads one window: a few row groups).
@@ -115,14 +121,28 @@ def read_rank_epoch(manifest: Manifest, order: SampleOrder, part: RankSlice, epo
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """``rows`` consecutive rows of a rank's order: their token ids (int32, ``[rows, seq_len + 1]``, as stored)
-    and global row ids."""
+    """``rows`` consecutive rows of a rank's order: their token ids (int32, ``[rows, seq_len + 1]``, as stored),
+    global row ids, and for instruction data the rows' ``loss_mask`` and ``segment_ids`` (same shape)."""
 
     tokens: np.ndarray
     row_ids: np.ndarray
+    extra: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.row_ids)
+
+    def rows(self, lo: int, hi: int) -> MicroBatch:
+        return MicroBatch(
+            tokens=self.tokens[lo:hi], row_ids=self.row_ids[lo:hi], extra={k: v[lo:hi] for k, v in self.extra.items()}
+        )
+
+    @staticmethod
+    def join(a: MicroBatch, b: MicroBatch) -> MicroBatch:
+        return MicroBatch(
+            tokens=np.concatenate([a.tokens, b.tokens]),
+            row_ids=np.concatenate([a.row_ids, b.row_ids]),
+            extra={k: np.concatenate([v, b.extra[k]]) for k, v in a.extra.items()},
+        )
 
 
 def rank_batches(
@@ -141,7 +161,7 @@ def rank_batches(
         for epoch, start in epochs_from(position):
             ds = read_rank_epoch(manifest, order, part, epoch, start)
             for table in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2):
-                yield block_arrays(table, manifest.column, manifest.row_len)
+                yield block_arrays(table, manifest.column, manifest.row_len, manifest.extra_columns)
 
     return slices(ahead(blocks(), depth=BLOCKS_AHEAD), batch_rows)
 
@@ -150,16 +170,23 @@ def rank_batches(
 BLOCKS_AHEAD = 2
 
 
-def block_arrays(table: Any, column: str, row_len: int) -> MicroBatch:
-    """An Arrow block of a rank's rows (``column`` and ``row_id``) as numpy arrays; DataError when its rows are not
-    ``row_len`` tokens long."""
-    tokens = np.concatenate([chunk.flatten().to_numpy() for chunk in table.column(column).chunks] or [[]])
+def block_arrays(table: Any, column: str, row_len: int, extra: list[str] | tuple[str, ...] = ()) -> MicroBatch:
+    """An Arrow block of a rank's rows (``column``, the ``extra`` columns and ``row_id``) as numpy arrays; DataError
+    when its rows are not ``row_len`` tokens long."""
     rows = table.num_rows
-    if len(tokens) != rows * row_len:
-        raise DataError(
-            f"dataset rows are not {row_len} tokens (data.seq_len + 1) long; prepare the data with the job's seq_len"
-        )
-    return MicroBatch(tokens=tokens.reshape(rows, row_len), row_ids=table.column("row_id").to_numpy())
+
+    def matrix(name: str) -> np.ndarray:
+        flat = np.concatenate([chunk.flatten().to_numpy() for chunk in table.column(name).chunks] or [[]])
+        if len(flat) != rows * row_len:
+            raise DataError(
+                f"dataset rows are not {row_len} tokens (data.seq_len + 1) long; prepare the data with the job's "
+                "seq_len"
+            )
+        return flat.reshape(rows, row_len)
+
+    return MicroBatch(
+        tokens=matrix(column), row_ids=table.column("row_id").to_numpy(), extra={name: matrix(name) for name in extra}
+    )
 
 
 def slices(blocks: Iterator[MicroBatch], rows: int) -> Iterator[MicroBatch]:
@@ -168,16 +195,12 @@ def slices(blocks: Iterator[MicroBatch], rows: int) -> Iterator[MicroBatch]:
     carry: MicroBatch | None = None
     for block in blocks:
         if carry is not None:
-            block = MicroBatch(
-                tokens=np.concatenate([carry.tokens, block.tokens]),
-                row_ids=np.concatenate([carry.row_ids, block.row_ids]),
-            )
-            carry = None
+            block, carry = MicroBatch.join(carry, block), None
         whole = len(block) // rows * rows
         for i in range(0, whole, rows):
-            yield MicroBatch(tokens=block.tokens[i : i + rows], row_ids=block.row_ids[i : i + rows])
+            yield block.rows(i, i + rows)
         if whole < len(block):
-            carry = MicroBatch(tokens=block.tokens[whole:], row_ids=block.row_ids[whole:])
+            carry = block.rows(whole, len(block))
     if carry is not None:
         yield carry
 

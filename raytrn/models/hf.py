@@ -224,8 +224,12 @@ def load_weights(model: torch.nn.Module, location: str, *, tied: bool, source: s
     reader = HuggingFaceStorageReader(directory)
     saved = reader.read_metadata().state_dict_metadata
     options = StateDictOptions(ignore_frozen_params=False)
+    from raytrn.models.lora import is_adapter
+
     state: dict[str, Any] = {
-        k: v for k, v in get_model_state_dict(model, options=options).items() if isinstance(v, torch.Tensor)
+        k: v
+        for k, v in get_model_state_dict(model, options=options).items()
+        if isinstance(v, torch.Tensor) and not is_adapter(k)  # LoRA adapters are new: not in the checkpoint
     }
     if tied:
         state.pop("lm_head.weight", None)  # one matrix: the embedding's (HF writes it once)

@@ -44,9 +44,18 @@ def check_job(job: JobSpec, *, data: bool = True) -> list[str]:
         return lines
     manifest = check_data(job)
     lines.append(
-        f"data: {manifest.num_rows:,} rows x {manifest.row_len} tokens in {len(manifest.shards)} shard(s), "
+        f"data: {manifest.num_rows:,} rows x {manifest.row_len} tokens in {len(manifest.shards)} shard(s) "
+        f"({manifest.kind}{', loss on completions only' if manifest.instruction else ''}), "
         f"tokenizer vocab {manifest.tokenizer.vocab_size:,} (model vocab {job.model.vocab_size:,})"
     )
+    from raytrn.train.evaluate import validation_set
+
+    val = validation_set(job, manifest)
+    if val is not None:
+        lines.append(
+            f"validation: {val.num_rows:,} rows ({val.manifest_path}), val_loss every "
+            f"{job.run.eval_every or job.run.max_steps} steps over up to {job.run.eval_batches} global batches"
+        )
     return lines
 
 
@@ -66,6 +75,20 @@ def check_data(job: JobSpec) -> Manifest:
             f"token ids would fall outside the embedding: set model.vocab_size >= {vocab}, or prepare the data "
             f"with --vocab-size {job.model.vocab_size}"
         )
+    if job.data.packing is not None:
+        if not manifest.instruction:
+            raise DataError(
+                f"{where}: data.packing applies to instruction data (prompt-completion, chat); {job.data.manifest} is "
+                "text, which is always packed: drop data.packing"
+            )
+        if job.data.packing != manifest.packing:
+            raise DataError(
+                f"{where}: data.packing is {job.data.packing} but the dataset was prepared "
+                f"{'with' if manifest.packing else 'without'} packing; prepare it again "
+                f"{'without --no-packing' if job.data.packing else 'with --no-packing'}, or drop data.packing"
+            )
+    if job.model.init_from:
+        _check_tokenizer_of(job, manifest, where)
     largest = max(global_batch(job, dp) for dp in set(data_parallel_sizes(job).values()))
     if manifest.num_rows < largest:
         raise DataError(
@@ -74,3 +97,21 @@ def check_data(job: JobSpec) -> Manifest:
             "data.micro_batch_size"
         )
     return manifest
+
+
+def _check_tokenizer_of(job: JobSpec, manifest: Manifest, where: str) -> None:
+    """A dataset for a model from ``model.init_from`` must be tokenized with that model's tokenizer (when the
+    checkpoint has one): the same ``tokenizer.json``."""
+    import hashlib
+
+    from raytrn import storage
+
+    theirs = storage.read_text(storage.join(str(job.model.init_from), "tokenizer.json"))
+    if theirs is None:
+        return  # a checkpoint without its tokenizer: only the vocabulary size is checked (above)
+    if hashlib.sha256(theirs.encode()).hexdigest() != manifest.tokenizer.sha256:
+        raise DataError(
+            f"{where}: the dataset was tokenized with another tokenizer than model.init_from's "
+            f"({job.model.init_from}/tokenizer.json): its token ids would mean other words to the model; prepare it "
+            f"with `raytrn data prepare --tokenizer {job.model.init_from}`"
+        )

@@ -209,13 +209,22 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sch
     tensors as DTensors), the scheduler's counters and the torch RNG state."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    # Frozen parameters (the base model under LoRA) come from model.init_from at every start: not checkpointed.
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
     return {
         "model": model_state,
         "optim": optim_state,
         "scheduler": scheduler.state_dict(),
         "rng": torch.get_rng_state(),
     }
+
+
+def _options(model: torch.nn.Module) -> Any:
+    """State-dict options: frozen parameters left out (and not expected back) when the model has any."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if frozen else None
 
 
 def _no_dist() -> bool:
@@ -261,7 +270,9 @@ def load(
     state = training_state(model, optimizer, scheduler)
     check_shapes(metadata, state["model"], location=location, source=source)
     dcp.load(state, storage_reader=storage_reader(location), no_dist=_no_dist())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_options(model)
+    )
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
 
@@ -330,4 +341,10 @@ def check_resumable(job: JobSpec, location: str) -> None:
     metadata = check_complete(location)
     with torch.device("meta"):
         model = build_model(job.model, seed=0, device="meta")
-    check_shapes(metadata, model.state_dict(), location=location, source=job.source)
+        if job.model.lora is not None:
+            from raytrn.models.lora import apply_lora
+
+            apply_lora(model, job.model.lora, seed=0)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    state = {n: v for n, v in model.state_dict().items() if n in trained}  # LoRA: the adapters only
+    check_shapes(metadata, state, location=location, source=job.source)

@@ -69,7 +69,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     # -- resume --------------------------------------------------------------------------------
     loaded = _restore(t, resume, checkpoint, rank)
-    if job.model.init_from and loaded is None:  # a new run starts from the Hugging Face checkpoint's weights
+    # A new run starts from the Hugging Face checkpoint's weights; under LoRA every start does (the checkpoints hold
+    # the adapters only).
+    if job.model.init_from and (loaded is None or job.model.lora is not None):
         _load_init_from(job, t, rank)
     if loaded is not None:
         # The full state is the authority; the data pipeline already started where meta.json said.
@@ -105,6 +107,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             job, world_size, spent_usd=progress.cost_usd, logged_usd=logged, started_at=group_started_at
         )
 
+    # Validation: this rank's fixed rows of the validation set, read once (raytrn.train.evaluate).
+    evaluator = None
+    if config.get("validation") is not None:
+        from raytrn.train.evaluate import Evaluator
+
+        evaluator = Evaluator(job, config["validation"], dp=dp, dp_rank=data_parallel_rank(job, rank))
+
     # -- train ---------------------------------------------------------------------------------
     # A spot interruption notice ends this group at a checkpoint (raytrn.train.preemption): agreed every step.
     watch = PreemptionWatch(world_size)
@@ -121,8 +130,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 now = time.time()
                 since_launch = now - config.get("started_at", now)
                 board.first_step_done.remote(progress.step, since_launch, now - group_started_at)
-        progress.tokens_seen += tokens_per_step
-        window_tokens += tokens_per_step
+        trained = result.trained_tokens if result.trained_tokens is not None else tokens_per_step  # masked: counted
+        progress.tokens_seen += trained
+        window_tokens += trained
         window_steps += 1
         data_wait += result.data_wait_s
 
@@ -151,9 +161,22 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             progress.last_logged_step = max(progress.last_logged_step, step)
             window_start, window_tokens, window_steps, data_wait = time.perf_counter(), 0, 0, 0.0
 
+        checkpointing = step % job.checkpoint.every_n_steps == 0 or is_last
+        if evaluator is not None and (is_last or (job.run.eval_every and step % job.run.eval_every == 0)):
+            # The validation loss, every rank (a collective): forward only, no random numbers, no data moved.
+            scores = evaluator.evaluate(t, backend)
+            best = progress.best_val_loss is None or scores["val_loss"] < progress.best_val_loss
+            if best:
+                progress.best_val_loss = scores["val_loss"]
+            if logger and step > progress.last_logged_val_step:
+                logger.log_metrics(scores, step)
+                if best:
+                    logger.set_tags(_best_tags(job, step, scores["val_loss"], checkpointed=checkpointing))
+            progress.last_logged_val_step = max(progress.last_logged_val_step, step)
+
         notice = watch.notice()  # a collective: every rank, every step
         preempted = notice is not None and not is_last
-        if step % job.checkpoint.every_n_steps == 0 or is_last or preempted:
+        if checkpointing or preempted:
             if efficiency is not None:
                 progress.cost_usd = efficiency.cost_usd()
             report = {**metrics, "step": progress.step, "tokens_seen": progress.tokens_seen}
@@ -193,6 +216,8 @@ class _DataPlan:
         self.order = SampleOrder.for_job(manifest, job)
         self.part = RankSlice(rank=dp_rank, size=dp, global_batch=global_batch(job, dp))
         self.row_len = job.data.seq_len + 1
+        #: Attention kept inside each document: the rows' segment ids (instruction data) or their EOS (text).
+        self.document = attention(job, manifest) == "document"
 
     def advance(self, progress: Progress) -> None:
         """One optimizer step consumed a global batch: the counters a checkpoint saves move with it."""
@@ -212,7 +237,6 @@ class _DataPlan:
 
     def batches(self, position: Any, trace: _SampleTrace | None = None) -> Iterator[torch.Tensor]:
         """Endless int64 micro-batches of shape [micro_batch_size, seq_len + 1] from ``position`` (epoch, rows)."""
-        import numpy as np
 
         from raytrn.data.source import rank_batches
 
@@ -220,7 +244,35 @@ class _DataPlan:
         for batch in rank_batches(self.manifest, self.order, self.part, position, batch_rows=mb):
             if trace is not None:
                 trace.record(batch)
-            yield torch.from_numpy(batch.tokens.astype(np.int64))
+            yield to_torch(batch, document=self.document, eos_id=self.manifest.tokenizer.eos_id)
+
+
+def attention(job: JobSpec, manifest: Any) -> str:
+    """``data.attention`` as it applies to ``manifest``: document for instruction data, causal for text, unless set."""
+    return job.data.attention or ("document" if manifest.instruction else "causal")
+
+
+def to_torch(batch: Any, *, document: bool, eos_id: int) -> Any:
+    """A :class:`raytrn.data.source.MicroBatch` as the step takes it: an int64 tensor (plain text, causal), or a
+    :class:`raytrn.train.step.TokenBatch` with the loss mask and, with document attention, segment ids (for text:
+    a new document after every EOS)."""
+    import numpy as np
+
+    from raytrn.data.instruct import MASK_COLUMN, SEGMENT_COLUMN
+    from raytrn.train.step import TokenBatch
+
+    tokens = torch.from_numpy(batch.tokens.astype(np.int64))
+    mask = batch.extra.get(MASK_COLUMN)
+    if mask is None and not document:
+        return tokens
+    segments = None
+    if document:
+        seg = batch.extra.get(SEGMENT_COLUMN)
+        if seg is None:  # text: each EOS ends its document
+            ends = batch.tokens == eos_id
+            seg = 1 + np.concatenate([np.zeros((len(ends), 1), np.int64), np.cumsum(ends, axis=1)[:, :-1]], axis=1)
+        segments = torch.from_numpy(seg.astype(np.int64))
+    return TokenBatch(tokens, None if mask is None else torch.from_numpy(mask.astype(np.bool_)), segments)
 
 
 def rows_tensor(table: Any, row_len: int) -> torch.Tensor:
@@ -282,6 +334,14 @@ def _restore(t: Training, resume: Any, checkpoint: Any, rank: int) -> Progress |
         return None
     with checkpoint.as_directory() as d:
         return t.checkpoints.load(d, t)
+
+
+def _best_tags(job: JobSpec, step: int, val_loss: float, *, checkpointed: bool) -> dict[str, str]:
+    """The run's tags for a new best validation loss: the step, the loss, and the checkpoint of that step (when one
+    is written there: evaluate at checkpoint steps to keep every candidate)."""
+    name = f"checkpoint_{step:08d}"
+    location = storage.join(job.checkpoint.storage, job.run_name, name) if checkpointed else "none (no checkpoint)"
+    return {"best_val_loss": f"{val_loss:.6f}", "best_val_step": str(step), "best_checkpoint": location}
 
 
 def _load_init_from(job: JobSpec, t: Training, rank: int) -> None:
@@ -452,7 +512,6 @@ def log_final_model(job: JobSpec, t: Training, logger: Any) -> None:
     the safetensors file by rank 0 (``logger``), which never holds the whole model.
     """
     from raytrn.data.manifest import load_manifest
-    from raytrn.models.llama import save_hf
 
     assert t.export is not None
     writing = logger is not None and logger.run_id is not None
@@ -461,12 +520,30 @@ def log_final_model(job: JobSpec, t: Training, logger: Any) -> None:
     specs = {name: (v.dtype, tuple(v.shape)) for name, v in getattr(t.model, "module", t.model).state_dict().items()}
     with tempfile.TemporaryDirectory(prefix="raytrn-model-") as d:
         try:
-            save_hf(job.model, t.export(), d if writing else None, specs=specs)
+            _export(job, t.export(), d if writing else None, specs)
             if writing:
                 _save_tokenizer(load_manifest(job.data.manifest, check_files=False).tokenizer_path, d)
                 logger.client.log_artifacts(logger.run_id, d, "model")
         except Exception as e:  # tracking never fails a finished training
             log.warning("could not log the final model to MLflow: %s", e)
+
+
+def _export(job: JobSpec, items: Any, out_dir: str | None, specs: dict[str, Any]) -> None:
+    """The model's full tensors (gathered one at a time) as a Hugging Face checkpoint; under LoRA with the adapters
+    merged (``tracking.export: merged``) or as a peft adapter directory (``adapter``)."""
+    from raytrn.models.llama import save_hf
+
+    lora = job.model.lora
+    if lora is None:
+        save_hf(job.model, items, out_dir, specs=specs)
+        return
+    from raytrn.models.lora import adapted_weights, export_specs, merged_items, save_adapter
+
+    if job.tracking.export == "adapter":
+        save_adapter(lora, items, out_dir, base=job.model.init_from)
+        return
+    scaling = lora.alpha / lora.rank
+    save_hf(job.model, merged_items(items, scaling, adapted_weights(specs)), out_dir, specs=export_specs(specs))
 
 
 def _save_tokenizer(path: str, out_dir: str) -> None:

@@ -44,6 +44,10 @@ class Training:
     #: The full model state, one (name, CPU tensor) at a time, for the Hugging Face export; every rank iterates
     #: (sharded tensors are gathered). None: the layout cannot export (NxD).
     export: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None
+    #: Workers, and model replicas among them (tensor-parallel groups share one): the loss of masked data is
+    #: normalised over the global batch.
+    world_size: int = 1
+    data_parallel_size: int = 1
 
 
 @dataclass(kw_only=True)
@@ -51,6 +55,25 @@ class StepResult:
     loss: torch.Tensor  # mean loss over the step's micro-batches (lazy on XLA)
     grad_norm: torch.Tensor  # before clipping (lazy on XLA)
     data_wait_s: float  # time spent waiting for batches
+    #: Tokens the loss was taken on over the whole global batch (masked data); None: every token (text).
+    trained_tokens: int | None = None
+
+
+@dataclass
+class TokenBatch:
+    """A micro-batch that is not plain text: token ids ``[rows, seq_len + 1]`` with, per token, whether it is a target
+    to train on (``loss_mask``, None: all) and its document (``segments``: 1, 2, ... per document of a row, 0 padding;
+    None: plain causal attention)."""
+
+    tokens: torch.Tensor
+    loss_mask: torch.Tensor | None = None
+    segments: torch.Tensor | None = None
+
+    def to(self, device: Any, non_blocking: bool = False) -> TokenBatch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return TokenBatch(move(self.tokens), move(self.loss_mask), move(self.segments))  # type: ignore[arg-type]
 
 
 def build_training(
@@ -65,23 +88,61 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def train_step(t: Training, batches: Iterator[torch.Tensor], backend: Backend) -> StepResult:
-    """One optimizer step over ``grad_accum`` micro-batches of shape [micro_batch, seq_len + 1]."""
+def masked_loss_sum(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of the next-token cross entropy (fp32 logits) over the targets ``mask`` selects."""
+    losses = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none")
+    return (losses * mask.reshape(-1).to(losses.dtype)).sum()
+
+
+def forward(t: Training, batch: torch.Tensor | TokenBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Logits of a micro-batch's inputs, its targets, and the targets' mask (None: all count)."""
+    if isinstance(batch, TokenBatch):
+        tokens, mask, segments = batch.tokens, batch.loss_mask, batch.segments
+    else:
+        tokens, mask, segments = batch, None, None
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    kwargs = {"segments": segments[:, :-1]} if segments is not None else {}
+    with torch.autocast(inputs.device.type, dtype=t.autocast_dtype) if t.autocast_dtype else nullcontext():
+        logits = t.model(input_ids=inputs, **kwargs).logits
+    return logits, targets, None if mask is None else mask[:, 1:]
+
+
+def global_count(local: torch.Tensor, t: Training) -> torch.Tensor:
+    """Targets of the whole global batch (every data-parallel rank's; tensor-parallel ranks hold the same rows)."""
+    total = local.clone()
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and t.world_size > 1:
+        torch.distributed.all_reduce(total)  # a collective: every rank, every masked step
+        total = total / (t.world_size // t.data_parallel_size)
+    return total.clamp(min=1)
+
+
+def train_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch], backend: Backend) -> StepResult:
+    """One optimizer step over ``grad_accum`` micro-batches of shape [micro_batch, seq_len + 1].
+
+    Masked data (instruction rows): the loss is the mean over the trained tokens of the whole global batch, not a
+    mean of per-row or per-micro-batch means: the step's micro-batches are drawn first, their targets counted and
+    summed over the data-parallel ranks, and each micro-batch's loss sum is scaled so that the gradient averaging of
+    DDP/FSDP yields exactly that mean."""
     model = t.model
     model.train()
+    t0 = time.perf_counter()
+    first = next(batches)
+    if isinstance(first, TokenBatch) and first.loss_mask is not None:
+        step_batches: list[Any] = [first, *(next(batches) for _ in range(t.grad_accum - 1))]
+        return _masked_step(t, step_batches, backend, data_wait=time.perf_counter() - t0)
+    pending: list[Any] = [first]
     loss_sum = torch.zeros((), device=backend.device())
-    data_wait = 0.0
+    data_wait = time.perf_counter() - t0
     for micro in range(t.grad_accum):
         t0 = time.perf_counter()
-        batch = next(batches)  # already on the device (backend.wrap_batches)
+        batch = pending.pop() if pending else next(batches)  # already on the device (backend.wrap_batches)
         data_wait += time.perf_counter() - t0
-        inputs, targets = batch[:, :-1], batch[:, 1:]
         # DDP/FSDP reduce gradients on the last micro-batch only.
         last = micro == t.grad_accum - 1
         with nullcontext() if last else t.no_sync():
             # Mixed precision: forward in bf16, weights fp32; backward outside autocast (it follows the forward).
-            with torch.autocast(inputs.device.type, dtype=t.autocast_dtype) if t.autocast_dtype else nullcontext():
-                logits = model(input_ids=inputs).logits
+            logits, targets, _ = forward(t, batch)
+            with torch.autocast(logits.device.type, dtype=t.autocast_dtype) if t.autocast_dtype else nullcontext():
                 loss = t.loss_fn(logits, targets)
             (loss / t.grad_accum).backward()
         loss_sum = loss_sum + loss.detach()
@@ -91,6 +152,36 @@ def train_step(t: Training, batches: Iterator[torch.Tensor], backend: Backend) -
     t.optimizer.zero_grad(set_to_none=True)
     backend.sync()  # XLA: the step's graph ends here (compiled once, then cached)
     return StepResult(loss=loss_mean, grad_norm=grad_norm, data_wait_s=data_wait)
+
+
+def _masked_step(t: Training, micro: list[TokenBatch], backend: Backend, *, data_wait: float) -> StepResult:
+    assert all(b.loss_mask is not None for b in micro), "a step mixes masked and unmasked micro-batches"
+    device = backend.device()
+    local = torch.stack([b.loss_mask[:, 1:].sum() for b in micro]).sum().to(device=device, dtype=torch.float32)  # type: ignore[index]
+    total = global_count(local, t)
+    # DDP/FSDP average gradients over the DP ranks: scale each rank's sum by DP / total to get sum(all) / total.
+    scale = t.data_parallel_size / total
+    loss_sum = torch.zeros((), device=device)
+    for k, batch in enumerate(micro):
+        last = k == len(micro) - 1
+        with nullcontext() if last else t.no_sync():
+            logits, targets, mask = forward(t, batch)
+            assert mask is not None
+            loss = masked_loss_sum(logits, targets, mask) * scale
+            loss.backward()
+        loss_sum = loss_sum + loss.detach()
+    grad_norm = t.clip_and_step()
+    t.scheduler.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    backend.sync()
+    # Per rank: its sum x DP / total; the loop's mean over the world (read_metrics: every tensor-parallel copy
+    # counted alike) is then sum(all) / total.
+    return StepResult(
+        loss=loss_sum,
+        grad_norm=grad_norm,
+        data_wait_s=data_wait,
+        trained_tokens=int(total.item()),  # a host read: the step's count, already all-reduced
+    )
 
 
 def read_metrics(result: StepResult, world_size: int) -> dict[str, float]:

@@ -39,6 +39,9 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
     check_spec(job)
     backend.check(job)
     manifest = check_data(job)
+    from raytrn.train.evaluate import validation_set
+
+    validation = validation_set(job, manifest)
     meta, latest = latest_checkpoint(job, committed=backend.committed_checkpoints)
     resumed = meta.progress if meta else Progress()
     start_step = resumed.step
@@ -117,8 +120,9 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
     try:
         with _stop_on_sigterm(lambda: finish("KILLED", 3.0)):  # Ray SIGKILLs soon after SIGTERM
             trainer = _trainer(
-                job, backend, scaling, manifest, tracked, tracker, board, schedule=schedule, local=started_locally
-            )
+                job, backend, scaling, manifest, tracked, tracker, board, schedule=schedule, local=started_locally,
+                validation=validation,
+            )  # fmt: skip
             with ProgressPrinter(board, live=live_progress), watch:
                 result = trainer.fit()
         if backend.committed_checkpoints:
@@ -274,6 +278,7 @@ def _trainer(
     *,
     schedule: Schedule,
     local: bool = False,
+    validation: Any = None,
 ) -> Any:
     """The Ray Train ``TorchTrainer`` for ``job``, reading the manifest's shards with Ray Data
     (``local``: on the embedded local Ray this process started, see :func:`_local_trainer_class`)."""
@@ -299,6 +304,7 @@ def _trainer(
             # Every worker streams its own rows of the job's global order (raytrn.data.order): no Ray Train
             # datasets, whose split hands blocks to whichever worker asks first.
             "manifest": manifest,
+            "validation": validation,  # raytrn.train.evaluate: the same rows every evaluation, at any size
         },
         scaling_config=scaling,
         torch_config=backend.ray_backend_config(job),

@@ -139,7 +139,7 @@ def test_same_output_again_is_up_to_date(dataset, capsys) -> None:
     out, manifest = dataset
     mtimes = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     assert _prepare(out) == manifest
-    assert f"{out}: up to date (same input, seq_len and tokenizer)" in capsys.readouterr().err
+    assert f"{out}: up to date (same input, seq_len, tokenizer and settings)" in capsys.readouterr().err
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == mtimes
 
 
@@ -390,6 +390,6 @@ def test_cli_up_to_date_is_fast_and_quiet(dataset) -> None:
         str(SHARD_MB),
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stderr == f"{out}: up to date (same input, seq_len and tokenizer)\n"
+    assert proc.stderr == f"{out}: up to date (same input, seq_len, tokenizer and settings)\n"
     assert proc.stdout.strip() == manifest.describe()
     assert glob.glob(f"{out}.*") == []

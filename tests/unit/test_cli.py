@@ -179,7 +179,7 @@ def test_validate_ok(tmp_path: Path) -> None:
     assert lines[-1] == f"{TINY}: OK"
     assert "model: llama, " in result.stdout
     assert "batch: 2 workers: 16 x 1 x 2 (DP) = 32 sequences/step of 128 tokens" in lines
-    assert "data: 64 rows x 129 tokens in 1 shard(s), tokenizer vocab 4,096 (model vocab 4,096)" in lines
+    assert "data: 64 rows x 129 tokens in 1 shard(s) (text), tokenizer vocab 4,096 (model vocab 4,096)" in lines
 
 
 def test_validate_dataset_smaller_than_one_global_batch(tmp_path: Path) -> None:

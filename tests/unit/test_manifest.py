@@ -73,6 +73,11 @@ def test_manifest_json_layout(tmp_path: Path) -> None:
         "tokenizer",
         "source",
         "created_by",
+        "kind",
+        "extra_columns",
+        "packing",
+        "examples",
+        "validation",
     ]
     assert data["column"] == "input_ids" and data["dtype"] == "int32"
     assert data["shards"][0] == {"path": "shard-00000.parquet", "rows": 10, "tokens": 90, "bytes": 1000}

@@ -1,0 +1,136 @@
+"""Validation: the loss over a fixed part of the validation set, the same rows every time and at any world size.
+
+The validation set is read in manifest order (never shuffled) and cut into global batches as the training data is
+(``data.global_batch_size`` rows; rank r of D takes its slice of each); an evaluation covers the first
+``run.eval_batches`` of them. Each rank reads its rows once, in this process, and keeps them (a validation slice is
+small). The loss is summed over the trained tokens of every row of every rank and divided by their count: the
+mean over the tokens, as training's. An evaluation runs the model forward only, without gradients; it draws no
+random numbers and does not touch the training data's position, so it never changes the training trajectory.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from raytrn.data.manifest import Manifest
+from raytrn.errors import DataError
+
+if TYPE_CHECKING:
+    from raytrn.backends.base import Backend
+    from raytrn.config import JobSpec
+    from raytrn.train.step import Training
+
+
+class Evaluator:
+    """This rank's validation micro-batches and the validation loss over every rank's."""
+
+    def __init__(self, job: JobSpec, manifest: Manifest, *, dp: int, dp_rank: int) -> None:
+        from raytrn.data.manifest import rows_per_group
+        from raytrn.data.order import RankSlice, SampleOrder, iter_rows, plan_epoch
+        from raytrn.data.source import block_arrays, slices
+        from raytrn.train.loop import attention, to_torch
+        from raytrn.train.sizes import global_batch
+
+        b = global_batch(job, dp)
+        self.num_batches = min(job.run.eval_batches, manifest.num_rows // b)
+        if self.num_batches < 1:
+            raise DataError(
+                f"{job.source}: the validation set {manifest.manifest_path} has {manifest.num_rows:,} rows, fewer than "
+                f"one global batch ({b:,}); use a larger validation set or a smaller data.global_batch_size"
+            )
+        order = SampleOrder(shard_rows=[s.rows for s in manifest.shards], block_rows=rows_per_group(manifest.row_len),
+                            shuffle=False)  # fmt: skip
+        part = RankSlice(rank=dp_rank, size=dp, global_batch=b)
+        wanted = self.num_batches * part.rows_per_step
+        columns = (manifest.column, *manifest.extra_columns)
+
+        def blocks() -> Any:
+            got = 0
+            for table in iter_rows(manifest.shard_paths(), columns, plan_epoch(order, part, 0)):
+                block = block_arrays(table, manifest.column, manifest.row_len, manifest.extra_columns)
+                yield block.rows(0, min(len(block), wanted - got))
+                got += len(block)
+                if got >= wanted:
+                    return
+
+        document = attention(job, manifest) == "document"
+        self.batches = [
+            to_torch(mb, document=document, eos_id=manifest.tokenizer.eos_id)
+            for mb in slices(blocks(), job.data.micro_batch_size)
+        ]
+
+    @torch.no_grad()
+    def evaluate(self, t: Training, backend: Backend) -> dict[str, float]:
+        """``val_loss`` (mean over the trained tokens of the evaluated rows of every rank) and ``val_perplexity``. A
+        collective: every rank calls it at the same step."""
+        import torch.nn.functional as F
+
+        from raytrn.train.step import forward
+
+        device = backend.device()
+        was_training = t.model.training
+        t.model.eval()
+        loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+        count = torch.zeros((), device=device, dtype=torch.float64)
+        try:
+            for batch in self.batches:
+                logits, targets, mask = forward(t, batch.to(device))
+                losses = F.cross_entropy(
+                    logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none"
+                )
+                if mask is None:
+                    loss_sum += losses.sum().double()
+                    count += losses.numel()
+                else:
+                    weights = mask.reshape(-1).to(losses.dtype)
+                    loss_sum += (losses * weights).sum().double()
+                    count += weights.sum().double()
+        finally:
+            t.model.train(was_training)
+        totals = torch.stack([loss_sum, count])
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and t.world_size > 1:
+            torch.distributed.all_reduce(totals)  # every TP copy counts alike: the ratio is unchanged
+        loss = float(totals[0] / totals[1].clamp(min=1))
+        return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 80.0))}
+
+
+def validation_set(job: JobSpec, manifest: Manifest) -> Manifest | None:
+    """The job's validation set (``data.validation``, else the split prepared with its dataset), checked against the
+    training set and the batch: DataError for another seq_len or tokenizer, or fewer rows than one global batch."""
+    from raytrn.data.manifest import load_manifest
+    from raytrn.train.sizes import data_parallel_sizes, global_batch
+
+    where = f"{job.source}: data.validation"
+    path = job.data.validation
+    if path == "none":
+        val = None
+    else:
+        path = path or manifest.validation_path()
+        val = load_manifest(path) if path else None
+    if val is None:
+        if job.run.eval_every is not None:
+            raise DataError(
+                f"{job.source}: run.eval_every is set but there is no validation set: prepare the data with "
+                "--validation-fraction F, or set data.validation to a prepared dataset"
+            )
+        return None
+    if val.seq_len != manifest.seq_len:
+        raise DataError(f"{where}: {val.manifest_path} has seq_len {val.seq_len}, the training set {manifest.seq_len}")
+    if val.tokenizer.sha256 != manifest.tokenizer.sha256:
+        raise DataError(
+            f"{where}: {val.manifest_path} was made with another tokenizer than the training set; prepare both with the "
+            "same --tokenizer"
+        )
+    if val.instruction != manifest.instruction:
+        raise DataError(f"{where}: {val.manifest_path} is {val.kind} data, the training set {manifest.kind}")
+    largest = max(global_batch(job, dp) for dp in set(data_parallel_sizes(job).values()))
+    if val.num_rows < largest:
+        raise DataError(
+            f"{where}: the validation set has {val.num_rows:,} rows, fewer than one global batch ({largest:,} "
+            "sequences): an evaluation needs at least one; prepare a larger validation split or lower "
+            "data.global_batch_size"
+        )
+    return val
