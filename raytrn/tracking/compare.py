@@ -23,6 +23,8 @@ from raytrn.config import resolve_mlflow_uri as resolve_tracking_uri
 from raytrn.errors import RaytrnError
 
 DEFAULT_METRICS = ("loss", "tokens_per_s", "usd_per_1m_tokens", "mfu")
+#: Shown first by default when a run of the experiment has them (the held-out loss says more than the training loss).
+VALIDATION_METRICS = ("val_loss",)
 HIGHER_IS_BETTER = frozenset({"tokens_per_s", "mfu", "tokens_per_usd", "tokens_seen"})
 # (param key, column header): what tells runs of a sweep apart.
 KEY_PARAMS = (
@@ -31,7 +33,9 @@ KEY_PARAMS = (
     ("scaling.max_workers", "workers"),
     ("data.seq_len", "seq_len"),
     ("optim.lr", "lr"),
+    ("model.lora.rank", "lora_r"),
 )
+OPTIONAL_PARAMS = frozenset({"model.lora.rank"})
 PLOT_METRICS = ("loss", "tokens_per_s")
 _CONNECT_TIMEOUT_S = 5.0
 
@@ -74,12 +78,16 @@ class Comparison:
         """A plain-text aligned table; ``*`` marks the best value of each metric."""
         if not self.rows:
             return self.empty_message()
-        header = ["run", "id", "status", "duration"] + [label for _, label in KEY_PARAMS] + list(self.metrics)
+        # The optional params (a sweep's or a fine-tune's) only when some run has them.
+        params = [
+            (k, label) for k, label in KEY_PARAMS if k not in OPTIONAL_PARAMS or any(k in r.params for r in self.rows)
+        ]
+        header = ["run", "id", "status", "duration"] + [label for _, label in params] + list(self.metrics)
         best = {m: self.best(m) for m in self.metrics}
         lines = []
         for r in self.rows:
             cells = [r.name or "-", r.run_id[:8], r.status, _fmt_duration(r.duration_s)]
-            cells += [r.params.get(key, "-") for key, _ in KEY_PARAMS]
+            cells += [r.params.get(key, "-") for key, _ in params]
             for m in self.metrics:
                 v = r.metrics.get(m)
                 cells.append(("-" if v is None else _fmt_value(v)) + ("*" if v is not None and v == best[m] else " "))
@@ -148,16 +156,22 @@ def _check_reachable(uri: str) -> None:
 
 
 def compare_runs(
-    *, tracking_uri: str, experiment: str, filter_string: str = "", metrics: Sequence[str], max_runs: int = 20
+    *,
+    tracking_uri: str,
+    experiment: str,
+    filter_string: str = "",
+    metrics: Sequence[str] | None = None,
+    max_runs: int = 20,
 ) -> Comparison:
     """Collect the newest ``max_runs`` runs of ``experiment`` matching ``filter_string`` (MLflow syntax,
-    e.g. ``params.`optim.lr` = '0.001'``) with the final value of each of ``metrics``."""
+    e.g. ``params.`optim.lr` = '0.001'``) with the final value of each of ``metrics`` (default: ``val_loss`` when a
+    run has it, then :data:`DEFAULT_METRICS`)."""
     from mlflow.exceptions import MlflowException
 
     if max_runs < 1:
         raise RaytrnError(f"--max-runs {max_runs}: must be at least 1")
-    metrics = [m.strip() for m in metrics if m.strip()]
-    if not metrics:
+    chosen = None if metrics is None else [m.strip() for m in metrics if m.strip()]
+    if chosen is not None and not chosen:
         raise RaytrnError("--metrics: give at least one metric name, e.g. --metrics loss,tokens_per_s")
     client = _client(tracking_uri)
     try:
@@ -182,6 +196,10 @@ def compare_runs(
             hint = " (dotted names need backticks, e.g. params.`optim.lr` = '0.001')"
         raise RaytrnError(f"--filter {filter_string!r}: {_first_line(e)}{hint}") from None
 
+    if chosen is None:
+        shown = [m for m in VALIDATION_METRICS if any(m in run.data.metrics for run in runs)]
+        chosen = [*shown, *DEFAULT_METRICS]
+    metrics = chosen
     now_ms = time.time() * 1000
     rows = []
     for run in runs:
@@ -208,8 +226,9 @@ def _first_line(e: Exception) -> str:
     return str(msg).strip().splitlines()[0] if str(msg).strip() else type(e).__name__
 
 
-def plot(comparison: Comparison, path: str, metrics: Sequence[str] = PLOT_METRICS) -> str:
-    """Write a PNG with one panel per metric (default loss and tokens_per_s vs step), one line per run.
+def plot(comparison: Comparison, path: str, metrics: Sequence[str] | None = None) -> str:
+    """Write a PNG with one panel per metric (default loss, val_loss when compared, and tokens_per_s vs step), one
+    line per run.
 
     Written to a temp file and renamed, so a reader never sees half a PNG. Returns the absolute path.
     """
@@ -222,6 +241,8 @@ def plot(comparison: Comparison, path: str, metrics: Sequence[str] = PLOT_METRIC
         raise RaytrnError("--plot needs matplotlib: pip install matplotlib") from None
     from mlflow.exceptions import MlflowException
 
+    if metrics is None:
+        metrics = [PLOT_METRICS[0], *(m for m in VALIDATION_METRICS if m in comparison.metrics), *PLOT_METRICS[1:]]
     client = _client(comparison.tracking_uri)
     fig = Figure(figsize=(6 * len(metrics), 4.5), layout="constrained")
     FigureCanvasAgg(fig)  # Agg, without pyplot's global state or backend selection
@@ -286,9 +307,9 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--metrics",
-        default=",".join(DEFAULT_METRICS),
+        default=None,
         metavar="M1,M2",
-        help=f"comma-separated metrics to compare (default {','.join(DEFAULT_METRICS)})",
+        help=f"comma-separated metrics to compare (default: val_loss when a run has it, then {','.join(DEFAULT_METRICS)})",
     )
     p.add_argument("--plot", metavar="OUT.png", help="also write loss and tokens_per_s vs step to this PNG")
     p.add_argument(
@@ -305,7 +326,7 @@ def _cmd_runs_compare(args: argparse.Namespace) -> int:
         tracking_uri=resolve_tracking_uri(args.tracking_uri),
         experiment=args.experiment,
         filter_string=args.filter_string,
-        metrics=args.metrics.split(","),
+        metrics=args.metrics.split(",") if args.metrics is not None else None,
         max_runs=args.max_runs,
     )
     print(comparison.render())

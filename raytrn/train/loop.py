@@ -168,8 +168,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             best = progress.best_val_loss is None or scores["val_loss"] < progress.best_val_loss
             if best:
                 progress.best_val_loss = scores["val_loss"]
-            if logger and step > progress.last_logged_val_step:
-                logger.log_metrics(scores, step)
+            if logger and step > progress.last_logged_val_step:  # (the step's training metrics went first)
+                logger.log_metrics(scores, step, training=False)
                 if best:
                     logger.set_tags(_best_tags(job, step, scores["val_loss"], checkpointed=checkpointing))
             progress.last_logged_val_step = max(progress.last_logged_val_step, step)

@@ -192,3 +192,43 @@ def test_free_port_is_closed() -> None:  # the unreachable-server test relies on
     port = _free_port()
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
         pass
+
+
+def test_val_loss_comes_first_by_default_when_a_run_has_it(tmp_path: Path) -> None:
+    """A fine-tuning experiment: runs compared by their held-out loss, the LoRA rank shown; the plot adds a
+    val_loss panel."""
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("ft", artifact_location=(tmp_path / "artifacts").as_uri())
+    for i, (name, rank, val) in enumerate([("full", None, [2.0, 1.5]), ("lora", "8", [2.1, 1.4])]):
+        run_id = client.create_run(exp, run_name=name, start_time=T0 + i).info.run_id
+        params = [Param("model.lora.rank", rank)] if rank else []
+        metrics = [Metric("loss", 1.0, T0, 1)] + [Metric("val_loss", v, T0 + s, s) for s, v in enumerate(val)]
+        client.log_batch(run_id, metrics=metrics, params=params)
+    c = cmp.compare_runs(tracking_uri=uri, experiment="ft")
+    assert c.metrics == ["val_loss", *cmp.DEFAULT_METRICS]
+    table = c.render()
+    assert (
+        table.splitlines()[1].split()[-5:]
+        == ["lora_r", "val_loss", "loss", "tokens_per_s", "usd_per_1m_tokens", "mfu"][-5:]
+    )
+    assert "lora_r" in table.splitlines()[1]
+    assert _line(table, "lora").split()[-5] == "1.4*"
+    assert cmp.compare_runs(tracking_uri=uri, experiment="ft", metrics=["loss"]).metrics == ["loss"]
+    plotted = cmp.plot(c, str(tmp_path / "ft.png"))
+    assert Path(plotted).read_bytes()[:8] == PNG_MAGIC
+    no_val = _compare_default(tmp_path)
+    assert no_val == list(cmp.DEFAULT_METRICS)
+
+
+def _compare_default(tmp_path: Path) -> list[str]:
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'plain.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("plain", artifact_location=(tmp_path / "a2").as_uri())
+    client.log_metric(client.create_run(exp, run_name="r").info.run_id, "loss", 1.0)
+    return cmp.compare_runs(tracking_uri=uri, experiment="plain").metrics
