@@ -21,10 +21,11 @@ VENV_PY312 := .venv-py312
 PYTHON312 = $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
 	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$p"; break; }; done)
 
-.PHONY: help venv venv-xla venv-py312 data demo test test-xla test-py312 unit integration lint format clean bench
+.PHONY: help venv venv-xla venv-py312 data demo demo-finetune test test-xla test-py312 unit integration lint format clean bench
 
 help:
 	@echo "make demo   - create .venv, install, prepare data/stdlib, train jobs/tiny.yaml on a local Ray"
+	@echo "make demo-finetune - after make demo: fine-tune its model (full and LoRA) on stdlib docstrings, compare by val_loss"
 	@echo "make test   - run the test suite (unit + integration; what CI runs)"
 	@echo "make test-xla - build .venv-xla (torch 2.9 + torch-xla 2.9) and run tests/xla on PJRT_DEVICE=CPU"
 	@echo "make test-py312 - build .venv-py312 (Python 3.12, TorchNeuron's Python) and run the unit suite + a Ray training test"
@@ -68,6 +69,12 @@ $(DEMO_DATA)/manifest.json: venv
 demo: venv data
 	$(BIN)/raytrn train jobs/tiny.yaml
 	$(BIN)/raytrn runs compare --experiment raytrn-demo --plot mlruns/compare.png
+
+# Fine-tune the model `make demo` trained on prompt/completion pairs from the standard library: all weights, then
+# LoRA; ends with the two compared by val_loss (raytrn/demos/finetune.py). A few minutes here.
+demo-finetune: venv
+	@test -f mlruns/mlflow.db || { echo "make demo-finetune fine-tunes the model make demo trained: run make demo first" >&2; exit 2; }
+	$(BIN)/python -m raytrn.demos.finetune
 
 # Benchmarks (not part of `make test`): overhead vs bare PyTorch / stock Ray Train, scaling, data, checkpoint,
 # MLflow, recovery; writes bench/results/ and rewrites the README's Benchmarks block.

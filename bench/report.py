@@ -188,6 +188,19 @@ def render(report: dict[str, Any]) -> str:
             f"tokens/s) | ddp {_num(par['ddp_2_tokens_per_s'])} ({par['ddp_over_bare']:.2f}x), fsdp "
             f"{_num(par['fsdp_2_tokens_per_s'])} ({par['fsdp_over_bare']:.2f}x) | 2 cores: ceiling 2x |"
         )
+    lo = res.get("lora", {})
+    row = _status_row("lora", lo)
+    if row:
+        lines.append(row)
+    elif lo:
+        full, ad = lo["full"], lo["lora"]
+        lines.append(
+            f"| LoRA vs full fine-tuning, one CPU process ({lo['setup']}) | trainable parameters "
+            f"{_num(ad['trainable_params'])} vs {_num(full['trainable_params'])} ({_pct(lo['trainable_ratio'], 2)}); "
+            f"AdamW state {_num(ad['optimizer_bytes'] / 2**20, ',.1f')} vs {_num(full['optimizer_bytes'] / 2**20, ',.1f')} "
+            f"MiB ({_pct(lo['optimizer_ratio'], 2)}); {_num(ad['tokens_per_s'])} vs {_num(full['tokens_per_s'])} "
+            f"tokens/s ({_num(lo['speed_ratio'], '.2f')}x) | |"
+        )
     rec = res.get("recovery", {})
     row = _status_row("recovery", rec)
     if row:

@@ -551,8 +551,16 @@ def _with_init_from(raw: dict[str, Any], base_dir: str, *, source: str) -> dict[
     from raytrn.models.hf import merge_config
 
     location = model["init_from"]
-    if "://" not in location:
-        location = os.path.abspath(os.path.join(base_dir, os.path.expanduser(location)))
+    if "://" in location:
+        # Remote: read where the job starts (the cluster has the credentials), not where it is written or validated
+        # (raytrn.train.checks.check_init_from); the job gives the sizes.
+        if model.get("preset") is None and model.get("hidden_size") is None:
+            raise ConfigError(
+                f"{source}: model.init_from {location} is remote: give the model's sizes in the job (model.preset, or "
+                "hidden_size, num_layers, ...); its config.json is checked against them when the job starts"
+            )
+        return raw
+    location = os.path.abspath(os.path.join(base_dir, os.path.expanduser(location)))
     return {**raw, "model": merge_config(model, location, where=source)}
 
 

@@ -894,7 +894,8 @@ def prepare_dataset(
     choice = (
         f"file:{hashlib.sha256(given_raw + config_raw).hexdigest()}" if given_tok is not None else f"bpe:{vocab_size}"
     )
-    choice += f"|format={format}|packing={packing}|validation={validation_fraction!r}|skip_bad={skip_bad_lines}"
+    if instruction or validation_fraction:  # (plain text keeps the fingerprint datasets prepared before had)
+        choice += f"|format={format}|packing={packing}|validation={validation_fraction!r}|skip_bad={skip_bad_lines}"
     fingerprint = fingerprint_inputs(files, seq_len=seq_len, tokenizer_choice=choice)
     existing = _check_output(out, output, fingerprint, max_rows, overwrite)
     if existing is not None:

@@ -142,6 +142,19 @@ def merge_config(model: dict[str, Any], location: str, *, where: str) -> dict[st
     return {**theirs, **{k: v for k, v in model.items() if v is not None}}  # null: the checkpoint decides
 
 
+def check_config(model: Any, location: str, *, where: str) -> None:
+    """ConfigError naming the first field of the job's ``model`` (a ModelConfig) that ``location``'s config.json
+    says otherwise (a remote ``init_from``, checked where the job starts)."""
+    theirs = model_fields(read_config(location), where=f"{where}: model.init_from {location}")
+    for name, value in theirs.items():
+        ours = model.kv_heads if name == "num_key_value_heads" else getattr(model, name)
+        if not _same(ours, value) and not (value is None and ours is None):
+            raise ConfigError(
+                f"{where}: model.{name} is {ours!r} but {storage.join(location, CONFIG_FILE)} says {value!r}; set it "
+                "to the checkpoint's value"
+            )
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float) or isinstance(b, float):
         try:

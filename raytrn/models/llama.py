@@ -41,8 +41,34 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=131072,
         rope_theta=500000.0,
         tie_word_embeddings=True,
+        # Llama 3.2's config.json: long-context RoPE scaling (checked against init_from's config.json).
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),  # fmt: skip
     ),
-    # Llama 3 / 3.1 8B.
+    # Llama 3.1 8B: Llama 3 8B's sizes, a 128k context with RoPE scaling (its config.json).
+    "llama3.1-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),  # fmt: skip
+    ),
+    # Llama 3 8B.
     "llama3-8b": dict(
         hidden_size=4096,
         intermediate_size=14336,

@@ -211,7 +211,7 @@ def compare_runs(
                 name=info.run_name or "",
                 status=info.status,
                 duration_s=(end - info.start_time) / 1000 if end and info.start_time else None,
-                params={k: data.params[k] for k, _ in KEY_PARAMS if k in data.params},
+                params={k: data.params[k] for k, _ in KEY_PARAMS if data.params.get(k) not in (None, "None")},
                 # run.data.metrics holds each metric's value at its latest step
                 metrics={m: float(data.metrics[m]) for m in metrics if m in data.metrics},
             )

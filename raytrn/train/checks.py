@@ -42,6 +42,7 @@ def check_job(job: JobSpec, *, data: bool = True) -> list[str]:
     if not data:
         lines.append(f"data: not checked (--no-data): {job.data.manifest}")
         return lines
+    check_init_from(job)
     manifest = check_data(job)
     lines.append(
         f"data: {manifest.num_rows:,} rows x {manifest.row_len} tokens in {len(manifest.shards)} shard(s) "
@@ -57,6 +58,16 @@ def check_job(job: JobSpec, *, data: bool = True) -> list[str]:
             f"{job.run.eval_every or job.run.max_steps} steps over up to {job.run.eval_batches} global batches"
         )
     return lines
+
+
+def check_init_from(job: JobSpec) -> None:
+    """A remote ``model.init_from``'s config.json against the job's model (local ones were read when the job loaded)."""
+    from raytrn import storage
+
+    if job.model.init_from and storage.is_remote(job.model.init_from):
+        from raytrn.models.hf import check_config
+
+        check_config(job.model, job.model.init_from, where=job.source)
 
 
 def check_data(job: JobSpec) -> Manifest:

@@ -24,7 +24,7 @@ from raytrn.data.order import SAMPLE_TRACE_ENV
 from raytrn.errors import RaytrnError
 from raytrn.models import model_stats
 from raytrn.runtime import ensure_ray, on_this_node, process_started_at
-from raytrn.train.checks import check_data, check_spec
+from raytrn.train.checks import check_data, check_init_from, check_spec
 from raytrn.train.elastic import SizeChooser
 from raytrn.train.progress import ProgressBoard, ProgressPrinter, Summary
 from raytrn.train.schedule import Schedule, resolve_schedule
@@ -38,6 +38,7 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
     backend = get_backend(job.scaling.accelerator)
     check_spec(job)
     backend.check(job)
+    check_init_from(job)
     manifest = check_data(job)
     from raytrn.train.evaluate import validation_set
 

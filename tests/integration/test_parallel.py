@@ -315,10 +315,8 @@ def test_s3_upload_streams_parts_and_leaves_nothing_on_error(s3_bucket, s3_endpo
     assert not s3.list_multipart_uploads(Bucket=s3_bucket).get("Uploads")
 
 
-def test_init_from_a_hugging_face_checkpoint_into_fsdp_and_tensor_parallel(tmp_path) -> None:
-    """model.init_from on 4 workers, FSDP x TP 2: every rank reads only the slices its shards hold (DCP's Hugging
-    Face reader), and the model gathered back is the checkpoint, tensor for tensor, bit-equal."""
-    from safetensors.torch import load_file
+def _tiny_hf(path: Path) -> None:
+    """A Hugging Face Llama of the tiny job's sizes (random weights) at ``path`` (sharded, with an index)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(3)
@@ -326,7 +324,28 @@ def test_init_from_a_hugging_face_checkpoint_into_fsdp_and_tensor_parallel(tmp_p
         LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False)
     )  # fmt: skip
-    hf.save_pretrained(tmp_path / "hf", max_shard_size="600KB")  # sharded, with an index
+    hf.save_pretrained(path, max_shard_size="600KB")
+
+
+def test_lora_under_ddp_and_fsdp_follows_one_process(tmp_path) -> None:
+    """model.lora on 2 workers (ddp, fsdp) from the same init_from: the loss curve of one process."""
+    _tiny_hf(tmp_path / "hf")
+    lora = (f"model.init_from={tmp_path / 'hf'}", "model.lora={rank: 4, alpha: 8, targets: [q_proj, v_proj, up_proj]}",
+            "model.tie_word_embeddings=false")  # fmt: skip
+    one = run_layout(tmp_path, 1, "lora1", *lora, init=str(tmp_path / "hf"))
+    ddp = run_layout(tmp_path, 2, "lora-ddp", *lora, "parallel.data_parallel=ddp", init=str(tmp_path / "hf"))
+    fsdp = run_layout(tmp_path, 2, "lora-fsdp", *lora, "parallel.data_parallel=fsdp", init=str(tmp_path / "hf"))
+    assert losses(ddp) == pytest.approx(losses(one), rel=LOSS_RTOL)
+    assert losses(fsdp) == pytest.approx(losses(one), rel=LOSS_RTOL)
+    assert losses(one)[-1] < losses(one)[0]  # the adapters learn
+
+
+def test_init_from_a_hugging_face_checkpoint_into_fsdp_and_tensor_parallel(tmp_path) -> None:
+    """model.init_from on 4 workers, FSDP x TP 2: every rank reads only the slices its shards hold (DCP's Hugging
+    Face reader), and the model gathered back is the checkpoint, tensor for tensor, bit-equal."""
+    from safetensors.torch import load_file
+
+    _tiny_hf(tmp_path / "hf")
     run_layout(
         tmp_path, 4, "init", "parallel.data_parallel=fsdp", "parallel.tensor_parallel_size=2",
         "model.tie_word_embeddings=false", steps=0, init=str(tmp_path / "hf"),

@@ -150,7 +150,7 @@ def test_source_is_not_a_yaml_field(tmp_path: Path) -> None:
         pytest.param(
             "model",
             {"preset": ["tiny"]},
-            "model: unknown preset ['tiny']; choose one of ['llama3-8b', 'llama3.2-1b', 'tiny']",
+            "model: unknown preset ['tiny']; choose one of ['llama3-8b', 'llama3.1-8b', 'llama3.2-1b', 'tiny']",
             id="preset-unhashable",
         ),
         pytest.param(
@@ -204,7 +204,7 @@ def test_missing_required_section(tmp_path: Path) -> None:
         (
             "model",
             {"preset": "llama-70b"},
-            "model: unknown preset 'llama-70b'; choose one of ['llama3-8b', 'llama3.2-1b', 'tiny']",
+            "model: unknown preset 'llama-70b'; choose one of ['llama3-8b', 'llama3.1-8b', 'llama3.2-1b', 'tiny']",
         ),
         (
             "scaling",

@@ -18,8 +18,25 @@ JOBS = Path(__file__).resolve().parents[2] / "jobs"
 JOB_FILES = sorted(JOBS.glob("*.yaml"))
 
 
-def load(name: str) -> JobSpec:
-    return load_job(JOBS / name, base_dir="/base")
+def _base(tmp: Path) -> str:
+    """A directory standing for where the jobs run: with the demo model's config.json (what `make demo` exports and
+    `make demo-finetune` copies to data/demo-model), which jobs/finetune-tiny.yaml reads its sizes from."""
+    from raytrn.config import ModelConfig
+    from raytrn.models.llama import hf_config
+
+    model = tmp / "data" / "demo-model"
+    model.mkdir(parents=True, exist_ok=True)
+    hf_config(ModelConfig(preset="tiny", vocab_size=4096)).save_pretrained(model)
+    return str(tmp)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> str:
+    return _base(tmp_path_factory.mktemp("base"))
+
+
+def load(name: str, base_dir: str = "/base") -> JobSpec:
+    return load_job(JOBS / name, base_dir=base_dir)
 
 
 def test_jobs_exist() -> None:
@@ -27,8 +44,8 @@ def test_jobs_exist() -> None:
 
 
 @pytest.mark.parametrize("path", JOB_FILES, ids=lambda p: p.name)
-def test_every_job_loads(path: Path) -> None:
-    job = load_job(path, base_dir="/base")
+def test_every_job_loads(path: Path, base: str) -> None:
+    job = load_job(path, base_dir=base)
     assert job.source == str(path)
     assert job.data.seq_len <= job.model.max_position_embeddings
     assert job.optim.warmup_steps < job.run.max_steps
@@ -176,3 +193,20 @@ def test_trn2_jobs_validate_as_torchneuron(name: str, tp: int, dps: tuple[int, .
     batch = next(line for line in lines if line.startswith("batch: "))
     assert batch.count("= 768 sequences/step") == 4
     assert not [line for line in lines if line.startswith("warning:")]
+
+
+def test_finetune_tiny(base: str) -> None:
+    job = load("finetune-tiny.yaml", base)
+    assert job.model.init_from == f"{base}/data/demo-model" and job.model.hidden_size == 128  # from config.json
+    assert job.model.lora is None and job.tracking.export == "merged"
+    assert job.run.eval_every == job.checkpoint.every_n_steps  # every evaluated state kept
+    assert job.scaling.accelerator == "cpu" and not job.scaling.elastic
+
+
+def test_llama31_8b_sft_trn2() -> None:
+    job = load("llama3.1-8b-sft-trn2.yaml")
+    assert job.model.init_from and job.model.init_from.startswith("s3://")  # read on the cluster, sizes from preset
+    assert job.model.rope_scaling == PRESETS["llama3.1-8b"]["rope_scaling"]
+    assert job.scaling.accelerator == "neuron" and job.parallel.data_parallel == "fsdp"
+    assert job.data.seq_len == 8192 and job.data.attention == "document" and job.run.eval_every
+    check_job(job, data=False)

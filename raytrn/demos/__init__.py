@@ -1,0 +1,1 @@
+"""Demos beyond `make demo` (they build on it): `python -m raytrn.demos.finetune`."""
