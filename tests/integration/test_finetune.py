@@ -122,6 +122,24 @@ def test_prompt_completion_rows_train_on_completions_only(ray_session, model_dir
                                tokenizer=str(model_dir), format="prompt-completion", packing=False,
                                progress=False)  # fmt: skip
     assert unpacked.num_rows == 240 and (_rows(tmp_path / "pad")["segment_ids"].max(axis=1) == 1).all()
+    # A job refuses: a validation split smaller than one global batch; a dataset of another tokenizer than init_from's
+    from raytrn.train.checks import check_data
+    from raytrn.train.evaluate import validation_set
+
+    big = _job(model_dir, out, tmp_path, "x", f"data.global_batch_size={4 * (val.num_rows + 1)}")
+    with pytest.raises(DataError, match="the validation set has .* rows, fewer than one global batch"):
+        validation_set(big, check_data(big))
+    from tokenizers import Tokenizer, normalizers
+
+    other_dir = tmp_path / "other-tok"
+    other_dir.mkdir()
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok.normalizer = normalizers.Lowercase()  # another tokenizer of the same size: other ids for the same text
+    tok.save(str(other_dir / "tokenizer.json"))
+    prepare_dataset(inputs=[str(jsonl / "pc.jsonl")], output=str(tmp_path / "other"), seq_len=SEQ,
+                    tokenizer=str(other_dir), format="prompt-completion", progress=False)  # fmt: skip
+    with pytest.raises(DataError, match="tokenized with another tokenizer than model.init_from's"):
+        check_data(_job(model_dir, tmp_path / "other", tmp_path, "y"))
 
 
 def test_chat_rows_train_on_the_assistant_turns(ray_session, model_dir, jsonl, tmp_path) -> None:

@@ -9,6 +9,7 @@ layout (4 workers fsdp -> 2 workers ddp -> 3 workers fsdp). The workers run rayt
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 from pathlib import Path
@@ -109,8 +110,18 @@ def _run_plan(rank: int, world: int, plan: dict[str, Any], out: Path) -> None:
         _dump_full(t, out / f"loaded-{plan['name']}.pt", rank)
     for step in range(start + 1, plan["steps"] + 1):
         rows = global_batch(step).chunk(dp)[dp_rank]  # this replica's share, micro-batch by micro-batch
-        result = train_step(t, iter(rows.split(job.data.micro_batch_size)), backend)
+        micro = list(rows.split(job.data.micro_batch_size))
+        if plan.get("masked"):  # instruction data: rows trained on in part, unevenly across the ranks
+            micro = [_masked(m) for m in micro]
+        result = train_step(t, iter(micro), backend)
         record["losses"][step] = read_metrics(result, world)["loss"]
+        record.setdefault("trained", {})[step] = result.trained_tokens
+    if plan.get("eval"):  # the validation loss over the same rows at any world size
+        from raytrn.data.manifest import load_manifest
+        from raytrn.train.evaluate import Evaluator
+
+        evaluator = Evaluator(job, load_manifest(plan["eval"]), dp=dp, dp_rank=dp_rank)
+        record["val"] = evaluator.evaluate(t, backend)
     if plan.get("save"):
         from raytrn.train import dcp
 
@@ -131,6 +142,14 @@ def _run_plan(rank: int, world: int, plan: dict[str, Any], out: Path) -> None:
     record["autocast"] = str(t.autocast_dtype)
     if rank == 0:
         (out / f"record-{plan['name']}.json").write_text(json.dumps(record))
+
+
+def _masked(rows: torch.Tensor) -> Any:
+    """A micro-batch whose targets are trained on only where the token id is not a multiple of 3 (masks of
+    different sizes on every row and rank)."""
+    from raytrn.train.step import TokenBatch
+
+    return TokenBatch(rows, rows % 3 != 0, None)
 
 
 class _Bf16Cpu(CpuBackend):
@@ -357,3 +376,51 @@ def test_init_from_a_hugging_face_checkpoint_into_fsdp_and_tensor_parallel(tmp_p
     assert sorted(loaded) == sorted(saved)
     for name, tensor in saved.items():
         assert torch.equal(loaded[name], tensor), name
+
+
+def test_masked_loss_is_the_mean_over_the_global_batch_at_any_layout(tmp_path) -> None:
+    """Instruction data: the loss is the mean over the trained tokens of the whole global batch, whatever the ranks
+    hold (their masks differ in size): 2 ddp and 4 (dp2 x tp2) workers follow one process."""
+    one = run_layout(tmp_path, 1, "masked1", masked=True)
+    ddp = run_layout(tmp_path, 2, "masked-ddp", "parallel.data_parallel=ddp", masked=True)
+    tp = run_layout(tmp_path, 4, "masked-tp", "parallel.data_parallel=fsdp", "parallel.tensor_parallel_size=2",
+                    "model.tie_word_embeddings=false", masked=True)  # fmt: skip
+    assert losses(ddp) == pytest.approx(losses(one), rel=LOSS_RTOL)
+    assert losses(tp) == pytest.approx(losses(one), rel=LOSS_RTOL)
+    assert ddp["trained"] == one["trained"] == tp["trained"]  # the global count, on every layout
+    assert 0 < one["trained"]["1"] < GLOBAL_ROWS * SEQ
+
+
+def _validation_set(path: Path) -> Path:
+    """A prepared-like dataset of 30 rows of SEQ + 1 token ids (one shard), as `raytrn data prepare` writes it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raytrn.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, SourceInfo, TokenizerInfo
+
+    path.mkdir()
+    rows = torch.randint(0, 512, (30, SEQ + 1), generator=torch.Generator().manual_seed(11)).int().numpy()
+    offsets = pa.array(list(range(0, rows.size + 1, SEQ + 1)), pa.int32())
+    pq.write_table(pa.table({"input_ids": pa.ListArray.from_arrays(offsets, pa.array(rows.reshape(-1)))}),
+                   path / "shard-00000.parquet")  # fmt: skip
+    (path / "tokenizer.json").write_text("{}")
+    manifest = Manifest(
+        seq_len=SEQ, row_len=SEQ + 1, num_rows=30, num_tokens=rows.size, dropped_tail_tokens=0, rows_per_shard=30,
+        shards=[ShardInfo(path="shard-00000.parquet", rows=30, tokens=rows.size, bytes=1)],
+        tokenizer=TokenizerInfo(file="tokenizer.json", sha256="x", vocab_size=512, eos_token="e", eos_id=0,
+                                trained=True),
+        source=SourceInfo(inputs=[], num_files=1, num_documents=1, fingerprint="f"), created_by="test",
+    )  # fmt: skip
+    (path / MANIFEST_NAME).write_text(manifest.to_json())
+    return path
+
+
+def test_validation_loss_is_the_same_at_any_world_size(tmp_path) -> None:
+    """The same rows (the first eval_batches global batches, in manifest order) and the same mean at 1, 2 and 3
+    workers: evaluation compares runs of any size."""
+    val = str(_validation_set(tmp_path / "val"))
+    sizes = {n: run_layout(tmp_path, n, f"eval{n}", "run.eval_batches=2", steps=0, eval=val) for n in (1, 2, 3)}
+    ref = sizes[1]["val"]
+    assert 0 < ref["val_loss"] < 10 and ref["val_perplexity"] == pytest.approx(math.exp(ref["val_loss"]))
+    for n in (2, 3):
+        assert sizes[n]["val"]["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-6), n

@@ -118,3 +118,16 @@ def test_rows_pack_whole_examples_and_never_train_on_an_examples_first_token() -
     assert len(padded.push(ex(4, 2)) + padded.push(ex(5, 5)) + padded.flush()) == 2
     assert padded.push(ex(12, 1)) == [] and padded.truncated == 1 and padded.skipped == 1  # cut: nothing left
     assert packer.examples == 3 and packer.trained_tokens == 2 + 4 + 1
+
+
+def test_text_with_document_attention_starts_a_document_after_every_eos() -> None:
+    """data.attention: document on pretraining text: segment ids from the EOS tokens (an EOS ends its document)."""
+    from raytrn.data.source import MicroBatch
+    from raytrn.train.loop import to_torch
+
+    tokens = np.array([[5, 6, 0, 7, 8, 0, 9], [0, 1, 2, 3, 0, 0, 4]], dtype=np.int32)
+    batch = to_torch(MicroBatch(tokens=tokens, row_ids=np.arange(2)), document=True, eos_id=0)
+    assert isinstance(batch, TokenBatch) and batch.loss_mask is None
+    assert batch.segments.tolist() == [[1, 1, 1, 2, 2, 2, 3], [1, 2, 2, 2, 2, 3, 4]]
+    plain = to_torch(MicroBatch(tokens=tokens, row_ids=np.arange(2)), document=False, eos_id=0)
+    assert isinstance(plain, torch.Tensor) and plain.dtype == torch.int64
