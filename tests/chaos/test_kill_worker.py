@@ -51,6 +51,12 @@ def _wait_for_step(client: MlflowClient, name: str, step: int, timeout_s: float 
 
 
 def _kill_train_worker(sig: int = signal.SIGKILL) -> int:
+    pid = _train_worker_pid()
+    os.kill(pid, sig)
+    return pid
+
+
+def _train_worker_pid() -> int:
     import ray
     from ray.util.state import list_actors
 
@@ -60,9 +66,7 @@ def _kill_train_worker(sig: int = signal.SIGKILL) -> int:
         timeout=30,
     )
     assert len(workers) == 1, workers
-    pid = int(workers[0].pid)
-    os.kill(pid, sig)
-    return pid
+    return int(workers[0].pid)
 
 
 def test_killed_worker_resumes_and_history_has_each_step_once(ray_session, tiny_dataset, tmp_path):
@@ -121,15 +125,18 @@ def test_sigterm_to_a_worker_checkpoints_at_once_and_loses_no_step(ray_session, 
     step (no save is scheduled before the last) and exits; Ray Train restarts the group, which resumes from that
     checkpoint: no step is trained again."""
     name = f"term-{uuid.uuid4().hex[:8]}"
-    job = load_job(REPO / "jobs" / "tiny.yaml", _overrides(tiny_dataset, tmp_path, name, "run.max_steps=30",
+    steps = 120  # a few seconds of training left when the signal comes (the state API's lookup is done before)
+    job = load_job(REPO / "jobs" / "tiny.yaml", _overrides(tiny_dataset, tmp_path, name, f"run.max_steps={steps}",
                                                            "scaling.max_failures=2",
-                                                           "checkpoint.every_n_steps=100"))  # fmt: skip
+                                                           "checkpoint.every_n_steps=1000"))  # fmt: skip
     client = MlflowClient(job.tracking.mlflow_uri)
     thread, result = train_in_thread(job)
     try:
+        _wait_for_step(client, name, 2)
+        pid = _train_worker_pid()
         run_id = _wait_for_step(client, name, 6)
         logged = max(m.step for m in client.get_metric_history(run_id, "loss"))
-        _kill_train_worker(signal.SIGTERM)
+        os.kill(pid, signal.SIGTERM)
     finally:
         thread.join(timeout=480)
     assert not thread.is_alive()
@@ -137,11 +144,11 @@ def test_sigterm_to_a_worker_checkpoints_at_once_and_loses_no_step(ray_session, 
         raise result["error"]
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(1, 31))
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(1, steps + 1))
     first, second = run.data.tags["world_size_history"].split(",")
     resumed = int(second.split(":")[0])
-    # No save is due before the last step (30): the one resumed from is the SIGTERM's, at or after the step seen.
-    assert first == "0:1" and logged <= resumed < 30, run.data.tags["world_size_history"]
+    # No save is due before the last step: the one resumed from is the SIGTERM's, at or after the step seen.
+    assert first == "0:1" and logged <= resumed < steps, run.data.tags["world_size_history"]
     committed = tmp_path / "ckpt" / name / "dcp" / f"step_{resumed:08d}" / "commit.json"
     assert committed.is_file()
 

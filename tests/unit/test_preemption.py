@@ -79,6 +79,7 @@ def sigterm_handler(monkeypatch):
     assert preemption.install_sigterm_handler()
     yield seen
     signal.signal(signal.SIGTERM, original)
+    signal.set_wakeup_fd(-1)
     preemption.TRAINING.clear()
     preemption._SIGTERM.clear()
 
@@ -94,6 +95,41 @@ def test_sigterm_while_training_is_a_notice_not_an_exit(sigterm_handler) -> None
     watch = PreemptionWatch(1)
     assert watch.notice() == preemption.SIGTERM_NOTICE
     assert describe(preemption.SIGTERM_NOTICE) == "SIGTERM to this worker"
+
+
+_MAIN_THREAD_IN_C = """
+import ctypes, os, signal, sys, threading, time
+from raytrn.train import preemption
+preemption.SIGTERM_GRACE_S = 3600.0
+assert preemption.install_sigterm_handler()
+preemption.TRAINING.set()
+seen = []
+def training():  # the training function's thread, as in a Ray Train worker
+    os.kill(os.getpid(), signal.SIGTERM)
+    start = time.monotonic()
+    while not preemption.sigterm_received() and time.monotonic() - start < 10:
+        time.sleep(0.01)
+    seen.append(time.monotonic() - start)
+thread = threading.Thread(target=training)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # the main thread stays in C: it never takes it
+thread.start()
+ctypes.CDLL(None).sleep(4)  # like Ray's C++ task loop: no Python bytecode runs on the main thread
+thread.join()
+print(f"noticed after {seen[0]:.2f} s")
+"""
+
+
+def test_sigterm_is_noticed_while_the_main_thread_waits_in_c(tmp_path) -> None:
+    """A Ray worker's main thread sits in Ray's C++ task loop: a Python handler alone would flag the SIGTERM only
+    when that thread next runs Python (here after 4 s; in a short run, after the last step)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MAIN_THREAD_IN_C], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    seconds = float(out.stdout.split()[2])
+    assert seconds < 2.0, out.stdout
 
 
 def test_sigterm_outside_training_exits_as_before(sigterm_handler) -> None:
