@@ -21,11 +21,12 @@ VENV_PY312 := .venv-py312
 PYTHON312 = $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
 	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$p"; break; }; done)
 
-.PHONY: help venv venv-xla venv-py312 data demo demo-finetune test test-xla test-py312 unit integration lint format clean bench
+.PHONY: help venv venv-xla venv-py312 data demo demo-finetune demo-sweep test test-xla test-py312 unit integration lint format clean bench
 
 help:
 	@echo "make demo   - create .venv, install, prepare data/stdlib, train jobs/tiny.yaml on a local Ray"
 	@echo "make demo-finetune - after make demo: fine-tune its model (full and LoRA) on stdlib docstrings, compare by val_loss"
+	@echo "make demo-sweep - after make demo: a 4-trial learning-rate sweep of the tiny model (Ray Tune, ASHA on val_loss)"
 	@echo "make test   - run the test suite (unit + integration; what CI runs)"
 	@echo "make test-xla - build .venv-xla (torch 2.9 + torch-xla 2.9) and run tests/xla on PJRT_DEVICE=CPU"
 	@echo "make test-py312 - build .venv-py312 (Python 3.12, TorchNeuron's Python) and run the unit suite + a Ray training test"
@@ -75,6 +76,17 @@ demo: venv data
 demo-finetune: venv
 	@test -f mlruns/mlflow.db || { echo "make demo-finetune fine-tunes the model make demo trained: run make demo first" >&2; exit 2; }
 	$(BIN)/python -m raytrn.demos.finetune
+
+# A learning-rate sweep of the tiny model (jobs/sweep-tiny.yaml: 4 trials, 2 at a time, ASHA on val_loss): make demo's
+# corpus again, with its tokenizer and a validation split. Ends with the trials ranked and best.yaml. A few minutes.
+DEMO_VAL_DATA := data/stdlib-val
+
+$(DEMO_VAL_DATA)/manifest.json: $(DEMO_DATA)/manifest.json
+	$(BIN)/raytrn data prepare --input '$(STDLIB)/*.py' --output $(DEMO_VAL_DATA) --seq-len 128 \
+		--tokenizer $(DEMO_DATA)/tokenizer.json --validation-fraction 0.05
+
+demo-sweep: venv data $(DEMO_VAL_DATA)/manifest.json
+	$(BIN)/raytrn sweep jobs/sweep-tiny.yaml --name demo-sweep-$$(date +%Y%m%d-%H%M%S)
 
 # Benchmarks (not part of `make test`): overhead vs bare PyTorch / stock Ray Train, scaling, data, checkpoint,
 # MLflow, recovery; writes bench/results/ and rewrites the README's Benchmarks block.

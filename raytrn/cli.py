@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_submit(sub)
 
+    from raytrn.sweep.cli import register as register_sweep
+
+    register_sweep(sub)
+
     from raytrn.tracking.compare import register as register_runs
 
     register_runs(sub)
@@ -216,11 +220,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from raytrn.config import load_job
+    from raytrn.config import load_job, read_job_file
     from raytrn.train.checks import check_job
 
-    job = load_job(args.job, args.overrides)
+    raw, sweep = read_job_file(args.job)
+    job = load_job(args.job, args.overrides, raw=raw)
     lines = check_job(job, data=not args.no_data)
+    if sweep is not None:
+        lines.append(f"sweep: a search space over this job: `raytrn sweep {args.job} --dry-run` checks every trial")
     if args.cluster:
         from raytrn.backends import get_backend
         from raytrn.cluster.capacity import check_job_fits

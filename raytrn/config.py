@@ -6,6 +6,7 @@ and the fix (``jobs/tiny.yaml: scaling.max_worker: unknown field. Did you mean '
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 import re
@@ -525,22 +526,122 @@ class JobSpec(_Section):
 
 
 def load_job(
-    path: str | os.PathLike, overrides: list[str] | None = None, *, base_dir: str | None = None, resolve: bool = True
+    path: str | os.PathLike,
+    overrides: list[str] | None = None,
+    *,
+    base_dir: str | None = None,
+    resolve: bool = True,
+    values: dict[str, Any] | None = None,
+    labels: dict[str, str] | None = None,
+    raw: dict[str, Any] | None = None,
 ) -> JobSpec:
     """Read, override, validate and path-resolve a job spec; raise ConfigError with a clear message.
 
-    ``resolve=False`` leaves local paths as written (see :func:`relative_local_paths`)."""
+    ``resolve=False`` leaves local paths as written (see :func:`relative_local_paths`). ``values`` are typed
+    overrides (``{"optim.lr": 0.001}``, applied after the ``--set`` strings), named in messages as ``labels``
+    says (default ``--set <field>``). ``raw``: the file's mapping already read (:func:`read_job_mapping`)."""
     path = str(path)
+    raw = copy.deepcopy(raw) if raw is not None else read_job_mapping(path)
+    if "sweep" in raw:
+        raise ConfigError(
+            f"{path}: has a sweep: section (a search space over this job): run it with `raytrn sweep {path}`, or "
+            "train the job without the section"
+        )
+    overridden = apply_overrides(raw, overrides or [])
+    for key, value in (values or {}).items():
+        set_value(raw, key, value, where=(labels or {}).get(key, f"--set {key}"))
+        overridden.add(key)
+    raw = _with_init_from(raw, base_dir or os.getcwd(), source=path)
+    job = parse_job(raw, source=path, overridden=overridden, labels=labels)
+    return resolve_paths(job, base_dir or os.getcwd()) if resolve else job
+
+
+def read_job_mapping(path: str) -> dict[str, Any]:
+    """A job file's YAML mapping (not validated), or a ConfigError naming what is wrong with the file."""
     text = read_config_text(path, what="job file", examples="jobs/")
     raw = safe_load_yaml(text, path)
     if raw is None:
         raise ConfigError(f"{path}: job file is empty; see jobs/tiny.yaml for the sections a job needs")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a job spec must be a YAML mapping of sections, got {type(raw).__name__}")
-    overridden = apply_overrides(raw, overrides or [])
-    raw = _with_init_from(raw, base_dir or os.getcwd(), source=path)
-    job = parse_job(raw, source=path, overridden=overridden)
-    return resolve_paths(job, base_dir or os.getcwd()) if resolve else job
+    return raw
+
+
+def read_job_file(path: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A job file's mapping without its ``sweep:`` section (:mod:`raytrn.sweep`), and that section (None: none)."""
+    raw = read_job_mapping(path)
+    return raw, raw.pop("sweep", None)
+
+
+def set_value(raw: dict[str, Any], key: str, value: Any, *, where: str) -> None:
+    """Set the dotted ``key`` of a raw job mapping to ``value``, creating sections on the way."""
+    node = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"{where}: {'.'.join(parts[: i + 1])} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def check_field_value(key: str, value: Any, *, where: str) -> None:
+    """ConfigError when ``value`` is not one the job-spec field ``key`` takes on its own (its type and its range;
+    checks across fields are the job's)."""
+    from typing import Annotated
+
+    from pydantic import TypeAdapter
+
+    info = field_info(key)
+    form: Any = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+    adapter: Any = TypeAdapter(form)
+    try:
+        adapter.validate_python(value)
+    except ValidationError as e:
+        err = e.errors()[0]
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"{where}: {msg} (got {reprlib.repr(value)})") from None
+
+
+def field_annotation(key: str) -> Any:
+    return field_info(key).annotation
+
+
+def field_info(key: str) -> Any:
+    """The pydantic FieldInfo of the job-spec field ``key`` (``"optim.lr"``); a ConfigError (to be prefixed with where
+    the key came from) naming the closest field when there is no such field (did-you-mean, as ``--set``)."""
+    model: type[BaseModel] = JobSpec
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        fields = {(f.alias or n): f for n, f in model.model_fields.items() if n != "source"}
+        if part not in fields:
+            prefix = ".".join(parts[:i])
+            near = difflib.get_close_matches(part, list(fields), n=1, cutoff=0.6)
+            hint = (
+                f"Did you mean '{prefix + '.' if prefix else ''}{near[0]}'?"
+                if near
+                else f"Known fields{' of ' + prefix if prefix else ''}: {', '.join(fields)}."
+            )
+            raise ConfigError(f"unknown field. {hint}")
+        if i == len(parts) - 1:
+            return fields[part]
+        section = _section_model(fields[part].annotation)
+        if section is None:
+            raise ConfigError(f"{'.'.join(parts[: i + 1])} is a value, not a section")
+        model = section
+    return None  # pragma: no cover - the loop returns
+
+
+def _section_model(ann: Any) -> type[BaseModel] | None:
+    """The section model in an annotation (``LoraConfig | None`` -> ``LoraConfig``), else None."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann
+    for arg in getattr(ann, "__args__", ()):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
 
 
 def _with_init_from(raw: dict[str, Any], base_dir: str, *, source: str) -> dict[str, Any]:
@@ -637,22 +738,17 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> set[str]:
         except (yaml.YAMLError, RecursionError):
             parsed = value
         check_size(parsed, f"--set {key}")
-        node = raw
-        parts = key.split(".")
-        for i, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
-            node = child
-        node[parts[-1]] = parsed
+        set_value(raw, key, parsed, where=f"--set {item!r}")
         done.add(key)
     return done
 
 
 def parse_job(
-    raw: dict[str, Any], *, source: str = "<job>", overridden: set[str] | frozenset[str] = frozenset()
+    raw: dict[str, Any],
+    *,
+    source: str = "<job>",
+    overridden: set[str] | frozenset[str] = frozenset(),
+    labels: dict[str, str] | None = None,
 ) -> JobSpec:
     """Validate a raw mapping into a JobSpec, turning pydantic errors into one ConfigError."""
     check_size(raw, source)
@@ -662,7 +758,7 @@ def parse_job(
     try:
         job = JobSpec.model_validate({**raw, "source": source})
     except ValidationError as e:
-        lines += [_describe_error(err, raw, overridden) for err in e.errors()]
+        lines += [_describe_error(err, raw, overridden, labels) for err in e.errors()]
     if lines:
         head = f"{source}: " if len(lines) == 1 else f"{source}: {len(lines)} problems:\n  "
         raise ConfigError(head + "\n  ".join(lines))
@@ -734,12 +830,16 @@ def resolve_paths(job: JobSpec, base_dir: str) -> JobSpec:
 # Error messages
 
 
-def _describe_error(err: Any, raw: dict[str, Any], overridden: set[str] | frozenset[str]) -> str:
+def _describe_error(
+    err: Any, raw: dict[str, Any], overridden: set[str] | frozenset[str], labels: dict[str, str] | None = None
+) -> str:
     loc = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
     path = ".".join(loc)
     if not path:  # a cross-section check: its message names the fields
         return err["msg"].removeprefix("Value error, ")
-    where = f"--set {path}" if _is_overridden(path, overridden) else path
+    where = path
+    if _is_overridden(path, overridden):
+        where = next((label for key, label in (labels or {}).items() if _is_overridden(path, {key})), f"--set {path}")
     kind = err["type"]
     if kind == "extra_forbidden":
         model = _model_at(loc[:-1])

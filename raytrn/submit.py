@@ -67,9 +67,10 @@ def job_metadata(job_file: str, run_name: str, working_dir: str | os.PathLike[st
     return meta
 
 
-def entrypoint(job_file: str, overrides: Sequence[str]) -> str:
-    """The shell command the job runs in the unpacked working dir."""
-    args = ["python", "-m", "raytrn.cli", "train", job_file, "--no-progress"]
+def entrypoint(job_file: str, overrides: Sequence[str], command: Sequence[str] | None = None) -> str:
+    """The shell command the job runs in the unpacked working dir: ``raytrn train JOB`` (or ``raytrn <command...>``,
+    e.g. a sweep's driver) with the ``--set`` overrides."""
+    args = ["python", "-m", "raytrn.cli", *(command or ["train", job_file, "--no-progress"])]
     for kv in overrides:
         args += ["--set", kv]
     return shlex.join(args)
@@ -167,27 +168,28 @@ def submit(
     working_dir: str | os.PathLike[str] = ".",
     token: str | None = None,
     submission_id: str | None = None,
+    command: Sequence[str] | None = None,
+    mapping: dict[str, Any] | None = None,
+    name: str | None = None,
 ) -> str:
     """Submit ``raytrn train JOB`` as a Ray job and return its submission id (following its logs if asked).
 
     The job spec is validated here first (with ``overrides``; data checks happen on the cluster). ``env``
-    adds to the forwarded MLflow/AWS variables of this process.
+    adds to the forwarded MLflow/AWS variables of this process. ``command`` (with the job file's path as the
+    working dir has it, see :func:`job_file_in`) replaces ``train JOB``: a sweep's driver, whose job file
+    ``mapping`` is given without its ``sweep:`` section, and ``name`` is the sweep's.
     """
     from raytrn.config import load_job, resolve_paths
 
-    raw = load_job(str(job_path), list(overrides), resolve=False)
+    raw = load_job(str(job_path), list(overrides), resolve=False, raw=mapping)
     job = resolve_paths(raw, os.getcwd())
     wd = Path(working_dir).resolve()
-    try:
-        job_file = Path(job_path).resolve().relative_to(wd).as_posix()
-    except ValueError:
-        raise RaytrnError(
-            f"{job_path}: the job file must be inside the uploaded working dir {wd} (run from the repository, "
-            "or pass --working-dir)"
-        ) from None
+    job_file = job_file_in(job_path, wd)
     address = normalize_address(address)
     local = _local_cluster(address)
     fixed = [*overrides, *frozen_overrides(raw, job, local=local is not None, address=address)]
+    if command is not None:  # a sweep names its trials' runs itself
+        fixed = [kv for kv in fixed if not kv.startswith("tracking.run_name=")]
     token = resolve_token(token, address=address)
     headers = auth_headers(token)
     check_reachable(address, headers)
@@ -195,7 +197,8 @@ def submit(
     from ray.job_submission import JobSubmissionClient
 
     client = JobSubmissionClient(address, headers=headers)
-    submission_id = submission_id or f"raytrn-{job.run_name}-{uuid.uuid4().hex[:6]}"
+    run_name = name or job.run_name
+    submission_id = submission_id or f"raytrn-{run_name}-{uuid.uuid4().hex[:6]}"
     # Ray hands the driver its submission id only inside RAY_JOB_CONFIG_JSON_ENV_VAR; the trainer tags the
     # MLflow run with RAY_JOB_SUBMISSION_ID.
     # RAY_JOB_STOP_WAIT_TIME_S: after `ray job stop`'s SIGTERM the driver marks its MLflow run KILLED and
@@ -206,18 +209,30 @@ def submit(
         "RAY_JOB_SUBMISSION_ID": submission_id,
     }
     job_id = client.submit_job(
-        entrypoint=entrypoint(job_file, fixed),
+        entrypoint=entrypoint(job_file, fixed, command),
         submission_id=submission_id,
         runtime_env=runtime_env(wd, job_env),
-        metadata=job_metadata(job_file, job.run_name, wd),
+        metadata=job_metadata(job_file, run_name, wd),
     )
-    print(f"raytrn: submitted {job_id} to {address} (run {job.run_name})", flush=True)
+    what = "sweep" if command is not None else "run"
+    print(f"raytrn: submitted {job_id} to {address} ({what} {run_name})", flush=True)
     if follow:
         follow_logs(client, job_id)
     else:
         print(f"  logs  raytrn jobs logs {job_id} --address {address}")
         print(f"  stop  raytrn jobs stop {job_id} --address {address}")
     return job_id
+
+
+def job_file_in(job_path: str | os.PathLike[str], working_dir: Path) -> str:
+    """The job file's path inside the uploaded working dir (as the cluster's driver sees it)."""
+    try:
+        return Path(job_path).resolve().relative_to(working_dir).as_posix()
+    except ValueError:
+        raise RaytrnError(
+            f"{job_path}: the job file must be inside the uploaded working dir {working_dir} (run from the repository, "
+            "or pass --working-dir)"
+        ) from None
 
 
 def frozen_overrides(raw: Any, job: Any, *, local: bool, address: str) -> list[str]:

@@ -108,7 +108,7 @@ def attach(job: JobSpec, tags: dict[str, str], params: dict[str, Any], *, manife
         os.makedirs(os.path.dirname(db), exist_ok=True)
     client = MlflowClient(uri)
     try:
-        exp_id = _experiment(client, job, uri)
+        exp_id = ensure_experiment(client, job.tracking.experiment, uri)
         marker = storage.join(job.checkpoint.storage, job.run_name, MARKER)
         run_id = job.tracking.run_id or _previous_run(client, marker, uri)
         resumed = run_id is not None
@@ -122,7 +122,7 @@ def attach(job: JobSpec, tags: dict[str, str], params: dict[str, Any], *, manife
         logged = client.get_run(run_id).data.params
         new_params, changed = [], []
         for key, value in params.items():
-            text = redact(key, value)[:_MAX_PARAM_LEN]
+            text = param_text(key, value)
             if key not in logged:
                 new_params.append(Param(key, text))
             elif logged[key] != text:  # MLflow params are immutable: record the change as a tag
@@ -138,6 +138,11 @@ def attach(job: JobSpec, tags: dict[str, str], params: dict[str, Any], *, manife
     if manifest is not None:
         _log_dataset(run, manifest)
     return run
+
+
+def param_text(key: str, value: Any) -> str:
+    """A param's value as raytrn logs it (secrets redacted, cut to MLflow's limit)."""
+    return redact(key, value)[:_MAX_PARAM_LEN]
 
 
 def end_run(run: TrackedRun | None, status: str, *, job: JobSpec | None = None) -> str | None:
@@ -218,9 +223,8 @@ def unreachable(uri: str, timeout_s: float = 3.0) -> str | None:
     return None
 
 
-def _experiment(client: Any, job: JobSpec, uri: str) -> str:
+def ensure_experiment(client: Any, name: str, uri: str) -> str:
     """The experiment's id; created when it does not exist (local stores keep artifacts beside the db)."""
-    name = job.tracking.experiment
     exp = client.get_experiment_by_name(name)
     if exp is not None and exp.lifecycle_stage == "deleted":
         raise ConfigError(

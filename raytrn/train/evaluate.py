@@ -31,8 +31,8 @@ class Evaluator:
         from raytrn.data.manifest import rows_per_group
         from raytrn.data.order import RankSlice, SampleOrder, iter_rows, plan_epoch
         from raytrn.data.source import block_arrays, slices
-        from raytrn.train.loop import attention, to_torch
         from raytrn.train.sizes import global_batch
+        from raytrn.train.step import attention, to_torch
 
         b = global_batch(job, dp)
         self.num_batches = min(job.run.eval_batches, manifest.num_rows // b)

@@ -32,7 +32,7 @@ from raytrn.train.preemption import TRAINING, PreemptionWatch, exit_after_sigter
 from raytrn.train.preemption import describe as describe_notice
 from raytrn.train.schedule import Schedule
 from raytrn.train.sizes import data_parallel_rank, data_parallel_size
-from raytrn.train.step import Training, build_training, read_metrics, train_step
+from raytrn.train.step import Training, attention, build_training, read_metrics, to_torch, train_step
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # -- train ---------------------------------------------------------------------------------
     # A spot interruption notice ends this group at a checkpoint (raytrn.train.preemption): agreed every step.
     watch = PreemptionWatch(world_size)
+    #: In a sweep's trial (raytrn.sweep), the metrics of every log and eval step go to Ray Tune through Ray Train.
+    report_metrics = bool(config.get("report_metrics"))
     TRAINING.set()  # from here a SIGTERM is a notice (raytrn.train.preemption)
     window_start, window_tokens, window_steps, data_wait = time.perf_counter(), 0, 0, 0.0
     first_step = True
@@ -162,6 +164,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             window_start, window_tokens, window_steps, data_wait = time.perf_counter(), 0, 0, 0.0
 
         checkpointing = step % job.checkpoint.every_n_steps == 0 or is_last
+        scores: dict[str, float] = {}
         if evaluator is not None and (is_last or (job.run.eval_every and step % job.run.eval_every == 0)):
             # The validation loss, every rank (a collective): forward only, no random numbers, no data moved.
             scores = evaluator.evaluate(t, backend)
@@ -173,6 +176,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 if best:
                     logger.set_tags(_best_tags(job, step, scores["val_loss"], checkpointed=checkpointing))
             progress.last_logged_val_step = max(progress.last_logged_val_step, step)
+
+        if report_metrics and (metrics or scores):  # a sweep's trial: Ray Tune judges it on these (every rank)
+            import ray.train
+
+            ray.train.report({**metrics, **scores, "step": step}, checkpoint=None)
 
         notice = watch.notice()  # a collective: every rank, every step
         preempted = notice is not None and not is_last
@@ -245,34 +253,6 @@ class _DataPlan:
             if trace is not None:
                 trace.record(batch)
             yield to_torch(batch, document=self.document, eos_id=self.manifest.tokenizer.eos_id)
-
-
-def attention(job: JobSpec, manifest: Any) -> str:
-    """``data.attention`` as it applies to ``manifest``: document for instruction data, causal for text, unless set."""
-    return job.data.attention or ("document" if manifest.instruction else "causal")
-
-
-def to_torch(batch: Any, *, document: bool, eos_id: int) -> Any:
-    """A :class:`raytrn.data.source.MicroBatch` as the step takes it: an int64 tensor (plain text, causal), or a
-    :class:`raytrn.train.step.TokenBatch` with the loss mask and, with document attention, segment ids (for text:
-    a new document after every EOS)."""
-    import numpy as np
-
-    from raytrn.data.instruct import MASK_COLUMN, SEGMENT_COLUMN
-    from raytrn.train.step import TokenBatch
-
-    tokens = torch.from_numpy(batch.tokens.astype(np.int64))
-    mask = batch.extra.get(MASK_COLUMN)
-    if mask is None and not document:
-        return tokens
-    segments = None
-    if document:
-        seg = batch.extra.get(SEGMENT_COLUMN)
-        if seg is None:  # text: each EOS ends its document
-            ends = batch.tokens == eos_id
-            seg = 1 + np.concatenate([np.zeros((len(ends), 1), np.int64), np.cumsum(ends, axis=1)[:, :-1]], axis=1)
-        segments = torch.from_numpy(seg.astype(np.int64))
-    return TokenBatch(tokens, None if mask is None else torch.from_numpy(mask.astype(np.bool_)), segments)
 
 
 def rows_tensor(table: Any, row_len: int) -> torch.Tensor:

@@ -192,3 +192,30 @@ def read_metrics(result: StepResult, world_size: int) -> dict[str, float]:
         torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.SUM)
         loss = loss / world_size
     return {"loss": loss.item(), "grad_norm": float(result.grad_norm)}
+
+
+def attention(job: JobSpec, manifest: Any) -> str:
+    """``data.attention`` as it applies to ``manifest``: document for instruction data, causal for text, unless set."""
+    return job.data.attention or ("document" if manifest.instruction else "causal")
+
+
+def to_torch(batch: Any, *, document: bool, eos_id: int) -> Any:
+    """A :class:`raytrn.data.source.MicroBatch` as the step takes it: an int64 tensor (plain text, causal), or a
+    :class:`raytrn.train.step.TokenBatch` with the loss mask and, with document attention, segment ids (for text:
+    a new document after every EOS)."""
+    import numpy as np
+
+    from raytrn.data.instruct import MASK_COLUMN, SEGMENT_COLUMN
+
+    tokens = torch.from_numpy(batch.tokens.astype(np.int64))
+    mask = batch.extra.get(MASK_COLUMN)
+    if mask is None and not document:
+        return tokens
+    segments = None
+    if document:
+        seg = batch.extra.get(SEGMENT_COLUMN)
+        if seg is None:  # text: each EOS ends its document
+            ends = batch.tokens == eos_id
+            seg = 1 + np.concatenate([np.zeros((len(ends), 1), np.int64), np.cumsum(ends, axis=1)[:, :-1]], axis=1)
+        segments = torch.from_numpy(seg.astype(np.int64))
+    return TokenBatch(tokens, None if mask is None else torch.from_numpy(mask.astype(np.bool_)), segments)

@@ -7,7 +7,7 @@ import importlib
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from raytrn import storage
@@ -33,7 +33,16 @@ from raytrn.train.sizes import world_sizes
 log = logging.getLogger(__name__)
 
 
-def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
+@dataclass(frozen=True)
+class Trial:
+    """How :func:`run_training` runs as a sweep's trial (:mod:`raytrn.sweep`), inside a Ray Tune trial: the metrics
+    of every log and eval step go to Tune (``TuneReportCallback``), no progress lines (the sweep prints its own)."""
+
+    #: The sweep started the local Ray it runs on (as ``raytrn train`` without RAY_ADDRESS does).
+    embedded: bool
+
+
+def run_training(job: JobSpec, *, live_progress: bool = True, trial: Trial | None = None) -> Summary:
     """Run ``job`` to ``run.max_steps`` (resuming when a checkpoint exists) and summarise it."""
     backend = get_backend(job.scaling.accelerator)
     check_spec(job)
@@ -81,6 +90,7 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
         pool.submit(importlib.import_module, "ray.train.torch")
         # As many logical CPUs as the workers take (Ray Data's read tasks reserve none: raytrn.data.source).
         started_locally = ensure_ray(min_cpus=scaling.total_resources.get("CPU", 0))
+    embedded = started_locally or (trial is not None and trial.embedded)
     if started_locally:
         _check_local_resources(job, backend)
     import ray
@@ -88,7 +98,8 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
     from raytrn.tracking.actor import driver_env, start_tracking_actor
     from raytrn.tracking.mlflow_run import end_run
 
-    print(f"raytrn: {job.run_name}: llama {stats.describe()}", flush=True)
+    if trial is None:
+        print(f"raytrn: {job.run_name}: llama {stats.describe()}", flush=True)
     # The tracking actor creates or reattaches the MLflow run while the workers start (no run exists before
     # the resource check passed); it is also the progress board. Without tracking, a board of its own.
     # A Ray this process did not start has another environment: give the actor the driver's MLflow/AWS settings.
@@ -121,10 +132,11 @@ def run_training(job: JobSpec, *, live_progress: bool = True) -> Summary:
     try:
         with _stop_on_sigterm(lambda: finish("KILLED", 3.0)):  # Ray SIGKILLs soon after SIGTERM
             trainer = _trainer(
-                job, backend, scaling, manifest, tracked, tracker, board, schedule=schedule, local=started_locally,
-                validation=validation,
+                job, backend, scaling, manifest, tracked, tracker, board, schedule=schedule, local=embedded,
+                validation=validation, report_metrics=trial is not None,
             )  # fmt: skip
-            with ProgressPrinter(board, live=live_progress), watch:
+            printer = ProgressPrinter(board, live=live_progress) if trial is None else contextlib.nullcontext()
+            with printer, watch:
                 result = trainer.fit()
         if backend.committed_checkpoints:
             tidy_pointers(job)
@@ -280,6 +292,7 @@ def _trainer(
     schedule: Schedule,
     local: bool = False,
     validation: Any = None,
+    report_metrics: bool = False,
 ) -> Any:
     """The Ray Train ``TorchTrainer`` for ``job``, reading the manifest's shards with Ray Data
     (``local``: on the embedded local Ray this process started, see :func:`_local_trainer_class`)."""
@@ -306,6 +319,7 @@ def _trainer(
             # datasets, whose split hands blocks to whichever worker asks first.
             "manifest": manifest,
             "validation": validation,  # raytrn.train.evaluate: the same rows every evaluation, at any size
+            "report_metrics": report_metrics,
         },
         scaling_config=scaling,
         torch_config=backend.ray_backend_config(job),
@@ -316,8 +330,16 @@ def _trainer(
             failure_config=FailureConfig(max_failures=job.scaling.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=job.checkpoint.keep_last),
             worker_runtime_env=_worker_runtime_env(job, backend),
+            callbacks=_tune_callbacks() if report_metrics else None,
         ),
     )
+
+
+def _tune_callbacks() -> list[Any]:
+    """Ray Tune's bridge from Ray Train's reports (rank 0's metrics) to the trial it runs in."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    return [TuneReportCallback()]
 
 
 #: Ray Train's own callbacks that an embedded local Ray does not need (matched by class name).
@@ -421,8 +443,12 @@ class _ElasticPolicy:
 
 
 def _run_storage(job: JobSpec) -> dict[str, Any]:
-    """RunConfig's storage_path / storage_filesystem: S3 through raytrn's filesystem (endpoint override)."""
-    uri = job.checkpoint.storage
+    return run_storage(job.checkpoint.storage)
+
+
+def run_storage(uri: str) -> dict[str, Any]:
+    """RunConfig's storage_path / storage_filesystem (Ray Train's and Ray Tune's) for a local path or an S3 URI:
+    S3 through raytrn's filesystem (endpoint override, retries)."""
     if not uri.startswith("s3://"):
         return {"storage_path": uri, "storage_filesystem": None}
     fs, path = storage.portable_filesystem(uri)  # the controller and workers keep raytrn's S3 retries

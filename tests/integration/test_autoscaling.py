@@ -176,3 +176,50 @@ def test_job_scales_cluster_up_and_down(sim_cluster, tiny_dataset: Path, tmp_pat
     }
     print(f"autoscaling timings: {timings}")
     (tmp_path / "autoscaling-timings.json").write_text(json.dumps(timings, indent=2))
+
+
+def test_sweep_submitted_to_the_simulator_scales_it_up_and_down(
+    sim_cluster, tiny_dataset: Path, tmp_path: Path
+) -> None:
+    """``raytrn sweep --address``: the sweep's driver runs as one Ray job on the simulator, its two trials (2 at a
+    time: what cluster/local-sim.yaml can grow to) scale the empty cluster up, both are tracked under one parent run,
+    best.yaml is written beside the sweep's state, and the idle nodes go away after."""
+    from mlflow.tracking import MlflowClient
+
+    url = sim_cluster.dashboard_url
+    _wait(lambda: not _worker_nodes(url), SCALE_DOWN_TIMEOUT_S, "no worker nodes before the sweep", poll_s=2)
+    name = f"sim-sweep-{uuid.uuid4().hex[:6]}"
+    sets = [a for kv in _job_overrides(tiny_dataset, tmp_path, "sweep-sim") for a in ("--set", kv)]
+    args = [sys.executable, "-m", "raytrn.cli", "sweep", "jobs/tiny.yaml", *sets, "--grid", "optim.lr=1e-3,3e-3",
+            "--cluster", "cluster/local-sim.yaml", "--address", url, "--name", name]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | sim_cluster.env
+    log_path = tmp_path / "sweep.log"
+    with open(log_path, "w") as log:
+        driver = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        max_nodes = 0
+        try:
+            deadline = time.monotonic() + 2 * JOB_TIMEOUT_S
+            while driver.poll() is None and time.monotonic() < deadline:
+                max_nodes = max(max_nodes, len(_worker_nodes(url)))
+                time.sleep(1)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+            driver.wait(timeout=30)
+    out = log_path.read_text()
+    assert driver.returncode == 0, out[-6000:]
+    assert f"(sweep {name})" in out and "2 trial(s) of jobs/tiny.yaml, 2 at a time" in out, out[-6000:]
+    assert max_nodes >= 1, "the sweep's trials launched no worker node"
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.get_experiment_by_name("sweep-sim")
+    runs = client.search_runs([exp.experiment_id])
+    parent = next(r for r in runs if r.data.tags.get("raytrn.kind") == "sweep")
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert parent.info.status == "FINISHED" and parent.info.run_name == name
+    assert sorted(float(c.data.params["optim.lr"]) for c in children) == [1e-3, 3e-3]
+    assert all(c.info.status == "FINISHED" and c.data.metrics["loss"] > 0 for c in children)
+    assert all(c.data.tags["ray.job_submission_id"].startswith(f"raytrn-{name}-") for c in children)
+    best = tmp_path / "checkpoints" / "sweeps" / name / "best.yaml"
+    assert "The best trial of sweep" in best.read_text()
+    _wait(lambda: not _worker_nodes(url), SCALE_DOWN_TIMEOUT_S, "idle worker nodes removed", poll_s=2)

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from raytrn.backends.nxd import check_parallel, kv_replication
-from raytrn.config import JobSpec, load_job
+from raytrn.config import JobSpec, load_job, read_job_file
+from raytrn.errors import ConfigError
 from raytrn.models import PRESETS, model_stats
 from raytrn.train.checks import check_job
 from raytrn.train.sizes import data_parallel_size, world_sizes
@@ -45,7 +46,8 @@ def test_jobs_exist() -> None:
 
 @pytest.mark.parametrize("path", JOB_FILES, ids=lambda p: p.name)
 def test_every_job_loads(path: Path, base: str) -> None:
-    job = load_job(path, base_dir=base)
+    raw, _ = read_job_file(str(path))  # a sweep's file: the job without its sweep: section
+    job = load_job(path, base_dir=base, raw=raw)
     assert job.source == str(path)
     assert job.data.seq_len <= job.model.max_position_embeddings
     assert job.optim.warmup_steps < job.run.max_steps
@@ -210,3 +212,16 @@ def test_llama31_8b_sft_trn2() -> None:
     assert job.scaling.accelerator == "neuron" and job.parallel.data_parallel == "fsdp"
     assert job.data.seq_len == 8192 and job.data.attention == "document" and job.run.eval_every
     check_job(job, data=False)
+
+
+def test_sweep_tiny_plans_four_learning_rates_under_asha() -> None:
+    """make demo-sweep's job: 4 trials of one worker, 2 at a time, ASHA on val_loss at steps 20 and 40."""
+    from raytrn.sweep.plan import SweepOptions, plan_sweep
+
+    plan = plan_sweep(SweepOptions(job_path=str(JOBS / "sweep-tiny.yaml")), check_data=False)
+    s = plan.state.sched
+    assert [t.values["optim.lr"] for t in plan.state.trials] == [1e-2, 3e-3, 1e-3, 1e-4]
+    assert (s.kind, s.metric, s.mode, s.rungs()) == ("asha", "val_loss", "min", [20, 40])
+    assert plan.state.max_concurrent == 2 and plan.base.scaling.max_workers == 1
+    with pytest.raises(ConfigError, match="has a sweep: section"):
+        load_job(JOBS / "sweep-tiny.yaml")

@@ -123,7 +123,7 @@ def test_rows_pack_whole_examples_and_never_train_on_an_examples_first_token() -
 def test_text_with_document_attention_starts_a_document_after_every_eos() -> None:
     """data.attention: document on pretraining text: segment ids from the EOS tokens (an EOS ends its document)."""
     from raytrn.data.source import MicroBatch
-    from raytrn.train.loop import to_torch
+    from raytrn.train.step import to_torch
 
     tokens = np.array([[5, 6, 0, 7, 8, 0, 9], [0, 1, 2, 3, 0, 0, 4]], dtype=np.int32)
     batch = to_torch(MicroBatch(tokens=tokens, row_ids=np.arange(2)), document=True, eos_id=0)

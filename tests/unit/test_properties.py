@@ -119,13 +119,14 @@ def _imports_done(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Import what the checks import (Ray Train, the backends) before memory is measured: a first import
     allocates ~100 MB once, whatever the input."""
     from raytrn.cluster.validate import validate_cluster_file
-    from raytrn.config import load_job
+    from raytrn.config import load_job, read_job_file
     from raytrn.train.checks import check_job
     from tests.unit.test_jobs import _base
 
     base = _base(tmp_path_factory.mktemp("base"))
     for path in JOBS:
-        check_job(load_job(path, base_dir=base), data=False)
+        raw, _ = read_job_file(str(path))  # a sweep's job file: the job without its sweep: section
+        check_job(load_job(path, base_dir=base, raw=raw), data=False)
     for path in LAUNCHER + KUBERAY:
         validate_cluster_file(str(path))
 
