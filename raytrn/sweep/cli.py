@@ -198,7 +198,7 @@ def _run(state: Any, args: argparse.Namespace, *, notes: list[str]) -> int:
     per_trial_cpus = max(
         get_backend(j.scaling.accelerator).worker_resources(j).get("CPU", 0) * j.scaling.min_workers for j in jobs
     )
-    embedded = ensure_ray(min_cpus=per_trial_cpus * (wanted or 1))
+    ensure_ray(min_cpus=per_trial_cpus * (wanted or 1))
     slots, why = trial_slots(jobs, cluster_file=args.cluster, resources=ray.cluster_resources())
     if slots < 1:
         raise RaytrnError(f"no trial fits: {why}; lower scaling.min_workers, or give the cluster more capacity")
@@ -220,7 +220,7 @@ def _run(state: Any, args: argparse.Namespace, *, notes: list[str]) -> int:
     )
     create_runs(state)
     try:
-        outcome = run_sweep(state, embedded=embedded, max_concurrent=concurrent)
+        outcome = run_sweep(state, max_concurrent=concurrent)
     except KeyboardInterrupt:
         mark_interrupted(state)
         print(f"raytrn: sweep {state.name} stopped; continue it with: raytrn sweep --resume {_resume_arg(state)}",

@@ -182,10 +182,10 @@ def _logged_at(client: Any, run_id: str, metric: str, step: int) -> bool:
 # -- Tune ---------------------------------------------------------------------------------------------------------
 
 
-def run_trial(config: dict[str, Any], jobs: dict[int, JobSpec] | None = None, embedded: bool = False) -> None:
+def run_trial(config: dict[str, Any], jobs: dict[int, JobSpec] | None = None) -> None:
     """The Tune function trainable: trial ``config["trial"]``'s job, trained by ``run_training``."""
     from raytrn.backends import get_backend
-    from raytrn.train.trainer import Trial, latest_checkpoint, run_training
+    from raytrn.train.trainer import latest_checkpoint, run_training
 
     assert jobs is not None
     job = jobs[int(config["trial"])]
@@ -195,7 +195,7 @@ def run_trial(config: dict[str, Any], jobs: dict[int, JobSpec] | None = None, em
 
         tune.report({"step": meta.progress.step, "already_done": 1})
         return
-    run_training(job, live_progress=False, trial=Trial(embedded=embedded))
+    run_training(job, live_progress=False, trial=True)
 
 
 def asha_scheduler(s: Scheduler, on_stop: Any) -> Any:
@@ -376,7 +376,7 @@ def _tune_callback(cb: SweepCallback) -> Any:
     return _Callback()
 
 
-def run_sweep(state: SweepState, *, embedded: bool, max_concurrent: int, out: Any = None) -> Outcome:
+def run_sweep(state: SweepState, *, max_concurrent: int, out: Any = None) -> Outcome:
     """Run the trials of ``state`` that have not ended (``max_concurrent`` at a time) and finish the sweep."""
     from ray import tune
 
@@ -406,9 +406,7 @@ def run_sweep(state: SweepState, *, embedded: bool, max_concurrent: int, out: An
         callback = SweepCallback(state, stopped, out)
         # The trial only drives its job (its workers hold their own resources): no CPU, a little memory (Tune
         # refuses a trial that asks for nothing).
-        trainable = tune.with_resources(
-            tune.with_parameters(run_trial, jobs=jobs, embedded=embedded), {"CPU": 0, "memory": TRIAL_MEMORY}
-        )
+        trainable = tune.with_resources(tune.with_parameters(run_trial, jobs=jobs), {"CPU": 0, "memory": TRIAL_MEMORY})
         tuner = tune.Tuner(
             trainable,
             param_space={"trial": tune.grid_search([t.index for t in pending])},
@@ -427,6 +425,9 @@ def run_sweep(state: SweepState, *, embedded: bool, max_concurrent: int, out: An
         )
         with _quiet("ray.tune"), _away_from_cwd():
             tuner.fit()
+        if any(t.status not in DONE for t in state.trials):
+            # Tune catches Ctrl-C and SIGTERM itself: it stops the running trials and returns.
+            raise KeyboardInterrupt
     return finish(state, out=out)
 
 
@@ -537,13 +538,21 @@ def _finish_parent(state: SweepState, best: TrialState | None, best_yaml: str | 
 
 
 def mark_interrupted(state: SweepState) -> None:
-    """Ctrl-C / SIGTERM of the driver: the parent run is KILLED (``--resume`` reopens it); trials keep their state."""
+    """Ctrl-C / SIGTERM of the driver: the parent run and the runs of the trials it cut off are KILLED, those trials
+    pending again (``--resume`` runs them, from their checkpoints, into the same runs)."""
+    cut = [t for t in state.trials if t.status == "running"]
+    for t in cut:
+        t.status = "pending"
     state.save()
     if state.tracking_uri is not None and state.parent_run_id is not None:
         try:
-            _client(state).set_terminated(state.parent_run_id, status="KILLED")
+            client = _client(state)
+            for t in cut:
+                if t.run_id is not None and client.get_run(t.run_id).info.status == "RUNNING":
+                    client.set_terminated(t.run_id, status="KILLED")
+            client.set_terminated(state.parent_run_id, status="KILLED")
         except Exception as e:
-            log.warning("could not mark the sweep's run KILLED: %s", e)
+            log.warning("could not mark the sweep's runs KILLED: %s", e)
 
 
 def reopen(state: SweepState) -> None:

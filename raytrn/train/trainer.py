@@ -7,7 +7,7 @@ import importlib
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from raytrn import storage
@@ -33,17 +33,11 @@ from raytrn.train.sizes import world_sizes
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Trial:
-    """How :func:`run_training` runs as a sweep's trial (:mod:`raytrn.sweep`), inside a Ray Tune trial: the metrics
-    of every log and eval step go to Tune (``TuneReportCallback``), no progress lines (the sweep prints its own)."""
+def run_training(job: JobSpec, *, live_progress: bool = True, trial: bool = False) -> Summary:
+    """Run ``job`` to ``run.max_steps`` (resuming when a checkpoint exists) and summarise it.
 
-    #: The sweep started the local Ray it runs on (as ``raytrn train`` without RAY_ADDRESS does).
-    embedded: bool
-
-
-def run_training(job: JobSpec, *, live_progress: bool = True, trial: Trial | None = None) -> Summary:
-    """Run ``job`` to ``run.max_steps`` (resuming when a checkpoint exists) and summarise it."""
+    ``trial``: as a sweep's trial (:mod:`raytrn.sweep`), inside a Ray Tune trial: the metrics of every log and eval
+    step go to Tune (``TuneReportCallback``), no progress lines (the sweep prints its own)."""
     backend = get_backend(job.scaling.accelerator)
     check_spec(job)
     backend.check(job)
@@ -90,7 +84,6 @@ def run_training(job: JobSpec, *, live_progress: bool = True, trial: Trial | Non
         pool.submit(importlib.import_module, "ray.train.torch")
         # As many logical CPUs as the workers take (Ray Data's read tasks reserve none: raytrn.data.source).
         started_locally = ensure_ray(min_cpus=scaling.total_resources.get("CPU", 0))
-    embedded = started_locally or (trial is not None and trial.embedded)
     if started_locally:
         _check_local_resources(job, backend)
     import ray
@@ -98,7 +91,7 @@ def run_training(job: JobSpec, *, live_progress: bool = True, trial: Trial | Non
     from raytrn.tracking.actor import driver_env, start_tracking_actor
     from raytrn.tracking.mlflow_run import end_run
 
-    if trial is None:
+    if not trial:
         print(f"raytrn: {job.run_name}: llama {stats.describe()}", flush=True)
     # The tracking actor creates or reattaches the MLflow run while the workers start (no run exists before
     # the resource check passed); it is also the progress board. Without tracking, a board of its own.
@@ -132,10 +125,10 @@ def run_training(job: JobSpec, *, live_progress: bool = True, trial: Trial | Non
     try:
         with _stop_on_sigterm(lambda: finish("KILLED", 3.0)):  # Ray SIGKILLs soon after SIGTERM
             trainer = _trainer(
-                job, backend, scaling, manifest, tracked, tracker, board, schedule=schedule, local=embedded,
-                validation=validation, report_metrics=trial is not None,
+                job, backend, scaling, manifest, tracked, tracker, board, schedule=schedule, local=started_locally,
+                validation=validation, report_metrics=trial,
             )  # fmt: skip
-            printer = ProgressPrinter(board, live=live_progress) if trial is None else contextlib.nullcontext()
+            printer = ProgressPrinter(board, live=live_progress) if not trial else contextlib.nullcontext()
             with printer, watch:
                 result = trainer.fit()
         if backend.committed_checkpoints:
@@ -352,7 +345,9 @@ def _local_trainer_class(base: type) -> type:
     The cleaner is a detached actor (a Python process importing ``ray.train``: ~2.5 CPU-seconds while the
     workers start, on a 2-core laptop about a second of start-up) that removes the job's placement group if
     the controller dies. On a Ray this process started, the controller cannot outlive the process: when it
-    ends, Ray and every placement group end with it. On a cluster (``RAY_ADDRESS``) the stock trainer is used.
+    ends, Ray and every placement group end with it. On a cluster (``RAY_ADDRESS``) the stock trainer is used, and
+    so in a sweep's trial: the scheduler kills a trial's controller while the sweep's Ray lives on, and without the
+    cleaner the trial's placement group would keep its workers' resources for good.
     """
     return trainer_without_callbacks(base, LOCAL_SKIPPED_CALLBACKS)
 
