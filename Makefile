@@ -78,7 +78,7 @@ demo-finetune: venv
 	$(BIN)/python -m raytrn.demos.finetune
 
 # A learning-rate sweep of the tiny model (jobs/sweep-tiny.yaml: 4 trials, 2 at a time, ASHA on val_loss): make demo's
-# corpus again, with its tokenizer and a validation split. Ends with the trials ranked and best.yaml. A few minutes.
+# corpus again, with its tokenizer and a validation split. Ends with the trials ranked and best.yaml. ~2 minutes here.
 DEMO_VAL_DATA := data/stdlib-val
 
 $(DEMO_VAL_DATA)/manifest.json: $(DEMO_DATA)/manifest.json

@@ -202,3 +202,38 @@ def test_a_failed_trial_does_not_fail_the_sweep(ray_session, val_dataset, tmp_pa
     assert table[2].split()[:2] == ["1", "t00"] and table[3].split()[:4] == ["2", "t01", failed["run_id"][:8], "FAILED"]
     assert "failed:" in table[3], out.stdout
     assert "Configuration for experiment" not in out.stdout and "Traceback" not in out.stdout + out.stderr
+
+
+def test_ctrl_c_stops_the_sweep_for_a_resume(ray_session, val_dataset, tmp_path) -> None:
+    """Ctrl-C (which Ray Tune catches) ends the sweep as interrupted: exit 130 with the resume command, the cut-off
+    trial pending again in sweep.json and its run KILLED, as is the sweep's."""
+    import signal
+
+    from mlflow.tracking import MlflowClient
+
+    name = "interrupted"
+    root = tmp_path / "ckpt" / "sweeps" / name
+    args = [sys.executable, "-m", "raytrn.cli", "sweep", TINY, *_sets(val_dataset, tmp_path), "--set",
+            "run.max_steps=2000", "--grid", "optim.lr=1e-3,3e-3", "--max-concurrent", "1", "--name", name]  # fmt: skip
+    driver = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ,
+                              **_env()}, cwd=REPO)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and driver.poll() is None:
+            trials = _state(root).get("trials") or [{}]
+            if trials[0].get("history"):  # t00 reported its first val_loss
+                break
+            time.sleep(0.3)
+        driver.send_signal(signal.SIGINT)
+        out, err = driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(timeout=30)
+    assert driver.returncode == 130, out + err
+    assert f"raytrn: sweep {name} stopped; continue it with: raytrn sweep --resume {root}" in err
+    state = _state(root)
+    assert [t["status"] for t in state["trials"]] == ["pending", "pending"], state["trials"]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert client.get_run(state["trials"][0]["run_id"]).info.status == "KILLED"
+    assert client.get_run(state["parent_run_id"]).info.status == "KILLED"
