@@ -201,7 +201,10 @@ def test_a_failed_trial_does_not_fail_the_sweep(ray_session, val_dataset, tmp_pa
     table = out.stdout.split(f"sweep {name}: 2 trial(s) ranked by val_loss", 1)[1].splitlines()
     assert table[2].split()[:2] == ["1", "t00"] and table[3].split()[:4] == ["2", "t01", failed["run_id"][:8], "FAILED"]
     assert "failed:" in table[3], out.stdout
-    assert "Configuration for experiment" not in out.stdout and "Traceback" not in out.stdout + out.stderr
+    # Neither Tune's boxes nor its traceback of the failed trial (lines that Ray forwards from its worker processes,
+    # "(Name pid=N)", are theirs: a TrackingActor stopped at teardown may print one).
+    ours = [ln for ln in (out.stdout + out.stderr).splitlines() if "pid=" not in ln and "(raylet)" not in ln]
+    assert not [ln for ln in ours if "Traceback" in ln or "Configuration for experiment" in ln], out.stdout + out.stderr
 
 
 def test_ctrl_c_stops_the_sweep_for_a_resume(ray_session, val_dataset, tmp_path) -> None:
