@@ -159,7 +159,7 @@ def _resume(args: argparse.Namespace) -> int:
     from raytrn import storage
     from raytrn.config import load_job
     from raytrn.sweep.driver import reopen
-    from raytrn.sweep.plan import SweepState, read_section, sweeps_root
+    from raytrn.sweep.plan import DONE, SweepState, read_section, sweeps_root
 
     given = args.resume.removesuffix("/sweep.json")
     if "/" in given:  # the sweep's directory (what an interrupted sweep prints), local or s3://
@@ -177,7 +177,7 @@ def _resume(args: argparse.Namespace) -> int:
     state = SweepState.load(root)
     if state is None:
         raise ConfigError(f"--resume {args.resume}: no sweep {where}")
-    left = [t for t in state.trials if t.status not in ("finished", "stopped", "failed")]
+    left = [t for t in state.trials if t.status not in DONE]
     print(f"raytrn: resuming sweep {state.name}: {len(state.trials) - len(left)} trial(s) ended, {len(left)} to run")
     reopen(state)
     return _run(state, args, notes=[])
@@ -188,6 +188,7 @@ def _run(state: Any, args: argparse.Namespace, *, notes: list[str]) -> int:
 
     from raytrn.runtime import ensure_ray
     from raytrn.sweep.driver import create_runs, mark_interrupted, run_sweep, trial_slots
+    from raytrn.sweep.plan import DONE
 
     jobs = [t.job_spec(state.job_file) for t in state.trials]
     wanted = args.max_concurrent if args.max_concurrent is not None else state.max_concurrent
@@ -207,7 +208,7 @@ def _run(state: Any, args: argparse.Namespace, *, notes: list[str]) -> int:
             f"--max-concurrent {wanted}: the cluster holds at most {slots} trial(s) at once ({why}); lower it"
             + ("" if args.cluster else ", or give --cluster FILE when the cluster autoscales beyond what it has now")
         )
-    left = sum(t.status not in ("finished", "stopped", "failed") for t in state.trials)
+    left = sum(t.status not in DONE for t in state.trials)
     concurrent = max(1, min(wanted or slots, left))
     if args.max_concurrent is not None:
         state.max_concurrent = args.max_concurrent
