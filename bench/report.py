@@ -12,7 +12,7 @@ START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 README_INTRO = """\
 ## Benchmarks
 
-`make bench` (about 20 minutes here; `make bench BENCH_ARGS=--quick` for a smoke run) measures what
+`make bench` (about 12 minutes here; `make bench BENCH_ARGS=--quick` for a smoke run) measures what
 raytrn costs over a bare PyTorch loop and stock Ray Train, and the data, checkpoint, MLflow and
 recovery paths, on this machine. Variants are alternated inside one run and compared as ratios, so the
 noise of a shared machine mostly cancels; the raw numbers are in `bench/results/<date>-<host>.json`.
@@ -333,7 +333,7 @@ def gpu_result() -> dict[str, Any] | None:
 
 
 def update_readme(block: str, readme: Path = REPO / "README.md") -> None:
-    """Replace the marked block (or add the Benchmarks section before ``## Layout``); nothing else changes."""
+    """Replace the marked block (or add the Benchmarks section before ``## Layout``, else at the end); nothing else changes."""
     text = readme.read_text()
     body = f"{START}\n{block.rstrip()}\n{END}"
     if START in text and END in text:
