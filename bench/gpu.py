@@ -215,7 +215,8 @@ def job_for(name: str, shape: tuple[int, int, int], *, compile: bool) -> Any:
 def raytrn_loop(job: Any) -> Callable[[Iterator[Any]], Any]:
     """raytrn's own step: ``build_training`` + ``train_step`` on ``CudaBackend`` (one process, world size 1)."""
     from raytrn.backends.cuda import CudaBackend
-    from raytrn.train.step import build_training, train_step
+    from raytrn.train.build import build_training
+    from raytrn.train.step import train_step
 
     backend = CudaBackend()
     training = build_training(job, backend, world_size=1)

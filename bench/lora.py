@@ -27,7 +27,8 @@ def _variant(ckpt: str, lora: bool, steps: int, warmup: int) -> dict[str, Any]:
     from raytrn.config import load_job
     from raytrn.models.hf import load_weights
     from raytrn.models.lora import trainable_parameters
-    from raytrn.train.step import build_training, train_step
+    from raytrn.train.build import build_training
+    from raytrn.train.step import train_step
 
     sets = ["model.preset=null", "model.hidden_size=null", "model.intermediate_size=null", "model.num_layers=null",
             "model.num_attention_heads=null", "model.vocab_size=null", f"model.init_from={ckpt}",

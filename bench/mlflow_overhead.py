@@ -77,6 +77,8 @@ class _CallTimer:
 def _segments(config: dict[str, Any]) -> None:
     """The worker: alternate segments of raytrn's loop with and without the MLflow run."""
     from raytrn.train.loop import train_loop_per_worker
+    from raytrn.train.plan import WorkerPlan
+    from raytrn.train.schedule import Schedule
 
     job, n, warmup = config["job"], config["segment_steps"], config["warmup"]
     rows = []
@@ -86,15 +88,15 @@ def _segments(config: dict[str, Any]) -> None:
         seg_job = job.model_copy(update={"run": run_cfg})
         board = _Board()
         t0 = time.perf_counter()
-        train_loop_per_worker(
-            {
-                "job": seg_job,
-                "board": board,
-                "mlflow_uri": config["mlflow_uri"] if on else None,
-                "tracker": config["tracker"] if on else None,
-                "manifest": config["manifest"],
-            }
+        plan = WorkerPlan(
+            job=seg_job,
+            manifest=config["manifest"],
+            schedule=Schedule.from_job(seg_job),
+            board=board,
+            mlflow_uri=config["mlflow_uri"] if on else None,
+            tracker=config["tracker"] if on else None,
         )
+        train_loop_per_worker(plan.as_config())
         total = time.perf_counter() - t0
         kept = [p for p in board.points if p[0] - i * n >= warmup]
         step_s = (kept[-1][1] - kept[0][1]) / (kept[-1][0] - kept[0][0]) if len(kept) >= 2 else None

@@ -40,7 +40,8 @@ def _worker(rank: int, world: int, port: int, layout: str, model: str, steps: in
     import torch.distributed as dist
 
     from raytrn.backends.cpu import CpuBackend
-    from raytrn.train.step import build_training, train_step
+    from raytrn.train.build import build_training
+    from raytrn.train.step import train_step
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -1,27 +1,23 @@
 """The backend interface, and its torch.distributed implementation shared by cpu and cuda.
 
-A backend says, for one kind of accelerator: the device and the process-group backend, the Ray Train
-backend config, the mixed-precision dtype, how the model is laid out (:meth:`Backend.parallelize`), how the
-step clips and steps, and how state is checkpointed (:meth:`Backend.checkpoints`). :meth:`Backend.build_training`
-puts them together into the typed :class:`~raytrn.train.step.Training` the loop runs; the loop itself has no
-backend ``if``.
+A backend answers, for one kind of accelerator: the device and the process-group backend, the Ray Train backend
+config, the worker's resources, the mixed-precision dtype and compile options it applies, and the step's hooks
+(how gradients are reduced and the optimizer stepped, where a step's graph ends, how batches reach the device).
+Building the training from these (model, layout, optimizer, checkpoints) is :mod:`raytrn.train.build`'s; the loop
+itself has no backend ``if``.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
     from raytrn.config import JobSpec
-    from raytrn.train.checkpointing import Checkpoints
-    from raytrn.train.parallelize import Parallelized
-    from raytrn.train.schedule import Schedule
-    from raytrn.train.step import Training
 
 log = logging.getLogger(__name__)
 
@@ -73,84 +69,6 @@ class Backend:
         import torch
 
         return torch.bfloat16 if self.autocast_supported and job.model.autocast == "bfloat16" else None
-
-    def build_training(
-        self, job: JobSpec, *, world_size: int, schedule: Schedule | None = None, rank: int = 0
-    ) -> Training:
-        """Seeded model laid out over ``world_size`` workers (:meth:`parallelize`), AdamW, the learning-rate
-        ``schedule`` (default: the job's), how the step clips and steps, and how state is checkpointed."""
-        import torch
-
-        from raytrn.models import build_model
-        from raytrn.train.optim import build_adamw, lr_scheduler
-        from raytrn.train.schedule import Schedule
-        from raytrn.train.sizes import data_parallel_size
-        from raytrn.train.step import Training, cross_entropy
-
-        self.seed(job.run.seed)
-        for warning in self.ignored_settings(job):
-            log.warning(warning)
-        compile_ = self.compile_options if job.run.compile else None
-        model = build_model(job.model, seed=job.run.seed).to(self.device())
-        if job.model.lora is not None:  # adapters before the layout (the model code is single-device)
-            from raytrn.models.lora import apply_lora
-
-            apply_lora(model, job.model.lora, seed=job.run.seed)
-        par = self.parallelize(model, job, world_size=world_size, compile=compile_)
-        optimizer = build_adamw(par.model, job, fused=self.fused_optim and job.optim.fused)
-        params = [p for p in par.model.parameters() if p.requires_grad]
-        fsdp = par.data_parallel == "fsdp"
-        return Training(
-            model=par.model,
-            optimizer=optimizer,
-            scheduler=lr_scheduler(optimizer, schedule or Schedule.from_job(job)),
-            grad_accum=job.data.grad_accum_for(data_parallel_size(job, world_size)),
-            # compiled, the fp32 upcast fuses into the loss
-            loss_fn=torch.compile(cross_entropy, **compile_) if compile_ is not None else cross_entropy,
-            autocast_dtype=None if fsdp else self.autocast_dtype(job),  # FSDP: its MixedPrecisionPolicy
-            no_sync=par.no_sync,
-            clip_and_step=self._clip_and_step(optimizer, params, job.optim.grad_clip_norm),
-            checkpoints=self.checkpoints(job, par, rank=rank),
-            export=par.full_state_items,
-            world_size=world_size,
-            data_parallel_size=data_parallel_size(job, world_size),
-        )
-
-    def parallelize(
-        self, model: torch.nn.Module, job: JobSpec, *, world_size: int, compile: dict[str, Any] | None
-    ) -> Parallelized:
-        """Tensor parallel, activation checkpointing, compile, then FSDP2 or DDP (:mod:`raytrn.train.parallelize`)."""
-        from raytrn.train.parallelize import parallelize
-
-        return parallelize(
-            model,
-            job,
-            device=self.device(),
-            world_size=world_size,
-            compile=compile,
-            mixed_precision=self.autocast_dtype(job),
-        )
-
-    def checkpoints(self, job: JobSpec, par: Parallelized, *, rank: int) -> Checkpoints:
-        """Sharded, reshardable ``torch.distributed.checkpoint`` checkpoints (every rank writes its shards)."""
-        from raytrn.train.checkpointing import DcpCheckpoints
-
-        tp = par.tensor_parallel_size
-        layout = {"data_parallel": par.data_parallel, "tensor_parallel_size": tp}
-        return DcpCheckpoints(job, rank=rank, plain_layout=tp == 1 and par.data_parallel != "fsdp", layout=layout)
-
-    def _clip_and_step(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float | None
-    ) -> Callable[[], torch.Tensor]:
-        from raytrn.train.parallelize import grad_norm_and_clip
-
-        def clip_and_step() -> torch.Tensor:
-            self.reduce_gradients(optimizer)  # XLA: all-reduce before clipping; DDP/FSDP did it in backward
-            norm = grad_norm_and_clip(params, max_norm)
-            self.optimizer_step(optimizer)
-            return norm
-
-        return clip_and_step
 
     def check(self, job: JobSpec) -> list[str]:
         """Backend-specific checks of a job (layout, worker counts): notes to show, or BackendError."""

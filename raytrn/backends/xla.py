@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from raytrn.config import JobSpec
     from raytrn.train.checkpointing import Checkpoints
     from raytrn.train.parallelize import Parallelized
+    from raytrn.train.schedule import Schedule
+    from raytrn.train.step import Training
 
 
 def import_torch_xla() -> Any:
@@ -63,6 +65,17 @@ class XlaBackend(Backend):
 
     def device(self) -> torch.device:
         return import_torch_xla().device()
+
+    def build_training(
+        self, job: JobSpec, *, world_size: int, schedule: Schedule | None = None, rank: int = 0
+    ) -> Training:
+        """The native build (:func:`raytrn.train.build.build_native`) with this path's layout and ``state.pt``."""
+        from raytrn.train.build import build_native
+
+        return build_native(
+            job, self, world_size=world_size, schedule=schedule, rank=rank, layout=self.parallelize,
+            checkpoints=self.checkpoints,
+        )  # fmt: skip
 
     def parallelize(
         self, model: torch.nn.Module, job: JobSpec, *, world_size: int, compile: dict[str, Any] | None

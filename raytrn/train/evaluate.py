@@ -15,25 +15,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from raytrn.data.manifest import Manifest
+from raytrn.checkpoint import Progress
+from raytrn.data.batch import attention, to_torch
+from raytrn.data.manifest import Manifest, load_manifest, rows_per_group
+from raytrn.data.order import RankSlice, SampleOrder, iter_rows, plan_epoch
+from raytrn.data.source import block_arrays, slices
 from raytrn.errors import DataError
+from raytrn.train.sizes import data_parallel_sizes, global_batch
+from raytrn.train.step import Training, forward
 
 if TYPE_CHECKING:
     from raytrn.backends.base import Backend
     from raytrn.config import JobSpec
-    from raytrn.train.step import Training
 
 
 class Evaluator:
     """This rank's validation micro-batches and the validation loss over every rank's."""
 
     def __init__(self, job: JobSpec, manifest: Manifest, *, dp: int, dp_rank: int) -> None:
-        from raytrn.data.manifest import rows_per_group
-        from raytrn.data.order import RankSlice, SampleOrder, iter_rows, plan_epoch
-        from raytrn.data.source import block_arrays, slices
-        from raytrn.train.sizes import global_batch
-        from raytrn.train.step import attention, to_torch
-
         b = global_batch(job, dp)
         self.num_batches = min(job.run.eval_batches, manifest.num_rows // b)
         if self.num_batches < 1:
@@ -68,8 +67,6 @@ class Evaluator:
         collective: every rank calls it at the same step."""
         import torch.nn.functional as F
 
-        from raytrn.train.step import forward
-
         device = backend.device()
         was_training = t.model.training
         t.model.eval()
@@ -100,9 +97,6 @@ class Evaluator:
 def validation_set(job: JobSpec, manifest: Manifest) -> Manifest | None:
     """The job's validation set (``data.validation``, else the split prepared with its dataset), checked against the
     training set and the batch: DataError for another seq_len or tokenizer, or fewer rows than one global batch."""
-    from raytrn.data.manifest import load_manifest
-    from raytrn.train.sizes import data_parallel_sizes, global_batch
-
     where = f"{job.source}: data.validation"
     path = job.data.validation
     if path == "none":
@@ -134,3 +128,45 @@ def validation_set(job: JobSpec, manifest: Manifest) -> Manifest | None:
             "data.global_batch_size"
         )
     return val
+
+
+class Evaluation:
+    """The loop's evaluation component: every ``run.eval_every`` steps and at the last, the validation loss (every
+    rank: a collective; forward only, no random numbers, no data moved), the run's best so far, and rank 0's MLflow
+    metrics and best-checkpoint tags. Without a validation set it never evaluates."""
+
+    def __init__(
+        self, job: JobSpec, validation: Manifest | None, progress: Progress, *, dp: int, dp_rank: int, logger: Any
+    ) -> None:
+        self.job, self.progress, self.logger = job, progress, logger
+        self.evaluator = Evaluator(job, validation, dp=dp, dp_rank=dp_rank) if validation is not None else None
+
+    def should_evaluate(self, step: int, *, last: bool) -> bool:
+        every = self.job.run.eval_every
+        return self.evaluator is not None and (last or bool(every and step % every == 0))
+
+    def maybe_evaluate(
+        self, t: Training, backend: Backend, *, last: bool, checkpoint: str | None = None
+    ) -> dict[str, float]:
+        """The scores at this step when it is an evaluation step (else {}); ``checkpoint``: the location of the
+        checkpoint written at this step, if one is (the best-checkpoint tag names it)."""
+        progress, step = self.progress, self.progress.step
+        if self.evaluator is None or not self.should_evaluate(step, last=last):
+            return {}
+        scores = self.evaluator.evaluate(t, backend)
+        best = progress.best_val_loss is None or scores["val_loss"] < progress.best_val_loss
+        if best:
+            progress.best_val_loss = scores["val_loss"]
+        if self.logger is not None and step > progress.last_logged_val_step:  # (the step's training metrics first)
+            self.logger.log_metrics(scores, step, training=False)
+            if best:
+                self.logger.set_tags(best_tags(step, scores["val_loss"], checkpoint))
+        progress.last_logged_val_step = max(progress.last_logged_val_step, step)
+        return scores
+
+
+def best_tags(step: int, val_loss: float, checkpoint: str | None) -> dict[str, str]:
+    """The run's tags for a new best validation loss: the step, the loss, and the checkpoint of that step (when one
+    is written there: evaluate at checkpoint steps to keep every candidate)."""
+    location = checkpoint or "none (no checkpoint)"
+    return {"best_val_loss": f"{val_loss:.6f}", "best_val_step": str(step), "best_checkpoint": location}

@@ -272,7 +272,8 @@ def _precheck_xla(
     import torch_xla.debug.metrics as met
 
     from raytrn.models import model_stats
-    from raytrn.train.step import build_training, read_metrics, train_step
+    from raytrn.train.build import build_training
+    from raytrn.train.step import read_metrics, train_step
 
     backend = _recording_backend()
     t = build_training(job, backend, world_size=job.scaling.min_workers if job.data.global_batch_size else 1)
@@ -324,7 +325,8 @@ def _precheck_compiled(
 
     from raytrn.backends.cpu import CpuBackend
     from raytrn.models import model_stats
-    from raytrn.train.step import build_training, read_metrics, train_step
+    from raytrn.train.build import build_training
+    from raytrn.train.step import read_metrics, train_step
 
     graphs: list[str] = []
 
@@ -433,8 +435,8 @@ def _job_batches(job: JobSpec) -> tuple[Iterator[Any], str]:
 
         return synthetic(), f"synthetic token ids [{mb} x {row}] (dataset not readable here: {e.__class__.__name__})"
 
+    from raytrn.data.batch import rows_tensor
     from raytrn.data.order import Position, RankSlice, SampleOrder, iter_rows, plan_reads
-    from raytrn.train.loop import rows_tensor
 
     def rows() -> Iterator[Any]:  # the job's order, one worker's view: micro-batches as the loop gets them
         plans = plan_reads(SampleOrder.for_job(manifest, job), RankSlice(rank=0, size=1, global_batch=mb), Position())

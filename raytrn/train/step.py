@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from raytrn.data.batch import TokenBatch
+
 if TYPE_CHECKING:
     from raytrn.backends.base import Backend
-    from raytrn.config import JobSpec
     from raytrn.train.checkpointing import Checkpoints
-    from raytrn.train.schedule import Schedule
 
 
 @dataclass(kw_only=True)
 class Training:
-    """What a worker trains with, as its backend built it (:meth:`raytrn.backends.Backend.build_training`)."""
+    """What a worker trains with, as :func:`raytrn.train.build.build_training` built it for the job's backend."""
 
     model: torch.nn.Module  # laid out for the job (DDP, FSDP, tensor parallel; NxD on the XLA path)
     optimizer: torch.optim.Optimizer
@@ -57,30 +57,6 @@ class StepResult:
     data_wait_s: float  # time spent waiting for batches
     #: Tokens the loss was taken on over the whole global batch (masked data); None: every token (text).
     trained_tokens: int | None = None
-
-
-@dataclass
-class TokenBatch:
-    """A micro-batch that is not plain text: token ids ``[rows, seq_len + 1]`` with, per token, whether it is a target
-    to train on (``loss_mask``, None: all) and its document (``segments``: 1, 2, ... per document of a row, 0 padding;
-    None: plain causal attention)."""
-
-    tokens: torch.Tensor
-    loss_mask: torch.Tensor | None = None
-    segments: torch.Tensor | None = None
-
-    def to(self, device: Any, non_blocking: bool = False) -> TokenBatch:
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=non_blocking)
-
-        return TokenBatch(move(self.tokens), move(self.loss_mask), move(self.segments))  # type: ignore[arg-type]
-
-
-def build_training(
-    job: JobSpec, backend: Backend, *, world_size: int, schedule: Schedule | None = None, rank: int = 0
-) -> Training:
-    """``backend``'s :class:`Training` for ``job`` at this world size (see ``Backend.build_training``)."""
-    return backend.build_training(job, world_size=world_size, schedule=schedule, rank=rank)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -192,30 +168,3 @@ def read_metrics(result: StepResult, world_size: int) -> dict[str, float]:
         torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.SUM)
         loss = loss / world_size
     return {"loss": loss.item(), "grad_norm": float(result.grad_norm)}
-
-
-def attention(job: JobSpec, manifest: Any) -> str:
-    """``data.attention`` as it applies to ``manifest``: document for instruction data, causal for text, unless set."""
-    return job.data.attention or ("document" if manifest.instruction else "causal")
-
-
-def to_torch(batch: Any, *, document: bool, eos_id: int) -> Any:
-    """A :class:`raytrn.data.source.MicroBatch` as the step takes it: an int64 tensor (plain text, causal), or a
-    :class:`raytrn.train.step.TokenBatch` with the loss mask and, with document attention, segment ids (for text:
-    a new document after every EOS)."""
-    import numpy as np
-
-    from raytrn.data.instruct import MASK_COLUMN, SEGMENT_COLUMN
-
-    tokens = torch.from_numpy(batch.tokens.astype(np.int64))
-    mask = batch.extra.get(MASK_COLUMN)
-    if mask is None and not document:
-        return tokens
-    segments = None
-    if document:
-        seg = batch.extra.get(SEGMENT_COLUMN)
-        if seg is None:  # text: each EOS ends its document
-            ends = batch.tokens == eos_id
-            seg = 1 + np.concatenate([np.zeros((len(ends), 1), np.int64), np.cumsum(ends, axis=1)[:, :-1]], axis=1)
-        segments = torch.from_numpy(seg.astype(np.int64))
-    return TokenBatch(tokens, None if mask is None else torch.from_numpy(mask.astype(np.bool_)), segments)

@@ -26,6 +26,7 @@ from raytrn.models import model_stats
 from raytrn.runtime import ensure_ray, on_this_node, process_started_at
 from raytrn.train.checks import check_data, check_init_from, check_spec
 from raytrn.train.elastic import SizeChooser
+from raytrn.train.plan import WorkerPlan
 from raytrn.train.progress import ProgressBoard, ProgressPrinter, Summary
 from raytrn.train.schedule import Schedule, resolve_schedule
 from raytrn.train.sizes import world_sizes
@@ -301,19 +302,19 @@ def _trainer(
         trainer_class = trainer_with_scaling_policy(trainer_class, _ElasticPolicy(job, backend))
     return trainer_class(
         _train_fn(),
-        train_loop_config={
-            "job": job,
-            "board": board,
-            "mlflow_uri": tracked.uri if tracked else None,
-            "tracker": tracker,
-            "started_at": process_started_at(),
-            "schedule": schedule.to_dict(),
-            # Every worker streams its own rows of the job's global order (raytrn.data.order): no Ray Train
-            # datasets, whose split hands blocks to whichever worker asks first.
-            "manifest": manifest,
-            "validation": validation,  # raytrn.train.evaluate: the same rows every evaluation, at any size
-            "report_metrics": report_metrics,
-        },
+        train_loop_config=WorkerPlan(
+            job=job,
+            # Every worker streams its own rows of the job's global order (raytrn.data.order): no Ray Train datasets,
+            # whose split hands blocks to whichever worker asks first.
+            manifest=manifest,
+            schedule=schedule,
+            validation=validation,  # raytrn.train.evaluate: the same rows every evaluation, at any size
+            board=board,
+            tracker=tracker,
+            mlflow_uri=tracked.uri if tracked else None,
+            started_at=process_started_at(),
+            report_metrics=report_metrics,
+        ).as_config(),  # Ray Train takes a dict: the plan travels inside one
         scaling_config=scaling,
         torch_config=backend.ray_backend_config(job),
         # Train V2's RunConfig (mypy sees the V1 class that ray.train names statically; V2 is Ray 2.60's default).
@@ -360,7 +361,7 @@ def _worker_runtime_env(job: JobSpec, backend: Backend) -> dict[str, Any]:
     """Environment variables the training worker processes start with: the allocator settings of
     ``run.tune_malloc`` (glibc reads them at process start, so they cannot be set from the loop), and the
     driver's S3 endpoint and region (:data:`S3_ENV`; credentials are never copied), and where to write the
-    sample trace (``RAYTRN_SAMPLE_TRACE``, see :mod:`raytrn.train.loop`)."""
+    sample trace (``RAYTRN_SAMPLE_TRACE``, see :mod:`raytrn.data.feed`)."""
     from raytrn.backends.host_malloc import malloc_env, user_allocator_settings
 
     enabled = backend.tune_malloc if job.run.tune_malloc is None else job.run.tune_malloc

@@ -24,7 +24,10 @@ def _probe(config: dict) -> None:
 
     job = load_job(REPO / "jobs" / "tiny.yaml", ["data.manifest=unused"], resolve=False)
     ctx = ray.train.get_context()
-    par = CpuBackend().parallelize(build_model(job.model, seed=0), job, world_size=ctx.get_world_size(), compile=None)
+    from raytrn.train.build import native_layout
+
+    lay_out = native_layout(CpuBackend())
+    par = lay_out(build_model(job.model, seed=0), job, world_size=ctx.get_world_size(), compile=None)
     seen = {
         "in_worker": in_ray_train_worker(),
         "process_group": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
@@ -71,7 +74,8 @@ def _neuron_probe(config: dict) -> None:
     import torch.distributed as dist
 
     from raytrn.backends.neuron import NeuronBackend
-    from raytrn.train.step import build_training, read_metrics, train_step
+    from raytrn.train.build import build_training
+    from raytrn.train.step import read_metrics, train_step
 
     class NeuronOnCpu(NeuronBackend):
         """Everything but the device: the CPU, and Dynamo's eager backend in place of neuronx-cc."""
@@ -129,7 +133,8 @@ def test_torchneuron_ray_backend_sets_the_env_and_trains_like_one_process(ray_se
 
     from raytrn.backends.cpu import CpuBackend
     from raytrn.backends.neuron import TorchNeuronConfig
-    from raytrn.train.step import build_training, read_metrics, train_step
+    from raytrn.train.build import build_training
+    from raytrn.train.step import read_metrics, train_step
 
     job = _neuron_job()
     trainer = TorchTrainer(

@@ -18,9 +18,10 @@ from raytrn.backends.cpu import CpuBackend
 from raytrn.checkpoint import Progress
 from raytrn.config import load_job
 from raytrn.train import commit
+from raytrn.train.build import build_training
 from raytrn.train.checkpointing import resume_point
 from raytrn.train.schedule import Schedule
-from raytrn.train.step import build_training, train_step
+from raytrn.train.step import train_step
 from tests.outage_proxy import OutageProxy
 
 pytestmark = pytest.mark.integration

@@ -84,8 +84,9 @@ def _worker(rank: int, world: int, port: int, plan: dict[str, Any], out: str) ->
 
 
 def _run_plan(rank: int, world: int, plan: dict[str, Any], out: Path) -> None:
+    from raytrn.train.build import build_training
     from raytrn.train.sizes import data_parallel_size
-    from raytrn.train.step import build_training, read_metrics, train_step
+    from raytrn.train.step import read_metrics, train_step
 
     job = tiny_job(Path(plan["tmp"]), *plan["overrides"])
     backend = _Bf16Cpu() if plan.get("bf16") else CpuBackend()
@@ -147,7 +148,7 @@ def _run_plan(rank: int, world: int, plan: dict[str, Any], out: Path) -> None:
 def _masked(rows: torch.Tensor) -> Any:
     """A micro-batch whose targets are trained on only where the token id is not a multiple of 3 (masks of
     different sizes on every row and rank)."""
-    from raytrn.train.step import TokenBatch
+    from raytrn.data.batch import TokenBatch
 
     return TokenBatch(rows, rows % 3 != 0, None)
 
@@ -262,7 +263,7 @@ def test_resharded_resume_fsdp4_ddp2_fsdp3(single, tmp_path) -> None:
 
 def test_async_save_writes_the_same_checkpoint_as_sync(tmp_path) -> None:
     from raytrn.train import dcp
-    from raytrn.train.step import build_training
+    from raytrn.train.build import build_training
 
     run_layout(tmp_path, 2, "sync", "parallel.data_parallel=fsdp", steps=2, save=str(tmp_path / "sync"))
     run_layout(
@@ -285,7 +286,7 @@ def test_s3_round_trip_and_hf_export_from_shards(single, tmp_path, s3_bucket, s3
     from transformers import AutoModelForCausalLM
 
     from raytrn.train import dcp
-    from raytrn.train.step import build_training
+    from raytrn.train.build import build_training
 
     location = f"s3://{s3_bucket}/ckpt/run/dcp/step_00000002"
     os.environ["AWS_ENDPOINT_URL"] = s3_endpoint  # the spawned workers inherit it (monkeypatch set it here)

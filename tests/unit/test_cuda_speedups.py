@@ -18,8 +18,9 @@ from raytrn.backends.cuda import CudaBackend
 from raytrn.config import JobSpec, parse_job
 from raytrn.errors import ConfigError
 from raytrn.models import build_model
+from raytrn.train.build import build_training, native_layout
 from raytrn.train.checks import check_job
-from raytrn.train.step import build_training, cross_entropy, train_step
+from raytrn.train.step import cross_entropy, train_step
 
 pytestmark = pytest.mark.unit
 
@@ -54,7 +55,7 @@ def test_outside_ray_train_the_cuda_backend_uses_the_current_gpu() -> None:
 def test_one_process_is_not_wrapped() -> None:
     """Without a process group (one process, e.g. bench/gpu.py) the model is trained as built: no DDP/FSDP."""
     model = build_model(job().model, seed=0)
-    par = CpuBackend().parallelize(model, job("cpu"), world_size=1, compile=None)
+    par = native_layout(CpuBackend())(model, job("cpu"), world_size=1, compile=None)
     assert par.model is model and par.data_parallel == "none"
 
 

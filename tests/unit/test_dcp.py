@@ -13,9 +13,10 @@ from raytrn.checkpoint import Progress
 from raytrn.config import load_job
 from raytrn.errors import CheckpointError, RaytrnError
 from raytrn.train import commit, dcp
+from raytrn.train.build import build_training
 from raytrn.train.checkpointing import DcpCheckpoints
 from raytrn.train.schedule import Schedule
-from raytrn.train.step import build_training, train_step
+from raytrn.train.step import train_step
 
 pytestmark = pytest.mark.unit
 

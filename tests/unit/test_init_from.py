@@ -94,7 +94,8 @@ def test_train_export_and_transformers_reads_the_trained_weights(tmp_path: Path)
 
     from raytrn.backends.cpu import CpuBackend
     from raytrn.models.llama import save_hf
-    from raytrn.train.step import build_training, train_step
+    from raytrn.train.build import build_training
+    from raytrn.train.step import train_step
 
     hf_checkpoint(tmp_path / "init", rope_scaling=LLAMA3_ROPE)
     job = job_for(tmp_path / "init", "data.seq_len=16", f"checkpoint.storage={tmp_path / 'ckpt'}")

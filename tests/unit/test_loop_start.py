@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from raytrn.checkpoint import Progress, write_meta
-from raytrn.train.loop import _resume_progress, _StartEarly
+from raytrn.data.feed import StartEarly
+from raytrn.train.checkpointer import _resume_progress
 
 
 def test_first_item_is_fetched_before_it_is_asked_for() -> None:
@@ -17,7 +18,7 @@ def test_first_item_is_fetched_before_it_is_asked_for() -> None:
         started.set()
         yield from range(5)
 
-    it = _StartEarly(items)
+    it = StartEarly(items)
     assert started.wait(timeout=10), "the background fetch did not start on construction"
     assert list(it) == [0, 1, 2, 3, 4]  # order kept, nothing lost or repeated
 
@@ -34,7 +35,7 @@ def test_the_first_item_is_ready_before_the_caller_asks_for_it() -> None:
         later.append("second asked")
         yield "second"
 
-    it = _StartEarly(items)
+    it = StartEarly(items)
     it._thread.join(timeout=10)  # the background fetch finished on its own, without a next() from us
     assert not it._thread.is_alive() and it._first == ["first"] and not fetched.is_set()
     assert next(it) == "first" and later == []  # the first item came from the background fetch
@@ -58,7 +59,7 @@ def test_errors_reach_the_caller(where: str) -> None:
         yield 1
         raise DataError("bad row")
 
-    it = _StartEarly(make)
+    it = StartEarly(make)
     if where == "a later item":
         assert next(it) == 1
     with pytest.raises(DataError):
@@ -66,7 +67,7 @@ def test_errors_reach_the_caller(where: str) -> None:
 
 
 def test_empty_stream_stops() -> None:
-    assert list(_StartEarly(lambda: iter(()))) == []
+    assert list(StartEarly(lambda: iter(()))) == []
 
 
 def test_resume_progress_from_meta_json(tmp_path) -> None:

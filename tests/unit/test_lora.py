@@ -15,8 +15,9 @@ from raytrn.checkpoint import Progress
 from raytrn.errors import ConfigError
 from raytrn.models.hf import load_weights
 from raytrn.models.lora import LoRALinear, trainable_parameters
+from raytrn.train.build import build_training
 from raytrn.train.schedule import Schedule
-from raytrn.train.step import build_training, train_step
+from raytrn.train.step import train_step
 from tests.unit.test_init_from import hf_checkpoint, job_for
 
 pytestmark = pytest.mark.unit
@@ -90,14 +91,14 @@ def test_checkpoints_hold_the_adapters_only_and_resume_them(tmp_path: Path) -> N
 def test_the_merged_export_is_a_llama_transformers_loads(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from raytrn.train.loop import _export
+    from raytrn.tracking.export import export_hf
 
     hf_checkpoint(tmp_path / "hf")
     job = lora_job(tmp_path / "hf", tmp_path)
     t = trained(job, tmp_path / "hf")
     specs = {n: (v.dtype, tuple(v.shape)) for n, v in t.model.state_dict().items()}
     (tmp_path / "merged").mkdir()
-    _export(job, iter(t.model.state_dict().items()), str(tmp_path / "merged"), specs)
+    export_hf(job, iter(t.model.state_dict().items()), str(tmp_path / "merged"), specs)
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     assert not any("lora" in n for n in back.state_dict())
     torch.testing.assert_close(logits(back, IDS), logits(t.model, IDS), rtol=1e-5, atol=1e-5)
@@ -107,14 +108,14 @@ def test_the_adapter_export_is_a_peft_adapter(tmp_path: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from raytrn.train.loop import _export
+    from raytrn.tracking.export import export_hf
 
     hf_checkpoint(tmp_path / "hf")
     job = lora_job(tmp_path / "hf", tmp_path, "tracking.export=adapter")
     t = trained(job, tmp_path / "hf")
     specs = {n: (v.dtype, tuple(v.shape)) for n, v in t.model.state_dict().items()}
     (tmp_path / "adapter").mkdir()
-    _export(job, iter(t.model.state_dict().items()), str(tmp_path / "adapter"), specs)
+    export_hf(job, iter(t.model.state_dict().items()), str(tmp_path / "adapter"), specs)
     assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
         "adapter_config.json",
         "adapter_model.safetensors",

@@ -13,9 +13,11 @@ import torch.nn.functional as F
 
 from raytrn.backends.cpu import CpuBackend
 from raytrn.config import load_job
+from raytrn.data.batch import TokenBatch
 from raytrn.data.instruct import Example, RowPacker
 from raytrn.models import build_model
-from raytrn.train.step import TokenBatch, build_training, train_step
+from raytrn.train.build import build_training
+from raytrn.train.step import train_step
 
 pytestmark = pytest.mark.unit
 
@@ -122,8 +124,8 @@ def test_rows_pack_whole_examples_and_never_train_on_an_examples_first_token() -
 
 def test_text_with_document_attention_starts_a_document_after_every_eos() -> None:
     """data.attention: document on pretraining text: segment ids from the EOS tokens (an EOS ends its document)."""
+    from raytrn.data.batch import to_torch
     from raytrn.data.source import MicroBatch
-    from raytrn.train.step import to_torch
 
     tokens = np.array([[5, 6, 0, 7, 8, 0, 9], [0, 1, 2, 3, 0, 0, 4]], dtype=np.int32)
     batch = to_torch(MicroBatch(tokens=tokens, row_ids=np.arange(2)), document=True, eos_id=0)

@@ -23,8 +23,9 @@ from raytrn.backends.neuron_xla import NeuronXlaBackend
 from raytrn.backends.nxd import NxdCheckpoints, uses_nxd
 from raytrn.checkpoint import Progress
 from raytrn.config import load_job
+from raytrn.train.build import build_training
 from raytrn.train.schedule import Schedule
-from raytrn.train.step import build_training, train_step
+from raytrn.train.step import train_step
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
@@ -241,10 +242,10 @@ def test_tp_groups_share_rows_and_replicas_partition_them(tp: int, world: int) -
 def test_rank0_efficiency_metrics_for_a_trn_job() -> None:
     """Cost from the instance's price and node count, MFU from FLOPs/token and the NeuronCore peak."""
     from raytrn.models import model_stats
-    from raytrn.train.loop import _Efficiency
+    from raytrn.train.metrics import Efficiency
 
     job = load_job(REPO / "jobs" / "llama3-8b-trn1.yaml")
-    eff = _Efficiency(job, world_size=1024)  # 32 trn1.32xlarge
+    eff = Efficiency(job, world_size=1024)  # 32 trn1.32xlarge
     assert eff.cost.num_nodes == 32 and eff.peak == 95e12
     tokens_per_s = 47.95 * 8192  # AWS's published Llama-3.1-8B figure on 32 nodes
     out = eff.metrics(tokens_per_s, tokens_total=int(tokens_per_s))
@@ -253,4 +254,4 @@ def test_rank0_efficiency_metrics_for_a_trn_job() -> None:
     assert out["cost_usd"] > 0 and out["usd_per_1m_tokens"] > 0
 
     spot = load_job(REPO / "jobs" / "llama3-8b-trn1.yaml", ["tracking.spot_usd_per_hour=10"])
-    assert _Efficiency(spot, world_size=64).cost.usd_per_hour_per_node == 10
+    assert Efficiency(spot, world_size=64).cost.usd_per_hour_per_node == 10

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import raytrn.models
+import raytrn.train.build
 from raytrn.config import JobSpec, load_job
 from raytrn.train.precheck import precheck
 
@@ -76,7 +77,8 @@ class _Wrapped(torch.nn.Module):
 
 def _plant(monkeypatch: pytest.MonkeyPatch, problem: str) -> None:
     build = raytrn.models.build_model
-    monkeypatch.setattr(raytrn.models, "build_model", lambda *a, **k: _Wrapped(build(*a, **k), problem))
+    # where the training is built (raytrn.train.build imports build_model by name)
+    monkeypatch.setattr(raytrn.train.build, "build_model", lambda *a, **k: _Wrapped(build(*a, **k), problem))
 
 
 def test_a_python_value_recompile_fails_with_dynamos_hint(monkeypatch: pytest.MonkeyPatch) -> None:

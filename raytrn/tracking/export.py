@@ -1,0 +1,68 @@
+"""The trained model at the end of a run: a Hugging Face checkpoint (with the dataset's tokenizer) logged as the
+run's ``model`` artifact. Under LoRA the adapters are merged (``tracking.export: merged``) or written as a peft
+adapter directory (``adapter``). A sharded model's tensors are gathered one at a time, so every rank takes part and
+rank 0, which writes, never holds the whole model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from raytrn import storage
+from raytrn.config import JobSpec
+from raytrn.data.manifest import load_manifest
+from raytrn.models.llama import save_hf
+from raytrn.models.lora import adapted_weights, export_specs, merged_items, save_adapter
+
+log = logging.getLogger(__name__)
+
+
+def log_final_model(
+    job: JobSpec, model: torch.nn.Module, export: Callable[[], Iterator[tuple[str, torch.Tensor]]], logger: Any
+) -> None:
+    """Every rank calls it: ``export`` yields the full tensors (gathered: collectives); rank 0 (``logger``, None
+    elsewhere) streams them into the safetensors file and uploads the directory. Never fails the finished training."""
+    writing = logger is not None and logger.run_id is not None
+    if logger is not None and not writing:
+        log.warning("final model not logged: the MLflow run was never created (server unreachable)")
+    specs = {name: (v.dtype, tuple(v.shape)) for name, v in getattr(model, "module", model).state_dict().items()}
+    with tempfile.TemporaryDirectory(prefix="raytrn-model-") as d:
+        try:
+            export_hf(job, export(), d if writing else None, specs)
+            if writing:
+                save_tokenizer(load_manifest(job.data.manifest, check_files=False).tokenizer_path, d)
+                logger.client.log_artifacts(logger.run_id, d, "model")
+        except Exception as e:  # tracking never fails a finished training
+            log.warning("could not log the final model to MLflow: %s", e)
+
+
+def export_hf(job: JobSpec, items: Any, out_dir: str | None, specs: dict[str, Any]) -> None:
+    """The model's full tensors (gathered one at a time) as a Hugging Face checkpoint in ``out_dir`` (None: this
+    rank only takes part in the gathers); under LoRA with the adapters merged or as a peft adapter directory."""
+    lora = job.model.lora
+    if lora is None:
+        save_hf(job.model, items, out_dir, specs=specs)
+        return
+    if job.tracking.export == "adapter":
+        save_adapter(lora, items, out_dir, base=job.model.init_from)
+        return
+    scaling = lora.alpha / lora.rank
+    save_hf(job.model, merged_items(items, scaling, adapted_weights(specs)), out_dir, specs=export_specs(specs))
+
+
+def save_tokenizer(path: str, out_dir: str) -> None:
+    """The dataset's ``tokenizer.json`` (local or S3) saved as a transformers tokenizer beside the model."""
+    from transformers import PreTrainedTokenizerFast  # a second of import: only at the end, on rank 0
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        f.write(storage.read_text(path) or "")
+    try:
+        PreTrainedTokenizerFast(tokenizer_file=f.name).save_pretrained(out_dir)
+    finally:
+        os.unlink(f.name)

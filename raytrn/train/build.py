@@ -1,0 +1,124 @@
+"""Building what a worker trains with: model, layout, optimizer, schedule, step and checkpoints -> :class:`Training`.
+
+The model is built for one device (:mod:`raytrn.models`), LoRA adapters are added, then the layout is applied
+(:mod:`raytrn.train.parallelize`: tensor parallel, activation checkpointing, compile, FSDP2 or DDP), the optimizer
+built over what trains, and the checkpoint format chosen (sharded DCP, :mod:`raytrn.checkpoint`). The backend
+answers only device questions (device, mixed precision, compile options, how gradients are reduced and stepped).
+A backend that lays out or checkpoints its own way (the frozen XLA path) provides ``build_training`` and calls
+:func:`build_native` with its own ``layout`` and ``checkpoints``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from raytrn.backends.base import Backend
+from raytrn.config import JobSpec
+from raytrn.models import build_model
+from raytrn.models.lora import apply_lora
+from raytrn.train.checkpointing import Checkpoints, DcpCheckpoints
+from raytrn.train.optim import build_adamw, lr_scheduler
+from raytrn.train.parallelize import Parallelized, grad_norm_and_clip, parallelize
+from raytrn.train.schedule import Schedule
+from raytrn.train.sizes import data_parallel_size
+from raytrn.train.step import Training, cross_entropy
+
+log = logging.getLogger(__name__)
+
+#: (model, job, world_size, compile options) -> the laid-out model.
+Layout = Callable[..., Parallelized]
+#: (job, laid-out model, rank) -> how state is checkpointed.
+CheckpointFormat = Callable[..., Checkpoints]
+
+
+def build_training(
+    job: JobSpec, backend: Backend, *, world_size: int, schedule: Schedule | None = None, rank: int = 0
+) -> Training:
+    """``backend``'s :class:`Training` for ``job`` at this world size (default schedule: the job's)."""
+    own = getattr(backend, "build_training", None)
+    if own is not None:  # the frozen XLA path builds its own (its layouts and state.pt / NxD checkpoints)
+        training: Training = own(job, world_size=world_size, schedule=schedule, rank=rank)
+        return training
+    return build_native(job, backend, world_size=world_size, schedule=schedule, rank=rank)
+
+
+def build_native(
+    job: JobSpec,
+    backend: Backend,
+    *,
+    world_size: int,
+    schedule: Schedule | None = None,
+    rank: int = 0,
+    layout: Layout | None = None,
+    checkpoints: CheckpointFormat | None = None,
+) -> Training:
+    """Seeded model laid out over ``world_size`` workers, AdamW, the learning-rate ``schedule``, the step's clip and
+    optimizer step, and the checkpoint format (``layout``/``checkpoints``: the native ones unless given)."""
+    backend.seed(job.run.seed)
+    for warning in backend.ignored_settings(job):
+        log.warning(warning)
+    compile_ = backend.compile_options if job.run.compile else None
+    model = build_model(job.model, seed=job.run.seed).to(backend.device())
+    if job.model.lora is not None:  # adapters before the layout (the model code is single-device)
+        apply_lora(model, job.model.lora, seed=job.run.seed)
+    par = (layout or native_layout(backend))(model, job, world_size=world_size, compile=compile_)
+    optimizer = build_adamw(par.model, job, fused=backend.fused_optim and job.optim.fused)
+    params = [p for p in par.model.parameters() if p.requires_grad]
+    fsdp = par.data_parallel == "fsdp"
+    return Training(
+        model=par.model,
+        optimizer=optimizer,
+        scheduler=lr_scheduler(optimizer, schedule or Schedule.from_job(job)),
+        grad_accum=job.data.grad_accum_for(data_parallel_size(job, world_size)),
+        # compiled, the fp32 upcast fuses into the loss
+        loss_fn=torch.compile(cross_entropy, **compile_) if compile_ is not None else cross_entropy,
+        autocast_dtype=None if fsdp else backend.autocast_dtype(job),  # FSDP: its MixedPrecisionPolicy
+        no_sync=par.no_sync,
+        clip_and_step=clip_and_step(backend, optimizer, params, job.optim.grad_clip_norm),
+        checkpoints=(checkpoints or sharded_checkpoints)(job, par, rank=rank),
+        export=par.full_state_items,
+        world_size=world_size,
+        data_parallel_size=data_parallel_size(job, world_size),
+    )
+
+
+def native_layout(backend: Backend) -> Layout:
+    """Tensor parallel, activation checkpointing, compile, then FSDP2 or DDP (:mod:`raytrn.train.parallelize`)."""
+
+    def lay_out(model: torch.nn.Module, job: JobSpec, *, world_size: int, compile: dict[str, Any] | None) -> Any:
+        return parallelize(
+            model,
+            job,
+            device=backend.device(),
+            world_size=world_size,
+            compile=compile,
+            mixed_precision=backend.autocast_dtype(job),
+        )
+
+    return lay_out
+
+
+def sharded_checkpoints(job: JobSpec, par: Parallelized, *, rank: int) -> Checkpoints:
+    """Sharded, reshardable ``torch.distributed.checkpoint`` checkpoints (every rank writes its shards)."""
+    tp = par.tensor_parallel_size
+    layout = {"data_parallel": par.data_parallel, "tensor_parallel_size": tp}
+    return DcpCheckpoints(job, rank=rank, plain_layout=tp == 1 and par.data_parallel != "fsdp", layout=layout)
+
+
+def clip_and_step(
+    backend: Backend, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float | None
+) -> Callable[[], torch.Tensor]:
+    """The step's end: reduce gradients where the backend must (XLA: before clipping; DDP/FSDP did it in backward),
+    clip, optimizer step; returns the grad norm before clipping."""
+
+    def step() -> torch.Tensor:
+        backend.reduce_gradients(optimizer)
+        norm = grad_norm_and_clip(params, max_norm)
+        backend.optimizer_step(optimizer)
+        return norm
+
+    return step

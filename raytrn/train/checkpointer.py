@@ -1,0 +1,205 @@
+"""The loop's checkpoint component: where a worker group starts from, and when and how it saves.
+
+- :meth:`Checkpointer.find` (a collective, before anything is built): the newest committed checkpoint whose files
+  check out (:func:`raytrn.train.checkpointing.resume_point`), or, for the frozen XLA path's formats, Ray Train's
+  latest; its counters tell the data feed where to start.
+- :meth:`Checkpointer.restore`: that state into the built training (or ``model.init_from``'s weights for a new run,
+  and under LoRA for every start).
+- :meth:`Checkpointer.after_step`: its own cadence (``checkpoint.every_n_steps``, the last step) and a preemption
+  notice or SIGTERM (a synchronous save at the same step on every rank, then the group trains no further); every
+  complete checkpoint is reported to Ray Train and tagged on the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import ray.train
+
+from raytrn import storage
+from raytrn.backends.base import Backend
+from raytrn.checkpoint import META_FILE, Progress, parse_meta
+from raytrn.config import JobSpec
+from raytrn.models.hf import load_weights
+from raytrn.train.checkpointing import Saved, resume_point
+from raytrn.train.commit import describe as describe_commit
+from raytrn.train.preemption import describe as describe_notice
+from raytrn.train.preemption import exit_after_sigterm, sigterm_received, wait_for_teardown
+from raytrn.train.schedule import Schedule
+from raytrn.train.step import Training
+
+log = logging.getLogger(__name__)
+
+
+def pointer_location(job: JobSpec, step: int) -> str:
+    """Where Ray Train records the checkpoint of ``step`` (its ``checkpoint_<step>`` directory: a pointer to the
+    state, and what the run's tags name)."""
+    return storage.join(job.checkpoint.storage, job.run_name, pointer_name(step))
+
+
+def pointer_name(step: int) -> str:
+    return f"checkpoint_{step:08d}"
+
+
+@dataclass
+class Start:
+    """Where a worker group starts: the counters (a copy the loop moves on), and the checkpoint they come from (the
+    committed ``resume``, or Ray Train's ``checkpoint`` for the XLA formats; neither for a new run)."""
+
+    progress: Progress
+    resume: Any = None
+    checkpoint: Any = None
+
+    @property
+    def location(self) -> str | None:
+        return self.resume.location if self.resume is not None else None
+
+
+class Checkpointer:
+    """Finds, restores and saves a worker's training state (every rank has one)."""
+
+    def __init__(
+        self,
+        job: JobSpec,
+        backend: Backend,
+        schedule: Schedule,
+        *,
+        rank: int,
+        world_size: int,
+        logger: Any = None,
+        cost_usd: Callable[[], float | None] = lambda: None,
+    ) -> None:
+        self.job, self.backend, self.schedule = job, backend, schedule
+        self.rank, self.world_size = rank, world_size
+        #: Rank 0's tracking handle (checkpoint tags); None elsewhere or without tracking.
+        self.logger = logger
+        #: The run's cost so far, stored with each checkpoint (rank 0's; None elsewhere).
+        self.cost_usd = cost_usd
+
+    # -- start ---------------------------------------------------------------------------------
+    def find(self) -> Start:
+        """The checkpoint this group resumes from (a collective: every rank, at the start, before the model builds:
+        the data feed starts where its counters say while the model builds)."""
+        if self.backend.committed_checkpoints:
+            resume = resume_point(self.job, rank=self.rank, world_size=self.world_size)
+            if resume is not None:
+                return Start(progress=replace(resume.commit.progress), resume=resume)
+            return Start(progress=Progress())
+        checkpoint = ray.train.get_checkpoint()  # the frozen XLA path's formats: Ray Train's latest
+        return Start(progress=_resume_progress(checkpoint), checkpoint=checkpoint)
+
+    def restore(self, t: Training, start: Start) -> bool:
+        """Load ``start``'s state into ``t`` (and ``model.init_from``'s weights for a new run; under LoRA for every
+        start: checkpoints hold the adapters only). Returns True when the saved state's data position differs from
+        what :meth:`find` read (the feed must start again from ``start.progress``)."""
+        loaded = self._load(t, start)
+        job = self.job
+        if job.model.init_from and (loaded is None or job.model.lora is not None):
+            self._load_init_from(t)
+        if self.logger is not None and start.resume is not None:  # its tag may never have been sent (a group
+            step = start.resume.commit.step  # killed right after its save)
+            self.logger.checkpoint_saved(step, pointer_location(job, step), job.checkpoint.keep_last)
+        if loaded is None:
+            return False
+        progress = start.progress
+        moved = (loaded.step, loaded.epoch, loaded.epoch_samples) != (
+            progress.step,
+            progress.epoch,
+            progress.epoch_samples,
+        )
+        if moved:  # the full state is the authority
+            log.warning(
+                "checkpoint: meta.json and the saved state disagree on the step or data position; using the state"
+            )
+            progress.epoch, progress.epoch_samples = loaded.epoch, loaded.epoch_samples
+        progress.step, progress.tokens_seen, progress.cost_usd = loaded.step, loaded.tokens_seen, loaded.cost_usd
+        progress.last_logged_step = max(progress.last_logged_step, loaded.last_logged_step)
+        return moved
+
+    def _load(self, t: Training, start: Start) -> Progress | None:
+        if start.resume is not None:
+            loaded: Progress = t.checkpoints.load_committed(start.resume, t)  # type: ignore[attr-defined]
+            if self.rank == 0:
+                log.info("resumed from %s", describe_commit(start.resume))
+            return loaded
+        if start.checkpoint is None:
+            return None
+        with start.checkpoint.as_directory() as d:
+            return t.checkpoints.load(d, t)
+
+    def _load_init_from(self, t: Training) -> None:
+        """``model.init_from``'s weights into the laid-out model (every rank reads the slices it holds)."""
+        job = self.job
+        started = time.perf_counter()
+        n = load_weights(t.model, str(job.model.init_from), tied=job.model.tie_word_embeddings, source=job.source)
+        if self.rank == 0:
+            log.info(
+                "model.init_from: %d tensors from %s in %.1f s", n, job.model.init_from, time.perf_counter() - started
+            )
+
+    # -- saving --------------------------------------------------------------------------------
+    def due(self, step: int, *, last: bool) -> bool:
+        """Whether ``step`` is a checkpoint step (``checkpoint.every_n_steps``, and the last)."""
+        return last or step % self.job.checkpoint.every_n_steps == 0
+
+    def after_step(
+        self, t: Training, progress: Progress, metrics: dict[str, Any], *, last: bool, notice: Any = None
+    ) -> None:
+        """Save when due, or at once on a preemption ``notice`` (every rank got the same one: it was agreed by a
+        collective); after a notice the group trains no further."""
+        preempted = notice is not None and not last
+        if not (self.due(progress.step, last=last) or preempted):
+            return
+        cost = self.cost_usd()
+        if cost is not None:
+            progress.cost_usd = cost
+        report = {**metrics, "step": progress.step, "tokens_seen": progress.tokens_seen}
+        # Synchronous at the end and on a notice: the checkpoint must exist before the group goes.
+        for saved in t.checkpoints.save(t, progress, self.schedule, report, final=last or preempted):
+            self._report(saved)  # every worker (Ray Train counts the reports)
+        if preempted:
+            self._stop(notice, progress.step)
+
+    def _report(self, saved: Saved) -> None:
+        """Record a complete checkpoint with Ray Train: rank 0 passes the directory ``saved`` fills (the counters,
+        and where the state is); every worker calls report."""
+        if self.rank != 0 or saved.write is None:
+            ray.train.report(saved.report, checkpoint=None)
+            return
+        name = pointer_name(saved.step)
+        with tempfile.TemporaryDirectory(prefix="raytrn-ckpt-") as d:
+            saved.write(d)
+            ray.train.report(saved.report, checkpoint=ray.train.Checkpoint.from_directory(d), checkpoint_dir_name=name)
+        if self.logger is not None:  # the run's checkpoint tags (those keep_last deleted are marked so by the actor)
+            self.logger.checkpoint_saved(
+                saved.step, pointer_location(self.job, saved.step), self.job.checkpoint.keep_last
+            )
+
+    def _stop(self, notice: Any, step: int) -> None:
+        if self.rank == 0:
+            log.warning(
+                "preemption notice (%s): checkpointed step %d; waiting for Ray Train to restart without the node",
+                describe_notice(notice),
+                step,
+            )
+        if sigterm_received():  # this worker was told to go: it does, now that its state is committed
+            exit_after_sigterm(self.logger, self.job.tracking.flush_timeout_s, step)
+        wait_for_teardown()  # the steps until the deadline would be trained again: train none
+
+
+def _resume_progress(checkpoint: Any) -> Progress:
+    """The counters of Ray's checkpoint from its ``meta.json`` (cheap: no model state): the step, and where
+    in the data the next step starts (epoch, rows consumed)."""
+    if checkpoint is None:
+        return Progress()
+    try:
+        with checkpoint.filesystem.open_input_stream(f"{checkpoint.path}/{META_FILE}") as f:
+            return parse_meta(f.read().decode()).progress
+    except (OSError, ValueError) as e:  # the full state still restores the counters
+        log.warning("checkpoint %s: no readable %s (%s)", checkpoint.path, META_FILE, e)
+        return Progress()

@@ -1,0 +1,191 @@
+"""The loop's metrics component: throughput, loss, cost and MFU every ``run.log_every`` steps, to where they go.
+
+Every rank keeps the throughput window and reads the loss at log steps (an all-reduce: a host-device sync, after the
+step's graph); rank 0 sends the metrics to the job's tracking actor (MLflow, never waited on) and progress board,
+and in a sweep's trial every rank reports them to Ray Tune through Ray Train. The first step's time (launch or
+restart to first step) goes to the board once per worker group. The first worker of each node samples its node's
+system metrics.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import ray
+import ray.train
+import torch
+
+from raytrn.backends import Backend, host_malloc
+from raytrn.checkpoint import Progress
+from raytrn.config import JobSpec
+from raytrn.models import model_stats
+from raytrn.runtime import process_started_at
+from raytrn.tracking.actor import RemoteLogger, resolve
+from raytrn.tracking.cost import CostTracker, mfu, peak_flops_per_worker, usd_per_hour
+from raytrn.tracking.system import SystemSampler
+from raytrn.train.plan import WorkerPlan
+from raytrn.train.step import StepResult, Training, read_metrics
+
+
+def tracking_logger(plan: WorkerPlan) -> RemoteLogger | None:
+    """This worker's handle on the job's tracking actor (None when tracking is off)."""
+    if plan.tracker is None or plan.mlflow_uri is None:
+        return None
+    return RemoteLogger(plan.tracker, plan.mlflow_uri)
+
+
+class MetricsReporter:
+    """Decides the log steps and sends each one's metrics; ``progress`` is the loop's (its step and tokens)."""
+
+    def __init__(
+        self,
+        plan: WorkerPlan,
+        t: Training,
+        backend: Backend,
+        progress: Progress,
+        *,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        logger: RemoteLogger | None,
+    ) -> None:
+        job = self.job = plan.job
+        self.t, self.progress, self.world_size = t, progress, world_size
+        self.started_at = plan.started_at
+        #: Rank 0 logs to MLflow (``logger``) and posts to the board; every node's first worker samples the node.
+        self.logger = logger if rank == 0 else None
+        self.board = plan.board if rank == 0 else None
+        self.report_to_tune = plan.report_metrics
+        self.sampler = None
+        if logger is not None and local_rank == 0 and job.tracking.system_metrics:
+            node = ray.get_runtime_context().get_node_id()
+            interval = job.tracking.system_metrics_interval_s
+            self.sampler = SystemSampler.start(logger, node, interval, device_memory=backend.device_memory)
+        self.group_started_at = process_started_at()
+        # Tokens per optimizer step over the job: one batch per model replica (data-parallel rank).
+        self.tokens_per_step = t.grad_accum * job.data.micro_batch_size * job.data.seq_len * t.data_parallel_size
+        if self.board is not None:  # the job's board counts the worker groups (and records world_size_history)
+            self.board.group_started.remote(progress.step, world_size)
+        self.efficiency = None
+        if self.logger is not None:  # (steps a restarted group repeats are dropped by the tracking actor)
+            self.logger.set_tags({"worker.malloc": host_malloc.describe(os.environ)})  # as the workers run
+        if rank == 0:  # the run's cost so far: the checkpoint's, or what was logged since (a restart lost steps)
+            logged = self.logger.last_value("cost_usd") if self.logger else None
+            self.efficiency = Efficiency(
+                job, world_size, spent_usd=progress.cost_usd, logged_usd=logged, started_at=self.group_started_at
+            )
+        self._first_step = True
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self._window_start, self._tokens, self._steps, self._data_wait = time.perf_counter(), 0, 0, 0.0
+
+    def should_log(self, step: int, *, last: bool) -> bool:
+        return last or step % self.job.run.log_every == 0
+
+    def step_done(self, result: StepResult, *, last: bool) -> dict[str, Any]:
+        """Count the step just trained (``progress.step`` already moved); on a log step, its metrics (else {})."""
+        progress = self.progress
+        if self._first_step:  # start-up cost: launch (or restart) to the first step done, once per worker group
+            self._first_step = False
+            if self.board is not None:  # the board names it: time_to_first_step_s, or restart_to_first_step_s
+                now = time.time()
+                since_launch = now - (self.started_at or now)
+                self.board.first_step_done.remote(progress.step, since_launch, now - self.group_started_at)
+        trained = result.trained_tokens if result.trained_tokens is not None else self.tokens_per_step  # masked
+        progress.tokens_seen += trained
+        self._tokens += trained
+        self._steps += 1
+        self._data_wait += result.data_wait_s
+        step = progress.step
+        if not self.should_log(step, last=last):
+            return {}
+        # Loss all-reduced over workers, then read: a host-device sync, after the step's graph.
+        elapsed = time.perf_counter() - self._window_start
+        metrics: dict[str, Any] = {
+            **read_metrics(result, self.world_size),
+            "lr": self.t.scheduler.get_last_lr()[0],
+            "tokens_per_s": self._tokens / elapsed,
+            "step_time_s": elapsed / self._steps,
+            "data_wait_s": self._data_wait / self._steps,
+            "tokens_seen": float(progress.tokens_seen),
+            "world_size": float(self.world_size),
+            "epoch": float(progress.epoch),
+        }
+        if self.efficiency is not None:
+            metrics.update(self.efficiency.metrics(metrics["tokens_per_s"], progress.tokens_seen))
+        if self.logger is not None and step > progress.last_logged_step:
+            self.logger.log_metrics(metrics, step)
+        if self.board is not None:
+            self.board.update.remote(step, self.job.run.max_steps, metrics)
+        progress.last_logged_step = max(progress.last_logged_step, step)
+        self._reset_window()
+        return metrics
+
+    def report(self, metrics: dict[str, Any], scores: dict[str, float]) -> None:
+        """A sweep's trial: Ray Tune judges it on the log and eval steps' metrics (every rank reports)."""
+        if self.report_to_tune and (metrics or scores):
+            ray.train.report({**metrics, **scores, "step": self.progress.step}, checkpoint=None)
+
+    def cost_usd(self) -> float | None:
+        """The run's cost up to now (rank 0; None elsewhere): what a checkpoint stores."""
+        return self.efficiency.cost_usd() if self.efficiency is not None else None
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
+
+
+class Efficiency:
+    """Running cost (USD, over the whole run), USD per 1M tokens, tokens per USD and MFU, for rank 0's metrics.
+
+    ``spent_usd``: what the run cost before this worker group (the checkpoint's), raised to ``logged_usd`` (a
+    future of the last value logged: a restart repeats steps whose time was paid for) when it is first needed;
+    ``started_at``: when the group started (wall clock), from which its own cost runs.
+    """
+
+    def __init__(
+        self,
+        job: JobSpec,
+        world_size: int,
+        *,
+        spent_usd: float = 0.0,
+        logged_usd: Any = None,
+        started_at: float | None = None,
+    ) -> None:
+        s = job.scaling
+        nodes = -(-world_size // s.workers_per_node) if s.workers_per_node else 1
+        price = usd_per_hour(
+            s.instance_type, override=job.tracking.usd_per_hour, spot_price=job.tracking.spot_usd_per_hour
+        )
+        self.cost = CostTracker(price, nodes, base_usd=spent_usd)
+        gpu = None
+        if s.accelerator == "cuda" and torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name()
+        self.peak = peak_flops_per_worker(s.accelerator, s.instance_type, lnc=job.neuron.lnc, gpu=gpu)
+        self.flops_per_token = model_stats(job.model, job.data.seq_len).flops_per_token
+        self.world_size = world_size
+        self.start = time.time() if started_at is None else started_at
+        self._logged_usd = logged_usd
+
+    def _spent(self) -> None:
+        if self._logged_usd is not None:  # read once, at the first log step (never while the group starts)
+            self.cost.base_usd = max(self.cost.base_usd, resolve(self._logged_usd, 0.0))
+            self._logged_usd = None
+
+    def metrics(self, tokens_per_s: float, tokens_total: int) -> dict[str, float]:
+        """Cost metrics with ``tokens_total`` tokens trained over the run, MFU at ``tokens_per_s``."""
+        self._spent()
+        out = self.cost.update(time.time() - self.start, tokens_total)
+        value = mfu(tokens_per_s, self.flops_per_token, self.world_size, self.peak)
+        if value is not None:
+            out["mfu"] = value
+        return out
+
+    def cost_usd(self) -> float:
+        """The run's cost up to now (what a checkpoint stores)."""
+        self._spent()
+        self.cost.update(time.time() - self.start, 0)
+        return self.cost.cost_usd
