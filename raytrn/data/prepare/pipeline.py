@@ -67,6 +67,8 @@ class Progress:
         self._end_line()
 
 
+# --- tokenizing with Ray Data ----------------------------------------------------------------------------
+
 _TOKENIZER_CACHE: dict[str, Any] = {}
 
 
@@ -232,6 +234,9 @@ def _run_udf(files: list[InputFile], udf: Any, kwargs: dict[str, Any]) -> Iterat
         ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.print_on_execution_start = saved
         for name, log in quiet.items():
             log.setLevel(saved_levels[name])
+
+
+# --- packing the stream into shards ----------------------------------------------------------------------
 
 
 def pack_text(

@@ -213,6 +213,9 @@ def commit(out: Output, staging: str, new_names: list[str]) -> None:
     os.rmdir(staging)
 
 
+# --- shards ----------------------------------------------------------------------------------------------
+
+
 class ShardWriter:
     """Collect rows and write ``<prefix>-00000.parquet``, ... of at most ``max_rows`` rows each: ``input_ids`` and,
     for instruction data, ``loss_mask`` (int8) and ``segment_ids`` (int32), each a list of ``row_len``."""
