@@ -19,7 +19,6 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Data stats actor": "ray.data._internal.stats:get_or_create_stats_actor",
     "Ray Train context logger": "ray.train.v2._internal.execution.context",
     "Ray Train storage logger": "ray.train.v2._internal.execution.storage",
-    "Ray Train storage copy": "ray.train.v2._internal.execution.storage:_pyarrow_fs_copy_files",
     "Ray Data progress logger": "ray.data._internal.progress",
     "Ray Data executor logger": "ray.data._internal.execution.streaming_executor",
     "Ray Train controller start": "ray.train.v2.api.data_parallel_trainer:DataParallelTrainer._initialize_and_run_controller",
@@ -222,17 +221,6 @@ def quiet_ray_train_logs() -> None:
         for logger_name in (module.__name__, getattr(module, "__file__", None)):
             if logger_name:
                 logging.getLogger(logger_name).setLevel(logging.WARNING)
-
-
-def pyarrow_fs_copy_files(*args: Any, **kwargs: Any) -> Any:
-    """Ray Train's own copy of a checkpoint directory to its storage (``bench/checkpoint.py`` times it).
-
-    ``ray.train.v2._internal.execution.storage._pyarrow_fs_copy_files``; public alternative:
-    ``pyarrow.fs.copy_files``, which it wraps.
-    """
-    from ray.train.v2._internal.execution.storage import _pyarrow_fs_copy_files
-
-    return _pyarrow_fs_copy_files(*args, **kwargs)
 
 
 def ray_validate_cluster_config(config: dict[str, Any]) -> None:

@@ -144,10 +144,6 @@ class SampleOrder:
             ids = ids[self._rng(epoch, _ROWS, window.index).permutation(len(ids))]
         return ids
 
-    def epoch_rows(self, epoch: int) -> np.ndarray:
-        """Every global row id in the epoch's order (tests and small datasets: N integers)."""
-        return np.concatenate([self.window_rows(epoch, w) for w in self.windows(epoch)])
-
     def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(shard, row within the shard) of global row ids."""
         shard = np.searchsorted(self.offsets, rows, side="right") - 1

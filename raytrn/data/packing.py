@@ -51,14 +51,6 @@ class Packer:
         return stream[:cut].reshape(k, self.row_len)
 
 
-def pack_all(docs: Iterable[np.ndarray | Iterable[int]], row_len: int) -> tuple[np.ndarray, int]:
-    """Pack everything at once: ``(rows of shape (n, row_len), dropped_tail_tokens)``; for tests and small inputs."""
-    packer = Packer(row_len)
-    blocks = [packer.push(doc) for doc in docs]
-    rows = np.concatenate(blocks) if blocks else np.empty((0, row_len), dtype=ROW_DTYPE)
-    return rows, packer.pending_tokens
-
-
 def rows_per_shard(shard_size_mb: float, row_len: int) -> int:
     """Rows in a shard of at most ``shard_size_mb`` MiB of int32 token payload (at least one row)."""
     return max(1, int(shard_size_mb * 2**20) // (ROW_DTYPE().itemsize * row_len))

@@ -87,11 +87,6 @@ class Schedule:
         return f"wsd: peak until step {self.horizon - decay:,}, {self.decay_shape} decay to {floor} at step {self.horizon:,}"
 
 
-def lr_factor(step: int, *, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr for optimizer step ``step`` (0-based count of steps already taken), cosine."""
-    return Schedule(warmup_steps=warmup_steps, decay_steps=decay_steps, min_lr_ratio=min_lr_ratio).factor(step)
-
-
 def resolve_schedule(job: JobSpec, saved: dict[str, Any] | None, step: int) -> tuple[Schedule, str | None]:
     """The schedule a run resumed at ``step`` trains with, and a one-line note when it differs from the job's.
 

@@ -268,7 +268,7 @@ def test_output_dot_in_an_empty_directory_keeps_the_directory(ray_session, tmp_p
 def test_an_interrupted_replacement_is_finished_by_the_next_overwrite(dataset, tmp_path, monkeypatch) -> None:
     """Killed while moving the new files in: no manifest, a journal; the next --overwrite finishes the job and
     removes exactly the files the journal names."""
-    from raytrn.data import prepare as prep
+    from raytrn.data.prepare import writer as prep
 
     target = tmp_path / "ds"
     shutil.copytree(dataset[0], target)

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import pytest
 
-from raytrn.data.packing import Packer, pack_all, rows_per_shard
+from raytrn.data.packing import ROW_DTYPE, Packer, rows_per_shard
 
 pytestmark = pytest.mark.unit
+
+
+def pack_all(docs: Iterable[np.ndarray | Iterable[int]], row_len: int) -> tuple[np.ndarray, int]:
+    """Pack everything at once with one Packer: ``(rows of shape (n, row_len), dropped_tail_tokens)``."""
+    packer = Packer(row_len)
+    blocks = [packer.push(doc) for doc in docs]
+    rows = np.concatenate(blocks) if blocks else np.empty((0, row_len), dtype=ROW_DTYPE)
+    return rows, packer.pending_tokens
 
 
 def _docs(lengths: list[int], start: int = 0) -> list[np.ndarray]:

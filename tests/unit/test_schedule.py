@@ -7,9 +7,14 @@ import math
 import pytest
 
 from raytrn.config import JobSpec, parse_job
-from raytrn.train.schedule import Schedule, lr_factor, resolve_schedule
+from raytrn.train.schedule import Schedule, resolve_schedule
 
 pytestmark = pytest.mark.unit
+
+
+def lr_factor(step: int, *, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr for optimizer step ``step`` (0-based count of steps already taken), cosine."""
+    return Schedule(warmup_steps=warmup_steps, decay_steps=decay_steps, min_lr_ratio=min_lr_ratio).factor(step)
 
 
 def factors(n: int, *, warmup: int, decay: int, min_ratio: float = 0.1) -> list[float]:
