@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from typing import Any
 
 from raytrn.config.presets import PRESETS
@@ -158,22 +157,3 @@ def _same(a: Any, b: Any) -> bool:
         except (TypeError, ValueError):
             return False
     return bool(a == b)
-
-
-def with_init_from(raw: dict[str, Any], base_dir: str, *, source: str) -> dict[str, Any]:
-    """``model.init_from``'s config.json merged into the model section (the job's own values must agree)."""
-    model = raw.get("model")
-    if not isinstance(model, dict) or not isinstance(model.get("init_from"), str):
-        return raw
-    location = model["init_from"]
-    if "://" in location:
-        # Remote: read where the job starts (the cluster has the credentials), not where it is written or validated
-        # (raytrn.train.checks.check_init_from); the job gives the sizes.
-        if model.get("preset") is None and model.get("hidden_size") is None:
-            raise ConfigError(
-                f"{source}: model.init_from {location} is remote: give the model's sizes in the job (model.preset, or "
-                "hidden_size, num_layers, ...); its config.json is checked against them when the job starts"
-            )
-        return raw
-    location = os.path.abspath(os.path.join(base_dir, os.path.expanduser(location)))
-    return {**raw, "model": merge_config(model, location, where=source)}

@@ -16,8 +16,8 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from raytrn.config.hf_config import with_init_from
-from raytrn.config.paths import resolve_paths
+from raytrn.config.hf_config import merge_config
+from raytrn.config.paths import path_field, resolve_paths
 from raytrn.config.schema import JobSpec
 from raytrn.errors import ConfigError
 
@@ -53,7 +53,7 @@ def load_job(
     for key, value in (values or {}).items():
         set_value(raw, key, value, where=(labels or {}).get(key, f"--set {key}"))
         overridden.add(key)
-    raw = with_init_from(raw, base_dir or os.getcwd(), source=path)
+    raw = _with_init_from(raw, base_dir or os.getcwd(), source=path)
     job = parse_job(raw, source=path, overridden=overridden, labels=labels)
     return resolve_paths(job, base_dir or os.getcwd()) if resolve else job
 
@@ -140,6 +140,27 @@ def _section_model(ann: Any) -> type[BaseModel] | None:
         if isinstance(arg, type) and issubclass(arg, BaseModel):
             return arg
     return None
+
+
+def _with_init_from(raw: dict[str, Any], base_dir: str, *, source: str) -> dict[str, Any]:
+    """``model.init_from``'s config.json merged into the model section (the job's own values must agree)."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("init_from"), str):
+        return raw
+    location = model["init_from"]
+    if "://" in location:
+        # Remote: read where the job starts (the cluster has the credentials), not where it is written or validated
+        # (raytrn.train.checks.check_init_from); the job gives the sizes.
+        if model.get("preset") is None and model.get("hidden_size") is None:
+            raise ConfigError(
+                f"{source}: model.init_from {location} is remote: give the model's sizes in the job (model.preset, or "
+                "hidden_size, num_layers, ...); its config.json is checked against them when the job starts"
+            )
+        return raw
+    return {
+        **raw,
+        "model": merge_config(model, str(path_field("model.init_from").absolute(location, base_dir)), where=source),
+    }
 
 
 def read_config_text(path: str, *, what: str, examples: str) -> str:

@@ -76,6 +76,11 @@ PATH_FIELDS: tuple[PathField, ...] = (
 )
 
 
+def path_field(key: str) -> PathField:
+    """The entry of :data:`PATH_FIELDS` for the dotted field ``key``."""
+    return next(f for f in PATH_FIELDS if f.key == key)
+
+
 def resolve_mlflow_uri(uri: str | None = None, base_dir: str = ".") -> str:
     """``uri`` > $MLFLOW_TRACKING_URI > ``sqlite:///mlruns/mlflow.db``, with local paths made absolute."""
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlruns/mlflow.db"
@@ -107,8 +112,7 @@ def absolute_overrides(job: JobSpec, base_dir: str) -> dict[str, str]:
     """``{field: absolute value}`` for every relative local path of an unresolved job (see
     :func:`relative_local_paths`), made absolute against ``base_dir``: ``raytrn submit``'s ``--set`` values
     for the local simulator, whose job runs elsewhere on this filesystem."""
-    by_key = {f.key: f for f in PATH_FIELDS}
-    return {key: str(by_key[key].absolute(value, base_dir)) for key, value in relative_local_paths(job).items()}
+    return {key: str(path_field(key).absolute(value, base_dir)) for key, value in relative_local_paths(job).items()}
 
 
 def resolve_paths(job: JobSpec, base_dir: str) -> JobSpec:
