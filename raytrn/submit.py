@@ -181,13 +181,14 @@ def submit(
     """
     from raytrn.config import load_job, resolve_paths
 
-    raw = load_job(str(job_path), list(overrides), resolve=False, raw=mapping)
-    job = resolve_paths(raw, os.getcwd())
+    base_dir = os.getcwd()
+    raw = load_job(str(job_path), list(overrides), base_dir=base_dir, resolve=False, raw=mapping)
+    job = resolve_paths(raw, base_dir)
     wd = Path(working_dir).resolve()
     job_file = job_file_in(job_path, wd)
     address = normalize_address(address)
     local = _local_cluster(address)
-    fixed = [*overrides, *frozen_overrides(raw, job, local=local is not None, address=address)]
+    fixed = [*overrides, *frozen_overrides(raw, job, local=local is not None, address=address, base_dir=base_dir)]
     if command is not None:  # a sweep names its trials' runs itself
         fixed = [kv for kv in fixed if not kv.startswith("tracking.run_name=")]
     token = resolve_token(token, address=address)
@@ -235,13 +236,14 @@ def job_file_in(job_path: str | os.PathLike[str], working_dir: Path) -> str:
         ) from None
 
 
-def frozen_overrides(raw: Any, job: Any, *, local: bool, address: str) -> list[str]:
+def frozen_overrides(raw: Any, job: Any, *, local: bool, address: str, base_dir: str | None = None) -> list[str]:
     """The ``--set`` values that make the submitted job the one checked here: the run name (the cluster's
     driver would otherwise stamp its own time into a new one) and, for the local simulator, relative local
-    paths made absolute. Relative paths for any other cluster are a RaytrnError (nothing is submitted)."""
-    from raytrn.config import relative_local_paths
+    paths made absolute against ``base_dir`` (default: the cwd, as :func:`submit` resolves them). Relative
+    paths for any other cluster are a RaytrnError (nothing is submitted). Which fields are paths:
+    :data:`raytrn.config.PATH_FIELDS`."""
+    from raytrn.config import absolute_overrides, relative_local_paths
 
-    out = []
     relative = relative_local_paths(raw)
     if relative and not local:
         raise relative_paths_error(
@@ -250,13 +252,8 @@ def frozen_overrides(raw: Any, job: Any, *, local: bool, address: str) -> list[s
             "(e.g. --set data.manifest=/fsx/data/stdlib), and an MLflow server for tracking.mlflow_uri; nothing was "
             "submitted",
         )
-    resolved = {
-        "data.manifest": job.data.manifest,
-        "checkpoint.storage": job.checkpoint.storage,
-        "tracking.mlflow_uri": job.tracking.mlflow_uri,
-        "neuron.compile_cache": os.path.abspath(os.path.expanduser(job.neuron.compile_cache or ".")),
-    }
-    out += [f"{field}={resolved[field]}" for field in relative]  # the simulator shares this filesystem
+    # The simulator shares this filesystem.
+    out = [f"{key}={value}" for key, value in absolute_overrides(raw, base_dir or os.getcwd()).items()]
     if raw.tracking.run_name is None:
         out.append(f"tracking.run_name={job.run_name}")
     return out

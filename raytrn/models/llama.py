@@ -1,8 +1,8 @@
-"""Llama-family decoders: presets, the builder (:mod:`raytrn.models.decoder`, plain PyTorch) and the
-Hugging Face view of the same model (``LlamaConfig``, export), used only where ``transformers`` is wanted.
+"""Llama-family decoders: the builder (:mod:`raytrn.models.decoder`, plain PyTorch) and the Hugging Face view
+of the same model (``LlamaConfig``, export), used only where ``transformers`` is wanted.
 
-Sizes come from the job spec (``model.preset`` fills them from :data:`PRESETS`). :func:`model_stats`
-gives parameter counts and training FLOPs per token (6N + attention term) for MFU.
+Sizes come from the job spec (``model.preset`` fills them from :data:`raytrn.config.presets.PRESETS`).
+:func:`model_stats` gives parameter counts and training FLOPs per token (6N + attention term) for MFU.
 """
 
 from __future__ import annotations
@@ -16,70 +16,6 @@ if TYPE_CHECKING:
     import torch
 
     from raytrn.config import ModelConfig
-
-# Published architecture hyper-parameters (HF config.json of each model family member).
-PRESETS: dict[str, dict[str, Any]] = {
-    # Small enough to train on two CPU cores in about a minute.
-    "tiny": dict(
-        hidden_size=128,
-        intermediate_size=384,
-        num_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=4096,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-    ),
-    # Llama 3.2 1B.
-    "llama3.2-1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        tie_word_embeddings=True,
-        # Llama 3.2's config.json: long-context RoPE scaling (checked against init_from's config.json).
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=32.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),  # fmt: skip
-    ),
-    # Llama 3.1 8B: Llama 3 8B's sizes, a 128k context with RoPE scaling (its config.json).
-    "llama3.1-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),  # fmt: skip
-    ),
-    # Llama 3 8B.
-    "llama3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-    ),
-}
 
 
 def hf_config(cfg: ModelConfig):

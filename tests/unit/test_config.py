@@ -474,3 +474,129 @@ def test_a_huge_job_file_is_refused_without_reading_it_all(tmp_path: Path) -> No
     path.write_text("# padding\n" * 200_000)
     with pytest.raises(ConfigError, match="larger than 1 MiB"):
         load_job(path)
+
+
+# --- the one table of path fields, the flattened view, the generated reference -----------------------------------
+
+
+# Free-form string fields of the schema that name no file, directory or store. A new string field must be added
+# here or to raytrn.config.PATH_FIELDS: resolution, the relative-path refusal and `raytrn submit` read that table.
+NOT_PATHS = {
+    "model.preset",
+    "model.lora.targets",
+    "scaling.instance_type",
+    "tracking.experiment",
+    "tracking.run_name",
+    "tracking.run_id",
+    "tracking.register_model",
+    "neuron.cc_flags",
+    "neuron.socket_ifname",
+}
+
+
+def _string_fields() -> set[str]:
+    """Every field of the schema whose value may be a free-form string (Literal choices are not), dotted."""
+    import typing
+
+    from pydantic import BaseModel
+
+    found: set[str] = set()
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, info in model.model_fields.items():
+            if info.exclude:
+                continue
+            key = prefix + (info.alias or name)
+            args = typing.get_args(info.annotation) or (info.annotation,)
+            for arg in args:
+                if isinstance(arg, type) and issubclass(arg, BaseModel):
+                    walk(arg, key + ".")
+            if str in args:
+                found.add(key)
+
+    walk(JobSpec, "")
+    return found
+
+
+def test_every_path_field_of_the_schema_is_in_the_table() -> None:
+    from raytrn.config import PATH_FIELDS, field_info
+
+    table = {f.key for f in PATH_FIELDS}
+    assert len(table) == len(PATH_FIELDS)
+    strings = _string_fields()
+    assert "data.manifest" in strings and "model.init_from" in strings  # the walk finds optional fields too
+    unlisted = strings - table - NOT_PATHS
+    assert not unlisted, f"string fields neither in raytrn.config.PATH_FIELDS nor in NOT_PATHS: {sorted(unlisted)}"
+    assert not table & NOT_PATHS
+    for key in table | NOT_PATHS:
+        field_info(key)  # a field of the schema (ConfigError otherwise)
+
+
+def test_resolution_and_the_relative_path_check_read_the_table(tmp_path: Path) -> None:
+    from raytrn.config import PATH_FIELDS, relative_local_paths
+
+    relative = {
+        "model.init_from": "hf",
+        "data.manifest": "data/train",
+        "data.validation": "data/val",
+        "checkpoint.storage": "ckpt",
+        "neuron.compile_cache": "cache",
+        "tracking.mlflow_uri": "sqlite:///mlruns/mlflow.db",
+    }
+    assert set(relative) == {f.key for f in PATH_FIELDS}  # one case per path field
+    _hf_config(tmp_path / "hf")
+    sets = [f"{k}={v}" for k, v in relative.items()]
+    raw = load_job(write_job(tmp_path, tiny_raw()), sets, base_dir=str(tmp_path), resolve=False)
+    assert relative_local_paths(raw) == relative
+    job = resolve_paths(raw, "/base")
+    for field in PATH_FIELDS:
+        value = field.value(job)
+        if field.key == "tracking.mlflow_uri":
+            assert value == "sqlite:////base/mlruns/mlflow.db"
+        elif field.resolve:
+            assert value == f"/base/{relative[field.key]}", field.key
+        else:  # the backend refuses a relative compile cache with its own message
+            assert value == relative[field.key], field.key
+    assert relative_local_paths(job) == {"neuron.compile_cache": "cache"}
+    none = load_job(write_job(tmp_path, tiny_raw()), ["data.validation=none"], base_dir="/base", resolve=False)
+    assert "data.validation" not in relative_local_paths(none)  # 'none' names no path
+    assert resolve_paths(none, "/base").data.validation == "none"
+
+
+def _hf_config(directory: Path) -> Path:
+    """A Hugging Face config.json of jobs/tiny.yaml's model (all ``model.init_from`` reads when a job loads)."""
+    import json
+
+    from raytrn.config import PRESETS
+
+    tiny = PRESETS["tiny"]
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "llama", "num_hidden_layers": tiny["num_layers"]}
+    config |= {k: v for k, v in tiny.items() if k != "num_layers"}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_flat_names_fields_as_the_yaml_does(tmp_path: Path) -> None:
+    """MLflow params: `checkpoint.async` (the YAML's name), not the attribute `async_`."""
+    flat = load_job(write_job(tmp_path, tiny_raw()), ["checkpoint.async=true"], base_dir="/base").flat()
+    assert flat["checkpoint.async"] is True
+    assert "checkpoint.async_" not in flat
+
+
+def test_every_field_has_a_description() -> None:
+    from raytrn.config.reference import _fields, _sections
+
+    missing = [f"{key}.{name}" for key, _, model in _sections(JobSpec, "") for name, info in _fields(model)
+               if not info.description]  # fmt: skip
+    assert not missing, f"fields without a description (docs/job-spec.md shows them): {missing}"
+
+
+def test_docs_job_spec_is_generated_from_the_schema() -> None:
+    from raytrn.config.reference import COMMAND, render
+
+    doc = REPO / "docs" / "job-spec.md"
+    assert doc.exists() and doc.read_text() == render(), f"docs/job-spec.md is stale: regenerate it with `{COMMAND}`"
+    for section in ("model", "model.lora", "data", "optim", "scaling", "checkpoint", "tracking", "run", "parallel"):
+        assert f"\n## {section}\n" in render()
+    assert "| `async` | bool | false |" in render()

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from raytrn.backends.nxd import check_parallel, kv_replication
-from raytrn.config import JobSpec, load_job, read_job_file
+from raytrn.config import PRESETS, JobSpec, load_job, read_job_file
 from raytrn.errors import ConfigError
-from raytrn.models import PRESETS, model_stats
+from raytrn.models import model_stats
 from raytrn.train.checks import check_job
 from raytrn.train.sizes import data_parallel_size, world_sizes
 

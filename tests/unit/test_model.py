@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-from raytrn.config import ModelConfig
-from raytrn.models import PRESETS, build_model, model_stats
+from raytrn.config import PRESETS, ModelConfig
+from raytrn.models import build_model, model_stats
 
 pytestmark = pytest.mark.unit
 

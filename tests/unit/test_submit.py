@@ -164,11 +164,14 @@ def test_register_adds_submit_and_jobs() -> None:
 # -- relative paths and the run name (the README's laptop path: tests/integration/test_laptop_path.py) -------
 
 
-def _jobs(*overrides: str):
+BASE = "/home/me/raytrn"  # where `raytrn submit` runs
+
+
+def _jobs(*overrides: str, job: str = "tiny.yaml"):
     from raytrn.config import load_job, resolve_paths
 
-    raw = load_job(REPO / "jobs" / "tiny.yaml", list(overrides), resolve=False)
-    return raw, resolve_paths(raw, "/home/me/raytrn")
+    raw = load_job(REPO / "jobs" / job, list(overrides), resolve=False)
+    return raw, resolve_paths(raw, BASE)
 
 
 def test_a_remote_cluster_refuses_relative_local_paths() -> None:
@@ -185,7 +188,7 @@ def test_a_remote_cluster_refuses_relative_local_paths() -> None:
 
 def test_the_local_simulator_gets_absolute_paths_and_the_run_name_printed() -> None:
     raw, job = _jobs("tracking.mlflow_uri=sqlite:///mlruns/mlflow.db")
-    sets = sub.frozen_overrides(raw, job, local=True, address="http://127.0.0.1:8265")
+    sets = sub.frozen_overrides(raw, job, local=True, address="http://127.0.0.1:8265", base_dir=BASE)
     assert sets == [
         "data.manifest=/home/me/raytrn/data/stdlib",
         "checkpoint.storage=/home/me/raytrn/checkpoints",
@@ -193,6 +196,73 @@ def test_the_local_simulator_gets_absolute_paths_and_the_run_name_printed() -> N
         f"tracking.run_name={job.run_name}",  # the cluster's driver uses the name printed here
     ]
     assert job.run_name.startswith("tiny-")
+
+
+#: A relative local value for every path field of the job spec (raytrn.config.PATH_FIELDS).
+RELATIVE = {
+    "model.init_from": "models/hf",
+    "data.manifest": "data/train",
+    "data.validation": "data/val",
+    "checkpoint.storage": "ckpt",
+    "neuron.compile_cache": "neuron-cache",
+    "tracking.mlflow_uri": "sqlite:///mlruns/mlflow.db",
+}
+
+
+def _hf_checkpoint_config(directory: Path) -> None:
+    """The config.json of a Hugging Face checkpoint of the tiny preset's sizes (what loading a job reads of it)."""
+    import json
+
+    from raytrn.config import PRESETS
+
+    tiny = PRESETS["tiny"]
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "llama", "num_hidden_layers": tiny["num_layers"]}
+    config |= {k: v for k, v in tiny.items() if k != "num_layers"}
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def test_relative_covers_every_path_field() -> None:
+    from raytrn.config import PATH_FIELDS
+
+    assert set(RELATIVE) == {f.key for f in PATH_FIELDS}
+
+
+@pytest.mark.parametrize("key", sorted(RELATIVE))
+def test_frozen_overrides_make_every_path_field_absolute(key: str, tmp_path: Path) -> None:
+    """Each path field, relative, is made absolute for the simulator and refused for another cluster (a relative
+    model.init_from or data.validation used to end in a KeyError traceback)."""
+    from raytrn.config import load_job, resolve_paths
+
+    _hf_checkpoint_config(tmp_path / "models" / "hf")
+    base = str(tmp_path)
+    sets = ["data.manifest=/abs/data", "checkpoint.storage=/abs/ckpt", "tracking.run_name=r1"]
+    sets.append(f"{key}={RELATIVE[key]}")
+    raw = load_job(REPO / "jobs" / "tiny.yaml", sets, base_dir=base, resolve=False)
+    job = resolve_paths(raw, base)
+    frozen = sub.frozen_overrides(raw, job, local=True, address="http://127.0.0.1:8265", base_dir=base)
+    value = RELATIVE[key]
+    expected = f"sqlite:///{base}/mlruns/mlflow.db" if value.startswith("sqlite:///") else f"{base}/{value}"
+    assert frozen == [f"{key}={expected}"]
+    with pytest.raises(RaytrnError) as e:
+        sub.frozen_overrides(raw, job, local=False, address="http://h:8265", base_dir=base)
+    assert f"\n  {key}: {value}\n" in str(e.value)
+
+
+def test_the_shipped_fine_tuning_job_submits_to_the_simulator(tmp_path: Path) -> None:
+    """jobs/finetune-tiny.yaml names its model relatively (data/demo-model): frozen, not a KeyError."""
+    from raytrn.config import load_job, resolve_paths
+
+    _hf_checkpoint_config(tmp_path / "data" / "demo-model")
+    raw = load_job(REPO / "jobs" / "finetune-tiny.yaml", [], base_dir=str(tmp_path), resolve=False)
+    job = resolve_paths(raw, str(tmp_path))
+    frozen = sub.frozen_overrides(raw, job, local=True, address="http://127.0.0.1:8265", base_dir=str(tmp_path))
+    assert frozen == [
+        f"model.init_from={tmp_path}/data/demo-model",
+        f"data.manifest={tmp_path}/data/stdlib-sft",
+        f"checkpoint.storage={tmp_path}/checkpoints",
+        f"tracking.run_name={job.run_name}",
+    ]
 
 
 def test_a_driver_in_a_ray_job_refuses_relative_paths(tmp_path: Path) -> None:

@@ -1,32 +1,25 @@
-"""The job spec: a YAML file plus ``--set`` overrides, parsed into typed, range-checked config.
+"""The job spec's schema: one pydantic model per section (model, data, optim, scaling, checkpoint, tracking,
+run, parallel, neuron), typed and range-checked, every field described.
 
-Every section owns a pydantic model with ``extra="forbid"``; errors name the file, the field path
-and the fix (``jobs/tiny.yaml: scaling.max_worker: unknown field. Did you mean 'max_workers'?``).
+Every section has ``extra="forbid"``; reading a YAML file into a :class:`JobSpec` is :mod:`raytrn.config.load`'s,
+and ``docs/job-spec.md`` is rendered from these classes by :mod:`raytrn.config.reference`.
 """
 
 from __future__ import annotations
 
-import copy
-import difflib
-import os
 import re
-import reprlib
 import time
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from raytrn.config.hf_config import rope_scaling
+from raytrn.config.presets import PRESETS
 from raytrn.errors import ConfigError
 
-_URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 Accelerator = Literal["cpu", "cuda", "neuron", "neuron-xla", "xla-cpu"]
 
-#: A job file larger than this is not a job file (a job spec is a few kilobytes).
-MAX_JOB_FILE_BYTES = 1 << 20
-#: Values in a job spec after YAML aliases are expanded (anchors that expand exponentially are refused).
-MAX_SPEC_VALUES = 20_000
 #: The most workers a job may ask for (see raytrn.train.sizes).
 MAX_WORKERS = 100_000
 #: Run names become directory names under checkpoint.storage: one path component, no "..", no "/".
@@ -54,17 +47,19 @@ class ModelConfig(_Section):
     """A Llama-family decoder (HF ``LlamaConfig``). ``preset`` fills sizes; explicit fields win."""
 
     family: Literal["llama"] = Field("llama", description="model family; only HF Llama for now")
-    preset: str | None = Field(None, description="named size: tiny, llama3.2-1b, llama3-8b (see raytrn.models)")
+    preset: str | None = Field(
+        None, description="named size (raytrn.config.presets): tiny, llama3.2-1b, llama3.1-8b, llama3-8b"
+    )
     hidden_size: int = Field(..., gt=0, le=1 << 18, description="model width")
     intermediate_size: int = Field(..., gt=0, le=1 << 20, description="MLP width")
     num_layers: int = Field(..., gt=0, le=4096, description="decoder layers")
-    num_attention_heads: int = Field(..., gt=0, le=4096)
+    num_attention_heads: int = Field(..., gt=0, le=4096, description="attention heads; must divide hidden_size")
     num_key_value_heads: int | None = Field(None, gt=0, le=4096, description="GQA kv heads; default = attention heads")
     vocab_size: int = Field(..., gt=0, le=1 << 24, description="must be >= the dataset tokenizer's vocabulary")
     max_position_embeddings: int = Field(2048, gt=0, le=1 << 24, description="must be >= data.seq_len")
-    rope_theta: float = Field(10000.0, gt=0, allow_inf_nan=False)
-    rms_norm_eps: float = Field(1e-5, gt=0, lt=1)
-    tie_word_embeddings: bool = False
+    rope_theta: float = Field(10000.0, gt=0, allow_inf_nan=False, description="RoPE base frequency")
+    rms_norm_eps: float = Field(1e-5, gt=0, lt=1, description="epsilon of the RMSNorm layers")
+    tie_word_embeddings: bool = Field(False, description="the output layer shares the input embedding's matrix")
     rope_scaling: dict[str, Any] | None = Field(
         None,
         description="Llama 3.x RoPE scaling ({rope_type: llama3, factor, low_freq_factor, high_freq_factor, "
@@ -89,8 +84,6 @@ class ModelConfig(_Section):
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("preset") is not None:
-            from raytrn.models.llama import PRESETS
-
             name = data["preset"]
             if not isinstance(name, str) or name not in PRESETS:
                 raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
@@ -123,8 +116,6 @@ class ModelConfig(_Section):
     @field_validator("rope_scaling", mode="before")
     @classmethod
     def _check_rope_scaling(cls, value: Any) -> Any:
-        from raytrn.models.hf import rope_scaling
-
         try:
             return rope_scaling(value, where="model.rope_scaling")
         except ConfigError as e:
@@ -218,7 +209,9 @@ class OptimConfig(_Section):
 
     lr: float = Field(..., gt=0, le=1e3, allow_inf_nan=False, description="peak learning rate")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr as a fraction of the peak")
-    warmup_steps: int = Field(0, ge=0, le=10**12)
+    warmup_steps: int = Field(
+        0, ge=0, le=10**12, description="steps over which the lr rises linearly from lr / warmup_steps to lr"
+    )
     schedule: Literal["cosine", "wsd"] = Field(
         "cosine",
         description="after warmup: 'cosine' decays over decay_steps; 'wsd' (warmup-stable-decay) holds the peak and "
@@ -233,9 +226,14 @@ class OptimConfig(_Section):
     )
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: the share of the steps spent decaying")
     decay_shape: Literal["linear", "cosine"] = Field("linear", description="wsd: the shape of the final decay")
-    weight_decay: float = Field(0.1, ge=0, allow_inf_nan=False)
+    weight_decay: float = Field(
+        0.1,
+        ge=0,
+        allow_inf_nan=False,
+        description="AdamW decoupled weight decay, on weight matrices and embeddings (not norms)",
+    )
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1)")
-    eps: float = Field(1e-8, gt=0, lt=1)
+    eps: float = Field(1e-8, gt=0, lt=1, description="AdamW epsilon (added to the denominator)")
     grad_clip_norm: float | None = Field(
         1.0, gt=0, allow_inf_nan=False, description="max global grad norm; null disables clipping"
     )
@@ -255,8 +253,14 @@ class OptimConfig(_Section):
 class ScalingConfig(_Section):
     """Where workers run: one per CPU slot, GPU or NeuronCore; elastic between min and max."""
 
-    accelerator: Accelerator = "cpu"
-    min_workers: int = Field(1, gt=0)
+    accelerator: Accelerator = Field(
+        "cpu",
+        description="the device workers train on: cpu, cuda, neuron (TorchNeuron, trn2/trn3), neuron-xla (the "
+        "frozen torch-xla path, trn1) or xla-cpu (torch-xla on CPU, for tests)",
+    )
+    min_workers: int = Field(
+        1, gt=0, description="the fewest workers the job trains with (without max_workers: its fixed size)"
+    )
     max_workers: int | None = Field(None, gt=0, description="default (null) = min_workers: a fixed size")
     resources_per_worker: dict[str, float] | None = Field(
         None, description="Ray resources per worker; default by accelerator (CPU:1, GPU:1, neuron_cores:1)"
@@ -312,6 +316,9 @@ class ScalingConfig(_Section):
 
 
 class CheckpointConfig(_Section):
+    """Sharded checkpoints (torch.distributed.checkpoint) of the run, under ``storage``; a resume continues from the
+    newest committed one."""
+
     storage: str = Field("checkpoints", min_length=1, description="local directory or s3://bucket/prefix")
     every_n_steps: int = Field(100, gt=0, le=10**12, description="save every N optimizer steps (and at the last step)")
     keep_last: int | None = Field(3, gt=0, le=10**6, description="checkpoints kept; null keeps all")
@@ -329,11 +336,13 @@ class CheckpointConfig(_Section):
 
 
 class TrackingConfig(_Section):
-    enabled: bool = True
+    """MLflow: the run's params, metrics, system metrics, cost and final model; the run name."""
+
+    enabled: bool = Field(True, description="log to MLflow; false: no MLflow run at all")
     mlflow_uri: str | None = Field(
         None, description="MLflow tracking URI; default $MLFLOW_TRACKING_URI, else sqlite:///mlruns/mlflow.db"
     )
-    experiment: str = Field("raytrn", min_length=1)
+    experiment: str = Field("raytrn", min_length=1, description="MLflow experiment the run is logged under")
     usd_per_hour: float | None = Field(
         None,
         gt=0,
@@ -392,10 +401,14 @@ class TrackingConfig(_Section):
 
 
 class RunConfig(_Section):
+    """How long the job trains, its seed, and how often it reports and evaluates."""
+
     max_steps: int = Field(
         ..., gt=0, le=10**12, description="optimizer steps in total (a resumed run continues to this)"
     )
-    seed: int = Field(0, ge=0, lt=2**63)
+    seed: int = Field(
+        0, ge=0, lt=2**63, description="seeds torch (initial weights, LoRA adapters, dropout) and the data order"
+    )
     log_every: int = Field(10, gt=0, le=10**12, description="report metrics every N steps")
     eval_every: int | None = Field(
         None,
@@ -517,360 +530,9 @@ class JobSpec(_Section):
         return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
     def flat(self) -> dict[str, Any]:
-        """The spec as ``{"optim.lr": 0.001, ...}`` (for MLflow params)."""
-        return _flatten(self.model_dump(mode="json"))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Loading
-
-
-def load_job(
-    path: str | os.PathLike,
-    overrides: list[str] | None = None,
-    *,
-    base_dir: str | None = None,
-    resolve: bool = True,
-    values: dict[str, Any] | None = None,
-    labels: dict[str, str] | None = None,
-    raw: dict[str, Any] | None = None,
-) -> JobSpec:
-    """Read, override, validate and path-resolve a job spec; raise ConfigError with a clear message.
-
-    ``resolve=False`` leaves local paths as written (see :func:`relative_local_paths`). ``values`` are typed
-    overrides (``{"optim.lr": 0.001}``, applied after the ``--set`` strings), named in messages as ``labels``
-    says (default ``--set <field>``). ``raw``: the file's mapping already read (:func:`read_job_mapping`)."""
-    path = str(path)
-    raw = copy.deepcopy(raw) if raw is not None else read_job_mapping(path)
-    if "sweep" in raw:
-        raise ConfigError(
-            f"{path}: has a sweep: section (a search space over this job): run it with `raytrn sweep {path}`, or "
-            "train the job without the section"
-        )
-    overridden = apply_overrides(raw, overrides or [])
-    for key, value in (values or {}).items():
-        set_value(raw, key, value, where=(labels or {}).get(key, f"--set {key}"))
-        overridden.add(key)
-    raw = _with_init_from(raw, base_dir or os.getcwd(), source=path)
-    job = parse_job(raw, source=path, overridden=overridden, labels=labels)
-    return resolve_paths(job, base_dir or os.getcwd()) if resolve else job
-
-
-def read_job_mapping(path: str) -> dict[str, Any]:
-    """A job file's YAML mapping (not validated), or a ConfigError naming what is wrong with the file."""
-    text = read_config_text(path, what="job file", examples="jobs/")
-    raw = safe_load_yaml(text, path)
-    if raw is None:
-        raise ConfigError(f"{path}: job file is empty; see jobs/tiny.yaml for the sections a job needs")
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: a job spec must be a YAML mapping of sections, got {type(raw).__name__}")
-    return raw
-
-
-def read_job_file(path: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """A job file's mapping without its ``sweep:`` section (:mod:`raytrn.sweep`), and that section (None: none)."""
-    raw = read_job_mapping(path)
-    return raw, raw.pop("sweep", None)
-
-
-def set_value(raw: dict[str, Any], key: str, value: Any, *, where: str) -> None:
-    """Set the dotted ``key`` of a raw job mapping to ``value``, creating sections on the way."""
-    node = raw
-    parts = key.split(".")
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"{where}: {'.'.join(parts[: i + 1])} is a value, not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def check_field_value(key: str, value: Any, *, where: str) -> None:
-    """ConfigError when ``value`` is not one the job-spec field ``key`` takes on its own (its type and its range;
-    checks across fields are the job's)."""
-    from typing import Annotated
-
-    from pydantic import TypeAdapter
-
-    info = field_info(key)
-    form: Any = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
-    adapter: Any = TypeAdapter(form)
-    try:
-        adapter.validate_python(value)
-    except ValidationError as e:
-        err = e.errors()[0]
-        msg = err["msg"].removeprefix("Value error, ")
-        raise ConfigError(f"{where}: {msg} (got {reprlib.repr(value)})") from None
-
-
-def field_annotation(key: str) -> Any:
-    return field_info(key).annotation
-
-
-def field_info(key: str) -> Any:
-    """The pydantic FieldInfo of the job-spec field ``key`` (``"optim.lr"``); a ConfigError (to be prefixed with where
-    the key came from) naming the closest field when there is no such field (did-you-mean, as ``--set``)."""
-    model: type[BaseModel] = JobSpec
-    parts = key.split(".")
-    for i, part in enumerate(parts):
-        fields = {(f.alias or n): f for n, f in model.model_fields.items() if n != "source"}
-        if part not in fields:
-            prefix = ".".join(parts[:i])
-            near = difflib.get_close_matches(part, list(fields), n=1, cutoff=0.6)
-            hint = (
-                f"Did you mean '{prefix + '.' if prefix else ''}{near[0]}'?"
-                if near
-                else f"Known fields{' of ' + prefix if prefix else ''}: {', '.join(fields)}."
-            )
-            raise ConfigError(f"unknown field. {hint}")
-        if i == len(parts) - 1:
-            return fields[part]
-        section = _section_model(fields[part].annotation)
-        if section is None:
-            raise ConfigError(f"{'.'.join(parts[: i + 1])} is a value, not a section")
-        model = section
-    return None  # pragma: no cover - the loop returns
-
-
-def _section_model(ann: Any) -> type[BaseModel] | None:
-    """The section model in an annotation (``LoraConfig | None`` -> ``LoraConfig``), else None."""
-    if isinstance(ann, type) and issubclass(ann, BaseModel):
-        return ann
-    for arg in getattr(ann, "__args__", ()):
-        if isinstance(arg, type) and issubclass(arg, BaseModel):
-            return arg
-    return None
-
-
-def _with_init_from(raw: dict[str, Any], base_dir: str, *, source: str) -> dict[str, Any]:
-    """``model.init_from``'s config.json merged into the model section (the job's own values must agree)."""
-    model = raw.get("model")
-    if not isinstance(model, dict) or not isinstance(model.get("init_from"), str):
-        return raw
-    from raytrn.models.hf import merge_config
-
-    location = model["init_from"]
-    if "://" in location:
-        # Remote: read where the job starts (the cluster has the credentials), not where it is written or validated
-        # (raytrn.train.checks.check_init_from); the job gives the sizes.
-        if model.get("preset") is None and model.get("hidden_size") is None:
-            raise ConfigError(
-                f"{source}: model.init_from {location} is remote: give the model's sizes in the job (model.preset, or "
-                "hidden_size, num_layers, ...); its config.json is checked against them when the job starts"
-            )
-        return raw
-    location = os.path.abspath(os.path.join(base_dir, os.path.expanduser(location)))
-    return {**raw, "model": merge_config(model, location, where=source)}
-
-
-def read_config_text(path: str, *, what: str, examples: str) -> str:
-    """A config file's text, or a ConfigError saying what is wrong with the path (or its size)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_JOB_FILE_BYTES + 1)
-        if len(data) > MAX_JOB_FILE_BYTES:
-            raise ConfigError(
-                f"{path}: {what} is larger than {MAX_JOB_FILE_BYTES >> 20} MiB; is this the right file? "
-                f"(shipped examples are in {examples})"
-            )
-        return data.decode("utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: {what} not found (check the path; shipped examples are in {examples})") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError, OSError) as e:
-        raise ConfigError(f"{path}: cannot read {what}: {e.__class__.__name__}: {e}") from None
-
-
-def safe_load_yaml(text: str, where: str, *, documents: bool = False) -> Any:
-    """``yaml.safe_load`` (or ``safe_load_all`` as a list) with bounded work: a syntax error, nesting too
-    deep for the parser, or aliases that expand to more than :data:`MAX_SPEC_VALUES` values is one ConfigError."""
-    try:
-        data = [d for d in yaml.safe_load_all(text) if d is not None] if documents else yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise yaml_syntax_error(where, e) from None
-    except RecursionError:
-        raise ConfigError(f"{where}: YAML nested too deeply to be a config file") from None
-    check_size(data, where)
-    return data
-
-
-def check_size(data: Any, where: str, limit: int = MAX_SPEC_VALUES, max_depth: int = 64) -> None:
-    """ConfigError when ``data`` (YAML/JSON values, aliases expanded) holds more than ``limit`` values or nests
-    deeper than ``max_depth``: a config file is small, and everything that walks it must stay bounded."""
-    count = 0
-    stack: list[tuple[Any, int]] = [(data, 0)]
-    while stack:
-        node, depth = stack.pop()
-        count += 1
-        if count > limit:
-            raise ConfigError(
-                f"{where}: more than {limit:,} values (YAML anchors and aliases expanded); a config file is much "
-                "smaller: check for aliases that repeat large sections"
-            )
-        if depth > max_depth:
-            raise ConfigError(f"{where}: nested more than {max_depth} levels deep; a config file is much flatter")
-        if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values())
-            stack.extend((k, depth + 1) for k in node)
-        elif isinstance(node, list | tuple):
-            stack.extend((v, depth + 1) for v in node)
-
-
-def yaml_syntax_error(path: str, e: yaml.YAMLError) -> ConfigError:
-    """``file:line:col: YAML syntax error: ...`` for a YAML parse error."""
-    mark = getattr(e, "problem_mark", None)
-    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
-    problem = getattr(e, "problem", None) or str(e)
-    return ConfigError(f"{where}: YAML syntax error: {problem}")
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> set[str]:
-    """Apply ``a.b=value`` strings in place (value parsed as YAML); return the overridden paths."""
-    done: set[str] = set()
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. --set optim.lr=3e-4")
-        try:
-            parsed = yaml.safe_load(value) if value.strip() else None
-        except (yaml.YAMLError, RecursionError):
-            parsed = value
-        check_size(parsed, f"--set {key}")
-        set_value(raw, key, parsed, where=f"--set {item!r}")
-        done.add(key)
-    return done
-
-
-def parse_job(
-    raw: dict[str, Any],
-    *,
-    source: str = "<job>",
-    overridden: set[str] | frozenset[str] = frozenset(),
-    labels: dict[str, str] | None = None,
-) -> JobSpec:
-    """Validate a raw mapping into a JobSpec, turning pydantic errors into one ConfigError."""
-    check_size(raw, source)
-    lines = []
-    if "source" in raw:  # not a YAML field: it would be silently replaced by the file name
-        lines.append(_describe_error({"loc": ("source",), "type": "extra_forbidden", "msg": ""}, raw, overridden))
-    try:
-        job = JobSpec.model_validate({**raw, "source": source})
-    except ValidationError as e:
-        lines += [_describe_error(err, raw, overridden, labels) for err in e.errors()]
-    if lines:
-        head = f"{source}: " if len(lines) == 1 else f"{source}: {len(lines)} problems:\n  "
-        raise ConfigError(head + "\n  ".join(lines))
-    return job
-
-
-def resolve_mlflow_uri(uri: str | None = None, base_dir: str = ".") -> str:
-    """``uri`` > $MLFLOW_TRACKING_URI > ``sqlite:///mlruns/mlflow.db``, with local paths made absolute."""
-    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlruns/mlflow.db"
-
-    def absolute(p: str) -> str:
-        return os.path.abspath(os.path.join(base_dir, os.path.expanduser(p)))
-
-    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + absolute(uri[len("sqlite:///") :])
-    if not _URI_SCHEME.match(uri) and uri != "databricks":  # a bare path: MLflow's file store
-        return absolute(uri)
-    return uri
-
-
-def relative_local_paths(job: JobSpec) -> dict[str, str]:
-    """The fields of an unresolved job (``load_job(..., resolve=False)``) that name a local path relative to
-    the directory the job runs in (or to a home directory): ``{field: value}``. On a cluster that directory is
-    a temporary copy of the uploaded working dir, so such a path points at nothing, or at files lost when the
-    job ends. ``tracking.mlflow_uri: null`` is not listed: it is decided where the job runs."""
-    candidates = {
-        "model.init_from": job.model.init_from or "",
-        "data.manifest": job.data.manifest,
-        "data.validation": job.data.validation if job.data.validation != "none" else "",
-        "checkpoint.storage": job.checkpoint.storage,
-        "neuron.compile_cache": job.neuron.compile_cache,
-    }
-    out = {k: v for k, v in candidates.items() if v and _is_relative_path(v)}
-    uri = job.tracking.mlflow_uri
-    if uri and _is_relative_path(uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else uri):
-        out["tracking.mlflow_uri"] = uri
-    return out
-
-
-def _is_relative_path(value: str) -> bool:
-    return not _URI_SCHEME.match(value) and not os.path.isabs(value)
-
-
-def resolve_paths(job: JobSpec, base_dir: str) -> JobSpec:
-    """Make local paths absolute (workers do not share the driver's cwd); leave URIs alone."""
-
-    def absolute(p: str) -> str:
-        return p if "://" in p else os.path.abspath(os.path.join(base_dir, os.path.expanduser(p)))
-
-    tracking = {"mlflow_uri": resolve_mlflow_uri(job.tracking.mlflow_uri, base_dir), "run_name": job.run_name}
-    return job.model_copy(
-        update={
-            "model": job.model.model_copy(
-                update={"init_from": absolute(job.model.init_from) if job.model.init_from else None}
-            ),
-            "data": job.data.model_copy(
-                update={
-                    "manifest": absolute(job.data.manifest),
-                    "validation": absolute(v) if (v := job.data.validation) and v != "none" else v,
-                }
-            ),
-            "checkpoint": job.checkpoint.model_copy(update={"storage": absolute(job.checkpoint.storage)}),
-            "tracking": job.tracking.model_copy(update=tracking),
-        }
-    )
-
-
-# ---------------------------------------------------------------------------------------------------
-# Error messages
-
-
-def _describe_error(
-    err: Any, raw: dict[str, Any], overridden: set[str] | frozenset[str], labels: dict[str, str] | None = None
-) -> str:
-    loc = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
-    path = ".".join(loc)
-    if not path:  # a cross-section check: its message names the fields
-        return err["msg"].removeprefix("Value error, ")
-    where = path
-    if _is_overridden(path, overridden):
-        where = next((label for key, label in (labels or {}).items() if _is_overridden(path, {key})), f"--set {path}")
-    kind = err["type"]
-    if kind == "extra_forbidden":
-        model = _model_at(loc[:-1])
-        choices = [f.alias or n for n, f in model.model_fields.items() if n != "source"] if model else []
-        near = difflib.get_close_matches(loc[-1], choices, n=1, cutoff=0.6)
-        hint = f" Did you mean '{near[0]}'?" if near else f" Known fields: {', '.join(choices)}."
-        return f"{where}: unknown field.{hint}"
-    if kind == "missing":
-        return f"{where}: required field is missing"
-    msg = err["msg"].removeprefix("Value error, ")
-    got = reprlib.repr(err.get("input"))
-    if kind.endswith("_parsing") or kind.endswith("_type") or kind == "literal_error":
-        return f"{where}: {msg} (got {got})"
-    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"):
-        return f"{where}: {msg.lower()} (got {got})"
-    return f"{where}: {msg}"
-
-
-def _is_overridden(path: str, overridden: set[str] | frozenset[str]) -> bool:
-    return any(path == o or path.startswith(o + ".") or o.startswith(path + ".") for o in overridden)
-
-
-def _model_at(loc: list[str]) -> type[BaseModel] | None:
-    model: type[BaseModel] = JobSpec
-    for part in loc:
-        field = model.model_fields.get(part)
-        ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return None
-        model = ann
-    return model
+        """The spec as ``{"optim.lr": 0.001, ...}`` (for MLflow params), named as the YAML names them
+        (``checkpoint.async``, not the attribute ``async_``)."""
+        return _flatten(self.model_dump(mode="json", by_alias=True))
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
