@@ -21,11 +21,10 @@ import torch
 from raytrn import storage
 from raytrn.backends import Backend, get_backend, host_malloc
 from raytrn.checkpoint import Progress
-from raytrn.compat import quiet_ray_train_logs
 from raytrn.config import JobSpec
 from raytrn.data.order import SAMPLE_TRACE_ENV
 from raytrn.errors import DataError
-from raytrn.runtime import process_started_at
+from raytrn.runtime import process_started_at, worker_logging
 from raytrn.train.checkpointing import Saved, resume_point
 from raytrn.train.commit import describe as describe_commit
 from raytrn.train.preemption import TRAINING, PreemptionWatch, exit_after_sigterm, sigterm_received, wait_for_teardown
@@ -40,7 +39,7 @@ log = logging.getLogger(__name__)
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
 
-    quiet_ray_train_logs()
+    worker_logging()
     job: JobSpec = config["job"]
     ctx = ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
