@@ -39,6 +39,7 @@ def ensure_ray(min_cpus: float = 0) -> bool:
 
     if ray.is_initialized():
         return False
+    _start_routing()
     address = os.environ.get("RAY_ADDRESS")
     if address:
         _check_reachable(address)
@@ -222,28 +223,41 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def route_ray_output(name: str, *, verbose: bool = False, directory: str = RAY_LOG_DIR) -> str | None:
-    """Before :func:`ensure_ray`: Ray's own lines go to ``<directory>/<name>.log`` (appended; its path printed
-    once), not between raytrn's on the terminal. They are the workers' and actors' forwarded output (Ray Train's
-    worker-group start, ranks, Ray Data's notices), the raylet's warnings and the driver's ``ray`` logger below
-    ERROR (the token-auth notice). The terminal keeps raytrn's own lines, the errors that need the user
-    (:data:`USER_LINES`, :data:`FAILURE_LINE`) and Ray's driver-side errors. Returns the path.
+    """Once :func:`ensure_ray` starts (or connects to) Ray in this process: Ray's own lines go to
+    ``<directory>/<name>.log`` (appended; its path printed once), not between raytrn's on the terminal. They are
+    the workers' and actors' forwarded output (Ray Train's worker-group start, ranks, Ray Data's notices), the
+    raylet's warnings and the driver's ``ray`` logger below ERROR (the token-auth notice). The terminal keeps
+    raytrn's own lines, the errors that need the user (:data:`USER_LINES`, :data:`FAILURE_LINE`) and Ray's
+    driver-side errors. Returns the path; nothing is written before Ray starts (a job refused first leaves none).
 
-    Nothing changes (None) with ``verbose``, when Ray is connected already (a test's or notebook's Ray), or
-    in a Ray job's driver (``ray job submit``, ``raytrn submit``): the job's log is where its lines belong.
+    Nothing changes (None) with ``verbose``, or in a Ray job's driver (``ray job submit``, ``raytrn submit``):
+    the job's log is where its lines belong. Nor when Ray is connected already (a test's or notebook's Ray):
+    ``ensure_ray`` then starts nothing.
     """
-    import ray
-
-    if verbose or ray.is_initialized() or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+    global _ray_log_path
+    if verbose or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        _ray_log_path = None
         return None
-    path = os.path.abspath(os.path.join(directory, f"{name}.log"))
+    _ray_log_path = os.path.abspath(os.path.join(directory, f"{name}.log"))
+    return _ray_log_path
+
+
+_ray_log_path: str | None = None  # set by route_ray_output, applied by ensure_ray
+
+
+def _start_routing() -> None:
+    """Apply :func:`route_ray_output` before ``ray.init`` (once)."""
+    global _ray_log_path
+    path, _ray_log_path = _ray_log_path, None
+    if path is None:
+        return
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         log_file = _PlainFile(path)
     except OSError as e:  # not writable here: Ray's lines stay on the terminal
         print(f"raytrn: Ray's lines stay on the terminal ({path}: {e.strerror or e})", file=sys.stderr, flush=True)
-        return None
-    router = _RayLines(log_file)
-    route_worker_output(router)
+        return
+    route_worker_output(_RayLines(log_file))
     ray_logger = logging.getLogger("ray")
     for handler in ray_logger.handlers:  # Ray's console handler: errors only
         if isinstance(handler, logging.StreamHandler):
@@ -252,7 +266,6 @@ def route_ray_output(name: str, *, verbose: bool = False, directory: str = RAY_L
     file_handler.setFormatter(logging.Formatter("%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"))
     ray_logger.addHandler(file_handler)
     print(f"raytrn: Ray's logs: {path}", flush=True)
-    return path
 
 
 def user_lines(lines: list[str]) -> list[str]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,13 @@ PLUMBING = [
     "Traceback (most recent call last):",
     "ray.exceptions.GetTimeoutError: Get timed out: some object(s) not ready.",
 ]
+
+
+@pytest.fixture(autouse=True)
+def _no_routing_left() -> Iterator[None]:
+    """Routing asked for here never reaches a later test's ensure_ray."""
+    yield
+    runtime._ray_log_path = None
 
 
 def test_rays_plumbing_leaves_the_terminal_and_raytrns_lines_stay() -> None:
@@ -88,13 +96,15 @@ def test_nothing_is_routed_when_verbose_in_a_ray_job_or_on_a_connected_ray(
 ) -> None:
     import ray
 
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
     assert runtime.route_ray_output("r", verbose=True, directory=str(tmp_path)) is None
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"runtime_env": {}}')
     assert runtime.route_ray_output("r", directory=str(tmp_path)) is None
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    # Routing waits for ensure_ray to start Ray: a connected Ray (or a job refused first) writes nothing.
+    assert runtime.route_ray_output("r", directory=str(tmp_path)) == str(tmp_path / "r.log")
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    assert runtime.route_ray_output("r", directory=str(tmp_path)) is None
+    assert runtime.ensure_ray() is False
     assert not list(tmp_path.iterdir())
 
 
@@ -113,6 +123,8 @@ def test_routing_sends_rays_driver_warnings_to_the_file(
     try:
         path = runtime.route_ray_output("tiny-1", directory=str(tmp_path / "logs"))
         assert path == str(tmp_path / "logs" / "tiny-1.log")
+        assert not (tmp_path / "logs").exists() and capsys.readouterr().out == ""  # not before Ray starts
+        runtime._start_routing()  # what ensure_ray does before ray.init
         assert capsys.readouterr().out == f"raytrn: Ray's logs: {path}\n"
         logging.getLogger("ray.some.module").warning("Token authentication is enabled for this Ray cluster.")
         ray_worker.print_to_stdstream({"lines": ["4 PYTHON worker processes"], "pid": "raylet", "is_err": False}, False)
