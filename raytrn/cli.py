@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from raytrn.cli_args import add_set_option
+from raytrn.cli_args import add_set_option, add_verbose_option
 from raytrn.errors import RaytrnError
 
 _EPILOG = """\
@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument(
         "--no-progress", action="store_true", help="print one progress line per log step instead of a live line"
     )
+    add_verbose_option(p_train)
     p_train.set_defaults(func=_cmd_train)
 
     p_val = sub.add_parser(
@@ -208,12 +209,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     import os
 
     from raytrn.config import load_job, resolve_paths
-    from raytrn.runtime import check_paths_for_ray_job
+    from raytrn.runtime import check_paths_for_ray_job, route_ray_output
     from raytrn.train.trainer import run_training
 
     job = load_job(args.job, args.overrides, resolve=False)
     check_paths_for_ray_job(job)  # under `ray job submit`: no path into the job's temporary working dir
     job = resolve_paths(job, os.getcwd())
+    route_ray_output(job.run_name, verbose=args.verbose)
     summary = run_training(job, live_progress=not args.no_progress)
     print(summary.render())
     return 0

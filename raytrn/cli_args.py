@@ -16,3 +16,13 @@ def add_set_option(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a job-spec field, e.g. --set optim.lr=3e-4 (repeatable; VALUE is parsed as YAML)",
     )
+
+
+def add_verbose_option(p: argparse.ArgumentParser) -> None:
+    """``--verbose``: Ray's own lines on the terminal too (see :func:`raytrn.runtime.route_ray_output`)."""
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also print Ray's own lines (worker-group start, ranks, raylet warnings); by default they go to "
+        "logs/<run>.log, whose path is printed",
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 #: The private names this module relies on: ``module`` or ``module:attribute.path``.
@@ -34,6 +35,9 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Train preemption context": "ray.train.v2._internal.execution.preemption:PreemptionContext",
     "Ray draining nodes": "ray._private.state:GlobalState.get_draining_nodes",
     "Ray Train preemption watcher switch": "ray.train.v2._internal.constants:ENABLE_PREEMPTION_WATCHER_ENV_VAR",
+    "Ray driver's printer of worker output": "ray._private.worker:print_to_stdstream",
+    "Ray driver's worker-line formatter": "ray._private.worker:print_worker_logs",
+    "Ray driver's error listener": "ray._private.worker:listen_error_messages",
     "Ray cluster-config validation": "ray.autoscaler._private.util:validate_config",
     "Ray cluster-config defaults": "ray.autoscaler._private.util:prepare_config",
     "Ray AWS network interfaces": "ray.autoscaler._private.aws.config:_configure_from_network_interfaces",
@@ -100,8 +104,9 @@ def torch_backend_class() -> type:
     return _TorchBackend
 
 
-def elastic_scaling_policy(scaling_config: Any, choose: Any) -> Any:
-    """Ray Train V2's elastic scaling policy with raytrn's choice of size (:mod:`raytrn.train.elastic`).
+def elastic_scaling_policy(scaling_config: Any, choose: Any, reachable: Callable[[Any], set[str]]) -> Any:
+    """Ray Train V2's elastic scaling policy with raytrn's choice of size (``choose``) and live check of the
+    nodes (``reachable``): :mod:`raytrn.train.elastic` gives both (this module imports nothing of raytrn's).
 
     Extends the private ``ElasticScalingPolicy`` (public alternative: none; Ray rounds sizes only for TPU
     slices) in three places:
@@ -109,7 +114,7 @@ def elastic_scaling_policy(scaling_config: Any, choose: Any) -> Any:
     - ``_count_possible_workers(reserved)`` -> ``choose(reserved)``: whole nodes, valid sizes only;
     - ``_get_reserved_resources()`` asks the autoscaling coordinator to recompute against a fresh view of the
       cluster (``get_reserved_resources(..., recompute=True)``; its own view refreshes every 20 s) and drops
-      the nodes whose raylet does not answer (:func:`raytrn.train.elastic.reachable_nodes`) or that are being
+      the nodes whose raylet does not answer (``reachable(ray.nodes())``: the ids that do) or that are being
       drained (:func:`draining_nodes`): a (re)start is sized from the live cluster, not from before a node was
       lost, and never lands on a node about to be preempted;
     - ``make_decision_for_running_worker_group`` never shrinks a running group (failures and preemption
@@ -124,8 +129,6 @@ def elastic_scaling_policy(scaling_config: Any, choose: Any) -> Any:
     from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client import (
         AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
     )
-
-    from raytrn.train.elastic import reachable_nodes
 
     class RaytrnElasticPolicy(ElasticScalingPolicy):  # type: ignore[misc]
         def make_decision_for_running_worker_group(self, worker_group_state: Any, worker_group_status: Any) -> Any:
@@ -150,7 +153,7 @@ def elastic_scaling_policy(scaling_config: Any, choose: Any) -> Any:
                     self._autoscaling_coordinator.get_reserved_resources.remote(self._requester_id, recompute=True),
                     timeout=AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
                 )
-                live = reachable_nodes(ray.nodes()) - draining_nodes()
+                live = set(reachable(ray.nodes())) - draining_nodes()
                 reserved = {node: res for node, res in reserved.items() if node in live}
             except Exception as e:  # as Ray's: no decision this time, try again shortly
                 logging.getLogger(__name__).warning("raytrn elastic policy: no view of the cluster this time: %s", e)
@@ -221,6 +224,49 @@ def quiet_ray_train_logs() -> None:
         for logger_name in (module.__name__, getattr(module, "__file__", None)):
             if logger_name:
                 logging.getLogger(logger_name).setLevel(logging.WARNING)
+
+
+# -- Ray core --------------------------------------------------------------------------------------------
+
+#: What :func:`route_worker_output` hands its handler: Ray's own printer of a batch of forwarded lines
+#: (``data`` with ``lines``, ``pid``, ``actor_name``/``task_name``, ``ip``, ``is_err``; prints to the terminal).
+RayPrint = Callable[[dict[str, Any], bool], None]
+
+
+def route_worker_output(handler: Callable[[dict[str, Any], bool, RayPrint], None]) -> None:
+    """Send what Ray forwards to this driver (every worker's and actor's stdout/stderr, the raylet's warnings
+    such as "N PYTHON worker processes have been started") to ``handler(data, ignore_prefix, ray_print)``
+    instead of the terminal; ``ray_print`` is Ray's own printer, for the lines the handler keeps on it.
+
+    Call before ``ray.init``: ``ray._private.worker.print_to_stdstream`` is what ``connect`` binds as the
+    log-forwarding handler and what ``listen_error_messages`` calls for the raylet's messages. Public
+    alternative: ``ray.init(log_to_driver=False)``, which drops the workers' lines instead of keeping them
+    (and not the raylet's), and keeps none of them for the user.
+    """
+    import ray._private.worker as ray_worker
+
+    ray_print = ray_worker.print_to_stdstream
+    if getattr(ray_print, "raytrn_routed", False):  # routed already (a second run in this process)
+        ray_print = ray_print.ray_print  # type: ignore[attr-defined]
+
+    def print_to_stdstream(data: dict[str, Any], ignore_prefix: bool) -> None:
+        handler(data, ignore_prefix, ray_print)
+
+    print_to_stdstream.raytrn_routed = True  # type: ignore[attr-defined]
+    print_to_stdstream.ray_print = ray_print  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = print_to_stdstream
+
+
+def write_worker_lines(data: dict[str, Any], file: Any, ignore_prefix: bool = False) -> None:
+    """Write a batch of forwarded lines to ``file`` as Ray prints them (``(TrainController pid=N) line``; the
+    autoscaler's raw lines filtered to its events), without de-duplication.
+
+    ``ray._private.worker.print_worker_logs``; public alternative: none (formatting them anew, and the
+    autoscaler's filter, would copy Ray's).
+    """
+    from ray._private.worker import print_worker_logs
+
+    print_worker_logs(data, file, ignore_prefix)
 
 
 def ray_validate_cluster_config(config: dict[str, Any]) -> None:

@@ -1,15 +1,26 @@
-"""Connecting to Ray: reuse the current connection, a cluster named by RAY_ADDRESS, or start a local one."""
+"""Connecting to Ray: reuse the current connection, a cluster named by RAY_ADDRESS, or start a local one; and
+keeping Ray's own lines off the terminal (:func:`route_ray_output`).
+"""
 
 from __future__ import annotations
 
 import logging
 import math
 import os
+import re
 import subprocess
+import sys
+import threading
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from raytrn.compat import PREEMPTION_WATCHER_ENV
+from raytrn.compat import (
+    PREEMPTION_WATCHER_ENV,
+    RayPrint,
+    quiet_ray_train_logs,
+    route_worker_output,
+    write_worker_lines,
+)
 from raytrn.errors import RaytrnError
 
 if TYPE_CHECKING:
@@ -28,6 +39,7 @@ def ensure_ray(min_cpus: float = 0) -> bool:
 
     if ray.is_initialized():
         return False
+    _start_routing()
     address = os.environ.get("RAY_ADDRESS")
     if address:
         _check_reachable(address)
@@ -194,3 +206,144 @@ def on_this_node() -> dict[str, Any]:
             node_id=ray.get_runtime_context().get_node_id(), soft=False
         )
     }
+
+
+# -- Ray's own lines -------------------------------------------------------------------------------------
+
+#: Where ``raytrn train`` and ``raytrn sweep`` keep Ray's lines (``<dir>/<run or sweep name>.log``), relative to
+#: the directory they run in, like ``checkpoints/`` and ``mlruns/``.
+RAY_LOG_DIR = "logs"
+#: Forwarded lines that stay on the terminal: raytrn's own (its prints, and its log records in workers and
+#: actors, :func:`mark_raytrn_logs`) and a worker killed for memory (the raylet says so).
+USER_LINES = re.compile(r"^raytrn\b|running low on memory|out of memory|OutOfMemoryError", re.IGNORECASE)
+#: Ray Train's decision on a failed worker group: this line and the rest of its batch (the error, its
+#: traceback) stay on the terminal.
+FAILURE_LINE = re.compile(r"\[FailurePolicy\]")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def route_ray_output(name: str, *, verbose: bool = False, directory: str = RAY_LOG_DIR) -> str | None:
+    """Once :func:`ensure_ray` starts (or connects to) Ray in this process: Ray's own lines go to
+    ``<directory>/<name>.log`` (appended; its path printed once), not between raytrn's on the terminal. They are
+    the workers' and actors' forwarded output (Ray Train's worker-group start, ranks, Ray Data's notices), the
+    raylet's warnings and the driver's ``ray`` logger below ERROR (the token-auth notice). The terminal keeps
+    raytrn's own lines, the errors that need the user (:data:`USER_LINES`, :data:`FAILURE_LINE`) and Ray's
+    driver-side errors. Returns the path; nothing is written before Ray starts (a job refused first leaves none).
+
+    Nothing changes (None) with ``verbose``, or in a Ray job's driver (``ray job submit``, ``raytrn submit``):
+    the job's log is where its lines belong. Nor when Ray is connected already (a test's or notebook's Ray):
+    ``ensure_ray`` then starts nothing.
+    """
+    global _ray_log_path
+    if verbose or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        _ray_log_path = None
+        return None
+    _ray_log_path = os.path.abspath(os.path.join(directory, f"{name}.log"))
+    return _ray_log_path
+
+
+_ray_log_path: str | None = None  # set by route_ray_output, applied by ensure_ray
+
+
+def _start_routing() -> None:
+    """Apply :func:`route_ray_output` before ``ray.init`` (once)."""
+    global _ray_log_path
+    path, _ray_log_path = _ray_log_path, None
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        log_file = _PlainFile(path)
+    except OSError as e:  # not writable here: Ray's lines stay on the terminal
+        print(f"raytrn: Ray's lines stay on the terminal ({path}: {e.strerror or e})", file=sys.stderr, flush=True)
+        return
+    route_worker_output(_RayLines(log_file))
+    ray_logger = logging.getLogger("ray")
+    for handler in ray_logger.handlers:  # Ray's console handler: errors only
+        if isinstance(handler, logging.StreamHandler):
+            handler.setLevel(max(handler.level, logging.ERROR))
+    file_handler = logging.StreamHandler(log_file)
+    file_handler.setFormatter(logging.Formatter("%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"))
+    ray_logger.addHandler(file_handler)
+    print(f"raytrn: Ray's logs: {path}", flush=True)
+
+
+def user_lines(lines: list[str]) -> list[str]:
+    """The forwarded ``lines`` (one batch of one process) that stay on the terminal."""
+    kept: list[str] = []
+    for i, line in enumerate(lines):
+        if FAILURE_LINE.search(line):
+            return kept + lines[i:]
+        if USER_LINES.search(line):
+            kept.append(line)
+    return kept
+
+
+class _RayLines:
+    """The handler of :func:`raytrn.compat.route_worker_output`: every batch to the log file, the lines that
+    need the user to Ray's own printer too."""
+
+    def __init__(self, log_file: _PlainFile) -> None:
+        self.log_file = log_file
+
+    def __call__(self, data: dict[str, Any], ignore_prefix: bool, ray_print: RayPrint) -> None:
+        try:
+            write_worker_lines(data, self.log_file, ignore_prefix)
+        except Exception:  # the log file is best effort: never lose the terminal's lines over it
+            pass
+        if data.get("pid") == "autoscaler":
+            return
+        kept = user_lines(list(data.get("lines") or []))
+        if kept:
+            ray_print({**data, "lines": kept}, ignore_prefix)
+
+
+class _PlainFile:
+    """An appending, line-buffered text file that drops ANSI colour codes (Ray colours its prefixes)."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - open for the process's life
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            return self._file.write(_ANSI.sub("", text))
+
+    def flush(self) -> None:
+        with self._lock:
+            self._file.flush()
+
+
+#: The format of raytrn's log records in Ray workers and actors: the driver keeps ``^raytrn`` lines on the
+#: terminal (:data:`USER_LINES`); every line of a record carries it (a traceback too).
+RAYTRN_LOG_PREFIX = "raytrn: "
+
+
+class _MarkedFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        first, *rest = super().format(record).splitlines() or [""]
+        return "\n".join([RAYTRN_LOG_PREFIX + first] + [RAYTRN_LOG_PREFIX + "  " + line for line in rest])
+
+
+def mark_raytrn_logs() -> None:
+    """In a Ray worker or actor: print raytrn's log records to stderr as ``raytrn: LEVEL: message`` (once per
+    process; not also through Ray Train's plain root handler), so the driver tells them from Ray's lines.
+    Their level is the process's (the root logger's: INFO in a training worker, WARNING elsewhere). Anywhere
+    else (the driver, a test calling an actor's class directly) raytrn's logging stays as it is."""
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return
+    logger = logging.getLogger("raytrn")
+    if any(isinstance(h.formatter, _MarkedFormatter) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_MarkedFormatter("%(levelname)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False
+
+
+def worker_logging() -> None:
+    """A training worker's logging: Ray Train's and Ray Data's chatty INFO loggers quieted, raytrn's marked."""
+    quiet_ray_train_logs()
+    mark_raytrn_logs()

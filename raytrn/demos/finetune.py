@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from raytrn.errors import ConfigError, RaytrnError
+from raytrn.tracking.client import mlflow_client
 
 MODEL_DIR = Path("data/demo-model")
 DATA_DIR = Path("data/stdlib-sft")
@@ -36,9 +37,8 @@ LORA = "{rank: 16, alpha: 32, targets: [q_proj, k_proj, v_proj, o_proj, gate_pro
 def demo_model(tracking_uri: str, out: Path = MODEL_DIR) -> Path:
     """The newest finished ``raytrn-demo`` run's logged model, copied to ``out`` (again only when the run changed)."""
     from mlflow.artifacts import download_artifacts
-    from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri)
+    client = mlflow_client(tracking_uri)
     exp = client.get_experiment_by_name("raytrn-demo")
     runs = [] if exp is None else client.search_runs(
         [exp.experiment_id], filter_string="attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"]

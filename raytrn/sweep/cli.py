@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from raytrn.cli_args import add_set_option
+from raytrn.cli_args import add_set_option, add_verbose_option
 from raytrn.errors import ConfigError, RaytrnError
 
 _EPILOG = """\
@@ -83,6 +83,7 @@ def register(subparsers: Any) -> None:
         help="continue a sweep (by name under checkpoint.storage/sweeps, or its directory): the trials that did not end",
     )
     p.add_argument("--dry-run", action="store_true", help="validate and print the trials, run nothing")
+    add_verbose_option(p)
     remote = p.add_argument_group("on a cluster (the driver as a Ray job, like raytrn submit)")
     remote.add_argument("--address", metavar="URL", help="the cluster's Ray dashboard, e.g. http://127.0.0.1:8265")
     remote.add_argument("--token-file", metavar="PATH", help="Ray auth token file (default: Ray's own lookup)")
@@ -186,7 +187,7 @@ def _resume(args: argparse.Namespace) -> int:
 def _run(state: Any, args: argparse.Namespace, *, notes: list[str]) -> int:
     import ray
 
-    from raytrn.runtime import ensure_ray
+    from raytrn.runtime import ensure_ray, route_ray_output
     from raytrn.sweep.driver import create_runs, mark_interrupted, run_sweep, trial_slots
     from raytrn.sweep.plan import DONE
 
@@ -199,6 +200,7 @@ def _run(state: Any, args: argparse.Namespace, *, notes: list[str]) -> int:
     per_trial_cpus = max(
         get_backend(j.scaling.accelerator).worker_resources(j).get("CPU", 0) * j.scaling.min_workers for j in jobs
     )
+    route_ray_output(state.name, verbose=args.verbose)
     ensure_ray(min_cpus=per_trial_cpus * (wanted or 1))
     slots, why = trial_slots(jobs, cluster_file=args.cluster, resources=ray.cluster_resources())
     if slots < 1:

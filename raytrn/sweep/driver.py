@@ -26,8 +26,11 @@ import yaml
 from raytrn import storage
 from raytrn.config import JobSpec, read_job_mapping, set_value
 from raytrn.errors import ConfigError, RaytrnError
+from raytrn.runtime import mark_raytrn_logs
 from raytrn.sweep.plan import BEST_FILE, DONE, Scheduler, SweepState, TrialState
 from raytrn.sweep.space import format_value, label
+from raytrn.tracking.client import mlflow_client, redact_uri, unreachable
+from raytrn.tracking.mlflow_run import ensure_experiment, param_text
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +92,7 @@ def create_runs(state: SweepState) -> None:
     params, status SCHEDULED), once; a resumed sweep reuses them."""
     if state.tracking_uri is None:
         return
-    from mlflow.entities import Param
-    from mlflow.tracking import MlflowClient
-
-    from raytrn.tracking.mlflow_run import ensure_experiment, param_text, redact_uri, unreachable
+    from mlflow.entities import Param  # mlflow lazily: a sweep without tracking never needs it
 
     uri = state.tracking_uri
     problem = unreachable(uri)
@@ -101,7 +101,7 @@ def create_runs(state: SweepState) -> None:
             f"tracking.mlflow_uri={redact_uri(uri)}: {problem}; a sweep records its trials in MLflow: start the "
             "server, fix the URI, or set tracking.enabled: false"
         )
-    client = MlflowClient(uri)
+    client = mlflow_client(uri)
     assert state.experiment is not None
     exp_id = ensure_experiment(client, state.experiment, uri)
     if state.parent_run_id is None:
@@ -141,9 +141,8 @@ def create_runs(state: SweepState) -> None:
 
 
 def _client(state: SweepState) -> Any:
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(state.tracking_uri)
+    assert state.tracking_uri is not None
+    return mlflow_client(state.tracking_uri)
 
 
 def end_trial_run(state: SweepState, t: TrialState) -> None:
@@ -188,6 +187,7 @@ def run_trial(config: dict[str, Any], jobs: dict[int, JobSpec] | None = None) ->
     from raytrn.train.trainer import latest_checkpoint, run_training
 
     assert jobs is not None
+    mark_raytrn_logs()
     job = jobs[int(config["trial"])]
     meta, _ = latest_checkpoint(job, committed=get_backend(job.scaling.accelerator).committed_checkpoints)
     if meta is not None and meta.progress.step >= job.run.max_steps:  # done before a driver died unaware of it

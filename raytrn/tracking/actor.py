@@ -21,8 +21,12 @@ from typing import Any
 
 from raytrn.compat import metric_objects
 from raytrn.errors import RaytrnError
-from raytrn.runtime import on_this_node
-from raytrn.train.progress import ProgressBoard
+from raytrn.runtime import NOT_FORWARDED, forwarded_env, mark_raytrn_logs, on_this_node
+from raytrn.tracking.board import ProgressBoard
+from raytrn.tracking.client import mlflow_client, unreachable
+from raytrn.tracking.logger import AsyncLogger, logged_step_of
+from raytrn.tracking.mlflow_run import TrackedRun, attach, end_run, register_model
+from raytrn.tracking.neuron_monitor import PREFIX as SYSTEM_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +50,9 @@ class TrackingActor(ProgressBoard):
         background: bool = False,
     ) -> None:
         super().__init__()
+        mark_raytrn_logs()  # its warnings (MLflow unreachable, refused metrics) stay on the driver's terminal
         if background:
             _lower_priority()
-        from raytrn.tracking.logger import AsyncLogger, logged_step_of
-        from raytrn.tracking.mlflow_run import attach, unreachable
-        from raytrn.tracking.neuron_monitor import PREFIX as SYSTEM_PREFIX
-
         self.error: RaytrnError | None = None
         self.experiment_id: str | None = None
         self.job = job
@@ -170,8 +171,6 @@ class TrackingActor(ProgressBoard):
 
         Here rather than in the driver: this process has the store open already (under ``ray job submit``
         the driver's working directory can be gone by the end, and a new local MLflow store needs it)."""
-        from raytrn.tracking.mlflow_run import TrackedRun, end_run
-
         self.ready()  # MLflow refused the run: raise that
         self.close(timeout_s)
         ids = self.ready()  # (a pending run may have been created while flushing)
@@ -181,8 +180,6 @@ class TrackingActor(ProgressBoard):
 
     def register_model(self, name: str) -> str | None:
         """Register the run's logged ``model`` as ``name``; the new version (None when it was not)."""
-        from raytrn.tracking.mlflow_run import register_model
-
         run_id = self.logger.run_id
         return register_model(self.logger.uri, run_id, name) if run_id else None
 
@@ -290,9 +287,7 @@ class RemoteLogger:
     def client(self) -> Any:
         """A direct MLflow client (artifact uploads, reads): the actor only queues metrics and tags."""
         if self._client is None:
-            from mlflow.tracking import MlflowClient
-
-            self._client = MlflowClient(self.uri)
+            self._client = mlflow_client(self.uri)
         return self._client
 
     def flush(self, timeout_s: float) -> bool:
@@ -324,8 +319,6 @@ def driver_env(environ: Mapping[str, str]) -> dict[str, str]:
     driver. A Ray the driver did not start was started with another environment (a shell's ``ray start``, a
     test's session cluster), so its processes do not have the driver's. The actor runs on the driver's
     node, so file-naming settings (``AWS_PROFILE``) are kept, unlike what :func:`raytrn.runtime.forwarded_env` gives a submitted job."""
-    from raytrn.runtime import NOT_FORWARDED, forwarded_env
-
     return forwarded_env(environ, {k: environ[k] for k in NOT_FORWARDED if k in environ})
 
 

@@ -21,6 +21,8 @@ from urllib.parse import urlparse
 
 from raytrn.config import resolve_mlflow_uri as resolve_tracking_uri
 from raytrn.errors import RaytrnError
+from raytrn.tracking.client import mlflow_client, sqlite_path
+from raytrn.tracking.logger import LOGGED_STEP_TAG
 
 DEFAULT_METRICS = ("loss", "tokens_per_s", "usd_per_1m_tokens", "mfu")
 #: Shown first by default when a run of the experiment has them (the held-out loss says more than the training loss).
@@ -122,13 +124,8 @@ def _fmt_duration(s: float | None) -> str:
 
 
 def _client(tracking_uri: str) -> Any:
-    try:
-        from mlflow.tracking import MlflowClient
-    except ImportError:  # pragma: no cover - mlflow is a core dependency
-        raise RaytrnError("runs compare needs mlflow: pip install 'mlflow>=3.16.1,<4'") from None
+    """A reading client: the server must answer and a local store must exist."""
     _check_reachable(tracking_uri)
-    from raytrn.tracking.mlflow_run import sqlite_path
-
     db = sqlite_path(tracking_uri)
     if db is not None:  # reading must not create an empty database as a side effect
         if not os.path.exists(db):
@@ -136,7 +133,7 @@ def _client(tracking_uri: str) -> Any:
                 f"no MLflow database at {db} (tracking URI {tracking_uri}); "
                 "pass --tracking-uri or set $MLFLOW_TRACKING_URI to where your runs are logged"
             )
-    return MlflowClient(tracking_uri)
+    return mlflow_client(tracking_uri)
 
 
 def _check_reachable(uri: str) -> None:
@@ -391,7 +388,7 @@ def compare_sweep(*, tracking_uri: str, sweep: str | None = None, parent: str | 
         for child in children:
             history = sorted((m.step, m.value) for m in client.get_metric_history(child.info.run_id, metric))
             trained = client.get_metric_history(child.info.run_id, "loss")
-            steps = max((m.step for m in trained), default=None)
+            steps = _steps_reached(trained, history, child.data.tags.get(LOGGED_STEP_TAG))
             stopped = child.data.tags.get("raytrn.stopped_early")
             cmp.histories[child.info.run_id] = history
             cmp.rows.append(
@@ -408,6 +405,16 @@ def compare_sweep(*, tracking_uri: str, sweep: str | None = None, parent: str | 
     except MlflowException as e:
         raise RaytrnError(f"cannot read MLflow at {tracking_uri}: {_first_line(e)}") from None
     return cmp
+
+
+def _steps_reached(trained: Sequence[Any], history: Sequence[tuple[int, float]], logged: str | None) -> int | None:
+    """The last step a trial's run shows it reached: of its ``loss`` points, its sweep metric's points and its
+    logged-step tag. A trial ASHA stops is killed with its tracking actor, so the loss of the report it was stopped
+    on may never reach MLflow; the sweep logs that report's metric at its step (``end_trial_run``)."""
+    steps = [int(m.step) for m in trained] + [int(step) for step, _ in history]
+    if logged and logged.isdigit():
+        steps.append(int(logged))
+    return max(steps, default=None)
 
 
 def _note(stopped: str | None, error: str | None) -> str:

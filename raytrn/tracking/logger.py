@@ -22,12 +22,13 @@ deleted run stops all logging into it, with one warning.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
+
+from raytrn.tracking.client import mlflow_client
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +43,6 @@ MAX_TAG_VALUE = 8000
 def _fit(value: str) -> str:
     """A tag value MLflow accepts: cut to :data:`MAX_TAG_VALUE` characters, marked when cut."""
     return value if len(value) <= MAX_TAG_VALUE else value[: MAX_TAG_VALUE - 13] + " [truncated]"
-
-
-def quiet_http_retries(timeout_s: int = 10) -> None:
-    """Make each MLflow REST call fail fast (this process): the logger retries on its own, without blocking
-    for MLflow's default ~2 minutes of in-request retries. Values the user set win."""
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(timeout_s))
 
 
 class AsyncLogger:
@@ -67,11 +61,7 @@ class AsyncLogger:
         max_buffered: int = 200_000,
         batch_window_s: float = 0.5,
     ) -> None:
-        from mlflow.tracking import MlflowClient
-
-        if uri.startswith(("http://", "https://")):
-            quiet_http_retries()
-        self.client = MlflowClient(uri)
+        self.client = mlflow_client(uri, fail_fast=True)  # this logger retries on its own, with backoff
         self.uri = uri
         self.run_id = run_id
         self._resolve_run = resolve_run

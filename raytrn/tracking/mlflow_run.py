@@ -15,21 +15,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-import socket
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from raytrn import storage
+from raytrn.compat import dataset_input
 from raytrn.config import JobSpec
 from raytrn.errors import ConfigError
+from raytrn.tracking.client import mlflow_client, redact, redact_uri, sqlite_path, unreachable
 
 log = logging.getLogger(__name__)
 MARKER = "raytrn-mlflow.json"
 _MAX_PARAM_LEN = 6000
-REDACTED = "***redacted***"
 
 
 @dataclass(kw_only=True)
@@ -90,23 +89,16 @@ def plan_run(
     )
 
 
-def sqlite_path(uri: str) -> str | None:
-    """The database file of a ``sqlite:///PATH`` tracking URI (None for other stores)."""
-    return uri[len("sqlite:///") :] if uri.startswith("sqlite:///") else None
-
-
 def attach(job: JobSpec, tags: dict[str, str], params: dict[str, Any], *, manifest: Any = None) -> TrackedRun:
     """Create or reattach the run (server reachable), log params and tags, and the ``manifest``'s dataset as
     the run's input when given; the tracking actor's call."""
+    # mlflow lazily here and below: the driver imports this module and must not pay for MLflow (see above).
     from mlflow.entities import Param, RunTag
     from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
 
     uri = job.tracking.mlflow_uri
     assert uri is not None
-    if db := sqlite_path(uri):
-        os.makedirs(os.path.dirname(db), exist_ok=True)
-    client = MlflowClient(uri)
+    client = mlflow_client(uri, create_store=True)
     try:
         exp_id = ensure_experiment(client, job.tracking.experiment, uri)
         marker = storage.join(job.checkpoint.storage, job.run_name, MARKER)
@@ -149,8 +141,6 @@ def end_run(run: TrackedRun | None, status: str, *, job: JobSpec | None = None) 
     """Mark the run FINISHED, FAILED or KILLED; returns its id (a pending run may have been created later)."""
     if run is None:
         return None
-    from mlflow.tracking import MlflowClient
-
     run_id = run.run_id
     if run_id is None and job is not None:  # created after an outage at start (marker written by attach)?
         saved = _read_marker(storage.join(job.checkpoint.storage, job.run_name, MARKER))
@@ -164,7 +154,7 @@ def end_run(run: TrackedRun | None, status: str, *, job: JobSpec | None = None) 
         log.warning("could not mark MLflow run %s %s: %s", run_id, status, problem)
         return run_id
     try:
-        MlflowClient(run.uri).set_terminated(run_id, status=status)
+        mlflow_client(run.uri).set_terminated(run_id, status=status)
     except Exception as e:  # tracking must never turn a finished training into a failure
         log.warning("could not mark MLflow run %s %s: %s", run_id, status, e)
     return run_id
@@ -174,9 +164,8 @@ def register_model(uri: str, run_id: str, name: str) -> str | None:
     """Register the run's logged ``model`` under ``name``; returns the new version (None, with a warning,
     when the run has no model or the registry refuses)."""
     from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(uri)
+    client = mlflow_client(uri)
     try:
         if not client.list_artifacts(run_id, "model"):
             log.warning("run %s has no logged model: nothing registered as %r", run_id, name)
@@ -194,33 +183,7 @@ def register_model(uri: str, run_id: str, name: str) -> str | None:
     return str(version.version)
 
 
-# -- bad input and reachability -------------------------------------------------------------------
-
-
-def unreachable(uri: str, timeout_s: float = 3.0) -> str | None:
-    """Why an http(s) tracking server cannot be reached (None when it answers, or for local stores).
-
-    A TCP connect and GET /health: quick, unlike MLflow's client, which retries for minutes.
-    """
-    if not uri.startswith(("http://", "https://")):
-        return None
-    import urllib.error
-    import urllib.request
-
-    parts = urlsplit(uri)
-    host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError as e:
-        return f"cannot connect to {host}:{port} ({e.strerror or e})"
-    try:
-        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
-    except urllib.error.HTTPError as e:
-        if e.code >= 500:
-            return f"the server answered /health with HTTP {e.code}"
-    except OSError as e:
-        return f"no answer from {uri} ({e})"
-    return None
+# -- experiments, runs to reattach ------------------------------------------------------------------
 
 
 def ensure_experiment(client: Any, name: str, uri: str) -> str:
@@ -281,19 +244,14 @@ def _log_dataset(run: TrackedRun, manifest: Any) -> None:
     """The training data as the run's input: the manifest's location, with its fingerprint as digest."""
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
-    from mlflow.tracking import MlflowClient
-
-    from raytrn.compat import dataset_input
 
     assert run.run_id is not None
-    client = MlflowClient(run.uri)
+    client = mlflow_client(run.uri)
     digest = manifest.source.fingerprint[:32]
     inputs = client.get_run(run.run_id).inputs
     existing = (inputs.dataset_inputs if inputs else None) or []
     if any(d.dataset.digest == digest for d in existing):
         return
-    import warnings
-
     with warnings.catch_warnings():  # "can be interpreted in multiple ways": a local path, taken as one
         warnings.simplefilter("ignore")
         source = resolve_dataset_source(manifest.manifest_path)
@@ -306,34 +264,3 @@ def _log_dataset(run: TrackedRun, manifest: Any) -> None:
         )
     except Exception as e:
         log.warning("could not log the dataset as the run's input: %s", e)
-
-
-# -- secrets ----------------------------------------------------------------------------------------
-
-_SECRET_WORDS = frozenset({"secret", "password", "passwd", "pwd", "credential", "credentials", "apikey"})
-_SECRET_PARTS = ("secret", "password", "api_key", "apikey", "access_key", "private_key", "auth_token")
-_URI_PASSWORD = re.compile(r"(?<=://)([^/@:\s]*):([^/@\s]+)@")
-
-
-def is_secret_key(key: str) -> bool:
-    """Whether a param/tag/env name looks like it holds a secret (``tracking.hf_token``, ``DB_PASSWORD``...).
-
-    Words are split on ``_ - .``; ``tokenizer``, ``tokens_per_s`` or ``flops_per_token`` are not secrets.
-    """
-    name = key.lower()
-    words = re.split(r"[_\-.\s]+", name)
-    # "token" names a credential as a name's last word (HF_TOKEN, auth.token), not in "flops_per_token".
-    token = words[-1] == "token" and (len(words) < 2 or words[-2] != "per")
-    return token or bool(set(words) & _SECRET_WORDS) or any(part in name for part in _SECRET_PARTS)
-
-
-def redact_uri(text: str) -> str:
-    """``scheme://user:pass@host`` -> ``scheme://user:***@host``."""
-    return _URI_PASSWORD.sub(lambda m: f"{m.group(1)}:***@", text)
-
-
-def redact(key: str, value: Any) -> str:
-    """The text to log for ``key``: redacted when the key looks secret, passwords in URIs masked."""
-    if is_secret_key(key):
-        return REDACTED
-    return redact_uri(str(value))

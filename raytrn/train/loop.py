@@ -15,8 +15,8 @@ from typing import Any
 import ray.train
 
 from raytrn.backends import get_backend
-from raytrn.compat import quiet_ray_train_logs
 from raytrn.data.feed import DataFeed
+from raytrn.runtime import worker_logging
 from raytrn.tracking.export import log_final_model
 from raytrn.train.build import build_training
 from raytrn.train.checkpointer import Checkpointer, pointer_location
@@ -31,7 +31,7 @@ from raytrn.train.step import train_step
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Train the job of the driver's plan (``config``: :meth:`WorkerPlan.as_config`) on this worker, from wherever
     the run stands to ``run.max_steps``."""
-    quiet_ray_train_logs()
+    worker_logging()
     plan = WorkerPlan.from_config(config)
     job, ctx = plan.job, ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()

@@ -24,10 +24,10 @@ from raytrn.data.order import SAMPLE_TRACE_ENV
 from raytrn.errors import RaytrnError
 from raytrn.models import model_stats
 from raytrn.runtime import ensure_ray, on_this_node, process_started_at
+from raytrn.tracking.board import ProgressBoard, ProgressPrinter, Summary
 from raytrn.train.checks import check_data, check_init_from, check_spec
-from raytrn.train.elastic import SizeChooser
+from raytrn.train.elastic import SizeChooser, reachable_nodes
 from raytrn.train.plan import WorkerPlan
-from raytrn.train.progress import ProgressBoard, ProgressPrinter, Summary
 from raytrn.train.schedule import Schedule, resolve_schedule
 from raytrn.train.sizes import world_sizes
 
@@ -435,7 +435,7 @@ class _ElasticPolicy:
         )
 
     def __call__(self, scaling_config: Any) -> Any:
-        return elastic_scaling_policy(scaling_config, self.chooser)
+        return elastic_scaling_policy(scaling_config, self.chooser, reachable_nodes)
 
 
 def _run_storage(job: JobSpec) -> dict[str, Any]:

@@ -14,11 +14,26 @@ from tests.conftest import REPO, run_cli
 pytestmark = pytest.mark.integration
 
 
-def _train(tiny_dataset: Path, cwd: Path, *overrides: str, timeout: float = 300):
+def _train(tiny_dataset: Path, cwd: Path, *overrides: str, timeout: float = 300, flags: tuple[str, ...] = ()):
     """`raytrn train jobs/tiny.yaml` shrunk to the test dataset, run in ``cwd``."""
     sets = [f"data.manifest={tiny_dataset}", "data.seq_len=32", "model.vocab_size=512", *overrides]
     args = [a for kv in sets for a in ("--set", kv)]
-    return run_cli("train", str(REPO / "jobs" / "tiny.yaml"), *args, "--no-progress", cwd=cwd, timeout=timeout)
+    return run_cli("train", str(REPO / "jobs" / "tiny.yaml"), *args, "--no-progress", *flags, cwd=cwd, timeout=timeout)
+
+
+#: Ray's own lines that `raytrn train` printed between raytrn's before they went to the run's log file.
+RAY_PLUMBING = (
+    "Attempting to start training worker group",
+    "world_rank=0, local_rank=0",
+    "Setting up process group for",
+)
+
+
+def _ray_log(out: str) -> Path:
+    """The log file ``raytrn train`` printed (once) for Ray's lines."""
+    paths = re.findall(r"^raytrn: Ray's logs: (\S+)$", out, flags=re.M)
+    assert len(paths) == 1, out
+    return Path(paths[0])
 
 
 def test_cli_train_prints_summary(tiny_dataset: Path, tmp_path: Path) -> None:
@@ -49,6 +64,15 @@ def test_cli_train_prints_summary(tiny_dataset: Path, tmp_path: Path) -> None:
     assert meta["step"] == 6 and (Path(meta["dcp"]) / ".metadata").is_file()
     # Progress lines were printed while it ran (one per logged step).
     assert re.findall(r"^step (\d+)/6 ", out, flags=re.M) == ["2", "4", "6"]
+    # The terminal shows raytrn, not Ray's plumbing: that is in the run's log file (named once).
+    log = _ray_log(out)
+    assert log == tmp_path / "logs" / f"{run_name(out)}.log" and log.is_file()
+    for line in RAY_PLUMBING:
+        assert line not in proc.stdout + proc.stderr, (line, proc.stdout + proc.stderr)
+        assert line in log.read_text(), line
+    assert "Token authentication is enabled" not in proc.stderr
+    assert "PYTHON worker processes" not in proc.stdout + proc.stderr
+    assert "PlacementGroupCleaner" not in proc.stdout + proc.stderr
 
     from mlflow.tracking import MlflowClient
 
@@ -65,6 +89,30 @@ def test_cli_train_prints_summary(tiny_dataset: Path, tmp_path: Path) -> None:
     assert shown and 0 < float(shown.group(1)) < wall_s
     (first,) = MlflowClient(ui.group(2)).get_metric_history(run_id, "time_to_first_step_s")
     assert first.step == 1 and abs(first.value - float(shown.group(1))) < 0.1
+
+
+def run_name(out: str) -> str:
+    return re.search(r"^run\s+(\S+)$", out, flags=re.M).group(1)
+
+
+def test_cli_train_verbose_shows_rays_lines(tiny_dataset: Path, tmp_path: Path) -> None:
+    """``--verbose``: Ray's lines on the terminal as before, and no log file of them."""
+    proc = _train(
+        tiny_dataset,
+        tmp_path,
+        "scaling.min_workers=1",
+        "scaling.max_workers=1",
+        "run.max_steps=2",
+        "run.log_every=1",
+        "tracking.enabled=false",
+        flags=("--verbose",),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    both = proc.stdout + proc.stderr
+    assert "== raytrn: training finished ==" in proc.stdout
+    for line in RAY_PLUMBING:
+        assert line in both, (line, both)
+    assert "Ray's logs:" not in both and not (tmp_path / "logs").exists()
 
 
 def test_cli_train_unsatisfiable_resources_on_local_ray(tiny_dataset: Path, tmp_path: Path) -> None:

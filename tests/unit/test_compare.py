@@ -232,3 +232,36 @@ def _compare_default(tmp_path: Path) -> list[str]:
     exp = client.create_experiment("plain", artifact_location=(tmp_path / "a2").as_uri())
     client.log_metric(client.create_run(exp, run_name="r").info.run_id, "loss", 1.0)
     return cmp.compare_runs(tracking_uri=uri, experiment="plain").metrics
+
+
+def test_a_trial_stopped_by_asha_shows_the_step_it_was_stopped_at(tmp_path: Path) -> None:
+    """The sweep table said ``steps 10`` for a trial "stopped early (ASHA at step 20)": ASHA's stop kills the
+    trial with its tracking actor before the step-20 loss reaches MLflow; the sweep logs the stopping report's
+    metric at step 20 (end_trial_run), and the table counts the steps from it too."""
+    from types import SimpleNamespace
+
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    from raytrn.sweep.driver import end_trial_run
+    from raytrn.sweep.plan import TrialState
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("s", artifact_location=(tmp_path / "artifacts").as_uri())
+    parent = client.create_run(exp, run_name="lr", tags={"raytrn.sweep": "lr", "raytrn.kind": "sweep"}).info.run_id
+    client.log_param(parent, "sweep.metric", "val_loss")
+    client.log_param(parent, "sweep.mode", "min")
+    tags = {"mlflow.parentRunId": parent, "raytrn.trial": "t01"}
+    child = client.create_run(exp, run_name="lr-t01", tags=tags).info.run_id
+    # What the trial's tracking actor delivered before the stop killed it: the step-10 report only.
+    client.log_batch(child, metrics=[Metric("loss", 5.0, T0, 10), Metric("val_loss", 5.1, T0, 10)])
+    reason = "ASHA at step 20: val_loss 4.9 was not in the best 1/2 of the trials that reached step 20"
+    trial = TrialState(
+        index=1, run_name="lr-t01", values={}, job={}, run_id=child, status="stopped", reason=reason,
+        history=[[10, 5.1], [20, 4.9]], last={"step": 20.0, "loss": 4.8, "val_loss": 4.9},
+    )  # fmt: skip
+    end_trial_run(SimpleNamespace(tracking_uri=uri, sched=SimpleNamespace(metric="val_loss")), trial)
+    (row,) = cmp.compare_sweep(tracking_uri=uri, parent=parent).rows
+    assert row.status == "KILLED" and row.note == "stopped early (ASHA at step 20)"
+    assert row.steps == 20 and row.metric == 4.9

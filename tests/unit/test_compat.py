@@ -103,3 +103,47 @@ def test_compat_imports_no_ray_or_mlflow_at_import_time() -> None:
     code = "import sys, raytrn.compat; print(any(m.split('.')[0] in ('ray', 'mlflow') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_rays_driver_prints_worker_output_through_one_function() -> None:
+    """route_worker_output replaces ``print_to_stdstream`` before ray.init: ``connect`` binds it as the
+    log-forwarding handler and ``listen_error_messages`` (the raylet's warnings) calls it by name."""
+    import inspect
+
+    import ray._private.worker as ray_worker
+
+    assert "functools.partial(print_to_stdstream" in inspect.getsource(ray_worker.connect)
+    assert "print_to_stdstream(" in inspect.getsource(ray_worker.listen_error_messages)
+    assert list(inspect.signature(ray_worker.print_to_stdstream).parameters) == ["data", "ignore_prefix"]
+    assert list(inspect.signature(ray_worker.print_worker_logs).parameters)[:3] == [
+        "data",
+        "print_file",
+        "ignore_prefix",
+    ]
+
+
+def test_route_worker_output_hands_each_batch_to_the_handler(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray._private.worker as ray_worker
+
+    original = ray_worker.print_to_stdstream
+    monkeypatch.setattr(ray_worker, "print_to_stdstream", original)  # put back after the test
+    seen: list = []
+    compat.route_worker_output(lambda data, ignore_prefix, ray_print: seen.append((data, ignore_prefix, ray_print)))
+    compat.route_worker_output(lambda data, ignore_prefix, ray_print: seen.append(("second", ray_print)))
+    batch = {"lines": ["hello"], "pid": 7, "is_err": False}
+    ray_worker.print_to_stdstream(batch, False)
+    assert seen == [("second", original)]  # routed twice: the newest handler, still given Ray's own printer
+
+
+def test_write_worker_lines_formats_as_ray_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "0")
+    out = io.StringIO()
+    compat.write_worker_lines({"lines": ["a", "b"], "pid": 7, "actor_name": "TrainController", "ip": "x"}, out)
+    compat.write_worker_lines({"lines": ["warn"], "pid": "raylet", "ip": "x", "localhost": "x"}, out)
+    assert out.getvalue().splitlines() == [
+        "(TrainController pid=7, ip=x) a",
+        "(TrainController pid=7, ip=x) b",
+        "(raylet) warn",
+    ]

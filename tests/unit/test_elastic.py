@@ -103,7 +103,7 @@ def test_policy_counts_with_the_chooser_and_travels_to_the_controller() -> None:
 
     choose = SizeChooser(resources=TRN2, sizes=(64, 128), workers_per_node=64)
     config = ScalingConfig(num_workers=(64, 128), resources_per_worker=dict(TRN2))
-    policy = compat.elastic_scaling_policy(config, choose)
+    policy = compat.elastic_scaling_policy(config, choose, reachable_nodes)
     assert isinstance(policy, ElasticScalingPolicy)
     reserved = {"a": {"neuron_cores": 64.0}, "b": {"neuron_cores": 63.0}}
     # Ray's own count: 127 workers (capped at 128); the chooser's: one whole node.
@@ -144,7 +144,9 @@ def test_a_running_group_only_grows() -> None:
     resize = compat.resolve(compat.PRIVATE_NAMES["Ray Train scaling decisions"])
     noop = compat.resolve(compat.PRIVATE_NAMES["Ray Train no-op decision"])
     config = ScalingConfig(num_workers=(1, 3), resources_per_worker={"neuron_cores": 1.0})
-    policy = compat.elastic_scaling_policy(config, SizeChooser(resources={"neuron_cores": 1.0}, sizes=(1, 2, 3)))
+    policy = compat.elastic_scaling_policy(
+        config, SizeChooser(resources={"neuron_cores": 1.0}, sizes=(1, 2, 3)), reachable_nodes
+    )
     policy._maybe_send_resource_request = lambda: None  # no autoscaling coordinator in a unit test
     running = SimpleNamespace(start_time=float("-inf"), num_workers=2)
     for nodes, expected in ((1, noop), (2, noop), (3, resize)):

@@ -15,17 +15,9 @@ from mlflow.tracking import MlflowClient
 
 from raytrn.config import load_job
 from raytrn.errors import ConfigError
+from raytrn.tracking.client import REDACTED, is_secret_key, redact, redact_uri, unreachable
 from raytrn.tracking.logger import LOGGED_STEP_TAG, AsyncLogger, logged_step_of
-from raytrn.tracking.mlflow_run import (
-    REDACTED,
-    attach,
-    end_run,
-    is_secret_key,
-    plan_run,
-    redact,
-    redact_uri,
-    unreachable,
-)
+from raytrn.tracking.mlflow_run import attach, end_run, plan_run
 from raytrn.tracking.system import SystemSampler, node_label
 
 pytestmark = pytest.mark.unit

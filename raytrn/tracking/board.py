@@ -1,8 +1,9 @@
-"""Driver-side progress: rank 0 posts metrics to the job's board, the driver renders a live line.
+"""The job's progress board and what the driver prints from it: the live line and the end summary.
 
-The board is the job's tracking actor (:class:`~raytrn.tracking.actor.TrackingActor` extends
-:class:`ProgressBoard`: one process, not two), or a board actor of its own when tracking is off. It
-outlives worker-group restarts (the driver owns it), so progress and the final summary span the whole job.
+Rank 0 posts metrics to the board; the driver polls it (:class:`ProgressPrinter`). The board is the job's
+tracking actor (:class:`~raytrn.tracking.actor.TrackingActor` extends :class:`ProgressBoard`: one process,
+not two), or a board actor of its own when tracking is off. It outlives worker-group restarts (the driver
+owns it), so progress and the final :class:`Summary` span the whole job.
 """
 
 from __future__ import annotations

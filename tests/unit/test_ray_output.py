@@ -1,0 +1,138 @@
+"""Ray's own lines go to the run's log file; raytrn's lines and the errors that need the user stay on the terminal
+(raytrn.runtime.route_ray_output)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from raytrn import runtime
+
+pytestmark = pytest.mark.unit
+
+#: Lines `make demo` printed between raytrn's own before the log file (issue 27, point 10).
+PLUMBING = [
+    "Attempting to start training worker group of size 2 with the following resources: [{'CPU': 1.0}] * 2",
+    "Started training worker group of size 2: ",
+    "- (ip=192.0.2.2, pid=26809) world_rank=0, local_rank=0, node_rank=0",
+    "Setting up process group for: env:// [rank=0, world_size=2]",
+    "Progress bars disabled. To enable, set `ray.data.DataContext.get_current().enable_progress_bars = True`.",
+    "WARNING: 4 PYTHON worker processes have been started on node: abc with address: 192.0.2.2. This could be a "
+    "result of using a large number of actors, or due to tasks blocked in ray.get() calls",
+    "The actor PlacementGroupCleaner is dead because its owner has died.",
+    "Requesting resources: {'CPU': 1.0} * 2",
+    "Traceback (most recent call last):",
+    "ray.exceptions.GetTimeoutError: Get timed out: some object(s) not ready.",
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_routing_left() -> Iterator[None]:
+    """Routing asked for here never reaches a later test's ensure_ray."""
+    yield
+    runtime._ray_log_path = None
+
+
+def test_rays_plumbing_leaves_the_terminal_and_raytrns_lines_stay() -> None:
+    assert runtime.user_lines(PLUMBING) == []
+    ours = [
+        "raytrn: WARNING: MLflow at http://h:5000 unreachable (training continues, metrics are buffered): x",
+        "raytrn: tiny-t00: llama 0.5M parameters",
+        "Task was killed due to the node running low on memory.",
+    ]
+    assert runtime.user_lines([PLUMBING[0], *ours, PLUMBING[3]]) == ours
+
+
+def test_a_failed_worker_groups_error_stays_with_its_traceback() -> None:
+    batch = [
+        PLUMBING[0],
+        "[FailurePolicy] RETRY",
+        "  Source: worker group",
+        "  Error count: 1 (max allowed: 2)",
+        "Error: Training failed due to worker errors:",
+        "Traceback (most recent call last):",
+        "ValueError: boom",
+    ]
+    assert runtime.user_lines(batch) == batch[1:]
+
+
+def test_the_router_writes_every_line_and_prints_only_the_users(tmp_path: Path) -> None:
+    path = tmp_path / "run.log"
+    router = runtime._RayLines(runtime._PlainFile(str(path)))
+    printed = _Printed()
+    lines = [PLUMBING[0], "\x1b[33mcoloured\x1b[0m", "raytrn: WARNING: w"]
+    router({"lines": lines, "pid": 5, "actor_name": "RayTrainWorker", "is_err": True}, False, printed.append_pair)
+    text = path.read_text()
+    assert "(RayTrainWorker pid=5) " + PLUMBING[0] in text and "coloured" in text and "\x1b" not in text
+    assert "raytrn: WARNING: w" in text
+    kept = {"lines": ["raytrn: WARNING: w"], "pid": 5, "actor_name": "RayTrainWorker", "is_err": True}
+    assert printed == [(kept, False)]
+
+
+class _Printed(list):
+    def append_pair(self, data, ignore_prefix) -> None:  # Ray's printer's signature
+        self.append((data, ignore_prefix))
+
+
+def test_raytrn_log_records_are_marked_on_every_line() -> None:
+    formatter = runtime._MarkedFormatter("%(levelname)s: %(message)s")
+    record = logging.LogRecord("raytrn.x", logging.WARNING, __file__, 1, "two\nlines", None, None)
+    assert formatter.format(record) == "raytrn: WARNING: two\nraytrn:   lines"
+    assert runtime.user_lines(formatter.format(record).splitlines()) == ["raytrn: WARNING: two", "raytrn:   lines"]
+
+
+def test_marking_is_for_ray_actors_only() -> None:
+    """The driver (and a test building an actor's class directly) keeps its logging: caplog still sees raytrn."""
+    before = list(logging.getLogger("raytrn").handlers), logging.getLogger("raytrn").propagate
+    runtime.mark_raytrn_logs()
+    assert (list(logging.getLogger("raytrn").handlers), logging.getLogger("raytrn").propagate) == before
+
+
+def test_nothing_is_routed_when_verbose_in_a_ray_job_or_on_a_connected_ray(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray
+
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    assert runtime.route_ray_output("r", verbose=True, directory=str(tmp_path)) is None
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"runtime_env": {}}')
+    assert runtime.route_ray_output("r", directory=str(tmp_path)) is None
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    # Routing waits for ensure_ray to start Ray: a connected Ray (or a job refused first) writes nothing.
+    assert runtime.route_ray_output("r", directory=str(tmp_path)) == str(tmp_path / "r.log")
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    assert runtime.ensure_ray() is False
+    assert not list(tmp_path.iterdir())
+
+
+def test_routing_sends_rays_driver_warnings_to_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import ray
+    import ray._private.worker as ray_worker
+
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)
+    ray_logger = logging.getLogger("ray")
+    monkeypatch.setattr(ray_logger, "handlers", list(ray_logger.handlers))
+    levels = [(h, h.level) for h in ray_logger.handlers]
+    try:
+        path = runtime.route_ray_output("tiny-1", directory=str(tmp_path / "logs"))
+        assert path == str(tmp_path / "logs" / "tiny-1.log")
+        assert not (tmp_path / "logs").exists() and capsys.readouterr().out == ""  # not before Ray starts
+        runtime._start_routing()  # what ensure_ray does before ray.init
+        assert capsys.readouterr().out == f"raytrn: Ray's logs: {path}\n"
+        logging.getLogger("ray.some.module").warning("Token authentication is enabled for this Ray cluster.")
+        ray_worker.print_to_stdstream({"lines": ["4 PYTHON worker processes"], "pid": "raylet", "is_err": False}, False)
+        captured = capsys.readouterr()
+        assert "Token authentication" not in captured.err + captured.out
+        assert "PYTHON worker" not in captured.err + captured.out
+        text = Path(path).read_text()
+        assert "Token authentication is enabled" in text and "(raylet) 4 PYTHON worker processes" in text
+    finally:
+        for handler, level in levels:
+            handler.setLevel(level)
