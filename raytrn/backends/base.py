@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from raytrn.checkpoint.store import Checkpoints
     from raytrn.config import JobSpec
-    from raytrn.train.checkpointing import Checkpoints
     from raytrn.train.parallelize import Parallelized
     from raytrn.train.schedule import Schedule
     from raytrn.train.step import Training
@@ -41,7 +41,7 @@ class Backend:
     fused_optim: bool = False
     #: ``run.tune_malloc`` defaults to on: the step's tensors are allocated and freed in host memory.
     tune_malloc: bool = False
-    #: Checkpoints carry a commit manifest and resume from the newest committed one (:mod:`raytrn.train.commit`);
+    #: Checkpoints carry a commit manifest and resume from the newest committed one (:mod:`raytrn.checkpoint.manifest`);
     #: False: from Ray Train's latest registered checkpoint (the frozen XLA paths' single-file and NxD formats).
     committed_checkpoints: bool = True
 
@@ -133,7 +133,7 @@ class Backend:
 
     def checkpoints(self, job: JobSpec, par: Parallelized, *, rank: int) -> Checkpoints:
         """Sharded, reshardable ``torch.distributed.checkpoint`` checkpoints (every rank writes its shards)."""
-        from raytrn.train.checkpointing import DcpCheckpoints
+        from raytrn.checkpoint.sharded import DcpCheckpoints
 
         tp = par.tensor_parallel_size
         layout = {"data_parallel": par.data_parallel, "tensor_parallel_size": tp}

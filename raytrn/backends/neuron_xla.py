@@ -48,8 +48,8 @@ from raytrn.backends.nxd import (
 from raytrn.backends.xla import XlaBackend, import_torch_xla
 
 if TYPE_CHECKING:
+    from raytrn.checkpoint.store import Checkpoints
     from raytrn.config import JobSpec
-    from raytrn.train.checkpointing import Checkpoints
     from raytrn.train.parallelize import Parallelized
     from raytrn.train.schedule import Schedule
     from raytrn.train.step import Training
@@ -121,7 +121,7 @@ class NeuronXlaBackend(XlaBackend):
 
     def _checkpoints(self, checkpoints: Checkpoints) -> Checkpoints:
         """``neuron_parallel_compile``'s trial run writes nothing (its outputs are invalid)."""
-        from raytrn.train.checkpointing import NoCheckpoints
+        from raytrn.checkpoint.statefile import NoCheckpoints
 
         return NoCheckpoints() if os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY") else checkpoints
 

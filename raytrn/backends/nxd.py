@@ -29,9 +29,10 @@ from dataclasses import asdict, replace
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from raytrn.checkpoint import Progress, write_meta
+from raytrn.checkpoint.progress import Progress, write_meta
+from raytrn.checkpoint.rundir import RunDir
+from raytrn.checkpoint.store import Checkpoints, Saved
 from raytrn.errors import BackendError, BackendUnavailableError, ConfigError
-from raytrn.train.checkpointing import Checkpoints, Saved
 from raytrn.train.sizes import data_parallel_size, world_sizes
 
 if TYPE_CHECKING:
@@ -532,10 +533,8 @@ class NxdCheckpoints(Checkpoints):
     its shards; rank 0 the scheduler and raytrn's counters as NxD's user content)."""
 
     def __init__(self, job: JobSpec) -> None:
-        from raytrn import storage
-
         self.job = job
-        self.directory = storage.join(job.checkpoint.storage, job.run_name, "nxd")
+        self.directory = RunDir.of(job).nxd
 
     def save(
         self, t: Training, progress: Progress, schedule: Schedule, report: dict[str, Any], *, final: bool

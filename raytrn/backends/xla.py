@@ -21,8 +21,8 @@ from raytrn.errors import BackendError, BackendUnavailableError
 if TYPE_CHECKING:
     import torch
 
+    from raytrn.checkpoint.store import Checkpoints
     from raytrn.config import JobSpec
-    from raytrn.train.checkpointing import Checkpoints
     from raytrn.train.parallelize import Parallelized
 
 
@@ -75,7 +75,7 @@ class XlaBackend(Backend):
 
     def checkpoints(self, job: JobSpec, par: Parallelized, *, rank: int) -> Checkpoints:
         """The whole state in ``state.pt``, written by rank 0 (the frozen XLA path's format)."""
-        from raytrn.train.checkpointing import StateFileCheckpoints
+        from raytrn.checkpoint.statefile import StateFileCheckpoints
 
         return StateFileCheckpoints(self.to_cpu)
 

@@ -23,11 +23,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from raytrn import storage
+from raytrn.checkpoint.rundir import RunDir
 from raytrn.config import JobSpec
 from raytrn.errors import ConfigError
 
 log = logging.getLogger(__name__)
-MARKER = "raytrn-mlflow.json"
 _MAX_PARAM_LEN = 6000
 REDACTED = "***redacted***"
 
@@ -109,7 +109,7 @@ def attach(job: JobSpec, tags: dict[str, str], params: dict[str, Any], *, manife
     client = MlflowClient(uri)
     try:
         exp_id = ensure_experiment(client, job.tracking.experiment, uri)
-        marker = storage.join(job.checkpoint.storage, job.run_name, MARKER)
+        marker = RunDir.of(job).mlflow_marker
         run_id = job.tracking.run_id or _previous_run(client, marker, uri)
         resumed = run_id is not None
         if run_id is not None:
@@ -153,7 +153,7 @@ def end_run(run: TrackedRun | None, status: str, *, job: JobSpec | None = None) 
 
     run_id = run.run_id
     if run_id is None and job is not None:  # created after an outage at start (marker written by attach)?
-        saved = _read_marker(storage.join(job.checkpoint.storage, job.run_name, MARKER))
+        saved = _read_marker(RunDir.of(job).mlflow_marker)
         if saved.get("tracking_uri") == run.uri:
             run_id = saved.get("run_id")
     if run_id is None:

@@ -18,16 +18,17 @@ from typing import Any
 
 import torch
 
-from raytrn import storage
 from raytrn.backends import Backend, get_backend, host_malloc
-from raytrn.checkpoint import Progress
+from raytrn.checkpoint.finder import resume_point
+from raytrn.checkpoint.manifest import describe as describe_commit
+from raytrn.checkpoint.progress import META_FILE, Progress, parse_meta
+from raytrn.checkpoint.rundir import RunDir
+from raytrn.checkpoint.store import Saved
 from raytrn.compat import quiet_ray_train_logs
 from raytrn.config import JobSpec
 from raytrn.data.order import SAMPLE_TRACE_ENV
 from raytrn.errors import DataError
 from raytrn.runtime import process_started_at
-from raytrn.train.checkpointing import Saved, resume_point
-from raytrn.train.commit import describe as describe_commit
 from raytrn.train.preemption import TRAINING, PreemptionWatch, exit_after_sigterm, sigterm_received, wait_for_teardown
 from raytrn.train.preemption import describe as describe_notice
 from raytrn.train.schedule import Schedule
@@ -48,7 +49,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     # -- data first: Ray Data's first read starts new processes (seconds), so it runs while the model builds.
     # Where the data resumes (epoch, rows consumed) comes from the checkpoint to resume, chosen before anything
-    # else: the newest committed one whose files check out (raytrn.train.commit; all ranks agree), or, for a run
+    # else: the newest committed one whose files check out (raytrn.checkpoint.finder; all ranks agree), or, for a run
     # without commit manifests (an older raytrn, the XLA paths), Ray Train's latest.
     resume = resume_point(job, rank=rank, world_size=world_size) if backend.committed_checkpoints else None
     checkpoint = None if resume is not None else ray.train.get_checkpoint()
@@ -95,8 +96,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if logger:  # (steps a restarted group repeats are dropped by the tracking actor: no waiting on it here)
         logger.set_tags({"worker.malloc": host_malloc.describe(os.environ)})  # run.tune_malloc, as the workers run
         if resume is not None:  # its tag may never have been sent (a group killed right after its save)
-            name = f"checkpoint_{resume.commit.step:08d}"
-            location = storage.join(job.checkpoint.storage, job.run_name, name)
+            location = RunDir.of(job).pointer(resume.commit.step)
             logger.checkpoint_saved(resume.commit.step, location, job.checkpoint.keep_last)
     batches = backend.wrap_batches(first_batches)
 
@@ -319,8 +319,7 @@ def _restore(t: Training, resume: Any, checkpoint: Any, rank: int) -> Progress |
 def _best_tags(job: JobSpec, step: int, val_loss: float, *, checkpointed: bool) -> dict[str, str]:
     """The run's tags for a new best validation loss: the step, the loss, and the checkpoint of that step (when one
     is written there: evaluate at checkpoint steps to keep every candidate)."""
-    name = f"checkpoint_{step:08d}"
-    location = storage.join(job.checkpoint.storage, job.run_name, name) if checkpointed else "none (no checkpoint)"
+    location = RunDir.of(job).pointer(step) if checkpointed else "none (no checkpoint)"
     return {"best_val_loss": f"{val_loss:.6f}", "best_val_step": str(step), "best_checkpoint": location}
 
 
@@ -339,8 +338,6 @@ def _resume_progress(checkpoint: Any) -> Progress:
     in the data the next step starts (epoch, rows consumed)."""
     if checkpoint is None:
         return Progress()
-    from raytrn.checkpoint import META_FILE, parse_meta
-
     try:
         with checkpoint.filesystem.open_input_stream(f"{checkpoint.path}/{META_FILE}") as f:
             return parse_meta(f.read().decode()).progress
@@ -452,12 +449,12 @@ def _report(job: JobSpec, rank: int, saved: Saved, logger: Any) -> None:
     if rank != 0 or saved.write is None:
         ray.train.report(saved.report, checkpoint=None)
         return
-    name = f"checkpoint_{saved.step:08d}"
+    name = RunDir.pointer_name(saved.step)
     with tempfile.TemporaryDirectory(prefix="raytrn-ckpt-") as d:
         saved.write(d)
         ray.train.report(saved.report, checkpoint=ray.train.Checkpoint.from_directory(d), checkpoint_dir_name=name)
     if logger:  # the run's checkpoint tags (those keep_last deleted are marked so by the tracking actor)
-        location = storage.join(job.checkpoint.storage, job.run_name, name)
+        location = RunDir.of(job).pointer(saved.step)
         logger.checkpoint_saved(saved.step, location, job.checkpoint.keep_last)
 
 

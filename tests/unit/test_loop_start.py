@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from raytrn.checkpoint import Progress, write_meta
+from raytrn.checkpoint.progress import Progress, write_meta
 from raytrn.train.loop import _resume_progress, _StartEarly
 
 

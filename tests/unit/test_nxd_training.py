@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from raytrn.backends.neuron_xla import NeuronXlaBackend
 from raytrn.backends.nxd import NxdCheckpoints, uses_nxd
-from raytrn.checkpoint import Progress
+from raytrn.checkpoint.progress import Progress
 from raytrn.config import load_job
 from raytrn.train.schedule import Schedule
 from raytrn.train.step import build_training, train_step
