@@ -2,7 +2,8 @@
 
 The training loop asks its backend for the device, how to wrap the model, how to step and sync, and
 which Ray Train backend config to use. An accelerator is a module registered in :data:`_BACKENDS`, not a change
-to the loop: ``neuron`` is TorchNeuron (trn2/trn3), ``neuron-xla`` the frozen XLA path (trn1).
+to the loop: ``neuron`` is TorchNeuron (trn2/trn3), ``neuron-xla`` the frozen XLA path (trn1,
+:mod:`raytrn.backends.xla`).
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import importlib
 from raytrn.backends.base import Backend
 from raytrn.errors import BackendError
 
+#: Each backend by module path, imported on first use: the frozen XLA path (raytrn.backends.xla) loads only for the
+#: jobs that ask for it, never for cpu, cuda or neuron jobs (nor their checks).
 _BACKENDS = {
     "cpu": "raytrn.backends.cpu:CpuBackend",
     "cuda": "raytrn.backends.cuda:CudaBackend",
     "neuron": "raytrn.backends.neuron:NeuronBackend",
-    "neuron-xla": "raytrn.backends.neuron_xla:NeuronXlaBackend",
-    "xla-cpu": "raytrn.backends.xla:XlaCpuBackend",
+    "neuron-xla": "raytrn.backends.xla.neuron_xla:NeuronXlaBackend",
+    "xla-cpu": "raytrn.backends.xla.backend:XlaCpuBackend",
 }
 
 

@@ -156,6 +156,11 @@ class Backend:
         """Backend-specific checks of a job (layout, worker counts): notes to show, or BackendError."""
         return []
 
+    def check_layout(self, job: JobSpec) -> list[str] | None:
+        """This backend's own rules for the ``parallel`` section (info lines, or ConfigError); None: the
+        torch.distributed layouts' (:func:`raytrn.train.checks.check_parallel`). Only the frozen XLA path has its own."""
+        return None
+
     def ignored_settings(self, job: JobSpec) -> list[str]:
         """Warnings for job settings this backend does not apply (autocast, fused AdamW, torch.compile)."""
         asked = {

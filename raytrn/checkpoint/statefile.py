@@ -1,7 +1,8 @@
 """The single-file format: the whole training state in one ``state.pt``, written by rank 0.
 
-The frozen XLA path writes it (:mod:`raytrn.backends.xla`: replicas are identical there); the sharded path reads
-it once to resume a checkpoint of an older raytrn into an unsharded model (:mod:`raytrn.checkpoint.sharded`).
+The frozen XLA path writes it (:mod:`raytrn.backends.xla.checkpoints`: replicas are identical there); the sharded
+path reads it once to resume a checkpoint of an older raytrn into an unsharded model
+(:mod:`raytrn.checkpoint.sharded`). Both read the format here, so neither depends on the other.
 Beside it, ``meta.json`` (:mod:`raytrn.checkpoint.progress`) holds the counters, readable without torch.
 """
 
@@ -9,15 +10,13 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 import torch
 
-from raytrn.checkpoint.progress import Progress, read_local_meta, write_meta
-from raytrn.checkpoint.store import Checkpoints, PinnedSchedule, Saved, TrainState
+from raytrn.checkpoint.progress import Progress, write_meta
 
 STATE_FILE = "state.pt"
 
@@ -79,38 +78,3 @@ def has_state(directory: str) -> bool:
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
-
-
-class StateFileCheckpoints(Checkpoints):
-    """Rank 0 writes the whole state as ``state.pt`` (the frozen XLA path: replicas are identical)."""
-
-    def __init__(self, to_cpu: Callable[[Any], Any]) -> None:
-        self.to_cpu = to_cpu
-
-    def save(
-        self, t: TrainState, progress: Progress, schedule: PinnedSchedule, report: dict[str, Any], *, final: bool
-    ) -> list[Saved]:
-        counters, pinned = replace(progress), schedule.to_dict()
-
-        def write(d: str) -> None:
-            save_state(
-                d, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, progress=counters,
-                schedule=pinned, to_cpu=self.to_cpu,
-            )  # fmt: skip
-
-        return [Saved(step=progress.step, report=report, write=write)]
-
-    def load(self, directory: str, t: TrainState) -> Progress:
-        return load_state(directory, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
-
-
-class NoCheckpoints(Checkpoints):
-    """Nothing written, nothing recorded: ``neuron_parallel_compile``'s trial run (its outputs are invalid)."""
-
-    def save(
-        self, t: TrainState, progress: Progress, schedule: PinnedSchedule, report: dict[str, Any], *, final: bool
-    ) -> list[Saved]:
-        return [Saved(step=progress.step, report=report, write=None)]
-
-    def load(self, directory: str, t: TrainState) -> Progress:
-        return read_local_meta(directory).progress

@@ -25,8 +25,7 @@ from raytrn.backends.neuron import (
 from raytrn.backends.neuron_env import NEFF_CACHE_ENV, torchneuron_worker_env
 from raytrn.config import JobSpec, load_job
 from raytrn.errors import BackendError, BackendUnavailableError
-from tests.unit.neuron_fakes import FakeWorkerGroup, workers
-from tests.unit.test_neuron_xla_backend import assert_never_kills
+from tests.unit.neuron_fakes import FakeWorkerGroup, assert_never_kills, workers
 
 pytestmark = pytest.mark.unit
 
