@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 from raytrn.backends.base import Backend
-from raytrn.errors import BackendError
+from raytrn.errors import BackendError, BackendUnavailableError
 
 #: Each backend by module path, imported on first use: the frozen XLA path (raytrn.backends.xla) loads only for the
 #: jobs that ask for it, never for cpu, cuda or neuron jobs (nor their checks).
@@ -32,7 +32,16 @@ def get_backend(name: str) -> Backend:
             f"scaling.accelerator={name!r}: unknown accelerator; choose cpu, cuda, neuron (TorchNeuron, trn2/trn3), neuron-xla (trn1) or xla-cpu"
         )
     module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls)()
+    try:
+        loaded = importlib.import_module(module)
+    except ModuleNotFoundError as e:  # an installation without the frozen XLA path (raytrn.backends.xla)
+        if not (e.name and module.startswith(e.name)):
+            raise
+        raise BackendUnavailableError(
+            f"scaling.accelerator={name!r}: this raytrn has no {module} (the frozen trn1 XLA path is not installed); "
+            "use cpu, cuda or neuron"
+        ) from None
+    return getattr(loaded, cls)()
 
 
 __all__ = ["Backend", "get_backend"]

@@ -156,9 +156,14 @@ class Backend:
         """Backend-specific checks of a job (layout, worker counts): notes to show, or BackendError."""
         return []
 
+    def check_installed(self, job: JobSpec) -> None:
+        """BackendUnavailableError when something the job needs on this backend is not installed here (``raytrn
+        validate`` shows it as a note: a trn job is validated on a laptop)."""
+
     def check_layout(self, job: JobSpec) -> list[str] | None:
         """This backend's own rules for the ``parallel`` section (info lines, or ConfigError); None: the
-        torch.distributed layouts' (:func:`raytrn.train.checks.check_parallel`). Only the frozen XLA path has its own."""
+        torch.distributed layouts' (:func:`raytrn.train.checks.check_parallel`). Only the frozen XLA path has
+        its own."""
         return None
 
     def ignored_settings(self, job: JobSpec) -> list[str]:

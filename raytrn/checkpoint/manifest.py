@@ -7,11 +7,12 @@ sha256, computed while the bytes went out) and writes the manifest last, with th
 layout and the counters a resume needs. On object storage a rename is a copy, so the commit is this one small
 write, not a move of the shards.
 
-Resuming takes the newest committed checkpoint whose files match their manifest: sizes on the driver (a listing),
-sizes and sha256 on the workers before they load (each rank hashes a share of the files); a checkpoint that fails
-is skipped with a warning naming the file, and the one before it is tried. Retention (``checkpoint.keep_last``)
-keeps the newest committed ones, so the newest committed checkpoint is never deleted; after a run, Ray Train's
-pointers to checkpoints retention deleted are tidied (:func:`tidy_pointers`). Paths: :mod:`raytrn.checkpoint.rundir`.
+Resuming (:mod:`raytrn.checkpoint.finder`) takes the newest committed checkpoint whose files match their manifest:
+sizes on the driver (a listing), sizes and sha256 on the workers before they load (each rank hashes a share of the
+files); a checkpoint that fails is skipped with a warning naming the file, and the one before it is tried.
+Retention (``checkpoint.keep_last``) keeps the newest committed ones, so the newest committed checkpoint is never
+deleted; after a run, Ray Train's pointers to checkpoints retention deleted are tidied (:func:`tidy_pointers`).
+Paths: :mod:`raytrn.checkpoint.rundir`.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ def check_job(job: JobSpec, *, data: bool = True) -> list[str]:
         backend = get_backend(job.scaling.accelerator)
         lines += [f"warning: {w}" for w in backend.ignored_settings(job)]
         lines += [f"note: {n}" for n in backend.check(job)]
+        backend.check_installed(job)
     except BackendUnavailableError as e:  # a trn job validated on a laptop: fine, noted
         lines.append(f"note: {e} (checked again when the job starts)")
     lines.append(f"model: llama, {model_stats(job.model, job.data.seq_len).describe()}")

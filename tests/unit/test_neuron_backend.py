@@ -196,7 +196,6 @@ def test_check_the_shipped_trn2_jobs() -> None:
     ("overrides", "message"),
     [
         (["scaling.instance_type=trn1.32xlarge", "scaling.workers_per_node=32"], "use scaling.accelerator: neuron-xla"),
-        (["scaling.accelerator=neuron-xla"], "whose training support AWS ended with Neuron 2.30"),
         (["scaling.workers_per_node=32"], "does not match the 64 NeuronCores of trn2.48xlarge"),
         (["neuron.lnc=1"], "does not match the 128 NeuronCores of trn2.48xlarge at neuron.lnc=1"),
         (["scaling.instance_type=trn3.48xlarge"], "Trainium3 instance types are not yet known"),

@@ -291,3 +291,13 @@ def test_the_xla_path_refuses_init_from(tmp_path: Path) -> None:
 
 def test_xla_cpu_keeps_the_glibc_allocator_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     test_host_malloc.test_worker_runtime_env_follows_backend_default_and_job(monkeypatch, "xla-cpu", None, False)
+
+
+def test_a_trn2_job_on_the_xla_path_is_refused() -> None:
+    """Moved from test_neuron_backend.py's test_check_refuses (the neuron-xla case)."""
+    path = Path(__file__).resolve().parents[2] / "jobs" / "llama3.2-1b-trn2.yaml"
+    spec = load_job(path, ["scaling.accelerator=neuron-xla"], base_dir="/base")
+    with pytest.raises(BackendError) as e:
+        get_backend(spec.scaling.accelerator).check(spec)
+    assert str(e.value).startswith(f"{path}: ")
+    assert "whose training support AWS ended with Neuron 2.30" in str(e.value)

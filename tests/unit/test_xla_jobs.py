@@ -8,12 +8,15 @@ from pathlib import Path
 import pytest
 
 from raytrn.backends.xla.nxd import check_parallel, kv_replication
+from raytrn.cluster.capacity import check_job_fits
 from raytrn.config import JobSpec, load_job, read_job_file
+from raytrn.errors import ConfigError
 from raytrn.models import PRESETS, model_stats
 from raytrn.train.checks import check_job
 from raytrn.train.precheck import XLA_ACCELERATORS
 
 pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[2]
 
 JOBS = Path(__file__).resolve().parents[2] / "jobs"
 #: The shipped jobs of the XLA path, by their scaling.accelerator.
@@ -105,3 +108,43 @@ def test_check_job_for_8b_without_data() -> None:
         assert f"{workers} workers: " in batch
     assert batch.count("= 768 sequences/step") == 4
     assert lines[-1] == "data: not checked (--no-data): /fsx/data/llama3-8k"
+
+
+# --- cluster capacity of the trn1 jobs (moved from test_capacity.py) -------------------------------------------------
+
+
+def test_the_trn1_job_fits_its_cluster() -> None:
+    lines = fits("llama3-8b-trn1.yaml", "cluster/aws-trn1.yaml")
+    assert lines[0].startswith(f"cluster: {REPO}/cluster/aws-trn1.yaml holds up to 256 worker(s)")
+    assert "trn1_32xl: 4 node(s) x 32 worker(s) per node (CPU 128 / 1, neuron_cores 32 / 1)" in lines[0]
+
+
+def test_an_elastic_top_the_cluster_can_never_reach_is_refused() -> None:
+    # Elastic: the top of the range is what the cluster must be able to reach.
+    with pytest.raises(ConfigError, match=r"scaling.max_workers=160 worker\(s\).*= 128 worker\(s\)"):
+        fits(
+            "llama3-8b-trn1.yaml", "cluster/kuberay/raycluster-trn1.yaml",
+            "scaling.max_workers=160", "data.global_batch_size=3840",
+        )  # fmt: skip
+
+
+def test_nodes_too_small_for_workers_per_node_hold_none() -> None:
+    with pytest.raises(ConfigError, match=r"0 worker\(s\) per node \(.*fewer than scaling.workers_per_node=32\)"):
+        fits("llama3.2-1b-trn1.yaml", "cluster/local-sim.yaml", "scaling.instance_type=trn1.32xlarge")
+
+
+def test_the_instance_type_must_be_one_the_cluster_has() -> None:
+    with pytest.raises(ConfigError, match=r"instance_type='trn1.32xlarge' but .*aws-trn2.yaml has no worker node type"):
+        fits("llama3-8b-trn1.yaml", "cluster/aws-trn2.yaml")
+
+
+def test_undeclared_cpu_is_not_guessed() -> None:
+    lines = fits("llama3-8b-trn1.yaml", "cluster/kuberay/raycluster-trn1.yaml")
+    assert any("does not declare CPU for its node types: not checked" in line for line in lines)
+
+
+def fits(job_file: str, cluster: str, *sets: str) -> list[str]:
+    from raytrn.backends import get_backend
+
+    job = load_job(REPO / "jobs" / job_file, list(sets), base_dir="/base")
+    return check_job_fits(job, get_backend(job.scaling.accelerator).worker_resources(job), str(REPO / cluster))

@@ -43,7 +43,6 @@ from raytrn.backends.xla.nxd import (
     uses_nxd,
     vocab_parallel_loss,
 )
-from raytrn.errors import BackendUnavailableError
 
 if TYPE_CHECKING:
     from raytrn.checkpoint.store import Checkpoints
@@ -62,15 +61,13 @@ class NeuronXlaBackend(XlaBackend):
     default_resources = {"neuron_cores": 1}
 
     def check(self, job: JobSpec) -> list[str]:
-        """The layout of every world size of the elastic range, the compile cache and compiler flags; a note when
-        the job needs neuronx-distributed and it is not installed here (a trn job validated on a laptop)."""
+        """The layout of every world size of the elastic range, the compile cache and compiler flags."""
         self.refuse_new_features(job)
-        notes = check_neuron_job(job)
-        try:
-            require_nxd(job)
-        except BackendUnavailableError as e:
-            notes.append(f"{e} (checked again when the job starts)")
-        return notes
+        return check_neuron_job(job)
+
+    def check_installed(self, job: JobSpec) -> None:
+        """neuronx-distributed, when the job's ``parallel`` section needs it (:func:`.nxd.require_nxd`)."""
+        require_nxd(job)
 
     def ray_backend_config(self, job: JobSpec) -> NeuronXlaConfig:
         instance_type, workers_per_node = require_layout(job)
