@@ -1,5 +1,5 @@
 """Checkpoint to S3: raytrn's save (a DCP checkpoint written straight to ``s3://`` through pyarrow's S3
-filesystem, :mod:`raytrn.train.dcp`) vs a raw boto3 multipart upload (``upload_fileobj``, boto3's managed
+filesystem, :mod:`raytrn.checkpoint.dcp`) vs a raw boto3 multipart upload (``upload_fileobj``, boto3's managed
 transfer with its defaults) of the same files, and the way back (raytrn: ``dcp.load`` into the model and
 optimizer; boto3: ``download_fileobj``); and ``checkpoint.async``: how
 long the step is blocked (staging to host memory) against the whole save. A moto server on 127.0.0.1 stands
@@ -52,7 +52,8 @@ def _training_state(fields: dict[str, Any]) -> tuple[Any, Any, Any]:
 def child_main(args: argparse.Namespace) -> None:
     import boto3
 
-    from raytrn.train import dcp
+    from raytrn.checkpoint import dcp
+    from raytrn.checkpoint.rundir import RunDir
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
@@ -70,7 +71,7 @@ def child_main(args: argparse.Namespace) -> None:
             for i in range(args.repeats):
                 state = dcp.training_state(model, opt, sched)
                 # raytrn: DCP straight to S3 (one file per rank; one rank here)
-                location = f"s3://bench/raytrn/{name}/step_{i:08d}"
+                location = RunDir("s3://bench/raytrn", name).dcp_step(i)
                 t0 = time.perf_counter()
                 dcp.save(state, location)
                 t1 = time.perf_counter()
@@ -94,7 +95,9 @@ def child_main(args: argparse.Namespace) -> None:
                 # checkpoint.async: the step waits for the staging only
                 state = dcp.training_state(model, opt, sched)
                 t6 = time.perf_counter()
-                future, _ = dcp.async_save(state, f"s3://bench/raytrn-async/{name}/step_{i:08d}", process_group=None)
+                future, _ = dcp.async_save(
+                    state, RunDir("s3://bench/raytrn-async", name).dcp_step(i), process_group=None
+                )
                 t7 = time.perf_counter()
                 future.result()
                 t8 = time.perf_counter()
@@ -109,9 +112,9 @@ def run(*, models: tuple[str, ...], repeats: int) -> dict[str, Any]:
     try:
         import boto3  # noqa: F401
 
-        from raytrn.train import dcp  # noqa: F401
+        from raytrn.checkpoint import dcp  # noqa: F401
     except ImportError as e:
-        raise Skip(f"checkpoint benchmark needs boto3 and raytrn.train.dcp ({e})") from None
+        raise Skip(f"checkpoint benchmark needs boto3 and raytrn.checkpoint.dcp ({e})") from None
     r = run_child("checkpoint", ["--models", ",".join(models), "--repeats", str(repeats)], threads=1, timeout_s=400)
     out: dict[str, Any] = {}
     for name, m in r["models"].items():

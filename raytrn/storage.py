@@ -186,7 +186,7 @@ def retrying(call: Callable[[], T], what: str, *, budget_s: float | None = None,
 
 class DigestStream:
     """A write-only stream that passes every byte on to ``raw`` and keeps their count and sha256: what a
-    checkpoint's commit manifest records for each file (:mod:`raytrn.train.commit`)."""
+    checkpoint's commit manifest records for each file (:mod:`raytrn.checkpoint.manifest`)."""
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw

@@ -37,7 +37,7 @@ class Backend:
     fused_optim: bool = False
     #: ``run.tune_malloc`` defaults to on: the step's tensors are allocated and freed in host memory.
     tune_malloc: bool = False
-    #: Checkpoints carry a commit manifest and resume from the newest committed one (:mod:`raytrn.train.commit`);
+    #: Checkpoints carry a commit manifest and resume from the newest committed one (:mod:`raytrn.checkpoint.manifest`);
     #: False: from Ray Train's latest registered checkpoint (the frozen XLA paths' single-file and NxD formats).
     committed_checkpoints: bool = True
 
@@ -73,6 +73,16 @@ class Backend:
     def check(self, job: JobSpec) -> list[str]:
         """Backend-specific checks of a job (layout, worker counts): notes to show, or BackendError."""
         return []
+
+    def check_installed(self, job: JobSpec) -> None:
+        """BackendUnavailableError when something the job needs on this backend is not installed here (``raytrn
+        validate`` shows it as a note: a trn job is validated on a laptop)."""
+
+    def check_layout(self, job: JobSpec) -> list[str] | None:
+        """This backend's own rules for the ``parallel`` section (info lines, or ConfigError); None: the
+        torch.distributed layouts' (:func:`raytrn.train.checks.check_parallel`). Only the frozen XLA path has
+        its own."""
+        return None
 
     def ignored_settings(self, job: JobSpec) -> list[str]:
         """Warnings for job settings this backend does not apply (autocast, fused AdamW, torch.compile)."""

@@ -184,7 +184,8 @@ def _logged_at(client: Any, run_id: str, metric: str, step: int) -> bool:
 def run_trial(config: dict[str, Any], jobs: dict[int, JobSpec] | None = None) -> None:
     """The Tune function trainable: trial ``config["trial"]``'s job, trained by ``run_training``."""
     from raytrn.backends import get_backend
-    from raytrn.train.trainer import latest_checkpoint, run_training
+    from raytrn.checkpoint.finder import latest_checkpoint
+    from raytrn.train.trainer import run_training
 
     assert jobs is not None
     mark_raytrn_logs()

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrn import storage
+from raytrn.checkpoint.rundir import RunDir
 from raytrn.compat import dataset_input
 from raytrn.config import JobSpec
 from raytrn.errors import ConfigError
 from raytrn.tracking.client import mlflow_client, redact, redact_uri, sqlite_path, unreachable
 
 log = logging.getLogger(__name__)
-MARKER = "raytrn-mlflow.json"
 _MAX_PARAM_LEN = 6000
 
 
@@ -101,7 +101,7 @@ def attach(job: JobSpec, tags: dict[str, str], params: dict[str, Any], *, manife
     client = mlflow_client(uri, create_store=True)
     try:
         exp_id = ensure_experiment(client, job.tracking.experiment, uri)
-        marker = storage.join(job.checkpoint.storage, job.run_name, MARKER)
+        marker = RunDir.of(job).mlflow_marker
         run_id = job.tracking.run_id or _previous_run(client, marker, uri)
         resumed = run_id is not None
         if run_id is not None:
@@ -143,7 +143,7 @@ def end_run(run: TrackedRun | None, status: str, *, job: JobSpec | None = None) 
         return None
     run_id = run.run_id
     if run_id is None and job is not None:  # created after an outage at start (marker written by attach)?
-        saved = _read_marker(storage.join(job.checkpoint.storage, job.run_name, MARKER))
+        saved = _read_marker(RunDir.of(job).mlflow_marker)
         if saved.get("tracking_uri") == run.uri:
             run_id = saved.get("run_id")
     if run_id is None:

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 
 from raytrn.backends.base import Backend
+from raytrn.checkpoint.sharded import DcpCheckpoints
+from raytrn.checkpoint.store import Checkpoints
 from raytrn.config import JobSpec
 from raytrn.models import build_model
 from raytrn.models.lora import apply_lora
-from raytrn.train.checkpointing import Checkpoints, DcpCheckpoints
 from raytrn.train.optim import build_adamw, lr_scheduler
 from raytrn.train.parallelize import Parallelized, grad_norm_and_clip, parallelize
 from raytrn.train.schedule import Schedule

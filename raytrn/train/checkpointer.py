@@ -1,7 +1,7 @@
 """The loop's checkpoint component: where a worker group starts from, and when and how it saves.
 
 - :meth:`Checkpointer.find` (a collective, before anything is built): the newest committed checkpoint whose files
-  check out (:func:`raytrn.train.checkpointing.resume_point`), or, for the frozen XLA path's formats, Ray Train's
+  check out (:func:`raytrn.checkpoint.finder.resume_point`), or, for the frozen XLA path's formats, Ray Train's
   latest; its counters tell the data feed where to start.
 - :meth:`Checkpointer.restore`: that state into the built training (or ``model.init_from``'s weights for a new run,
   and under LoRA for every start).
@@ -21,29 +21,20 @@ from typing import Any
 
 import ray.train
 
-from raytrn import storage
 from raytrn.backends.base import Backend
-from raytrn.checkpoint import META_FILE, Progress, parse_meta
+from raytrn.checkpoint.finder import resume_point
+from raytrn.checkpoint.manifest import describe as describe_commit
+from raytrn.checkpoint.progress import META_FILE, Progress, parse_meta
+from raytrn.checkpoint.rundir import RunDir
+from raytrn.checkpoint.store import Saved
 from raytrn.config import JobSpec
 from raytrn.models.hf import load_weights
-from raytrn.train.checkpointing import Saved, resume_point
-from raytrn.train.commit import describe as describe_commit
 from raytrn.train.preemption import describe as describe_notice
 from raytrn.train.preemption import exit_after_sigterm, sigterm_received, wait_for_teardown
 from raytrn.train.schedule import Schedule
 from raytrn.train.step import Training
 
 log = logging.getLogger(__name__)
-
-
-def pointer_location(job: JobSpec, step: int) -> str:
-    """Where Ray Train records the checkpoint of ``step`` (its ``checkpoint_<step>`` directory: a pointer to the
-    state, and what the run's tags name)."""
-    return storage.join(job.checkpoint.storage, job.run_name, pointer_name(step))
-
-
-def pointer_name(step: int) -> str:
-    return f"checkpoint_{step:08d}"
 
 
 @dataclass
@@ -103,7 +94,7 @@ class Checkpointer:
             self._load_init_from(t)
         if self.logger is not None and start.resume is not None:  # its tag may never have been sent (a group
             step = start.resume.commit.step  # killed right after its save)
-            self.logger.checkpoint_saved(step, pointer_location(job, step), job.checkpoint.keep_last)
+            self.logger.checkpoint_saved(step, RunDir.of(job).pointer(step), job.checkpoint.keep_last)
         if loaded is None:
             return False
         progress = start.progress
@@ -171,13 +162,13 @@ class Checkpointer:
         if self.rank != 0 or saved.write is None:
             ray.train.report(saved.report, checkpoint=None)
             return
-        name = pointer_name(saved.step)
+        name = RunDir.pointer_name(saved.step)
         with tempfile.TemporaryDirectory(prefix="raytrn-ckpt-") as d:
             saved.write(d)
             ray.train.report(saved.report, checkpoint=ray.train.Checkpoint.from_directory(d), checkpoint_dir_name=name)
         if self.logger is not None:  # the run's checkpoint tags (those keep_last deleted are marked so by the actor)
             self.logger.checkpoint_saved(
-                saved.step, pointer_location(self.job, saved.step), self.job.checkpoint.keep_last
+                saved.step, RunDir.of(self.job).pointer(saved.step), self.job.checkpoint.keep_last
             )
 
     def _stop(self, notice: Any, step: int) -> None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from raytrn.checkpoint import Progress
+from raytrn.checkpoint.progress import Progress
 from raytrn.data.batch import attention, to_torch
 from raytrn.data.manifest import Manifest, load_manifest, rows_per_group
 from raytrn.data.order import RankSlice, SampleOrder, iter_rows, plan_epoch

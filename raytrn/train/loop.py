@@ -15,11 +15,12 @@ from typing import Any
 import ray.train
 
 from raytrn.backends import get_backend
+from raytrn.checkpoint.rundir import RunDir
 from raytrn.data.feed import DataFeed
 from raytrn.runtime import worker_logging
 from raytrn.tracking.export import log_final_model
 from raytrn.train.build import build_training
-from raytrn.train.checkpointer import Checkpointer, pointer_location
+from raytrn.train.checkpointer import Checkpointer
 from raytrn.train.evaluate import Evaluation
 from raytrn.train.metrics import MetricsReporter, tracking_logger
 from raytrn.train.plan import WorkerPlan
@@ -67,7 +68,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         logged = metrics.step_done(result, last=last)
         saving = checkpointer.due(progress.step, last=last)
         scores = evaluation.maybe_evaluate(
-            t, backend, last=last, checkpoint=pointer_location(job, progress.step) if saving else None
+            t, backend, last=last, checkpoint=RunDir.of(job).pointer(progress.step) if saving else None
         )
         metrics.report(logged, scores)  # a sweep's trial: to Ray Tune (every rank)
         checkpointer.after_step(t, progress, logged, last=last, notice=watch.notice())  # notice: a collective

@@ -18,7 +18,7 @@ import ray.train
 import torch
 
 from raytrn.backends import Backend, host_malloc
-from raytrn.checkpoint import Progress
+from raytrn.checkpoint.progress import Progress
 from raytrn.config import JobSpec
 from raytrn.models import model_stats
 from raytrn.runtime import process_started_at

@@ -266,7 +266,7 @@ def _precheck_xla(
     job: JobSpec, *, steps: int, warmup_steps: int, batches: Iterator[Any] | None, memory: MemoryEstimate
 ) -> PrecheckReport:
     os.environ.setdefault("PJRT_DEVICE", "CPU")
-    from raytrn.backends.xla import import_torch_xla
+    from raytrn.backends.xla.backend import import_torch_xla
 
     import_torch_xla()
     import torch_xla.debug.metrics as met
@@ -387,7 +387,7 @@ def _dynamo_reason(e: Exception) -> str:
 
 def _recording_backend() -> Any:
     """xla-cpu, noting the hash of the graph that updates the parameters at the end of each step."""
-    from raytrn.backends.xla import XlaCpuBackend
+    from raytrn.backends.xla.backend import XlaCpuBackend
 
     class RecordingBackend(XlaCpuBackend):
         last_hash = "-"

@@ -20,7 +20,7 @@ from raytrn.data.batch import TokenBatch
 
 if TYPE_CHECKING:
     from raytrn.backends.base import Backend
-    from raytrn.train.checkpointing import Checkpoints
+    from raytrn.checkpoint.store import Checkpoints
 
 
 @dataclass(kw_only=True)
@@ -33,7 +33,7 @@ class Training:
     grad_accum: int
     #: All-reduce where the backend needs it, clip, optimizer step; returns the grad norm before clipping.
     clip_and_step: Callable[[], torch.Tensor]
-    #: Writes and reads the training state (:mod:`raytrn.train.checkpointing`).
+    #: Writes and reads the training state (:mod:`raytrn.checkpoint.store`).
     checkpoints: Checkpoints
     #: (logits, targets) -> mean loss; vocab-parallel cross entropy under NxD tensor parallelism.
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = field(default_factory=lambda: cross_entropy)

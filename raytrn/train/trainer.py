@@ -7,12 +7,14 @@ import importlib
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from typing import Any
 
 from raytrn import storage
 from raytrn.backends import Backend, get_backend
-from raytrn.checkpoint import Meta, Progress, read_meta, recorded_steps
+from raytrn.checkpoint.finder import latest_checkpoint
+from raytrn.checkpoint.manifest import tidy_pointers
+from raytrn.checkpoint.progress import Progress
+from raytrn.checkpoint.rundir import RunDir
 from raytrn.compat import (
     create_data_stats_actor,
     elastic_scaling_policy,
@@ -59,7 +61,7 @@ def run_training(job: JobSpec, *, live_progress: bool = True, trial: bool = Fals
     if latest:
         print(f"raytrn: resuming run '{job.run_name}' from step {start_step} ({latest})", flush=True)
     if meta is not None and isinstance(meta.extra.get("dcp"), str):  # refused here, not on every worker
-        from raytrn.train.dcp import check_resumable
+        from raytrn.checkpoint.dcp import check_resumable
 
         check_resumable(job, meta.extra["dcp"])
     # The learning-rate schedule is pinned by the run's first invocation; said once, here, when it moves or stays.
@@ -133,7 +135,7 @@ def run_training(job: JobSpec, *, live_progress: bool = True, trial: bool = Fals
             with printer, watch:
                 result = trainer.fit()
         if backend.committed_checkpoints:
-            tidy_pointers(job)
+            tidy_pointers(RunDir.of(job))
         watch.raise_if_refused()  # fit was aborted because MLflow refused the run
         status = "FINISHED"
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C or SIGTERM; Ray turns an interrupted wait into SystemExit
@@ -220,58 +222,6 @@ class _RunRefused:
     def __exit__(self, *exc: Any) -> None:
         with self._lock:
             self._fitting = False
-
-
-def latest_checkpoint(job: JobSpec, *, committed: bool = True) -> tuple[Meta | None, str | None]:
-    """What the checkpoint this run resumes from says (counters, schedule) and where it is, or (None, None): the
-    newest committed one whose files are there (the workers check their bytes too, :mod:`raytrn.train.commit`),
-    else, for a run without commit manifests, Ray Train's newest recorded one."""
-    if committed:
-        from raytrn.train import commit
-
-        dcp_root = commit.dcp_root(job.checkpoint.storage, job.run_name)
-        found = commit.newest(dcp_root)
-        if found is not None:
-            c = found.commit
-            return Meta(
-                progress=replace(c.progress), schedule=c.schedule, extra={"dcp": found.location}
-            ), found.location
-        if commit.has_commits(dcp_root):
-            raise commit.corrupt_error(dcp_root, ["no committed checkpoint has all its files (see the warnings)"])
-    root = storage.join(job.checkpoint.storage, job.run_name)
-    for step in reversed(recorded_steps(root)):
-        location = storage.join(root, f"checkpoint_{step:08d}")
-        try:
-            meta = read_meta(location)
-        except ValueError as e:  # a damaged meta.json: the one before it
-            log.warning("checkpoint %s: unreadable meta.json (%s)", location, e)
-            continue
-        if meta is not None:
-            return meta, location
-    return None, None
-
-
-def tidy_pointers(job: JobSpec) -> list[str]:
-    """After a run, delete Ray Train's checkpoint directories (``checkpoint_<N>``, raytrn's ``meta.json`` pointer)
-    whose sharded checkpoint is gone: a group that failed right after a save leaves a pointer Ray never registered,
-    which Ray's retention never deletes, while raytrn's retention (:mod:`raytrn.train.commit`) has deleted what it
-    pointed at. Done by the driver once ``fit()`` returned (Ray Train holds none of them any more); pointers to
-    committed checkpoints are kept. Returns the directories deleted."""
-    from raytrn.train import commit
-
-    root = storage.join(job.checkpoint.storage, job.run_name)
-    deleted = []
-    for step in recorded_steps(root):
-        location = storage.join(root, f"checkpoint_{step:08d}")
-        try:
-            meta = read_meta(location)
-            target = meta.extra.get("dcp") if meta else None
-            if isinstance(target, str) and not commit.is_committed(target):
-                storage.remove_tree(location, root)
-                deleted.append(location)
-        except (OSError, ValueError, RaytrnError) as e:  # tidying never fails a run
-            log.warning("checkpoint %s: not tidied: %s", location, e)
-    return deleted
 
 
 def _trainer(
@@ -464,7 +414,7 @@ def _tags(job: JobSpec) -> dict[str, str]:
         "ray.version": ray.__version__,
         "torch.version": metadata.version("torch"),  # the driver does not import torch
         "accelerator": job.scaling.accelerator,
-        "checkpoint.storage": storage.join(job.checkpoint.storage, job.run_name),
+        "checkpoint.storage": RunDir.of(job).root,
     }
     if job.scaling.instance_type:
         tags["instance_type"] = job.scaling.instance_type

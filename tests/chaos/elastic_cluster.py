@@ -330,13 +330,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _commits(storage_root: str) -> list[dict[str, Any]]:
     """``{"step", "written_at"}`` of every committed checkpoint of the run, oldest first."""
-    from raytrn.train import commit
+    from raytrn.checkpoint import manifest
+    from raytrn.checkpoint.rundir import RunDir
 
-    root = commit.dcp_root(storage_root, "elastic")
+    run = RunDir(storage_root, "elastic")
     out = []
-    for step in commit.step_dirs(root):
+    for step in run.dcp_steps():
         try:
-            c = commit.read_commit(commit.location_of(root, step))
+            c = manifest.read_commit(run.dcp_step(step))
         except (OSError, ValueError):
             continue
         if c is not None:
@@ -346,13 +347,13 @@ def _commits(storage_root: str) -> list[dict[str, Any]]:
 
 def _resumes(trace: Path) -> list[dict[str, Any]]:
     """What every restarted group resumed from, and whether that checkpoint is committed with that step."""
-    from raytrn.train import commit
+    from raytrn.checkpoint import manifest
     from tests.chaos._common import read_resumes
 
     out = []
     for record in read_resumes(trace):
         try:
-            c = commit.read_commit(record["resumed_from"])
+            c = manifest.read_commit(record["resumed_from"])
         except (OSError, ValueError):
             c = None
         out.append({**record, "committed": c is not None and c.step == record["step"]})

@@ -15,11 +15,12 @@ import torch
 
 from raytrn import storage
 from raytrn.backends.cpu import CpuBackend
-from raytrn.checkpoint import Progress
+from raytrn.checkpoint import manifest
+from raytrn.checkpoint.finder import resume_point
+from raytrn.checkpoint.progress import Progress
+from raytrn.checkpoint.rundir import RunDir
 from raytrn.config import load_job
-from raytrn.train import commit
 from raytrn.train.build import build_training
-from raytrn.train.checkpointing import resume_point
 from raytrn.train.schedule import Schedule
 from raytrn.train.step import train_step
 from tests.outage_proxy import OutageProxy
@@ -99,12 +100,12 @@ def test_past_the_retry_budget_the_save_is_skipped_and_the_next_commits(proxy, s
     assert _save(job, t, 2) == []  # failed after its retries: nothing reported
     assert t.checkpoints.failed == 1
     outage.join()
-    root = commit.dcp_root(job.checkpoint.storage, job.run_name)
-    assert not commit.is_committed(commit.location_of(root, 2))
+    run = RunDir.of(job)
+    assert not manifest.is_committed(run.dcp_step(2))
     assert resume_point(job, rank=0, world_size=1).commit.step == 1  # never the half-written one
     assert [s.step for s in _save(job, t, 3)] == [3]
     assert resume_point(job, rank=0, world_size=1).commit.step == 3
-    assert 2 not in commit.step_dirs(root)  # the leftover went with the next commit's retention
+    assert 2 not in run.dcp_steps()  # the leftover went with the next commit's retention
 
 
 def test_the_filesystem_sent_to_ray_keeps_its_retries(proxy, s3_bucket) -> None:

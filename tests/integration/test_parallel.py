@@ -104,7 +104,7 @@ def _run_plan(rank: int, world: int, plan: dict[str, Any], out: Path) -> None:
         load_weights(t.model, plan["init"], tied=job.model.tie_word_embeddings, source="test")
         _dump_full(t, out / f"init-{plan['name']}.pt", rank)
     if plan.get("load"):
-        from raytrn.train import dcp
+        from raytrn.checkpoint import dcp
 
         dcp.load(plan["load"], t.model, t.optimizer, t.scheduler, source="test")
         start = plan["start"]
@@ -124,7 +124,7 @@ def _run_plan(rank: int, world: int, plan: dict[str, Any], out: Path) -> None:
         evaluator = Evaluator(job, load_manifest(plan["eval"]), dp=dp, dp_rank=dp_rank)
         record["val"] = evaluator.evaluate(t, backend)
     if plan.get("save"):
-        from raytrn.train import dcp
+        from raytrn.checkpoint import dcp
 
         state = dcp.training_state(t.model, t.optimizer, t.scheduler)
         if plan.get("async"):
@@ -262,7 +262,7 @@ def test_resharded_resume_fsdp4_ddp2_fsdp3(single, tmp_path) -> None:
 
 
 def test_async_save_writes_the_same_checkpoint_as_sync(tmp_path) -> None:
-    from raytrn.train import dcp
+    from raytrn.checkpoint import dcp
     from raytrn.train.build import build_training
 
     run_layout(tmp_path, 2, "sync", "parallel.data_parallel=fsdp", steps=2, save=str(tmp_path / "sync"))
@@ -285,7 +285,7 @@ def test_s3_round_trip_and_hf_export_from_shards(single, tmp_path, s3_bucket, s3
     process loads the S3 checkpoint, and transformers loads the export: all equal to the 2-worker weights."""
     from transformers import AutoModelForCausalLM
 
-    from raytrn.train import dcp
+    from raytrn.checkpoint import dcp
     from raytrn.train.build import build_training
 
     location = f"s3://{s3_bucket}/ckpt/run/dcp/step_00000002"

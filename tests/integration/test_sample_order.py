@@ -164,9 +164,10 @@ def test_resized_run_trains_on_the_same_global_batches(ray_session, id_dataset, 
     assert not thread.is_alive() and "error" in result, result
     # The machine decides how far the 2 workers got before the kill: resume on 1 worker for two steps past
     # their last checkpoint (mid-epoch: 8 steps an epoch), then on 3 workers to the end.
-    from raytrn.train import commit
+    from raytrn.checkpoint.finder import newest_committed
+    from raytrn.checkpoint.rundir import RunDir
 
-    reached = commit.newest(str(ckpt / "dcp")).commit.step  # what the next run resumes from
+    reached = newest_committed(RunDir(str(ckpt.parent), ckpt.name)).commit.step  # what the next run resumes from
     assert reached < STEPS - 3, f"the 2-worker run got to step {reached} before the kill"
     _train(_job(id_dataset, tmp_path, name, 1, reached + 2), trace, monkeypatch)
     resized_job = _job(id_dataset, tmp_path, name, 3, STEPS)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 from typing import Any
 
 import raytrn.backends.neuron_ray as neuron_ray
@@ -63,3 +65,22 @@ class FakeWorkerGroup:
         return self._run(index, fn, *args, **kwargs)
 
     execute_single_async = execute_single
+
+
+def assert_never_kills(module: Any) -> None:
+    tree = ast.parse(inspect.getsource(module))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and id(n) not in docstrings]
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+    }
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names}
+    assert not [s for s in strings if isinstance(s, str) and "kill" in s]
+    assert not {"kill", "killpg", "subprocess", "system", "Popen"} & (names | imported)

@@ -1,6 +1,6 @@
-"""Checkpoints you can trust (raytrn.train.commit): a checkpoint counts once its manifest is written; resume takes
-the newest committed one whose files match; retention never deletes the newest committed one; a failed save is
-left uncommitted and training goes on. One process, real files, no Ray."""
+"""Checkpoints you can trust (raytrn.checkpoint: manifest, finder): a checkpoint counts once its manifest is
+written; resume takes the newest committed one whose files match; retention never deletes the newest committed one;
+a failed save is left uncommitted and training goes on. One process, real files, no Ray."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 
-from raytrn.checkpoint import Progress
+from raytrn.checkpoint import dcp
+from raytrn.checkpoint.finder import latest_checkpoint, resume_point
+from raytrn.checkpoint.manifest import COMMIT_FILE, FORMAT, is_committed
+from raytrn.checkpoint.progress import Progress
+from raytrn.checkpoint.rundir import RunDir
 from raytrn.errors import CheckpointError
-from raytrn.train import commit, dcp
-from raytrn.train.checkpointing import resume_point
 from raytrn.train.schedule import Schedule
-from raytrn.train.trainer import latest_checkpoint
 from tests.unit.test_dcp import job, trained
 
 pytestmark = pytest.mark.unit
@@ -32,7 +33,7 @@ def save(t: Any, j: Any, step: int, *, final: bool = False) -> list[Any]:
 
 
 def root(j: Any) -> Path:
-    return Path(dcp.dcp_root(j))
+    return Path(RunDir.of(j).dcp)
 
 
 def test_a_save_is_committed_with_every_file_its_size_and_sha256(tmp_path: Path) -> None:
@@ -40,12 +41,12 @@ def test_a_save_is_committed_with_every_file_its_size_and_sha256(tmp_path: Path)
     t = trained(j)
     [saved] = save(t, j, 7)
     location = root(j) / "step_00000007"
-    manifest = json.loads((location / commit.COMMIT_FILE).read_text())
-    assert manifest["format"] == commit.FORMAT and manifest["step"] == 7 and manifest["world_size"] == 1
+    manifest = json.loads((location / COMMIT_FILE).read_text())
+    assert manifest["format"] == FORMAT and manifest["step"] == 7 and manifest["world_size"] == 1
     assert manifest["layout"] == {"data_parallel": "none", "tensor_parallel_size": 1, "data_parallel_size": 1}
     assert manifest["progress"]["tokens_seen"] == 700 and manifest["progress"]["epoch_samples"] == 7
     assert manifest["schedule"] == Schedule.from_job(j).to_dict()
-    on_disk = sorted(p.name for p in location.iterdir() if p.name != commit.COMMIT_FILE)
+    on_disk = sorted(p.name for p in location.iterdir() if p.name != COMMIT_FILE)
     assert sorted(manifest["files"]) == on_disk == [".metadata", "__0_0.distcp"]
     for name, entry in manifest["files"].items():
         data = (location / name).read_bytes()
@@ -58,15 +59,15 @@ def test_keep_last_keeps_the_newest_committed_and_leaves_others_alone(tmp_path: 
     t = trained(j)
     for step in (1, 2, 3):
         save(t, j, step)
-    assert commit.step_dirs(str(root(j))) == [2, 3]
+    assert RunDir.of(j).dcp_steps() == [2, 3]
     (root(j) / "notes").mkdir()  # not raytrn's: never touched
     shutil.copytree(root(j) / "step_00000003", root(j) / "step_00000009")  # a save in flight (newer): kept
-    (root(j) / "step_00000009" / commit.COMMIT_FILE).unlink()
+    (root(j) / "step_00000009" / COMMIT_FILE).unlink()
     save(t, j, 4)
-    assert commit.step_dirs(str(root(j))) == [3, 4, 9]
+    assert RunDir.of(j).dcp_steps() == [3, 4, 9]
     assert sorted(p.name for p in root(j).iterdir()) == ["notes", "step_00000003", "step_00000004", "step_00000009"]
     save(t, j, 10)  # newer than the leftover: it goes
-    assert commit.step_dirs(str(root(j))) == [4, 10]
+    assert RunDir.of(j).dcp_steps() == [4, 10]
 
 
 def test_an_uncommitted_checkpoint_is_never_resumed(tmp_path: Path) -> None:
@@ -75,7 +76,7 @@ def test_an_uncommitted_checkpoint_is_never_resumed(tmp_path: Path) -> None:
     t = trained(j)
     save(t, j, 2)
     save(t, j, 4)
-    (root(j) / "step_00000004" / commit.COMMIT_FILE).unlink()
+    (root(j) / "step_00000004" / COMMIT_FILE).unlink()
     assert resume_point(j, rank=0, world_size=1).commit.step == 2
     meta, location = latest_checkpoint(j)
     assert meta is not None and meta.progress.step == 2 and location == str(root(j) / "step_00000002")
@@ -93,7 +94,7 @@ def test_a_corrupt_checkpoint_is_skipped_with_a_warning_naming_the_file(tmp_path
     data[len(data) // 2] ^= 0xFF  # one bit flipped, same size: only the sha256 tells
     shard.write_bytes(bytes(data))
     assert latest_checkpoint(j)[0].progress.step == 4  # type: ignore[union-attr]  # the driver checks sizes
-    with caplog.at_level(logging.WARNING, logger="raytrn.train.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="raytrn.checkpoint.finder"):
         chosen = resume_point(j, rank=0, world_size=1)
     assert chosen.commit.step == 2
     assert "step_00000004: skipped: its files do not match its manifest (__0_0.distcp: sha256" in caplog.text
@@ -101,7 +102,7 @@ def test_a_corrupt_checkpoint_is_skipped_with_a_warning_naming_the_file(tmp_path
     assert resume_point(sized, rank=0, world_size=1).commit.step == 4  # what verify: size trades away
 
     shard.write_bytes(bytes(data[:100]))  # truncated: the size check (driver and workers) catches it
-    with caplog.at_level(logging.WARNING, logger="raytrn.train.commit"):
+    with caplog.at_level(logging.WARNING, logger="raytrn.checkpoint.manifest"):
         assert latest_checkpoint(j)[0].progress.step == 2  # type: ignore[union-attr]
     assert "__0_0.distcp: 100 bytes, the manifest says" in caplog.text
 
@@ -111,15 +112,15 @@ def test_a_manifest_that_does_not_match_its_files_is_skipped(tmp_path: Path, cap
     t = trained(j)
     save(t, j, 2)
     save(t, j, 4)
-    path = root(j) / "step_00000004" / commit.COMMIT_FILE
+    path = root(j) / "step_00000004" / COMMIT_FILE
     manifest = json.loads(path.read_text())
     manifest["files"]["__1_0.distcp"] = {"size": 10, "sha256": "0" * 64}  # a rank's file that is not there
     path.write_text(json.dumps(manifest))
-    with caplog.at_level(logging.WARNING, logger="raytrn.train.commit"):
+    with caplog.at_level(logging.WARNING, logger="raytrn.checkpoint.manifest"):
         assert resume_point(j, rank=0, world_size=1).commit.step == 2
     assert "__1_0.distcp: missing" in caplog.text
     path.write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="raytrn.train.commit"):
+    with caplog.at_level(logging.WARNING, logger="raytrn.checkpoint.manifest"):
         assert resume_point(j, rank=0, world_size=1).commit.step == 2
     assert "commit.json is unreadable" in caplog.text
 
@@ -150,10 +151,10 @@ def test_a_failed_save_is_left_uncommitted_and_training_goes_on(tmp_path: Path, 
         raise OSError("S3 unavailable")  # ... but the save failed (as DCP raises it on every rank)
 
     monkeypatch.setattr(dcp, "save", failing)
-    with caplog.at_level(logging.WARNING, logger="raytrn.train.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="raytrn.checkpoint.sharded"):
         assert save(t, j, 4) == []
     assert "could not be written (S3 unavailable); training goes on" in caplog.text
-    assert t.checkpoints.failed == 1 and not commit.is_committed(str(root(j) / "step_00000004"))
+    assert t.checkpoints.failed == 1 and not is_committed(str(root(j) / "step_00000004"))
     assert resume_point(j, rank=0, world_size=1).commit.step == 2
     with pytest.raises(CheckpointError, match="could not be written: S3 unavailable"):
         save(t, j, 6, final=True)

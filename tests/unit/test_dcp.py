@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from raytrn.backends.cpu import CpuBackend
-from raytrn.checkpoint import Progress
+from raytrn.checkpoint import dcp, manifest
+from raytrn.checkpoint.progress import Progress
+from raytrn.checkpoint.rundir import RunDir
+from raytrn.checkpoint.sharded import DcpCheckpoints
 from raytrn.config import load_job
 from raytrn.errors import CheckpointError, RaytrnError
-from raytrn.train import commit, dcp
 from raytrn.train.build import build_training
-from raytrn.train.checkpointing import DcpCheckpoints
 from raytrn.train.schedule import Schedule
 from raytrn.train.step import train_step
 
@@ -44,7 +45,7 @@ def trained(j: Any, steps: int = 2) -> Any:
 def saved(tmp: Path, *overrides: str) -> tuple[Any, str]:
     j = job(tmp, *overrides)
     t = trained(j)
-    location = dcp.step_location(j, 2)
+    location = RunDir.of(j).dcp_step(2)
     dcp.save(dcp.training_state(t.model, t.optimizer, t.scheduler), location)
     return j, location
 
@@ -87,7 +88,7 @@ def test_another_model_names_the_first_mismatching_tensor(tmp_path: Path) -> Non
 
 
 def test_older_state_pt_resumes_into_ddp_and_is_refused_by_fsdp_with_how_to_convert(tmp_path: Path) -> None:
-    from raytrn.checkpoint import save_state
+    from raytrn.checkpoint.statefile import save_state
 
     j = job(tmp_path)
     t = trained(j)
@@ -113,11 +114,11 @@ def test_async_checkpoint_is_recorded_once_written(tmp_path: Path) -> None:
     sched = Schedule.from_job(j)
     assert t.checkpoints.save(t, Progress(step=1), sched, {}, final=False) == []
     [first] = t.checkpoints.save(t, Progress(step=2), sched, {}, final=False)
-    assert first.step == 1 and (Path(dcp.step_location(j, 1)) / ".metadata").is_file()
+    assert first.step == 1 and (Path(RunDir.of(j).dcp_step(1)) / ".metadata").is_file()
     done = t.checkpoints.save(t, Progress(step=3), sched, {}, final=True)
     assert [r.step for r in done] == [2, 3]
-    assert commit.step_dirs(dcp.dcp_root(j)) == [1, 2, 3]
-    assert all(commit.is_committed(dcp.step_location(j, s)) for s in (1, 2, 3))
+    assert RunDir.of(j).dcp_steps() == [1, 2, 3]
+    assert all(manifest.is_committed(RunDir.of(j).dcp_step(s)) for s in (1, 2, 3))
 
 
 def test_remote_deletes_stay_inside_their_root() -> None:
@@ -137,4 +138,4 @@ def test_async_final_save_reports_the_pending_checkpoint_and_its_own(tmp_path: P
     t.checkpoints.save(t, Progress(step=2), sched, {}, final=False)
     done = t.checkpoints.save(t, Progress(step=3), sched, {}, final=True)
     assert [r.step for r in done] == [2, 3]
-    assert commit.step_dirs(dcp.dcp_root(j)) == [3]
+    assert RunDir.of(j).dcp_steps() == [3]

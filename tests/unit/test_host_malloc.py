@@ -50,7 +50,12 @@ def test_describe_names_the_settings_the_process_has() -> None:
 
 @pytest.mark.parametrize(
     "accelerator, override, tuned",
-    [("cpu", None, True), ("cpu", False, False), ("cuda", None, False), ("cuda", True, True), ("xla-cpu", None, False)],
+    [
+        ("cpu", None, True),
+        ("cpu", False, False),
+        ("cuda", None, False),
+        ("cuda", True, True),
+    ],  # xla-cpu: test_neuron_xla_backend.py
 )
 def test_worker_runtime_env_follows_backend_default_and_job(
     monkeypatch: pytest.MonkeyPatch, accelerator: str, override: bool | None, tuned: bool

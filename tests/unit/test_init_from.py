@@ -161,13 +161,3 @@ def test_a_tensor_of_another_shape_is_named(tmp_path: Path) -> None:
     wider = job.model.model_copy(update={"intermediate_size": 192})  # what a mismatched config would build
     with pytest.raises(CheckpointError, match=r"tensor 'model.layers.0.mlp.gate_proj.weight' has shape \(160, 64\)"):
         load_weights(build_model(wider, seed=0), str(tmp_path), tied=False, source="t")
-
-
-def test_the_xla_path_refuses_init_from(tmp_path: Path) -> None:
-    from raytrn.backends import get_backend
-    from raytrn.errors import BackendError
-
-    hf_checkpoint(tmp_path)
-    with pytest.raises(BackendError, match="model.init_from is not supported on scaling.accelerator='xla-cpu'"):
-        get_backend("xla-cpu").check(job_for(tmp_path, "scaling.accelerator=xla-cpu", "scaling.min_workers=1",
-                                             "scaling.max_workers=1"))  # fmt: skip

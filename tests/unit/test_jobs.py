@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from raytrn.backends.nxd import check_parallel, kv_replication
 from raytrn.config import PRESETS, JobSpec, load_job, read_job_file
 from raytrn.errors import ConfigError
 from raytrn.models import model_stats
-from raytrn.train.checks import check_job
+from raytrn.train.checks import check_job, check_parallel
+from raytrn.train.precheck import XLA_ACCELERATORS
 from raytrn.train.sizes import data_parallel_size, world_sizes
 
 pytestmark = pytest.mark.unit
@@ -55,8 +55,9 @@ def test_every_job_loads(path: Path, base: str) -> None:
     # The batch shape works at every world size of the elastic range (node granularity).
     for n in world_sizes(job):
         assert job.data.grad_accum_for(n) >= 1
-    # The parallel layout is valid (neuronx-distributed need not be installed to check it).
-    check_parallel(job, require_installed=False)
+    # The parallel layout is valid; the frozen XLA path's jobs: tests/unit/test_xla_jobs.py.
+    if job.scaling.accelerator not in XLA_ACCELERATORS:
+        check_parallel(job)
 
 
 def test_tiny() -> None:
@@ -71,62 +72,6 @@ def test_tiny() -> None:
     assert job.data.seq_len == 128 and job.model.vocab_size == 4096  # the `data prepare` line in its comment
     assert not job.scaling.elastic
     assert model_stats(job.model, job.data.seq_len).num_params < 5e6
-
-
-def test_llama3_8b_trn1() -> None:
-    job = load("llama3-8b-trn1.yaml")
-    s = job.scaling
-    assert s.accelerator == "neuron-xla"
-    assert s.instance_type == "trn1.32xlarge"
-    assert s.workers_per_node == 32  # one worker per NeuronCore-v2
-    assert s.min_workers % 32 == 0 and (s.max_workers or s.min_workers) % 32 == 0
-    assert s.resources_per_worker == {"neuron_cores": 1.0, "CPU": 1.0}
-    assert job.data.seq_len == 8192 and job.data.micro_batch_size == 1  # AWS's 8B recipe
-    assert job.model.dtype == "bfloat16"
-    assert job.checkpoint.storage.startswith("s3://")
-    stats = model_stats(job.model, job.data.seq_len)
-    assert stats.num_params == pytest.approx(8.03e9, rel=0.005)
-
-
-def test_llama3_8b_parallel_follows_aws_recipe() -> None:
-    job = load("llama3-8b-trn1.yaml")
-    p = job.parallel
-    # tp_zero1_llama3_8B_hf_pretrain.sh: TP 32, ZeRO-1, sequence parallel, --kv_replicator 4.
-    assert (p.tensor_parallel_size, p.zero1, p.sequence_parallel) == (32, True, True)
-    assert p.activation_checkpointing == "none"  # AWS recomputes selectively; full recompute is off
-    assert kv_replication(job.model.kv_heads, p.tensor_parallel_size) == 4
-    n = job.neuron
-    assert n.compile_cache is not None and n.compile_cache.startswith("s3://")  # shared by every node
-    assert n.stochastic_rounding
-    assert n.cc_flags == "--model-type transformer --distribution-strategy=llm-training"
-    lines = check_parallel(job, require_installed=False)
-    assert lines[0].startswith("parallel: TP 32 x DP 1, 2, 3, 4 = 32, 64, 96, 128 workers")
-
-
-def test_llama32_1b_trn1() -> None:
-    job = load("llama3.2-1b-trn1.yaml")
-    assert job.model.preset == "llama3.2-1b"
-    for key, value in PRESETS["llama3.2-1b"].items():
-        if key != "max_position_embeddings":  # capped at the training length
-            assert getattr(job.model, key) == value, key
-    assert job.model.max_position_embeddings == job.data.seq_len == 8192
-    assert job.model.dtype == "bfloat16"
-    assert model_stats(job.model, job.data.seq_len).num_params == pytest.approx(1.236e9, rel=0.005)
-    s = job.scaling
-    assert (s.accelerator, s.instance_type, s.workers_per_node) == ("neuron-xla", "trn1.32xlarge", 32)
-    assert (s.min_workers, s.max_workers) == (32, 128)
-    assert s.resources_per_worker == {"neuron_cores": 1.0, "CPU": 1.0}
-    p = job.parallel
-    assert (p.tensor_parallel_size, p.zero1, p.sequence_parallel, p.activation_checkpointing) == (8, True, True, "none")
-    assert kv_replication(job.model.kv_heads, p.tensor_parallel_size) == 1  # 8 kv heads, one per TP rank
-    assert job.neuron.compile_cache is not None and job.neuron.compile_cache.startswith("s3://")
-    assert job.checkpoint.storage.startswith("s3://")
-    # "the same prepared data" as the 8B job (its comment says so).
-    j8 = load("llama3-8b-trn1.yaml")
-    assert (job.data.manifest, job.data.seq_len, job.model.vocab_size) == (j8.data.manifest, j8.data.seq_len, 128256)
-    assert check_parallel(job, require_installed=False)[0].startswith(
-        "parallel: TP 8 x DP 4, 8, 12, 16 = 32, 64, 96, 128 workers"
-    )
 
 
 TRN_JOBS = ["llama3-8b-trn1.yaml", "llama3.2-1b-trn1.yaml"]
@@ -154,20 +99,6 @@ def test_global_batch_fits_every_node_count(name: str, nodes: int) -> None:
     # chosen to be divisible that way too, so validate passes before and after the loop becomes DP-aware.
     accum = d.grad_accum_for(workers)
     assert accum * workers * d.micro_batch_size == gbs
-
-
-def test_check_job_for_8b_without_data() -> None:
-    lines = check_job(load("llama3-8b-trn1.yaml"), data=False)
-    notes = [line for line in lines if line.startswith("note:")]
-    assert notes and all("neuron" in note for note in notes)  # layout notes, or the backend unavailable here
-    assert any(line.startswith("model: llama, 8,030.3M parameters") for line in lines)
-    batch = next(line for line in lines if line.startswith("batch: "))
-    # Every node count of the elastic range is checked, not only min and max. (The per-size arithmetic in
-    # this line becomes "micro x grad_accum x DP" once the loop is DP-aware; the total stays 768.)
-    for workers in (32, 64, 96, 128):
-        assert f"{workers} workers: " in batch
-    assert batch.count("= 768 sequences/step") == 4
-    assert lines[-1] == "data: not checked (--no-data): /fsx/data/llama3-8k"
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from raytrn.checkpoint import Progress, write_meta
+from raytrn.checkpoint.progress import Progress, write_meta
 from raytrn.data.feed import StartEarly
 from raytrn.train.checkpointer import _resume_progress
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from raytrn.backends.cpu import CpuBackend
-from raytrn.checkpoint import Progress
+from raytrn.checkpoint.progress import Progress
 from raytrn.errors import ConfigError
 from raytrn.models.hf import load_weights
 from raytrn.models.lora import LoRALinear, trainable_parameters
@@ -72,19 +72,20 @@ def test_only_the_adapters_train_and_training_starts_at_the_base_model(tmp_path:
 def test_checkpoints_hold_the_adapters_only_and_resume_them(tmp_path: Path) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
-    from raytrn.train import commit
+    from raytrn.checkpoint.finder import newest_committed
+    from raytrn.checkpoint.rundir import RunDir
 
     hf_checkpoint(tmp_path / "hf")
     job = lora_job(tmp_path / "hf", tmp_path)
     t = trained(job, tmp_path / "hf")
     [saved] = t.checkpoints.save(t, Progress(step=3), Schedule.from_job(job), {}, final=False)
-    location = commit.location_of(commit.dcp_root(job.checkpoint.storage, job.run_name), 3)
+    location = RunDir.of(job).dcp_step(3)
     keys = FileSystemReader(location).read_metadata().state_dict_metadata
     model_keys = sorted(k for k in keys if k.startswith("model."))
     assert model_keys and all(".lora_" in k for k in model_keys), model_keys
     fresh = build_training(job, CpuBackend(), world_size=1)
     load_weights(fresh.model, str(tmp_path / "hf"), tied=False, source="t")  # every start: the base from init_from
-    fresh.checkpoints.load_committed(commit.newest(commit.dcp_root(job.checkpoint.storage, job.run_name)), fresh)
+    fresh.checkpoints.load_committed(newest_committed(RunDir.of(job)), fresh)
     assert torch.equal(logits(fresh.model, IDS), logits(t.model, IDS))
 
 

@@ -25,8 +25,7 @@ from raytrn.backends.neuron import (
 from raytrn.backends.neuron_env import NEFF_CACHE_ENV, torchneuron_worker_env
 from raytrn.config import JobSpec, load_job
 from raytrn.errors import BackendError, BackendUnavailableError
-from tests.unit.neuron_fakes import FakeWorkerGroup, workers
-from tests.unit.test_neuron_xla_backend import assert_never_kills
+from tests.unit.neuron_fakes import FakeWorkerGroup, assert_never_kills, workers
 
 pytestmark = pytest.mark.unit
 
@@ -197,7 +196,6 @@ def test_check_the_shipped_trn2_jobs() -> None:
     ("overrides", "message"),
     [
         (["scaling.instance_type=trn1.32xlarge", "scaling.workers_per_node=32"], "use scaling.accelerator: neuron-xla"),
-        (["scaling.accelerator=neuron-xla"], "whose training support AWS ended with Neuron 2.30"),
         (["scaling.workers_per_node=32"], "does not match the 64 NeuronCores of trn2.48xlarge"),
         (["neuron.lnc=1"], "does not match the 128 NeuronCores of trn2.48xlarge at neuron.lnc=1"),
         (["scaling.instance_type=trn3.48xlarge"], "Trainium3 instance types are not yet known"),

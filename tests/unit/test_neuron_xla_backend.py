@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ast
-import inspect
 import os
 import pickle
 import random
@@ -14,16 +12,18 @@ import pytest
 from ray import cloudpickle
 
 import raytrn.backends.neuron_ray as neuron_ray
-import raytrn.backends.neuron_xla as neuron_xla
+import raytrn.backends.xla.neuron_xla as neuron_xla
 from raytrn.backends import get_backend
-from raytrn.backends.neuron_env import neuron_xla_worker_env
 from raytrn.backends.neuron_ray import WorkerInfo
-from raytrn.backends.neuron_xla import NeuronXlaBackend, NeuronXlaConfig
-from raytrn.backends.neuron_xla import plan_xla_worker_envs as plan_worker_envs
-from raytrn.backends.xla import XlaBackend
+from raytrn.backends.xla.backend import XlaBackend
+from raytrn.backends.xla.env import neuron_xla_worker_env
+from raytrn.backends.xla.neuron_xla import NeuronXlaBackend, NeuronXlaConfig
+from raytrn.backends.xla.neuron_xla import plan_xla_worker_envs as plan_worker_envs
 from raytrn.config import JobSpec, load_job
 from raytrn.errors import BackendError
-from tests.unit.neuron_fakes import FakeWorkerGroup, workers
+from tests.unit import test_host_malloc
+from tests.unit.neuron_fakes import FakeWorkerGroup, assert_never_kills, workers
+from tests.unit.test_init_from import hf_checkpoint, job_for
 
 pytestmark = pytest.mark.unit
 
@@ -174,25 +174,6 @@ def test_the_ray_backend_never_kills_processes() -> None:
         assert_never_kills(module)
 
 
-def assert_never_kills(module: Any) -> None:
-    tree = ast.parse(inspect.getsource(module))
-    docstrings = {
-        id(node.body[0].value)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)
-        and node.body
-        and isinstance(node.body[0], ast.Expr)
-        and isinstance(node.body[0].value, ast.Constant)
-    }
-    strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and id(n) not in docstrings]
-    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
-        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
-    }
-    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names}
-    assert not [s for s in strings if isinstance(s, str) and "kill" in s]
-    assert not {"kill", "killpg", "subprocess", "system", "Popen"} & (names | imported)
-
-
 # --- plan_worker_envs ----------------------------------------------------------------------------------------------
 
 
@@ -296,3 +277,27 @@ def test_apply_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_destroy_process_group_without_one_is_a_no_op() -> None:
     neuron_ray.destroy_process_group()
+
+
+# --- the frozen path's refusals and defaults (moved from test_init_from.py and test_host_malloc.py) ----------------
+
+
+def test_the_xla_path_refuses_init_from(tmp_path: Path) -> None:
+    hf_checkpoint(tmp_path)
+    with pytest.raises(BackendError, match="model.init_from is not supported on scaling.accelerator='xla-cpu'"):
+        get_backend("xla-cpu").check(job_for(tmp_path, "scaling.accelerator=xla-cpu", "scaling.min_workers=1",
+                                             "scaling.max_workers=1"))  # fmt: skip
+
+
+def test_xla_cpu_keeps_the_glibc_allocator_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    test_host_malloc.test_worker_runtime_env_follows_backend_default_and_job(monkeypatch, "xla-cpu", None, False)
+
+
+def test_a_trn2_job_on_the_xla_path_is_refused() -> None:
+    """Moved from test_neuron_backend.py's test_check_refuses (the neuron-xla case)."""
+    path = Path(__file__).resolve().parents[2] / "jobs" / "llama3.2-1b-trn2.yaml"
+    spec = load_job(path, ["scaling.accelerator=neuron-xla"], base_dir="/base")
+    with pytest.raises(BackendError) as e:
+        get_backend(spec.scaling.accelerator).check(spec)
+    assert str(e.value).startswith(f"{path}: ")
+    assert "whose training support AWS ended with Neuron 2.30" in str(e.value)

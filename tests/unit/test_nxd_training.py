@@ -19,9 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raytrn.backends.neuron_xla import NeuronXlaBackend
-from raytrn.backends.nxd import NxdCheckpoints, uses_nxd
-from raytrn.checkpoint import Progress
+from raytrn.backends.xla.checkpoints import NxdCheckpoints
+from raytrn.backends.xla.neuron_xla import NeuronXlaBackend
+from raytrn.backends.xla.nxd import uses_nxd
+from raytrn.checkpoint.progress import Progress
 from raytrn.config import load_job
 from raytrn.train.build import build_training
 from raytrn.train.schedule import Schedule

@@ -18,7 +18,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from raytrn.errors import RaytrnError
+from raytrn.errors import BackendUnavailableError, RaytrnError
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
@@ -126,7 +126,10 @@ def _imports_done(tmp_path_factory: pytest.TempPathFactory) -> None:
     base = _base(tmp_path_factory.mktemp("base"))
     for path in JOBS:
         raw, _ = read_job_file(str(path))  # a sweep's job file: the job without its sweep: section
-        check_job(load_job(path, base_dir=base, raw=raw), data=False)
+        try:
+            check_job(load_job(path, base_dir=base, raw=raw), data=False)
+        except BackendUnavailableError:  # a backend this installation lacks (without raytrn.backends.xla: trn1)
+            pass
     for path in LAUNCHER + KUBERAY:
         validate_cluster_file(str(path))
 

@@ -1,7 +1,7 @@
 """Sharded, reshardable checkpoints through ``torch.distributed.checkpoint`` (DCP).
 
 Every rank writes its own shards of model and optimizer (``get_state_dict``: no gather to rank 0) into one
-directory per checkpoint, ``<checkpoint.storage>/<run>/dcp/step_<N>``, a local path or ``s3://``. DCP
+directory per checkpoint (:meth:`raytrn.checkpoint.rundir.RunDir.dcp_step`), a local path or ``s3://``. DCP
 records every tensor's global shape and which piece each file holds, so a checkpoint written by N workers in
 one layout (DDP, FSDP, tensor parallel) loads into M workers in another: each rank reads the pieces its new
 shards need. Ray Train records a small directory per checkpoint whose ``meta.json`` points here.
@@ -27,24 +27,15 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemRe
 
 from raytrn import storage
 from raytrn.errors import CheckpointError
+from raytrn.models import build_model
+from raytrn.models.lora import apply_lora
 
 if TYPE_CHECKING:
     from raytrn.config import JobSpec
 
 log = logging.getLogger(__name__)
 
-#: The DCP checkpoints of a run sit in ``<checkpoint.storage>/<run>/DCP_DIR/step_<N>``.
-DCP_DIR = "dcp"
 METADATA = ".metadata"
-
-
-def dcp_root(job: JobSpec) -> str:
-    return storage.join(job.checkpoint.storage, job.run_name, DCP_DIR)
-
-
-def step_location(job: JobSpec, step: int) -> str:
-    """Where the DCP checkpoint of ``step`` goes (retention and commits: :mod:`raytrn.train.commit`)."""
-    return storage.join(dcp_root(job), f"step_{step:08d}")
 
 
 # -- storage ---------------------------------------------------------------------------------------
@@ -336,14 +327,10 @@ def check_shapes(metadata: Any, model_state: dict[str, Any], *, location: str, s
 def check_resumable(job: JobSpec, location: str) -> None:
     """On the driver, before any worker starts: the checkpoint at ``location`` is complete and was written for
     the job's model (shapes from a model built on the meta device: no memory, no init)."""
-    from raytrn.models import build_model
-
     metadata = check_complete(location)
     with torch.device("meta"):
         model = build_model(job.model, seed=0, device="meta")
         if job.model.lora is not None:
-            from raytrn.models.lora import apply_lora
-
             apply_lora(model, job.model.lora, seed=0)
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     state = {n: v for n, v in model.state_dict().items() if n in trained}  # LoRA: the adapters only

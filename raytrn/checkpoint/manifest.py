@@ -1,23 +1,25 @@
 """Checkpoints you can trust: a sharded checkpoint counts only once its commit manifest exists.
 
-Every rank writes its shards into ``<checkpoint.storage>/<run>/dcp/step_<N>`` (:mod:`raytrn.train.dcp`); while
+Every rank writes its shards into ``<checkpoint.storage>/<run>/dcp/step_<N>`` (:mod:`raytrn.checkpoint.dcp`); while
 that directory has no ``commit.json`` it is staging: never resumed, and deleted by the next save's retention once
 a newer checkpoint is committed. When every rank's write is done, rank 0 gathers what each wrote (name, size,
 sha256, computed while the bytes went out) and writes the manifest last, with the step, the world size, the
 layout and the counters a resume needs. On object storage a rename is a copy, so the commit is this one small
 write, not a move of the shards.
 
-Resuming takes the newest committed checkpoint whose files match their manifest: sizes on the driver (a listing),
-sizes and sha256 on the workers before they load (each rank hashes a share of the files); a checkpoint that fails
-is skipped with a warning naming the file, and the one before it is tried. Retention (``checkpoint.keep_last``)
-keeps the newest committed ones, so the newest committed checkpoint is never deleted.
+Resuming (:mod:`raytrn.checkpoint.finder`) takes the newest committed checkpoint whose files match their manifest:
+sizes on the driver (a listing), sizes and sha256 on the workers before they load (each rank hashes a share of the
+files); a checkpoint that fails is skipped with a warning naming the file, and the one before it is tried.
+Retention (``checkpoint.keep_last``) keeps the newest committed ones, so the newest committed checkpoint is never
+deleted; after a run, Ray Train's pointers to checkpoints retention deleted are tidied (:func:`tidy_pointers`).
+Paths: :mod:`raytrn.checkpoint.rundir`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-import re
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -26,15 +28,14 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from raytrn import storage
-from raytrn.checkpoint import Progress
-from raytrn.errors import CheckpointError
+from raytrn.checkpoint.progress import Progress, read_meta
+from raytrn.checkpoint.rundir import RunDir
+from raytrn.errors import CheckpointError, RaytrnError
 
 log = logging.getLogger(__name__)
 
 COMMIT_FILE = "commit.json"
 FORMAT = "raytrn.checkpoint/1"
-#: The step directories of a run's sharded checkpoints, under ``<run>/dcp``.
-STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
 @dataclass(kw_only=True)
@@ -90,26 +91,6 @@ class Candidate:
     commit: Commit
 
 
-def dcp_root(checkpoint_storage: str, run_name: str) -> str:
-    return storage.join(checkpoint_storage, run_name, "dcp")
-
-
-def step_dirs(root: str) -> list[int]:
-    """The steps of the ``step_<N>`` directories under ``root`` (raytrn's own only), ascending."""
-    fs, path = storage.filesystem(root)
-    try:
-        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-    except OSError:
-        return []
-    return sorted(
-        int(m.group(1)) for i in infos if i.type == pafs.FileType.Directory and (m := STEP_DIR.match(i.base_name))
-    )
-
-
-def location_of(root: str, step: int) -> str:
-    return storage.join(root, f"step_{step:08d}")
-
-
 def write_commit(location: str, commit: Commit) -> None:
     """Commit the checkpoint at ``location`` (retried while the storage is briefly unavailable)."""
     storage.retrying(
@@ -146,8 +127,6 @@ def size_problems(location: str, commit: Commit) -> list[str]:
 
 def digest_problems(location: str, commit: Commit, names: list[str]) -> list[str]:
     """``'name: ...'`` for each of ``names`` whose bytes are not the manifest's size and sha256 (read whole)."""
-    import hashlib
-
     fs, path = storage.filesystem(location)
     problems = []
     for name in names:
@@ -166,14 +145,14 @@ def digest_problems(location: str, commit: Commit, names: list[str]) -> list[str
     return problems
 
 
-def candidates(root: str) -> Iterator[Candidate]:
-    """The committed checkpoints under ``root``, newest first, whose files are all there at their recorded sizes.
+def candidates(run: RunDir) -> Iterator[Candidate]:
+    """The committed checkpoints of ``run``, newest first, whose files are all there at their recorded sizes.
 
     A checkpoint without a manifest (a save that never finished) is passed over quietly if it is the newest
     (the usual crash during a save) and with a warning otherwise; one whose manifest is unreadable or does not
     match its files, with a warning naming the file."""
-    for step in reversed(step_dirs(root)):
-        location = location_of(root, step)
+    for step in reversed(run.dcp_steps()):
+        location = run.dcp_step(step)
         try:
             commit = read_commit(location)
         except (ValueError, OSError) as e:
@@ -191,23 +170,18 @@ def candidates(root: str) -> Iterator[Candidate]:
         yield Candidate(location, commit)
 
 
-def newest(root: str) -> Candidate | None:
-    """The newest committed checkpoint under ``root`` whose files are there (sizes only: the driver's check)."""
-    return next(candidates(root), None)
+def has_commits(run: RunDir) -> bool:
+    """Whether any checkpoint of ``run`` was ever committed (a run older than manifests has none)."""
+    return any(is_committed(run.dcp_step(step)) for step in run.dcp_steps())
 
 
-def has_commits(root: str) -> bool:
-    """Whether any checkpoint under ``root`` was ever committed (a run older than manifests has none)."""
-    return any(is_committed(location_of(root, step)) for step in step_dirs(root))
-
-
-def prune(root: str, *, keep_last: int | None) -> list[int]:
+def prune(run: RunDir, *, keep_last: int | None) -> list[int]:
     """Retention after a commit: keep the newest ``keep_last`` committed checkpoints (all when None) and anything
     newer than the newest committed one (a save in flight); delete older committed ones and uncommitted leftovers
-    older than the newest committed one. Only raytrn's ``step_<N>`` directories, strictly inside ``root``.
+    older than the newest committed one. Only raytrn's ``step_<N>`` directories, strictly inside ``run.dcp``.
     Returns the steps deleted."""
-    steps = step_dirs(root)
-    committed = [s for s in steps if is_committed(location_of(root, s))]
+    steps = run.dcp_steps()
+    committed = [s for s in steps if is_committed(run.dcp_step(s))]
     if not committed:
         return []
     keep = set(committed if keep_last is None else committed[-keep_last:])
@@ -215,16 +189,16 @@ def prune(root: str, *, keep_last: int | None) -> list[int]:
     for step in steps:
         if step in keep or step > committed[-1]:
             continue
-        storage.remove_tree(location_of(root, step), root)
+        storage.remove_tree(run.dcp_step(step), run.dcp)
         deleted.append(step)
     return deleted
 
 
-def clear_staging(root: str, step: int) -> None:
+def clear_staging(run: RunDir, step: int) -> None:
     """Remove what an earlier, unfinished save left in ``step``'s directory before saving there again (a restart
     from an older checkpoint repeats the step; the new world size may write other file names). Its manifest, if
     any, goes first: a resume from an older checkpoint means this one was not usable."""
-    location = location_of(root, step)
+    location = run.dcp_step(step)
     fs, path = storage.filesystem(location)
     files = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
     if not [f for f in files if f.type == pafs.FileType.File]:
@@ -234,7 +208,27 @@ def clear_staging(root: str, step: int) -> None:
     cfs, cpath = storage.filesystem(commit)
     if cfs.get_file_info(cpath).type == pafs.FileType.File:
         cfs.delete_file(cpath)
-    storage.remove_tree(location, root)
+    storage.remove_tree(location, run.dcp)
+
+
+def tidy_pointers(run: RunDir) -> list[str]:
+    """After a run, delete Ray Train's checkpoint directories (``checkpoint_<N>``, raytrn's ``meta.json`` pointer)
+    whose sharded checkpoint is gone: a group that failed right after a save leaves a pointer Ray never registered,
+    which Ray's retention never deletes, while raytrn's retention (:func:`prune`) has deleted what it pointed at.
+    Done by the driver once ``fit()`` returned (Ray Train holds none of them any more); pointers to committed
+    checkpoints are kept. Returns the directories deleted."""
+    deleted = []
+    for step in run.pointer_steps():
+        location = run.pointer(step)
+        try:
+            meta = read_meta(location)
+            target = meta.extra.get("dcp") if meta else None
+            if isinstance(target, str) and not is_committed(target):
+                storage.remove_tree(location, run.root)
+                deleted.append(location)
+        except (OSError, ValueError, RaytrnError) as e:  # tidying never fails a run
+            log.warning("checkpoint %s: not tidied: %s", location, e)
+    return deleted
 
 
 def describe(candidate: Candidate) -> str:
@@ -242,9 +236,9 @@ def describe(candidate: Candidate) -> str:
     return f"{candidate.location} (step {c.step}, {c.world_size} workers, {len(c.files)} files)"
 
 
-def corrupt_error(root: str, rejected: list[str]) -> CheckpointError:
+def corrupt_error(run: RunDir, rejected: list[str]) -> CheckpointError:
     return CheckpointError(
-        f"every committed checkpoint under {root} failed its check ({'; '.join(rejected)}); raytrn will not silently "
+        f"every committed checkpoint under {run.dcp} failed its check ({'; '.join(rejected)}); raytrn will not silently "
         "start over. Restore the files, or move the run's checkpoints away (or set tracking.run_name) to start a new "
         "run"
     )

@@ -2,8 +2,9 @@
 
 On XLA the loop builds a lazy graph; :meth:`XlaBackend.sync` cuts it once per optimizer step, batches
 arrive through ``MpDeviceLoader``, gradients are all-reduced by ``xm.reduce_gradients`` (no DDP) and
-checkpoints are moved to the CPU before they are written. ``torch_xla`` is imported lazily: workers
-must get their PJRT environment before the XLA runtime starts.
+checkpoints are moved to the CPU before they are written, as one ``state.pt`` resumed through Ray Train
+(:mod:`raytrn.backends.xla.checkpoints`: no commit manifests on this path). ``torch_xla`` is imported lazily:
+workers must get their PJRT environment before the XLA runtime starts.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from ray.train.backend import Backend as RayBackend
 from ray.train.torch import TorchConfig
 
 from raytrn.backends.base import Backend
+from raytrn.backends.xla.checkpoints import StateFileCheckpoints
+from raytrn.backends.xla.nxd import check_parallel
 from raytrn.errors import BackendError, BackendUnavailableError
 
 if TYPE_CHECKING:
     import torch
 
+    from raytrn.checkpoint.store import Checkpoints
     from raytrn.config import JobSpec
-    from raytrn.train.checkpointing import Checkpoints
     from raytrn.train.parallelize import Parallelized
     from raytrn.train.schedule import Schedule
     from raytrn.train.step import Training
@@ -46,6 +49,11 @@ class XlaBackend(Backend):
 
     name = "xla"
     committed_checkpoints = False  # state.pt / NxD checkpoints, resumed through Ray Train (frozen path)
+
+    def check_layout(self, job: JobSpec) -> list[str]:
+        """The XLA path's own rules for the ``parallel`` section (neuronx-distributed's layouts on neuron-xla, one
+        plain worker on xla-cpu): :func:`raytrn.backends.xla.nxd.check_parallel`."""
+        return check_parallel(job, require_installed=False)
 
     def refuse_new_features(self, job: JobSpec) -> None:
         """The XLA path is frozen: fine-tuning features (Hugging Face init, instruction data, LoRA, validation)
@@ -88,8 +96,6 @@ class XlaBackend(Backend):
 
     def checkpoints(self, job: JobSpec, par: Parallelized, *, rank: int) -> Checkpoints:
         """The whole state in ``state.pt``, written by rank 0 (the frozen XLA path's format)."""
-        from raytrn.train.checkpointing import StateFileCheckpoints
-
         return StateFileCheckpoints(self.to_cpu)
 
     def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:

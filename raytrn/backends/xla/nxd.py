@@ -25,21 +25,16 @@ import importlib.util
 import logging
 import math
 import sys
-from dataclasses import asdict, replace
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from raytrn.checkpoint import Progress, write_meta
 from raytrn.errors import BackendError, BackendUnavailableError, ConfigError
-from raytrn.train.checkpointing import Checkpoints, Saved
 from raytrn.train.sizes import data_parallel_size, world_sizes
 
 if TYPE_CHECKING:
     import torch
 
     from raytrn.config import JobSpec
-    from raytrn.train.schedule import Schedule
-    from raytrn.train.step import Training
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +77,9 @@ def kv_replication(num_kv_heads: int, tensor_parallel_size: int) -> int:
 
 
 def check_parallel(job: JobSpec, *, require_installed: bool = True) -> list[str]:
-    """Validate the ``parallel`` section; return info lines for ``raytrn validate``.
+    """Validate the ``parallel`` section of an XLA job (neuron-xla, xla-cpu); return info lines for ``raytrn
+    validate``. The torch.distributed layouts (cpu, cuda, neuron) are checked by
+    :func:`raytrn.train.checks.check_parallel`; this one is reached through the XLA backends' ``check_layout``.
 
     Raises ConfigError (field, values, fix) for a layout that cannot run, then, when
     ``require_installed`` and the job needs NxD, BackendUnavailableError if ``neuronx_distributed`` is
@@ -116,7 +113,7 @@ def check_parallel(job: JobSpec, *, require_installed: bool = True) -> list[str]
             f"groups: make min_workers, max_workers{' and workers_per_node' if step else ''} multiples of {tp}"
         )
     if not uses_nxd(job):
-        return _describe_native(job, sizes)
+        return []  # plain replicas: nothing to say
     lines = _describe(job, sizes)
     if require_installed:
         require_nxd(job)
@@ -132,9 +129,8 @@ def require_nxd(job: JobSpec) -> None:
 
 
 def _check_accelerator(job: JobSpec) -> None:
-    """What each accelerator's layout supports: torch.distributed (cpu, cuda) does DDP/FSDP, tensor parallel and
-    activation checkpointing; the frozen XLA path does tensor parallel, ZeRO-1, sequence parallel and full
-    activation checkpointing through neuronx-distributed; xla-cpu runs one plain worker."""
+    """What each XLA accelerator's layout supports: neuron-xla does tensor parallel, ZeRO-1, sequence parallel and
+    full activation checkpointing through neuronx-distributed; xla-cpu runs one plain worker."""
     acc, p = job.scaling.accelerator, job.parallel
     where = job.source
     if acc == "neuron-xla":
@@ -181,12 +177,6 @@ def _check_accelerator(job: JobSpec) -> None:
                 "path on CPU); remove the parallel section"
             )
         return
-    if p.tensor_parallel_size > 1 and p.data_parallel == "ddp":
-        raise ConfigError(
-            f"{where}: parallel.tensor_parallel_size={p.tensor_parallel_size} needs parallel.data_parallel: fsdp "
-            "(DDP cannot hold tensor-parallel (DTensor) parameters); set data_parallel: fsdp, which also shards "
-            "the rest of the state over the data-parallel ranks"
-        )
 
 
 def _check_model_dims(job: JobSpec) -> None:
@@ -232,20 +222,6 @@ def _check_model_dims(job: JobSpec) -> None:
             + "\n  ".join(problems)
             + f"\n  tensor_parallel_size values this model allows: {', '.join(map(str, valid))}.{note}"
         )
-
-
-def _describe_native(job: JobSpec, sizes: list[int]) -> list[str]:
-    """One line on the torch.distributed layout (nothing for plain DDP)."""
-    p = job.parallel
-    if p.data_parallel == "ddp" and p.tensor_parallel_size == 1 and p.activation_checkpointing == "none":
-        return []
-    tp = p.tensor_parallel_size
-    parts = [f"{p.data_parallel} over {'/'.join(str(n // tp) for n in sizes)} data-parallel rank(s)"]
-    if tp > 1:
-        parts.append(f"tensor parallel {tp} (DTensor)")
-    if p.activation_checkpointing != "none":
-        parts.append(f"{p.activation_checkpointing} activation checkpointing")
-    return [f"parallel: {', '.join(parts)}"]
 
 
 def _features(job: JobSpec, *, tp: bool = True) -> str:
@@ -525,35 +501,3 @@ def _saved_layout(storage: Any, tag: str) -> dict[str, int] | None:
         return None
     content = storage.load_object(name, map_location="cpu")
     return content.get(LAYOUT_KEY) if isinstance(content, dict) else None
-
-
-class NxdCheckpoints(Checkpoints):
-    """neuronx-distributed's sharded checkpoints under ``<checkpoint.storage>/<run>/nxd`` (every rank writes
-    its shards; rank 0 the scheduler and raytrn's counters as NxD's user content)."""
-
-    def __init__(self, job: JobSpec) -> None:
-        from raytrn import storage
-
-        self.job = job
-        self.directory = storage.join(job.checkpoint.storage, job.run_name, "nxd")
-
-    def save(
-        self, t: Training, progress: Progress, schedule: Schedule, report: dict[str, Any], *, final: bool
-    ) -> list[Saved]:
-        counters, pinned = replace(progress), schedule.to_dict()
-        save_sharded_checkpoint(
-            self.directory, f"step_{progress.step:08d}", t.model, t.optimizer, t.scheduler,
-            {**asdict(counters), "schedule": pinned}, self.job.checkpoint.keep_last,
-        )  # fmt: skip
-        where = self.directory
-        return [
-            Saved(
-                step=progress.step,
-                report=report,
-                write=lambda d: write_meta(d, counters, schedule=pinned, sharded=where),
-            )
-        ]
-
-    def load(self, directory: str, t: Training) -> Progress:
-        saved = load_sharded_checkpoint(self.directory, t.model, t.optimizer, t.scheduler)
-        return Progress.from_dict(saved) if isinstance(saved, dict) else Progress()

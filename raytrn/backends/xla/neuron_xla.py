@@ -9,7 +9,7 @@ it gets fixes, not features.
 :class:`NeuronXlaConfig` is raytrn's Ray Train backend config for it, used instead of Ray's
 ``TorchXLAConfig``, which is XRT-era: it ``pkill``s processes on every worker, and it sets neither
 ``NEURON_RT_ROOT_COMM_ID`` nor the PJRT variables (ray-project/ray#65070). Here each worker gets its
-whole environment from :func:`~raytrn.backends.neuron_env.neuron_xla_worker_env` before it imports
+whole environment from :func:`~raytrn.backends.xla.env.neuron_xla_worker_env` before it imports
 ``torch_xla``; then every worker joins the ``xla`` process group. Nothing is ever killed.
 """
 
@@ -23,13 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ray.train.backend import Backend as RayBackend
 from ray.train.torch import TorchConfig
 
-from raytrn.backends.neuron_compile import FORWARD_ENV
-from raytrn.backends.neuron_env import (
-    check_neuron_job,
-    cores_per_instance,
-    neuron_xla_worker_env,
-    require_layout,
-)
+from raytrn.backends.neuron_env import check_neuron_job, cores_per_instance, require_layout
 from raytrn.backends.neuron_ray import (
     WorkerInfo,
     config_dict,
@@ -37,19 +31,22 @@ from raytrn.backends.neuron_ray import (
     set_up_workers,
     shut_down_process_group,
 )
-from raytrn.backends.nxd import (
-    NxdCheckpoints,
+from raytrn.backends.xla.backend import XlaBackend, import_torch_xla
+from raytrn.backends.xla.checkpoints import NoCheckpoints, NxdCheckpoints
+from raytrn.backends.xla.env import neuron_xla_worker_env
+from raytrn.backends.xla.neuron_compile import FORWARD_ENV
+from raytrn.backends.xla.nxd import (
     build_nxd_config,
     build_parallel_model,
     build_parallel_optimizer,
+    require_nxd,
     uses_nxd,
     vocab_parallel_loss,
 )
-from raytrn.backends.xla import XlaBackend, import_torch_xla
 
 if TYPE_CHECKING:
+    from raytrn.checkpoint.store import Checkpoints
     from raytrn.config import JobSpec
-    from raytrn.train.checkpointing import Checkpoints
     from raytrn.train.parallelize import Parallelized
     from raytrn.train.schedule import Schedule
     from raytrn.train.step import Training
@@ -67,6 +64,10 @@ class NeuronXlaBackend(XlaBackend):
         """The layout of every world size of the elastic range, the compile cache and compiler flags."""
         self.refuse_new_features(job)
         return check_neuron_job(job)
+
+    def check_installed(self, job: JobSpec) -> None:
+        """neuronx-distributed, when the job's ``parallel`` section needs it (:func:`.nxd.require_nxd`)."""
+        require_nxd(job)
 
     def ray_backend_config(self, job: JobSpec) -> NeuronXlaConfig:
         instance_type, workers_per_node = require_layout(job)
@@ -121,8 +122,6 @@ class NeuronXlaBackend(XlaBackend):
 
     def _checkpoints(self, checkpoints: Checkpoints) -> Checkpoints:
         """``neuron_parallel_compile``'s trial run writes nothing (its outputs are invalid)."""
-        from raytrn.train.checkpointing import NoCheckpoints
-
         return NoCheckpoints() if os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY") else checkpoints
 
 

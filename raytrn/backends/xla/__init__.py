@@ -1,0 +1,18 @@
+"""The frozen trn1 path: torch-neuronx's XLA build (PJRT on NeuronCores) with neuronx-distributed, and xla-cpu.
+
+AWS ended PyTorch/XLA training with Neuron 2.30 and NxD Training with 2.31; this path stays for trn1 on Neuron
+<= 2.29 and gets fixes, not features. It sits behind the same seam as the living backends and has its own resume
+protocol (``state.pt`` and NxD's shards, resumed through Ray Train's latest checkpoint: ``committed_checkpoints``
+is False):
+
+- :mod:`~raytrn.backends.xla.backend`: the XLA loop hooks (``XlaBackend``) and ``xla-cpu``.
+- :mod:`~raytrn.backends.xla.neuron_xla`: ``neuron-xla`` (trn1) and its Ray Train backend config.
+- :mod:`~raytrn.backends.xla.nxd`: neuronx-distributed's layout checks, config, model, optimizer, sharded saves.
+- :mod:`~raytrn.backends.xla.checkpoints`: ``state.pt``, NxD and no-op (compile trial) checkpoints.
+- :mod:`~raytrn.backends.xla.env`: a trn1 worker's PJRT/Neuron runtime environment.
+- :mod:`~raytrn.backends.xla.neuron_compile`: ``raytrn precompile`` (``neuron_parallel_compile``).
+
+Only the backend registry (:func:`raytrn.backends.get_backend`, by module path) and the XLA branches of
+``raytrn precheck`` / ``raytrn precompile`` reach it; nothing of the native path imports it, and deleting this
+package leaves the rest importable.
+"""

@@ -1,0 +1,114 @@
+"""The one finder of the checkpoint a run resumes from, used by the driver and by the workers.
+
+:func:`newest_committed` is the rule: the newest committed checkpoint of the run whose files are there at their
+recorded sizes (and pass a further check, if any); a checkpoint that fails is skipped with a warning naming the
+file and the one before it is tried; CheckpointError when the run has committed checkpoints and every one fails
+(nothing is silently started over); None when it has none.
+
+- The driver (:func:`latest_checkpoint`) applies it with sizes only (a listing), before any worker starts, to
+  say where the run resumes and pin its schedule; for a run without commit manifests (an older raytrn, the
+  frozen XLA path) it falls back to Ray Train's newest recorded checkpoint (:func:`newest_pointer`).
+- The workers (:func:`resume_point`, a collective) apply it to the list rank 0 made, with ``checkpoint.verify:
+  sha256`` each rank hashing a share of a candidate's files.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from raytrn.checkpoint import manifest
+from raytrn.checkpoint.manifest import Candidate
+from raytrn.checkpoint.progress import Meta, read_meta
+from raytrn.checkpoint.rundir import RunDir
+
+if TYPE_CHECKING:
+    from raytrn.config import JobSpec
+
+log = logging.getLogger(__name__)
+
+
+def newest_committed(
+    run: RunDir,
+    *,
+    candidates: Iterable[Candidate] | None = None,
+    check: Callable[[Candidate], list[str]] | None = None,
+    has_commits: Callable[[], bool] | None = None,
+    report: bool = True,
+) -> Candidate | None:
+    """The newest committed checkpoint of ``run`` whose files are there at their sizes and pass ``check`` (its
+    problems, ``'name: ...'``; None: sizes only), or None when the run has none committed.
+
+    ``candidates`` and ``has_commits``: what a listing of ``run`` already found (default: list it now, lazily, so
+    the sizes of older checkpoints are read only when a newer one fails); ``report``: warn of the skipped ones
+    (rank 0 only, when every rank runs this). CheckpointError when every committed checkpoint fails."""
+    rejected: list[str] = []
+    for candidate in manifest.candidates(run) if candidates is None else candidates:
+        problems = check(candidate) if check is not None else []
+        if not problems:
+            return candidate
+        if report:
+            log.warning(
+                "checkpoint %s: skipped: its files do not match its manifest (%s); trying the one before",
+                candidate.location,
+                "; ".join(problems),
+            )
+        rejected.append(f"{candidate.location}: {problems[0]}")
+    if manifest.has_commits(run) if has_commits is None else has_commits():
+        raise manifest.corrupt_error(run, rejected or ["no committed checkpoint has all its files (see the warnings)"])
+    return None
+
+
+def latest_checkpoint(job: JobSpec, *, committed: bool = True) -> tuple[Meta | None, str | None]:
+    """The driver's answer: what the checkpoint this run resumes from says (counters, schedule) and where it is,
+    or (None, None). The newest committed one whose files are there (the workers check their bytes too), else, for
+    a run without commit manifests (``committed=False``: the frozen XLA path), Ray Train's newest recorded one."""
+    run = RunDir.of(job)
+    if committed:
+        found = newest_committed(run)
+        if found is not None:
+            c = found.commit
+            meta = Meta(progress=replace(c.progress), schedule=c.schedule, extra={"dcp": found.location})
+            return meta, found.location
+    return newest_pointer(run)
+
+
+def newest_pointer(run: RunDir) -> tuple[Meta | None, str | None]:
+    """Ray Train's newest recorded checkpoint of ``run`` with a readable ``meta.json``, and where it is."""
+    for step in reversed(run.pointer_steps()):
+        location = run.pointer(step)
+        try:
+            meta = read_meta(location)
+        except ValueError as e:  # a damaged meta.json: the one before it
+            log.warning("checkpoint %s: unreadable meta.json (%s)", location, e)
+            continue
+        if meta is not None:
+            return meta, location
+    return None, None
+
+
+def resume_point(job: JobSpec, *, rank: int, world_size: int) -> Candidate | None:
+    """The workers' answer: the committed checkpoint this worker group resumes from, or None when the run has none
+    (a new run, one whose first save never finished, or one older than commit manifests: Ray Train's own
+    checkpoint is then the one). A collective: every rank calls it, at the start.
+
+    Rank 0 lists the committed checkpoints whose files are there at their sizes, newest first; with
+    ``checkpoint.verify: sha256`` every rank then hashes a share of each candidate's files, newest first, until
+    one passes (:func:`newest_committed`)."""
+    from raytrn.checkpoint import agree  # torch.distributed: the driver imports this module and never needs torch
+
+    run = RunDir.of(job)
+    listing: list[Any] = [None, False]
+    if rank == 0:
+        listing = [list(manifest.candidates(run)), manifest.has_commits(run)]
+    found, any_commits = agree.broadcast(listing)
+
+    def sha256(candidate: Candidate) -> list[str]:
+        names = sorted(candidate.commit.files)[rank::world_size]
+        mine = manifest.digest_problems(candidate.location, candidate.commit, names)
+        return [p for problems in agree.gather(mine) for p in problems]
+
+    check = sha256 if job.checkpoint.verify == "sha256" else None
+    return newest_committed(run, candidates=found, check=check, has_commits=lambda: any_commits, report=rank == 0)

@@ -1,0 +1,109 @@
+"""Every path of a run's directory, named in one place: ``<checkpoint.storage>/<run>/...``.
+
+A run's directory (a local path or an ``s3://`` URI) holds:
+
+- ``dcp/step_<N>``: the sharded checkpoint of step N (:mod:`raytrn.checkpoint.sharded`), committed once its
+  ``commit.json`` is written (:mod:`raytrn.checkpoint.manifest`); without it the directory is staging.
+- ``checkpoint_<N>``: Ray Train's record of a checkpoint (its pointer: ``meta.json``, saying where the state is),
+  named by step.
+- ``nxd``: neuronx-distributed's shards (the frozen XLA path, :mod:`raytrn.backends.xla`).
+- ``raytrn-mlflow.json``: the marker naming the run's MLflow run (:mod:`raytrn.tracking.mlflow_run`).
+
+No other module joins a run's directory by hand: a change of layout is an edit here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pyarrow.fs as pafs
+
+from raytrn import storage
+
+if TYPE_CHECKING:
+    from raytrn.config import JobSpec
+
+#: The directory of a run's sharded (DCP) checkpoints.
+DCP_DIR = "dcp"
+#: The directory of neuronx-distributed's shards (the frozen XLA path).
+NXD_DIR = "nxd"
+#: The marker file that names the run's MLflow run.
+MLFLOW_MARKER = "raytrn-mlflow.json"
+#: ``dcp/step_<N>``: raytrn's sharded checkpoint directories.
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+#: ``checkpoint_<N>``: Ray Train's checkpoint directories (raytrn names them by step).
+POINTER_DIR = re.compile(r"^checkpoint_(\d{8})$")
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The directory of run ``run`` under ``storage`` (``checkpoint.storage``), and every path in it."""
+
+    storage: str
+    run: str
+
+    @classmethod
+    def of(cls, job: JobSpec) -> RunDir:
+        """The run directory of ``job`` (``checkpoint.storage`` and the run's name)."""
+        return cls(job.checkpoint.storage, job.run_name)
+
+    @property
+    def root(self) -> str:
+        return storage.join(self.storage, self.run)
+
+    # -- sharded checkpoints -------------------------------------------------------------------------
+    @property
+    def dcp(self) -> str:
+        """Where the run's sharded checkpoints are (``<run>/dcp``)."""
+        return storage.join(self.root, DCP_DIR)
+
+    @staticmethod
+    def step_name(step: int) -> str:
+        return f"step_{step:08d}"
+
+    def dcp_step(self, step: int) -> str:
+        """The sharded checkpoint of ``step`` (``<run>/dcp/step_<N>``): staging until committed."""
+        return storage.join(self.dcp, self.step_name(step))
+
+    def dcp_steps(self) -> list[int]:
+        """The steps of the ``dcp/step_<N>`` directories (raytrn's own only), ascending; empty when missing."""
+        return _steps(self.dcp, STEP_DIR)
+
+    # -- Ray Train's pointers ------------------------------------------------------------------------
+    @staticmethod
+    def pointer_name(step: int) -> str:
+        """The name raytrn gives Ray Train's checkpoint directory of ``step`` (``checkpoint_dir_name``)."""
+        return f"checkpoint_{step:08d}"
+
+    def pointer(self, step: int) -> str:
+        """Ray Train's checkpoint directory of ``step`` (``<run>/checkpoint_<N>``)."""
+        return storage.join(self.root, self.pointer_name(step))
+
+    def pointer_steps(self) -> list[int]:
+        """The steps of the checkpoints Ray Train records for the run (its ``checkpoint_<N>`` directories),
+        ascending; empty when the directory is missing or cannot be listed."""
+        return _steps(self.root, POINTER_DIR)
+
+    # -- the rest ------------------------------------------------------------------------------------
+    @property
+    def nxd(self) -> str:
+        """neuronx-distributed's shards (the frozen XLA path): ``<run>/nxd``."""
+        return storage.join(self.root, NXD_DIR)
+
+    @property
+    def mlflow_marker(self) -> str:
+        """The file naming the run's MLflow run (``<run>/raytrn-mlflow.json``)."""
+        return storage.join(self.root, MLFLOW_MARKER)
+
+
+def _steps(directory: str, pattern: re.Pattern[str]) -> list[int]:
+    fs, path = storage.filesystem(directory)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    except OSError:
+        return []
+    return sorted(
+        int(m.group(1)) for i in infos if i.type == pafs.FileType.Directory and (m := pattern.match(i.base_name))
+    )

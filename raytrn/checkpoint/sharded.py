@@ -1,0 +1,206 @@
+"""Sharded, reshardable checkpoints: every rank writes its shards, rank 0 commits them with a manifest.
+
+:class:`DcpCheckpoints` is how cpu, cuda and neuron (TorchNeuron) workers save and restore, in any DDP/FSDP/TP
+layout: the write is :mod:`raytrn.checkpoint.dcp` (``torch.distributed.checkpoint``), the commit, retention and
+staging :mod:`raytrn.checkpoint.manifest`, the paths :mod:`raytrn.checkpoint.rundir`; ``checkpoint.async``
+overlaps the write with training. The checkpoint to resume is chosen by :mod:`raytrn.checkpoint.finder`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from raytrn.checkpoint import dcp, manifest
+from raytrn.checkpoint.agree import all_true, gather
+from raytrn.checkpoint.manifest import Candidate, Commit
+from raytrn.checkpoint.progress import Progress, read_local_meta, write_meta
+from raytrn.checkpoint.rundir import RunDir
+from raytrn.checkpoint.statefile import has_state, load_state
+from raytrn.checkpoint.store import Checkpoints, PinnedSchedule, Saved, TrainState
+from raytrn.errors import CheckpointError
+from raytrn.storage import is_transient
+
+if TYPE_CHECKING:
+    from raytrn.config import JobSpec
+
+log = logging.getLogger(__name__)
+
+#: What a failed DCP save raises (on every rank): DCP's CheckpointException is a BaseException.
+SAVE_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
+
+
+class DcpCheckpoints(Checkpoints):
+    """Sharded DCP checkpoints in the run's ``dcp/step_<N>`` directories, each committed by a manifest once every
+    rank's files are written (:mod:`raytrn.checkpoint.manifest`; the write itself: :mod:`raytrn.checkpoint.dcp`).
+
+    A save that fails (storage unavailable past the retries of :mod:`raytrn.storage`) is left uncommitted and
+    training goes on, unless it is the last one or a preemption's: those raise."""
+
+    def __init__(self, job: JobSpec, *, rank: int, plain_layout: bool, layout: dict[str, Any] | None = None) -> None:
+        self.job, self.rank = job, rank
+        self.run = RunDir.of(job)
+        #: DDP or one process, TP 1: ``state.pt`` checkpoints of older raytrn versions load as they are.
+        self.plain_layout = plain_layout
+        self.layout = dict(layout or {})
+        self.asynchronous = job.checkpoint.async_
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.layout["data_parallel_size"] = self.world_size // int(self.layout.get("tensor_parallel_size", 1))
+        # The background write's collectives get a gloo group of their own (also on nccl): never interleaved
+        # with the step's collectives on the default group. Created by every rank at the same point.
+        self._group = dist.new_group(backend="gloo") if self.asynchronous and self.distributed else None
+        self._pending: tuple[Any, Any, Saved, Commit] | None = None
+        #: Saves that failed and were skipped (uncommitted), this worker group.
+        self.failed = 0
+
+    def save(
+        self, t: TrainState, progress: Progress, schedule: PinnedSchedule, report: dict[str, Any], *, final: bool
+    ) -> list[Saved]:
+        ready = self._finish_pending(final=final)
+        location = self.run.dcp_step(progress.step)
+        if self.rank == 0:  # before the save's first collective: no rank writes there until rank 0 joins it
+            try:
+                manifest.clear_staging(self.run, progress.step)
+            except OSError as e:  # the save goes on (and fails everywhere if the storage is down): the manifest
+                log.warning("checkpoint %s: could not clear it before saving: %s", location, e)  # lists its files
+        counters, pinned = replace(progress), schedule.to_dict()
+        commit = Commit(
+            step=progress.step, world_size=self.world_size, layout=self.layout, files={}, progress=counters,
+            schedule=pinned,
+        )  # fmt: skip
+        saved = Saved(
+            step=progress.step,
+            report=report,
+            write=lambda d: write_meta(d, counters, schedule=pinned, dcp=location),
+        )
+        state = dcp.training_state(t.model, t.optimizer, t.scheduler)
+        if self.asynchronous and not final:  # the step waits for staging to host memory only
+            future, writer = dcp.async_save(state, location, process_group=self._group)
+            self._pending = (future, writer, saved, commit)
+            return ready
+        try:
+            digests: dict[str, tuple[int, str]] | None = dcp.save(state, location)
+        except SAVE_ERRORS as e:  # every rank gets DCP's error (its collectives carry it)
+            self._failed(location, e, final=final)
+            digests = None
+        done = self._commit(location, commit, digests, saved, final=final)
+        return [*ready, *done]
+
+    def _finish_pending(self, *, final: bool) -> list[Saved]:
+        if self._pending is None:
+            return []
+        future, writer, saved, commit = self._pending
+        self._pending = None
+        location = self.run.dcp_step(saved.step)
+        try:
+            future.result()  # the previous checkpoint's write: usually long done
+            digests: dict[str, tuple[int, str]] | None = dict(writer.digests)
+        except SAVE_ERRORS as e:
+            self._failed(location, e, final=final)
+            digests = None
+        return self._commit(location, commit, digests, saved, final=final)
+
+    def _failed(self, location: str, error: BaseException, *, final: bool) -> None:
+        """A save failed on every rank: skipped if the storage failed (and it is not the last save), else raised
+        (a lost peer fails the group anyway; anything else is a bug to see)."""
+        if not _storage_failure(error):
+            raise error
+        if final:
+            raise CheckpointError(f"checkpoint {location} could not be written: {_first_cause(error)}") from error
+        self.failed += 1
+        if self.rank == 0:
+            log.warning(
+                "checkpoint %s could not be written (%s); training goes on, it is left uncommitted (never resumed) "
+                "and the next save tries again",
+                location,
+                _first_cause(error),
+            )
+
+    def _commit(
+        self, location: str, commit: Commit, digests: dict[str, tuple[int, str]] | None, saved: Saved, *, final: bool
+    ) -> list[Saved]:
+        """Gather every rank's files (a collective on every rank; None: this save failed everywhere), and let rank 0
+        write the manifest; the checkpoint is reported only when committed."""
+        files = gather(digests, group=self._group)
+        if any(f is None for f in files):
+            return []
+        ok = True
+        if self.rank == 0:
+            commit.files = {name: {"size": size, "sha256": sha} for f in files for name, (size, sha) in f.items()}
+            commit.written_at = time.time()
+            try:
+                manifest.write_commit(location, commit)
+            except Exception as e:
+                ok = False
+                if final:
+                    raise CheckpointError(f"checkpoint {location} could not be committed: {e}") from e
+                log.warning("checkpoint %s could not be committed (%s); training goes on", location, e)
+            else:
+                self._prune()
+        if not all_true(ok, group=self._group):
+            self.failed += 1
+            return []
+        return [saved]
+
+    def _prune(self) -> None:
+        """Rank 0, after a commit: ``checkpoint.keep_last`` of raytrn's committed checkpoints (see
+        :func:`raytrn.checkpoint.manifest.prune`)."""
+        try:
+            deleted = manifest.prune(self.run, keep_last=self.job.checkpoint.keep_last)
+        except OSError as e:  # retention never fails training
+            log.warning("could not delete old checkpoints under %s: %s", self.run.dcp, e)
+            return
+        if deleted:
+            log.info(
+                "deleted checkpoints of steps %s (checkpoint.keep_last=%s)", deleted, self.job.checkpoint.keep_last
+            )
+
+    def load_committed(self, candidate: Candidate, t: TrainState) -> Progress:
+        """Restore the committed checkpoint :func:`raytrn.checkpoint.finder.resume_point` chose."""
+        dcp.load(candidate.location, t.model, t.optimizer, t.scheduler, source=self.job.source)
+        return replace(candidate.commit.progress)
+
+    def load(self, directory: str, t: TrainState) -> Progress:
+        meta = read_local_meta(directory)
+        location = meta.extra.get("dcp")
+        if isinstance(location, str):
+            dcp.load(location, t.model, t.optimizer, t.scheduler, source=self.job.source)
+            return meta.progress
+        if has_state(directory):
+            if not self.plain_layout:
+                raise CheckpointError(
+                    f"{self.job.source}: the checkpoint to resume ({directory}) is a single-file state.pt of an "
+                    "older raytrn, which loads only into an unsharded model. Resume it once with "
+                    "parallel.data_parallel: ddp and parallel.tensor_parallel_size: 1 (run.max_steps just past its "
+                    "step): the checkpoint that run writes is sharded and loads into any layout"
+                )
+            return load_state(directory, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
+        if "sharded" in meta.extra:
+            raise CheckpointError(
+                f"{self.job.source}: the checkpoint to resume ({directory}) was written by neuronx-distributed "
+                "(scaling.accelerator: neuron-xla); it loads only there"
+            )
+        raise CheckpointError(f"{self.job.source}: checkpoint {directory} holds no training state")
+
+
+def _storage_failure(error: BaseException) -> bool:
+    """Whether a failed save failed on the storage (every rank's error an OSError or an S3 client error), not on a
+    lost peer or a bug."""
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+    errors = [e for e, _ in failures.values()] if isinstance(failures, dict) else [error]
+    return bool(errors) and all(isinstance(e, OSError) or is_transient(e) for e in errors)
+
+
+def _first_cause(error: BaseException) -> str:
+    """The first rank's error of a DCP CheckpointException (one line), else the error."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (first, _) = next(iter(sorted(failures.items(), key=lambda kv: kv[0])))
+        return f"rank {rank}: {type(first).__name__}: {first}"
+    return str(error)
