@@ -258,8 +258,8 @@ def _cmd_precheck(args: argparse.Namespace) -> int:
 
 
 def _cmd_precompile(args: argparse.Namespace) -> int:
-    from raytrn.backends.xla.neuron_compile import precompile  # the frozen XLA path: loaded for this command only
     from raytrn.config import load_job
+    from raytrn.xla.neuron_compile import precompile  # the frozen XLA path: loaded for this command only
 
     return precompile(load_job(args.job, args.overrides), dry_run=args.dry_run, overrides=args.overrides)
 

@@ -3,7 +3,7 @@
 The training loop asks its backend for the device, how to wrap the model, how to step and sync, and
 which Ray Train backend config to use. An accelerator is a module registered in :data:`_BACKENDS`, not a change
 to the loop: ``neuron`` is TorchNeuron (trn2/trn3), ``neuron-xla`` the frozen XLA path (trn1,
-:mod:`raytrn.backends.xla`).
+:mod:`raytrn.xla`).
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import importlib
 from raytrn.backends.base import Backend
 from raytrn.errors import BackendError, BackendUnavailableError
 
-#: Each backend by module path, imported on first use: the frozen XLA path (raytrn.backends.xla) loads only for the
+#: Each backend by module path, imported on first use: the frozen XLA path (raytrn.xla) loads only for the
 #: jobs that ask for it, never for cpu, cuda or neuron jobs (nor their checks).
 _BACKENDS = {
     "cpu": "raytrn.backends.cpu:CpuBackend",
     "cuda": "raytrn.backends.cuda:CudaBackend",
     "neuron": "raytrn.backends.neuron:NeuronBackend",
-    "neuron-xla": "raytrn.backends.xla.neuron_xla:NeuronXlaBackend",
-    "xla-cpu": "raytrn.backends.xla.backend:XlaCpuBackend",
+    "neuron-xla": "raytrn.xla.neuron_xla:NeuronXlaBackend",
+    "xla-cpu": "raytrn.xla.backend:XlaCpuBackend",
 }
 
 
@@ -34,7 +34,7 @@ def get_backend(name: str) -> Backend:
     module, cls = target.split(":")
     try:
         loaded = importlib.import_module(module)
-    except ModuleNotFoundError as e:  # an installation without the frozen XLA path (raytrn.backends.xla)
+    except ModuleNotFoundError as e:  # an installation without the frozen XLA path (raytrn.xla)
         if not (e.name and module.startswith(e.name)):
             raise
         raise BackendUnavailableError(

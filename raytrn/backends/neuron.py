@@ -8,7 +8,7 @@ group, ``torch.compile(backend="neuron")`` for ``run.compile``, ``torch.autocast
 set by :class:`TorchNeuronConfig` before the process group forms and before any neuron tensor exists).
 
 Ray has no Train backend for TorchNeuron (its ``TorchXLAConfig`` is XLA-only): :class:`TorchNeuronConfig` is
-raytrn's. The trn1 XLA path is :mod:`raytrn.backends.xla.neuron_xla`.
+raytrn's. The trn1 XLA path is :mod:`raytrn.xla.neuron_xla`.
 """
 
 from __future__ import annotations

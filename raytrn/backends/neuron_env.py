@@ -2,7 +2,7 @@
 
 Which stack an instance family trains with: trn2/trn2u (and trn3 once its core counts are confirmed) use
 TorchNeuron (``scaling.accelerator: neuron``, :func:`torchneuron_worker_env`); trn1 uses the frozen XLA path
-(``neuron-xla``, whose worker environment is :func:`raytrn.backends.xla.env.neuron_xla_worker_env`). Both run one
+(``neuron-xla``, whose worker environment is :func:`raytrn.xla.env.neuron_xla_worker_env`). Both run one
 Ray Train worker per (logical) NeuronCore, wired the way ``torchrun`` wires a torch.distributed program: ``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` (:func:`torchrun_env`,
 checked by :func:`check_ranks`).
@@ -19,8 +19,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from raytrn.config.sizes import elastic_world_sizes
 from raytrn.errors import BackendError
-from raytrn.train.sizes import elastic_world_sizes
 
 if TYPE_CHECKING:
     from raytrn.config import JobSpec

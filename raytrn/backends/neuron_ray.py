@@ -1,7 +1,7 @@
 """What both Trainium Ray Train backends do on the workers before training: find out where Ray placed each
 worker, check the placement, set each worker's environment, and tear the process group down.
 
-:mod:`raytrn.backends.neuron` (TorchNeuron, trn2/trn3) and :mod:`raytrn.backends.xla.neuron_xla` (the frozen
+:mod:`raytrn.backends.neuron` (TorchNeuron, trn2/trn3) and :mod:`raytrn.xla.neuron_xla` (the frozen
 XLA path, trn1) differ only in the environment they compute (pure functions in
 :mod:`raytrn.backends.neuron_env`) and the process group they form. Nothing here ever kills a process.
 """

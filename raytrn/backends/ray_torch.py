@@ -1,5 +1,5 @@
 """Ray Train's torch backend (process group on gloo or nccl) plus what raytrn's workers need before training:
-a SIGTERM handler that turns the signal into a checkpoint (:func:`raytrn.train.preemption.install_sigterm_handler`).
+a SIGTERM handler that turns the signal into a checkpoint (:func:`raytrn.sigterm.install_sigterm_handler`).
 
 Imported only where a trainer is built (it imports torch)."""
 
@@ -12,7 +12,7 @@ from typing import Any
 from ray.train.torch import TorchConfig
 
 from raytrn.compat import torch_backend_class
-from raytrn.train.preemption import install_sigterm_handler
+from raytrn.sigterm import install_sigterm_handler
 
 log = logging.getLogger(__name__)
 

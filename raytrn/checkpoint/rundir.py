@@ -6,7 +6,7 @@ A run's directory (a local path or an ``s3://`` URI) holds:
   ``commit.json`` is written (:mod:`raytrn.checkpoint.manifest`); without it the directory is staging.
 - ``checkpoint_<N>``: Ray Train's record of a checkpoint (its pointer: ``meta.json``, saying where the state is),
   named by step.
-- ``nxd``: neuronx-distributed's shards (the frozen XLA path, :mod:`raytrn.backends.xla`).
+- ``nxd``: neuronx-distributed's shards (the frozen XLA path, :mod:`raytrn.xla`).
 - ``raytrn-mlflow.json``: the marker naming the run's MLflow run (:mod:`raytrn.tracking.mlflow_run`).
 
 No other module joins a run's directory by hand: a change of layout is an edit here.

@@ -1,6 +1,6 @@
 """The single-file format: the whole training state in one ``state.pt``, written by rank 0.
 
-The frozen XLA path writes it (:mod:`raytrn.backends.xla.checkpoints`: replicas are identical there); the sharded
+The frozen XLA path writes it (:mod:`raytrn.xla.checkpoints`: replicas are identical there); the sharded
 path reads it once to resume a checkpoint of an older raytrn into an unsharded model
 (:mod:`raytrn.checkpoint.sharded`). Both read the format here, so neither depends on the other.
 Beside it, ``meta.json`` (:mod:`raytrn.checkpoint.progress`) holds the counters, readable without torch.

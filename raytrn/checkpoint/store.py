@@ -7,7 +7,7 @@ checkpoint is always a small directory: ``meta.json`` (counters, schedule, where
 - :class:`raytrn.checkpoint.sharded.DcpCheckpoints` (cpu, cuda, neuron; any DDP/FSDP/TP layout):
   ``torch.distributed.checkpoint``, every rank writing its shards, committed by a manifest, reshardable.
 - The frozen XLA path's own formats (``state.pt``, neuronx-distributed's shards, none in a compile trial):
-  :mod:`raytrn.backends.xla.checkpoints`.
+  :mod:`raytrn.xla.checkpoints`.
 
 What a checkpoint saves is typed here by what it uses (:class:`TrainState`, :class:`PinnedSchedule`), so this
 package needs nothing of :mod:`raytrn.train`.

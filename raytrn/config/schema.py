@@ -20,7 +20,7 @@ from raytrn.errors import ConfigError
 
 Accelerator = Literal["cpu", "cuda", "neuron", "neuron-xla", "xla-cpu"]
 
-#: The most workers a job may ask for (see raytrn.train.sizes).
+#: The most workers a job may ask for (see raytrn.config.sizes).
 MAX_WORKERS = 100_000
 #: Run names become directory names under checkpoint.storage: one path component, no "..", no "/".
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}$")

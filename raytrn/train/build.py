@@ -20,12 +20,12 @@ from raytrn.backends.base import Backend
 from raytrn.checkpoint.sharded import DcpCheckpoints
 from raytrn.checkpoint.store import Checkpoints
 from raytrn.config import JobSpec
+from raytrn.config.sizes import data_parallel_size
 from raytrn.models import build_model
 from raytrn.models.lora import apply_lora
 from raytrn.train.optim import build_adamw, lr_scheduler
 from raytrn.train.parallelize import Parallelized, grad_norm_and_clip, parallelize
 from raytrn.train.schedule import Schedule
-from raytrn.train.sizes import data_parallel_size
 from raytrn.train.step import Training, cross_entropy
 
 log = logging.getLogger(__name__)

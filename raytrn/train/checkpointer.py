@@ -29,8 +29,9 @@ from raytrn.checkpoint.rundir import RunDir
 from raytrn.checkpoint.store import Saved
 from raytrn.config import JobSpec
 from raytrn.models.hf import load_weights
+from raytrn.sigterm import sigterm_received
 from raytrn.train.preemption import describe as describe_notice
-from raytrn.train.preemption import exit_after_sigterm, sigterm_received, wait_for_teardown
+from raytrn.train.preemption import exit_after_sigterm, wait_for_teardown
 from raytrn.train.schedule import Schedule
 from raytrn.train.step import Training
 

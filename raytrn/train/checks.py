@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from raytrn.backends import get_backend
 from raytrn.config import JobSpec
-from raytrn.data.manifest import Manifest, load_manifest
-from raytrn.errors import BackendUnavailableError, ConfigError, DataError
-from raytrn.models import model_stats
-from raytrn.train.sizes import (
+from raytrn.config.sizes import (
     check_global_batch,
     data_parallel_sizes,
     describe_batch,
@@ -15,6 +12,9 @@ from raytrn.train.sizes import (
     global_batch,
     world_sizes,
 )
+from raytrn.data.manifest import Manifest, load_manifest
+from raytrn.errors import BackendUnavailableError, ConfigError, DataError
+from raytrn.models import model_stats
 
 
 def check_spec(job: JobSpec) -> list[str]:

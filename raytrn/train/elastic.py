@@ -4,7 +4,7 @@ Ray Train V2's elastic policy adds up the workers every node could hold and star
 maximum). On Trainium that is wrong twice: capacity comes in whole instances (a TP group must sit on one),
 and a size that breaks the global batch or the TP layout must never be picked. :class:`SizeChooser` is the
 rule raytrn's policy (:func:`raytrn.compat.elastic_scaling_policy`) applies instead: per node, whole
-multiples of ``workers_per_node``; in total, the largest size of :func:`raytrn.train.sizes.world_sizes` that
+multiples of ``workers_per_node``; in total, the largest size of :func:`raytrn.config.sizes.world_sizes` that
 fits.
 
 Ray's own view of the cluster lags a lost node: its autoscaling coordinator refreshes every 20 s, and the GCS

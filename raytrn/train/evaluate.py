@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from raytrn.checkpoint.progress import Progress
+from raytrn.config.sizes import data_parallel_sizes, global_batch
 from raytrn.data.batch import attention, to_torch
 from raytrn.data.manifest import Manifest, load_manifest, rows_per_group
 from raytrn.data.order import RankSlice, SampleOrder, iter_rows, plan_epoch
 from raytrn.data.source import block_arrays, slices
 from raytrn.errors import DataError
-from raytrn.train.sizes import data_parallel_sizes, global_batch
 from raytrn.train.step import Training, forward
 
 if TYPE_CHECKING:

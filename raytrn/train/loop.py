@@ -16,16 +16,17 @@ import ray.train
 
 from raytrn.backends import get_backend
 from raytrn.checkpoint.rundir import RunDir
+from raytrn.config.sizes import data_parallel_rank, data_parallel_size, global_batch
 from raytrn.data.feed import DataFeed
 from raytrn.runtime import worker_logging
+from raytrn.sigterm import TRAINING
 from raytrn.tracking.export import log_final_model
 from raytrn.train.build import build_training
 from raytrn.train.checkpointer import Checkpointer
 from raytrn.train.evaluate import Evaluation
 from raytrn.train.metrics import MetricsReporter, tracking_logger
 from raytrn.train.plan import WorkerPlan
-from raytrn.train.preemption import TRAINING, PreemptionWatch
-from raytrn.train.sizes import data_parallel_rank, data_parallel_size, global_batch
+from raytrn.train.preemption import PreemptionWatch
 from raytrn.train.step import train_step
 
 

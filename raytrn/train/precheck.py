@@ -21,11 +21,11 @@ step's graph structure at small shapes, for a laptop.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from raytrn.backends import get_backend
 from raytrn.config import JobSpec
 from raytrn.errors import ConfigError, RaytrnError
 
@@ -253,67 +253,17 @@ def precheck(
     if small or tiny:
         job = shrink(job, shapes=tiny)
     memory = check_memory(job, available=max_memory_bytes, shrunk="tiny" if tiny else "small" if small else "")
-    if job.scaling.accelerator in XLA_ACCELERATORS:
-        return _precheck_xla(job, steps=steps, warmup_steps=warmup_steps, batches=batches, memory=memory)
+    if job.scaling.accelerator in XLA_ACCELERATORS:  # the frozen XLA path's own (raytrn.xla.precheck), via its backend
+        xla: Any = get_backend(job.scaling.accelerator)
+        report: PrecheckReport = xla.precheck(
+            job, steps=steps, warmup_steps=warmup_steps, batches=batches, memory=memory
+        )
+        return report
     return _precheck_compiled(job, steps=steps, warmup_steps=warmup_steps, batches=batches, memory=memory)
 
 
 #: The accelerators whose step precheck runs on torch-xla; the others run it under torch.compile.
 XLA_ACCELERATORS = ("neuron-xla", "xla-cpu")
-
-
-def _precheck_xla(
-    job: JobSpec, *, steps: int, warmup_steps: int, batches: Iterator[Any] | None, memory: MemoryEstimate
-) -> PrecheckReport:
-    os.environ.setdefault("PJRT_DEVICE", "CPU")
-    from raytrn.backends.xla.backend import import_torch_xla
-
-    import_torch_xla()
-    import torch_xla.debug.metrics as met
-
-    from raytrn.models import model_stats
-    from raytrn.train.build import build_training
-    from raytrn.train.step import read_metrics, train_step
-
-    backend = _recording_backend()
-    t = build_training(job, backend, world_size=job.scaling.min_workers if job.data.global_batch_size else 1)
-    # Each micro-batch is its own graph on XLA: 2 of them show the first-vs-accumulating variants.
-    t.grad_accum = min(t.grad_accum, 2)
-    host_batches, data = (batches, "given batches") if batches is not None else _job_batches(job)
-    shapes: list[tuple[int, ...]] = []
-    # Record shapes as the step consumes them (the device loader prefetches ahead of the step).
-    device_batches = _shape_recorder(backend.wrap_batches(host_batches), shapes)
-    report = PrecheckReport(
-        job=job.source,
-        warmup_steps=warmup_steps,
-        data=data,
-        model=model_stats(job.model, job.data.seq_len).describe(),
-        memory=memory.describe(),
-    )
-
-    def counters() -> tuple[int, int]:
-        transfers = met.metric_data("TransferFromDeviceTime")
-        return int(met.counter_value("UncachedCompile") or 0), int(transfers[0] if transfers else 0)
-
-    for step in range(1, steps + 1):
-        compiles0, syncs0 = counters()
-        n_shapes = len(shapes)
-        result = train_step(t, device_batches, backend)
-        logged = step % job.run.log_every == 0
-        if logged:
-            read_metrics(result, 1)  # the loop's metric read, at the loop's cadence
-        compiles1, syncs1 = counters()
-        report.records.append(
-            StepRecord(
-                step=step,
-                compiles=compiles1 - compiles0,
-                host_syncs=syncs1 - syncs0,
-                graph_hash=backend.last_hash,
-                input_shape=_odd_one_out(shapes[n_shapes:], shapes[0]),
-                logged=logged,
-            )
-        )
-    return report
 
 
 def _precheck_compiled(
@@ -383,27 +333,6 @@ def _dynamo_reason(e: Exception) -> str:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     where = [line for line in lines if line.startswith("File ")]
     return " ".join(lines[:1] + where[-1:])[:800]
-
-
-def _recording_backend() -> Any:
-    """xla-cpu, noting the hash of the graph that updates the parameters at the end of each step."""
-    from raytrn.backends.xla.backend import XlaCpuBackend
-
-    class RecordingBackend(XlaCpuBackend):
-        last_hash = "-"
-        _params: list[Any] = []
-
-        def reduce_gradients(self, optimizer: Any) -> None:
-            self._params = [p for group in optimizer.param_groups for p in group["params"]]
-            super().reduce_gradients(optimizer)
-
-        def sync(self) -> None:
-            import torch_xla
-
-            self.last_hash = hashlib.sha1(bytes(torch_xla._XLAC._get_graph_hash(self._params))).hexdigest()[:16]
-            super().sync()
-
-    return RecordingBackend()
 
 
 def _odd_one_out(step_shapes: list[tuple[int, ...]], usual: tuple[int, ...]) -> tuple[int, ...]:

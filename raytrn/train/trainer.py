@@ -22,6 +22,7 @@ from raytrn.compat import (
     trainer_without_callbacks,
 )
 from raytrn.config import JobSpec
+from raytrn.config.sizes import world_sizes
 from raytrn.data.order import SAMPLE_TRACE_ENV
 from raytrn.errors import RaytrnError
 from raytrn.models import model_stats
@@ -31,7 +32,6 @@ from raytrn.train.checks import check_data, check_init_from, check_spec
 from raytrn.train.elastic import SizeChooser, reachable_nodes
 from raytrn.train.plan import WorkerPlan
 from raytrn.train.schedule import Schedule, resolve_schedule
-from raytrn.train.sizes import world_sizes
 
 log = logging.getLogger(__name__)
 

@@ -84,8 +84,8 @@ def _worker(rank: int, world: int, port: int, plan: dict[str, Any], out: str) ->
 
 
 def _run_plan(rank: int, world: int, plan: dict[str, Any], out: Path) -> None:
+    from raytrn.config.sizes import data_parallel_size
     from raytrn.train.build import build_training
-    from raytrn.train.sizes import data_parallel_size
     from raytrn.train.step import read_metrics, train_step
 
     job = tiny_job(Path(plan["tmp"]), *plan["overrides"])

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from raytrn.config import PRESETS, JobSpec, load_job, read_job_file
+from raytrn.config.sizes import data_parallel_size, world_sizes
 from raytrn.errors import ConfigError
 from raytrn.models import model_stats
 from raytrn.train.checks import check_job, check_parallel
 from raytrn.train.precheck import XLA_ACCELERATORS
-from raytrn.train.sizes import data_parallel_size, world_sizes
 
 pytestmark = pytest.mark.unit
 

@@ -12,15 +12,15 @@ import pytest
 from ray import cloudpickle
 
 import raytrn.backends.neuron_ray as neuron_ray
-import raytrn.backends.xla.neuron_xla as neuron_xla
+import raytrn.xla.neuron_xla as neuron_xla
 from raytrn.backends import get_backend
 from raytrn.backends.neuron_ray import WorkerInfo
-from raytrn.backends.xla.backend import XlaBackend
-from raytrn.backends.xla.env import neuron_xla_worker_env
-from raytrn.backends.xla.neuron_xla import NeuronXlaBackend, NeuronXlaConfig
-from raytrn.backends.xla.neuron_xla import plan_xla_worker_envs as plan_worker_envs
 from raytrn.config import JobSpec, load_job
 from raytrn.errors import BackendError
+from raytrn.xla.backend import XlaBackend
+from raytrn.xla.env import neuron_xla_worker_env
+from raytrn.xla.neuron_xla import NeuronXlaBackend, NeuronXlaConfig
+from raytrn.xla.neuron_xla import plan_xla_worker_envs as plan_worker_envs
 from tests.unit import test_host_malloc
 from tests.unit.neuron_fakes import FakeWorkerGroup, assert_never_kills, workers
 from tests.unit.test_init_from import hf_checkpoint, job_for

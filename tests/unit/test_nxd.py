@@ -19,8 +19,12 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from raytrn.backends.xla import nxd
-from raytrn.backends.xla.nxd import (
+from raytrn.config import JobSpec, apply_overrides, parse_job
+from raytrn.config.sizes import data_parallel_rank, data_parallel_size, describe_sizes, world_sizes
+from raytrn.errors import BackendError, BackendUnavailableError, ConfigError
+from raytrn.train.checks import check_spec
+from raytrn.xla import nxd
+from raytrn.xla.nxd import (
     LAYOUT_KEY,
     build_nxd_config,
     build_parallel_model,
@@ -34,10 +38,6 @@ from raytrn.backends.xla.nxd import (
     uses_nxd,
     vocab_parallel_loss,
 )
-from raytrn.config import JobSpec, apply_overrides, parse_job
-from raytrn.errors import BackendError, BackendUnavailableError, ConfigError
-from raytrn.train.checks import check_spec
-from raytrn.train.sizes import data_parallel_rank, data_parallel_size, describe_sizes, world_sizes
 
 pytestmark = pytest.mark.unit
 
@@ -567,7 +567,7 @@ def test_load_the_newest_checkpoint(fake_nxd: FakeNxD) -> None:
 def test_load_after_a_resize_restarts_zero1_moments(fake_nxd: FakeNxD, caplog: pytest.LogCaptureFixture) -> None:
     _saved(fake_nxd, tp=8, dp=8)  # saved on 2 nodes, resumed on 1 (DP 4)
     opt = Zero1Optimizer(True)
-    with caplog.at_level(logging.WARNING, logger="raytrn.backends.xla.nxd"):
+    with caplog.at_level(logging.WARNING, logger="raytrn.xla.nxd"):
         load_sharded_checkpoint("s3://b/run", "M", opt, "S")
     assert fake_nxd.called("load") == [
         (("s3://b/run",), {"tag": "step_200", "model": "M", "optimizer": None, "scheduler": "S"})

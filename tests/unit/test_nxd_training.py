@@ -19,14 +19,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raytrn.backends.xla.checkpoints import NxdCheckpoints
-from raytrn.backends.xla.neuron_xla import NeuronXlaBackend
-from raytrn.backends.xla.nxd import uses_nxd
 from raytrn.checkpoint.progress import Progress
 from raytrn.config import load_job
 from raytrn.train.build import build_training
 from raytrn.train.schedule import Schedule
 from raytrn.train.step import train_step
+from raytrn.xla.checkpoints import NxdCheckpoints
+from raytrn.xla.neuron_xla import NeuronXlaBackend
+from raytrn.xla.nxd import uses_nxd
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
@@ -223,8 +223,8 @@ def test_plain_neuron_job_has_no_nxd() -> None:
 
 @pytest.mark.parametrize(("tp", "world"), [(2, 8), (8, 32), (32, 128)])
 def test_tp_groups_share_rows_and_replicas_partition_them(tp: int, world: int) -> None:
+    from raytrn.config.sizes import data_parallel_rank
     from raytrn.data.order import RankSlice, SampleOrder, plan_epoch
-    from raytrn.train.sizes import data_parallel_rank
 
     job = _tp_job(f"parallel.tensor_parallel_size={tp}")
     dp = world // tp

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from raytrn.backends.neuron_env import compile_cache_env
-from raytrn.backends.xla.neuron_compile import PRECOMPILE_STEPS, PrecompileStep, precompile, precompile_plan
 from raytrn.config import JobSpec, load_job
 from raytrn.errors import BackendUnavailableError, ConfigError
+from raytrn.xla.neuron_compile import PRECOMPILE_STEPS, PrecompileStep, precompile, precompile_plan
 
 pytestmark = pytest.mark.unit
 

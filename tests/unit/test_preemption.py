@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from raytrn import compat
+from raytrn import compat, sigterm
 from raytrn.train import preemption
 from raytrn.train.preemption import PreemptionWatch, describe
 
@@ -75,23 +75,23 @@ def sigterm_handler(monkeypatch):
 
     seen: list[int] = []
     original = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
-    monkeypatch.setattr(preemption, "SIGTERM_GRACE_S", 3600.0)  # its exit timer never fires in a test run
-    assert preemption.install_sigterm_handler()
+    monkeypatch.setattr(sigterm, "SIGTERM_GRACE_S", 3600.0)  # its exit timer never fires in a test run
+    assert sigterm.install_sigterm_handler()
     yield seen
     signal.signal(signal.SIGTERM, original)
     signal.set_wakeup_fd(-1)
-    preemption.TRAINING.clear()
-    preemption._SIGTERM.clear()
+    sigterm.TRAINING.clear()
+    sigterm._SIGTERM.clear()
 
 
 def test_sigterm_while_training_is_a_notice_not_an_exit(sigterm_handler) -> None:
     """A spot node's shutdown, or a scheduler, sends SIGTERM: the worker stays up to checkpoint first."""
     import signal
 
-    preemption.TRAINING.set()
+    sigterm.TRAINING.set()
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.1)  # Python runs the handler between bytecodes of the main thread
-    assert preemption.sigterm_received() and sigterm_handler == []  # the old handler (an exit) was not called
+    assert sigterm.sigterm_received() and sigterm_handler == []  # the old handler (an exit) was not called
     watch = PreemptionWatch(1)
     assert watch.notice() == preemption.SIGTERM_NOTICE
     assert describe(preemption.SIGTERM_NOTICE) == "SIGTERM to this worker"
@@ -99,15 +99,15 @@ def test_sigterm_while_training_is_a_notice_not_an_exit(sigterm_handler) -> None
 
 _MAIN_THREAD_IN_C = """
 import ctypes, os, signal, sys, threading, time
-from raytrn.train import preemption
-preemption.SIGTERM_GRACE_S = 3600.0
-assert preemption.install_sigterm_handler()
-preemption.TRAINING.set()
+from raytrn import sigterm
+sigterm.SIGTERM_GRACE_S = 3600.0
+assert sigterm.install_sigterm_handler()
+sigterm.TRAINING.set()
 seen = []
 def training():  # the training function's thread, as in a Ray Train worker
     os.kill(os.getpid(), signal.SIGTERM)
     start = time.monotonic()
-    while not preemption.sigterm_received() and time.monotonic() - start < 10:
+    while not sigterm.sigterm_received() and time.monotonic() - start < 10:
         time.sleep(0.01)
     seen.append(time.monotonic() - start)
 thread = threading.Thread(target=training)
@@ -138,14 +138,14 @@ def test_sigterm_outside_training_exits_as_before(sigterm_handler) -> None:
     with pytest.raises(SystemExit):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.1)
-    assert sigterm_handler == [signal.SIGTERM] and not preemption.sigterm_received()
+    assert sigterm_handler == [signal.SIGTERM] and not sigterm.sigterm_received()
 
 
 def test_the_handler_is_set_only_from_the_main_thread() -> None:
     import threading
 
     result: list[bool] = []
-    thread = threading.Thread(target=lambda: result.append(preemption.install_sigterm_handler()))
+    thread = threading.Thread(target=lambda: result.append(sigterm.install_sigterm_handler()))
     thread.start()
     thread.join()
     assert result == [False]

@@ -128,7 +128,7 @@ def _imports_done(tmp_path_factory: pytest.TempPathFactory) -> None:
         raw, _ = read_job_file(str(path))  # a sweep's job file: the job without its sweep: section
         try:
             check_job(load_job(path, base_dir=base, raw=raw), data=False)
-        except BackendUnavailableError:  # a backend this installation lacks (without raytrn.backends.xla: trn1)
+        except BackendUnavailableError:  # a backend this installation lacks (without raytrn.xla: trn1)
             pass
     for path in LAUNCHER + KUBERAY:
         validate_cluster_file(str(path))

@@ -1,5 +1,5 @@
 """World sizes and the global batch: an elastic job keeps its global batch at every size it can take, and
-every enumeration over sizes is bounded (raytrn.train.sizes)."""
+every enumeration over sizes is bounded (raytrn.config.sizes)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from raytrn.config import JobSpec, parse_job
+from raytrn.config.sizes import MAX_WORKERS, data_parallel_sizes, describe_batch, describe_sizes, world_sizes
 from raytrn.errors import ConfigError
 from raytrn.train.checks import check_job, check_spec
-from raytrn.train.sizes import MAX_WORKERS, data_parallel_sizes, describe_batch, describe_sizes, world_sizes
 
 pytestmark = pytest.mark.unit
 

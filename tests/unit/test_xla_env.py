@@ -1,12 +1,12 @@
 """A trn1 worker's environment on the frozen XLA path (PJRT, the Neuron runtime, torchrun's variables), checked
-against the layout: :mod:`raytrn.backends.xla.env`. Moved from test_neuron_env.py with the function."""
+against the layout: :mod:`raytrn.xla.env`. Moved from test_neuron_env.py with the function."""
 
 from __future__ import annotations
 
 import pytest
 
-from raytrn.backends.xla.env import neuron_xla_worker_env
 from raytrn.errors import BackendError
+from raytrn.xla.env import neuron_xla_worker_env
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
 """The shipped jobs of the frozen XLA path (trn1: neuron-xla) load and say what their comments promise; moved from
-test_jobs.py with the XLA path's layout checks (raytrn.backends.xla)."""
+test_jobs.py with the XLA path's layout checks (raytrn.xla)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from raytrn.backends.xla.nxd import check_parallel, kv_replication
 from raytrn.cluster.capacity import check_job_fits
-from raytrn.config import JobSpec, load_job, read_job_file
+from raytrn.config import PRESETS, JobSpec, load_job, read_job_file
 from raytrn.errors import ConfigError
-from raytrn.models import PRESETS, model_stats
+from raytrn.models import model_stats
 from raytrn.train.checks import check_job
 from raytrn.train.precheck import XLA_ACCELERATORS
+from raytrn.xla.nxd import check_parallel, kv_replication
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
-from raytrn.backends.xla.nxd import load_sharded_checkpoint, save_sharded_checkpoint
 from raytrn.checkpoint.progress import Progress, read_local_meta, write_meta
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.checkpoint.statefile import load_state, save_state
 from raytrn.checkpoint.store import Checkpoints, PinnedSchedule, Saved, TrainState
+from raytrn.xla.nxd import load_sharded_checkpoint, save_sharded_checkpoint
 
 if TYPE_CHECKING:
     from raytrn.config import JobSpec

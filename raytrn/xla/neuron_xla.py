@@ -5,11 +5,11 @@ Training with 2.31, and TorchNeuron (:mod:`raytrn.backends.neuron`) does not run
 trn1 on Neuron <= 2.29 (torch 2.9 + torch-xla 2.9 + NxD), tested on torch-xla's CPU device (``make test-xla``);
 it gets fixes, not features.
 
-:class:`NeuronXlaBackend` is the XLA loop (see :mod:`raytrn.backends.xla`) plus the Neuron layout checks.
+:class:`NeuronXlaBackend` is the XLA loop (see :mod:`raytrn.xla`) plus the Neuron layout checks.
 :class:`NeuronXlaConfig` is raytrn's Ray Train backend config for it, used instead of Ray's
 ``TorchXLAConfig``, which is XRT-era: it ``pkill``s processes on every worker, and it sets neither
 ``NEURON_RT_ROOT_COMM_ID`` nor the PJRT variables (ray-project/ray#65070). Here each worker gets its
-whole environment from :func:`~raytrn.backends.xla.env.neuron_xla_worker_env` before it imports
+whole environment from :func:`~raytrn.xla.env.neuron_xla_worker_env` before it imports
 ``torch_xla``; then every worker joins the ``xla`` process group. Nothing is ever killed.
 """
 
@@ -31,11 +31,11 @@ from raytrn.backends.neuron_ray import (
     set_up_workers,
     shut_down_process_group,
 )
-from raytrn.backends.xla.backend import XlaBackend, import_torch_xla
-from raytrn.backends.xla.checkpoints import NoCheckpoints, NxdCheckpoints
-from raytrn.backends.xla.env import neuron_xla_worker_env
-from raytrn.backends.xla.neuron_compile import FORWARD_ENV
-from raytrn.backends.xla.nxd import (
+from raytrn.xla.backend import XlaBackend, import_torch_xla
+from raytrn.xla.checkpoints import NoCheckpoints, NxdCheckpoints
+from raytrn.xla.env import neuron_xla_worker_env
+from raytrn.xla.neuron_compile import FORWARD_ENV
+from raytrn.xla.nxd import (
     build_nxd_config,
     build_parallel_model,
     build_parallel_optimizer,
@@ -92,9 +92,9 @@ class NeuronXlaBackend(XlaBackend):
         otherwise the plain XLA model."""
         if not uses_nxd(job):
             return super().build_training(job, world_size=world_size, schedule=schedule, rank=rank)
+        from raytrn.config.sizes import data_parallel_size
         from raytrn.train.optim import lr_scheduler
         from raytrn.train.schedule import Schedule
-        from raytrn.train.sizes import data_parallel_size
         from raytrn.train.step import Training
 
         self.seed(job.run.seed)

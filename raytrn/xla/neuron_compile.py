@@ -83,8 +83,8 @@ def precompile_plan(
     trace the same shapes. ``hostname`` picks the per-host compile cache directory (default: this host).
     """
     from raytrn.backends.neuron_env import cc_flags_for, compile_cache_env, instance_spec, neff_cache_env
+    from raytrn.config.sizes import data_parallel_size, world_sizes
     from raytrn.train.checks import check_spec
-    from raytrn.train.sizes import data_parallel_size, world_sizes
 
     acc = job.scaling.accelerator
     if acc not in ("neuron", "neuron-xla"):

@@ -3,12 +3,13 @@
 On XLA the loop builds a lazy graph; :meth:`XlaBackend.sync` cuts it once per optimizer step, batches
 arrive through ``MpDeviceLoader``, gradients are all-reduced by ``xm.reduce_gradients`` (no DDP) and
 checkpoints are moved to the CPU before they are written, as one ``state.pt`` resumed through Ray Train
-(:mod:`raytrn.backends.xla.checkpoints`: no commit manifests on this path). ``torch_xla`` is imported lazily:
+(:mod:`raytrn.xla.checkpoints`: no commit manifests on this path). ``torch_xla`` is imported lazily:
 workers must get their PJRT environment before the XLA runtime starts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -17,9 +18,20 @@ from ray.train.backend import Backend as RayBackend
 from ray.train.torch import TorchConfig
 
 from raytrn.backends.base import Backend
-from raytrn.backends.xla.checkpoints import StateFileCheckpoints
-from raytrn.backends.xla.nxd import check_parallel
 from raytrn.errors import BackendError, BackendUnavailableError
+from raytrn.models import model_stats
+from raytrn.train.build import build_native
+from raytrn.train.precheck import (
+    MemoryEstimate,
+    PrecheckReport,
+    StepRecord,
+    _job_batches,
+    _odd_one_out,
+    _shape_recorder,
+)
+from raytrn.train.step import read_metrics, train_step
+from raytrn.xla.checkpoints import StateFileCheckpoints
+from raytrn.xla.nxd import check_parallel
 
 if TYPE_CHECKING:
     import torch
@@ -50,9 +62,13 @@ class XlaBackend(Backend):
     name = "xla"
     committed_checkpoints = False  # state.pt / NxD checkpoints, resumed through Ray Train (frozen path)
 
+    def precheck(self, job: JobSpec, **kwargs: Any) -> Any:
+        """``raytrn precheck``'s step run for this path: on torch-xla's CPU device (:func:`precheck_xla`)."""
+        return precheck_xla(job, **kwargs)
+
     def check_layout(self, job: JobSpec) -> list[str]:
         """The XLA path's own rules for the ``parallel`` section (neuronx-distributed's layouts on neuron-xla, one
-        plain worker on xla-cpu): :func:`raytrn.backends.xla.nxd.check_parallel`."""
+        plain worker on xla-cpu): :func:`raytrn.xla.nxd.check_parallel`."""
         return check_parallel(job, require_installed=False)
 
     def refuse_new_features(self, job: JobSpec) -> None:
@@ -78,8 +94,6 @@ class XlaBackend(Backend):
         self, job: JobSpec, *, world_size: int, schedule: Schedule | None = None, rank: int = 0
     ) -> Training:
         """The native build (:func:`raytrn.train.build.build_native`) with this path's layout and ``state.pt``."""
-        from raytrn.train.build import build_native
-
         return build_native(
             job, self, world_size=world_size, schedule=schedule, rank=rank, layout=self.parallelize,
             checkpoints=self.checkpoints,
@@ -187,3 +201,76 @@ def _cpu(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return type(obj)(_cpu(v) for v in obj)
     return obj
+
+
+# ---------------------------------------------------------------------------------------------------
+# raytrn precheck on this path: the job's step on torch-xla's PJRT_DEVICE=CPU, counting compiles, host-device
+# transfers (which cut XLA's lazy graph) and graph hashes per step (the report is raytrn.train.precheck's).
+
+
+def precheck_xla(
+    job: JobSpec, *, steps: int, warmup_steps: int, batches: Iterator[Any] | None, memory: MemoryEstimate
+) -> PrecheckReport:
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    import_torch_xla()
+    import torch_xla.debug.metrics as met  # after the runtime is configured
+
+    backend = _recording_backend()
+    t = backend.build_training(job, world_size=job.scaling.min_workers if job.data.global_batch_size else 1)
+    # Each micro-batch is its own graph on XLA: 2 of them show the first-vs-accumulating variants.
+    t.grad_accum = min(t.grad_accum, 2)
+    host_batches, data = (batches, "given batches") if batches is not None else _job_batches(job)
+    shapes: list[tuple[int, ...]] = []
+    # Record shapes as the step consumes them (the device loader prefetches ahead of the step).
+    device_batches = _shape_recorder(backend.wrap_batches(host_batches), shapes)
+    report = PrecheckReport(
+        job=job.source,
+        warmup_steps=warmup_steps,
+        data=data,
+        model=model_stats(job.model, job.data.seq_len).describe(),
+        memory=memory.describe(),
+    )
+
+    def counters() -> tuple[int, int]:
+        transfers = met.metric_data("TransferFromDeviceTime")
+        return int(met.counter_value("UncachedCompile") or 0), int(transfers[0] if transfers else 0)
+
+    for step in range(1, steps + 1):
+        compiles0, syncs0 = counters()
+        n_shapes = len(shapes)
+        result = train_step(t, device_batches, backend)
+        logged = step % job.run.log_every == 0
+        if logged:
+            read_metrics(result, 1)  # the loop's metric read, at the loop's cadence
+        compiles1, syncs1 = counters()
+        report.records.append(
+            StepRecord(
+                step=step,
+                compiles=compiles1 - compiles0,
+                host_syncs=syncs1 - syncs0,
+                graph_hash=backend.last_hash,
+                input_shape=_odd_one_out(shapes[n_shapes:], shapes[0]),
+                logged=logged,
+            )
+        )
+    return report
+
+
+def _recording_backend() -> Any:
+    """xla-cpu, noting the hash of the graph that updates the parameters at the end of each step."""
+
+    class RecordingBackend(XlaCpuBackend):
+        last_hash = "-"
+        _params: list[Any] = []
+
+        def reduce_gradients(self, optimizer: Any) -> None:
+            self._params = [p for group in optimizer.param_groups for p in group["params"]]
+            super().reduce_gradients(optimizer)
+
+        def sync(self) -> None:
+            import torch_xla
+
+            self.last_hash = hashlib.sha1(bytes(torch_xla._XLAC._get_graph_hash(self._params))).hexdigest()[:16]
+            super().sync()
+
+    return RecordingBackend()

@@ -28,8 +28,8 @@ import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from raytrn.config.sizes import data_parallel_size, world_sizes
 from raytrn.errors import BackendError, BackendUnavailableError, ConfigError
-from raytrn.train.sizes import data_parallel_size, world_sizes
 
 if TYPE_CHECKING:
     import torch

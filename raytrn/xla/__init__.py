@@ -5,12 +5,12 @@ AWS ended PyTorch/XLA training with Neuron 2.30 and NxD Training with 2.31; this
 protocol (``state.pt`` and NxD's shards, resumed through Ray Train's latest checkpoint: ``committed_checkpoints``
 is False):
 
-- :mod:`~raytrn.backends.xla.backend`: the XLA loop hooks (``XlaBackend``) and ``xla-cpu``.
-- :mod:`~raytrn.backends.xla.neuron_xla`: ``neuron-xla`` (trn1) and its Ray Train backend config.
-- :mod:`~raytrn.backends.xla.nxd`: neuronx-distributed's layout checks, config, model, optimizer, sharded saves.
-- :mod:`~raytrn.backends.xla.checkpoints`: ``state.pt``, NxD and no-op (compile trial) checkpoints.
-- :mod:`~raytrn.backends.xla.env`: a trn1 worker's PJRT/Neuron runtime environment.
-- :mod:`~raytrn.backends.xla.neuron_compile`: ``raytrn precompile`` (``neuron_parallel_compile``).
+- :mod:`~raytrn.xla.backend`: the XLA loop hooks (``XlaBackend``) and ``xla-cpu``.
+- :mod:`~raytrn.xla.neuron_xla`: ``neuron-xla`` (trn1) and its Ray Train backend config.
+- :mod:`~raytrn.xla.nxd`: neuronx-distributed's layout checks, config, model, optimizer, sharded saves.
+- :mod:`~raytrn.xla.checkpoints`: ``state.pt``, NxD and no-op (compile trial) checkpoints.
+- :mod:`~raytrn.xla.env`: a trn1 worker's PJRT/Neuron runtime environment.
+- :mod:`~raytrn.xla.neuron_compile`: ``raytrn precompile`` (``neuron_parallel_compile``).
 
 Only the backend registry (:func:`raytrn.backends.get_backend`, by module path) and the XLA branches of
 ``raytrn precheck`` / ``raytrn precompile`` reach it; nothing of the native path imports it, and deleting this
