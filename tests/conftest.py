@@ -1,4 +1,5 @@
-"""Shared fixtures: one local Ray per test session, a prepared tiny dataset, and test isolation."""
+"""Shared fixtures: one local Ray per test session, one local trn-cluster simulator, a moto S3 server and an MLflow
+server per session, a prepared tiny dataset, and test isolation."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.simulator import Simulator
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE_CORPUS = REPO / "tests" / "fixtures" / "corpus"
@@ -43,6 +46,67 @@ def tiny_dataset(ray_session, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data") / "tiny"
     prepare_dataset(inputs=[str(FIXTURE_CORPUS)], output=str(out), seq_len=32, vocab_size=512, progress=False)
     return out
+
+
+_SIMULATOR: Simulator | None = None
+
+
+@pytest.fixture(scope="session")
+def _simulator_session(ray_session, tmp_path_factory):
+    global _SIMULATOR
+    _SIMULATOR = Simulator(tmp_path_factory.mktemp("simulator"))
+    try:
+        yield _SIMULATOR
+    finally:
+        _SIMULATOR.stop()
+
+
+@pytest.fixture
+def simulator(_simulator_session) -> Simulator:
+    """The session's one local trn-cluster simulator (tests/simulator.py), up: the README's ``raytrn cluster up
+    --local`` (token auth, MLflow server on the head, ports 6379/8265/5000) in a fresh copy of the repository.
+
+    Every test that needs a simulator uses this one, e.g.::
+
+        def test_x(simulator, tiny_dataset):
+            proc = simulator.cli("submit", "jobs/tiny.yaml", "--address", simulator.address, "--set", ...)
+            assert proc.returncode == 0, proc.stderr
+
+    ``simulator.cli`` runs in ``simulator.clone`` (jobs/, cluster/; ``simulator.demo_data()`` adds data/stdlib) as
+    a user's shell would (its HOME holds the token); ``simulator.cluster.mlflow_url`` is where jobs log by default;
+    ``simulator.job_client()`` / ``worker_nodes()`` talk to it from the test process. Jobs share the simulator's
+    two fake nodes and leave them up until their idle timeout (~30 s): a test that needs it without worker nodes
+    calls ``simulator.wait_no_worker_nodes()``; give every job its own run name / checkpoint directory.
+
+    The simulator tests run one after another (see :func:`pytest_collection_modifyitems`), the one marked
+    ``simulator_down`` (it runs ``raytrn cluster down --local``) last; after the last simulator test the simulator
+    is stopped. A test that finds it down starts it again.
+    """
+    return _simulator_session.ensure_up()
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "simulator_down: runs `raytrn cluster down --local` on the shared simulator")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """The tests that use ``simulator`` run one after another, from where the first of them is (in their order,
+    the one marked ``simulator_down`` last): the simulator is started once and is not left idle between them."""
+    users = [item for item in items if "simulator" in getattr(item, "fixturenames", ())]
+    if not users:
+        return
+    first = items.index(users[0])
+    ids = {id(item) for item in users}
+    rest = [item for item in items if id(item) not in ids]
+    users.sort(key=lambda item: item.get_closest_marker("simulator_down") is not None)
+    items[:] = rest[:first] + users + rest[first:]
+
+
+def pytest_runtest_teardown(item, nextitem) -> None:
+    """After the last test that uses the simulator, stop it (its processes would idle through the rest)."""
+    uses = "simulator" in getattr(item, "fixturenames", ())
+    if _SIMULATOR is not None and uses and (nextitem is None or "simulator" not in nextitem.fixturenames):
+        _SIMULATOR.stop()
 
 
 def _free_port() -> int:

@@ -1,9 +1,10 @@
 """The local trn-cluster simulator end to end: a job submitted to an empty cluster scales it up, trains, is
 tracked in MLflow, and the idle worker nodes are removed again.
 
-The simulator (``raytrn.cluster.local``, Ray's fake_multinode autoscaler) is a second Ray next to the
+The simulator (``raytrn.cluster.local``, Ray's fake_multinode autoscaler) is the session's shared one (the
+``simulator`` fixture: the README's, with token auth and an MLflow server on its head), a second Ray next to the
 session's in-process one (``ray_session``, used by ``tiny_dataset`` to pack the data): both are small, and
-this test talks to the simulator only through its dashboard URL (job submission and state APIs).
+these tests talk to the simulator only through its dashboard URL (job submission and state APIs, with its token).
 """
 
 from __future__ import annotations
@@ -18,43 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, _free_port
+from tests.conftest import REPO
+from tests.simulator import SCALE_DOWN_TIMEOUT_S, Simulator
 
 pytestmark = pytest.mark.integration
 
 JOB_TIMEOUT_S = 150  # submit -> SUCCEEDED, including the scale-up (~15 s) and a fresh node's imports
-SCALE_DOWN_TIMEOUT_S = 90  # idle_timeout_minutes 0.5 in cluster/local-sim.yaml; measured 25-33 s
-
-
-@pytest.fixture(scope="module")
-def sim_cluster(tmp_path_factory):
-    """The simulator from cluster/local-sim.yaml on free ports, no worker nodes; always stopped by PID."""
-    from raytrn.cluster import local
-
-    state = tmp_path_factory.mktemp("sim") / "local-cluster.json"
-    cluster = _start_simulator(state)
-    try:
-        yield cluster
-    finally:
-        local.down(state)
-        assert not local._procs_alive(cluster.procs)
-
-
-def _start_simulator(state: Path):
-    """cluster/local-sim.yaml on free ports, its processes recorded in ``state`` for ``local.down``. Without
-    token auth or an MLflow server: these tests talk to it from this process (RAY_AUTH_MODE=disabled) and name
-    their own tracking store; the README's default simulator is tested in test_laptop_path.py."""
-    from raytrn.cluster import local
-
-    return local.up(
-        config=REPO / "cluster" / "local-sim.yaml",
-        port=_free_port(),
-        dashboard_port=_free_port(),
-        state_file=state,
-        timeout_s=90,
-        auth="disabled",
-        mlflow=False,
-    )
 
 
 def _job_overrides(tiny_dataset: Path, tmp_path: Path, experiment: str) -> list[str]:
@@ -77,34 +47,15 @@ def _job_overrides(tiny_dataset: Path, tmp_path: Path, experiment: str) -> list[
     ]
 
 
-def _worker_nodes(dashboard_url: str) -> list:
-    """Alive nodes offering NeuronCores (the head offers none)."""
-    from ray.util.state import list_nodes
-
-    # Filtered here, not server side: with a server-side filter the state API counts the dead nodes it
-    # dropped as missing output and raises.
-    nodes = list_nodes(address=dashboard_url, detail=True, timeout=10)
-    return [n for n in nodes if n.state == "ALIVE" and (n.resources_total or {}).get("neuron_cores", 0) > 0]
-
-
-def _wait(predicate, timeout_s: float, what: str, poll_s: float = 1.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise TimeoutError(f"{what}: not within {timeout_s} s")
-
-
-def test_job_scales_cluster_up_and_down(sim_cluster, tiny_dataset: Path, tmp_path: Path) -> None:
+def test_job_scales_cluster_up_and_down(simulator: Simulator, tiny_dataset: Path, tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
-    from ray.job_submission import JobStatus, JobSubmissionClient
+    from ray.job_submission import JobStatus
 
     from raytrn.submit import WORKING_DIR_EXCLUDES
 
-    url = sim_cluster.dashboard_url
-    assert _worker_nodes(url) == [], "the simulator must start without worker nodes"
+    url = simulator.address
+    assert simulator.worker_nodes_at_start == [], "the simulator must start without worker nodes"
+    simulator.wait_no_worker_nodes()  # an earlier test's nodes gone: this job's scale-up is its own
 
     mlflow_uri = f"sqlite:///{tmp_path}/mlflow.db"
     sets = _job_overrides(tiny_dataset, tmp_path, "autoscaling-test")
@@ -114,7 +65,7 @@ def test_job_scales_cluster_up_and_down(sim_cluster, tiny_dataset: Path, tmp_pat
     # The driver's shell on the head may not have this venv on PATH: name its python explicitly.
     entrypoint = [sys.executable, "-m", "raytrn.cli", "train", "jobs/tiny.yaml", "--no-progress"]
     entrypoint += [a for kv in sets for a in ("--set", kv)]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | sim_cluster.env
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | simulator.cluster.env
     ray_bin = str(Path(sys.executable).parent / "ray")
 
     t_submit = time.monotonic()
@@ -128,13 +79,13 @@ def test_job_scales_cluster_up_and_down(sim_cluster, tiny_dataset: Path, tmp_pat
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
-    client = JobSubmissionClient(url)
+    client = simulator.job_client()
     max_nodes = 0
     scale_up_s = None
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while True:
         status = client.get_job_status(submission_id)
-        n = len(_worker_nodes(url))
+        n = len(simulator.worker_nodes())
         max_nodes = max(max_nodes, n)
         if n and scale_up_s is None:
             scale_up_s = time.monotonic() - t_submit
@@ -165,7 +116,7 @@ def test_job_scales_cluster_up_and_down(sim_cluster, tiny_dataset: Path, tmp_pat
     assert list((tmp_path / "checkpoints").glob("*/checkpoint_00000004"))
 
     # Idle worker nodes go away after idle_timeout_minutes.
-    _wait(lambda: not _worker_nodes(url), SCALE_DOWN_TIMEOUT_S, "idle worker nodes removed", poll_s=2)
+    simulator.wait_no_worker_nodes(SCALE_DOWN_TIMEOUT_S)
     scale_down_s = time.monotonic() - t_done
 
     timings = {
@@ -179,20 +130,20 @@ def test_job_scales_cluster_up_and_down(sim_cluster, tiny_dataset: Path, tmp_pat
 
 
 def test_sweep_submitted_to_the_simulator_scales_it_up_and_down(
-    sim_cluster, tiny_dataset: Path, tmp_path: Path
+    simulator: Simulator, tiny_dataset: Path, tmp_path: Path
 ) -> None:
     """``raytrn sweep --address``: the sweep's driver runs as one Ray job on the simulator, its two trials (2 at a
     time: what cluster/local-sim.yaml can grow to) scale the empty cluster up, both are tracked under one parent run,
     best.yaml is written beside the sweep's state, and the idle nodes go away after."""
     from mlflow.tracking import MlflowClient
 
-    url = sim_cluster.dashboard_url
-    _wait(lambda: not _worker_nodes(url), SCALE_DOWN_TIMEOUT_S, "no worker nodes before the sweep", poll_s=2)
+    url = simulator.address
+    simulator.wait_no_worker_nodes()  # before the sweep
     name = f"sim-sweep-{uuid.uuid4().hex[:6]}"
     sets = [a for kv in _job_overrides(tiny_dataset, tmp_path, "sweep-sim") for a in ("--set", kv)]
     args = [sys.executable, "-m", "raytrn.cli", "sweep", "jobs/tiny.yaml", *sets, "--grid", "optim.lr=1e-3,3e-3",
             "--cluster", "cluster/local-sim.yaml", "--address", url, "--name", name]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | sim_cluster.env
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | simulator.cluster.env
     log_path = tmp_path / "sweep.log"
     with open(log_path, "w") as log:
         driver = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -200,7 +151,7 @@ def test_sweep_submitted_to_the_simulator_scales_it_up_and_down(
         try:
             deadline = time.monotonic() + 2 * JOB_TIMEOUT_S
             while driver.poll() is None and time.monotonic() < deadline:
-                max_nodes = max(max_nodes, len(_worker_nodes(url)))
+                max_nodes = max(max_nodes, len(simulator.worker_nodes()))
                 time.sleep(1)
         finally:
             if driver.poll() is None:
@@ -222,4 +173,4 @@ def test_sweep_submitted_to_the_simulator_scales_it_up_and_down(
     assert all(c.data.tags["ray.job_submission_id"].startswith(f"raytrn-{name}-") for c in children)
     best = tmp_path / "checkpoints" / "sweeps" / name / "best.yaml"
     assert "The best trial of sweep" in best.read_text()
-    _wait(lambda: not _worker_nodes(url), SCALE_DOWN_TIMEOUT_S, "idle worker nodes removed", poll_s=2)
+    simulator.wait_no_worker_nodes(SCALE_DOWN_TIMEOUT_S)  # idle worker nodes removed

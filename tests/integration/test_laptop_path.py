@@ -5,42 +5,28 @@
     raytrn jobs logs JOB_ID --address http://127.0.0.1:8265
     raytrn cluster down --local
 
-It must train and end FINISHED: the job's relative paths (data/stdlib, checkpoints) made absolute by
+The simulator is the session's shared one (the ``simulator`` fixture: `raytrn cluster up --local`, verbatim, in a
+fresh copy of the repository, HOME in a temporary directory); this test is the last to use it and ends it with
+`raytrn cluster down --local`. It must train and end FINISHED: the job's relative paths (data/stdlib, checkpoints) made absolute by
 `raytrn submit` (the simulator shares this filesystem), its metrics in the MLflow server the simulator runs on
 its head, its checkpoints on disk, the 2 CPU workers taking every CPU of the two simulated nodes without
-starving Ray Data's readers, and Ray token auth on (no token: refused). The CLI runs with HOME in a temporary
-directory, so the simulator's state, token and MLflow store are the test's own; the default ports (6379, 8265,
-5000) must be free.
+starving Ray Data's readers, and Ray token auth on (no token: refused). The simulator's state, token and MLflow
+store are the session's own (its HOME); the default ports (6379, 8265, 5000) must be free.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import socket
-import subprocess
-import sysconfig
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO
+from tests.simulator import ADDRESS, Simulator
 
 pytestmark = pytest.mark.integration
 
-ADDRESS = "http://127.0.0.1:8265"
 SUBMIT_TIMEOUT_S = 420  # scale-up of two fake nodes, 100 steps, scale-down not awaited (measured ~130 s here)
-
-
-def _clone(dest: Path) -> Path:
-    """The repository's tracked files (what a fresh clone has), copied to ``dest``."""
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    for rel in files:
-        target = dest / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / rel, target)
-    return dest
 
 
 README_COMMANDS = [
@@ -58,42 +44,24 @@ def test_the_readme_shows_these_commands() -> None:
     assert block.strip().splitlines() == README_COMMANDS
 
 
-def _busy(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-def test_readme_laptop_path_verbatim(ray_session, tmp_path: Path) -> None:
+@pytest.mark.simulator_down
+def test_readme_laptop_path_verbatim(simulator: Simulator, tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
     from raytrn.cluster import local
-    from raytrn.data.prepare import prepare_dataset
 
-    busy = [p for p in (6379, 8265, 5000) if _busy(p)]
-    assert not busy, f"the README's laptop path needs ports {busy} free (a local cluster still up?)"
-    clone = _clone(tmp_path / "raytrn")
-    # `make demo`'s dataset, from a few standard-library modules instead of all of them (same seq_len, vocab).
-    stdlib = sysconfig.get_paths()["stdlib"]
-    prepare_dataset(
-        inputs=[f"{stdlib}/[a-c]*.py"], output=str(clone / "data" / "stdlib"), seq_len=128, vocab_size=4096,
-        progress=False,
-    )  # fmt: skip
-    home = tmp_path / "home"
-    home.mkdir()
-    # A user's shell: no Ray settings (the tests' RAY_AUTH_MODE=disabled must not help), this HOME.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_"))} | {"HOME": str(home)}
-
-    state = home / ".raytrn" / "local-cluster.json"
-    up = run_cli("cluster", "up", "--local", cwd=clone, env=env, timeout=180)
-    cluster = local.running(ADDRESS, state)
+    # `raytrn cluster up --local`: the simulator fixture ran it, verbatim, in the clone (the first time).
+    up, clone, env, state = simulator.up_result, simulator.clone, simulator.env, simulator.state
+    home = simulator.home
+    simulator.demo_data()  # `make demo`'s dataset: clone/data/stdlib
+    cluster = simulator.cluster
     try:
-        assert up.returncode == 0, up.stdout + up.stderr
+        assert up is not None and up.returncode == 0, up
         assert cluster is not None and cluster.auth == "token" and cluster.mlflow_url == "http://127.0.0.1:5000"
         token = Path(cluster.token_path or "")
         assert token.stat().st_mode & 0o777 == 0o600  # generated on first use, private
 
-        proc = run_cli("submit", "jobs/tiny.yaml", "--address", ADDRESS, cwd=clone, env=env, timeout=SUBMIT_TIMEOUT_S)
+        proc = simulator.cli("submit", "jobs/tiny.yaml", "--address", ADDRESS, timeout=SUBMIT_TIMEOUT_S)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-6000:]
         assert "== raytrn: training finished ==" in proc.stdout
@@ -105,7 +73,7 @@ def test_readme_laptop_path_verbatim(ray_session, tmp_path: Path) -> None:
         ours = [line for line in out.splitlines() if "PlacementGroupCleaner" not in line]
         assert not [line for line in ours if "Traceback" in line or "readonly database" in line], out[-6000:]
 
-        logs = run_cli("jobs", "logs", job_id, "--address", ADDRESS, cwd=clone, env=env, timeout=60)
+        logs = simulator.cli("jobs", "logs", job_id, "--address", ADDRESS, timeout=60)
         assert logs.returncode == 0 and "== raytrn: training finished ==" in logs.stdout, logs.stderr
 
         # The run is on the simulator's MLflow server, FINISHED, with every logged step once.
@@ -128,24 +96,33 @@ def test_readme_laptop_path_verbatim(ray_session, tmp_path: Path) -> None:
 
         # Mistakes get one clear line and exit 2: an unknown job id, no token, a wrong token.
         for verb in ("logs", "stop"):
-            bad = run_cli("jobs", verb, "no-such-job", "--address", ADDRESS, cwd=clone, env=env, timeout=60)
+            bad = simulator.cli("jobs", verb, "no-such-job", "--address", ADDRESS, timeout=60)
             assert bad.returncode == 2 and bad.stderr.startswith("raytrn: error: no job 'no-such-job'"), bad.stderr
             assert "Traceback" not in bad.stderr
-        stranger = env | {"HOME": str(tmp_path)}  # no simulator state, no ~/.ray/auth_token
+        jobs_before = _job_ids(simulator.cli("jobs", "list", "--address", ADDRESS, timeout=60).stdout)
+        assert job_id in jobs_before, jobs_before
+        stranger = {"HOME": str(tmp_path)}  # no simulator state, no ~/.ray/auth_token
         paths = ["--set", f"data.manifest={clone}/data/stdlib", "--set", f"checkpoint.storage={tmp_path}/ckpt"]
         args = ["submit", "jobs/tiny.yaml", "--address", ADDRESS, "--no-follow", *paths]
-        refused = run_cli(*args, cwd=clone, env=stranger)
+        refused = simulator.cli(*args, env=stranger, timeout=300)
         assert refused.returncode == 2 and "requires an auth token and none was found" in refused.stderr
         (tmp_path / "wrong").write_text("0" * 64)
-        wrong = run_cli("jobs", "list", "--address", ADDRESS, "--token-file", str(tmp_path / "wrong"), env=stranger)
+        wrong_token = ["--token-file", str(tmp_path / "wrong")]
+        wrong = simulator.cli("jobs", "list", "--address", ADDRESS, *wrong_token, cwd=REPO, env=stranger, timeout=300)
         assert wrong.returncode == 2 and "rejected the auth token" in wrong.stderr
-        listed = run_cli("jobs", "list", "--address", ADDRESS, cwd=clone, env=env, timeout=60)
-        assert listed.stdout.count("raytrn-") == 1, listed.stdout  # the refused submission submitted nothing
+        listed = simulator.cli("jobs", "list", "--address", ADDRESS, timeout=60)
+        # The refused submission submitted nothing (the shared simulator also lists the other tests' jobs).
+        assert _job_ids(listed.stdout) == jobs_before, listed.stdout
     finally:
-        down = run_cli("cluster", "down", "--local", cwd=clone, env=env, timeout=120)
+        down = simulator.down()  # `raytrn cluster down --local`
     assert down.returncode == 0, down.stderr
     assert not state.exists() and local.running(ADDRESS, state) is None
     # Every process it started is gone: the head's, the simulated nodes', the MLflow server.
     assert cluster is not None and not local._procs_alive(cluster.all_procs)
     assert local._cluster_procs(cluster.temp_dir) == [] and not Path(cluster.temp_dir).exists()
     assert (home / ".raytrn" / "local-cluster" / "mlflow.db").exists()  # the runs are kept
+
+
+def _job_ids(listing: str) -> list[str]:
+    """The job ids (first column) of ``raytrn jobs list``'s output, in its order."""
+    return [line.split()[0] for line in listing.splitlines() if line.strip()]

@@ -1,10 +1,22 @@
-"""Fixtures shared by the unit tests."""
+"""Fixtures shared by the unit tests; every test under tests/unit is marked ``unit`` (``-m unit``: make unit,
+make test-py312), whether or not its module says so."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 import raytrn.backends.neuron_ray as neuron_ray
+
+UNIT = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if UNIT in Path(item.path).resolve().parents:
+            item.add_marker(pytest.mark.unit)
 
 
 @pytest.fixture
