@@ -78,9 +78,9 @@ def test_dynamic_shape_is_caught() -> None:
 
 def test_lazy_tensor_read_inside_the_step_is_caught(monkeypatch) -> None:
     """A debug print of the grad norm before the optimizer step, every 5 steps: the graph is cut there."""
-    import raytrn.train.parallelize as parallelize_mod
+    import raytrn.train.build as build_mod
 
-    original = parallelize_mod.grad_norm_and_clip  # what the backend's clip_and_step calls (bound at build)
+    original = build_mod.grad_norm_and_clip  # what the step's clip_and_step calls (raytrn.train.build)
     calls = {"n": 0}
 
     def clip_and_peek(params, max_norm):
@@ -90,7 +90,7 @@ def test_lazy_tensor_read_inside_the_step_is_caught(monkeypatch) -> None:
             print(f"grad norm {norm.item():.3f}")  # host-device sync in the middle of the step
         return norm
 
-    monkeypatch.setattr(parallelize_mod, "grad_norm_and_clip", clip_and_peek)
+    monkeypatch.setattr(build_mod, "grad_norm_and_clip", clip_and_peek)
     report = precheck(_job("run.log_every=100", seq_len=72), steps=9, warmup_steps=3)
     assert not report.ok
     assert [r.step for r in report.late_compiles] == [5]
@@ -108,9 +108,9 @@ def test_cli_exit_codes(monkeypatch, capsys) -> None:
     assert main(args) == 0
     assert "verdict: PASS" in capsys.readouterr().out
 
-    import raytrn.train.precheck as pre
+    import raytrn.xla.backend as xla_backend  # the XLA path's precheck run reads the job's batches
 
-    monkeypatch.setattr(pre, "_job_batches", lambda job: (_batches_with_short_one(5, 48), "planted"))
+    monkeypatch.setattr(xla_backend, "_job_batches", lambda job: (_batches_with_short_one(5, 48), "planted"))
     assert main(args) == 1
     assert "step 5: compiled" in capsys.readouterr().out
 
