@@ -23,7 +23,12 @@ def test_excludes_skip_envs_data_results_but_keep_packages() -> None:
                     "mlruns/mlflow.db", "checkpoints/tiny/checkpoint_00000001/state.pt", "raytrn/__pycache__/a.pyc",
                     "raytrn.egg-info/PKG-INFO"]:  # fmt: skip
         assert spec.match_file(skipped), skipped
-    for kept in ["raytrn/data/prepare/command.py", "jobs/tiny.yaml", "cluster/local-sim.yaml", "tests/fixtures/corpus/x"]:
+    for kept in [
+        "raytrn/data/prepare/command.py",
+        "jobs/tiny.yaml",
+        "cluster/local-sim.yaml",
+        "tests/fixtures/corpus/x",
+    ]:
         assert not spec.match_file(kept), kept
 
 
