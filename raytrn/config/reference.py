@@ -13,7 +13,6 @@ import types
 import typing
 from typing import Any, Literal
 
-import annotated_types
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
@@ -113,7 +112,7 @@ def _type(info: FieldInfo) -> str:
     for item in info.metadata:
         for attr, sign in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="), ("min_length", "length >=")):
             value = getattr(item, attr, None)
-            if value is not None and isinstance(item, annotated_types.BaseMetadata):
+            if value is not None:
                 bounds.append(f"{sign} {_number(value)}")
     return f"{text} ({', '.join(bounds)})" if bounds else text
 

@@ -44,7 +44,8 @@ class LoraConfig(_Section):
 
 
 class ModelConfig(_Section):
-    """A Llama-family decoder (HF ``LlamaConfig``). ``preset`` fills sizes; explicit fields win."""
+    """A Llama-family decoder (HF ``LlamaConfig``). ``preset`` or ``init_from``'s config.json fills the sizes (the
+    required ones too); explicit fields win over a preset and must match init_from."""
 
     family: Literal["llama"] = Field("llama", description="model family; only HF Llama for now")
     preset: str | None = Field(
