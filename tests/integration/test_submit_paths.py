@@ -4,21 +4,20 @@ trains from ``model.init_from`` on ``data.manifest`` (evaluating on ``data.valid
 tracks where the job file said.
 
 A relative ``model.init_from`` or ``data.validation`` used to end in a ``KeyError`` traceback before anything
-was submitted. The simulator is test_autoscaling.py's (``sim_cluster``); ``raytrn submit`` finds it through the
-state file under its ``HOME``, as on a laptop after ``raytrn cluster up --local``.
+was submitted. The simulator is the session's shared one (``simulator``, tests/conftest.py); ``raytrn submit`` runs
+in a user's shell whose ``HOME`` holds its state file and token, as on a laptop after ``raytrn cluster up --local``.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import run_cli
-from tests.integration.test_autoscaling import JOB_TIMEOUT_S, sim_cluster  # noqa: F401 (sim_cluster: a fixture)
+from tests.integration.test_autoscaling import JOB_TIMEOUT_S
+from tests.simulator import Simulator
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +43,7 @@ def _hf_model(out: Path) -> None:
     LlamaForCausalLM(config).save_pretrained(out)
 
 
-def test_submit_with_every_path_relative(sim_cluster, tiny_dataset: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_submit_with_every_path_relative(simulator: Simulator, tiny_dataset: Path, tmp_path: Path) -> None:
     from raytrn.config import PATH_FIELDS
 
     assert set(RELATIVE) == {f.key for f in PATH_FIELDS}, "a path field this test does not submit"
@@ -76,13 +75,7 @@ def test_submit_with_every_path_relative(sim_cluster, tiny_dataset: Path, tmp_pa
     }
     (work / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
     # `raytrn submit` recognises the simulator by the state file under HOME (~/.raytrn/local-cluster.json).
-    home = tmp_path / "home"
-    (home / ".raytrn").mkdir(parents=True)
-    (home / ".raytrn" / "local-cluster.json").symlink_to(sim_cluster.state_file)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | sim_cluster.env | {"HOME": str(home)}
-
-    proc = run_cli("submit", "job.yaml", "--address", sim_cluster.dashboard_url, cwd=work, env=env,
-                   timeout=2 * JOB_TIMEOUT_S)  # fmt: skip
+    proc = simulator.cli("submit", "job.yaml", "--address", simulator.address, cwd=work, timeout=2 * JOB_TIMEOUT_S)
     out = proc.stdout + proc.stderr
     (tmp_path / "submit.log").write_text(out)
     assert proc.returncode == 0, out[-6000:]
@@ -92,9 +85,7 @@ def test_submit_with_every_path_relative(sim_cluster, tiny_dataset: Path, tmp_pa
     job_id, run_name = match.groups()
 
     # The job ran with every path frozen absolute, under the directory it was submitted from.
-    from ray.job_submission import JobSubmissionClient
-
-    entrypoint = JobSubmissionClient(sim_cluster.dashboard_url).get_job_info(job_id).entrypoint
+    entrypoint = simulator.job_client().get_job_info(job_id).entrypoint
     for key, value in RELATIVE.items():
         absolute = f"sqlite:///{work}/mlruns/mlflow.db" if value.startswith("sqlite:///") else str(work / value)
         assert f" --set {key}={absolute}" in entrypoint, (key, entrypoint)
