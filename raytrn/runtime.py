@@ -21,6 +21,7 @@ from raytrn.compat import (
     route_worker_output,
     write_worker_lines,
 )
+from raytrn.config import relative_local_paths
 from raytrn.errors import RaytrnError
 
 if TYPE_CHECKING:
@@ -157,8 +158,6 @@ def check_paths_for_ray_job(job: JobSpec, environ: Mapping[str, str] | None = No
     """ConfigError when ``job`` (unresolved: ``load_job(..., resolve=False)``) runs as a Ray job in a temporary
     working dir and names local paths relative to it: the dataset is not there (``data/`` is not uploaded),
     and checkpoints or an MLflow store written there vanish with the job. Nothing is checked elsewhere."""
-    from raytrn.config import relative_local_paths
-
     environ = os.environ if environ is None else environ
     wd = ray_job_working_dir(environ)
     if wd is None:

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from raytrn.cli_args import add_set_option
+from raytrn.cluster.local import running
+from raytrn.config import absolute_overrides, load_job, relative_local_paths, resolve_paths
 from raytrn.errors import RaytrnError
 from raytrn.runtime import forwarded_env, git_commit, relative_paths_error
 
@@ -179,8 +181,6 @@ def submit(
     working dir has it, see :func:`job_file_in`) replaces ``train JOB``: a sweep's driver, whose job file
     ``mapping`` is given without its ``sweep:`` section, and ``name`` is the sweep's.
     """
-    from raytrn.config import load_job, resolve_paths
-
     base_dir = os.getcwd()
     raw = load_job(str(job_path), list(overrides), base_dir=base_dir, resolve=False, raw=mapping)
     job = resolve_paths(raw, base_dir)
@@ -242,8 +242,6 @@ def frozen_overrides(raw: Any, job: Any, *, local: bool, address: str, base_dir:
     paths made absolute against ``base_dir`` (default: the cwd, as :func:`submit` resolves them). Relative
     paths for any other cluster are a RaytrnError (nothing is submitted). Which fields are paths:
     :data:`raytrn.config.PATH_FIELDS`."""
-    from raytrn.config import absolute_overrides, relative_local_paths
-
     relative = relative_local_paths(raw)
     if relative and not local:
         raise relative_paths_error(
@@ -261,8 +259,6 @@ def frozen_overrides(raw: Any, job: Any, *, local: bool, address: str, base_dir:
 
 def _local_cluster(address: str) -> Any:
     """The running local simulator serving ``address``, or None (any other cluster)."""
-    from raytrn.cluster.local import running
-
     return running(address)
 
 

@@ -52,7 +52,7 @@ class Backend:
 
     def ray_backend_config(self, job: JobSpec) -> Any:
         """The Ray Train backend config (process group setup, then raytrn's worker set-up) for ``job``."""
-        from raytrn.backends.ray_torch import RaytrnTorchConfig
+        from raytrn.backends.ray_torch import RaytrnTorchConfig  # Ray Train, torch: ~4 s (measured) off --help
 
         return RaytrnTorchConfig(backend=self.process_group_backend)
 

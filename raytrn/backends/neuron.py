@@ -40,6 +40,7 @@ from raytrn.backends.neuron_ray import (
     set_up_workers,
     shut_down_process_group,
 )
+from raytrn.backends.ray_torch import install_on_workers
 from raytrn.errors import BackendUnavailableError
 
 if TYPE_CHECKING:
@@ -249,7 +250,6 @@ class _TorchNeuronRayBackend(RayBackend):
             envs[0]["NEURON_LOGICAL_NC_CONFIG"],
         )
         worker_group.execute(_init_process_group, backend_config.backend, backend_config.timeout_s)
-        from raytrn.backends.ray_torch import install_on_workers
 
         install_on_workers(worker_group)
 

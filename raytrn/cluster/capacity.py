@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytrn.cluster.common import as_list, load_yaml_documents, mapping_at
+from raytrn.cluster.kuberay import INSTANCE_TYPE_LABELS, ray_resources
 from raytrn.errors import ConfigError
 
 
@@ -95,8 +96,6 @@ def capacity_of(docs: list[Any], path: str) -> Capacity:
 
 
 def _kuberay_groups(doc: dict[str, Any]) -> list[NodeGroup]:
-    from raytrn.cluster.kuberay import INSTANCE_TYPE_LABELS, ray_resources
-
     spec = mapping_at(doc, "spec")
     if doc.get("kind") == "RayJob":
         spec = mapping_at(spec, "rayClusterSpec")

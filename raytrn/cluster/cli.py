@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from raytrn.cluster import local
+from raytrn.cluster.validate import validate_cluster_file
+
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``cluster`` command (with ``validate FILE``) to the main CLI's subparsers; return it."""
@@ -50,8 +53,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 def _local(name: str) -> Any:
     def run(args: argparse.Namespace) -> int:
-        from raytrn.cluster import local
-
         return local.cmd_up(args) if name == "up" else local.cmd_down(args)
 
     return run
@@ -59,8 +60,6 @@ def _local(name: str) -> Any:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Print the notes and ``FILE: OK``; a problem raises ConfigError (the main CLI exits 2)."""
-    from raytrn.cluster.validate import validate_cluster_file
-
     for line in validate_cluster_file(args.file):
         print(line)
     print(f"{args.file}: OK")

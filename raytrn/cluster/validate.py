@@ -36,6 +36,7 @@ from raytrn.cluster.common import (
     raise_problems,
     stack_warnings,
 )
+from raytrn.cluster.kuberay import validate_kuberay_documents
 from raytrn.errors import ConfigError
 
 #: Ports that must never be reachable from the internet (Ray has no authorization beyond the token).
@@ -67,8 +68,6 @@ def validate_cluster_file(path: str) -> list[str]:
     """Validate a cluster-launcher YAML or a KubeRay manifest; return info notes, raise ConfigError."""
     docs = load_yaml_documents(path, what="cluster file")
     if any(isinstance(d, dict) and "kind" in d for d in docs):
-        from raytrn.cluster.kuberay import validate_kuberay_documents
-
         return validate_kuberay_documents(docs, source=path)
     if len(docs) != 1:
         raise ConfigError(f"{path}: a cluster-launcher config is one YAML document, found {len(docs)}")

@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from raytrn import storage
+from raytrn.data.manifest import rows_per_group
 from raytrn.errors import DataError
 
 #: Set to a directory, every training worker writes there which rows each of its micro-batches held (JSON lines,
@@ -101,8 +103,6 @@ class SampleOrder:
     @classmethod
     def for_job(cls, manifest: Any, job: Any) -> SampleOrder:
         """The order of ``job`` (its seed and ``data`` settings) over ``manifest``'s rows."""
-        from raytrn.data.manifest import rows_per_group
-
         return cls(
             shard_rows=[s.rows for s in manifest.shards],
             block_rows=rows_per_group(manifest.row_len),
@@ -259,8 +259,6 @@ class ShardFiles:
 
     @classmethod
     def of(cls, shard_paths: Sequence[str]) -> ShardFiles:
-        from raytrn import storage
-
         if not shard_paths:
             return cls(fs=None, paths=())
         fs, _ = storage.portable_filesystem(shard_paths[0])  # it travels to Ray Data's read tasks

@@ -24,6 +24,7 @@ import sysconfig
 import time
 from pathlib import Path
 
+from raytrn.config import resolve_mlflow_uri
 from raytrn.errors import ConfigError, RaytrnError
 from raytrn.tracking.client import mlflow_client
 
@@ -105,8 +106,6 @@ def _run(*args: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from raytrn.config import resolve_mlflow_uri
-
     parser = argparse.ArgumentParser(prog="python -m raytrn.demos.finetune", description=__doc__.splitlines()[0])
     parser.add_argument("--tracking-uri", default=None, help="where make demo logged (default: as raytrn train)")
     parser.add_argument("--steps", type=int, default=60, help="steps of each fine-tune")

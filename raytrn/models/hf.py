@@ -98,7 +98,7 @@ def load_weights(model: torch.nn.Module, location: str, *, tied: bool, source: s
     reader = HuggingFaceStorageReader(directory)
     saved = reader.read_metadata().state_dict_metadata
     options = StateDictOptions(ignore_frozen_params=False)
-    from raytrn.models.lora import is_adapter
+    from raytrn.models.lora import is_adapter  # torch (~2 s, measured): train.checks reads check_config here
 
     state: dict[str, Any] = {
         k: v

@@ -24,13 +24,18 @@ from typing import Any
 import yaml
 
 from raytrn import storage
-from raytrn.config import JobSpec, read_job_mapping, set_value
+from raytrn.backends import get_backend
+from raytrn.checkpoint.finder import latest_checkpoint
+from raytrn.cluster.capacity import load_capacity
+from raytrn.config import JobSpec, apply_overrides, read_job_mapping, set_value
 from raytrn.errors import ConfigError, RaytrnError
 from raytrn.runtime import mark_raytrn_logs
-from raytrn.sweep.plan import BEST_FILE, DONE, Scheduler, SweepState, TrialState
+from raytrn.sweep.plan import BEST_FILE, DONE, TRAINING_METRICS, VALIDATION_METRICS, Scheduler, SweepState, TrialState
 from raytrn.sweep.space import format_value, label
 from raytrn.tracking.client import mlflow_client, redact_uri, unreachable
+from raytrn.tracking.compare import SweepComparison, TrialRow, compare_sweep
 from raytrn.tracking.mlflow_run import ensure_experiment, param_text
+from raytrn.train.trainer import run_storage, run_training
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +64,11 @@ class Outcome:
 def trial_slots(jobs: list[JobSpec], *, cluster_file: str | None, resources: dict[str, float]) -> tuple[int, str]:
     """How many trials the cluster holds at once (each at its ``min_workers``), and what that is based on: the
     cluster file's largest size when given (an autoscaling cluster grows to it), else the resources it has now."""
-    from raytrn.backends import get_backend
-
     slots, why = None, ""
     for job in jobs:
         per_worker = get_backend(job.scaling.accelerator).worker_resources(job)
         need = job.scaling.min_workers
         if cluster_file:
-            from raytrn.cluster.capacity import load_capacity
-
             total, _ = load_capacity(cluster_file).workers(per_worker, job.scaling.workers_per_node)
             n, basis = total // need, f"{cluster_file} holds {total} worker(s) of {_shown(per_worker)}"
         else:
@@ -183,10 +184,6 @@ def _logged_at(client: Any, run_id: str, metric: str, step: int) -> bool:
 
 def run_trial(config: dict[str, Any], jobs: dict[int, JobSpec] | None = None) -> None:
     """The Tune function trainable: trial ``config["trial"]``'s job, trained by ``run_training``."""
-    from raytrn.backends import get_backend
-    from raytrn.checkpoint.finder import latest_checkpoint
-    from raytrn.train.trainer import run_training
-
     assert jobs is not None
     mark_raytrn_logs()
     job = jobs[int(config["trial"])]
@@ -322,8 +319,6 @@ class SweepCallback:
 
 
 def _is_metric(key: str, value: Any) -> bool:
-    from raytrn.sweep.plan import TRAINING_METRICS, VALIDATION_METRICS
-
     return (
         key in (*TRAINING_METRICS, *VALIDATION_METRICS)
         and isinstance(value, int | float)
@@ -380,8 +375,6 @@ def _tune_callback(cb: SweepCallback) -> Any:
 def run_sweep(state: SweepState, *, max_concurrent: int, out: Any = None) -> Outcome:
     """Run the trials of ``state`` that have not ended (``max_concurrent`` at a time) and finish the sweep."""
     from ray import tune
-
-    from raytrn.train.trainer import run_storage
 
     out = out or sys.stdout
     # The sweep's metric comes with the reports of the steps that log it (val_loss: the eval steps), not with every
@@ -488,8 +481,6 @@ def finish(state: SweepState, *, out: Any = None) -> Outcome:
 def write_best(state: SweepState, best: TrialState) -> str:
     """``<sweep>/best.yaml``: the sweep's job file (its ``sweep:`` section dropped, the ``--set`` overrides and the best
     trial's values applied, no run name: running it is a new run), ready for ``raytrn train``."""
-    from raytrn.config import apply_overrides
-
     try:
         raw = read_job_mapping(state.job_file)
         raw.pop("sweep", None)
@@ -565,11 +556,7 @@ def reopen(state: SweepState) -> None:
 def table_of(state: SweepState) -> Any:
     """The trials ranked (:class:`raytrn.tracking.compare.SweepComparison`): from MLflow, as ``raytrn runs compare
     --sweep`` shows them, else (no tracking, or MLflow down) from sweep.json."""
-    from raytrn.tracking.compare import SweepComparison, TrialRow
-
     if state.tracking_uri is not None and state.parent_run_id is not None:
-        from raytrn.tracking.compare import compare_sweep
-
         try:
             return compare_sweep(tracking_uri=state.tracking_uri, parent=state.parent_run_id)
         except RaytrnError as e:

@@ -18,8 +18,10 @@ from typing import Any
 
 from raytrn import storage
 from raytrn.config import RUN_NAME, JobSpec, check_field_value, load_job, read_job_file
+from raytrn.data.manifest import load_manifest
 from raytrn.errors import ConfigError, RaytrnError
 from raytrn.sweep.space import KINDS, Dimension, SearchSpace, dimensions_from_section, label
+from raytrn.train.checks import check_job
 
 #: The metrics a trial reports at its log steps (rank 0's; mfu only where the accelerator's peak is known).
 TRAINING_METRICS = (
@@ -246,8 +248,6 @@ def plan_sweep(opts: SweepOptions, *, check_data: bool = True, base_dir: str | N
     """Validate everything a sweep will run, before anything starts: every trial's job spec (one error listing the
     trials that are invalid), the data once per distinct dataset, the metric against what the jobs log, and the
     scheduler's settings. ConfigError on any problem; nothing is written."""
-    from raytrn.train.checks import check_job
-
     raw, section = read_section(opts.job_path)
     opts = merge_options(opts, section)
     base_dir = base_dir or os.getcwd()
@@ -318,7 +318,6 @@ def has_validation(job: JobSpec, *, check_data: bool) -> bool | None:
         return True
     if not check_data:
         return None
-    from raytrn.data.manifest import load_manifest
 
     return load_manifest(job.data.manifest).validation_path() is not None
 

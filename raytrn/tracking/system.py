@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from raytrn.compat import gpu_monitor
 from raytrn.tracking.neuron_monitor import PREFIX, NeuronMonitor
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,6 @@ class _GpuMonitor:
     """MLflow's GPU monitor (pynvml): only on a node with CUDA, where importing MLflow is worth it."""
 
     def __init__(self) -> None:
-        from raytrn.compat import gpu_monitor
-
         self._monitor = gpu_monitor()
 
     def sample(self) -> dict[str, float]:

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from raytrn.backends.neuron_env import check_tp_groups
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -225,8 +227,6 @@ def check_tp_placement(tp: int) -> None:
     import socket
 
     import torch.distributed as dist
-
-    from raytrn.backends.neuron_env import check_tp_groups
 
     nodes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(nodes, _node_id() or socket.gethostname())

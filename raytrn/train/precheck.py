@@ -26,8 +26,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrn.backends import get_backend
+from raytrn.backends.cpu import CpuBackend
 from raytrn.config import JobSpec
+from raytrn.data.batch import rows_tensor
+from raytrn.data.order import Position, RankSlice, SampleOrder, iter_rows, plan_reads
 from raytrn.errors import ConfigError, RaytrnError
+from raytrn.models import model_stats
+from raytrn.train.build import build_training
+from raytrn.train.checks import check_data
+from raytrn.train.step import read_metrics, train_step
 
 SHRINK_MAX_LAYERS = 2
 SHRINK_HIDDEN = 256
@@ -188,8 +195,6 @@ _RUNTIME_BYTES = 5 << 28  # 1.25 GiB
 
 def estimate_memory(job: JobSpec) -> MemoryEstimate:
     """What one training step of ``job`` (as precheck runs it: one worker, at most 2 micro-batches) needs."""
-    from raytrn.models import model_stats
-
     m, d = job.model, job.data
     width = 2 if m.dtype == "bfloat16" else 4
     params = model_stats(m, d.seq_len).num_params
@@ -273,11 +278,6 @@ def _precheck_compiled(
     records each graph Dynamo hands it (and runs it eagerly): what TorchNeuron's ``backend="neuron"`` would compile."""
     import torch
 
-    from raytrn.backends.cpu import CpuBackend
-    from raytrn.models import model_stats
-    from raytrn.train.build import build_training
-    from raytrn.train.step import read_metrics, train_step
-
     graphs: list[str] = []
 
     def recording_backend(gm: Any, example_inputs: Any) -> Any:
@@ -352,8 +352,6 @@ def _job_batches(job: JobSpec) -> tuple[Iterator[Any], str]:
 
     mb, row = job.data.micro_batch_size, job.data.seq_len + 1
     try:
-        from raytrn.train.checks import check_data
-
         manifest = check_data(job)
     except Exception as e:  # no local dataset: the shapes are what matters
         gen = torch.Generator().manual_seed(job.run.seed)
@@ -363,9 +361,6 @@ def _job_batches(job: JobSpec) -> tuple[Iterator[Any], str]:
                 yield torch.randint(0, job.model.vocab_size, (mb, row), generator=gen)
 
         return synthetic(), f"synthetic token ids [{mb} x {row}] (dataset not readable here: {e.__class__.__name__})"
-
-    from raytrn.data.batch import rows_tensor
-    from raytrn.data.order import Position, RankSlice, SampleOrder, iter_rows, plan_reads
 
     def rows() -> Iterator[Any]:  # the job's order, one worker's view: micro-batches as the loop gets them
         plans = plan_reads(SampleOrder.for_job(manifest, job), RankSlice(rank=0, size=1, global_batch=mb), Position())

@@ -9,8 +9,10 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from raytrn import storage
+from raytrn import __version__, storage
 from raytrn.backends import Backend, get_backend
+from raytrn.backends.host_malloc import malloc_env, user_allocator_settings
+from raytrn.checkpoint.dcp import check_resumable
 from raytrn.checkpoint.finder import latest_checkpoint
 from raytrn.checkpoint.manifest import tidy_pointers
 from raytrn.checkpoint.progress import Progress
@@ -26,10 +28,14 @@ from raytrn.config.sizes import world_sizes
 from raytrn.data.order import SAMPLE_TRACE_ENV
 from raytrn.errors import RaytrnError
 from raytrn.models import model_stats
-from raytrn.runtime import ensure_ray, on_this_node, process_started_at
+from raytrn.runtime import ensure_ray, git_commit, on_this_node, process_started_at
+from raytrn.tracking.actor import driver_env, start_tracking_actor
 from raytrn.tracking.board import ProgressBoard, ProgressPrinter, Summary
+from raytrn.tracking.mlflow_run import end_run, plan_run
 from raytrn.train.checks import check_data, check_init_from, check_spec
 from raytrn.train.elastic import SizeChooser, reachable_nodes
+from raytrn.train.evaluate import validation_set
+from raytrn.train.loop import train_loop_per_worker
 from raytrn.train.plan import WorkerPlan
 from raytrn.train.schedule import Schedule, resolve_schedule
 
@@ -46,7 +52,6 @@ def run_training(job: JobSpec, *, live_progress: bool = True, trial: bool = Fals
     backend.check(job)
     check_init_from(job)
     manifest = check_data(job)
-    from raytrn.train.evaluate import validation_set
 
     validation = validation_set(job, manifest)
     meta, latest = latest_checkpoint(job, committed=backend.committed_checkpoints)
@@ -61,8 +66,6 @@ def run_training(job: JobSpec, *, live_progress: bool = True, trial: bool = Fals
     if latest:
         print(f"raytrn: resuming run '{job.run_name}' from step {start_step} ({latest})", flush=True)
     if meta is not None and isinstance(meta.extra.get("dcp"), str):  # refused here, not on every worker
-        from raytrn.checkpoint.dcp import check_resumable
-
         check_resumable(job, meta.extra["dcp"])
     # The learning-rate schedule is pinned by the run's first invocation; said once, here, when it moves or stays.
     schedule, note = resolve_schedule(job, meta.schedule if meta else None, start_step)
@@ -70,7 +73,6 @@ def run_training(job: JobSpec, *, live_progress: bool = True, trial: bool = Fals
         print(f"raytrn: {note}", flush=True)
 
     scaling = _scaling(job, backend)
-    from raytrn.tracking.mlflow_run import plan_run
 
     stats = model_stats(job.model, job.data.seq_len)
     params = {
@@ -90,9 +92,6 @@ def run_training(job: JobSpec, *, live_progress: bool = True, trial: bool = Fals
     if started_locally:
         _check_local_resources(job, backend)
     import ray
-
-    from raytrn.tracking.actor import driver_env, start_tracking_actor
-    from raytrn.tracking.mlflow_run import end_run
 
     if not trial:
         print(f"raytrn: {job.run_name}: llama {stats.describe()}", flush=True)
@@ -312,8 +311,6 @@ def _worker_runtime_env(job: JobSpec, backend: Backend) -> dict[str, Any]:
     ``run.tune_malloc`` (glibc reads them at process start, so they cannot be set from the loop), and the
     driver's S3 endpoint and region (:data:`S3_ENV`; credentials are never copied), and where to write the
     sample trace (``RAYTRN_SAMPLE_TRACE``, see :mod:`raytrn.data.feed`)."""
-    from raytrn.backends.host_malloc import malloc_env, user_allocator_settings
-
     enabled = backend.tune_malloc if job.run.tune_malloc is None else job.run.tune_malloc
     env = malloc_env(os.environ, enabled=enabled)
     if enabled and not env:
@@ -353,8 +350,6 @@ def _check_local_resources(job: JobSpec, backend: Backend) -> None:
 
 
 def _train_fn():
-    from raytrn.train.loop import train_loop_per_worker
-
     return train_loop_per_worker
 
 
@@ -406,8 +401,6 @@ def _tags(job: JobSpec) -> dict[str, str]:
 
     import ray
 
-    from raytrn import __version__
-
     tags = {
         "raytrn.job_file": job.source,
         "raytrn.version": __version__,
@@ -445,8 +438,6 @@ def _git_commit() -> dict[str, str]:
     """The commit the job's code came from: ``raytrn submit`` records it at submission (the cluster's copy
     of the working dir has no .git); a local run asks git."""
     import json
-
-    from raytrn.runtime import git_commit
 
     try:
         meta = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("metadata") or {}

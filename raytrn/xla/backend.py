@@ -21,6 +21,7 @@ from raytrn.backends.base import Backend
 from raytrn.errors import BackendError, BackendUnavailableError
 from raytrn.models import model_stats
 from raytrn.train.build import build_native
+from raytrn.train.parallelize import Parallelized
 from raytrn.train.precheck import (
     MemoryEstimate,
     PrecheckReport,
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 
     from raytrn.checkpoint.store import Checkpoints
     from raytrn.config import JobSpec
-    from raytrn.train.parallelize import Parallelized
     from raytrn.train.schedule import Schedule
     from raytrn.train.step import Training
 
@@ -104,8 +104,6 @@ class XlaBackend(Backend):
     ) -> Parallelized:
         """No wrapper on XLA: :meth:`reduce_gradients` all-reduces over the XLA process group instead (model
         parallelism is neuronx-distributed's, see ``NeuronXlaBackend.build_training``)."""
-        from raytrn.train.parallelize import Parallelized
-
         return Parallelized(model=model.to(self.device()), mesh=None, data_parallel="none", tensor_parallel_size=1)
 
     def checkpoints(self, job: JobSpec, par: Parallelized, *, rank: int) -> Checkpoints:

@@ -27,8 +27,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from raytrn.backends.neuron_env import cc_flags_for, compile_cache_env, instance_spec, neff_cache_env
 from raytrn.config import JobSpec
+from raytrn.config.sizes import data_parallel_size, world_sizes
 from raytrn.errors import BackendUnavailableError, ConfigError
+from raytrn.train.checks import check_spec
 
 #: Optimizer steps of each trial run: step 1 (optimizer state created), a steady step, and the last
 #: step (which also logs and checkpoints). AWS's NxD recipes extract with 2 steps.
@@ -82,10 +85,6 @@ def precompile_plan(
     ``overrides`` are the ``--set`` values the job was loaded with: the trial runs repeat them so they
     trace the same shapes. ``hostname`` picks the per-host compile cache directory (default: this host).
     """
-    from raytrn.backends.neuron_env import cc_flags_for, compile_cache_env, instance_spec, neff_cache_env
-    from raytrn.config.sizes import data_parallel_size, world_sizes
-    from raytrn.train.checks import check_spec
-
     acc = job.scaling.accelerator
     if acc not in ("neuron", "neuron-xla"):
         raise ConfigError(

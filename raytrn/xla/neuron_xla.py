@@ -31,6 +31,10 @@ from raytrn.backends.neuron_ray import (
     set_up_workers,
     shut_down_process_group,
 )
+from raytrn.config.sizes import data_parallel_size
+from raytrn.train.optim import lr_scheduler
+from raytrn.train.schedule import Schedule
+from raytrn.train.step import Training
 from raytrn.xla.backend import XlaBackend, import_torch_xla
 from raytrn.xla.checkpoints import NoCheckpoints, NxdCheckpoints
 from raytrn.xla.env import neuron_xla_worker_env
@@ -48,8 +52,6 @@ if TYPE_CHECKING:
     from raytrn.checkpoint.store import Checkpoints
     from raytrn.config import JobSpec
     from raytrn.train.parallelize import Parallelized
-    from raytrn.train.schedule import Schedule
-    from raytrn.train.step import Training
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +94,6 @@ class NeuronXlaBackend(XlaBackend):
         otherwise the plain XLA model."""
         if not uses_nxd(job):
             return super().build_training(job, world_size=world_size, schedule=schedule, rank=rank)
-        from raytrn.config.sizes import data_parallel_size
-        from raytrn.train.optim import lr_scheduler
-        from raytrn.train.schedule import Schedule
-        from raytrn.train.step import Training
-
         self.seed(job.run.seed)
         nxd_config = build_nxd_config(job)
         model = build_parallel_model(job, nxd_config)

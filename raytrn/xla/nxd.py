@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from raytrn.config.sizes import data_parallel_size, world_sizes
 from raytrn.errors import BackendError, BackendUnavailableError, ConfigError
+from raytrn.models.llama import hf_config
+from raytrn.train.optim import adamw_param_groups
 
 if TYPE_CHECKING:
     import torch
@@ -346,8 +348,6 @@ def nxd_llama_config(job: JobSpec) -> Any:
     """The HF ``LlamaConfig`` plus the attributes NxD's example Llama reads (AWS's 8B recipe settings)."""
     import torch
 
-    from raytrn.models.llama import hf_config
-
     m, p = job.model, job.parallel
     config = hf_config(m)
     config.torch_dtype = torch.bfloat16 if m.dtype == "bfloat16" else torch.float32  # dtype of the parallel layers
@@ -400,8 +400,6 @@ def build_parallel_optimizer(job: JobSpec, nxd_config: dict[str, Any], model: to
     builds the ZeRO-1 optimizer without its ``max_grad_norm`` (torch-xla's default would be 1.0).
     """
     import torch
-
-    from raytrn.train.optim import adamw_param_groups
 
     o = job.optim
     defaults: dict[str, Any] = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
