@@ -96,13 +96,14 @@ bench: venv data
 # Two pytest processes side by side: tests/unit (pure logic, CPU only) beside the chaos and integration tests (real
 # Ray, MLflow, S3, the simulator: much of their time is waiting on those), at a lower CPU priority (UNIT_NICE; not
 # lower: hypothesis and a few unit tests bound their wall time) so that the integration tests, the longer half, keep
-# most of the CPU. The unit tests' output comes after the others', in one piece; the target fails when either fails
-# (pytest's "no tests collected", exit 5, included).
+# most of the CPU; the chaos suite, whose recovery times are bounded, runs last, when the unit tests are done. The
+# unit tests' output comes after the others', in one piece; the target fails when either fails (pytest's "no tests
+# collected", exit 5, included).
 UNIT_NICE ?= 5
 test: venv
 	@unit_log=$$(mktemp); \
 	nice -n $(UNIT_NICE) $(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS) >"$$unit_log" 2>&1 & unit=$$!; \
-	$(BIN)/python -m pytest -q --ignore=tests/xla --ignore=tests/unit $(PYTEST_ARGS); rc=$$?; \
+	$(BIN)/python -m pytest -q tests/integration tests/chaos $(PYTEST_ARGS); rc=$$?; \
 	wait $$unit; unit_rc=$$?; \
 	echo "== make test: tests/unit (ran beside the tests above)"; cat "$$unit_log"; rm -f "$$unit_log"; \
 	echo "make test: chaos and integration tests exit $$rc, unit tests exit $$unit_rc"; \

@@ -231,10 +231,14 @@ class MlflowServer:
             raise RuntimeError(f"mlflow server on port {self.port} did not start: {e}\n--- log tail ---\n{tail}") from e
 
     def stop(self) -> None:
-        """SIGTERM the server's process group by its PID, wait (bounded), SIGKILL what is left."""
+        """SIGTERM the server's process group by its PID, wait (bounded), SIGKILL what is left.
+
+        Only while the server's process is not yet reaped: once it is, its PID, the group's id, may belong to a
+        stranger's process group (PIDs wrap at 32768 here within minutes), and a second stop() (a failed start()
+        stops, then the fixture's teardown stops again) SIGTERMed and then SIGKILLed whatever group had it."""
         from raytrn.tracking.server import stop
 
-        if self.proc is not None:
+        if self.proc is not None and self.proc.returncode is None:
             stop(self.proc)
 
 
