@@ -248,7 +248,12 @@ def start(cmd: ServerCommand, **popen_kwargs: Any) -> subprocess.Popen:
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = _STOP_TIMEOUT_S) -> None:
-    """SIGTERM the server's process group (its PID), wait (bounded), then SIGKILL what is left."""
+    """SIGTERM the server's process group (its PID), wait (bounded), then SIGKILL what is left.
+
+    Nothing when the server was already reaped (stopped before, or waited for): its PID, the group's id, may be
+    another process's by now. (While any member of the group lives, the kernel does not reuse the id.)"""
+    if proc.returncode is not None:
+        return
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)

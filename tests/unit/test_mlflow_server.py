@@ -225,3 +225,15 @@ def test_serve_sh_refuses_bad_settings(tmp_path: Path, env: dict[str, str], expe
     proc = serve_sh({"MLFLOW_DATA_DIR": str(tmp_path), **env}, "--dry-run")
     assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
     assert not (tmp_path / "basic_auth.ini").exists()
+
+
+def test_stop_never_signals_a_server_already_reaped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stopped (reaped) server's PID may be another process group's by now: stopping it again signals nothing."""
+    from raytrn.tracking import server
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    proc.wait(timeout=30)
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(server.os, "killpg", lambda pgid, sig: sent.append((pgid, sig)))
+    server.stop(proc, timeout_s=1)
+    assert sent == []
