@@ -41,6 +41,8 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray cluster-config validation": "ray.autoscaler._private.util:validate_config",
     "Ray cluster-config defaults": "ray.autoscaler._private.util:prepare_config",
     "Ray AWS network interfaces": "ray.autoscaler._private.aws.config:_configure_from_network_interfaces",
+    "Ray fake multinode provider": "ray.autoscaler._private.fake_multi_node.node_provider:FakeMultiNodeProvider",
+    "Ray node parameters": "ray._private.parameter:RayParams",
     "MLflow run metrics with steps": "mlflow.entities.run_data:RunData",  # ._metric_objs, set per instance
     "MLflow dataset entity": "mlflow.data.dataset:Dataset._to_mlflow_entity",
     "MLflow dataset context tag": "mlflow.utils.mlflow_tags:MLFLOW_DATASET_CONTEXT",
@@ -284,6 +286,46 @@ def ray_validate_cluster_config(config: dict[str, Any]) -> None:
     prepared = prepare_config(config)
     validate_config(prepared)
     _configure_from_network_interfaces(prepared)
+
+
+#: The environment variable Ray's fake multinode provider gives each node it starts: the node's id.
+FAKE_NODE_ID_ENV = "RAY_OVERRIDE_NODE_ID_FOR_TESTING"
+
+
+def simulator_node_provider() -> type:
+    """Ray's ``fake_multinode`` node provider, except that each node it starts unpacks runtime environments
+    (a job's ``working_dir``) into a directory of its own, as a real node does on its own disk.
+
+    Stock, every fake node shares the head's session directory, and a node that joins while a job runs
+    unpacks the job's ``working_dir`` again with ``overwrite=True``: it deletes and recreates the directory
+    that the job's driver and actors on the head have as their working directory, and their next
+    ``os.getcwd()`` fails (``FileNotFoundError``; MLflow's sqlite store calls it). Each node here gets
+    ``runtime_resources_<node id>`` instead.
+
+    ``ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider`` builds each node's
+    ``ray._private.parameter.RayParams`` with :data:`FAKE_NODE_ID_ENV` among its ``env_vars`` and no
+    ``runtime_env_dir_name``; this class gives ``RayParams`` one, in the process that runs the provider (the
+    simulator's autoscaler monitor, which starts nothing else). Public alternative: none (the fake provider is
+    Ray's testing tool). Loaded by the autoscaler as ``raytrn.cluster.simprovider.SimulatorNodeProvider``.
+    """
+    from ray._private import parameter
+    from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeProvider
+
+    stock = parameter.RayParams
+
+    class NodeParams(stock):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            node_id = (kwargs.get("env_vars") or {}).get(FAKE_NODE_ID_ENV)
+            if node_id and not kwargs.get("runtime_env_dir_name"):
+                kwargs["runtime_env_dir_name"] = f"runtime_resources_{node_id}"
+            super().__init__(*args, **kwargs)
+
+    class SimulatorNodeProvider(FakeMultiNodeProvider):  # type: ignore[misc, valid-type]
+        def __init__(self, provider_config: dict[str, Any], cluster_name: str) -> None:
+            super().__init__(provider_config, cluster_name)
+            parameter.RayParams = NodeParams  # type: ignore[misc]
+
+    return SimulatorNodeProvider
 
 
 # -- MLflow ------------------------------------------------------------------------------------------

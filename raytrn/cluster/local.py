@@ -38,6 +38,9 @@ from raytrn.tracking.server import build_server_command, start, stop
 DEFAULT_CONFIG = "cluster/local-sim.yaml"
 DEFAULT_MLFLOW_PORT = 5000
 _TEMP_PREFIX = "raytrn-sim-"
+#: The node provider the simulator's autoscaler loads (provider.type external): Ray's fake_multinode one, each node
+#: with its own runtime-env directory.
+SIMULATOR_PROVIDER = "raytrn.cluster.simprovider.SimulatorNodeProvider"
 #: Set (to the cluster's temp dir) in the environment of every process the simulator starts.
 MARKER_ENV = "RAYTRN_LOCAL_CLUSTER"
 
@@ -139,6 +142,9 @@ def up(
         raise RaytrnError(f"{config}: provider.type must be 'fake_multinode' for the local simulator")
     gcs_address = f"127.0.0.1:{port}"
     cfg["provider"]["gcs_address"] = gcs_address
+    # Ray's fake_multinode provider, but each node unpacks a job's working_dir into its own directory (stock,
+    # a node joining mid-job deletes the one the head's processes run in): raytrn.cluster.simprovider.
+    cfg["provider"].update(type="external", module=SIMULATOR_PROVIDER)
 
     # A short private temp dir: unix socket paths under it stay below the 107-byte limit.
     temp_dir = Path(tempfile.mkdtemp(prefix=_TEMP_PREFIX, dir="/tmp"))

@@ -102,6 +102,10 @@ def test_job_scales_cluster_up_and_down(simulator: Simulator, tiny_dataset: Path
     assert status == JobStatus.SUCCEEDED, logs[-4000:]
     assert "== raytrn: training finished ==" in logs
     assert scale_up_s is not None and max_nodes >= 1, "the autoscaler launched no worker node"
+    # The worker node unpacked the job's working_dir into its own directory, not into the head's, which the
+    # driver runs in (raytrn.cluster.simprovider: a fake node shares the head's session directory).
+    session = Path(simulator.cluster.session_dir)
+    assert list(session.glob("runtime_resources_*/working_dir_files/_ray_pkg_*")), sorted(os.listdir(session))
 
     # Tracked by rank 0 into the sqlite store named by the job, tagged with the submission id.
     client_ml = MlflowClient(mlflow_uri)

@@ -147,3 +147,23 @@ def test_write_worker_lines_formats_as_ray_does(monkeypatch: pytest.MonkeyPatch)
         "(TrainController pid=7, ip=x) b",
         "(raylet) warn",
     ]
+
+
+def test_simulator_nodes_each_unpack_runtime_envs_into_their_own_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulator's provider gives each fake node ``runtime_resources_<id>`` (stock: the head's, which a node
+    joining mid-job deletes under the job's driver); nodes started otherwise keep Ray's default."""
+    import inspect
+
+    from ray._private import parameter
+    from ray.autoscaler._private.fake_multi_node import node_provider
+
+    monkeypatch.setenv("RAY_FAKE_CLUSTER", "1")
+    monkeypatch.setattr(parameter, "RayParams", parameter.RayParams)  # the provider replaces it: restored after
+    provider = compat.simulator_node_provider()({"gcs_address": "127.0.0.1:1"}, "raytrn-test")
+    assert isinstance(provider, node_provider.FakeMultiNodeProvider)
+    node = parameter.RayParams(num_cpus=1, env_vars={compat.FAKE_NODE_ID_ENV: "ff01"})
+    assert node.runtime_env_dir_name == "runtime_resources_ff01"
+    assert parameter.RayParams(num_cpus=1).runtime_env_dir_name == "runtime_resources"
+    # What the subclass relies on: the stock provider builds each node's RayParams, by attribute, with its id.
+    source = inspect.getsource(node_provider.FakeMultiNodeProvider)
+    assert "ray._private.parameter.RayParams(" in source and f'"{compat.FAKE_NODE_ID_ENV}"' in source
