@@ -51,7 +51,7 @@ def read_config(location: str) -> dict[str, Any]:
         )
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, or an integer of over 4,300 digits
         raise ConfigError(f"model.init_from: {path} is not JSON ({e})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"model.init_from: {path} holds {type(data).__name__}, not an object")

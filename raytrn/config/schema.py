@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from raytrn.config.hf_config import rope_scaling
 from raytrn.config.presets import PRESETS
@@ -23,11 +23,32 @@ Accelerator = Literal["cpu", "cuda", "neuron", "neuron-xla", "xla-cpu"]
 #: The most workers a job may ask for (see raytrn.config.sizes).
 MAX_WORKERS = 100_000
 #: Run names become directory names under checkpoint.storage: one path component, no "..", no "/".
-RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}$")
+RUN_NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}\Z")  # \Z: "$" also matches before a final newline
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a field's annotation is a number (``int``, ``float``, either or None, or a dict of them)."""
+    if annotation in (int, float):
+        return True
+    args = get_args(annotation)
+    if get_origin(annotation) is dict:
+        return len(args) == 2 and _numeric(args[1])
+    return bool(args) and bool not in args and any(_numeric(a) for a in args)
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic takes ``true`` for 1 in a number field (``run.max_steps: true``): refused."""
+        if info.field_name is None or not _numeric(cls.model_fields[info.field_name].annotation):
+            return value
+        values = value.values() if isinstance(value, dict) else [value]
+        if any(isinstance(v, bool) for v in values):
+            raise ValueError(f"expected a number, got a boolean ({value!r})")
+        return value
 
 
 class LoraConfig(_Section):
@@ -302,8 +323,9 @@ class ScalingConfig(_Section):
         if self.min_workers > self.max_size:
             raise ValueError(f"min_workers ({self.min_workers}) must be <= max_workers ({self.max_workers})")
         for key, val in (self.resources_per_worker or {}).items():
-            if not 0 <= val < 1e9:
-                raise ValueError(f"resources_per_worker.{key} must be >= 0 and finite, got {val}")
+            if not 0 < val < 1e9:
+                hint = " (leave a resource out rather than ask for 0 of it: Ray places such workers without limit)"
+                raise ValueError(f"resources_per_worker.{key} must be > 0 and finite, got {val}{hint if val == 0 else ''}")
         return self
 
     @property

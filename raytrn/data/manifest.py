@@ -404,7 +404,7 @@ def load_manifest(path: str, *, check_files: bool = True) -> Manifest:
         )
     try:
         data = json.loads(_read_text(mpath))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits
         raise DataError(f"{mpath}: not valid JSON ({e}); {_RECREATE_HINT}") from None
     except RecursionError:
         raise DataError(f"{mpath}: JSON nested too deeply to be a manifest; {_RECREATE_HINT}") from None

@@ -51,6 +51,12 @@ class Packer:
         return stream[:cut].reshape(k, self.row_len)
 
 
+#: The most token ids in one shard: its Parquet list offsets are int32.
+MAX_SHARD_TOKENS = 2**31 - 1
+
+
 def rows_per_shard(shard_size_mb: float, row_len: int) -> int:
-    """Rows in a shard of at most ``shard_size_mb`` MiB of int32 token payload (at least one row)."""
-    return max(1, int(shard_size_mb * 2**20) // (ROW_DTYPE().itemsize * row_len))
+    """Rows in a shard of at most ``shard_size_mb`` MiB of int32 token payload (at least one row), and of at most
+    2**31 - 1 token ids: a shard's list offsets are int32 (8192 MiB of int32 ids would be 2**31, one too many)."""
+    by_size = int(shard_size_mb * 2**20) // (ROW_DTYPE().itemsize * row_len)
+    return max(1, min(by_size, MAX_SHARD_TOKENS // row_len))

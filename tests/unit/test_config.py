@@ -185,7 +185,29 @@ def test_missing_required_section(tmp_path: Path) -> None:
         (
             "scaling",
             {"resources_per_worker": {"CPU": -1}},
-            "scaling: resources_per_worker.CPU must be >= 0 and finite, got -1.0",
+            "scaling: resources_per_worker.CPU must be > 0 and finite, got -1.0",
+        ),
+        (
+            "scaling",
+            {"resources_per_worker": {"CPU": 0}},
+            "scaling: resources_per_worker.CPU must be > 0 and finite, got 0.0 (leave a resource out rather than ask "
+            "for 0 of it: Ray places such workers without limit)",
+        ),
+        ("data", {"micro_batch_size": True}, "data.micro_batch_size: expected a number, got a boolean (True)"),
+        ("optim", {"lr": True}, "optim.lr: expected a number, got a boolean (True)"),
+        ("run", {"max_steps": True}, "run.max_steps: expected a number, got a boolean (True)"),
+        ("data", {"grad_accum": False}, "data.grad_accum: expected a number, got a boolean (False)"),
+        ("scaling", {"resize_interval_s": True}, "scaling.resize_interval_s: expected a number, got a boolean (True)"),
+        (
+            "scaling",
+            {"resources_per_worker": {"CPU": True}},
+            "scaling.resources_per_worker: expected a number, got a boolean ({'CPU': True})",
+        ),
+        (
+            "tracking",
+            {"run_name": "abc\n"},
+            "tracking.run_name: 'abc\\n' is not a usable run name: it names a directory under checkpoint.storage, "
+            "so use 1-200 letters, digits and . _ = + - (starting with a letter or digit; no '/', no '..')",
         ),
         ("optim", {"betas": [1.0, 0.95]}, "optim: betas must each be in [0, 1), got [1.0, 0.95]"),
         ("optim", {"betas": [0.9, -0.1]}, "optim: betas must each be in [0, 1), got [0.9, -0.1]"),

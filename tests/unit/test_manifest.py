@@ -232,3 +232,25 @@ def test_deeply_nested_json_is_a_data_error(tmp_path: Path) -> None:
     (root / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(DataError, match="nested too deeply|expected a JSON object"):
         load_manifest(str(root))
+
+
+#: An integer of 5,000 digits: Python's json refuses one over 4,300 with a plain ValueError (not a JSONDecodeError).
+HUGE_INT = "9" * 5000
+
+
+def test_an_integer_too_long_for_python_is_one_clear_error_in_every_json_raytrn_reads(tmp_path: Path) -> None:
+    from raytrn.config.hf_config import read_config
+    from raytrn.data.prepare.tokenizer import load_tokenizer_config
+    from raytrn.errors import ConfigError
+
+    (tmp_path / "manifest.json").write_text('{"format": "raytrn.packed/v1", "num_rows": %s}' % HUGE_INT)
+    with pytest.raises(DataError, match=r"manifest\.json: not valid JSON \(Exceeds the limit .*--overwrite"):
+        load_manifest(str(tmp_path))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": %s}' % HUGE_INT)
+    with pytest.raises(ConfigError, match=r"model\.init_from: .*config\.json is not JSON \(Exceeds the limit"):
+        read_config(str(model))
+    (model / "tokenizer_config.json").write_text('{"model_max_length": %s}' % HUGE_INT)
+    with pytest.raises(DataError, match=r"--tokenizer .*tokenizer_config\.json is not JSON \(Exceeds the limit"):
+        load_tokenizer_config(str(model))

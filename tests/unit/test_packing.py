@@ -111,7 +111,10 @@ def test_packer_rejects_non_positive_row_len() -> None:
         (1.0, 1024, 256),
         (0.000001, 2049, 1),  # at least one row
         (0.5, 65, (2**19) // (4 * 65)),
+        (8192.0, 1, 2**31 - 1),  # by size 2**31 ids: one more than the shard's int32 list offsets can address
+        (8192.0, 129, (2**31 - 1) // 129),
     ],
 )
 def test_rows_per_shard(shard_size_mb: float, row_len: int, expected: int) -> None:
     assert rows_per_shard(shard_size_mb, row_len) == expected
+    assert rows_per_shard(shard_size_mb, row_len) * row_len < 2**31

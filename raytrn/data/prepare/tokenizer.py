@@ -83,7 +83,7 @@ def load_tokenizer_config(path: str | None) -> tuple[dict[str, Any] | None, byte
         raw = f.read()
     try:
         config = json.loads(raw)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, or an integer of over 4,300 digits
         raise DataError(f"--tokenizer {path}: {TOKENIZER_CONFIG_NAME} is not JSON ({e})") from None
     if not isinstance(config, dict):
         raise DataError(f"--tokenizer {path}: {TOKENIZER_CONFIG_NAME} holds {type(config).__name__}, not an object")
