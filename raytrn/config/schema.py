@@ -325,7 +325,9 @@ class ScalingConfig(_Section):
         for key, val in (self.resources_per_worker or {}).items():
             if not 0 < val < 1e9:
                 hint = " (leave a resource out rather than ask for 0 of it: Ray places such workers without limit)"
-                raise ValueError(f"resources_per_worker.{key} must be > 0 and finite, got {val}{hint if val == 0 else ''}")
+                raise ValueError(
+                    f"resources_per_worker.{key} must be > 0 and finite, got {val}{hint if val == 0 else ''}"
+                )
         return self
 
     @property

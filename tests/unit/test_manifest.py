@@ -243,14 +243,14 @@ def test_an_integer_too_long_for_python_is_one_clear_error_in_every_json_raytrn_
     from raytrn.data.prepare.tokenizer import load_tokenizer_config
     from raytrn.errors import ConfigError
 
-    (tmp_path / "manifest.json").write_text('{"format": "raytrn.packed/v1", "num_rows": %s}' % HUGE_INT)
+    (tmp_path / "manifest.json").write_text('{"format": "raytrn.packed/v1", "num_rows": ' + HUGE_INT + "}")
     with pytest.raises(DataError, match=r"manifest\.json: not valid JSON \(Exceeds the limit .*--overwrite"):
         load_manifest(str(tmp_path))
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text('{"hidden_size": %s}' % HUGE_INT)
+    (model / "config.json").write_text('{"hidden_size": ' + HUGE_INT + "}")
     with pytest.raises(ConfigError, match=r"model\.init_from: .*config\.json is not JSON \(Exceeds the limit"):
         read_config(str(model))
-    (model / "tokenizer_config.json").write_text('{"model_max_length": %s}' % HUGE_INT)
+    (model / "tokenizer_config.json").write_text('{"model_max_length": ' + HUGE_INT + "}")
     with pytest.raises(DataError, match=r"--tokenizer .*tokenizer_config\.json is not JSON \(Exceeds the limit"):
         load_tokenizer_config(str(model))
