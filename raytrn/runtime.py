@@ -97,10 +97,23 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
 # Settings of this shell the job needs on the cluster: where to track, how to reach S3 / the model hub.
 FORWARDED_ENV_PREFIXES: tuple[str, ...] = ("MLFLOW_", "AWS_", "RAYTRN_")
 FORWARDED_ENV_NAMES: tuple[str, ...] = ("HF_TOKEN", "HF_ENDPOINT")
-# They name files on this machine, meaningless on the cluster (which uses its instance role instead); the
-# last marks the processes of a local simulator (raytrn.cluster.local.MARKER_ENV), which only it may carry.
-NOT_FORWARDED: frozenset[str] = frozenset(
-    {"AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "RAYTRN_LOCAL_CLUSTER"}
+#: The MLflow *server's* settings (its admin password, session secret, auth config and database URI, with the
+#: database's password): a job is a client and never needs them, and a job's runtime env is readable by anyone
+#: who can reach the cluster's dashboard.
+MLFLOW_SERVER_SECRETS: frozenset[str] = frozenset(
+    {
+        "MLFLOW_AUTH_ADMIN_PASSWORD",
+        "MLFLOW_FLASK_SERVER_SECRET_KEY",
+        "MLFLOW_AUTH_CONFIG_PATH",
+        "MLFLOW_BACKEND_STORE_URI",
+    }
+)
+# The AWS ones name files on this machine, meaningless on the cluster (which uses its instance role instead);
+# RAYTRN_LOCAL_CLUSTER marks the processes of a local simulator (raytrn.cluster.local.MARKER_ENV), which only it
+# may carry.
+NOT_FORWARDED: frozenset[str] = (
+    frozenset({"AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "RAYTRN_LOCAL_CLUSTER"})
+    | MLFLOW_SERVER_SECRETS
 )
 
 

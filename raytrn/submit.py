@@ -28,6 +28,7 @@ from raytrn.cluster.local import running
 from raytrn.config import absolute_overrides, load_job, relative_local_paths, resolve_paths
 from raytrn.errors import RaytrnError
 from raytrn.runtime import forwarded_env, git_commit, relative_paths_error
+from raytrn.tracking.client import is_secret_key, redact_uri
 
 # Never uploaded with the working dir: environments, local datasets and results, caches, git history.
 # gitignore syntax, relative to the working dir: a leading "/" anchors at its top, so "/data" skips the
@@ -57,6 +58,21 @@ def runtime_env(working_dir: str | os.PathLike[str], env_vars: Mapping[str, str]
     out: dict[str, Any] = {"working_dir": str(wd), "excludes": list(WORKING_DIR_EXCLUDES)}
     if env_vars:
         out["env_vars"] = dict(env_vars)
+    return out
+
+
+def secret_overrides(overrides: Sequence[str]) -> list[str]:
+    """A warning for each ``--set KEY=VALUE`` that looks like it carries a secret (a secret-sounding key, a
+    password in a URI): the job's command line is shown on the cluster's dashboard to whoever can reach it."""
+    out = []
+    for kv in overrides:
+        key, _, value = kv.partition("=")
+        if is_secret_key(key) or redact_uri(value) != value:
+            out.append(
+                f"--set {key}=... looks like it holds a secret, and the job's command line is shown on the cluster's "
+                "dashboard: pass credentials as environment variables instead (MLFLOW_TRACKING_USERNAME/PASSWORD, "
+                "AWS_*, HF_TOKEN: forwarded from this shell or given with --env)"
+            )
     return out
 
 
@@ -191,6 +207,8 @@ def submit(
     fixed = [*overrides, *frozen_overrides(raw, job, local=local is not None, address=address, base_dir=base_dir)]
     if command is not None:  # a sweep names its trials' runs itself
         fixed = [kv for kv in fixed if not kv.startswith("tracking.run_name=")]
+    for warning in secret_overrides(fixed):
+        print(f"raytrn: WARNING: {warning}", file=sys.stderr)
     token = resolve_token(token, address=address)
     headers = auth_headers(token)
     check_reachable(address, headers)

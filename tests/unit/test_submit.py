@@ -52,6 +52,11 @@ def test_forwarded_env_takes_mlflow_aws_hf_not_local_files() -> None:
         "HOME": "/home/me",
         "PATH": "/usr/bin",
         "RAY_AUTH_TOKEN": "secret",
+        # The MLflow server's own secrets (set in a shell that also ran `raytrn mlflow serve --auth`): never sent.
+        "MLFLOW_AUTH_ADMIN_PASSWORD": "admin-pw",
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": "flask-key",
+        "MLFLOW_AUTH_CONFIG_PATH": "/home/me/basic_auth.ini",
+        "MLFLOW_BACKEND_STORE_URI": "postgresql://mlflow:db-pw@db/mlflow",
     }
     env = forwarded_env(environ, {"AWS_REGION": "us-east-1", "EXTRA": "x"})
     assert env == {
@@ -315,3 +320,12 @@ def test_the_local_simulators_token_is_found_by_address(tmp_path: Path, monkeypa
     assert sub.resolve_token(None, {}, tmp_path, address="http://127.0.0.1:8265") == "sim-token"
     assert sub.resolve_token(None, {}, tmp_path, address="http://10.0.0.1:8265") == "another-clusters-token"
     assert sub.resolve_token(None, {"RAY_AUTH_TOKEN": "env"}, tmp_path, address="http://127.0.0.1:8265") == "env"
+
+
+def test_a_set_value_that_looks_like_a_secret_is_warned_about_without_showing_it() -> None:
+    ok = ["run.max_steps=4", "tracking.mlflow_uri=http://mlflow:5000", "data.tokenizer=tok/tokenizer.json"]
+    assert sub.secret_overrides(ok) == []
+    warned = sub.secret_overrides(["tracking.mlflow_uri=http://me:s3cr3t@mlflow:5000", "x.api_key=abc", *ok])
+    assert len(warned) == 2 and all("dashboard" in w and "environment variables" in w for w in warned)
+    assert not any("s3cr3t" in w or "abc" in w for w in warned)
+    assert warned[0].startswith("--set tracking.mlflow_uri=... looks like it holds a secret")
