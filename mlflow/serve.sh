@@ -12,7 +12,8 @@
 #                                 postgresql://USER@HOST:5432/mlflow for a larger team)
 #   MLFLOW_ARTIFACTS_DESTINATION  where the server stores artifacts, e.g. s3://BUCKET/mlflow (default
 #                                 $MLFLOW_DATA_DIR/artifacts). Proxied: clients need no S3 credentials.
-#   MLFLOW_HOST, MLFLOW_PORT      listen address (default 127.0.0.1) and port (default 5000)
+#   MLFLOW_HOST, MLFLOW_PORT      listen address (default 127.0.0.1) and port (default 5000); beyond
+#                                 loopback and private addresses, needs RAYTRN_MLFLOW_AUTH=1 (or _INSECURE=1)
 #   MLFLOW_WORKERS                server worker processes (default 1; more only with PostgreSQL)
 #   RAYTRN_MLFLOW_AUTH=1          basic auth. Requires MLFLOW_AUTH_ADMIN_PASSWORD (the admin user's
 #                                 password, >= 12 characters, used when the users db is created) and
@@ -58,8 +59,21 @@ port="${MLFLOW_PORT:-5000}"
 [[ "$port" =~ ^[0-9]+$ ]] && [ "$port" -ge 1 ] && [ "$port" -le 65535 ] || die "MLFLOW_PORT=$port: not a TCP port"
 mlflow_bin="${MLFLOW_BIN:-mlflow}"
 
-cmd=("$mlflow_bin" server --backend-store-uri "$backend" --artifacts-destination "$artifacts"
-     --host "$host" --port "$port" --workers "$workers")
+cmd=("$mlflow_bin" server)
+# A database password goes to the server through its environment, never its command line (`ps` shows that to
+# every user of the machine) nor server.log.
+case "$backend" in
+  *://*:*@*) export MLFLOW_BACKEND_STORE_URI="$backend" ;;
+  *) cmd+=(--backend-store-uri "$backend") ;;
+esac
+shown_backend="$(printf '%s' "$backend" | sed -E 's#(://[^/@:]*):[^/]*@#\1:***@#')"
+cmd+=(--artifacts-destination "$artifacts" --host "$host" --port "$port" --workers "$workers")
+# Beyond loopback and private addresses (a wildcard, a public address, a host name) only with basic auth.
+case "$host" in
+  127.*|::1|localhost|10.*|192.168.*|172.1[6-9].*|172.2[0-9].*|172.3[01].*|f[cd]*:*) ;;
+  *) [ "${RAYTRN_MLFLOW_AUTH:-0}" = 1 ] || [ "${RAYTRN_MLFLOW_INSECURE:-0}" = 1 ] ||
+       die "MLFLOW_HOST=$host without RAYTRN_MLFLOW_AUTH=1: the server would be reachable beyond this machine and its private network, and anyone who can reach port $port could read, change and delete every run. Turn on basic auth (RAYTRN_MLFLOW_AUTH=1), or listen on 127.0.0.1 or a private address; RAYTRN_MLFLOW_INSECURE=1 serves it open anyway" ;;
+esac
 # MLflow 3.x's job-execution worker roughly doubles the server's memory; raytrn does not use it.
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false
 
@@ -87,5 +101,5 @@ if (exec 3<>"/dev/tcp/$probe/$port") 2>/dev/null; then
 fi
 case "$artifacts" in /*) mkdir -p "$artifacts" ;; esac
 echo $$ > "$data_dir/server.pid"  # exec keeps this PID: `kill $(cat server.pid)` stops the server
-echo "mlflow/serve.sh: tracking URI http://$host:$port (store $backend, artifacts $artifacts)" >&2
+echo "mlflow/serve.sh: tracking URI http://$host:$port (store $shown_backend, artifacts $artifacts)" >&2
 exec "${cmd[@]}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib.util
+import ipaddress
 import os
 import re
 import signal
@@ -26,6 +27,7 @@ from urllib.parse import urlparse
 
 from raytrn.config import resolve_mlflow_uri
 from raytrn.errors import ConfigError
+from raytrn.tracking.client import redact_uri
 
 #: The store ``raytrn train`` writes by default (``raytrn.config.resolve_mlflow_uri``), relative to the cwd.
 DEFAULT_BACKEND_STORE_URI = "sqlite:///mlruns/mlflow.db"
@@ -119,6 +121,19 @@ def client_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+def is_private_host(host: str) -> bool:
+    """Whether listening on ``host`` stays off the internet: this machine (127.0.0.0/8, ::1, localhost) or one
+    of its private-network addresses (10/8, 172.16/12, 192.168/16, fc00::/7: a VPC, whose security group then
+    decides). Not a wildcard (0.0.0.0, ::: every interface), a public address or a host name."""
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+    return not ip.is_unspecified and (ip.is_loopback or ip.is_private)
+
+
 def render_auth_ini(database_uri: str, default_permission: str = "READ") -> str:
     """The basic-auth config (read via MLFLOW_AUTH_CONFIG_PATH): users database and default permission.
 
@@ -160,6 +175,7 @@ def build_server_command(
     environ: Mapping[str, str] | None = None,
     mlflow_argv: list[str] | None = None,
     base_dir: str = ".",
+    insecure: bool = False,
 ) -> ServerCommand:
     """The ``mlflow server`` command for these options (pure: writes nothing, starts nothing).
 
@@ -169,6 +185,9 @@ def build_server_command(
     - ``auth``: basic auth; needs :data:`AUTH_ENV_VARS` in ``environ``. The users database and the ini
       (``files``) go to ``data_dir`` (default: the sqlite database's directory, else ``<base_dir>/mlruns``).
     - ``mlflow_argv``: how to call MLflow's CLI; default this interpreter's ``python -m mlflow``.
+    - ``host`` beyond loopback and private addresses (a wildcard, a public address) needs ``auth`` (or
+      ``insecure``). A backend URI with a password is
+      passed in the server's environment, not its command line (which every user of the machine can list).
     """
     if not 0 < port < 65536:
         raise ConfigError(f"--port {port}: not a TCP port (1-65535)")
@@ -180,11 +199,22 @@ def build_server_command(
         artifacts = check_artifacts_destination(artifacts_destination, base_dir)
     else:
         artifacts = os.path.join(sqlite_dir or os.path.abspath(os.path.join(base_dir, "mlruns")), "artifacts")
+    if not (auth or insecure or is_private_host(host)):
+        raise ConfigError(
+            f"--host {host} without --auth: the server would be reachable beyond this machine and its private "
+            f"network, and anyone who can reach port {port} could read, change and delete every run and model. "
+            "Add --auth (basic auth), or listen on 127.0.0.1 (the default; an SSH tunnel) or a private address; "
+            "--insecure serves it open anyway"
+        )
     argv = [*(mlflow_argv or [sys.executable, "-m", "mlflow"]), "server"]
-    argv += ["--backend-store-uri", backend, "--artifacts-destination", artifacts]
-    argv += ["--host", host, "--port", str(port), "--workers", str(workers)]
     # The job-execution worker (MLflow 3.x) roughly doubles the server's memory; raytrn does not use it.
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    if redact_uri(backend) != backend:  # a database password: through the environment, never on `ps`'s list
+        env["MLFLOW_BACKEND_STORE_URI"] = backend
+    else:
+        argv += ["--backend-store-uri", backend]
+    argv += ["--artifacts-destination", artifacts]
+    argv += ["--host", host, "--port", str(port), "--workers", str(workers)]
     files: dict[str, str] = {}
     if auth:
         check_auth_env(environ if environ is not None else {})
@@ -281,7 +311,7 @@ def serve(cmd: ServerCommand) -> int:
     proc = start(cmd)
     print(
         f"raytrn: MLflow server (pid {proc.pid}) starting on {cmd.url}\n"
-        f"  store      {cmd.backend_store_uri}\n"
+        f"  store      {redact_uri(cmd.backend_store_uri)}\n"
         f"  artifacts  {cmd.artifacts_destination} (proxied: clients need no storage credentials)\n"
         f"  jobs:      tracking.mlflow_uri: {cmd.url}   (or export MLFLOW_TRACKING_URI={cmd.url})\n"
         "  stop:      Ctrl-C",
@@ -337,6 +367,11 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--data-dir", metavar="DIR", help="where the auth ini and users database go (default: the sqlite dir)"
     )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a --host other than loopback without --auth (anyone who reaches the port can change every run)",
+    )
     p.set_defaults(func=_cmd_mlflow_serve)
 
 
@@ -350,6 +385,7 @@ def _cmd_mlflow_serve(args: argparse.Namespace) -> int:
         auth=args.auth,
         data_dir=args.data_dir,
         environ=os.environ,
+        insecure=args.insecure,
     )
     check_backend_driver(cmd.backend_store_uri)
     if args.auth and importlib.util.find_spec("flask_wtf") is None:

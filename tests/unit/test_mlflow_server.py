@@ -7,6 +7,7 @@ from __future__ import annotations
 import configparser
 import os
 import pickle
+import re
 import shlex
 import socket
 import subprocess
@@ -60,6 +61,7 @@ def test_team_server_options() -> None:
         port=5001,
         workers=4,
         mlflow_argv=["mlflow"],
+        insecure=True,
     )
     assert cmd.argv == [
         "mlflow",
@@ -87,8 +89,26 @@ def test_relative_paths_become_absolute(tmp_path: Path) -> None:
 
 
 def test_wildcard_host_gives_clients_the_host_name() -> None:
-    cmd = build_server_command(host="0.0.0.0", port=5000)
+    cmd = build_server_command(host="0.0.0.0", port=5000, insecure=True)
     assert cmd.url == f"http://{socket.gethostname()}:5000"
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "54.12.0.7", "2600:1f18::5", "mlflow.example.com"])
+def test_a_host_beyond_private_networks_needs_auth_or_insecure(host: str) -> None:
+    with pytest.raises(ConfigError, match=rf"--host {re.escape(host)} without --auth: the server would be reachable"):
+        build_server_command(host=host)
+    assert build_server_command(host=host, auth=True, environ=AUTH_ENV).argv[-2:] == ["--app-name", "basic-auth"]
+    assert "--host" in build_server_command(host=host, insecure=True).argv
+    for loopback in ("127.0.0.1", "127.0.1.1", "::1", "localhost", "10.0.1.5", "172.31.9.4", "192.168.0.2"):
+        argv = build_server_command(host=loopback).argv
+        assert argv[argv.index("--host") + 1] == loopback
+
+
+def test_a_database_password_goes_to_the_server_by_environment_not_command_line() -> None:
+    uri = "postgresql://mlflow:db-p@ss@db.internal:5432/mlflow"
+    cmd = build_server_command(backend_store_uri=uri)
+    assert cmd.env["MLFLOW_BACKEND_STORE_URI"] == uri
+    assert not any("db-p" in a for a in cmd.argv) and "--backend-store-uri" not in cmd.argv
 
 
 def test_auth_renders_an_ini_with_absolute_paths_and_no_password(tmp_path: Path) -> None:
@@ -185,12 +205,13 @@ def serve_sh(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str
 def test_serve_sh_runs_the_same_command_as_raytrn(tmp_path: Path, auth: bool) -> None:
     """The operator script and `raytrn mlflow serve` stay one command: same argv, same auth ini."""
     env = {"MLFLOW_DATA_DIR": str(tmp_path), "MLFLOW_HOST": "10.0.0.5", "MLFLOW_PORT": "5001"}
+    env |= {"MLFLOW_BACKEND_STORE_URI": "postgresql://mlflow:db-pw@db:5432/mlflow"} if auth else {}
     if auth:
         env |= {"RAYTRN_MLFLOW_AUTH": "1", "MLFLOW_ARTIFACTS_DESTINATION": "s3://team/mlflow", **AUTH_ENV}
     proc = serve_sh(env, "--workers", "2", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     cmd = build_server_command(
-        backend_store_uri=f"sqlite:///{tmp_path}/mlflow.db",
+        backend_store_uri=env.get("MLFLOW_BACKEND_STORE_URI", f"sqlite:///{tmp_path}/mlflow.db"),
         artifacts_destination=env.get("MLFLOW_ARTIFACTS_DESTINATION"),
         host="10.0.0.5",
         port=5001,
@@ -198,8 +219,9 @@ def test_serve_sh_runs_the_same_command_as_raytrn(tmp_path: Path, auth: bool) ->
         auth=auth,
         environ=AUTH_ENV,
         mlflow_argv=["mlflow"],
+        data_dir=str(tmp_path),
     )
-    assert shlex.split(proc.stdout) == cmd.argv
+    assert shlex.split(proc.stdout) == cmd.argv and "db-pw" not in proc.stdout + proc.stderr
     for path, text in cmd.files.items():  # the rendered template has the same settings as raytrn's ini
         rendered, ours = configparser.ConfigParser(), configparser.ConfigParser()
         rendered.read(path)
@@ -219,6 +241,8 @@ def test_serve_sh_runs_the_same_command_as_raytrn(tmp_path: Path, auth: bool) ->
         ({"MLFLOW_BACKEND_STORE_URI": "sqlite:///rel.db"}, "absolute path"),
         ({"MLFLOW_ARTIFACTS_DESTINATION": "relative/dir"}, "s3://BUCKET/PREFIX"),
         ({"MLFLOW_PORT": "x"}, "not a TCP port"),
+        ({"MLFLOW_HOST": "0.0.0.0"}, "MLFLOW_HOST=0.0.0.0 without RAYTRN_MLFLOW_AUTH=1: the server would be"),
+        ({"MLFLOW_HOST": "54.12.0.7"}, "MLFLOW_HOST=54.12.0.7 without RAYTRN_MLFLOW_AUTH=1: the server would be"),
     ],
 )
 def test_serve_sh_refuses_bad_settings(tmp_path: Path, env: dict[str, str], expected: str) -> None:
