@@ -94,14 +94,34 @@ def dataset_files(manifest: Manifest) -> list[str]:
 
 
 def _journal_names(directory: str) -> set[str]:
-    """The names an interrupted replacement's journal says raytrn wrote (nothing if it cannot be read)."""
+    """The names an interrupted replacement's journal says raytrn wrote (nothing if it cannot be read), each only
+    while what is there is what raytrn wrote: a file of the size the journal recorded, or nothing. A journal
+    without sizes (not raytrn's, or one edited by hand) names nothing: its names stay foreign, never deleted."""
     try:
         with open(os.path.join(directory, JOURNAL_NAME), encoding="utf-8") as f:
             data = json.load(f)
-        names = [*data.get("old", []), *data.get("new", [])]
+        entries = [*data.get("old", {}).items(), *data.get("new", {}).items()]
     except (OSError, ValueError, AttributeError, TypeError):
         return set()
-    return {JOURNAL_NAME} | {n for n in names if isinstance(n, str) and _is_plain_name(n)}
+    names = {JOURNAL_NAME}
+    for name, size in entries:
+        if isinstance(name, str) and _is_plain_name(name) and type(size) is int:
+            path = os.path.join(directory, name)
+            if not os.path.lexists(path) or (os.path.isfile(path) and not os.path.islink(path) and _size(path) == size):
+                names.add(name)
+    return names
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return -1
+
+
+def _file_sizes(directory: str, names: list[str]) -> dict[str, int]:
+    """Each name's file size in ``directory`` (what the journal records; -1 for anything but a file)."""
+    return {n: _size(os.path.join(directory, n)) if os.path.isfile(os.path.join(directory, n)) else -1 for n in names}
 
 
 def _is_plain_name(name: str) -> bool:
@@ -194,8 +214,8 @@ def commit(out: Output, staging: str, new_names: list[str]) -> None:
     directory = out.path
     old = sorted(n for n in out.ours if not n.startswith(STAGING_PREFIX) and n != JOURNAL_NAME)
     journal = os.path.join(directory, JOURNAL_NAME)
-    with open(os.path.join(staging, JOURNAL_NAME), "w", encoding="utf-8") as f:
-        json.dump({"old": old, "new": new_names}, f)
+    with open(os.path.join(staging, JOURNAL_NAME), "w", encoding="utf-8") as f:  # names and sizes: _journal_names
+        json.dump({"old": _file_sizes(directory, old), "new": _file_sizes(staging, new_names)}, f)
     os.replace(os.path.join(staging, JOURNAL_NAME), journal)
     if MANIFEST_NAME in old:  # first: no reader ever sees a manifest naming half-replaced shards
         remove_inside(os.path.join(directory, MANIFEST_NAME), directory)
