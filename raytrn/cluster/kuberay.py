@@ -93,6 +93,7 @@ def _check_cluster_spec(spec: dict[str, Any], at: str, notes: list[str]) -> list
         problems.append(f"{at}.headGroupSpec: required field is missing (rayStartParams + pod template)")
     else:
         problems += _check_template(head, f"{at}.headGroupSpec")
+        problems += _check_exposure(spec, head, f"{at}.headGroupSpec", notes)
         for name, value in _container_resources(head).items():
             if name in (NEURONCORE, NEURON_DEVICE):
                 problems.append(
@@ -138,6 +139,38 @@ def _check_template(group: dict[str, Any], where: str) -> list[str]:
         for i, c in enumerate(containers)
         if not isinstance(c, dict) or not c.get("image")
     ]
+
+
+#: Head service types reachable from outside the Kubernetes cluster.
+_EXTERNAL_SERVICE_TYPES = ("LoadBalancer", "NodePort")
+
+
+def token_auth(spec: dict[str, Any], head: dict[str, Any]) -> bool:
+    """Ray token authentication on: ``spec.authOptions.mode: token`` (KubeRay) or RAY_AUTH_MODE=token in the head
+    container's environment (what raytrn's manifests set)."""
+    if mapping_at(spec, "authOptions").get("mode") == "token":
+        return True
+    env = [e for c in _containers(head) for e in (c.get("env") or []) if isinstance(e, dict)]
+    return any(e.get("name") == "RAY_AUTH_MODE" and e.get("value") == "token" for e in env)
+
+
+def _check_exposure(spec: dict[str, Any], head: dict[str, Any], where: str, notes: list[str]) -> list[str]:
+    """A head service reachable from outside the cluster (LoadBalancer, NodePort) without Ray token auth is an
+    error: whoever reaches the dashboard port runs code on the cluster. With auth, a note."""
+    service = head.get("serviceType")
+    if service not in _EXTERNAL_SERVICE_TYPES:
+        return []
+    if not token_auth(spec, head):
+        return [
+            f"{where}.serviceType: {service} exposes the dashboard and job API beyond the Kubernetes cluster with Ray "
+            "token authentication off: anyone who reaches it can run code. Use ClusterIP and `kubectl port-forward`, "
+            "or turn token auth on (RAY_AUTH_MODE=token in the head container, or spec.authOptions.mode: token)"
+        ]
+    notes.append(
+        f"{where}.serviceType: {service} exposes the (token-authenticated) dashboard beyond the Kubernetes cluster; "
+        "restrict it (an internal load balancer, loadBalancerSourceRanges)"
+    )
+    return []
 
 
 def _containers(group: dict[str, Any]) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import ipaddress
 import json
 import os
 import re
@@ -38,17 +39,38 @@ from raytrn.cluster.common import (
 )
 from raytrn.cluster.kuberay import validate_kuberay_documents
 from raytrn.errors import ConfigError
+from raytrn.tracking.server import is_private_host
 
-#: Ports that must never be reachable from the internet (Ray has no authorization beyond the token).
+#: Ports (first, last) that must never be reachable from the internet (Ray has no authorization beyond the token).
 SENSITIVE_PORTS = {
-    8265: "Ray dashboard / job submission API",
-    6379: "Ray GCS",
-    10001: "Ray client server",
-    8076: "Ray object manager",
-    52365: "Ray dashboard agent",
-    5000: "MLflow server",
+    (8265, 8265): "Ray dashboard / job submission API",
+    (6379, 6379): "Ray GCS",
+    (10001, 10001): "Ray client server",
+    (8076, 8076): "Ray object manager",
+    (52365, 52365): "Ray dashboard agent",
+    (8080, 8080): "Ray metrics export",
+    (10002, 19999): "Ray worker ports",
+    (5000, 5000): "MLflow server",
 }
-_OPEN_CIDRS = ("0.0.0.0/0", "::/0")
+#: A CIDR outside private networks that holds at least this many addresses is "the internet" (0.0.0.0/1 and
+#: 128.0.0.0/1 together are 0.0.0.0/0): judged by prefix length, not by spelling.
+_WIDE_V4_PREFIX = 16
+_WIDE_V6_PREFIX = 32
+
+
+def internet_cidr(cidr: Any) -> str | None:
+    """Why ``cidr`` opens a port to the internet (a network outside private ranges, /16 or wider for IPv4, /32
+    or wider for IPv6; or not a CIDR at all), else None."""
+    try:
+        net = ipaddress.ip_network(str(cidr).strip(), strict=False)
+    except ValueError:
+        return f"{cidr!r} is not a CIDR"
+    wide = _WIDE_V4_PREFIX if net.version == 4 else _WIDE_V6_PREFIX
+    if net.is_private or net.is_loopback or net.prefixlen > wide:
+        return None
+    return f"{cidr} ({net.num_addresses:.3g} public addresses)" if net.prefixlen else f"{cidr} (the internet)"
+
+
 _TRN_TYPE = re.compile(r"^trn\d", re.IGNORECASE)
 KUBERAY_KINDS = ("RayCluster", "RayJob")
 
@@ -88,7 +110,7 @@ def validate_cluster_config(config: Any, *, source: str = "<cluster>") -> list[s
             if isinstance(node_type, dict) and name != config.get("head_node_type"):
                 problems += _check_trn_node_type(config, name, node_type, notes)
     problems += _check_security_group(config)
-    notes += _command_notes(config)
+    problems += _command_problems(config, notes)
     notes += placeholder_notes(config, before="`ray up`")
     raise_problems(source, problems)
     return notes
@@ -302,29 +324,46 @@ def _check_security_group(config: dict[str, Any]) -> list[str]:
             continue
         cidrs = [r.get("CidrIp") for r in as_list(rule.get("IpRanges")) if isinstance(r, dict)]
         cidrs += [r.get("CidrIpv6") for r in as_list(rule.get("Ipv6Ranges")) if isinstance(r, dict)]
-        open_cidrs = [c for c in cidrs if c in _OPEN_CIDRS]
+        open_cidrs = [why for c in cidrs if c is not None and (why := internet_cidr(c))]
         if not open_cidrs:
             continue
         lo, hi = _rule_ports(rule)
-        exposed = [f"{port} ({what})" for port, what in SENSITIVE_PORTS.items() if lo <= port <= hi]
+        exposed = [
+            f"{first}{f'-{last}' if last != first else ''} ({what})"
+            for (first, last), what in SENSITIVE_PORTS.items()
+            if lo <= last and first <= hi
+        ]
         if exposed:
             problems.append(
-                f"provider.security_group.IpPermissions[{i}]: opens {', '.join(exposed)} to {open_cidrs[0]}; "
+                f"provider.security_group.IpPermissions[{i}]: opens {', '.join(exposed)} to {', '.join(open_cidrs)}; "
                 "anyone could submit jobs (run code) on the cluster. Remove the rule or restrict CidrIp to your "
                 "network, and reach the dashboard through `ray dashboard CLUSTER.yaml` (an SSH tunnel)"
             )
     return problems
 
 
-def _command_notes(config: dict[str, Any]) -> list[str]:
-    notes = []
+_DASHBOARD_HOST = re.compile(r"--dashboard-host[=\s]+['\"]?([^\s'\"]+)")
+
+
+def _command_problems(config: dict[str, Any], notes: list[str]) -> list[str]:
+    """The head's ``ray start``: a dashboard on every interface without token auth is an error (anyone who
+    reaches it runs code), with auth a note; auth off alone is a note (the dashboard on loopback)."""
     head_cmds = " ".join(c for c in as_list(config.get("head_start_ray_commands")) if isinstance(c, str))
-    if "ray start" in head_cmds:
-        if "--dashboard-host=0.0.0.0" in head_cmds or "--dashboard-host 0.0.0.0" in head_cmds:
-            notes.append(
-                "head_start_ray_commands: the dashboard listens on all interfaces (--dashboard-host=0.0.0.0); "
-                "prefer 127.0.0.1 and `ray dashboard CLUSTER.yaml`"
-            )
-        if "RAY_AUTH_MODE=token" not in head_cmds:
-            notes.append("head_start_ray_commands: Ray token authentication is off (no RAY_AUTH_MODE=token)")
-    return notes
+    if "ray start" not in head_cmds:
+        return []
+    auth = "RAY_AUTH_MODE=token" in head_cmds
+    hosts = [h for h in _DASHBOARD_HOST.findall(head_cmds) if not is_private_host(h)]
+    if hosts and not auth:
+        return [
+            f"head_start_ray_commands: the dashboard listens on {hosts[0]} (beyond loopback and private addresses) "
+            "with Ray token authentication off: anyone who reaches port 8265 can run code on the cluster. Use "
+            "--dashboard-host=127.0.0.1 and `ray dashboard CLUSTER.yaml`, and start Ray with RAY_AUTH_MODE=token"
+        ]
+    if hosts:
+        notes.append(
+            f"head_start_ray_commands: the dashboard listens on {hosts[0]} (all interfaces); prefer 127.0.0.1 and "
+            "`ray dashboard CLUSTER.yaml`"
+        )
+    if not auth:
+        notes.append("head_start_ray_commands: Ray token authentication is off (no RAY_AUTH_MODE=token)")
+    return []

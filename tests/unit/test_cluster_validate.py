@@ -238,6 +238,48 @@ def test_dashboard_port_open_to_the_world(rule: dict[str, Any]) -> None:
     assert "IpPermissions[0]" not in msg  # SSH alone is allowed
 
 
+@pytest.mark.parametrize(
+    ("ranges", "ports", "shown"),
+    [
+        ([{"CidrIp": "0.0.0.0/1"}, {"CidrIp": "128.0.0.0/1"}], (8265, 8265), "8265 (Ray dashboard"),
+        ([{"CidrIp": "0.0.0.0/00"}], (8265, 8265), "8265 (Ray dashboard"),
+        ([{"CidrIp": "3.0.0.0/8"}], (10002, 19999), "10002-19999 (Ray worker ports)"),
+        ([{"CidrIp": "0.0.0.0/0"}], (8077, 8100), "8080 (Ray metrics export)"),
+        ([{"CidrIp": "0.0.0.0/0"}], (15000, 15000), "10002-19999 (Ray worker ports)"),
+        ([{"CidrIp": "everyone"}], (6379, 6379), "6379 (Ray GCS)"),
+    ],
+    ids=["two-halves", "zero-padded", "a-slash-8", "metrics", "one-worker-port", "not-a-cidr"],
+)
+def test_sensitive_ports_open_to_the_internet_are_judged_by_prefix(ranges: list, ports: tuple, shown: str) -> None:
+    c = load(TRN1)
+    rule = {"FromPort": ports[0], "ToPort": ports[1], "IpProtocol": "TCP", "IpRanges": ranges}
+    c["provider"]["security_group"] = {"IpPermissions": [rule]}
+    msg = problems_of(c)
+    assert f"provider.security_group.IpPermissions[0]: opens {shown}" in msg
+
+
+def test_a_narrow_public_range_or_a_private_one_is_fine() -> None:
+    c = load(TRN1)
+    ranges = [{"CidrIp": "203.0.113.7/32"}, {"CidrIp": "198.51.100.0/24"}, {"CidrIp": "172.16.0.0/12"}]
+    rule = {"FromPort": 8265, "ToPort": 8265, "IpProtocol": "TCP", "IpRanges": ranges}
+    c["provider"]["security_group"] = {"IpPermissions": [rule]}
+    validate_cluster_config(c)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "'::'"])
+def test_a_dashboard_on_every_interface_without_token_auth_is_an_error(host: str) -> None:
+    c = load(TRN1)
+    cmds = [
+        cmd.replace("--dashboard-host=127.0.0.1", f"--dashboard-host={host}") for cmd in c["head_start_ray_commands"]
+    ]
+    c["head_start_ray_commands"] = cmds
+    notes = validate_cluster_config(c)  # token auth on: a note
+    assert any("the dashboard listens on" in n and "(all interfaces)" in n for n in notes)
+    c["head_start_ray_commands"] = [cmd.replace("RAY_AUTH_MODE=token ", "") for cmd in cmds]
+    msg = problems_of(c)
+    assert "the dashboard listens on" in msg and "with Ray token authentication off: anyone who reaches" in msg
+
+
 def test_dashboard_port_open_to_a_private_range_is_fine() -> None:
     c = load(TRN1)
     rule = {"FromPort": 8265, "ToPort": 8265, "IpProtocol": "TCP", "IpRanges": [{"CidrIp": "10.0.0.0/8"}]}

@@ -193,3 +193,19 @@ def test_malformed_and_missing(tmp_path: Path) -> None:
         validate_kuberay_file(str(bad))
     with pytest.raises(ConfigError, match="KubeRay manifest not found"):
         validate_kuberay_file(str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize("service", ["LoadBalancer", "NodePort"])
+def test_a_head_service_outside_the_cluster_without_token_auth_is_an_error(service: str) -> None:
+    doc = load(RAYCLUSTER)
+    head = doc["spec"]["headGroupSpec"]
+    head["serviceType"] = service
+    notes = validate_kuberay_documents([doc], source="k.yaml")  # token auth on (the shipped env): a note
+    assert any(f"serviceType: {service} exposes the (token-authenticated) dashboard" in n for n in notes)
+    for c in head["template"]["spec"]["containers"]:
+        c["env"] = [e for e in c.get("env", []) if e.get("name") != "RAY_AUTH_MODE"]
+    msg = problems_of(doc)
+    assert f"spec.headGroupSpec.serviceType: {service} exposes the dashboard and job API beyond" in msg
+    assert "token authentication off" in msg and "kubectl port-forward" in msg
+    doc["spec"]["authOptions"] = {"mode": "token"}  # KubeRay's own switch counts too
+    validate_kuberay_documents([doc], source="k.yaml")
