@@ -223,7 +223,7 @@ def tidy_pointers(run: RunDir) -> list[str]:
         try:
             meta = read_meta(location)
             target = meta.extra.get("dcp") if meta else None
-            if isinstance(target, str) and not is_committed(target):
+            if isinstance(target, str) and not is_committed(run.own_dcp(target)):
                 storage.remove_tree(location, run.root)
                 deleted.append(location)
         except (OSError, ValueError, RaytrnError) as e:  # tidying never fails a run

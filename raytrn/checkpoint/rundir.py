@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import pyarrow.fs as pafs
 
 from raytrn import storage
+from raytrn.errors import CheckpointError
 
 if TYPE_CHECKING:
     from raytrn.config import JobSpec
@@ -66,6 +67,20 @@ class RunDir:
     def dcp_step(self, step: int) -> str:
         """The sharded checkpoint of ``step`` (``<run>/dcp/step_<N>``): staging until committed."""
         return storage.join(self.dcp, self.step_name(step))
+
+    def own_dcp(self, location: str) -> str:
+        """The sharded checkpoint a pointer's ``meta.json`` names (its ``dcp`` entry), taken only as a step of
+        *this* run: ``<run>/dcp/step_<N>`` for the ``step_<N>`` it ends in, wherever the pointer says that is (a
+        run directory moved or copied elsewhere resumes from its own files; a meta.json edited to point anywhere
+        else reads nothing outside the run). CheckpointError when it does not end in ``step_<N>``."""
+        name = location.rstrip("/").rsplit("/", 1)[-1]
+        if not STEP_DIR.match(name):
+            raise CheckpointError(
+                f"checkpoint meta.json names {location!r} as its sharded checkpoint: not a step of a raytrn run "
+                f"(<run>/dcp/step_<N>); refusing to read it. Checkpoint storage must be writable only by the people "
+                f"who may run code on the cluster (SECURITY.md)"
+            )
+        return storage.join(self.dcp, name)
 
     def dcp_steps(self) -> list[int]:
         """The steps of the ``dcp/step_<N>`` directories (raytrn's own only), ascending; empty when missing."""

@@ -170,7 +170,7 @@ class DcpCheckpoints(Checkpoints):
         meta = read_local_meta(directory)
         location = meta.extra.get("dcp")
         if isinstance(location, str):
-            dcp.load(location, t.model, t.optimizer, t.scheduler, source=self.job.source)
+            dcp.load(self.run.own_dcp(location), t.model, t.optimizer, t.scheduler, source=self.job.source)
             return meta.progress
         if has_state(directory):
             if not self.plain_layout:

@@ -9,6 +9,7 @@ Beside it, ``meta.json`` (:mod:`raytrn.checkpoint.progress`) holds the counters,
 from __future__ import annotations
 
 import os
+import pickle
 import random
 from dataclasses import asdict
 from typing import Any
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from raytrn.checkpoint.progress import Progress, write_meta
+from raytrn.errors import CheckpointError
 
 STATE_FILE = "state.pt"
 
@@ -61,7 +63,18 @@ def load_state(
     scheduler: Any,
 ) -> Progress:
     """Restore what :func:`save_state` wrote; returns the saved progress counters."""
-    state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=False)
+    # weights_only: tensors and plain containers, plus the numpy array of numpy's RNG state, nothing else (an
+    # arbitrary pickle in checkpoint storage would run code on every worker).
+    path = os.path.join(directory, STATE_FILE)
+    try:
+        with torch.serialization.safe_globals(_numpy_rng_globals()):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{path}: refusing to load it: it holds objects other than tensors and plain values, which raytrn never "
+            f"writes ({str(e).splitlines()[0]}). Checkpoint storage must be writable only by the people who may "
+            "run code on the cluster (SECURITY.md)"
+        ) from None
     _unwrap(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -69,6 +82,17 @@ def load_state(
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])
     return Progress.from_dict(state["progress"])
+
+
+def _numpy_rng_globals() -> list[Any]:
+    """What unpickling ``np.random.get_state()`` needs (its key is a uint32 array): the allow-list of
+    :func:`load_state`'s ``torch.load(weights_only=True)``."""
+    core = getattr(np, "_core", None) or np.core  # numpy 2 renamed numpy.core
+    allowed: list[Any] = [np.ndarray, np.dtype, core.multiarray._reconstruct]
+    dtypes = getattr(np, "dtypes", None)  # numpy >= 1.25 pickles a dtype by its class
+    if dtypes is not None:
+        allowed.append(dtypes.UInt32DType)
+    return allowed
 
 
 def has_state(directory: str) -> bool:

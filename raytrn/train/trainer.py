@@ -66,7 +66,7 @@ def run_training(job: JobSpec, *, live_progress: bool = True, trial: bool = Fals
     if latest:
         print(f"raytrn: resuming run '{job.run_name}' from step {start_step} ({latest})", flush=True)
     if meta is not None and isinstance(meta.extra.get("dcp"), str):  # refused here, not on every worker
-        check_resumable(job, meta.extra["dcp"])
+        check_resumable(job, RunDir.of(job).own_dcp(meta.extra["dcp"]))
     # The learning-rate schedule is pinned by the run's first invocation; said once, here, when it moves or stays.
     schedule, note = resolve_schedule(job, meta.schedule if meta else None, start_step)
     if note:

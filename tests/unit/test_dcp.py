@@ -139,3 +139,39 @@ def test_async_final_save_reports_the_pending_checkpoint_and_its_own(tmp_path: P
     done = t.checkpoints.save(t, Progress(step=3), sched, {}, final=True)
     assert [r.step for r in done] == [2, 3]
     assert RunDir.of(j).dcp_steps() == [3]
+
+
+class _RunsCode:
+    """A pickle that runs code when loaded (what weights_only=False would execute)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (Path(self.marker).touch, ())
+
+
+def test_a_state_pt_holding_more_than_tensors_is_refused_without_running_it(tmp_path: Path) -> None:
+    from raytrn.checkpoint.statefile import STATE_FILE, load_state
+
+    j = job(tmp_path)
+    t = build_training(j, CpuBackend(), world_size=1)
+    ckpt = tmp_path / "checkpoint_00000002"
+    ckpt.mkdir()
+    marker = tmp_path / "code-ran"
+    torch.save({"model": _RunsCode(str(marker))}, ckpt / STATE_FILE)
+    with pytest.raises(CheckpointError, match=r"state\.pt: refusing to load it: it holds objects other than tensors"):
+        load_state(str(ckpt), model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
+    assert not marker.exists()
+
+
+def test_a_pointer_names_a_sharded_checkpoint_only_inside_its_own_run(tmp_path: Path) -> None:
+    """meta.json's ``dcp`` is read as a step of this run: a moved run resumes from its own files, a pointer edited
+    to name another directory reads nothing outside the run, one naming no step is refused."""
+    run = RunDir(str(tmp_path / "ckpts"), "r1")
+    assert run.own_dcp(run.dcp_step(4)) == run.dcp_step(4)
+    assert run.own_dcp("/old/place/r1/dcp/step_00000004") == run.dcp_step(4)
+    assert run.own_dcp("s3://elsewhere/x/step_00000004/") == run.dcp_step(4)
+    for bad in ("/etc", "/tmp/evil", "s3://bucket/run/dcp/step_4", ""):
+        with pytest.raises(CheckpointError, match="not a step of a raytrn run"):
+            run.own_dcp(bad)
