@@ -217,8 +217,13 @@ def tidy_pointers(run: RunDir) -> list[str]:
     which Ray's retention never deletes, while raytrn's retention (:func:`prune`) has deleted what it pointed at.
     Done by the driver once ``fit()`` returned (Ray Train holds none of them any more); pointers to committed
     checkpoints are kept. Returns the directories deleted."""
-    deleted = []
-    for step in run.pointer_steps():
+    deleted: list[str] = []
+    try:
+        steps = run.pointer_steps()
+    except CheckpointError as e:  # tidying never fails a run
+        log.warning("checkpoints of %s: not tidied: %s", run.root, e)
+        return deleted
+    for step in steps:
         location = run.pointer(step)
         try:
             meta = read_meta(location)

@@ -83,7 +83,8 @@ class RunDir:
         return storage.join(self.dcp, name)
 
     def dcp_steps(self) -> list[int]:
-        """The steps of the ``dcp/step_<N>`` directories (raytrn's own only), ascending; empty when missing."""
+        """The steps of the ``dcp/step_<N>`` directories (raytrn's own only), ascending; empty when missing,
+        CheckpointError when the storage cannot be listed."""
         return _steps(self.dcp, STEP_DIR)
 
     # -- Ray Train's pointers ------------------------------------------------------------------------
@@ -98,7 +99,7 @@ class RunDir:
 
     def pointer_steps(self) -> list[int]:
         """The steps of the checkpoints Ray Train records for the run (its ``checkpoint_<N>`` directories),
-        ascending; empty when the directory is missing or cannot be listed."""
+        ascending; empty when the directory is missing, CheckpointError when it cannot be listed."""
         return _steps(self.root, POINTER_DIR)
 
     # -- the rest ------------------------------------------------------------------------------------
@@ -114,11 +115,18 @@ class RunDir:
 
 
 def _steps(directory: str, pattern: re.Pattern[str]) -> list[int]:
+    """The steps of ``directory``'s entries named by ``pattern``; none when it does not exist. CheckpointError
+    when it cannot be listed (storage unreachable, access denied): a run that took that for "no checkpoints"
+    would start over, and its first save would then overwrite them."""
     fs, path = storage.filesystem(directory)
     try:
         infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-    except OSError:
-        return []
+    except OSError as e:
+        raise CheckpointError(
+            f"checkpoint.storage: cannot list {directory} ({str(e).strip().splitlines()[0]}); not going on as if the "
+            "run had no checkpoints (it would start over). Check that the storage is reachable and the credentials "
+            "allow listing it, then run again"
+        ) from None
     return sorted(
         int(m.group(1)) for i in infos if i.type == pafs.FileType.Directory and (m := pattern.match(i.base_name))
     )

@@ -56,8 +56,10 @@ class DcpCheckpoints(Checkpoints):
         # with the step's collectives on the default group. Created by every rank at the same point.
         self._group = dist.new_group(backend="gloo") if self.asynchronous and self.distributed else None
         self._pending: tuple[Any, Any, Saved, Commit] | None = None
-        #: Saves that failed and were skipped (uncommitted), this worker group.
+        #: Saves that failed and were skipped (uncommitted), this worker group (the ``checkpoint_failures`` metric),
+        #: and how many of them in a row (``checkpoint.max_consecutive_failures`` stops the job).
         self.failed = 0
+        self.consecutive_failures = 0
 
     def save(
         self, t: TrainState, progress: Progress, schedule: PinnedSchedule, report: dict[str, Any], *, final: bool
@@ -113,7 +115,7 @@ class DcpCheckpoints(Checkpoints):
             raise error
         if final:
             raise CheckpointError(f"checkpoint {location} could not be written: {_first_cause(error)}") from error
-        self.failed += 1
+        self._count_failure(location, _first_cause(error))
         if self.rank == 0:
             log.warning(
                 "checkpoint %s could not be written (%s); training goes on, it is left uncommitted (never resumed) "
@@ -144,16 +146,30 @@ class DcpCheckpoints(Checkpoints):
             else:
                 self._prune()
         if not all_true(ok, group=self._group):
-            self.failed += 1
+            self._count_failure(location, "its manifest could not be written")
             return []
+        self.consecutive_failures = 0
         return [saved]
+
+    def _count_failure(self, location: str, cause: str) -> None:
+        """One more failed save (every rank counts it: a failed save is agreed); CheckpointError once
+        ``checkpoint.max_consecutive_failures`` saves in a row failed."""
+        self.failed += 1
+        self.consecutive_failures += 1
+        limit = self.job.checkpoint.max_consecutive_failures
+        if self.consecutive_failures >= limit:
+            raise CheckpointError(
+                f"checkpoint.max_consecutive_failures={limit}: the last {limit} saves failed (the last, {location}: "
+                f"{cause}); stopping rather than train on without checkpoints. Fix the storage (space, permissions, "
+                "reachability) and run again: the run resumes from its newest committed checkpoint"
+            )
 
     def _prune(self) -> None:
         """Rank 0, after a commit: ``checkpoint.keep_last`` of raytrn's committed checkpoints (see
         :func:`raytrn.checkpoint.manifest.prune`)."""
         try:
             deleted = manifest.prune(self.run, keep_last=self.job.checkpoint.keep_last)
-        except OSError as e:  # retention never fails training
+        except (OSError, CheckpointError) as e:  # retention never fails training
             log.warning("could not delete old checkpoints under %s: %s", self.run.dcp, e)
             return
         if deleted:

@@ -347,6 +347,13 @@ class CheckpointConfig(_Section):
     storage: str = Field("checkpoints", min_length=1, description="local directory or s3://bucket/prefix")
     every_n_steps: int = Field(100, gt=0, le=10**12, description="save every N optimizer steps (and at the last step)")
     keep_last: int | None = Field(3, gt=0, le=10**6, description="checkpoints kept; null keeps all")
+    max_consecutive_failures: int = Field(
+        3,
+        gt=0,
+        le=10**6,
+        description="saves in a row that may fail on the storage (each a warning; training goes on) before the job "
+        "stops with the error rather than train on without checkpoints",
+    )
     async_: bool = Field(
         False,
         alias="async",

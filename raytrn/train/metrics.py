@@ -113,6 +113,8 @@ class MetricsReporter:
             "tokens_seen": float(progress.tokens_seen),
             "world_size": float(self.world_size),
             "epoch": float(progress.epoch),
+            # saves skipped because the storage failed, this worker group (0 while every save commits)
+            "checkpoint_failures": float(getattr(self.t.checkpoints, "failed", 0)),
         }
         if self.efficiency is not None:
             metrics.update(self.efficiency.metrics(metrics["tokens_per_s"], progress.tokens_seen))

@@ -160,6 +160,32 @@ def test_a_failed_save_is_left_uncommitted_and_training_goes_on(tmp_path: Path, 
         save(t, j, 6, final=True)
 
 
+def test_saves_failing_in_a_row_stop_the_job_at_max_consecutive_failures(tmp_path: Path, monkeypatch) -> None:
+    """Each failed save is counted (the checkpoint_failures metric); a commit resets the run of failures; the
+    max_consecutive_failures-th in a row raises, naming the setting and the last cause."""
+    j = job(tmp_path, "checkpoint.keep_last=null", "checkpoint.max_consecutive_failures=2")
+    t = trained(j)
+    real = dcp.save
+    down = True
+
+    def flaky(state: Any, location: str) -> Any:
+        if down:
+            raise OSError("No space left on device")
+        return real(state, location)
+
+    monkeypatch.setattr(dcp, "save", flaky)
+    assert save(t, j, 2) == []
+    down = False
+    assert [s.step for s in save(t, j, 4)] == [4]  # committed: the run of failures starts over
+    down = True
+    assert save(t, j, 6) == [] and t.checkpoints.consecutive_failures == 1
+    with pytest.raises(CheckpointError) as e:
+        save(t, j, 8)
+    assert "checkpoint.max_consecutive_failures=2: the last 2 saves failed" in str(e.value)
+    assert "No space left on device" in str(e.value) and "resumes from its newest committed checkpoint" in str(e.value)
+    assert t.checkpoints.failed == 3
+
+
 def test_a_save_that_fails_for_another_reason_than_storage_raises(tmp_path: Path, monkeypatch) -> None:
     """A lost peer (gloo's error) or a bug is not skipped as a storage hiccup: the group fails and restarts."""
     j = job(tmp_path)
@@ -171,3 +197,29 @@ def test_a_save_that_fails_for_another_reason_than_storage_raises(tmp_path: Path
     monkeypatch.setattr(dcp, "save", broken)
     with pytest.raises(RuntimeError, match="Connection reset by peer"):
         save(t, j, 2)
+
+
+def test_storage_that_cannot_be_listed_fails_the_driver_instead_of_starting_the_run_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real pyarrow S3 filesystem against a closed port on 127.0.0.1 (one attempt): the listing's error stops
+    the driver, naming the storage; retention and tidying after a run only warn."""
+    import socket
+
+    from raytrn import storage
+    from raytrn.checkpoint.manifest import tidy_pointers
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setattr(storage, "S3_ATTEMPTS", 1)
+    j = job(tmp_path, "checkpoint.storage=s3://bucket/ckpts")
+    with pytest.raises(CheckpointError, match=r"checkpoint.storage: cannot list s3://bucket/ckpts/.*would start over"):
+        latest_checkpoint(j)
+    with pytest.raises(CheckpointError, match="cannot list"):
+        latest_checkpoint(j, committed=False)
+    assert tidy_pointers(RunDir.of(j)) == []
