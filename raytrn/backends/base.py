@@ -40,6 +40,10 @@ class Backend:
     #: Checkpoints carry a commit manifest and resume from the newest committed one (:mod:`raytrn.checkpoint.manifest`);
     #: False: from Ray Train's latest registered checkpoint (the frozen XLA paths' single-file and NxD formats).
     committed_checkpoints: bool = True
+    #: A step whose gradient norm is not finite skips its optimizer update, decided by one host read of the norm
+    #: (:func:`raytrn.train.build.clip_and_step`). False on the frozen XLA paths: the read would cut the step's
+    #: lazy graph in two.
+    skips_nonfinite_steps: bool = True
 
     # -- driver side ---------------------------------------------------------------------------
     def worker_resources(self, job: JobSpec) -> dict[str, float]:

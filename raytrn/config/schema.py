@@ -442,6 +442,14 @@ class RunConfig(_Section):
         0, ge=0, lt=2**63, description="seeds torch (initial weights, LoRA adapters, dropout) and the data order"
     )
     log_every: int = Field(10, gt=0, le=10**12, description="report metrics every N steps")
+    max_nonfinite_steps: int = Field(
+        3,
+        gt=0,
+        le=10**6,
+        description="steps in a row whose loss or gradient norm is NaN/inf (each skips its optimizer update and is "
+        "counted as nonfinite_steps) before the worker group fails, naming the step: Ray Train restarts it from the "
+        "newest committed checkpoint (up to scaling.max_failures times)",
+    )
     eval_every: int | None = Field(
         None,
         gt=0,

@@ -114,11 +114,18 @@ def clip_and_step(
     backend: Backend, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float | None
 ) -> Callable[[], torch.Tensor]:
     """The step's end: reduce gradients where the backend must (XLA: before clipping; DDP/FSDP did it in backward),
-    clip, optimizer step; returns the grad norm before clipping."""
+    clip, optimizer step; returns the grad norm before clipping.
+
+    A norm that is not finite (a NaN or inf loss or gradient anywhere: the gradients are reduced, so every rank
+    computes the same norm) skips the optimizer update: weights and optimizer state stay as the last finite step
+    left them (:class:`raytrn.train.guard.NonFiniteGuard` counts it). One host read of the norm per step; not on
+    the frozen XLA paths (``backend.skips_nonfinite_steps``)."""
 
     def step() -> torch.Tensor:
         backend.reduce_gradients(optimizer)
         norm = grad_norm_and_clip(params, max_norm)
+        if backend.skips_nonfinite_steps and not bool(torch.isfinite(norm)):
+            return norm
         backend.optimizer_step(optimizer)
         return norm
 

@@ -24,6 +24,7 @@ from raytrn.tracking.export import log_final_model
 from raytrn.train.build import build_training
 from raytrn.train.checkpointer import Checkpointer
 from raytrn.train.evaluate import Evaluation
+from raytrn.train.guard import NonFiniteGuard
 from raytrn.train.metrics import MetricsReporter, tracking_logger
 from raytrn.train.plan import WorkerPlan
 from raytrn.train.preemption import PreemptionWatch
@@ -55,6 +56,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         plan, t, backend, progress, rank=rank, world_size=world_size, local_rank=ctx.get_local_rank(), logger=tracker
     )
     checkpointer.cost_usd = metrics.cost_usd
+    guard = metrics.guard = NonFiniteGuard(job, enabled=backend.skips_nonfinite_steps)  # NaN/inf steps: skipped
     evaluation = Evaluation(job, plan.validation, progress, dp=dp, dp_rank=dp_rank, logger=logger)
     watch = PreemptionWatch(world_size)  # a spot notice ends this group at a checkpoint (raytrn.train.preemption)
     device_batches = backend.wrap_batches(batches)
@@ -67,6 +69,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         feed.advance(progress)
         last = progress.step == job.run.max_steps
         logged = metrics.step_done(result, last=last)
+        guard.check(result.grad_norm, progress.step)  # too many NaN/inf steps in a row: the group fails here
         saving = checkpointer.due(progress.step, last=last)
         scores = evaluation.maybe_evaluate(
             t, backend, last=last, checkpoint=RunDir.of(job).pointer(progress.step) if saving else None

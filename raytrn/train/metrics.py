@@ -25,6 +25,7 @@ from raytrn.runtime import process_started_at
 from raytrn.tracking.actor import RemoteLogger, resolve
 from raytrn.tracking.cost import CostTracker, mfu, peak_flops_per_worker, usd_per_hour
 from raytrn.tracking.system import SystemSampler
+from raytrn.train.guard import NonFiniteGuard
 from raytrn.train.plan import WorkerPlan
 from raytrn.train.step import StepResult, Training, read_metrics
 
@@ -64,6 +65,8 @@ class MetricsReporter:
             interval = job.tracking.system_metrics_interval_s
             self.sampler = SystemSampler.start(logger, node, interval, device_memory=backend.device_memory)
         self.group_started_at = process_started_at()
+        #: Counts the skipped non-finite steps (the ``nonfinite_steps`` metric); the loop sets it.
+        self.guard: NonFiniteGuard | None = None
         # Tokens per optimizer step over the job: one batch per model replica (data-parallel rank).
         self.tokens_per_step = t.grad_accum * job.data.micro_batch_size * job.data.seq_len * t.data_parallel_size
         if self.board is not None:  # the job's board counts the worker groups (and records world_size_history)
@@ -115,6 +118,8 @@ class MetricsReporter:
             "epoch": float(progress.epoch),
             # saves skipped because the storage failed, this worker group (0 while every save commits)
             "checkpoint_failures": float(getattr(self.t.checkpoints, "failed", 0)),
+            # steps whose loss or grad norm was NaN/inf, their updates skipped, this worker group
+            "nonfinite_steps": float(self.guard.total if self.guard is not None else 0),
         }
         if self.efficiency is not None:
             metrics.update(self.efficiency.metrics(metrics["tokens_per_s"], progress.tokens_seen))

@@ -61,6 +61,7 @@ class XlaBackend(Backend):
 
     name = "xla"
     committed_checkpoints = False  # state.pt / NxD checkpoints, resumed through Ray Train (frozen path)
+    skips_nonfinite_steps = False  # a host read of the grad norm mid-step would split the lazy graph (frozen path)
 
     def precheck(self, job: JobSpec, **kwargs: Any) -> Any:
         """``raytrn precheck``'s step run for this path: on torch-xla's CPU device (:func:`precheck_xla`)."""

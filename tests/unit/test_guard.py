@@ -1,0 +1,79 @@
+"""A step whose loss or gradient norm is NaN/inf skips its optimizer update, and too many in a row fail the group
+(raytrn.train.guard, raytrn.train.build.clip_and_step). One process, CPU, no Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrn.backends.cpu import CpuBackend
+from raytrn.train.build import build_training
+from raytrn.train.guard import NonFiniteError, NonFiniteGuard
+from raytrn.train.step import train_step
+from tests.unit.test_dcp import job
+
+pytestmark = pytest.mark.unit
+
+
+def _batches(steps: int, seed: int = 0):
+    rows = torch.randint(0, 512, (steps * 16, 17), generator=torch.Generator().manual_seed(seed))
+    return iter(rows.split(16))
+
+
+def _state(t) -> tuple[dict[str, torch.Tensor], dict]:
+    params = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+    steps = {k: float(s["step"]) for k, s in t.optimizer.state.items() if "step" in s}
+    return params, steps
+
+
+def test_a_nonfinite_step_leaves_weights_and_optimizer_state_as_they_were(tmp_path: Path) -> None:
+    t = build_training(job(tmp_path), CpuBackend(), world_size=1)
+    batches = _batches(4)
+    train_step(t, batches, CpuBackend())
+    before_params, before_steps = _state(t)
+    param = next(p for p in t.model.parameters() if p.requires_grad)
+    hook = param.register_hook(lambda g: g * float("nan"))  # one gradient NaN: the (global) norm is NaN
+    result = train_step(t, batches, CpuBackend())
+    hook.remove()
+    assert not torch.isfinite(result.grad_norm)
+    after_params, after_steps = _state(t)
+    assert after_steps == before_steps  # Adam's step count and moments untouched
+    assert all(torch.equal(before_params[k], after_params[k]) for k in before_params)
+    result = train_step(t, batches, CpuBackend())  # a finite step updates again
+    assert torch.isfinite(result.grad_norm)
+    assert not all(torch.equal(before_params[k], v) for k, v in t.model.state_dict().items())
+
+
+def test_the_guard_counts_nonfinite_steps_and_fails_at_the_limit_in_a_row(tmp_path: Path) -> None:
+    guard = NonFiniteGuard(job(tmp_path, "run.max_nonfinite_steps=2"))
+    nan, ok = torch.tensor(float("nan")), torch.tensor(1.5)
+    guard.check(ok, 1)
+    guard.check(nan, 2)
+    guard.check(ok, 3)  # a finite step ends the run of them
+    guard.check(torch.tensor(float("inf")), 4)
+    with pytest.raises(NonFiniteError) as e:
+        guard.check(nan, 5)
+    assert "steps 4-5: the loss or gradient norm was nan for 2 steps in a row (run.max_nonfinite_steps=2)" in str(
+        e.value
+    )
+    assert "nothing non-finite was saved" in str(e.value) and "lower optim.lr" in str(e.value)
+    assert guard.total == 3
+    off = NonFiniteGuard(job(tmp_path, "run.max_nonfinite_steps=1"), enabled=False)  # the frozen XLA paths
+    off.check(nan, 1)
+    assert off.total == 0
+
+
+def test_a_diverging_run_never_holds_a_nonfinite_weight(tmp_path: Path) -> None:
+    """The issue's reproduction (optim.lr=1000, no warmup) on the real step: the updates that would write NaN are
+    skipped, the guard stops the run, and every weight is still finite (what a checkpoint or export would hold)."""
+    j = job(tmp_path, "optim.lr=1000", "optim.warmup_steps=0", "optim.grad_clip_norm=null")
+    t = build_training(j, CpuBackend(), world_size=1)
+    guard = NonFiniteGuard(j)
+    batches = _batches(60, seed=1)
+    with pytest.raises(NonFiniteError):
+        for step in range(1, 61):
+            guard.check(train_step(t, batches, CpuBackend()).grad_norm, step)
+    assert guard.total == 3
+    assert all(torch.isfinite(v).all() for v in t.model.state_dict().values())
