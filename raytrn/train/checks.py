@@ -14,6 +14,7 @@ from raytrn.config.sizes import (
     world_sizes,
 )
 from raytrn.data.manifest import Manifest, load_manifest
+from raytrn.data.verify import verify_dataset
 from raytrn.errors import BackendUnavailableError, ConfigError, DataError
 from raytrn.models import model_stats
 from raytrn.models.hf import check_config
@@ -80,6 +81,9 @@ def check_data(job: JobSpec) -> Manifest:
     """Load the job's manifest and check it fits the model and the batch shape."""
     where = f"{job.source}: data.manifest"
     manifest = load_manifest(job.data.manifest)
+    verify_dataset(manifest)  # the files are what the manifest recorded (sizes, footers, tokenizer hash)
+    if (val := manifest.validation_path()) is not None:
+        verify_dataset(load_manifest(val))
     if manifest.seq_len != job.data.seq_len:
         raise DataError(
             f"{where}: the dataset was packed with seq_len={manifest.seq_len} but data.seq_len={job.data.seq_len}; "

@@ -6,6 +6,7 @@ small fake dataset (manifest, empty tokenizer.json, one Parquet shard): no Ray, 
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ def make_dataset(root: Path, *, seq_len: int = 128, vocab_size: int = 4096, rows
         shards=[ShardInfo(path=shard.name, rows=rows, tokens=rows * (seq_len + 1), bytes=shard.stat().st_size)],
         tokenizer=TokenizerInfo(
             file="tokenizer.json",
-            sha256="0" * 64,
+            sha256=hashlib.sha256(b"").hexdigest(),  # the empty tokenizer.json above
             vocab_size=vocab_size,
             eos_token="<|endoftext|>",
             eos_id=0,
@@ -145,12 +146,35 @@ def _missing_shard(root: Path) -> Path:
     return ds
 
 
+def _truncated_shard(root: Path) -> Path:
+    ds = make_dataset(root / "ds", rows=64)
+    shard = ds / "shard-00000.parquet"
+    shard.write_bytes(shard.read_bytes()[:100])
+    return ds
+
+
+def _emptied_tokenizer(root: Path) -> Path:
+    ds = make_dataset(root / "ds", rows=64)
+    (ds / "tokenizer.json").write_text("{}")
+    return ds
+
+
 @pytest.mark.parametrize(
     ("make", "needles"),
     [
         pytest.param(_no_dataset, ("no such directory", "raytrn data prepare"), id="missing-dir"),
         pytest.param(
             _missing_shard, ("shard shard-00000.parquet is missing (1 of 1 shards missing)",), id="missing-shard"
+        ),
+        pytest.param(
+            _truncated_shard,
+            ("shard shard-00000.parquet is 100 bytes, the manifest recorded", "truncated, emptied or replaced"),
+            id="truncated-shard",
+        ),
+        pytest.param(
+            _emptied_tokenizer,
+            ("tokenizer file tokenizer.json has sha256 44136fa355b3...", "replaced since the data was tokenized"),
+            id="tokenizer-replaced",
         ),
         pytest.param(
             lambda root: make_dataset(root / "ds", vocab_size=8192),
