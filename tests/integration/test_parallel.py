@@ -8,6 +8,7 @@ layout (4 workers fsdp -> 2 workers ddp -> 3 workers fsdp). The workers run rayt
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -407,9 +408,10 @@ def _validation_set(path: Path) -> Path:
     (path / "tokenizer.json").write_text("{}")
     manifest = Manifest(
         seq_len=SEQ, row_len=SEQ + 1, num_rows=30, num_tokens=rows.size, dropped_tail_tokens=0, rows_per_shard=30,
-        shards=[ShardInfo(path="shard-00000.parquet", rows=30, tokens=rows.size, bytes=1)],
-        tokenizer=TokenizerInfo(file="tokenizer.json", sha256="x", vocab_size=512, eos_token="e", eos_id=0,
-                                trained=True),
+        shards=[ShardInfo(path="shard-00000.parquet", rows=30, tokens=rows.size,
+                          bytes=(path / "shard-00000.parquet").stat().st_size)],
+        tokenizer=TokenizerInfo(file="tokenizer.json", sha256=hashlib.sha256(b"{}").hexdigest(), vocab_size=512,
+                                eos_token="e", eos_id=0, trained=True),
         source=SourceInfo(inputs=[], num_files=1, num_documents=1, fingerprint="f"), created_by="test",
     )  # fmt: skip
     (path / MANIFEST_NAME).write_text(manifest.to_json())
