@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument(
         "--no-progress", action="store_true", help="print one progress line per log step instead of a live line"
     )
+    p_train.add_argument(
+        "--take-over",
+        action="store_true",
+        help="replace a stale lease on the run (its job's driver stopped renewing it: killed, machine lost)",
+    )
     add_verbose_option(p_train)
     p_train.set_defaults(func=_cmd_train)
 
@@ -215,7 +220,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     check_paths_for_ray_job(job)  # under `ray job submit`: no path into the job's temporary working dir
     job = resolve_paths(job, os.getcwd())
     route_ray_output(job.run_name, verbose=args.verbose)
-    summary = run_training(job, live_progress=not args.no_progress)
+    summary = run_training(job, live_progress=not args.no_progress, take_over=args.take_over)
     print(summary.render())
     return 0
 

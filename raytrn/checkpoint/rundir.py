@@ -8,6 +8,7 @@ A run's directory (a local path or an ``s3://`` URI) holds:
   named by step.
 - ``nxd``: neuronx-distributed's shards (the frozen XLA path, :mod:`raytrn.xla`).
 - ``raytrn-mlflow.json``: the marker naming the run's MLflow run (:mod:`raytrn.tracking.mlflow_run`).
+- ``raytrn-lease.json``: the lease of the job training the run (:mod:`raytrn.checkpoint.lease`).
 
 No other module joins a run's directory by hand: a change of layout is an edit here.
 """
@@ -32,6 +33,8 @@ DCP_DIR = "dcp"
 NXD_DIR = "nxd"
 #: The marker file that names the run's MLflow run.
 MLFLOW_MARKER = "raytrn-mlflow.json"
+#: The lease of the job that trains the run.
+LEASE_FILE = "raytrn-lease.json"
 #: ``dcp/step_<N>``: raytrn's sharded checkpoint directories.
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 #: ``checkpoint_<N>``: Ray Train's checkpoint directories (raytrn names them by step).
@@ -107,6 +110,11 @@ class RunDir:
     def nxd(self) -> str:
         """neuronx-distributed's shards (the frozen XLA path): ``<run>/nxd``."""
         return storage.join(self.root, NXD_DIR)
+
+    @property
+    def lease(self) -> str:
+        """The lease of the job training the run (``<run>/raytrn-lease.json``)."""
+        return storage.join(self.root, LEASE_FILE)
 
     @property
     def mlflow_marker(self) -> str:

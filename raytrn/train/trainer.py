@@ -14,6 +14,7 @@ from raytrn.backends import Backend, get_backend
 from raytrn.backends.host_malloc import malloc_env, user_allocator_settings
 from raytrn.checkpoint.dcp import check_resumable
 from raytrn.checkpoint.finder import latest_checkpoint
+from raytrn.checkpoint.lease import acquire
 from raytrn.checkpoint.manifest import tidy_pointers
 from raytrn.checkpoint.progress import Progress
 from raytrn.checkpoint.rundir import RunDir
@@ -25,6 +26,7 @@ from raytrn.compat import (
 )
 from raytrn.config import JobSpec
 from raytrn.config.sizes import world_sizes
+from raytrn.data.manifest import Manifest
 from raytrn.data.order import SAMPLE_TRACE_ENV
 from raytrn.errors import RaytrnError
 from raytrn.models import model_stats
@@ -42,11 +44,12 @@ from raytrn.train.schedule import Schedule, resolve_schedule
 log = logging.getLogger(__name__)
 
 
-def run_training(job: JobSpec, *, live_progress: bool = True, trial: bool = False) -> Summary:
+def run_training(job: JobSpec, *, live_progress: bool = True, trial: bool = False, take_over: bool = False) -> Summary:
     """Run ``job`` to ``run.max_steps`` (resuming when a checkpoint exists) and summarise it.
 
     ``trial``: as a sweep's trial (:mod:`raytrn.sweep`), inside a Ray Tune trial: the metrics of every log and eval
-    step go to Tune (``TuneReportCallback``), no progress lines (the sweep prints its own)."""
+    step go to Tune (``TuneReportCallback``), no progress lines (the sweep prints its own). The run is this job's
+    alone while it trains (:mod:`raytrn.checkpoint.lease`; ``take_over``: replace a stale lease)."""
     backend = get_backend(job.scaling.accelerator)
     check_spec(job)
     backend.check(job)
@@ -54,6 +57,18 @@ def run_training(job: JobSpec, *, live_progress: bool = True, trial: bool = Fals
     manifest = check_data(job)
 
     validation = validation_set(job, manifest)
+    if trial:  # a sweep's trial: its run is named by the sweep, whose directory is the sweep driver's own
+        return _train(job, backend, manifest, validation, live_progress=live_progress, trial=trial)
+    lease = acquire(RunDir.of(job), take_over=take_over, job=os.environ.get("RAY_JOB_SUBMISSION_ID", ""))
+    try:
+        return _train(job, backend, manifest, validation, live_progress=live_progress, trial=trial)
+    finally:
+        lease.release()
+
+
+def _train(
+    job: JobSpec, backend: Backend, manifest: Manifest, validation: Any, *, live_progress: bool, trial: bool
+) -> Summary:
     meta, latest = latest_checkpoint(job, committed=backend.committed_checkpoints)
     resumed = meta.progress if meta else Progress()
     start_step = resumed.step
