@@ -28,7 +28,7 @@ from raytrn.cluster.local import running
 from raytrn.config import absolute_overrides, load_job, relative_local_paths, resolve_paths
 from raytrn.errors import RaytrnError
 from raytrn.runtime import forwarded_env, git_commit, relative_paths_error
-from raytrn.tracking.client import is_secret_key, redact_uri
+from raytrn.tracking.client import is_secret_key, redact_uri, split_credentials
 
 # Never uploaded with the working dir: environments, local datasets and results, caches, git history.
 # gitignore syntax, relative to the working dir: a leading "/" anchors at its top, so "/data" skips the
@@ -59,6 +59,23 @@ def runtime_env(working_dir: str | os.PathLike[str], env_vars: Mapping[str, str]
     if env_vars:
         out["env_vars"] = dict(env_vars)
     return out
+
+
+def move_uri_credentials(overrides: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """``tracking.mlflow_uri=http://user:pw@host`` -> the URI without them, and MLflow's own variables for the
+    job's environment: the command line (shown on the dashboard, in ``ray job list``) never carries a password."""
+    out, env = [], {}
+    for kv in overrides:
+        key, _, value = kv.partition("=")
+        if key == "tracking.mlflow_uri":
+            clean, user, password = split_credentials(value)
+            if user:
+                env["MLFLOW_TRACKING_USERNAME"] = user
+            if password is not None:
+                env["MLFLOW_TRACKING_PASSWORD"] = password
+            kv = f"{key}={clean}"
+        out.append(kv)
+    return out, env
 
 
 def secret_overrides(overrides: Sequence[str]) -> list[str]:
@@ -207,6 +224,8 @@ def submit(
     fixed = [*overrides, *frozen_overrides(raw, job, local=local is not None, address=address, base_dir=base_dir)]
     if command is not None:  # a sweep names its trials' runs itself
         fixed = [kv for kv in fixed if not kv.startswith("tracking.run_name=")]
+    fixed, credentials = move_uri_credentials(fixed)
+    env = {**credentials, **(env or {})}
     for warning in secret_overrides(fixed):
         print(f"raytrn: WARNING: {warning}", file=sys.stderr)
     token = resolve_token(token, address=address)

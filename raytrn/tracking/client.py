@@ -14,13 +14,14 @@ to how raytrn reaches MLflow (credentials, retries, a store's set-up) is one edi
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import socket
 import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from raytrn.config import JobSpec
 from raytrn.errors import ConfigError
@@ -57,12 +58,52 @@ def mlflow_client(target: str | JobSpec, *, fail_fast: bool = False, create_stor
     # actor, rank 0's upload and the reading commands need a client).
     from mlflow.tracking import MlflowClient
 
-    uri = tracking_uri(target)
+    uri = use_credentials(tracking_uri(target))
     if fail_fast and is_http(uri):
         quiet_http_retries()
     if create_store and (db := sqlite_path(uri)):
         os.makedirs(os.path.dirname(db) or ".", exist_ok=True)
     return MlflowClient(uri)
+
+
+def split_credentials(uri: str) -> tuple[str, str | None, str | None]:
+    """``http(s)://user:password@host...`` -> (the URI without them, user, password); others as they are. A
+    password may hold ``@`` or ``:`` (the host follows the last ``@``)."""
+    if not is_http(uri):
+        return uri, None, None
+    parts = urlsplit(uri)
+    if parts.username is None and parts.password is None:
+        return uri, None, None
+    host = parts.netloc.rpartition("@")[2]
+    clean = urlunsplit(parts._replace(netloc=host))
+    user = unquote(parts.username) if parts.username is not None else None
+    password = unquote(parts.password) if parts.password is not None else None
+    return clean, user, password
+
+
+def use_credentials(uri: str) -> str:
+    """The URI MLflow's client is given: credentials written into an http(s) URI move to MLflow's own variables
+    (``MLFLOW_TRACKING_USERNAME`` / ``_PASSWORD``, this process), where its client sends them as basic auth and
+    no log line, error or file ever shows them (MLflow would otherwise fail on the URI)."""
+    clean, user, password = split_credentials(uri)
+    if user:
+        os.environ["MLFLOW_TRACKING_USERNAME"] = user
+    if password is not None:
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = password
+    return clean
+
+
+def auth_header(uri: str) -> dict[str, str]:
+    """The Authorization header a request to ``uri``'s server carries: the URI's credentials, else MLflow's
+    variables (basic auth, or a bearer token)."""
+    _, user, password = split_credentials(uri)
+    user = user or os.environ.get("MLFLOW_TRACKING_USERNAME")
+    password = password if password is not None else os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user and password is not None:
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+    if token := os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        return {"Authorization": f"Bearer {token}"}
+    return {}
 
 
 def quiet_http_retries(timeout_s: int = FAIL_FAST_TIMEOUT_S) -> None:
@@ -88,14 +129,19 @@ def unreachable(uri: str, timeout_s: float = 3.0) -> str | None:
     """
     if not is_http(uri):
         return None
-    parts = urlsplit(uri)
-    host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    clean = split_credentials(uri)[0]
+    try:
+        parts = urlsplit(clean)
+        host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as e:  # a port that is not a number
+        return f"{redact_uri(uri)} is not a usable URL ({e})"
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as e:
         return f"cannot connect to {host}:{port} ({e.strerror or e})"
+    request = urllib.request.Request(clean.rstrip("/") + "/health", headers=auth_header(uri))
     try:
-        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+        urllib.request.urlopen(request, timeout=timeout_s).close()
     except urllib.error.HTTPError as e:
         if e.code >= 500:
             return f"the server answered /health with HTTP {e.code}"
@@ -108,7 +154,8 @@ def unreachable(uri: str, timeout_s: float = 3.0) -> str | None:
 
 _SECRET_WORDS = frozenset({"secret", "password", "passwd", "pwd", "credential", "credentials", "apikey"})
 _SECRET_PARTS = ("secret", "password", "api_key", "apikey", "access_key", "private_key", "auth_token")
-_URI_PASSWORD = re.compile(r"(?<=://)([^/@:\s]*):([^/@\s]+)@")
+# The password runs to the last "@" before the path: it may hold "@" itself.
+_URI_PASSWORD = re.compile(r"(?<=://)([^/@:\s]*):([^/\s]*)@")
 
 
 def is_secret_key(key: str) -> bool:

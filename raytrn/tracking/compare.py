@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 
 from raytrn.config import resolve_mlflow_uri as resolve_tracking_uri
 from raytrn.errors import RaytrnError
-from raytrn.tracking.client import mlflow_client, sqlite_path
+from raytrn.tracking.client import mlflow_client, redact_uri, sqlite_path
 from raytrn.tracking.logger import LOGGED_STEP_TAG
 
 DEFAULT_METRICS = ("loss", "tokens_per_s", "usd_per_1m_tokens", "mfu")
@@ -130,7 +130,7 @@ def _client(tracking_uri: str) -> Any:
     if db is not None:  # reading must not create an empty database as a side effect
         if not os.path.exists(db):
             raise RaytrnError(
-                f"no MLflow database at {db} (tracking URI {tracking_uri}); "
+                f"no MLflow database at {db} (tracking URI {redact_uri(tracking_uri)}); "
                 "pass --tracking-uri or set $MLFLOW_TRACKING_URI to where your runs are logged"
             )
     return mlflow_client(tracking_uri)
@@ -147,7 +147,7 @@ def _check_reachable(uri: str) -> None:
             pass
     except OSError as e:
         raise RaytrnError(
-            f"cannot reach the MLflow tracking server at {uri} ({e}); "
+            f"cannot reach the MLflow tracking server at {redact_uri(uri)} ({e}); "
             "check --tracking-uri / $MLFLOW_TRACKING_URI and that the server is running"
         ) from None
 
@@ -176,10 +176,10 @@ def compare_runs(
         if exp is None:
             names = sorted(e.name for e in client.search_experiments())
             raise RaytrnError(
-                f"no experiment named {experiment} at {tracking_uri}; experiments there: {', '.join(names) or '(none)'}"
+                f"no experiment named {experiment} at {redact_uri(tracking_uri)}; experiments there: {', '.join(names) or '(none)'}"
             )
     except MlflowException as e:
-        raise RaytrnError(f"cannot read MLflow at {tracking_uri}: {_first_line(e)}") from None
+        raise RaytrnError(f"cannot read MLflow at {redact_uri(tracking_uri)}: {_first_line(e)}") from None
     try:
         runs = client.search_runs(
             [exp.experiment_id],
@@ -355,7 +355,7 @@ def compare_sweep(*, tracking_uri: str, sweep: str | None = None, parent: str | 
             try:
                 run = client.get_run(parent)
             except MlflowException:
-                raise RaytrnError(f"--parent {parent}: no such run at {tracking_uri}") from None
+                raise RaytrnError(f"--parent {parent}: no such run at {redact_uri(tracking_uri)}") from None
             if run.data.tags.get("raytrn.kind") != "sweep":
                 raise RaytrnError(f"--parent {parent}: run {run.info.run_name} is not a raytrn sweep's parent run")
         else:
@@ -368,7 +368,7 @@ def compare_sweep(*, tracking_uri: str, sweep: str | None = None, parent: str | 
             )
             if not found:
                 raise RaytrnError(
-                    f"--sweep {sweep}: no sweep of that name at {tracking_uri} (its parent run is named after it; "
+                    f"--sweep {sweep}: no sweep of that name at {redact_uri(tracking_uri)} (its parent run is named after it; "
                     "`raytrn runs compare --experiment NAME` lists the runs)"
                 )
             run = found[0]
@@ -403,7 +403,7 @@ def compare_sweep(*, tracking_uri: str, sweep: str | None = None, parent: str | 
                 )
             )
     except MlflowException as e:
-        raise RaytrnError(f"cannot read MLflow at {tracking_uri}: {_first_line(e)}") from None
+        raise RaytrnError(f"cannot read MLflow at {redact_uri(tracking_uri)}: {_first_line(e)}") from None
     return cmp
 
 

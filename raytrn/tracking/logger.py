@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from raytrn.tracking.client import mlflow_client
+from raytrn.tracking.client import mlflow_client, redact_uri
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class AsyncLogger:
         batch_window_s: float = 0.5,
     ) -> None:
         self.client = mlflow_client(uri, fail_fast=True)  # this logger retries on its own, with backoff
-        self.uri = uri
+        self.uri = redact_uri(uri)  # what its warnings show
         self.run_id = run_id
         self._resolve_run = resolve_run
         self._max_buffered = max_buffered

@@ -25,7 +25,7 @@ from raytrn.checkpoint.rundir import RunDir
 from raytrn.compat import dataset_input
 from raytrn.config import JobSpec
 from raytrn.errors import ConfigError
-from raytrn.tracking.client import mlflow_client, redact, redact_uri, sqlite_path, unreachable
+from raytrn.tracking.client import mlflow_client, redact, redact_uri, split_credentials, sqlite_path, unreachable
 
 log = logging.getLogger(__name__)
 _MAX_PARAM_LEN = 6000
@@ -51,7 +51,9 @@ class TrackedRun:
             exe = os.path.join(os.path.dirname(sys.executable), "mlflow")  # the venv's, even if not activated
             mlflow = exe if os.path.exists(exe) else "mlflow"
             return f"{mlflow} ui --backend-store-uri {self.uri} --port 5000   # then open http://127.0.0.1:5000"
-        return f"open {self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
+        return (
+            f"open {split_credentials(self.uri)[0].rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
+        )
 
 
 def plan_run(
@@ -109,7 +111,7 @@ def attach(job: JobSpec, tags: dict[str, str], params: dict[str, Any], *, manife
             client.update_run(run_id, status="RUNNING")
         else:
             run_id = client.create_run(exp_id, run_name=job.run_name).info.run_id
-        storage.write_text(marker, json.dumps({"run_id": run_id, "tracking_uri": uri}))
+        storage.write_text(marker, json.dumps({"run_id": run_id, "tracking_uri": marker_uri(uri)}))
 
         logged = client.get_run(run_id).data.params
         new_params, changed = [], []
@@ -144,7 +146,7 @@ def end_run(run: TrackedRun | None, status: str, *, job: JobSpec | None = None) 
     run_id = run.run_id
     if run_id is None and job is not None:  # created after an outage at start (marker written by attach)?
         saved = _read_marker(RunDir.of(job).mlflow_marker)
-        if saved.get("tracking_uri") == run.uri:
+        if saved.get("tracking_uri") == marker_uri(run.uri):
             run_id = saved.get("run_id")
     if run_id is None:
         log.warning("MLflow at %s was unreachable for the whole job: nothing was recorded", redact_uri(run.uri))
@@ -232,10 +234,16 @@ def _read_marker(marker: str) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def marker_uri(uri: str) -> str:
+    """The tracking URI as the marker next to the checkpoints records it: without credentials (a file anyone who
+    reads the checkpoint storage reads)."""
+    return split_credentials(uri)[0]
+
+
 def _previous_run(client: Any, marker: str, uri: str) -> str | None:
     """The run this job logged into before (same tracking URI), from the marker next to its checkpoints."""
     saved = _read_marker(marker)
-    if saved.get("tracking_uri") != uri:
+    if saved.get("tracking_uri") not in (marker_uri(uri), uri):  # raytrn < this one wrote the URI as it was
         return None  # never tracked, or tracked in another store: a new run here
     return saved.get("run_id")
 

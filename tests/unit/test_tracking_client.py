@@ -76,3 +76,77 @@ def test_importing_the_client_does_not_import_mlflow() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+PASSWORD = "s3cr@t:pw"  # an "@" and a ":" in it: the host follows the last "@"
+URI_WITH_PASSWORD = f"http://alice:{PASSWORD}@127.0.0.1:5999"
+
+
+def test_credentials_in_a_uri_are_split_off_and_never_shown() -> None:
+    assert tc.split_credentials(URI_WITH_PASSWORD) == ("http://127.0.0.1:5999", "alice", PASSWORD)
+    assert tc.split_credentials("http://127.0.0.1:5999/x") == ("http://127.0.0.1:5999/x", None, None)
+    assert tc.split_credentials("sqlite:////tmp/a@b/mlflow.db")[1:] == (None, None)
+    shown = tc.redact_uri(f"no answer from {URI_WITH_PASSWORD}/api (refused)")
+    assert shown == "no answer from http://alice:***@127.0.0.1:5999/api (refused)" and "cr@t" not in shown
+
+
+def test_the_client_gets_the_uri_without_credentials_and_mlflows_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "before")  # recorded: restored after the test
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "before")
+    client = tc.mlflow_client(URI_WITH_PASSWORD)
+    assert client.tracking_uri == "http://127.0.0.1:5999"
+    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "alice" and os.environ["MLFLOW_TRACKING_PASSWORD"] == PASSWORD
+
+
+def test_the_health_check_of_a_server_with_basic_auth_sends_the_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real HTTP server on 127.0.0.1 that answers /health only with the right basic-auth header: the URI's
+    credentials were handed to urllib whole before (an invalid URL: always "unreachable")."""
+    import base64
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    expected = "Basic " + base64.b64encode(f"alice:{PASSWORD}".encode()).decode()
+    seen: list[str | None] = []
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            seen.append(self.headers.get("Authorization"))
+            ok = self.path == "/health" and self.headers.get("Authorization") == expected
+            self.send_response(200 if ok else 401)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        assert tc.unreachable(f"http://alice:{PASSWORD}@127.0.0.1:{port}") is None
+        assert seen == [expected]
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "alice")
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", PASSWORD)
+        assert tc.unreachable(f"http://127.0.0.1:{port}") is None  # MLflow's variables, no URI credentials
+        assert seen[-1] == expected
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def test_the_run_marker_and_the_summary_never_hold_the_password() -> None:
+    from raytrn.tracking.mlflow_run import TrackedRun, marker_uri
+
+    assert marker_uri(URI_WITH_PASSWORD) == "http://127.0.0.1:5999"
+    run = TrackedRun(uri=URI_WITH_PASSWORD, run_id="r1", experiment_id="3", resumed=False, tags={}, params={})
+    assert run.ui_command() == "open http://127.0.0.1:5999/#/experiments/3/runs/r1"
+
+
+def test_submit_moves_uri_credentials_off_the_command_line() -> None:
+    from raytrn.submit import move_uri_credentials, secret_overrides
+
+    fixed, env = move_uri_credentials([f"tracking.mlflow_uri={URI_WITH_PASSWORD}", "run.max_steps=4"])
+    assert fixed == ["tracking.mlflow_uri=http://127.0.0.1:5999", "run.max_steps=4"]
+    assert env == {"MLFLOW_TRACKING_USERNAME": "alice", "MLFLOW_TRACKING_PASSWORD": PASSWORD}
+    assert secret_overrides(fixed) == []
