@@ -135,6 +135,11 @@ def resolve_token(
         if not path.is_file():
             return None
     try:
+        if path.stat().st_mode & 0o077:  # readable by others: the token runs code on the cluster
+            path.chmod(0o600)
+            print(
+                f"raytrn: {path} was readable by other users: made it 0600 (the Ray token runs code)", file=sys.stderr
+            )
         return path.read_text().strip() or None
     except OSError as e:
         raise RaytrnError(f"RAY_AUTH_TOKEN_PATH={path}: cannot read the Ray auth token ({e})") from None

@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -474,10 +475,19 @@ def _load_state(state: Path) -> LocalCluster | None:
 
 
 def _cluster_procs(temp_dir: str) -> list[tuple[int, float]]:
-    """(pid, create_time) of the processes whose command line names ``temp_dir`` or whose environment carries
-    it in :data:`MARKER_ENV`, and their descendants."""
+    """(pid, create_time) of the processes whose command line names ``temp_dir`` (as a whole path, or a path
+    under it) or whose environment carries it in :data:`MARKER_ENV`, and their descendants. RaytrnError for a
+    ``temp_dir`` that is not one of the simulator's own (``/tmp/raytrn-sim-*``: an empty or edited state file
+    would otherwise name every process of the machine)."""
     psutil = _psutil()
 
+    if not (os.path.isabs(temp_dir) and os.path.basename(temp_dir.rstrip("/")).startswith(_TEMP_PREFIX)):
+        raise RaytrnError(
+            f"the local cluster's state names {temp_dir!r} as its temp dir, not one the simulator makes "
+            f"(/tmp/{_TEMP_PREFIX}*); refusing to look for its processes by it. Stop them by hand (`ray stop` "
+            "stops every Ray on this machine) and delete the state file"
+        )
+    names = re.compile(r"(?:^|[=\s:])" + re.escape(temp_dir.rstrip("/")) + r"(?:/|$|[\s:])")
     found: dict[int, float] = {}
     for p in psutil.process_iter(["pid", "cmdline", "create_time"]):
         cmdline = p.info.get("cmdline") or []
@@ -485,7 +495,7 @@ def _cluster_procs(temp_dir: str) -> list[tuple[int, float]]:
             marked = p.environ().get(MARKER_ENV) == temp_dir
         except psutil.Error:
             marked = False
-        if p.pid != os.getpid() and (marked or any(temp_dir in arg for arg in cmdline)):
+        if p.pid != os.getpid() and (marked or any(names.search(arg) for arg in cmdline)):
             found[p.pid] = p.info["create_time"]
             try:
                 for child in p.children(recursive=True):

@@ -79,7 +79,7 @@ def test_a_marked_process_is_found_by_its_environment(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    marker = str(tmp_path / "raytrn-sim-marker")
+    marker = f"/tmp/{local._TEMP_PREFIX}marker{os.getpid()}"
     child = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, local.MARKER_ENV: marker}
     )
@@ -89,3 +89,30 @@ def test_a_marked_process_is_found_by_its_environment(tmp_path: Path) -> None:
     finally:
         child.kill()
         child.wait(timeout=10)
+
+
+@pytest.mark.parametrize("temp_dir", ["", "/", "/tmp", "relative/raytrn-sim-x", "/home/me/project"])
+def test_down_refuses_a_temp_dir_that_is_not_the_simulators(temp_dir: str) -> None:
+    """An empty or edited state file must not name every process of the machine (an empty string is in every
+    command line)."""
+    with pytest.raises(RaytrnError, match="not one the simulator makes"):
+        local._cluster_procs(temp_dir)
+
+
+def test_a_process_is_found_only_by_the_whole_temp_dir(tmp_path: Path) -> None:
+    """``/tmp/raytrn-sim-ab`` names neither ``/tmp/raytrn-sim-abc`` nor a file beside it."""
+    import subprocess
+    import sys
+
+    ours = f"/tmp/{local._TEMP_PREFIX}unit{os.getpid()}"
+    procs = {
+        arg: subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(60)", arg])
+        for arg in (f"--temp-dir={ours}", f"{ours}/session_x/logs", f"{ours}c", f"{ours}.log")
+    }
+    try:
+        found = {pid for pid, _ in local._cluster_procs(ours)}
+        assert found == {procs[f"--temp-dir={ours}"].pid, procs[f"{ours}/session_x/logs"].pid}
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait(timeout=10)

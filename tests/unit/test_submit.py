@@ -329,3 +329,21 @@ def test_a_set_value_that_looks_like_a_secret_is_warned_about_without_showing_it
     assert len(warned) == 2 and all("dashboard" in w and "environment variables" in w for w in warned)
     assert not any("s3cr3t" in w or "abc" in w for w in warned)
     assert warned[0].startswith("--set tracking.mlflow_uri=... looks like it holds a secret")
+
+
+def test_a_token_file_readable_by_others_is_made_0600_when_read(tmp_path: Path, capsys) -> None:
+    token = tmp_path / ".ray" / "auth_token"
+    token.parent.mkdir()
+    token.write_text("tok\n")
+    token.chmod(0o644)
+    assert sub.resolve_token(environ={}, home=tmp_path) == "tok"
+    assert token.stat().st_mode & 0o777 == 0o600
+    assert "was readable by other users: made it 0600" in capsys.readouterr().err
+    assert sub.resolve_token(environ={}, home=tmp_path) == "tok"  # already 0600: said once
+    assert capsys.readouterr().err == ""
+
+
+def test_the_cluster_files_make_the_copied_token_0600() -> None:
+    for name in ("aws-trn1.yaml", "aws-trn2.yaml"):
+        text = (REPO / "cluster" / name).read_text()
+        assert "~/.ray/auth_token: ~/.ray/auth_token" in text and "- chmod 600 ~/.ray/auth_token" in text, name
