@@ -442,6 +442,14 @@ class RunConfig(_Section):
         0, ge=0, lt=2**63, description="seeds torch (initial weights, LoRA adapters, dropout) and the data order"
     )
     log_every: int = Field(10, gt=0, le=10**12, description="report metrics every N steps")
+    hang_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        le=10**7,
+        description="a worker that completes no step for this long (evaluations and checkpoints excluded) dumps every "
+        "thread's stack into <run>/hangs/ and the MLflow run, and ends: Ray Train restarts the group; null: 10x the "
+        "median step time, at least 300 s (not before the first step)",
+    )
     max_nonfinite_steps: int = Field(
         3,
         gt=0,

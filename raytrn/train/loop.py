@@ -29,6 +29,7 @@ from raytrn.train.metrics import MetricsReporter, tracking_logger
 from raytrn.train.plan import WorkerPlan
 from raytrn.train.preemption import PreemptionWatch
 from raytrn.train.step import train_step
+from raytrn.train.watchdog import HangWatch, on_hang_exit
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -62,6 +63,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     device_batches = backend.wrap_batches(batches)
 
     # -- train ---------------------------------------------------------------------------------------------------
+    hangs = HangWatch(on_hang_exit(job, rank, tracker), timeout_s=job.run.hang_timeout_s)  # no step: stacks, exit
     TRAINING.set()  # from here a SIGTERM is a notice (raytrn.train.preemption)
     while progress.step < job.run.max_steps:
         result = train_step(t, device_batches, backend)
@@ -70,13 +72,17 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         last = progress.step == job.run.max_steps
         logged = metrics.step_done(result, last=last)
         guard.check(result.grad_norm, progress.step)  # too many NaN/inf steps in a row: the group fails here
+        hangs.step_done(progress.step)
         saving = checkpointer.due(progress.step, last=last)
-        scores = evaluation.maybe_evaluate(
-            t, backend, last=last, checkpoint=RunDir.of(job).pointer(progress.step) if saving else None
-        )
-        metrics.report(logged, scores)  # a sweep's trial: to Ray Tune (every rank)
-        checkpointer.after_step(t, progress, logged, last=last, notice=watch.notice())  # notice: a collective
+        notice = watch.notice()  # a collective, every step
+        with hangs.paused():  # evaluation and checkpoints take their own time
+            scores = evaluation.maybe_evaluate(
+                t, backend, last=last, checkpoint=RunDir.of(job).pointer(progress.step) if saving else None
+            )
+            metrics.report(logged, scores)  # a sweep's trial: to Ray Tune (every rank)
+            checkpointer.after_step(t, progress, logged, last=last, notice=notice)
     TRAINING.clear()
+    hangs.close()
 
     metrics.close()
     if job.tracking.log_model and tracker is not None and t.export is not None:

@@ -1,0 +1,147 @@
+"""A hung step is detected, shown and restarted: no silent hang.
+
+A collective that never returns (a peer stuck in a kernel, a lost NeuronCore, a network partition gloo does not
+notice) holds every worker of the group forever, and Ray Train sees nothing wrong. Each worker runs a
+:class:`HangWatch`: when no step completes within ``run.hang_timeout_s`` (default: 10x the median step time, at
+least :data:`MIN_TIMEOUT_S`; not before the first step, whose compiles take long, nor while the loop evaluates or
+checkpoints), it dumps every thread's Python stack (``faulthandler``) into the run's directory,
+``<run>/hangs/step_<N>/rank_<R>.txt``, and the run's MLflow artifacts (``hangs/``), then ends its process: Ray Train
+sees the worker die and restarts the group from the newest committed checkpoint (``scaling.max_failures``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from raytrn import storage
+from raytrn.checkpoint.rundir import RunDir
+
+if TYPE_CHECKING:
+    from raytrn.config import JobSpec
+
+log = logging.getLogger(__name__)
+
+#: The least time without a step that counts as a hang (a slow step, a long data wait are not).
+MIN_TIMEOUT_S = 300.0
+#: A hung worker's exit status (Ray Train restarts the group).
+HANG_EXIT = 75
+
+
+def stacks() -> str:
+    """Every thread's Python stack in this process, as ``faulthandler`` writes them (also for threads stuck in C)."""
+    with tempfile.TemporaryFile(mode="w+") as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+        f.flush()
+        f.seek(0)
+        return f.read()
+
+
+class HangWatch:
+    """Watches one worker's steps from a daemon thread; ``on_hang(step, waited_s, stacks)`` runs once, on a hang.
+
+    ``timeout_s``: fixed (``run.hang_timeout_s``), else 10x the median of the recent step times, at least
+    :data:`MIN_TIMEOUT_S`."""
+
+    def __init__(
+        self,
+        on_hang: Callable[[int, float, str], None],
+        *,
+        timeout_s: float | None = None,
+        min_timeout_s: float = MIN_TIMEOUT_S,
+        poll_s: float = 5.0,
+    ) -> None:
+        self.on_hang, self.fixed, self.min_timeout_s = on_hang, timeout_s, min_timeout_s
+        self._durations: deque[float] = deque(maxlen=100)
+        self._last: float | None = None  # when the last step (or pause) ended; None before the first step
+        self._step = 0
+        self._paused = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(poll_s,), name="raytrn-hang-watch", daemon=True)
+        self._thread.start()
+
+    def step_done(self, step: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if self._last is not None:
+                self._durations.append(now - self._last)
+            self._last, self._step = now, step
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Not watched meanwhile (an evaluation, a checkpoint): the clock starts again after."""
+        with self._lock:
+            self._paused += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._paused -= 1
+                if self._last is not None:
+                    self._last = time.monotonic()
+
+    def timeout(self) -> float | None:
+        """The current timeout (None: not known yet, no step time measured)."""
+        if self.fixed is not None:
+            return self.fixed
+        with self._lock:
+            if not self._durations:
+                return None
+            return max(self.min_timeout_s, 10 * statistics.median(self._durations))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self, poll_s: float) -> None:
+        while not self._stop.wait(poll_s):
+            timeout = self.timeout()
+            with self._lock:
+                last, paused, step = self._last, self._paused, self._step
+            if last is None or paused or timeout is None:
+                continue
+            waited = time.monotonic() - last
+            if waited > timeout:
+                self.on_hang(step, waited, stacks())
+                return
+
+
+def on_hang_exit(job: JobSpec, rank: int, logger: Any) -> Callable[[int, float, str], None]:
+    """What a worker does on a hang: say so, keep the stacks (run directory, MLflow artifacts), exit."""
+
+    def handle(step: int, waited: float, text: str) -> None:
+        run = RunDir.of(job)
+        path = storage.join(run.root, "hangs", f"step_{step:08d}", f"rank_{rank}.txt")
+        log.error(
+            "rank %d: no step completed for %.0f s after step %d (run.hang_timeout_s): a hung collective? Every "
+            "thread's stack is in %s; ending this worker so Ray Train restarts the group from the newest committed "
+            "checkpoint",
+            rank,
+            waited,
+            step,
+            path,
+        )
+        try:
+            storage.write_text(path, text)
+        except OSError as e:
+            log.error("rank %d: the stacks could not be written (%s):\n%s", rank, e, text)
+        try:
+            run_id = logger.run_id if logger is not None else None
+            if run_id:
+                logger.client.log_text(run_id, text, f"hangs/step_{step:08d}/rank_{rank}.txt")
+        except Exception as e:  # the artifact is a bonus: the file is written
+            log.warning("rank %d: the stacks were not logged to MLflow: %s", rank, e)
+        logging.shutdown()
+        os._exit(HANG_EXIT)
+
+    return handle
