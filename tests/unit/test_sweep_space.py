@@ -108,26 +108,37 @@ loguniform: {optim: {weight_decay: [1e-3, 1e-1]}}
 
 
 def _manifest(root: Path, *, validation: bool) -> Path:
-    """A dataset for jobs/tiny.yaml's shapes (manifest, tokenizer file, shard files; the plan reads no rows), with a
-    validation split when asked."""
+    """A dataset for jobs/tiny.yaml's shapes as `raytrn data prepare` writes it (two real Parquet shards of 100 rows,
+    the tokenizer file its manifest hashes), with a validation split when asked; the plan checks the files, reads
+    no rows."""
+    import hashlib
     from dataclasses import replace
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     from tests.unit.test_manifest import _manifest as manifest_of
 
+    root.mkdir(parents=True, exist_ok=True)
     m = manifest_of(root, num_shards=2)
-    shards = [replace(s, rows=100, tokens=100 * 128) for s in m.shards]
-    m = replace(m, seq_len=128, row_len=129, num_rows=200, num_tokens=200 * 128, rows_per_shard=100, shards=shards)
+    shards = []
+    for s in m.shards:
+        ids = [[(r + i) % 512 for i in range(129)] for r in range(100)]
+        pq.write_table(pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int32()))}), root / s.path)
+        shards.append(replace(s, rows=100, tokens=100 * 128, bytes=(root / s.path).stat().st_size))
+    (root / "tokenizer.json").write_text("{}")
+    tokenizer = replace(m.tokenizer, sha256=hashlib.sha256(b"{}").hexdigest())
+    m = replace(
+        m, seq_len=128, row_len=129, num_rows=200, num_tokens=200 * 128, rows_per_shard=100, shards=shards,
+        tokenizer=tokenizer,
+    )  # fmt: skip
     files = [m]
     if validation:
         val = replace(m, shards=shards[:1], num_rows=100, num_tokens=100 * 128, name="validation.json")
         m = replace(m, validation={"manifest": "validation.json", "fraction": 0.3, "num_rows": 100})
         files = [m, val]
-    root.mkdir(parents=True, exist_ok=True)
     for f in files:
         (root / f.name).write_text(f.to_json())
-    (root / "tokenizer.json").write_text("{}")
-    for s in shards:
-        (root / s.path).write_bytes(b"x")
     return root
 
 
