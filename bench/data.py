@@ -111,7 +111,9 @@ def child_main(args: argparse.Namespace) -> None:
             ray_rate.append(rows / seconds)
             seconds, rows = _raw_pass(manifest.shard_paths(), bench.micro_batch_size, args.epochs)
             raw_rate.append(rows / seconds)
-    ray.shutdown()
+    # The result first: a stream the last pass left prefetching (the next epoch's, on Ray Data's own thread) may
+    # end this process hard when Ray shuts down under it ("the core worker has already been shutdown"), which
+    # CI saw once as "exited 1 without a result".
     emit(
         {
             "rows_per_epoch": manifest.num_rows,
@@ -123,6 +125,7 @@ def child_main(args: argparse.Namespace) -> None:
             "bytes": sum(s.bytes for s in manifest.shards),
         }
     )
+    ray.shutdown()
 
 
 def run(
