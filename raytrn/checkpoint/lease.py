@@ -91,9 +91,12 @@ def _pid_alive(pid: int) -> bool:
 class Lease:
     """The lease this driver holds on ``run`` (:func:`acquire`); :meth:`release` ends it."""
 
-    def __init__(self, run: RunDir, holder: Holder, etag: str | None) -> None:
+    def __init__(self, run: RunDir, holder: Holder, etag: str | None, created_dirs: list[str] | None = None) -> None:
         self.run, self.holder, self._etag = run, holder, etag
         self.path = run.lease
+        #: Local directories made for the lease file, deepest first: removed again at release if still empty (a
+        #: job refused before it wrote anything leaves nothing behind).
+        self.created_dirs = list(created_dirs or [])
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="raytrn-lease", daemon=True)
         self._thread.start()
@@ -128,6 +131,11 @@ class Lease:
                 fs.delete_file(inner)
         except OSError as e:  # it goes stale on its own
             log.warning("run lease %s: not released (%s); it goes stale in %.0f s", self.path, e, STALE_AFTER_S)
+        for d in self.created_dirs:
+            try:
+                os.rmdir(d)  # only if empty: the run wrote nothing else
+            except OSError:
+                break
 
 
 def acquire(run: RunDir, *, take_over: bool = False, job: str = "") -> Lease:
@@ -138,9 +146,10 @@ def acquire(run: RunDir, *, take_over: bool = False, job: str = "") -> Lease:
     mine = Holder(
         host=socket.gethostname(), pid=os.getpid(), started_at=now, heartbeat_at=now, token=uuid.uuid4().hex, job=job
     )
+    missing = _missing_dirs(path)
     created = _create(path, mine)
     if created is not None:
-        return Lease(run, mine, created or None)
+        return Lease(run, mine, created or None, created_dirs=missing)
     text = storage.read_text(path) or ""
     held = Holder.parse(text)
     if held is not None and not held.stale(now):
@@ -157,6 +166,17 @@ def acquire(run: RunDir, *, take_over: bool = False, job: str = "") -> Lease:
     _take_over(path, mine, text)
     log.warning("run lease %s: taken over from %s", path, held.describe(now) if held else "an unreadable lease")
     return Lease(run, mine, _s3_etag(path) if storage.is_remote(path) else None)
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """The local directories above ``path`` that do not exist yet, deepest first (none on S3)."""
+    if storage.is_remote(path):
+        return []
+    out, d = [], os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(d):
+        out.append(d)
+        d = os.path.dirname(d)
+    return out
 
 
 def _create(path: str, holder: Holder) -> str | None:

@@ -39,8 +39,12 @@ def test_a_second_job_on_a_held_run_is_refused_naming_the_holder(tmp_path: Path)
         assert acquire(RunDir(str(tmp_path), "r2")).release() is None  # another run: free
     finally:
         first.release()
-    assert not (tmp_path / "r1" / LEASE_FILE).exists()
+    assert not (tmp_path / "r1").exists()  # the run directory it made for the lease, empty: gone again
     acquire(run).release()  # released: the next job takes it
+    (tmp_path / "r1").mkdir()
+    (tmp_path / "r1" / "checkpoint_00000002").mkdir()  # a run that wrote something keeps its directory
+    acquire(run).release()
+    assert (tmp_path / "r1" / "checkpoint_00000002").is_dir()
 
 
 def test_a_stale_lease_is_taken_over_only_when_asked(tmp_path: Path) -> None:
