@@ -47,7 +47,7 @@ def verify_dataset(manifest: Manifest) -> None:
         shards = [shards[round(i * step)] for i in range(REMOTE_FOOTERS)]
     for s in shards:
         _check_footer(manifest, s.path, s.rows, where)
-    digest = _sha256(manifest.tokenizer_path)
+    digest = file_sha256(manifest.tokenizer_path)
     if digest != manifest.tokenizer.sha256:
         raise DataError(
             f"{where}: tokenizer file {manifest.tokenizer.file} has sha256 {digest[:12]}..., the manifest recorded "
@@ -97,7 +97,8 @@ def _check_footer(manifest: Manifest, rel: str, rows: int, where: str) -> None:
         )
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
+    """The sha256 of a file (local or ``s3://``), read in 1 MiB pieces; DataError when it cannot be read."""
     fs, inner = storage.filesystem(path)
     h = hashlib.sha256()
     try:

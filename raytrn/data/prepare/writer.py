@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ import pyarrow.parquet as pq
 
 from raytrn.data.instruct import MASK_COLUMN, SEGMENT_COLUMN
 from raytrn.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, load_manifest, rows_per_group
+from raytrn.data.verify import file_sha256
 from raytrn.errors import DataError
 from raytrn.storage import remove_inside
 
@@ -144,7 +144,7 @@ def check_output(out: Output, output: str, fingerprint: str, max_rows: int, over
         assert out.manifest is not None
         old = out.manifest
         tokenizer = os.path.join(out.path, old.tokenizer.file)
-        same_tokenizer = os.path.isfile(tokenizer) and _sha256_file(tokenizer) == old.tokenizer.sha256
+        same_tokenizer = os.path.isfile(tokenizer) and file_sha256(tokenizer) == old.tokenizer.sha256
         if old.source.fingerprint == fingerprint and same_tokenizer:
             if not _complete(out):
                 what = "an incomplete copy of this dataset (files its manifest lists are missing)"
@@ -185,14 +185,6 @@ def _complete(out: Output) -> bool:
     """Every file the manifest lists is there."""
     assert out.manifest is not None
     return all(os.path.isfile(os.path.join(out.path, n)) for n in dataset_files(out.manifest))
-
-
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def make_dirs(path: str) -> list[str]:
