@@ -106,6 +106,16 @@ def _actors(class_name: str) -> list[Any]:
     )
 
 
+def _placement_groups() -> dict[str, int]:
+    """Every placement group of this session (any state, removed ones too): its id and its number of bundles. A
+    worker group Ray Train tried to start is one placement group of one bundle per worker."""
+    import ray
+    from ray.util.state import list_placement_groups
+
+    groups = list_placement_groups(address=ray.get_runtime_context().gcs_address, detail=True, timeout=30)
+    return {g.placement_group_id: len(g.bundles or []) for g in groups}
+
+
 class _S3:
     """A moto server (by PID) behind an outage proxy, and a bucket on it; AWS_ENDPOINT_URL points at the proxy."""
 
@@ -240,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             result.setdefault("driver_node", driver_node)
             result.setdefault("tracking_nodes", sorted({a.node_id for a in _actors("TrackingActor")}))
             if kind in ("remove", "drain", "kill"):
+                tried_before = _placement_groups()
                 # Never the driver's node (its tracking actor lives there): on a real cluster that is the head,
                 # not a spot node; here every node shares the host and the driver attaches to any of them.
                 workers = [a for a in _actors("RayTrainWorker") if a.node_id != driver_node]
@@ -279,16 +290,21 @@ def main(argv: list[str] | None = None) -> int:
                 event["recovery_s"] = round(new[0][1] - t0, 2) if new else None
                 event["resumed_from_step"] = restarted[0][1] if restarted else None
                 event["restarted_dp"] = restarted[0][2] if restarted else None
+                # The sizes of the worker groups Ray Train tried to start after the event: one try, sized from the
+                # live cluster, not first a stale size that waits out Ray's 60 s start timeout.
+                event["tried_sizes"] = [n for g, n in _placement_groups().items() if g not in tried_before]
                 if restarted and event["old_group_last_step"] is not None:
                     # Trained again: the last step the old group started, minus the step the new one resumed at.
                     event["steps_lost"] = max(0, event["old_group_last_step"] - restarted[0][1])
             elif kind == "add":
+                tried_before = _placement_groups()
                 t0 = time.time()
                 nodes.append(cluster.add_node(**NODE))
                 while thread.is_alive() and not [g for g in _trace_groups(trace) if g[0] > t0 and g[2] == 3]:
                     time.sleep(0.1)
                 grown = [g for g in _trace_groups(trace) if g[0] > t0 and g[2] == 3]
                 event["scale_up_s"] = round(grown[0][0] - t0, 2) if grown else None
+                event["tried_sizes"] = [n for g, n in _placement_groups().items() if g not in tried_before]
             elif kind == "s3down":
                 assert s3 is not None, "s3down needs --s3"
                 groups_before = len(_trace_groups(trace))

@@ -11,8 +11,9 @@ lost node the group restarts at 2 at once (sized from the live cluster, no wait 
 returning node is used; the preemption notice loses no step; the S3 outage restarts nothing and the checkpoint it
 covered is committed once S3 is back.
 
-The seconds themselves are measured by ``make bench`` (bench/elastic.py), not asserted tightly here; the bounds
-only tell "sized from the live view" from "waited out a start timeout".
+The seconds themselves are measured by ``make bench`` (bench/elastic.py), not asserted tightly here: "sized from
+the live view, not first waited out a start timeout" is asserted from the placement groups Ray Train created after
+each event (one, of the restarted size), not from a wall-clock bound.
 """
 
 from __future__ import annotations
@@ -66,11 +67,16 @@ def test_chaos_suite(tiny_dataset, tmp_path):
     assert result["resumes"] and all(r["committed"] for r in result["resumes"]), result["resumes"]
     for event in (kill, remove, drain):
         assert event["steps_lost"] <= EVERY, event  # at most one checkpoint interval trained again
-        assert event["recovery_s"] is not None and event["recovery_s"] < 45, event
+        # One start, at the size the cluster had (a stale size would wait out Ray's 60 s start timeout first).
+        assert event["tried_sizes"] == [event["restarted_dp"]], event
+        # A restart, not a hang: the seconds are measured by make bench (kill → next step 38 s here, 55 s on CI).
+        assert event["recovery_s"] is not None and event["recovery_s"] < 120, event
     assert kill["resumed_from_step"] % EVERY == 0 and remove["resumed_from_step"] % EVERY == 0, result
     assert kill["restarted_dp"] == 3, kill  # every node still there
     assert remove["restarted_dp"] == 2, remove  # not 3 on a stale view
-    assert add["scale_up_s"] is not None and add["scale_up_s"] < RESIZE_INTERVAL_S + 30, add
+    # The returning node is used at the next resize check: one restart, at 3 (41-46 s after the node joined here).
+    assert add["tried_sizes"] == [3] and add["scale_up_s"] is not None, add
+    assert add["scale_up_s"] < RESIZE_INTERVAL_S + 90, add
     assert drain["restarted_dp"] == 2 and drain["steps_lost"] == 0, drain  # checkpointed on the notice
     assert drain["resumed_from_step"] >= drain["at_step"], drain  # the notice's checkpoint, not the one before
 
