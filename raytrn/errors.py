@@ -43,3 +43,14 @@ class BackendUnavailableError(BackendError):
 class CheckpointError(RaytrnError):
     """A checkpoint cannot be resumed: incomplete, written for another model, or in a format this layout
     cannot read."""
+
+
+class RunStopped(RaytrnError):
+    """A state no restart of the worker group can fix (the run diverged again after its rollback, the checkpoint
+    storage failed too many saves in a row). Raised on every rank alike, at the same step: the workers record it
+    on the job's progress board and return, and the driver ends the run FAILED with this message, instead of Ray
+    Train restarting the group ``scaling.max_failures`` times into the same failure."""
+
+
+class CheckpointsFailing(CheckpointError, RunStopped):
+    """``checkpoint.max_consecutive_failures`` saves in a row failed."""

@@ -23,7 +23,7 @@ from raytrn.checkpoint.progress import Progress, read_local_meta, write_meta
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.checkpoint.statefile import has_state, load_state
 from raytrn.checkpoint.store import Checkpoints, PinnedSchedule, Saved, TrainState
-from raytrn.errors import CheckpointError
+from raytrn.errors import CheckpointError, CheckpointsFailing
 from raytrn.storage import is_transient
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ class DcpCheckpoints(Checkpoints):
         self.consecutive_failures += 1
         limit = self.job.checkpoint.max_consecutive_failures
         if self.consecutive_failures >= limit:
-            raise CheckpointError(
+            raise CheckpointsFailing(
                 f"checkpoint.max_consecutive_failures={limit}: the last {limit} saves failed (the last, {location}: "
                 f"{cause}); stopping rather than train on without checkpoints. Fix the storage (space, permissions, "
                 "reachability) and run again: the run resumes from its newest committed checkpoint"

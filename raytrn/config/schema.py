@@ -455,8 +455,13 @@ class RunConfig(_Section):
         gt=0,
         le=10**6,
         description="steps in a row whose loss or gradient norm is NaN/inf (each skips its optimizer update and is "
-        "counted as nonfinite_steps) before the worker group fails, naming the step: Ray Train restarts it from the "
-        "newest committed checkpoint (up to scaling.max_failures times)",
+        "counted as nonfinite_steps) before run.on_nonfinite acts",
+    )
+    on_nonfinite: Literal["rollback", "fail"] = Field(
+        "rollback",
+        description="after run.max_nonfinite_steps non-finite steps in a row: rollback (once per job: the worker group "
+        "restarts from the newest committed checkpoint and skips those steps' global batches; the run stops if it "
+        "diverges again) or fail (the run stops at once); a stopped run ends FAILED with the steps named",
     )
     eval_every: int | None = Field(
         None,

@@ -26,6 +26,10 @@ class ProgressBoard:
         self.recent: list[dict[str, Any]] = []
         self.first_step_s: float | None = None
         self.groups = 0
+        #: Why the workers stopped the run (:class:`raytrn.errors.RunStopped`): the driver ends it FAILED with it.
+        self.stopped: str | None = None
+        #: The steps a non-finite rollback skips (``[first, last]`` each; :mod:`raytrn.train.guard`), this job's.
+        self.rollbacks: list[list[int]] = []
 
     def group_started(self, step: int, world_size: int) -> None:
         """A worker group (re)started at ``step`` with ``world_size`` workers (rank 0 says so, not waiting)."""
@@ -46,7 +50,23 @@ class ProgressBoard:
         self.recent = [*self.recent[-(self._KEEP - 1) :], entry]
 
     def snapshot(self) -> dict[str, Any]:
-        return {"first": self.first, "last": self.last, "first_step_s": self.first_step_s}
+        return {"first": self.first, "last": self.last, "first_step_s": self.first_step_s, "stopped": self.stopped}
+
+    def stop(self, message: str) -> None:
+        """Every rank, as the run stops (the first message stays: every rank sends the same one)."""
+        if self.stopped is None:
+            self.stopped = message
+
+    def rolled_back(self, first: int, last: int) -> list[list[int]]:
+        """Every rank, before its group fails for a non-finite rollback: steps ``first``-``last`` are skipped from
+        now on (recorded once, whichever rank comes first). The job's rollbacks."""
+        if [first, last] not in self.rollbacks:
+            self.rollbacks.append([first, last])
+        return self.rollbacks
+
+    def rolled_back_steps(self) -> list[list[int]]:
+        """The job's rollbacks so far (a restarted group reads them as it starts)."""
+        return self.rollbacks
 
     def since(self, step: int) -> list[dict[str, Any]]:
         """Entries logged after ``step``, oldest first."""

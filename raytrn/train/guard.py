@@ -3,40 +3,84 @@
 Such a step's optimizer update is skipped where the gradients are clipped (:func:`raytrn.train.build.clip_and_step`),
 so the weights and optimizer state stay those of the last finite step: a checkpoint, its retention and the exported
 model never hold a NaN. This component counts the skipped steps (``nonfinite_steps``) and, after
-``run.max_nonfinite_steps`` in a row, fails the worker group with an error naming the step: Ray Train restarts it
-from the newest committed checkpoint (every one of them finite), up to ``scaling.max_failures`` times, and a run
-that keeps diverging then ends with that error instead of training on as NaN.
+``run.max_nonfinite_steps`` in a row, acts on ``run.on_nonfinite``:
+
+- ``rollback`` (the default), once per job: the steps are recorded on the job's progress board (it outlives the
+  worker group) and the group fails; Ray Train restarts it from the newest committed checkpoint (finite, as every
+  one is), and the restarted group skips the global batches of the recorded steps (drawn, not trained: the data
+  position and the learning-rate schedule move on as if they were). If the run diverges again, it stops.
+- ``fail``: the run stops at once.
+
+Stopping is :class:`~raytrn.errors.RunStopped`: the run ends FAILED with a message naming the steps, not retried.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from raytrn.errors import RaytrnError
+from raytrn.errors import RaytrnError, RunStopped
 
 if TYPE_CHECKING:
     from raytrn.config import JobSpec
 
 
 class NonFiniteError(RaytrnError):
-    """Too many steps in a row had a NaN or inf loss or gradient norm."""
+    """Too many steps in a row had a NaN or inf loss or gradient norm: the group fails for its rollback."""
 
 
 class NonFiniteGuard:
     """Counts the steps whose gradient norm (the same on every rank: it is taken over the reduced gradients) or
-    loss is not finite, on every rank alike."""
+    loss is not finite, on every rank alike, and says which steps a rollback skips.
 
-    def __init__(self, job: JobSpec, *, enabled: bool = True) -> None:
+    ``rollbacks``: this job's earlier rollbacks (``[first, last]`` steps each); ``record_rollback(first, last)``
+    records a new one where the next worker group finds it (returns once it is recorded)."""
+
+    def __init__(
+        self,
+        job: JobSpec,
+        *,
+        enabled: bool = True,
+        rollbacks: Sequence[Sequence[int]] = (),
+        record_rollback: Callable[[int, int], Any] | None = None,
+    ) -> None:
         self.limit = job.run.max_nonfinite_steps
+        self.policy = job.run.on_nonfinite
         self.enabled = enabled
+        self.rollbacks = [(int(a), int(b)) for a, b in rollbacks]
+        self._record = record_rollback
         self.total = 0  # this worker group's skipped steps: the nonfinite_steps metric
         self.in_a_row = 0
+        self.skipped_batches = 0  # this worker group's global batches drawn and not trained (a rollback's)
+
+    @classmethod
+    def on_board(cls, job: JobSpec, board: Any, *, enabled: bool) -> NonFiniteGuard:
+        """The guard of a worker: the job's earlier rollbacks from its progress board (a Ray actor), new ones
+        recorded there."""
+        if board is None or not enabled:
+            return cls(job, enabled=enabled)
+        import ray
+
+        def record(first: int, last: int) -> None:
+            ray.get(board.rolled_back.remote(first, last), timeout=60)
+
+        return cls(
+            job,
+            enabled=enabled,
+            rollbacks=ray.get(board.rolled_back_steps.remote(), timeout=60),
+            record_rollback=record,
+        )
+
+    def skips(self, step: int) -> bool:
+        """Whether step ``step``'s global batch is skipped: a rollback recorded it as one that diverged the run."""
+        return any(first <= step <= last for first, last in self.rollbacks)
 
     def check(self, grad_norm: torch.Tensor, step: int) -> None:
-        """After step ``step``: count it when its gradient norm is not finite; NonFiniteError at the limit."""
+        """After step ``step``: count it when its gradient norm is not finite; at the limit, NonFiniteError (the
+        group fails for its rollback) or RunStopped (the run ends)."""
         if not self.enabled:
             return
         norm = float(grad_norm)  # the value clip_and_step read already: no further device sync
@@ -45,11 +89,26 @@ class NonFiniteGuard:
             return
         self.total += 1
         self.in_a_row += 1
-        if self.in_a_row >= self.limit:
-            first = step - self.in_a_row + 1
+        if self.in_a_row < self.limit:
+            return
+        first = step - self.in_a_row + 1
+        what = (
+            f"steps {first}-{step}: the loss or gradient norm was {norm} for {self.in_a_row} steps in a row "
+            f"(run.max_nonfinite_steps={self.limit}); their updates were skipped and nothing non-finite was saved"
+        )
+        if self.policy == "rollback" and not self.rollbacks:
+            if self._record is not None:
+                self._record(first, step)
             raise NonFiniteError(
-                f"steps {first}-{step}: the loss or gradient norm was {norm} for {self.in_a_row} steps in a row "
-                f"(run.max_nonfinite_steps={self.limit}); their updates were skipped and nothing non-finite was "
-                "saved. The worker group restarts from the newest committed checkpoint; if the run keeps diverging, "
-                "lower optim.lr, raise optim.warmup_steps or set optim.grad_clip_norm"
+                f"{what}. Rolling back once (run.on_nonfinite=rollback): the worker group restarts from the newest "
+                f"committed checkpoint and skips the global batches of steps {first}-{step}"
             )
+        after = ""
+        if self.rollbacks:
+            a, b = self.rollbacks[-1]
+            after = f", again after the rollback that skipped steps {a}-{b}"
+        raise RunStopped(
+            f"the run diverged at {what}{after}. The run stops (run.on_nonfinite={self.policy}); its newest committed "
+            "checkpoint holds the last finite state. Lower optim.lr, raise optim.warmup_steps or set "
+            "optim.grad_clip_norm, then run the job again to resume from it"
+        )

@@ -18,6 +18,7 @@ from raytrn.backends import get_backend
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.config.sizes import data_parallel_rank, data_parallel_size, global_batch
 from raytrn.data.feed import DataFeed
+from raytrn.errors import RunStopped
 from raytrn.runtime import worker_logging
 from raytrn.sigterm import TRAINING
 from raytrn.tracking.export import log_final_model
@@ -28,7 +29,7 @@ from raytrn.train.guard import NonFiniteGuard
 from raytrn.train.metrics import MetricsReporter, tracking_logger
 from raytrn.train.plan import WorkerPlan
 from raytrn.train.preemption import PreemptionWatch
-from raytrn.train.step import train_step
+from raytrn.train.step import skip_step, train_step
 from raytrn.train.watchdog import HangWatch, on_hang_exit
 
 
@@ -57,7 +58,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         plan, t, backend, progress, rank=rank, world_size=world_size, local_rank=ctx.get_local_rank(), logger=tracker
     )
     checkpointer.cost_usd = metrics.cost_usd
-    guard = metrics.guard = NonFiniteGuard(job, enabled=backend.skips_nonfinite_steps)  # NaN/inf steps: skipped
+    # NaN/inf steps: skipped; too many in a row: a rollback (once per job) or the run stops (raytrn.train.guard)
+    guard = metrics.guard = NonFiniteGuard.on_board(job, plan.board, enabled=backend.skips_nonfinite_steps)
     evaluation = Evaluation(job, plan.validation, progress, dp=dp, dp_rank=dp_rank, logger=logger)
     watch = PreemptionWatch(world_size)  # a spot notice ends this group at a checkpoint (raytrn.train.preemption)
     device_batches = backend.wrap_batches(batches)
@@ -65,27 +67,49 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # -- train ---------------------------------------------------------------------------------------------------
     hangs = HangWatch(on_hang_exit(job, rank, tracker), timeout_s=job.run.hang_timeout_s)  # no step: stacks, exit
     TRAINING.set()  # from here a SIGTERM is a notice (raytrn.train.preemption)
-    while progress.step < job.run.max_steps:
-        result = train_step(t, device_batches, backend)
-        progress.step += 1
-        feed.advance(progress)
-        last = progress.step == job.run.max_steps
-        logged = metrics.step_done(result, last=last)
-        guard.check(result.grad_norm, progress.step)  # too many NaN/inf steps in a row: the group fails here
-        hangs.step_done(progress.step)
-        saving = checkpointer.due(progress.step, last=last)
-        notice = watch.notice()  # a collective, every step
-        with hangs.paused():  # evaluation and checkpoints take their own time
-            scores = evaluation.maybe_evaluate(
-                t, backend, last=last, checkpoint=RunDir.of(job).pointer(progress.step) if saving else None
-            )
-            metrics.report(logged, scores)  # a sweep's trial: to Ray Tune (every rank)
-            checkpointer.after_step(t, progress, logged, last=last, notice=notice)
-    TRAINING.clear()
-    hangs.close()
+    stopped: RunStopped | None = None
+    try:
+        while progress.step < job.run.max_steps:
+            if guard.skips(progress.step + 1) and progress.step + 1 < job.run.max_steps:  # a rollback's: untrained
+                skip_step(t, device_batches)
+                guard.skipped_batches += 1
+                progress.step += 1
+                feed.advance(progress)
+                hangs.step_done(progress.step)
+                continue
+            result = train_step(t, device_batches, backend)
+            progress.step += 1
+            feed.advance(progress)
+            last = progress.step == job.run.max_steps
+            logged = metrics.step_done(result, last=last)
+            guard.check(result.grad_norm, progress.step)  # too many NaN/inf steps in a row: rollback or stop
+            hangs.step_done(progress.step)
+            saving = checkpointer.due(progress.step, last=last)
+            notice = watch.notice()  # a collective, every step
+            with hangs.paused():  # evaluation and checkpoints take their own time
+                scores = evaluation.maybe_evaluate(
+                    t, backend, last=last, checkpoint=RunDir.of(job).pointer(progress.step) if saving else None
+                )
+                metrics.report(logged, scores)  # a sweep's trial: to Ray Tune (every rank)
+                checkpointer.after_step(t, progress, logged, last=last, notice=notice)
+    except RunStopped as e:  # every rank, at the same step: no restart can fix it (raytrn.errors.RunStopped)
+        stopped = e
+    finally:
+        TRAINING.clear()
+        hangs.close()
 
     metrics.close()
+    if stopped is not None:
+        stop_run(plan.board, stopped)  # the driver ends the run FAILED with it; nothing is exported
+        return
     if job.tracking.log_model and tracker is not None and t.export is not None:
         if logger is not None:
             logger.flush(job.tracking.flush_timeout_s)  # an outage near the end: wait (bounded) for the server
         log_final_model(job, t.model, t.export, logger)  # every rank: a sharded model's tensors are gathered
+
+
+def stop_run(board: Any, stop: RunStopped) -> None:
+    """Record why the run stops on the job's progress board (every rank: any one's record suffices), for the
+    driver to end the run FAILED with it once the workers returned."""
+    if board is not None:
+        ray.get(board.stop.remote(str(stop)), timeout=60)

@@ -120,6 +120,7 @@ class MetricsReporter:
             "checkpoint_failures": float(getattr(self.t.checkpoints, "failed", 0)),
             # steps whose loss or grad norm was NaN/inf, their updates skipped, this worker group
             "nonfinite_steps": float(self.guard.total if self.guard is not None else 0),
+            "skipped_batches": float(self.guard.skipped_batches if self.guard is not None else 0),
         }
         if self.efficiency is not None:
             metrics.update(self.efficiency.metrics(metrics["tokens_per_s"], progress.tokens_seen))

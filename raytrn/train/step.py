@@ -8,6 +8,7 @@ the step's lazy graph on XLA. Nothing here reads a value back to the host: metri
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -128,6 +129,17 @@ def train_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch], backen
     t.optimizer.zero_grad(set_to_none=True)
     backend.sync()  # XLA: the step's graph ends here (compiled once, then cached)
     return StepResult(loss=loss_mean, grad_norm=grad_norm, data_wait_s=data_wait)
+
+
+def skip_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch]) -> None:
+    """A step that trains nothing: its ``grad_accum`` micro-batches are drawn (the data position moves on) and the
+    learning-rate schedule steps, as after a step whose update was skipped (a non-finite rollback's,
+    :mod:`raytrn.train.guard`)."""
+    for _ in range(t.grad_accum):
+        next(batches)
+    with warnings.catch_warnings():  # no optimizer.step() yet in this process: intended, not torch's ordering slip
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+        t.scheduler.step()
 
 
 def _masked_step(t: Training, micro: list[TokenBatch], backend: Backend, *, data_wait: float) -> StepResult:

@@ -28,7 +28,7 @@ from raytrn.config import JobSpec
 from raytrn.config.sizes import world_sizes
 from raytrn.data.manifest import Manifest
 from raytrn.data.order import SAMPLE_TRACE_ENV
-from raytrn.errors import RaytrnError
+from raytrn.errors import RaytrnError, RunStopped
 from raytrn.models import model_stats
 from raytrn.runtime import ensure_ray, git_commit, on_this_node, process_started_at
 from raytrn.tracking.actor import driver_env, start_tracking_actor
@@ -151,6 +151,10 @@ def _train(
         if backend.committed_checkpoints:
             tidy_pointers(RunDir.of(job))
         watch.raise_if_refused()  # fit was aborted because MLflow refused the run
+        snapshot: Any = ray.get(board.snapshot.remote(), timeout=30)  # type: ignore[attr-defined,union-attr]
+        stopped = snapshot["stopped"]
+        if stopped:  # the workers stopped the run (raytrn.errors.RunStopped): it ends FAILED with their reason
+            raise RunStopped(stopped)
         status = "FINISHED"
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C or SIGTERM; Ray turns an interrupted wait into SystemExit
         if watch.error is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -273,3 +274,56 @@ def test_dataset_on_s3(ray_session, tiny_dataset, tmp_path, s3_bucket, s3_endpoi
         load_manifest(uri)
     with pytest.raises(DataError, match=r"nothing-here: no such directory .*raytrn data prepare"):
         load_manifest(f"s3://{s3_bucket}/datasets/nothing-here")
+
+
+def test_a_diverging_run_rolls_back_once_then_stops_failed_with_every_checkpoint_finite(
+    ray_session, tiny_dataset, tmp_path
+):
+    """Issue 28's reproduction (optim.lr=1000, no warmup, no clipping) on a real Ray: the non-finite steps' updates
+    are skipped; at run.max_nonfinite_steps in a row the group restarts once from the newest committed checkpoint
+    and skips those steps' batches; diverging again stops the run: FAILED, the steps named, no model exported, no
+    further restarts, and every committed checkpoint finite."""
+    from mlflow.tracking import MlflowClient
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from raytrn.errors import RunStopped
+
+    job = _job(
+        tiny_dataset, tmp_path, "run.max_steps=60", "checkpoint.every_n_steps=2", "checkpoint.keep_last=null",
+        "optim.lr=1000", "optim.warmup_steps=0", "optim.grad_clip_norm=null", "tracking.log_model=true",
+    )  # fmt: skip
+    with pytest.raises(RunStopped) as stop:
+        run_training(job, live_progress=False)
+    message = str(stop.value)
+    rolled = re.search(r"again after the rollback that skipped steps (\d+)-(\d+)", message)
+    assert rolled and "run.on_nonfinite=rollback" in message, message
+    first, last = int(rolled.group(1)), int(rolled.group(2))
+    assert last - first + 1 == job.run.max_nonfinite_steps
+
+    client = MlflowClient(job.tracking.mlflow_uri)
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("raytrn-tests").experiment_id], f"tags.mlflow.runName = '{job.run_name}'"
+    )
+    assert run.info.status == "FAILED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "restart_to_first_step_s")] != []  # restarted
+    assert not [a for a in client.list_artifacts(run.info.run_id) if a.path == "model"]  # nothing exported
+
+    dcp_root = Path(job.checkpoint.storage) / job.run_name / "dcp"
+    committed = sorted(p for p in dcp_root.glob("step_*") if (p / "commit.json").exists())
+    assert committed, "the run committed checkpoints before it diverged"
+    for step_dir in committed:
+        dcp_to_torch_save(step_dir, tmp_path / "state.pt")
+        state = torch.load(tmp_path / "state.pt", weights_only=False)
+        tensors = [v for v in _leaves(state) if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        assert tensors and all(bool(torch.isfinite(v).all()) for v in tensors), step_dir
+
+
+def _leaves(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _leaves(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _leaves(v)
+    else:
+        yield obj

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from raytrn.backends.cpu import CpuBackend
+from raytrn.errors import RunStopped
+from raytrn.tracking.board import ProgressBoard
 from raytrn.train.build import build_training
 from raytrn.train.guard import NonFiniteError, NonFiniteGuard
-from raytrn.train.step import train_step
+from raytrn.train.step import skip_step, train_step
 from tests.unit.test_dcp import job
 
 pytestmark = pytest.mark.unit
@@ -46,23 +48,74 @@ def test_a_nonfinite_step_leaves_weights_and_optimizer_state_as_they_were(tmp_pa
     assert not all(torch.equal(before_params[k], v) for k, v in t.model.state_dict().items())
 
 
-def test_the_guard_counts_nonfinite_steps_and_fails_at_the_limit_in_a_row(tmp_path: Path) -> None:
-    guard = NonFiniteGuard(job(tmp_path, "run.max_nonfinite_steps=2"))
+def test_the_guard_counts_nonfinite_steps_and_rolls_back_once_at_the_limit_in_a_row(tmp_path: Path) -> None:
+    recorded: list[tuple[int, int]] = []
+    guard = NonFiniteGuard(
+        job(tmp_path, "run.max_nonfinite_steps=2"), record_rollback=lambda a, b: recorded.append((a, b))
+    )
     nan, ok = torch.tensor(float("nan")), torch.tensor(1.5)
     guard.check(ok, 1)
     guard.check(nan, 2)
     guard.check(ok, 3)  # a finite step ends the run of them
     guard.check(torch.tensor(float("inf")), 4)
-    with pytest.raises(NonFiniteError) as e:
+    with pytest.raises(NonFiniteError) as e:  # the group fails: Ray Train restarts it from the newest checkpoint
         guard.check(nan, 5)
     assert "steps 4-5: the loss or gradient norm was nan for 2 steps in a row (run.max_nonfinite_steps=2)" in str(
         e.value
     )
-    assert "nothing non-finite was saved" in str(e.value) and "lower optim.lr" in str(e.value)
-    assert guard.total == 3
+    assert "nothing non-finite was saved" in str(e.value) and "skips the global batches of steps 4-5" in str(e.value)
+    assert not isinstance(e.value, RunStopped)  # a restart, not the end of the run
+    assert recorded == [(4, 5)] and guard.total == 3  # recorded before the group fails
+
+    # The restarted group: the recorded steps' batches are skipped; diverging again stops the run.
+    again = NonFiniteGuard(job(tmp_path, "run.max_nonfinite_steps=2"), rollbacks=recorded)
+    assert [s for s in range(1, 8) if again.skips(s)] == [4, 5]
+    again.check(nan, 8)
+    with pytest.raises(RunStopped) as stop:
+        again.check(nan, 9)
+    assert "steps 8-9" in str(stop.value) and "again after the rollback that skipped steps 4-5" in str(stop.value)
+    assert "lower optim.lr" in str(stop.value).lower() and "run.on_nonfinite=rollback" in str(stop.value)
+    assert recorded == [(4, 5)]  # once per job
+
     off = NonFiniteGuard(job(tmp_path, "run.max_nonfinite_steps=1"), enabled=False)  # the frozen XLA paths
     off.check(nan, 1)
-    assert off.total == 0
+    assert off.total == 0 and not off.skips(1)
+
+
+def test_on_nonfinite_fail_stops_the_run_at_the_limit(tmp_path: Path) -> None:
+    recorded: list[tuple[int, int]] = []
+    guard = NonFiniteGuard(
+        job(tmp_path, "run.max_nonfinite_steps=1", "run.on_nonfinite=fail"),
+        record_rollback=lambda a, b: recorded.append((a, b)),
+    )
+    with pytest.raises(RunStopped) as stop:
+        guard.check(torch.tensor(float("inf")), 7)
+    assert "steps 7-7" in str(stop.value) and "run.on_nonfinite=fail" in str(stop.value) and not recorded
+
+
+def test_the_board_keeps_the_jobs_rollbacks_and_the_first_stop_reason() -> None:
+    board = ProgressBoard()
+    assert board.snapshot()["stopped"] is None and board.rolled_back_steps() == []
+    board.rolled_back(4, 5)
+    assert board.rolled_back(4, 5) == [[4, 5]]  # every rank records it: once
+    board.stop("first")
+    board.stop("second")
+    assert board.snapshot()["stopped"] == "first"
+
+
+def test_a_skipped_step_draws_its_batches_and_moves_the_schedule_on(tmp_path: Path) -> None:
+    """A rollback's skipped step: the data position and the learning rate move on as if it had trained (and had
+    its update skipped), the weights do not."""
+    j = job(tmp_path, "optim.warmup_steps=4", "data.grad_accum=2")
+    trained, skipped = (build_training(j, CpuBackend(), world_size=1) for _ in range(2))
+    assert trained.grad_accum == 2
+    a, b = _batches(6), _batches(6)
+    train_step(trained, a, CpuBackend())
+    before = {k: v.clone() for k, v in skipped.model.state_dict().items()}
+    skip_step(skipped, b)
+    assert trained.scheduler.get_last_lr() == skipped.scheduler.get_last_lr()
+    assert torch.equal(next(a), next(b))  # both drew 2 micro-batches
+    assert all(torch.equal(before[k], v) for k, v in skipped.model.state_dict().items())
 
 
 def test_a_diverging_run_never_holds_a_nonfinite_weight(tmp_path: Path) -> None:
@@ -72,7 +125,7 @@ def test_a_diverging_run_never_holds_a_nonfinite_weight(tmp_path: Path) -> None:
     t = build_training(j, CpuBackend(), world_size=1)
     guard = NonFiniteGuard(j)
     batches = _batches(60, seed=1)
-    with pytest.raises(NonFiniteError):
+    with pytest.raises(NonFiniteError):  # the rollback (then, after it, RunStopped)
         for step in range(1, 61):
             guard.check(train_step(t, batches, CpuBackend()).grad_norm, step)
     assert guard.total == 3
