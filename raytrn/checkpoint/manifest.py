@@ -11,7 +11,7 @@ Resuming (:mod:`raytrn.checkpoint.finder`) takes the newest committed checkpoint
 sizes on the driver (a listing), sizes and sha256 on the workers before they load (each rank hashes a share of the
 files); a checkpoint that fails is skipped with a warning naming the file, and the one before it is tried.
 Retention (``checkpoint.keep_last``) keeps the newest committed ones, so the newest committed checkpoint is never
-deleted; after a run, Ray Train's pointers to checkpoints retention deleted are tidied (:func:`tidy_pointers`).
+deleted (``checkpoint.keep_best``: nor the one of the lowest validation loss, which its manifest records); after a run, Ray Train's pointers to checkpoints retention deleted are tidied (:func:`tidy_pointers`).
 Paths: :mod:`raytrn.checkpoint.rundir`.
 """
 
@@ -52,6 +52,8 @@ class Commit:
     progress: Progress
     schedule: dict[str, Any] | None = None
     written_at: float = field(default_factory=time.time)
+    #: The validation loss evaluated at this step, if one was (``checkpoint.keep_best`` keeps the lowest).
+    val_loss: float | None = None
 
     def to_json(self) -> str:
         data = {"format": FORMAT, **asdict(self)}
@@ -78,6 +80,7 @@ class Commit:
                 progress=Progress.from_dict(data.get("progress") or {}),
                 schedule=data.get("schedule") if isinstance(data.get("schedule"), dict) else None,
                 written_at=float(data.get("written_at", 0.0)),
+                val_loss=None if data.get("val_loss") is None else float(data["val_loss"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"bad field ({e})") from None
@@ -175,16 +178,19 @@ def has_commits(run: RunDir) -> bool:
     return any(is_committed(run.dcp_step(step)) for step in run.dcp_steps())
 
 
-def prune(run: RunDir, *, keep_last: int | None) -> list[int]:
-    """Retention after a commit: keep the newest ``keep_last`` committed checkpoints (all when None) and anything
-    newer than the newest committed one (a save in flight); delete older committed ones and uncommitted leftovers
-    older than the newest committed one. Only raytrn's ``step_<N>`` directories, strictly inside ``run.dcp``.
-    Returns the steps deleted."""
+def prune(run: RunDir, *, keep_last: int | None, keep_best: bool = False) -> list[int]:
+    """Retention after a commit: keep the newest ``keep_last`` committed checkpoints (all when None), with
+    ``keep_best`` the one of the lowest ``val_loss`` too (:func:`best_step`), and anything newer than the newest
+    committed one (a save in flight); delete older committed ones and uncommitted leftovers older than the newest
+    committed one. Only raytrn's ``step_<N>`` directories, strictly inside ``run.dcp``. Returns the steps deleted."""
     steps = run.dcp_steps()
     committed = [s for s in steps if is_committed(run.dcp_step(s))]
     if not committed:
         return []
     keep = set(committed if keep_last is None else committed[-keep_last:])
+    best = best_step(run, committed) if keep_best and keep_last is not None else None
+    if best is not None:
+        keep.add(best)
     deleted = []
     for step in steps:
         if step in keep or step > committed[-1]:
@@ -192,6 +198,20 @@ def prune(run: RunDir, *, keep_last: int | None) -> list[int]:
         storage.remove_tree(run.dcp_step(step), run.dcp)
         deleted.append(step)
     return deleted
+
+
+def best_step(run: RunDir, committed: list[int]) -> int | None:
+    """Of the ``committed`` steps, the one whose manifest records the lowest ``val_loss`` (the earliest of equal
+    ones); None when none records one. A manifest that cannot be read is passed over (retention never fails)."""
+    best: tuple[float, int] | None = None
+    for step in committed:
+        try:
+            commit = read_commit(run.dcp_step(step))
+        except (OSError, ValueError):
+            continue
+        if commit is not None and commit.val_loss is not None and (best is None or commit.val_loss < best[0]):
+            best = (commit.val_loss, step)
+    return best[1] if best else None
 
 
 def clear_staging(run: RunDir, step: int) -> None:

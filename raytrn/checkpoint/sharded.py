@@ -60,6 +60,8 @@ class DcpCheckpoints(Checkpoints):
         #: and how many of them in a row (``checkpoint.max_consecutive_failures`` stops the job).
         self.failed = 0
         self.consecutive_failures = 0
+        #: The steps retention deleted (rank 0): the run's checkpoint tags mark them.
+        self.deleted: set[int] = set()
 
     def save(
         self, t: TrainState, progress: Progress, schedule: PinnedSchedule, report: dict[str, Any], *, final: bool
@@ -72,9 +74,10 @@ class DcpCheckpoints(Checkpoints):
             except OSError as e:  # the save goes on (and fails everywhere if the storage is down): the manifest
                 log.warning("checkpoint %s: could not clear it before saving: %s", location, e)  # lists its files
         counters, pinned = replace(progress), schedule.to_dict()
+        val_loss = report.get("val_loss")  # evaluated at this step (checkpoint.keep_best keeps the lowest)
         commit = Commit(
             step=progress.step, world_size=self.world_size, layout=self.layout, files={}, progress=counters,
-            schedule=pinned,
+            schedule=pinned, val_loss=None if val_loss is None else float(val_loss),
         )  # fmt: skip
         saved = Saved(
             step=progress.step,
@@ -165,13 +168,15 @@ class DcpCheckpoints(Checkpoints):
             )
 
     def _prune(self) -> None:
-        """Rank 0, after a commit: ``checkpoint.keep_last`` of raytrn's committed checkpoints (see
-        :func:`raytrn.checkpoint.manifest.prune`)."""
+        """Rank 0, after a commit: ``checkpoint.keep_last`` (and ``keep_best``) of raytrn's committed checkpoints
+        (see :func:`raytrn.checkpoint.manifest.prune`)."""
+        spec = self.job.checkpoint
         try:
-            deleted = manifest.prune(self.run, keep_last=self.job.checkpoint.keep_last)
+            deleted = manifest.prune(self.run, keep_last=spec.keep_last, keep_best=spec.keep_best)
         except (OSError, CheckpointError) as e:  # retention never fails training
             log.warning("could not delete old checkpoints under %s: %s", self.run.dcp, e)
             return
+        self.deleted.update(deleted)
         if deleted:
             log.info(
                 "deleted checkpoints of steps %s (checkpoint.keep_last=%s)", deleted, self.job.checkpoint.keep_last

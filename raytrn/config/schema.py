@@ -347,6 +347,11 @@ class CheckpointConfig(_Section):
     storage: str = Field("checkpoints", min_length=1, description="local directory or s3://bucket/prefix")
     every_n_steps: int = Field(100, gt=0, le=10**12, description="save every N optimizer steps (and at the last step)")
     keep_last: int | None = Field(3, gt=0, le=10**6, description="checkpoints kept; null keeps all")
+    keep_best: bool = Field(
+        False,
+        description="also keep the committed checkpoint with the lowest val_loss (evaluated at its step: evaluate at "
+        "checkpoint steps) when keep_last would delete it",
+    )
     max_consecutive_failures: int = Field(
         3,
         gt=0,

@@ -143,16 +143,21 @@ class TrackingActor(ProgressBoard):
         else:
             self.log_metrics({"restart_to_first_step_s": since_group_start_s}, step, training=False)
 
-    def checkpoint_saved(self, step: int, location: str, keep_last: int | None) -> None:
+    def checkpoint_saved(
+        self, step: int, location: str, keep_last: int | None, deleted: set[int] | None = None
+    ) -> None:
         """Tag the new checkpoint (``checkpoint.latest``, ``checkpoint.step_<N>``) and mark the tags of those that
-        ``checkpoint.keep_last`` made Ray Train delete (it keeps the newest ``keep_last`` reported)."""
+        ``checkpoint.keep_last`` made Ray Train delete (it keeps the newest ``keep_last`` reported), or, with
+        ``checkpoint.keep_best``, the ``deleted`` steps raytrn's retention reports."""
         self.checkpoints[step] = location
         tags = {"checkpoint.latest": location, "checkpoint.latest_step": str(step), checkpoint_tag(step): location}
-        if keep_last is not None:
-            for old in sorted(self.checkpoints)[:-keep_last]:
-                tags[checkpoint_tag(old)] = (
-                    f"{DELETED} by checkpoint.keep_last={keep_last}: {self.checkpoints.pop(old)}"
-                )
+        gone = sorted(self.checkpoints)[:-keep_last] if keep_last is not None else []
+        gone += sorted(s for s in (deleted or ()) if s in self.checkpoints and s not in gone)
+        for old in gone:
+            reason = (
+                f"checkpoint.keep_last={keep_last}" if keep_last is not None else "checkpoint.keep_last (keep_best)"
+            )
+            tags[checkpoint_tag(old)] = f"{DELETED} by {reason}: {self.checkpoints.pop(old)}"
         self.logger.set_tags(tags)
 
     def run_id(self) -> str | None:
@@ -264,8 +269,10 @@ class RemoteLogger:
     def set_tags(self, tags: dict[str, str]) -> None:
         self.actor.set_tags.remote(tags)
 
-    def checkpoint_saved(self, step: int, location: str, keep_last: int | None) -> None:
-        self.actor.checkpoint_saved.remote(step, location, keep_last)
+    def checkpoint_saved(
+        self, step: int, location: str, keep_last: int | None, *, deleted: set[int] | None = None
+    ) -> None:
+        self.actor.checkpoint_saved.remote(step, location, keep_last, deleted)
 
     def last_value(self, key: str) -> Any:
         """A future (Ray ObjectRef) of the run's last value of a running total: asked now, read when needed, so

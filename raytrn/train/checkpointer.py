@@ -95,7 +95,7 @@ class Checkpointer:
             self._load_init_from(t)
         if self.logger is not None and start.resume is not None:  # its tag may never have been sent (a group
             step = start.resume.commit.step  # killed right after its save)
-            self.logger.checkpoint_saved(step, RunDir.of(job).pointer(step), job.checkpoint.keep_last)
+            self.logger.checkpoint_saved(step, RunDir.of(job).pointer(step), _retention(job))
         if loaded is None:
             return False
         progress = start.progress
@@ -140,7 +140,14 @@ class Checkpointer:
         return last or step % self.job.checkpoint.every_n_steps == 0
 
     def after_step(
-        self, t: Training, progress: Progress, metrics: dict[str, Any], *, last: bool, notice: Any = None
+        self,
+        t: Training,
+        progress: Progress,
+        metrics: dict[str, Any],
+        *,
+        last: bool,
+        notice: Any = None,
+        scores: dict[str, float] | None = None,
     ) -> None:
         """Save when due, or at once on a preemption ``notice`` (every rank got the same one: it was agreed by a
         collective); after a notice the group trains no further."""
@@ -150,14 +157,16 @@ class Checkpointer:
         cost = self.cost_usd()
         if cost is not None:
             progress.cost_usd = cost
-        report = {**metrics, "step": progress.step, "tokens_seen": progress.tokens_seen}
+        report = {**metrics, **(scores or {}), "step": progress.step, "tokens_seen": progress.tokens_seen}
+        # keep_best: the run's checkpoint tags mark what retention deleted (Ray Train keeps every pointer then)
+        deleted = getattr(t.checkpoints, "deleted", None) if self.job.checkpoint.keep_best else None
         # Synchronous at the end and on a notice: the checkpoint must exist before the group goes.
         for saved in t.checkpoints.save(t, progress, self.schedule, report, final=last or preempted):
-            self._report(saved)  # every worker (Ray Train counts the reports)
+            self._report(saved, deleted)  # every worker (Ray Train counts the reports)
         if preempted:
             self._stop(notice, progress.step)
 
-    def _report(self, saved: Saved) -> None:
+    def _report(self, saved: Saved, deleted: set[int] | None) -> None:
         """Record a complete checkpoint with Ray Train: rank 0 passes the directory ``saved`` fills (the counters,
         and where the state is); every worker calls report."""
         if self.rank != 0 or saved.write is None:
@@ -169,7 +178,7 @@ class Checkpointer:
             ray.train.report(saved.report, checkpoint=ray.train.Checkpoint.from_directory(d), checkpoint_dir_name=name)
         if self.logger is not None:  # the run's checkpoint tags (those keep_last deleted are marked so by the actor)
             self.logger.checkpoint_saved(
-                saved.step, RunDir.of(self.job).pointer(saved.step), self.job.checkpoint.keep_last
+                saved.step, RunDir.of(self.job).pointer(saved.step), _retention(self.job), deleted=deleted
             )
 
     def _stop(self, notice: Any, step: int) -> None:
@@ -195,3 +204,9 @@ def _resume_progress(checkpoint: Any) -> Progress:
     except (OSError, ValueError) as e:  # the full state still restores the counters
         log.warning("checkpoint %s: no readable %s (%s)", checkpoint.path, META_FILE, e)
         return Progress()
+
+
+def _retention(job: JobSpec) -> int | None:
+    """What the run's checkpoint tags are marked deleted by: ``keep_last`` (Ray Train's retention of its pointers
+    follows it), or, with ``keep_best``, only the steps raytrn's retention reports deleting (None here)."""
+    return None if job.checkpoint.keep_best else job.checkpoint.keep_last

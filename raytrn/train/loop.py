@@ -91,7 +91,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     t, backend, last=last, checkpoint=RunDir.of(job).pointer(progress.step) if saving else None
                 )
                 metrics.report(logged, scores)  # a sweep's trial: to Ray Tune (every rank)
-                checkpointer.after_step(t, progress, logged, last=last, notice=notice)
+                checkpointer.after_step(t, progress, logged, last=last, notice=notice, scores=scores)
     except RunStopped as e:  # every rank, at the same step: no restart can fix it (raytrn.errors.RunStopped)
         stopped = e
     finally:

@@ -290,7 +290,10 @@ def _trainer(
             name=job.run_name,
             **_run_storage(job),
             failure_config=FailureConfig(max_failures=job.scaling.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=job.checkpoint.keep_last),
+            # keep_best: Ray keeps every pointer (small meta.json files; tidied after the run by tidy_pointers)
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=None if job.checkpoint.keep_best else job.checkpoint.keep_last
+            ),
             worker_runtime_env=_worker_runtime_env(job, backend),
             callbacks=_tune_callbacks() if report_metrics else None,
         ),

@@ -225,11 +225,18 @@ def test_fine_tune_with_validation_then_lora(ray_session, model_dir, jsonl, tmp_
     data = tmp_path / "chat"
     prepare_dataset(inputs=[str(jsonl / "chat.jsonl")], output=str(data), seq_len=SEQ, tokenizer=str(model_dir),
                     format="chat", validation_fraction=0.15, progress=False)  # fmt: skip
-    full = _job(model_dir, data, tmp_path, "full", "run.eval_every=4", "tracking.log_model=false")
+    full = _job(model_dir, data, tmp_path, "full", "run.eval_every=4", "tracking.log_model=false",
+                "checkpoint.keep_best=true")  # fmt: skip
     run = _run(full)
     assert run.info.status == "FINISHED"
     val = _history(full, "val_loss")
     assert [s for s, _ in val] == [4, 8] and val[1][1] < val[0][1] < 10  # it learns the format
+    # Each checkpoint's manifest records the val_loss evaluated at its step (checkpoint.keep_best ranks by it).
+    from raytrn.checkpoint.manifest import read_commit
+    from raytrn.checkpoint.rundir import RunDir
+
+    recorded = {s: read_commit(RunDir.of(full).dcp_step(s)).val_loss for s in RunDir.of(full).dcp_steps()}
+    assert recorded == pytest.approx(dict(val)), (recorded, val)
     assert [s for s, _ in _history(full, "val_perplexity")] == [4, 8]
     assert run.data.tags["best_val_step"] == "8" and run.data.tags["best_checkpoint"].endswith("checkpoint_00000008")
     losses = _history(full, "loss")

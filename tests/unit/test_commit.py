@@ -15,7 +15,7 @@ import pytest
 
 from raytrn.checkpoint import dcp
 from raytrn.checkpoint.finder import latest_checkpoint, resume_point
-from raytrn.checkpoint.manifest import COMMIT_FILE, FORMAT, is_committed
+from raytrn.checkpoint.manifest import COMMIT_FILE, FORMAT, is_committed, read_commit
 from raytrn.checkpoint.progress import Progress
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.errors import CheckpointError, RunStopped
@@ -27,9 +27,10 @@ pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
 
 
-def save(t: Any, j: Any, step: int, *, final: bool = False) -> list[Any]:
+def save(t: Any, j: Any, step: int, *, final: bool = False, val_loss: float | None = None) -> list[Any]:
     progress = Progress(step=step, tokens_seen=100 * step, epoch=step // 10, epoch_samples=step % 10)
-    return list(t.checkpoints.save(t, progress, Schedule.from_job(j), {"step": step}, final=final))
+    report = {"step": step, **({"val_loss": val_loss} if val_loss is not None else {})}
+    return list(t.checkpoints.save(t, progress, Schedule.from_job(j), report, final=final))
 
 
 def root(j: Any) -> Path:
@@ -68,6 +69,26 @@ def test_keep_last_keeps_the_newest_committed_and_leaves_others_alone(tmp_path: 
     assert sorted(p.name for p in root(j).iterdir()) == ["notes", "step_00000003", "step_00000004", "step_00000009"]
     save(t, j, 10)  # newer than the leftover: it goes
     assert RunDir.of(j).dcp_steps() == [4, 10]
+
+
+def test_keep_best_keeps_the_lowest_val_loss_checkpoint_beside_the_newest(tmp_path: Path) -> None:
+    """checkpoint.keep_best: the committed checkpoint of the lowest val_loss (its manifest records it) survives
+    keep_last; a better one later replaces it; without keep_best it goes like any other."""
+    j = job(tmp_path, "checkpoint.keep_last=2", "checkpoint.keep_best=true")
+    t = trained(j)
+    for step, loss in ((2, 3.0), (4, 1.5), (6, None), (8, 2.5), (10, 2.0)):
+        save(t, j, step, val_loss=loss)
+    assert RunDir.of(j).dcp_steps() == [4, 8, 10]
+    assert read_commit(RunDir.of(j).dcp_step(4)).val_loss == 1.5
+    assert read_commit(RunDir.of(j).dcp_step(10)).val_loss == 2.0
+    assert t.checkpoints.deleted == {2, 6}  # what the run's checkpoint tags mark deleted
+    save(t, j, 12, val_loss=1.0)  # a new best: the old one is just an old checkpoint now
+    assert RunDir.of(j).dcp_steps() == [10, 12]
+    plain = job(tmp_path / "plain", "checkpoint.keep_last=2")
+    t = trained(plain)
+    for step, loss in ((2, 1.0), (4, 2.0), (6, 3.0)):
+        save(t, plain, step, val_loss=loss)
+    assert RunDir.of(plain).dcp_steps() == [4, 6]
 
 
 def test_an_uncommitted_checkpoint_is_never_resumed(tmp_path: Path) -> None:

@@ -182,6 +182,22 @@ def test_checkpoint_tags_follow_keep_last_across_invocations(tmp_path):
     assert tags["checkpoint.latest_step"] == "20"
 
 
+def test_with_keep_best_the_tags_mark_what_retention_deleted(tmp_path):
+    """checkpoint.keep_best: Ray keeps every pointer, so the tags follow raytrn's retention (the steps it reports
+    deleting), not keep_last: the best checkpoint's tag stays."""
+    from raytrn.tracking.actor import TrackingActor
+
+    uri, run_id = _run(tmp_path)
+    actor = TrackingActor(uri, run_id)
+    for step in (5, 10, 15, 20):
+        actor.checkpoint_saved(step, f"/ckpt/checkpoint_{step:08d}", None, {15} if step == 20 else set())
+    assert actor.close(30) == 0
+    tags = MlflowClient(uri).get_run(run_id).data.tags
+    assert tags["checkpoint.step_00000015"] == "deleted by checkpoint.keep_last (keep_best): /ckpt/checkpoint_00000015"
+    assert tags["checkpoint.step_00000005"] == "/ckpt/checkpoint_00000005"  # the best, kept
+    assert tags["checkpoint.latest_step"] == "20"
+
+
 def test_tracking_actor_remembers_the_running_cost(tmp_path):
     from raytrn.tracking.actor import TrackingActor
 
