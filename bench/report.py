@@ -201,6 +201,17 @@ def render(report: dict[str, Any]) -> str:
             f"MiB ({_pct(lo['optimizer_ratio'], 2)}); {_num(ad['tokens_per_s'])} vs {_num(full['tokens_per_s'])} "
             f"tokens/s ({_num(lo['speed_ratio'], '.2f')}x) | |"
         )
+    gu = res.get("guard", {})
+    row = _status_row("finiteness check", gu)
+    if row:
+        lines.append(row)
+    elif gu:
+        lines.append(
+            f"| finiteness check of each step (host read of the grad norm + the guard's count), one CPU process, "
+            f"tiny model | {gu['check_s'] * 1e6:.1f} µs per step = {_pct(gu['check_share'], 3)} of the step "
+            f"({gu['step_s_checked'] * 1e3:.0f} ms); step time checked / unchecked "
+            f"{_num(gu['checked_over_unchecked'], '.3f')} (noise) | {_goal(gu['check_share'] < 0.005, '< 0.5%')} |"
+        )
     rec = res.get("recovery", {})
     row = _status_row("recovery", rec)
     if row:
