@@ -28,6 +28,7 @@ from raytrn.tracking.system import SystemSampler
 from raytrn.train.guard import NonFiniteGuard
 from raytrn.train.plan import WorkerPlan
 from raytrn.train.step import StepResult, Training, read_metrics
+from raytrn.train.stragglers import Stragglers
 
 
 def tracking_logger(plan: WorkerPlan) -> RemoteLogger | None:
@@ -79,11 +80,14 @@ class MetricsReporter:
             self.efficiency = Efficiency(
                 job, world_size, spent_usd=progress.cost_usd, logged_usd=logged, started_at=self.group_started_at
             )
+        # Each rank's own time per step (data wait + forward), gathered at log steps: who is slow
+        self.stragglers = Stragglers(world_size, rank)
         self._first_step = True
         self._reset_window()
 
     def _reset_window(self) -> None:
         self._window_start, self._tokens, self._steps, self._data_wait = time.perf_counter(), 0, 0, 0.0
+        self._own, self._window_first = 0.0, self.progress.step + 1
 
     def should_log(self, step: int, *, last: bool) -> bool:
         return last or step % self.job.run.log_every == 0
@@ -102,6 +106,7 @@ class MetricsReporter:
         self._tokens += trained
         self._steps += 1
         self._data_wait += result.data_wait_s
+        self._own += result.data_wait_s + result.forward_s
         step = progress.step
         if not self.should_log(step, last=last):
             return {}
@@ -121,6 +126,8 @@ class MetricsReporter:
             # steps whose loss or grad norm was NaN/inf, their updates skipped, this worker group
             "nonfinite_steps": float(self.guard.total if self.guard is not None else 0),
             "skipped_batches": float(self.guard.skipped_batches if self.guard is not None else 0),
+            # the slowest and fastest rank's own time per step (data wait + forward), and the slowest's rank
+            **self.stragglers.metrics(self._own / self._steps, (self._window_first, step)),
         }
         if self.efficiency is not None:
             metrics.update(self.efficiency.metrics(metrics["tokens_per_s"], progress.tokens_seen))

@@ -56,6 +56,8 @@ class StepResult:
     loss: torch.Tensor  # mean loss over the step's micro-batches (lazy on XLA)
     grad_norm: torch.Tensor  # before clipping (lazy on XLA)
     data_wait_s: float  # time spent waiting for batches
+    #: Time in the forward passes (and loss): this rank's own work, no collective under DDP (raytrn.train.stragglers).
+    forward_s: float = 0.0
     #: Tokens the loss was taken on over the whole global batch (masked data); None: every token (text).
     trained_tokens: int | None = None
 
@@ -110,6 +112,7 @@ def train_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch], backen
     pending: list[Any] = [first]
     loss_sum = torch.zeros((), device=backend.device())
     data_wait = time.perf_counter() - t0
+    forward_s = 0.0
     for micro in range(t.grad_accum):
         t0 = time.perf_counter()
         batch = pending.pop() if pending else next(batches)  # already on the device (backend.wrap_batches)
@@ -118,9 +121,11 @@ def train_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch], backen
         last = micro == t.grad_accum - 1
         with nullcontext() if last else t.no_sync():
             # Mixed precision: forward in bf16, weights fp32; backward outside autocast (it follows the forward).
+            t0 = time.perf_counter()
             logits, targets, _ = forward(t, batch)
             with torch.autocast(logits.device.type, dtype=t.autocast_dtype) if t.autocast_dtype else nullcontext():
                 loss = t.loss_fn(logits, targets)
+            forward_s += time.perf_counter() - t0
             (loss / t.grad_accum).backward()
         loss_sum = loss_sum + loss.detach()
     loss_mean = loss_sum / t.grad_accum  # before the sync: part of the step's graph, read later for free
@@ -128,7 +133,7 @@ def train_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch], backen
     t.scheduler.step()
     t.optimizer.zero_grad(set_to_none=True)
     backend.sync()  # XLA: the step's graph ends here (compiled once, then cached)
-    return StepResult(loss=loss_mean, grad_norm=grad_norm, data_wait_s=data_wait)
+    return StepResult(loss=loss_mean, grad_norm=grad_norm, data_wait_s=data_wait, forward_s=forward_s)
 
 
 def skip_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch]) -> None:
@@ -150,12 +155,15 @@ def _masked_step(t: Training, micro: list[TokenBatch], backend: Backend, *, data
     # DDP/FSDP average gradients over the DP ranks: scale each rank's sum by DP / total to get sum(all) / total.
     scale = t.data_parallel_size / total
     loss_sum = torch.zeros((), device=device)
+    forward_s = 0.0
     for k, batch in enumerate(micro):
         last = k == len(micro) - 1
         with nullcontext() if last else t.no_sync():
+            t0 = time.perf_counter()
             logits, targets, mask = forward(t, batch)
             assert mask is not None
             loss = masked_loss_sum(logits, targets, mask) * scale
+            forward_s += time.perf_counter() - t0
             loss.backward()
         loss_sum = loss_sum + loss.detach()
     grad_norm = t.clip_and_step()
@@ -168,6 +176,7 @@ def _masked_step(t: Training, micro: list[TokenBatch], backend: Backend, *, data
         loss=loss_sum,
         grad_norm=grad_norm,
         data_wait_s=data_wait,
+        forward_s=forward_s,
         trained_tokens=int(total.item()),  # a host read: the step's count, already all-reduced
     )
 

@@ -105,6 +105,13 @@ def test_mlflow_run_has_params_and_metrics(two_worker_run):
     assert steps == [5, 10, 15, 20, 25, 30]
     for key in ("lr", "grad_norm", "tokens_per_s", "step_time_s", "data_wait_s"):
         assert len(_metric_history(job, summary.mlflow_run_id, key)) == 6, key
+    # Stragglers: the slowest and fastest worker's own time per step (data wait + forward), and which rank.
+    slowest = _metric_history(job, summary.mlflow_run_id, "step_time_max_s")
+    fastest = _metric_history(job, summary.mlflow_run_id, "step_time_min_s")
+    ranks = _metric_history(job, summary.mlflow_run_id, "step_time_max_rank")
+    assert [s for s, _ in slowest] == [s for s, _ in fastest] == [s for s, _ in ranks] == steps
+    assert all(0 < lo <= hi for (_, hi), (_, lo) in zip(slowest, fastest, strict=True))
+    assert {r for _, r in ranks} <= {0.0, 1.0}
 
 
 def _dcp_state(location: str, tmp: Path) -> dict:
@@ -284,7 +291,6 @@ def test_a_diverging_run_rolls_back_once_then_stops_failed_with_every_checkpoint
     and skips those steps' batches; diverging again stops the run: FAILED, the steps named, no model exported, no
     further restarts, and every committed checkpoint finite."""
     from mlflow.tracking import MlflowClient
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from raytrn.errors import RunStopped
 
@@ -312,8 +318,7 @@ def test_a_diverging_run_rolls_back_once_then_stops_failed_with_every_checkpoint
     committed = sorted(p for p in dcp_root.glob("step_*") if (p / "commit.json").exists())
     assert committed, "the run committed checkpoints before it diverged"
     for step_dir in committed:
-        dcp_to_torch_save(step_dir, tmp_path / "state.pt")
-        state = torch.load(tmp_path / "state.pt", weights_only=False)
+        state = _dcp_state(str(step_dir), tmp_path)
         tensors = [v for v in _leaves(state) if isinstance(v, torch.Tensor) and v.is_floating_point()]
         assert tensors and all(bool(torch.isfinite(v).all()) for v in tensors), step_dir
 
