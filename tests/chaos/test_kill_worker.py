@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -118,6 +119,54 @@ def test_killed_worker_resumes_and_history_has_each_step_once(ray_session, tiny_
     assert all(
         v.startswith("deleted by checkpoint.keep_last=2") for k, v in tags.items() if k[-8:] in ("00000020", "00000040")
     )
+
+
+def test_a_hung_worker_is_detected_its_stacks_kept_and_the_group_restarted(ray_session, tiny_dataset, tmp_path):
+    """Issue 28 item 3: one of 2 workers frozen (SIGSTOP: a process that never returns, as a stuck kernel or a lost
+    device would leave it) holds the other in the gradient all-reduce. Within run.hang_timeout_s the other dumps its
+    threads' stacks into <run>/hangs/ and the MLflow run and exits; Ray Train restarts the group from the newest
+    committed checkpoint and the run finishes with every step logged once."""
+    import ray
+    from ray.util.state import list_actors
+
+    name = f"hang-{uuid.uuid4().hex[:8]}"
+    job = load_job(REPO / "jobs" / "tiny.yaml", _overrides(
+        tiny_dataset, tmp_path, name, "run.max_steps=40", "checkpoint.every_n_steps=10", "scaling.min_workers=2",
+        "scaling.max_workers=2", "scaling.max_failures=2", "run.hang_timeout_s=8",
+    ))  # fmt: skip
+    client = MlflowClient(job.tracking.mlflow_uri)
+    thread, result = train_in_thread(job)
+    frozen = None
+    try:
+        _wait_for_step(client, name, 14)
+        workers = list_actors(
+            address=ray.get_runtime_context().gcs_address,
+            filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
+            timeout=30,
+        )
+        assert len(workers) == 2, workers
+        frozen = max(int(w.pid) for w in workers)
+        os.kill(frozen, signal.SIGSTOP)
+        thread.join(timeout=300)
+    finally:
+        if frozen is not None:  # Ray kills it with the group; if not, it must not stay stopped
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen, signal.SIGCONT)
+        thread.join(timeout=120)
+    assert not thread.is_alive()
+    if "error" in result:
+        raise result["error"]
+    summary = result["summary"]
+    assert summary.final_step == 40
+    assert [m.step for m in client.get_metric_history(summary.mlflow_run_id, "loss")] == list(range(1, 41))
+    assert client.get_metric_history(summary.mlflow_run_id, "restart_to_first_step_s")  # the group restarted
+    dumps = sorted((tmp_path / "ckpt" / name / "hangs").glob("step_*/rank_*.txt"))
+    assert dumps, "no stack dump"
+    text = dumps[0].read_text()
+    assert "most recent call first" in text and "raytrn/train/" in text, text[:2000]  # faulthandler's, the loop's
+    step_dir = dumps[0].parent.name
+    artifacts = [a.path for a in client.list_artifacts(summary.mlflow_run_id, f"hangs/{step_dir}")]
+    assert f"hangs/{step_dir}/{dumps[0].name}" in artifacts, artifacts
 
 
 def test_sigterm_to_a_worker_checkpoints_at_once_and_loses_no_step(ray_session, tiny_dataset, tmp_path):
