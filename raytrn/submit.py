@@ -102,10 +102,13 @@ def job_metadata(job_file: str, run_name: str, working_dir: str | os.PathLike[st
     return meta
 
 
-def entrypoint(job_file: str, overrides: Sequence[str], command: Sequence[str] | None = None) -> str:
-    """The shell command the job runs in the unpacked working dir: ``raytrn train JOB`` (or ``raytrn <command...>``,
-    e.g. a sweep's driver) with the ``--set`` overrides."""
-    args = ["python", "-m", "raytrn.cli", *(command or ["train", job_file, "--no-progress"])]
+def entrypoint(
+    job_file: str, overrides: Sequence[str], command: Sequence[str] | None = None, *, take_over: bool = False
+) -> str:
+    """The shell command the job runs in the unpacked working dir: ``raytrn train JOB`` (``take_over``: with
+    ``--take-over``) or ``raytrn <command...>``, e.g. a sweep's driver, with the ``--set`` overrides."""
+    train = ["train", job_file, "--no-progress", *(["--take-over"] if take_over else [])]
+    args = ["python", "-m", "raytrn.cli", *(command or train)]
     for kv in overrides:
         args += ["--set", kv]
     return shlex.join(args)
@@ -211,13 +214,15 @@ def submit(
     command: Sequence[str] | None = None,
     mapping: dict[str, Any] | None = None,
     name: str | None = None,
+    take_over: bool = False,
 ) -> str:
     """Submit ``raytrn train JOB`` as a Ray job and return its submission id (following its logs if asked).
 
     The job spec is validated here first (with ``overrides``; data checks happen on the cluster). ``env``
     adds to the forwarded MLflow/AWS variables of this process. ``command`` (with the job file's path as the
     working dir has it, see :func:`job_file_in`) replaces ``train JOB``: a sweep's driver, whose job file
-    ``mapping`` is given without its ``sweep:`` section, and ``name`` is the sweep's.
+    ``mapping`` is given without its ``sweep:`` section, and ``name`` is the sweep's. ``take_over``: the job
+    replaces a stale lease on its run (``raytrn train --take-over``).
     """
     base_dir = os.getcwd()
     raw = load_job(str(job_path), list(overrides), base_dir=base_dir, resolve=False, raw=mapping)
@@ -252,7 +257,7 @@ def submit(
         "RAY_JOB_SUBMISSION_ID": submission_id,
     }
     job_id = client.submit_job(
-        entrypoint=entrypoint(job_file, fixed, command),
+        entrypoint=entrypoint(job_file, fixed, command, take_over=take_over),
         submission_id=submission_id,
         runtime_env=runtime_env(wd, job_env),
         metadata=job_metadata(job_file, run_name, wd),
@@ -351,6 +356,12 @@ def register(subparsers: Any) -> None:
         "--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment variable for the job"
     )
     p.add_argument("--no-follow", action="store_true", help="print the job id and return")
+    p.add_argument(
+        "--take-over",
+        action="store_true",
+        help="the job replaces a stale lease on its run (`raytrn train --take-over`: the run's last driver stopped "
+        "renewing it)",
+    )
     p.set_defaults(func=_cmd_submit)
 
     p_jobs = subparsers.add_parser("jobs", help="list, follow or stop submitted jobs")
@@ -420,6 +431,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         env=_parse_env(args.env),
         working_dir=args.working_dir,
         token=_token_arg(args),
+        take_over=args.take_over,
     )
     if args.no_follow:
         return 0

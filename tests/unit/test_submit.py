@@ -85,6 +85,19 @@ def test_entrypoint_quotes_overrides() -> None:
     ]  # fmt: skip
 
 
+def test_submit_take_over_reaches_raytrn_train() -> None:
+    """`raytrn submit --take-over` runs `raytrn train --take-over` on the cluster: the real CLI parses both."""
+    from raytrn.cli import build_parser
+
+    args = build_parser().parse_args(["submit", "jobs/tiny.yaml", "--take-over", "--address", "http://127.0.0.1:8265"])
+    assert args.take_over
+    cmd = shlex.split(sub.entrypoint("jobs/tiny.yaml", ["run.max_steps=5"], take_over=args.take_over))
+    assert cmd[3:7] == ["train", "jobs/tiny.yaml", "--no-progress", "--take-over"]
+    train = build_parser().parse_args(cmd[3:])
+    assert train.take_over and train.job == "jobs/tiny.yaml" and train.overrides == ["run.max_steps=5"]
+    assert "--take-over" not in sub.entrypoint("jobs/tiny.yaml", [])
+
+
 def test_resolve_token_order(tmp_path: Path) -> None:
     (tmp_path / ".ray").mkdir()
     (tmp_path / ".ray" / "auth_token").write_text("home-token\n")
