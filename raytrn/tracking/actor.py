@@ -179,14 +179,17 @@ class TrackingActor(ProgressBoard):
         self.ready()  # MLflow refused the run: raise that
         self.close(timeout_s)
         ids = self.ready()  # (a pending run may have been created while flushing)
-        run = TrackedRun(uri=self.logger.uri, run_id=ids["run_id"], experiment_id=ids["experiment_id"], resumed=False)
+        # the URI itself, not the logger's redacted one (a client of it would send "***" as the password)
+        run = TrackedRun(
+            uri=self.logger.target, run_id=ids["run_id"], experiment_id=ids["experiment_id"], resumed=False
+        )
         ids["run_id"] = end_run(run, status, job=self.job)
         return ids
 
     def register_model(self, name: str) -> str | None:
         """Register the run's logged ``model`` as ``name``; the new version (None when it was not)."""
         run_id = self.logger.run_id
-        return register_model(self.logger.uri, run_id, name) if run_id else None
+        return register_model(self.logger.target, run_id, name) if run_id else None
 
 
 def resolve(future: Any, default: float, timeout_s: float = 60) -> float:

@@ -63,6 +63,7 @@ class AsyncLogger:
     ) -> None:
         self.client = mlflow_client(uri, fail_fast=True)  # this logger retries on its own, with backoff
         self.uri = redact_uri(uri)  # what its warnings show
+        self.target = uri  # for another client of the same server (its credentials included): never shown
         self.run_id = run_id
         self._resolve_run = resolve_run
         self._max_buffered = max_buffered

@@ -274,3 +274,66 @@ def test_long_tag_values_are_cut_to_mlflows_limit(mlflow_server) -> None:
     assert logger.close(30) == 0 and logger.rejected == 0
     value = MlflowClient(mlflow_server.url).get_run(run_id).data.tags["note"]
     assert len(value) <= MAX_TAG_VALUE and value.endswith("[truncated]")
+
+
+def test_a_password_in_the_tracking_uri_is_used_and_shown_nowhere(
+    ray_session, tiny_dataset, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 28 item 8 against a real basic-auth `mlflow server`: a job whose tracking.mlflow_uri carries the
+    password (one with ``@`` and ``:`` in it) logs its run, and the password appears in no output, file of the
+    run's directory, MLflow param or tag, Ray job or actor record, or Ray log."""
+    import ray
+    from mlflow.tracking import MlflowClient
+    from ray.util.state import list_actors, list_jobs
+
+    from raytrn.config import load_job
+    from raytrn.tracking.server import build_server_command
+    from raytrn.train.trainer import run_training
+
+    password = f"p@ss:{uuid.uuid4().hex[:12]}"
+    secrets = {"MLFLOW_AUTH_ADMIN_PASSWORD": password, "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-secret-key"}
+    port = _free_port()
+    cmd = build_server_command(
+        backend_store_uri=f"sqlite:///{tmp_path}/mlflow.db", port=port, auth=True, environ=secrets
+    )
+    server = MlflowServer(cmd, port, cmd.artifacts_destination, tmp_path / "server.log", env=secrets)
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    server.start(timeout_s=60)
+    try:
+        job = load_job(REPO / "jobs" / "tiny.yaml", [
+            f"data.manifest={tiny_dataset}", "data.seq_len=32", "data.micro_batch_size=8", "model.vocab_size=512",
+            "scaling.min_workers=1", "scaling.max_workers=1", f"checkpoint.storage={tmp_path / 'ckpt'}",
+            "checkpoint.every_n_steps=3", "run.max_steps=6", "run.log_every=2", "tracking.log_model=false",
+            f"tracking.mlflow_uri=http://admin:{password}@127.0.0.1:{port}", "tracking.experiment=raytrn-auth",
+            f"tracking.run_name=auth-{uuid.uuid4().hex[:6]}",
+        ])  # fmt: skip
+        summary = run_training(job, live_progress=False)
+        shown = capfd.readouterr()
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "admin")
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+        run = MlflowClient(server.url).get_run(summary.mlflow_run_id)
+    finally:
+        server.stop()
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["loss"] > 0 and summary.final_step == 6  # tracked through the credentials
+
+    places = {
+        "stdout/stderr": shown.out + shown.err,
+        "summary": repr(summary),
+        "params and tags": json.dumps([run.data.params, run.data.tags]),
+        "server log": (tmp_path / "server.log").read_text(errors="replace"),
+    }
+    for path in (tmp_path / "ckpt").rglob("*"):
+        if path.is_file():
+            places[str(path)] = path.read_bytes().decode(errors="replace")
+    gcs = ray.get_runtime_context().gcs_address
+    places["Ray jobs"] = repr(list_jobs(address=gcs, detail=True, timeout=30))
+    places["Ray actors"] = repr(list_actors(address=gcs, detail=True, timeout=30, limit=10000))
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    for path in logs.rglob("*"):
+        if path.is_file() and path.stat().st_size < 50 * 2**20:
+            places[str(path)] = path.read_bytes().decode(errors="replace")
+    leaked = [where for where, text in places.items() if password in text]
+    assert not leaked, leaked
+    assert "raytrn-mlflow.json" in " ".join(places)  # the run's marker was among the files read
