@@ -5,6 +5,7 @@ server, basic auth, and ``raytrn mlflow serve`` end to end (started, healthy, st
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -284,7 +285,7 @@ def test_a_password_in_the_tracking_uri_is_used_and_shown_nowhere(
     run's directory, MLflow param or tag, Ray job or actor record, or Ray log."""
     import ray
     from mlflow.tracking import MlflowClient
-    from ray.util.state import list_actors, list_jobs
+    from ray.util.state import get_log, list_actors, list_jobs, list_logs
 
     from raytrn.config import load_job
     from raytrn.tracking.server import build_server_command
@@ -330,10 +331,14 @@ def test_a_password_in_the_tracking_uri_is_used_and_shown_nowhere(
     gcs = ray.get_runtime_context().gcs_address
     places["Ray jobs"] = repr(list_jobs(address=gcs, detail=True, timeout=30))
     places["Ray actors"] = repr(list_actors(address=gcs, detail=True, timeout=30, limit=10000))
-    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
-    for path in logs.rglob("*"):
-        if path.is_file() and path.stat().st_size < 50 * 2**20:
-            places[str(path)] = path.read_bytes().decode(errors="replace")
+    node = ray.get_runtime_context().get_node_id()  # the session's one node: every Ray log of the job (state API)
+    for names in list_logs(address=gcs, node_id=node, timeout=30).values():
+        for name in names:
+            with contextlib.suppress(Exception):  # a log rotated away meanwhile
+                places[f"Ray log {name}"] = "".join(
+                    get_log(address=gcs, node_id=node, filename=name, timeout=30, errors="replace")
+                )
+    assert any("raylet" in where for where in places), list(places)  # Ray's logs were read
     leaked = [where for where, text in places.items() if password in text]
     assert not leaked, leaked
     assert "raytrn-mlflow.json" in " ".join(places)  # the run's marker was among the files read
