@@ -27,10 +27,23 @@ class _Board:
     def __init__(self) -> None:
         self.points: list[tuple[int, float]] = []
         self.update = self
-        self.group_started = self.first_step_done = _Ignored()
+        self.group_started = self.first_step_done = self.stop = self.rolled_back = _Ignored()
+        self.rolled_back_steps = _Returns([])  # no non-finite rollback in this job (raytrn.train.guard)
 
     def remote(self, step: int, max_steps: int, metrics: dict[str, float]) -> None:
         self.points.append((step, time.perf_counter()))
+
+
+class _Returns:
+    """A board call whose answer the worker waits for (``ray.get``): a Ray object holding ``value``."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def remote(self, *args: object) -> Any:
+        import ray
+
+        return ray.put(self.value)
 
 
 class _Ignored:
