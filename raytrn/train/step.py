@@ -143,7 +143,7 @@ def skip_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch]) -> None
     for _ in range(t.grad_accum):
         next(batches)
     with warnings.catch_warnings():  # no optimizer.step() yet in this process: intended, not torch's ordering slip
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
         t.scheduler.step()
 
 
