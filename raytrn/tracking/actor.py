@@ -153,10 +153,8 @@ class TrackingActor(ProgressBoard):
         tags = {"checkpoint.latest": location, "checkpoint.latest_step": str(step), checkpoint_tag(step): location}
         gone = sorted(self.checkpoints)[:-keep_last] if keep_last is not None else []
         gone += sorted(s for s in (deleted or ()) if s in self.checkpoints and s not in gone)
+        reason = f"checkpoint.keep_last={keep_last}" if keep_last is not None else "checkpoint.keep_last (keep_best)"
         for old in gone:
-            reason = (
-                f"checkpoint.keep_last={keep_last}" if keep_last is not None else "checkpoint.keep_last (keep_best)"
-            )
             tags[checkpoint_tag(old)] = f"{DELETED} by {reason}: {self.checkpoints.pop(old)}"
         self.logger.set_tags(tags)
 

@@ -59,6 +59,14 @@ def train_in_thread(job: JobSpec) -> tuple[threading.Thread, dict[str, Any]]:
     return thread, result
 
 
+def summary_of(thread: threading.Thread, result: dict[str, Any]) -> Any:
+    """The summary of :func:`train_in_thread`'s run, once its thread was joined: the error it raised, if any."""
+    assert not thread.is_alive(), "training did not finish"
+    if "error" in result:
+        raise result["error"]
+    return result["summary"]
+
+
 def wait_until(predicate: Any, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

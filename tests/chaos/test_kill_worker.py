@@ -21,7 +21,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from raytrn.config import load_job
-from tests.chaos._common import REPO, tiny_chaos_overrides, train_in_thread
+from tests.chaos._common import REPO, summary_of, tiny_chaos_overrides, train_in_thread
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -58,6 +58,12 @@ def _kill_train_worker(sig: int = signal.SIGKILL) -> int:
 
 
 def _train_worker_pid() -> int:
+    (pid,) = _train_worker_pids(1)
+    return pid
+
+
+def _train_worker_pids(count: int) -> list[int]:
+    """The pids of the ``count`` live training workers (Ray's state API)."""
     import ray
     from ray.util.state import list_actors
 
@@ -66,8 +72,8 @@ def _train_worker_pid() -> int:
         filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
         timeout=30,
     )
-    assert len(workers) == 1, workers
-    return int(workers[0].pid)
+    assert len(workers) == count, workers
+    return [int(w.pid) for w in workers]
 
 
 def test_killed_worker_resumes_and_history_has_each_step_once(ray_session, tiny_dataset, tmp_path):
@@ -88,10 +94,7 @@ def test_killed_worker_resumes_and_history_has_each_step_once(ray_session, tiny_
         _kill_train_worker()
     finally:
         thread.join(timeout=480)
-    assert not thread.is_alive()
-    if "error" in result:
-        raise result["error"]
-    summary = result["summary"]
+    summary = summary_of(thread, result)
     assert summary.final_step == 80
     run = client.get_run(summary.mlflow_run_id)
     assert run.info.status == "FINISHED"
@@ -126,9 +129,6 @@ def test_a_hung_worker_is_detected_its_stacks_kept_and_the_group_restarted(ray_s
     device would leave it) holds the other in the gradient all-reduce. Within run.hang_timeout_s the other dumps its
     threads' stacks into <run>/hangs/ and the MLflow run and exits; Ray Train restarts the group from the newest
     committed checkpoint and the run finishes with every step logged once."""
-    import ray
-    from ray.util.state import list_actors
-
     name = f"hang-{uuid.uuid4().hex[:8]}"
     job = load_job(REPO / "jobs" / "tiny.yaml", _overrides(
         tiny_dataset, tmp_path, name, "run.max_steps=40", "checkpoint.every_n_steps=10", "scaling.min_workers=2",
@@ -139,13 +139,7 @@ def test_a_hung_worker_is_detected_its_stacks_kept_and_the_group_restarted(ray_s
     frozen = None
     try:
         _wait_for_step(client, name, 14)
-        workers = list_actors(
-            address=ray.get_runtime_context().gcs_address,
-            filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
-            timeout=30,
-        )
-        assert len(workers) == 2, workers
-        frozen = max(int(w.pid) for w in workers)
+        frozen = max(_train_worker_pids(2))
         os.kill(frozen, signal.SIGSTOP)
         thread.join(timeout=300)
     finally:
@@ -153,10 +147,7 @@ def test_a_hung_worker_is_detected_its_stacks_kept_and_the_group_restarted(ray_s
             with contextlib.suppress(ProcessLookupError):
                 os.kill(frozen, signal.SIGCONT)
         thread.join(timeout=120)
-    assert not thread.is_alive()
-    if "error" in result:
-        raise result["error"]
-    summary = result["summary"]
+    summary = summary_of(thread, result)
     assert summary.final_step == 40
     assert [m.step for m in client.get_metric_history(summary.mlflow_run_id, "loss")] == list(range(1, 41))
     assert client.get_metric_history(summary.mlflow_run_id, "restart_to_first_step_s")  # the group restarted
@@ -188,9 +179,7 @@ def test_sigterm_to_a_worker_checkpoints_at_once_and_loses_no_step(ray_session, 
         os.kill(pid, signal.SIGTERM)
     finally:
         thread.join(timeout=480)
-    assert not thread.is_alive()
-    if "error" in result:
-        raise result["error"]
+    summary_of(thread, result)
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(1, steps + 1))

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from tests.chaos._common import tiny_chaos_job, train_in_thread, wait_until
+from tests.chaos._common import summary_of, tiny_chaos_job, train_in_thread, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 OUTAGE_S = 20
@@ -46,10 +46,7 @@ def outage_run(ray_session, tiny_dataset, mlflow_server, tmp_path_factory):
         mlflow_server.start()
     finally:
         thread.join(timeout=600)
-    assert not thread.is_alive(), "training did not finish"
-    if "error" in result:
-        raise result["error"]
-    return job, result["summary"], client, (down, up)
+    return job, summary_of(thread, result), client, (down, up)
 
 
 def test_every_step_arrives_once_in_order(outage_run):
@@ -146,10 +143,7 @@ def test_server_down_at_start_then_up(ray_session, tiny_dataset, mlflow_server, 
     finally:
         mlflow_server.start()
         thread.join(timeout=300)
-    assert not thread.is_alive()
-    if "error" in result:
-        raise result["error"]
-    summary = result["summary"]
+    summary = summary_of(thread, result)
     assert summary.mlflow_run_id, "the driver did not learn the run rank 0 created"
     client = MlflowClient(mlflow_server.url)
     assert [m.step for m in client.get_metric_history(summary.mlflow_run_id, "loss")] == list(range(1, 61))
