@@ -14,6 +14,10 @@ BENCH_ARGS ?=
 VENV_XLA := .venv-xla
 XLA_PINS := torch==2.9.0 torch-xla==2.9.0
 
+# pyproject.toml's requirements of raytrn[dev], one per line (an extra venv's dependencies, installed before raytrn).
+REQUIREMENTS := 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	print(*p["dependencies"], *p["optional-dependencies"]["dev"], sep="\n")'
+
 # The Python 3.12 venv: TorchNeuron (torch-neuronx 2.13/2.14) supports Python 3.12-3.14 only, so the code that
 # runs on trn2 is tested on 3.12 too. torch 2.13 for 3.12 is the registry's CUDA build (~4.7 GB venv, CPU use
 # here); the venv is kept between runs (rebuilt when pyproject.toml changes).
@@ -21,7 +25,7 @@ VENV_PY312 := .venv-py312
 PYTHON312 = $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
 	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$p"; break; }; done)
 
-.PHONY: help venv venv-xla venv-py312 data demo demo-finetune demo-sweep test test-xla test-py312 unit integration lint format clean bench
+.PHONY: help venv venv-xla venv-py312 venv-deps data demo demo-finetune demo-sweep test test-xla test-py312 unit integration lint format clean bench
 
 help:
 	@echo "make demo   - create .venv, install, prepare data/stdlib, train jobs/tiny.yaml on a local Ray"
@@ -44,21 +48,36 @@ $(BIN)/.installed: pyproject.toml
 
 venv-xla: $(VENV_XLA)/bin/.installed
 
-$(VENV_XLA)/bin/.installed: pyproject.toml
+$(VENV_XLA)/bin/.installed: $(VENV_XLA)/bin/.deps
+	$(VENV_XLA)/bin/python -m pip install -q -e ".[dev]" $(XLA_PINS)
+	touch $@
+
+# The extra venvs' dependencies, without raytrn itself: two of these can install at once (`make -j2 venv-deps`,
+# as CI does beside `make lint`); raytrn's editable install (it writes raytrn.egg-info here) comes after, one at a
+# time.
+venv-deps: $(VENV_XLA)/bin/.deps $(VENV_PY312)/bin/.deps
+
+$(VENV_XLA)/bin/.deps: pyproject.toml
 	test -x $(VENV_XLA)/bin/python || $(PYTHON) -m venv $(VENV_XLA)
 	$(VENV_XLA)/bin/python -m pip install -q --upgrade pip
 	$(VENV_XLA)/bin/python -m pip install -q $(XLA_PINS)
-	$(VENV_XLA)/bin/python -m pip install -q -e ".[dev]" $(XLA_PINS)
+	$(VENV_XLA)/bin/python -c $(REQUIREMENTS) > $(VENV_XLA)/requirements.txt
+	$(VENV_XLA)/bin/python -m pip install -q -r $(VENV_XLA)/requirements.txt $(XLA_PINS)
 	touch $@
 
 venv-py312: $(VENV_PY312)/bin/.installed
 
-$(VENV_PY312)/bin/.installed: pyproject.toml
+$(VENV_PY312)/bin/.installed: $(VENV_PY312)/bin/.deps
+	$(VENV_PY312)/bin/python -m pip install -q -e ".[dev]" "$(TORCH_PIN)"
+	touch $@
+
+$(VENV_PY312)/bin/.deps: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "make test-py312 needs Python 3.12 (python3.12 on PATH, or pyenv's 3.12)" >&2; exit 2; }
 	test -x $(VENV_PY312)/bin/python || $(PYTHON312) -m venv $(VENV_PY312)
 	$(VENV_PY312)/bin/python -m pip install -q --upgrade pip
 	$(VENV_PY312)/bin/python -m pip install -q "$(TORCH_PIN)"
-	$(VENV_PY312)/bin/python -m pip install -q -e ".[dev]" "$(TORCH_PIN)"
+	$(VENV_PY312)/bin/python -c $(REQUIREMENTS) > $(VENV_PY312)/requirements.txt
+	$(VENV_PY312)/bin/python -m pip install -q -r $(VENV_PY312)/requirements.txt "$(TORCH_PIN)"
 	touch $@
 
 # The demo corpus: the Python standard library's own top-level modules (on every machine, no download).

@@ -48,6 +48,32 @@ def tiny_dataset(ray_session, tmp_path_factory) -> Path:
     return out
 
 
+_EMPTY_STORE: Path | None = None
+
+
+def mlflow_store(path: Path) -> str:
+    """``sqlite:///path``: a new MLflow store there, copied from one empty store this test process made once.
+
+    MLflow migrates a new sqlite store's schema on first use (~3 s here); a test that needs a store of its own takes
+    a copy instead. A test that asserts nothing was written uses a bare ``sqlite:///`` URI, not this."""
+    import atexit
+    import shutil
+    import tempfile
+
+    global _EMPTY_STORE
+    if _EMPTY_STORE is None:
+        from mlflow.tracking import MlflowClient
+
+        empty = Path(tempfile.mkdtemp(prefix="raytrn-empty-store-")) / "mlflow.db"
+        atexit.register(shutil.rmtree, empty.parent, True)
+        MlflowClient(f"sqlite:///{empty}").search_experiments()  # creates and migrates it
+        _EMPTY_STORE = empty
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        shutil.copyfile(_EMPTY_STORE, path)
+    return f"sqlite:///{path}"
+
+
 _SIMULATOR: Simulator | None = None
 
 

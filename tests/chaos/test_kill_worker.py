@@ -22,13 +22,14 @@ from mlflow.tracking import MlflowClient
 
 from raytrn.config import load_job
 from tests.chaos._common import REPO, summary_of, tiny_chaos_overrides, train_in_thread
+from tests.conftest import mlflow_store
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 
 def _overrides(tiny_dataset: Path, tmp: Path, name: str, *extra: str) -> list[str]:
     return tiny_chaos_overrides(
-        tiny_dataset, tmp / "ckpt", mlflow_uri=f"sqlite:///{tmp / 'mlflow.db'}", experiment="raytrn-chaos", name=name,
+        tiny_dataset, tmp / "ckpt", mlflow_uri=mlflow_store(tmp / 'mlflow.db'), experiment="raytrn-chaos", name=name,
         extra=("checkpoint.every_n_steps=20", "tracking.log_model=false", *extra),
     )  # fmt: skip
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, mlflow_store
 from tests.simulator import SCALE_DOWN_TIMEOUT_S, Simulator
 
 pytestmark = pytest.mark.integration
@@ -44,7 +44,7 @@ def _job_overrides(tiny_dataset: Path, tmp_path: Path, experiment: str) -> list[
         "run.log_every=2",
         "checkpoint.every_n_steps=2",
         f"checkpoint.storage={tmp_path}/checkpoints",
-        f"tracking.mlflow_uri=sqlite:///{tmp_path}/mlflow.db",
+        f"tracking.mlflow_uri={mlflow_store(tmp_path / 'mlflow.db')}",
         f"tracking.experiment={experiment}",
         "tracking.log_model=false",  # the Hugging Face export is tested elsewhere; here it only adds time
     ]

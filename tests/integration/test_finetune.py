@@ -15,7 +15,7 @@ import pytest
 from raytrn.data.manifest import load_manifest
 from raytrn.data.prepare import prepare_dataset
 from raytrn.errors import DataError
-from tests.conftest import FIXTURE_CORPUS
+from tests.conftest import FIXTURE_CORPUS, mlflow_store
 
 pytestmark = pytest.mark.integration
 
@@ -193,7 +193,7 @@ def _job(model_dir: Path, data: Path, tmp: Path, name: str, *extra: str) -> Any:
          f"data.manifest={data}", f"data.seq_len={SEQ}", "data.micro_batch_size=4", "data.grad_accum=null",
          "data.global_batch_size=8", "optim.lr=1e-3", "optim.warmup_steps=2", "scaling.min_workers=1",
          "scaling.max_workers=1", f"checkpoint.storage={tmp / 'ckpt'}", "checkpoint.every_n_steps=4",
-         f"tracking.mlflow_uri=sqlite:///{tmp / 'mlflow.db'}", "tracking.experiment=raytrn-finetune",
+         f"tracking.mlflow_uri={mlflow_store(tmp / 'mlflow.db')}", "tracking.experiment=raytrn-finetune",
          f"tracking.run_name={name}", "tracking.system_metrics=false", "run.max_steps=8", "run.log_every=1",
          "run.eval_batches=2", *extra],
     )  # fmt: skip

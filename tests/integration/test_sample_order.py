@@ -27,6 +27,7 @@ import pytest
 
 from raytrn.config import load_job
 from tests.chaos._common import REPO, read_trace, train_in_thread, wait_until
+from tests.conftest import mlflow_store
 
 pytestmark = pytest.mark.integration
 
@@ -85,7 +86,7 @@ def _job(dataset: Path, tmp: Path, name: str, workers: int, max_steps: int, *ext
             f"checkpoint.storage={tmp / 'ckpt'}",
             "checkpoint.every_n_steps=3",
             "checkpoint.keep_last=null",
-            f"tracking.mlflow_uri=sqlite:///{tmp / 'mlflow.db'}",
+            f"tracking.mlflow_uri={mlflow_store(tmp / 'mlflow.db')}",
             "tracking.experiment=raytrn-order",
             f"tracking.run_name={name}",
             "tracking.log_model=false",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FIXTURE_CORPUS, REPO, run_cli
+from tests.conftest import FIXTURE_CORPUS, REPO, mlflow_store, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +33,11 @@ def val_dataset(ray_session, tmp_path_factory) -> Path:
     return out
 
 
-def _sets(data: Path, tmp: Path) -> list[str]:
+def _sets(data: Path, tmp: Path, *, store: bool = True) -> list[str]:
+    """The tiny job's overrides for a sweep in ``tmp``; ``store``: its MLflow store made up front (a refused sweep's
+    test checks that nothing was written)."""
+    if store:
+        mlflow_store(tmp / "mlflow.db")
     sets = [
         f"data.manifest={data}", "data.seq_len=32", "data.micro_batch_size=8", "model.vocab_size=512",
         "scaling.min_workers=1", "scaling.max_workers=1", f"checkpoint.storage={tmp / 'ckpt'}",
@@ -155,7 +159,7 @@ def test_asha_sweep_survives_its_driver_and_records_every_trial(ray_session, val
 
 
 def test_bad_sweeps_are_refused_before_anything_starts(ray_session, val_dataset, tmp_path) -> None:
-    sets = _sets(val_dataset, tmp_path)
+    sets = _sets(val_dataset, tmp_path, store=False)
     # A grid point that is not a valid job (12 is not a multiple of the micro-batch of 8): no trial starts.
     out = run_cli("sweep", TINY, *sets, "--set", "data.grad_accum=null", "--grid", "data.global_batch_size=16,12",
                   cwd=REPO, env=_env(), timeout=120)  # fmt: skip

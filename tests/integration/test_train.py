@@ -14,6 +14,7 @@ import torch
 from raytrn.backends.host_malloc import TUNED, describe, user_allocator_settings
 from raytrn.config import load_job
 from raytrn.train.trainer import run_training
+from tests.conftest import mlflow_store
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +34,7 @@ def _job(tiny_dataset: Path, tmp: Path, *overrides: str, name: str | None = None
             f"checkpoint.storage={tmp / 'ckpt'}",
             "checkpoint.every_n_steps=10",
             "checkpoint.keep_last=2",
-            f"tracking.mlflow_uri=sqlite:///{tmp / 'mlflow.db'}",
+            f"tracking.mlflow_uri={mlflow_store(tmp / 'mlflow.db')}",
             "tracking.experiment=raytrn-tests",
             f"tracking.run_name={name or 'tiny-' + uuid.uuid4().hex[:8]}",
             "run.log_every=5",
