@@ -10,12 +10,13 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from raytrn.config.hf_config import rope_scaling
 from raytrn.config.presets import PRESETS
+from raytrn.config.section import Section
 from raytrn.errors import ConfigError
 
 Accelerator = Literal["cpu", "cuda", "neuron", "neuron-xla", "xla-cpu"]
@@ -26,32 +27,7 @@ MAX_WORKERS = 100_000
 RUN_NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}\Z")  # \Z: "$" also matches before a final newline
 
 
-def _numeric(annotation: Any) -> bool:
-    """Whether a field's annotation is a number (``int``, ``float``, either or None, or a dict of them)."""
-    if annotation in (int, float):
-        return True
-    args = get_args(annotation)
-    if get_origin(annotation) is dict:
-        return len(args) == 2 and _numeric(args[1])
-    return bool(args) and bool not in args and any(_numeric(a) for a in args)
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _numbers_are_not_booleans(cls, value: Any, info: ValidationInfo) -> Any:
-        """pydantic takes ``true`` for 1 in a number field (``run.max_steps: true``): refused."""
-        if info.field_name is None or not _numeric(cls.model_fields[info.field_name].annotation):
-            return value
-        values = value.values() if isinstance(value, dict) else [value]
-        if any(isinstance(v, bool) for v in values):
-            raise ValueError(f"expected a number, got a boolean ({value!r})")
-        return value
-
-
-class LoraConfig(_Section):
+class LoraConfig(Section):
     """Low-rank adapters (raytrn.models.lora): only they train; the base model stays as init_from gave it."""
 
     rank: int = Field(8, gt=0, le=4096, description="the adapters' rank r")
@@ -64,7 +40,7 @@ class LoraConfig(_Section):
     )
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """A Llama-family decoder (HF ``LlamaConfig``). ``preset`` or ``init_from``'s config.json fills the sizes (the
     required ones too); explicit fields win over a preset and must match init_from."""
 
@@ -157,7 +133,7 @@ class ModelConfig(_Section):
         return self.num_key_value_heads or self.num_attention_heads
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     """Packed token shards from ``raytrn data prepare`` and the batch shape (fixed shapes: no recompiles)."""
 
     manifest: str = Field(..., min_length=1, description="path (or s3:// URI) of manifest.json or its directory")
@@ -226,7 +202,7 @@ class DataConfig(_Section):
         return self.global_batch_size // per_step
 
 
-class OptimConfig(_Section):
+class OptimConfig(Section):
     """AdamW with linear warmup, then cosine decay (or warmup-stable-decay) to ``lr * min_lr_ratio``."""
 
     lr: float = Field(..., gt=0, le=1e3, allow_inf_nan=False, description="peak learning rate")
@@ -272,7 +248,7 @@ class OptimConfig(_Section):
         return self
 
 
-class ScalingConfig(_Section):
+class ScalingConfig(Section):
     """Where workers run: one per CPU slot, GPU or NeuronCore; elastic between min and max."""
 
     accelerator: Accelerator = Field(
@@ -340,7 +316,7 @@ class ScalingConfig(_Section):
         return self.max_size != self.min_workers
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     """Sharded checkpoints (torch.distributed.checkpoint) of the run, under ``storage``; a resume continues from the
     newest committed one."""
 
@@ -372,7 +348,7 @@ class CheckpointConfig(_Section):
     )
 
 
-class TrackingConfig(_Section):
+class TrackingConfig(Section):
     """MLflow: the run's params, metrics, system metrics, cost and final model; the run name."""
 
     enabled: bool = Field(True, description="log to MLflow; false: no MLflow run at all")
@@ -437,7 +413,7 @@ class TrackingConfig(_Section):
         return self
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     """How long the job trains, its seed, and how often it reports and evaluates."""
 
     max_steps: int = Field(
@@ -497,7 +473,7 @@ class RunConfig(_Section):
     )
 
 
-class ParallelConfig(_Section):
+class ParallelConfig(Section):
     """How a model replica is laid out over workers. Defaults: plain data parallelism (DDP)."""
 
     data_parallel: Literal["ddp", "fsdp"] = Field(
@@ -527,7 +503,7 @@ class ParallelConfig(_Section):
         return {True: "full", False: "none"}.get(value, value) if isinstance(value, bool) else value
 
 
-class NeuronConfig(_Section):
+class NeuronConfig(Section):
     """Trainium-only settings; ignored (with a warning) on other accelerators."""
 
     compile_cache: str | None = Field(
@@ -548,7 +524,7 @@ class NeuronConfig(_Section):
     )
 
 
-class JobSpec(_Section):
+class JobSpec(Section):
     """A whole training job."""
 
     model: ModelConfig
