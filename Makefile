@@ -134,13 +134,13 @@ integration: venv
 	$(BIN)/python -m pytest -q -m integration $(PYTEST_ARGS)
 
 lint: venv
-	$(BIN)/ruff check raytrn tests
-	$(BIN)/ruff format --check raytrn tests
-	$(BIN)/mypy raytrn
+	$(BIN)/ruff check raytrn tests bench
+	$(BIN)/ruff format --check raytrn tests bench
+	$(BIN)/mypy raytrn bench
 
 format: venv
-	$(BIN)/ruff format raytrn tests
-	$(BIN)/ruff check --fix raytrn tests
+	$(BIN)/ruff format raytrn tests bench
+	$(BIN)/ruff check --fix raytrn tests bench
 
 clean:
 	rm -rf $(VENV) $(VENV_XLA) $(VENV_PY312) data checkpoints mlruns .pytest_cache .ruff_cache .mypy_cache

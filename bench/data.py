@@ -36,7 +36,7 @@ def _raytrn_pass(job: Any, manifest: Any, epochs: int) -> tuple[float, int]:
     while rows < wanted:
         rows += len(torch.from_numpy(next(batches).tokens.astype(np.int64)))
     seconds = time.perf_counter() - t0
-    batches.close()
+    batches.close()  # type: ignore[attr-defined]  # a generator (raytrn.data.source.slices)
     return seconds, rows
 
 

@@ -80,7 +80,7 @@ class _CallTimer:
             if training:
                 self.durations.append(time.perf_counter() - t0)
 
-        RemoteLogger.log_metrics = timed  # type: ignore[method-assign]  # this worker process only
+        RemoteLogger.log_metrics = timed  # type: ignore[method-assign,assignment]  # this worker process only
 
     def take(self) -> list[float]:
         out, self.durations = self.durations, []

@@ -339,7 +339,7 @@ def run_raytrn(bench: BenchJob, *, workers: int = 1, timeout_s: float = 300) -> 
     return {
         "tokens_per_s": steady_rate(points, bench.warmup, tokens),
         "tokens_per_s_loop_reported": mean(reported),
-        "data_wait_fraction": (mean(wait) or 0.0) / mean(step) if wait and mean(step) else None,
+        "data_wait_fraction": (mean(wait) or 0.0) / step_s if wait and (step_s := mean(step)) else None,
         "first_step_s": first_step[0] if first_step else None,
         "wall_s": time.time() - run.started_at,
         "workers": workers,
