@@ -193,13 +193,32 @@ def test_golden_loss_single_worker(ray_session, tiny_dataset, tmp_path):
     )
 
 
-def test_checkpoints_on_s3_and_resume(ray_session, tiny_dataset, tmp_path, s3_bucket, s3_endpoint):
-    """checkpoint.storage: s3://... against a real S3 endpoint (moto server): save, list, resume."""
+def _upload_dir(local: Path, bucket: str, prefix: str, endpoint: str) -> None:
     import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint)
+    for path in local.iterdir():
+        s3.upload_file(str(path), bucket, f"{prefix}/{path.name}")
+
+
+def test_dataset_and_checkpoints_on_s3_then_resume(ray_session, tiny_dataset, tmp_path, s3_bucket, s3_endpoint):
+    """Everything on a real S3 endpoint (moto server), as on a trn cluster: data.manifest s3://... checked on the
+    driver and streamed by Ray Data from S3; checkpoint.storage s3://...: save, list, resume. (One run for both:
+    each Ray Train run costs ~25 s of start-up here.)"""
+    import boto3
+
+    from raytrn.data.manifest import load_manifest
+    from raytrn.errors import DataError
+
+    _upload_dir(tiny_dataset, s3_bucket, "datasets/tiny", s3_endpoint)
+    uri = f"s3://{s3_bucket}/datasets/tiny"
+    manifest = load_manifest(uri)
+    assert manifest.root == uri and manifest.shard_paths()[0].startswith(uri + "/shard-")
 
     job = _job(
         tiny_dataset,
         tmp_path,
+        f"data.manifest={uri}",
         f"checkpoint.storage=s3://{s3_bucket}/ckpt",
         "checkpoint.every_n_steps=4",
         "run.max_steps=4",
@@ -208,7 +227,7 @@ def test_checkpoints_on_s3_and_resume(ray_session, tiny_dataset, tmp_path, s3_bu
         "scaling.max_workers=1",
     )
     first = run_training(job, live_progress=False)
-    assert first.final_step == 4
+    assert first.final_step == 4 and first.final_loss is not None
     keys = {
         o["Key"] for o in boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(Bucket=s3_bucket)["Contents"]
     }
@@ -222,6 +241,14 @@ def test_checkpoints_on_s3_and_resume(ray_session, tiny_dataset, tmp_path, s3_bu
     second = run_training(more, live_progress=False)
     assert (second.start_step, second.final_step) == (4, 6)
     assert second.mlflow_run_id == first.mlflow_run_id
+
+    boto3.client("s3", endpoint_url=s3_endpoint).delete_object(
+        Bucket=s3_bucket, Key=f"datasets/tiny/{manifest.shards[0].path}"
+    )
+    with pytest.raises(DataError, match=r"shard shard-00000.parquet is missing \(1 of 1 shards missing\)"):
+        load_manifest(uri)
+    with pytest.raises(DataError, match=r"nothing-here: no such directory .*raytrn data prepare"):
+        load_manifest(f"s3://{s3_bucket}/datasets/nothing-here")
 
 
 def test_fsdp_tensor_parallel_run_resumes_as_ddp(ray_session, tiny_dataset, tmp_path):
@@ -248,40 +275,6 @@ def test_fsdp_tensor_parallel_run_resumes_as_ddp(ray_session, tiny_dataset, tmp_
     assert second.final_loss < first.first_loss
     steps = [s for s, _ in _metric_history(job, second.mlflow_run_id, "loss")]
     assert steps == [5, 10, 15]
-
-
-def _upload_dir(local: Path, bucket: str, prefix: str, endpoint: str) -> None:
-    import boto3
-
-    s3 = boto3.client("s3", endpoint_url=endpoint)
-    for path in local.iterdir():
-        s3.upload_file(str(path), bucket, f"{prefix}/{path.name}")
-
-
-def test_dataset_on_s3(ray_session, tiny_dataset, tmp_path, s3_bucket, s3_endpoint):
-    """data.manifest: s3://... — checked on the driver, streamed by Ray Data from the S3 endpoint."""
-    import boto3
-
-    from raytrn.data.manifest import load_manifest
-    from raytrn.errors import DataError
-
-    _upload_dir(tiny_dataset, s3_bucket, "datasets/tiny", s3_endpoint)
-    uri = f"s3://{s3_bucket}/datasets/tiny"
-    manifest = load_manifest(uri)
-    assert manifest.root == uri and manifest.shard_paths()[0].startswith(uri + "/shard-")
-
-    job = _job(tiny_dataset, tmp_path, f"data.manifest={uri}", "run.max_steps=4", "run.log_every=2",
-               "scaling.min_workers=1", "scaling.max_workers=1")  # fmt: skip
-    summary = run_training(job, live_progress=False)
-    assert summary.final_step == 4 and summary.final_loss is not None
-
-    boto3.client("s3", endpoint_url=s3_endpoint).delete_object(
-        Bucket=s3_bucket, Key=f"datasets/tiny/{manifest.shards[0].path}"
-    )
-    with pytest.raises(DataError, match=r"shard shard-00000.parquet is missing \(1 of 1 shards missing\)"):
-        load_manifest(uri)
-    with pytest.raises(DataError, match=r"nothing-here: no such directory .*raytrn data prepare"):
-        load_manifest(f"s3://{s3_bucket}/datasets/nothing-here")
 
 
 def test_a_diverging_run_rolls_back_once_then_stops_failed_with_every_checkpoint_finite(
