@@ -427,9 +427,9 @@ class RunConfig(Section):
         None,
         gt=0,
         le=10**7,
-        description="a worker that completes no step for this long (evaluations and checkpoints excluded) dumps every "
-        "thread's stack into <run>/hangs/ and the MLflow run, and ends: Ray Train restarts the group; null: 10x the "
-        "median step time, at least 300 s (not before the first step)",
+        description="a worker that completes no step for this long (an evaluation or a checkpoint: 10x this) dumps "
+        "every thread's stack into <run>/hangs/ and the MLflow run, and ends: Ray Train restarts the group; null: 10x "
+        "the median step time, at least 300 s (not before the first step)",
     )
     max_nonfinite_steps: int = Field(
         3,

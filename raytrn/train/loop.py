@@ -86,7 +86,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             hangs.step_done(progress.step)
             saving = checkpointer.due(progress.step, last=last)
             notice = watch.notice()  # a collective, every step
-            with hangs.paused():  # evaluation and checkpoints take their own time
+            with hangs.working():  # evaluation and checkpoints: a longer bound (raytrn.train.watchdog)
                 scores = evaluation.maybe_evaluate(
                     t, backend, last=last, checkpoint=RunDir.of(job).pointer(progress.step) if saving else None
                 )

@@ -3,8 +3,8 @@
 A collective that never returns (a peer stuck in a kernel, a lost NeuronCore, a network partition gloo does not
 notice) holds every worker of the group forever, and Ray Train sees nothing wrong. Each worker runs a
 :class:`HangWatch`: when no step completes within ``run.hang_timeout_s`` (default: 10x the median step time, at
-least :data:`MIN_TIMEOUT_S`; not before the first step, whose compiles take long, nor while the loop evaluates or
-checkpoints), it dumps every thread's Python stack (``faulthandler``) into the run's directory,
+least :data:`MIN_TIMEOUT_S`; not before the first step, whose compiles take long; while the loop evaluates or
+checkpoints, :data:`WORK_FACTOR` times that: a collective inside a save can hang as well), it dumps every thread's Python stack (``faulthandler``) into the run's directory,
 ``<run>/hangs/step_<N>/rank_<R>.txt``, and the run's MLflow artifacts (``hangs/``), then ends its process: Ray Train
 sees the worker die and restarts the group from the newest committed checkpoint (``scaling.max_failures``).
 """
@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 #: The least time without a step that counts as a hang (a slow step, a long data wait are not).
 MIN_TIMEOUT_S = 300.0
+#: An evaluation or a checkpoint (they take their own time) is a hang past this many times the step's bound.
+WORK_FACTOR = 10
 #: A hung worker's exit status (Ray Train restarts the group).
 HANG_EXIT = 75
 
@@ -50,7 +52,7 @@ class HangWatch:
     """Watches one worker's steps from a daemon thread; ``on_hang(step, waited_s, stacks)`` runs once, on a hang.
 
     ``timeout_s``: fixed (``run.hang_timeout_s``), else 10x the median of the recent step times, at least
-    :data:`MIN_TIMEOUT_S`."""
+    :data:`MIN_TIMEOUT_S`; within :meth:`working` (an evaluation, a checkpoint), :data:`WORK_FACTOR` times that."""
 
     def __init__(
         self,
@@ -64,7 +66,7 @@ class HangWatch:
         self._durations: deque[float] = deque(maxlen=100)
         self._last: float | None = None  # when the last step (or pause) ended; None before the first step
         self._step = 0
-        self._paused = 0
+        self._working = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(poll_s,), name="raytrn-hang-watch", daemon=True)
@@ -78,15 +80,18 @@ class HangWatch:
             self._last, self._step = now, step
 
     @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Not watched meanwhile (an evaluation, a checkpoint): the clock starts again after."""
+    def working(self) -> Iterator[None]:
+        """An evaluation or a checkpoint: watched with :data:`WORK_FACTOR` times the bound, from its start; the
+        step's clock starts again after it."""
         with self._lock:
-            self._paused += 1
+            self._working += 1
+            if self._last is not None:
+                self._last = time.monotonic()
         try:
             yield
         finally:
             with self._lock:
-                self._paused -= 1
+                self._working -= 1
                 if self._last is not None:
                     self._last = time.monotonic()
 
@@ -107,9 +112,11 @@ class HangWatch:
         while not self._stop.wait(poll_s):
             timeout = self.timeout()
             with self._lock:
-                last, paused, step = self._last, self._paused, self._step
-            if last is None or paused or timeout is None:
+                last, working, step = self._last, self._working, self._step
+            if last is None or timeout is None:
                 continue
+            if working:
+                timeout *= WORK_FACTOR
             waited = time.monotonic() - last
             if waited > timeout:
                 self.on_hang(step, waited, stacks())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrn.train.watchdog import HANG_EXIT, HangWatch
+from raytrn.train.watchdog import HANG_EXIT, WORK_FACTOR, HangWatch
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ def test_a_worker_whose_steps_stop_reports_the_step_the_wait_and_every_threads_s
             time.sleep(0.01)
             watch.step_done(step)
         assert watch.timeout() == pytest.approx(0.3)
-        with watch.paused():  # a long checkpoint is not a hang
+        with watch.working():  # a long checkpoint (within WORK_FACTOR x the bound) is not a hang
             time.sleep(0.6)
         assert not fired.is_set()
         stuck = threading.Thread(target=_stuck_in_a_collective, args=(release,), daemon=True)
@@ -48,6 +48,25 @@ def test_a_worker_whose_steps_stop_reports_the_step_the_wait_and_every_threads_s
     [(step, waited, text)] = hangs
     assert step == 3 and waited > 0.3
     assert "_stuck_in_a_collective" in text and "Thread" in text
+
+
+def test_a_hang_inside_a_checkpoint_is_detected_at_its_longer_bound() -> None:
+    """A peer frozen while the group saves holds the others in the save's collectives: not excluded from the watch,
+    only given WORK_FACTOR x the step's bound (the CI run of stop 35 froze a worker inside the step-20 save: with
+    checkpoints unwatched, the group waited until the test thawed it)."""
+    hangs: list[tuple[int, float]] = []
+    fired = threading.Event()
+    watch = HangWatch(lambda step, waited, _: (hangs.append((step, waited)), fired.set()), timeout_s=0.05, poll_s=0.02)
+    try:
+        watch.step_done(1)
+        started = time.monotonic()
+        with watch.working():  # the save never returns
+            assert fired.wait(10), "a hang inside a checkpoint was never reported"
+        elapsed = time.monotonic() - started
+    finally:
+        watch.close()
+    [(step, waited)] = hangs
+    assert step == 1 and waited > 0.05 * WORK_FACTOR and elapsed > 0.05 * WORK_FACTOR
 
 
 def test_nothing_is_watched_before_the_first_step_and_a_fixed_timeout_wins() -> None:
