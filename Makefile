@@ -35,7 +35,7 @@ help:
 	@echo "make test-xla - build .venv-xla (torch 2.9 + torch-xla 2.9) and run tests/xla on PJRT_DEVICE=CPU"
 	@echo "make test-py312 - build .venv-py312 (Python 3.12, TorchNeuron's Python) and run the unit suite + a Ray training test"
 	@echo "make lint   - ruff + mypy"
-	@echo "make bench  - CPU benchmarks (~12 min): bench/results/<date>-<host>.json + the README table (BENCH_ARGS=--quick)"
+	@echo "make bench  - CPU benchmarks (12-20 min here): bench/results/<date>-<host>.json + the README table (BENCH_ARGS=--quick)"
 
 venv: $(BIN)/.installed
 
