@@ -15,8 +15,8 @@ from typing import Any
 
 from bench.common import emit, mean, run_child
 
-MODEL: dict[str, Any] = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-             vocab_size=4096, max_position_embeddings=512)  # fmt: skip
+MODEL: dict[str, Any] = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                             num_key_value_heads=4, vocab_size=4096, max_position_embeddings=512)  # fmt: skip
 LORA = "{rank: 8, alpha: 16, targets: [q_proj, k_proj, v_proj, o_proj]}"
 
 

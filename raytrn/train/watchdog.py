@@ -4,9 +4,10 @@ A collective that never returns (a peer stuck in a kernel, a lost NeuronCore, a 
 notice) holds every worker of the group forever, and Ray Train sees nothing wrong. Each worker runs a
 :class:`HangWatch`: when no step completes within ``run.hang_timeout_s`` (default: 10x the median step time, at
 least :data:`MIN_TIMEOUT_S`; not before the first step, whose compiles take long; while the loop evaluates or
-checkpoints, :data:`WORK_FACTOR` times that: a collective inside a save can hang as well), it dumps every thread's Python stack (``faulthandler``) into the run's directory,
-``<run>/hangs/step_<N>/rank_<R>.txt``, and the run's MLflow artifacts (``hangs/``), then ends its process: Ray Train
-sees the worker die and restarts the group from the newest committed checkpoint (``scaling.max_failures``).
+checkpoints, :data:`WORK_FACTOR` times that: a collective inside a save can hang as well), it dumps every thread's
+Python stack (``faulthandler``) into the run's directory, ``<run>/hangs/step_<N>/rank_<R>.txt``, and the run's
+MLflow artifacts (``hangs/``), then ends its process: Ray Train sees the worker die and restarts the group from the
+newest committed checkpoint (``scaling.max_failures``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class HangWatch:
     ) -> None:
         self.on_hang, self.fixed, self.min_timeout_s = on_hang, timeout_s, min_timeout_s
         self._durations: deque[float] = deque(maxlen=100)
-        self._last: float | None = None  # when the last step (or pause) ended; None before the first step
+        # When the last step ended, or an evaluation or a checkpoint began or ended; None before the first step.
+        self._last: float | None = None
         self._step = 0
         self._working = 0
         self._lock = threading.Lock()

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 def _overrides(tiny_dataset: Path, tmp: Path, name: str, *extra: str) -> list[str]:
     return tiny_chaos_overrides(
-        tiny_dataset, tmp / "ckpt", mlflow_uri=mlflow_store(tmp / 'mlflow.db'), experiment="raytrn-chaos", name=name,
+        tiny_dataset, tmp / "ckpt", mlflow_uri=mlflow_store(tmp / "mlflow.db"), experiment="raytrn-chaos", name=name,
         extra=("checkpoint.every_n_steps=20", "tracking.log_model=false", *extra),
     )  # fmt: skip
 
