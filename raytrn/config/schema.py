@@ -237,7 +237,8 @@ class OptimConfig(Section):
     )
     fused: bool = Field(
         False,
-        description="fused AdamW kernel (torch.optim.AdamW(fused=True)); cuda only, ignored with a warning elsewhere",
+        description="fused AdamW kernel (torch.optim.AdamW(fused=True)); a non-finite step's update is then skipped "
+        "on the device, with no host sync; cuda only, ignored with a warning elsewhere",
     )
 
     @model_validator(mode="after")

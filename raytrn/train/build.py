@@ -118,15 +118,29 @@ def clip_and_step(
 
     A norm that is not finite (a NaN or inf loss or gradient anywhere: the gradients are reduced, so every rank
     computes the same norm) skips the optimizer update: weights and optimizer state stay as the last finite step
-    left them (:class:`raytrn.train.guard.NonFiniteGuard` counts it). One host read of the norm per step; not on
-    the frozen XLA paths (``backend.skips_nonfinite_steps``)."""
+    left them (:class:`raytrn.train.guard.NonFiniteGuard` counts it). With the fused AdamW kernel (``optim.fused``
+    on cuda) the skip stays on the device: the kernel reads the flag as ``found_inf`` (as under a ``GradScaler``)
+    and the step has no host sync; otherwise the flag is read on the host, once per step. Not on the frozen XLA
+    paths (``backend.skips_nonfinite_steps``)."""
+    on_device = skips_on_device(optimizer)
 
     def step() -> torch.Tensor:
         backend.reduce_gradients(optimizer)
         norm = grad_norm_and_clip(params, max_norm)
-        if backend.skips_nonfinite_steps and not bool(torch.isfinite(norm)):
-            return norm
+        if backend.skips_nonfinite_steps:
+            if on_device:
+                optimizer.found_inf = (~torch.isfinite(norm)).to(torch.float32)  # type: ignore[attr-defined]
+            elif not bool(torch.isfinite(norm)):
+                return norm
         backend.optimizer_step(optimizer)
         return norm
 
     return step
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` skips a step by itself when given ``found_inf`` (torch's fused Adam/AdamW kernels: the
+    flag stays on the device). Any other optimizer refuses the attribute, so the step is skipped on the host."""
+    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and all(
+        g.get("fused") for g in optimizer.param_groups
+    )

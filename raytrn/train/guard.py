@@ -12,6 +12,11 @@ model never hold a NaN. This component counts the skipped steps (``nonfinite_ste
 - ``fail``: the run stops at once.
 
 Stopping is :class:`~raytrn.errors.RunStopped`: the run ends FAILED with a message naming the steps, not retried.
+
+The guard reads the steps' gradient norms where the loop syncs with the device anyway (its log and checkpoint
+steps): one host read for the steps since the last one, none in between. Where the skip itself stays on the device
+(the fused AdamW kernel), a step has no host sync at all; a run of non-finite steps is acted on at the next log or
+checkpoint step, the steps it names being the exact ones.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class NonFiniteGuard:
         self.total = 0  # this worker group's skipped steps: the nonfinite_steps metric
         self.in_a_row = 0
         self.skipped_batches = 0  # this worker group's global batches drawn and not trained (a rollback's)
+        self._unread: list[tuple[int, torch.Tensor]] = []  # (step, grad norm) not read on the host yet
 
     @classmethod
     def on_board(cls, job: JobSpec, board: Any, *, enabled: bool) -> NonFiniteGuard:
@@ -78,12 +84,27 @@ class NonFiniteGuard:
         """Whether step ``step``'s global batch is skipped: a rollback recorded it as one that diverged the run."""
         return any(first <= step <= last for first, last in self.rollbacks)
 
-    def check(self, grad_norm: torch.Tensor, step: int) -> None:
-        """After step ``step``: count it when its gradient norm is not finite; at the limit, NonFiniteError (the
-        group fails for its rollback) or RunStopped (the run ends)."""
+    def check(self, grad_norm: torch.Tensor, step: int, *, settle: bool = True) -> None:
+        """After step ``step``: its gradient norm joins the unread ones; with ``settle`` (a step where the loop syncs
+        anyway), they are read (one host read) and counted in step order: at the limit, NonFiniteError (the group
+        fails for its rollback) or RunStopped (the run ends)."""
         if not self.enabled:
             return
-        norm = float(grad_norm)  # the value clip_and_step read already: no further device sync
+        self._unread.append((step, grad_norm.detach().reshape(())))
+        if settle:
+            self.settle()
+
+    def settle(self) -> None:
+        """Read and count the gradient norms not read yet (one host read), in step order."""
+        if not self._unread:
+            return
+        steps = [s for s, _ in self._unread]
+        norms = torch.stack([n.float() for _, n in self._unread]).tolist()
+        self._unread.clear()
+        for step, norm in zip(steps, norms, strict=True):
+            self._count(norm, step)
+
+    def _count(self, norm: float, step: int) -> None:
         if math.isfinite(norm):
             self.in_a_row = 0
             return

@@ -4,8 +4,10 @@ It reads like the recipe: find where the run stands, start the data feed there, 
 ``run.max_steps``. Each component decides its own cadence: the metrics reporter (:mod:`raytrn.train.metrics`) its
 log steps, the evaluation (:mod:`raytrn.train.evaluate`) its eval steps, the checkpointer
 (:mod:`raytrn.train.checkpointer`) its checkpoint steps and what a preemption notice means. The loop has no backend
-or rank ``if``. The host-device syncs: the metrics' loss read at log steps, the evaluation, and the preemption
-agreement (one tiny all-reduce per step); on XLA backends each one is a potential recompile.
+or rank ``if``. The host-device syncs: the metrics' loss read at log steps (where the non-finite guard reads the
+steps' gradient norms too), the evaluation, the checkpoints, and the preemption agreement (one tiny all-reduce of a
+host flag per step); on XLA backends each one is a potential recompile. Skipping a non-finite step's update reads
+one flag per step unless the optimizer skips it on the device (:func:`raytrn.train.build.clip_and_step`).
 """
 
 from __future__ import annotations
@@ -81,10 +83,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             progress.step += 1
             feed.advance(progress)
             last = progress.step == job.run.max_steps
-            logged = metrics.step_done(result, last=last)
-            guard.check(result.grad_norm, progress.step)  # too many NaN/inf steps in a row: rollback or stop
-            hangs.step_done(progress.step)
             saving = checkpointer.due(progress.step, last=last)
+            # NaN/inf steps, read where the loop syncs anyway; too many in a row: rollback or stop
+            guard.check(result.grad_norm, progress.step, settle=saving or metrics.should_log(progress.step, last=last))
+            logged = metrics.step_done(result, last=last)
+            hangs.step_done(progress.step)
             notice = watch.notice()  # a collective, every step
             with hangs.working():  # evaluation and checkpoints: a longer bound (raytrn.train.watchdog)
                 scores = evaluation.maybe_evaluate(

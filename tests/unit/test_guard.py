@@ -11,7 +11,7 @@ import torch
 from raytrn.backends.cpu import CpuBackend
 from raytrn.errors import RunStopped
 from raytrn.tracking.board import ProgressBoard
-from raytrn.train.build import build_training
+from raytrn.train.build import build_training, skips_on_device
 from raytrn.train.guard import NonFiniteError, NonFiniteGuard
 from raytrn.train.step import skip_step, train_step
 from tests.unit.test_dcp import job
@@ -130,3 +130,75 @@ def test_a_diverging_run_never_holds_a_nonfinite_weight(tmp_path: Path) -> None:
             guard.check(train_step(t, batches, CpuBackend()).grad_norm, step)
     assert guard.total == 3
     assert all(torch.isfinite(v).all() for v in t.model.state_dict().values())
+
+
+class _FusedCpu(CpuBackend):
+    """The CPU backend with torch's fused AdamW (its CPU kernel reads ``found_inf`` as the cuda one does): the
+    non-finite skip stays on the device, as with ``optim.fused`` on cuda."""
+
+    fused_optim = True
+
+
+class _NoHostRead:
+    """Inside: any read of a tensor's value on the host fails the test (what a device sync would be)."""
+
+    READS = ("__bool__", "__float__", "__int__", "item", "tolist")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.monkeypatch = monkeypatch
+
+    def __enter__(self) -> None:
+        def refuse(*_a, **_k):
+            raise AssertionError("a host read of a tensor inside the step")
+
+        for name in self.READS:
+            self.monkeypatch.setattr(torch.Tensor, name, refuse)
+
+    def __exit__(self, *exc) -> None:
+        self.monkeypatch.undo()
+
+
+def test_with_the_fused_kernel_a_nonfinite_step_is_skipped_on_the_device_without_a_host_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28 item 1's 'no extra host sync': the flag goes to the fused AdamW kernel as found_inf; the guard
+    reads the norms only when the loop syncs anyway (settle), and then counts the exact steps."""
+    j = job(tmp_path, "optim.fused=true", "run.max_nonfinite_steps=2")
+    t = build_training(j, _FusedCpu(), world_size=1)
+    assert skips_on_device(t.optimizer) and not skips_on_device(build_training(j, CpuBackend(), world_size=1).optimizer)
+    batches = _batches(8)
+    train_step(t, batches, CpuBackend())
+    before_params, before_steps = _state(t)
+    guard = NonFiniteGuard(j)
+    param = next(p for p in t.model.parameters() if p.requires_grad)
+    hook = param.register_hook(lambda g: g * float("nan"))
+    for step in (2, 3):  # two non-finite steps: no host read in the step nor in the guard's unsettled check
+        with _NoHostRead(monkeypatch):
+            result = train_step(t, batches, CpuBackend())
+            guard.check(result.grad_norm, step, settle=False)
+    hook.remove()
+    after_params, after_steps = _state(t)
+    assert after_steps == before_steps  # the kernel skipped: Adam's step count and moments untouched
+    assert all(torch.equal(before_params[k], after_params[k]) for k in before_params)
+    assert guard.total == 0  # not read yet
+    with pytest.raises(NonFiniteError) as e:  # read at the sync point: the exact steps
+        guard.settle()
+    assert "steps 2-3" in str(e.value) and guard.total == 2
+    result = train_step(t, batches, CpuBackend())  # a finite step updates again
+    assert torch.isfinite(result.grad_norm)
+    assert not all(torch.equal(before_params[k], v) for k, v in t.model.state_dict().items())
+
+
+def test_settled_late_the_guard_counts_each_step_in_order(tmp_path: Path) -> None:
+    """Steps checked unsettled are counted at the next settle as if each had been read at once: a finite step
+    between two non-finite ones still breaks their run."""
+    guard = NonFiniteGuard(job(tmp_path, "run.max_nonfinite_steps=2"))
+    nan, ok = torch.tensor(float("nan")), torch.tensor(1.5)
+    for step, norm in enumerate([nan, ok, nan, ok], start=1):
+        guard.check(norm, step, settle=False)
+    guard.settle()
+    assert guard.total == 2 and guard.in_a_row == 0
+    guard.check(nan, 5, settle=False)
+    with pytest.raises(NonFiniteError) as e:
+        guard.check(nan, 6)  # settle (the default): reads 5 and 6
+    assert "steps 5-6" in str(e.value)
