@@ -4,6 +4,10 @@ transfer with its defaults) of the same files, and the way back (raytrn: ``dcp.l
 optimizer; boto3: ``download_fileobj``); and ``checkpoint.async``: how
 long the step is blocked (staging to host memory) against the whole save. A moto server on 127.0.0.1 stands
 in for S3, started and stopped by PID here. Alternated, MB/s.
+
+Where AWS's ``s3torchconnector`` is installed (not a raytrn dependency: ``pip install s3torchconnector``), its DCP
+writer and reader (``S3StorageWriter``/``S3StorageReader``, on the same endpoint, path-style) are timed on the same
+state beside raytrn's: the measurement behind raytrn's choice of its own S3 storage (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -49,8 +53,35 @@ def _training_state(fields: dict[str, Any]) -> tuple[Any, Any, Any]:
     return model, opt, sched
 
 
+def _s3_connector() -> Any:
+    """``(uri, endpoint, write) -> S3StorageWriter | S3StorageReader`` of AWS's s3torchconnector on ``endpoint``
+    (path-style, as moto needs), or None where it is not installed."""
+    try:
+        from s3torchconnector import S3ClientConfig, S3ReaderConstructor
+        from s3torchconnector._s3client import S3Client
+        from s3torchconnector.dcp import S3FileSystem, S3StorageReader, S3StorageWriter
+    except ImportError:
+        return None
+
+    def make(uri: str, endpoint: str, *, write: bool) -> Any:
+        # Its storage classes take no endpoint: their file system is rebuilt on a client that has one.
+        client = S3Client("us-east-1", endpoint=endpoint, s3client_config=S3ClientConfig(force_path_style=True))
+        if write:
+            writer = S3StorageWriter("us-east-1", uri)
+            writer.fs = S3FileSystem("us-east-1", s3_client=client)
+            writer.path = writer.fs.init_path(uri)
+            return writer
+        reader = S3StorageReader("us-east-1", uri, reader_constructor=S3ReaderConstructor.dcp_optimized())
+        reader.fs = S3FileSystem("us-east-1", s3_client=client, reader_constructor=reader._reader_constructor)
+        reader.path = reader.fs.init_path(uri)
+        return reader
+
+    return make
+
+
 def child_main(args: argparse.Namespace) -> None:
     import boto3
+    import torch.distributed.checkpoint as torch_dcp
 
     from raytrn.checkpoint import dcp
     from raytrn.checkpoint.rundir import RunDir
@@ -60,6 +91,7 @@ def child_main(args: argparse.Namespace) -> None:
     os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
     results: dict[str, Any] = {}
     keys = ("save_s", "boto3_put_s", "restore_s", "boto3_get_s", "async_blocked_s", "async_total_s")
+    connector = _s3_connector()
     with tempfile.TemporaryDirectory(prefix="raytrn-bench-ckpt-") as tmp, moto_server(tmp) as endpoint:
         os.environ["AWS_ENDPOINT_URL"] = endpoint  # raytrn.storage honours it (pyarrow itself does not)
         s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
@@ -103,6 +135,18 @@ def child_main(args: argparse.Namespace) -> None:
                 t8 = time.perf_counter()
                 for k, v in zip(keys, (t1 - t0, t3 - t2, t4 - t3, t5 - t4, t7 - t6, t8 - t6), strict=True):
                     rows[k].append(v)
+                if connector is not None:  # AWS's DCP writer and reader on the same state and endpoint
+                    uri = f"s3://bench/s3torchconnector/{name}/{i}"
+                    state = dcp.training_state(model, opt, sched)
+                    t9 = time.perf_counter()
+                    torch_dcp.save(state, storage_writer=connector(uri, endpoint, write=True))
+                    t10 = time.perf_counter()
+                    state = dcp.training_state(model, opt, sched)
+                    t11 = time.perf_counter()
+                    torch_dcp.load(state, storage_reader=connector(uri, endpoint, write=False))
+                    t12 = time.perf_counter()
+                    rows.setdefault("connector_save_s", []).append(t10 - t9)
+                    rows.setdefault("connector_restore_s", []).append(t12 - t11)
                 shutil.rmtree(local)
             results[name] = {"bytes": size, **rows}
     emit({"models": results})
@@ -137,6 +181,13 @@ def run(*, models: tuple[str, ...], repeats: int) -> dict[str, Any]:
             ),
             "raw_seconds": m,
         }
+        if "connector_save_s" in m:  # s3torchconnector's time over raytrn's, each in the same repeat (> 1: slower)
+            out[name]["s3torchconnector_save_over_raytrn"] = mean(
+                [c / r for c, r in zip(m["connector_save_s"], m["save_s"], strict=True)]
+            )
+            out[name]["s3torchconnector_restore_over_raytrn"] = mean(
+                [c / r for c, r in zip(m["connector_restore_s"], m["restore_s"], strict=True)]
+            )
     return out
 
 

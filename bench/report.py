@@ -172,6 +172,12 @@ def render(report: dict[str, Any]) -> str:
             f"{_num(v.get('boto3_get_mb_per_s'), ',.0f')} ({_num(restore, '.2f')}x); `checkpoint.async` blocks the step "
             f"{_pct(blocked)} of the save | {'; '.join(goal)} |"
         )
+        if "s3torchconnector_save_over_raytrn" in v:
+            lines.append(
+                f"| AWS's s3torchconnector DCP writer/reader, same state and endpoint, {name} model | save takes "
+                f"{_num(v['s3torchconnector_save_over_raytrn'], '.2f')}x raytrn's time, restore "
+                f"{_num(v['s3torchconnector_restore_over_raytrn'], '.2f')}x | informs the choice (performance.md) |"
+            )
     par = res.get("parallel", {})
     row = _status_row("parallel", par)
     if row:

@@ -125,6 +125,9 @@ def test_bench_report_renders_the_elastic_and_data_rows() -> None:
                     "torch": "t", "ray": "r", "mlflow": "m"},
         "date": "d", "load_start": [0.1], "load_end": [0.2], "mode": "full", "wall_s": 60,
         "results": {"elastic": elastic, "training": {"raytrn_data_wait_fraction": 0.004},
+                    "checkpoint": {"small": {"mb": 136.4, "save_over_boto3": 0.74, "async_blocked_fraction": 0.05,
+                                             "s3torchconnector_save_over_raytrn": 0.92,
+                                             "s3torchconnector_restore_over_raytrn": 3.25}},
                     "data": {"raytrn_rows_per_s_mean": 200_000, "raw_rows_per_s_mean": 300_000, "raytrn_over_raw": 0.667,
                              "headroom_vs_training": 30}},
     }  # fmt: skip
@@ -135,3 +138,6 @@ def test_bench_report_renders_the_elastic_and_data_rows() -> None:
     assert "node back -> 3-worker group running (`resize_interval_s` 15) | median 19.0 s" in text
     assert "(0.667x); 30x what (c) consumes | >= 0.5x met |" in text
     assert "| 0.40% of step time | < 2% met |" in text
+    # where AWS's s3torchconnector is installed: its time over raytrn's, save and restore
+    assert "s3torchconnector DCP writer/reader, same state and endpoint, small model | save takes 0.92x" in text
+    assert "restore 3.25x |" in text
