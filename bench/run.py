@@ -36,7 +36,7 @@ ALL = (
 )
 #: Rough minutes each needs here (full mode, a busy 2-core machine): a benchmark starts only if this much
 #: budget is left, and the training rounds stop early enough to leave it to the ones after them.
-ESTIMATE_MIN = {"peak": 0.2, "training": 7.0, "mlflow": 2.5, "recovery": 1.5, "elastic": 6.0, "data": 0.5,
+ESTIMATE_MIN = {"peak": 0.2, "training": 7.0, "mlflow": 2.5, "recovery": 1.5, "elastic": 6.5, "data": 0.5,
                 "checkpoint": 0.5, "parallel": 2.0, "lora": 1.0, "guard": 0.7, "trainium": 0.1}  # fmt: skip
 
 

@@ -30,6 +30,9 @@ from raytrn.tracking.neuron_monitor import PREFIX as SYSTEM_PREFIX
 
 log = logging.getLogger(__name__)
 
+#: Where the newest worker-group restart restored from: ``storage:step_<N>`` (``none:step_0``: no checkpoint yet).
+RESTORE_SOURCE_TAG = "raytrn.restore_source"
+
 
 class TrackingActor(ProgressBoard):
     """Holds the job's :class:`~raytrn.tracking.logger.AsyncLogger` (started with ``num_cpus=0``).
@@ -132,6 +135,16 @@ class TrackingActor(ProgressBoard):
         super().group_started(step, world_size)
         self.world_sizes.append(step, world_size)
         self.logger.set_tags({WORLD_SIZE_TAG: self.world_sizes.tag()})
+
+    def restored(self, source: str | None, step: int, restore_s: float) -> dict[str, Any] | None:
+        """A restart's restore, in MLflow: ``restore_s`` and ``steps_retrained`` at the restored step, and the tag
+        ``raytrn.restore_source`` (``storage:step_20``: the newest restart's)."""
+        record = super().restored(source, step, restore_s)
+        if record is not None:
+            metrics = {"restore_s": restore_s, "steps_retrained": float(record["steps_retrained"])}
+            self.log_metrics(metrics, step, training=False)
+            self.logger.set_tags({RESTORE_SOURCE_TAG: f"{record['source']}:step_{step}"})
+        return record
 
     def first_step_done(self, step: int, since_launch_s: float, since_group_start_s: float) -> None:
         """Log the start-up cost at ``step``: ``time_to_first_step_s`` (from the ``raytrn train`` process start)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -30,6 +30,11 @@ class ProgressBoard:
         self.stopped: str | None = None
         #: The steps a non-finite rollback skips (``[first, last]`` each; :mod:`raytrn.train.guard`), this job's.
         self.rollbacks: list[list[int]] = []
+        #: The highest step a worker group of this job is known to have trained (rank 0 posts it at log steps,
+        #: and between them at most every :data:`raytrn.train.metrics.REACHED_EVERY_S`).
+        self.step_reached = 0
+        #: Each worker-group restart's restore: where from, its step, the load's seconds, the steps trained again.
+        self.restores: list[dict[str, Any]] = []
 
     def group_started(self, step: int, world_size: int) -> None:
         """A worker group (re)started at ``step`` with ``world_size`` workers (rank 0 says so, not waiting)."""
@@ -42,7 +47,28 @@ class ProgressBoard:
         if self.groups <= 1 and self.first_step_s is None:
             self.first_step_s = since_launch_s
 
+    def reached(self, step: int) -> None:
+        """Rank 0 trained ``step`` (between log steps)."""
+        self.step_reached = max(self.step_reached, step)
+
+    def restored(self, source: str | None, step: int, restore_s: float) -> dict[str, Any] | None:
+        """Rank 0 of a new worker group, before its :meth:`group_started`: it restored step ``step`` from ``source``
+        (``storage``: a committed checkpoint; None: nothing, it starts at ``step`` 0) in ``restore_s`` seconds.
+        A restart (an earlier group of this job ran) is recorded, with the steps trained again: the highest step
+        reached minus ``step``; the job's first group is not (returns None)."""
+        if self.groups == 0:
+            return None
+        record = {
+            "source": source or "none",
+            "step": step,
+            "restore_s": restore_s,
+            "steps_retrained": max(0, self.step_reached - step),
+        }
+        self.restores.append(record)
+        return record
+
     def update(self, step: int, max_steps: int, metrics: dict[str, float]) -> None:
+        self.step_reached = max(self.step_reached, step)
         entry = {"step": step, "max_steps": max_steps, "time": time.time(), **metrics}
         if self.first is None:
             self.first = entry
@@ -50,7 +76,13 @@ class ProgressBoard:
         self.recent = [*self.recent[-(self._KEEP - 1) :], entry]
 
     def snapshot(self) -> dict[str, Any]:
-        return {"first": self.first, "last": self.last, "first_step_s": self.first_step_s, "stopped": self.stopped}
+        return {
+            "first": self.first,
+            "last": self.last,
+            "first_step_s": self.first_step_s,
+            "stopped": self.stopped,
+            "restores": self.restores,
+        }
 
     def stop(self, message: str) -> None:
         """Every rank, as the run stops (the first message stays: every rank sends the same one)."""
@@ -146,6 +178,8 @@ class Summary:
     mlflow_run_id: str | None
     mlflow_ui: str | None
     first_step_s: float | None = None
+    #: The worker-group restarts' restores (:meth:`ProgressBoard.restored`), in order.
+    restores: list[dict[str, Any]] = field(default_factory=list)
 
     def render(self) -> str:
         def num(x: float | None, fmt: str) -> str:
@@ -159,6 +193,7 @@ class Summary:
             ("tokens/s", num(self.tokens_per_s, ",.0f")),
             ("start-up", f"first step done {num(self.first_step_s, '.1f')} s after launch"),
             ("loss", f"{num(self.first_loss, '.4f')} (first logged) -> {num(self.final_loss, '.4f')} (final)"),
+            *([("restarts", describe_restores(self.restores))] if self.restores else []),
             ("checkpoint", self.checkpoint or "none"),
             ("mlflow run", self.mlflow_run_id or "tracking disabled"),
         ]
@@ -166,3 +201,13 @@ class Summary:
             rows.append(("mlflow ui", self.mlflow_ui))
         width = max(len(k) for k, _ in rows)
         return "\n".join(["== raytrn: training finished =="] + [f"{k:<{width}}  {v}" for k, v in rows])
+
+
+def describe_restores(restores: list[dict[str, Any]]) -> str:
+    """``2: from storage step 20 (loaded in 0.4 s, 8 steps trained again); from none step 0 (…)``."""
+    parts = [
+        f"from {r['source']} step {r['step']} (loaded in {r['restore_s']:.1f} s, {r['steps_retrained']} steps trained "
+        "again)"
+        for r in restores
+    ]
+    return f"{len(restores)}: " + "; ".join(parts)

@@ -72,6 +72,11 @@ class Checkpointer:
         self.logger = logger
         #: The run's cost so far, stored with each checkpoint (rank 0's; None elsewhere).
         self.cost_usd = cost_usd
+        #: After :meth:`restore`: where this group's state came from (``storage``, or None: a new run), its step,
+        #: and the load's seconds (what the job's board records for a restart).
+        self.restored_from: str | None = None
+        self.restored_step = 0
+        self.restore_s = 0.0
 
     # -- start ---------------------------------------------------------------------------------
     def find(self) -> Start:
@@ -89,7 +94,11 @@ class Checkpointer:
         """Load ``start``'s state into ``t`` (and ``model.init_from``'s weights for a new run; under LoRA for every
         start: checkpoints hold the adapters only). Returns True when the saved state's data position differs from
         what :meth:`find` read (the feed must start again from ``start.progress``)."""
+        started = time.perf_counter()
         loaded = self._load(t, start)
+        self.restore_s = time.perf_counter() - started
+        if loaded is not None:
+            self.restored_from, self.restored_step = "storage", loaded.step
         job = self.job
         if job.model.init_from and (loaded is None or job.model.lora is not None):
             self._load_init_from(t)

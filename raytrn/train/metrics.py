@@ -30,6 +30,10 @@ from raytrn.train.plan import WorkerPlan
 from raytrn.train.step import StepResult, Training, read_metrics
 from raytrn.train.stragglers import Stragglers
 
+#: Between log steps, rank 0 tells the board the step it reached at most this often (a restart's steps trained again
+#: are counted from it; a step posts nothing when the last post is more recent).
+REACHED_EVERY_S = 1.0
+
 
 def tracking_logger(plan: WorkerPlan) -> RemoteLogger | None:
     """This worker's handle on the job's tracking actor (None when tracking is off)."""
@@ -52,7 +56,9 @@ class MetricsReporter:
         world_size: int,
         local_rank: int,
         logger: RemoteLogger | None,
+        restored: tuple[str | None, int, float] | None = None,
     ) -> None:
+        """``restored``: where the group's state came from, its step and the load's seconds (rank 0 posts it)."""
         job = self.job = plan.job
         self.t, self.progress, self.world_size = t, progress, world_size
         self.started_at = plan.started_at
@@ -71,7 +77,10 @@ class MetricsReporter:
         # Tokens per optimizer step over the job: one batch per model replica (data-parallel rank).
         self.tokens_per_step = t.grad_accum * job.data.micro_batch_size * job.data.seq_len * t.data_parallel_size
         if self.board is not None:  # the job's board counts the worker groups (and records world_size_history)
+            if restored is not None:  # first: the board counts a restart's steps trained again
+                self.board.restored.remote(*restored)
             self.board.group_started.remote(progress.step, world_size)
+        self._reached_at = time.monotonic()
         self.efficiency = None
         if self.logger is not None:  # (steps a restarted group repeats are dropped by the tracking actor)
             self.logger.set_tags({"worker.malloc": host_malloc.describe(os.environ)})  # as the workers run
@@ -109,6 +118,9 @@ class MetricsReporter:
         self._own += result.data_wait_s + result.forward_s
         step = progress.step
         if not self.should_log(step, last=last):
+            if self.board is not None and time.monotonic() - self._reached_at >= REACHED_EVERY_S:
+                self.board.reached.remote(step)
+                self._reached_at = time.monotonic()
             return {}
         # Loss all-reduced over workers, then read: a host-device sync, after the step's graph.
         elapsed = time.perf_counter() - self._window_start

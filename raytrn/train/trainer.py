@@ -189,6 +189,7 @@ def _train(
         mlflow_run_id=run_id,
         mlflow_ui=tracked.ui_command() if tracked and run_id else None,
         first_step_s=snap.get("first_step_s"),
+        restores=snap.get("restores") or [],
     )
 
 

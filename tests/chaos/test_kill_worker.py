@@ -111,6 +111,21 @@ def test_killed_worker_resumes_and_history_has_each_step_once(ray_session, tiny_
     assert [m.step for m in starts] == [1]
     [restart] = client.get_metric_history(summary.mlflow_run_id, "restart_to_first_step_s")
     assert restart.step == restart_step and 0 < restart.value < (restart.timestamp / 1000 - run.info.start_time / 1000)
+    # Where the restart restored from (issue 29 item 4), in MLflow and the summary: the checkpoint's step, the load's
+    # seconds, and the steps trained again: those the killed group had trained past it (every step is logged, once,
+    # by the group that trained it first: the killed group's last is the one before the restart's gap in time).
+    restored = restart_step - 1
+    assert run.data.tags["raytrn.restore_source"] == f"storage:step_{restored}"
+    loss = sorted(client.get_metric_history(summary.mlflow_run_id, "loss"), key=lambda m: m.step)
+    killed_last = max((b.timestamp - a.timestamp, a.step) for a, b in zip(loss, loss[1:], strict=False))[1]
+    assert killed_last >= 28
+    [retrained] = client.get_metric_history(summary.mlflow_run_id, "steps_retrained")
+    assert (retrained.step, retrained.value) == (restored, killed_last - restored)
+    [restore_s] = client.get_metric_history(summary.mlflow_run_id, "restore_s")
+    assert restore_s.step == restored and 0 < restore_s.value < 60
+    assert [(r["source"], r["step"], r["steps_retrained"]) for r in summary.restores] == [
+        ("storage", restored, killed_last - restored)
+    ]
     # The cost keeps running through the restart (it never falls back toward 0).
     cost = [m.value for m in sorted(client.get_metric_history(summary.mlflow_run_id, "cost_usd"), key=lambda m: m.step)]
     assert len(cost) == 80 and all(b >= a for a, b in zip(cost, cost[1:], strict=False)), cost

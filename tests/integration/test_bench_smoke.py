@@ -141,3 +141,16 @@ def test_bench_report_renders_the_elastic_and_data_rows() -> None:
     # where AWS's s3torchconnector is installed: its time over raytrn's, save and restore
     assert "s3torchconnector DCP writer/reader, same state and endpoint, small model | save takes 0.92x" in text
     assert "restore 3.25x |" in text
+
+
+def test_the_elastic_bench_fails_on_an_event_it_could_not_measure() -> None:
+    """A notice 5 steps before the end has no restart to time: the benchmark fails naming it, not a row of n/a."""
+    from bench.elastic import EVENTS, unmeasured
+
+    done = [{"kind": "remove", "at_step": 10, "recovery_s": 15.0}, {"kind": "add", "at_step": 15, "scale_up_s": 20.0}]
+    assert unmeasured("remove@10,add@+3", done) == []
+    assert unmeasured("remove@10,add@+3,drain@+6", [*done, {"kind": "drain", "at_step": 165, "recovery_s": None}]) == [
+        "drain@+6 at step 165 (no recovery_s: the run ended first)"
+    ]
+    assert unmeasured("remove@10,add@+3,kill@+6", done) == ["kill@+6 (the run ended before it)"]
+    assert len(EVENTS.split(",")) == 8
