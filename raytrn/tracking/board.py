@@ -204,10 +204,9 @@ class Summary:
 
 
 def describe_restores(restores: list[dict[str, Any]]) -> str:
-    """``2: from storage step 20 (loaded in 0.4 s, 8 steps trained again); from none step 0 (…)``."""
-    parts = [
-        f"from {r['source']} step {r['step']} (loaded in {r['restore_s']:.1f} s, {r['steps_retrained']} steps trained "
-        "again)"
-        for r in restores
-    ]
+    """``2: from storage step 20 (loaded in 0.4 s, 8 steps trained again); from step 0, no checkpoint yet (…)``."""
+    parts = []
+    for r in restores:
+        where = "from step 0, no checkpoint yet" if r["source"] == "none" else f"from {r['source']} step {r['step']}"
+        parts.append(f"{where} (loaded in {r['restore_s']:.1f} s, {r['steps_retrained']} steps trained again)")
     return f"{len(restores)}: " + "; ".join(parts)

@@ -13,10 +13,10 @@ model never hold a NaN. This component counts the skipped steps (``nonfinite_ste
 
 Stopping is :class:`~raytrn.errors.RunStopped`: the run ends FAILED with a message naming the steps, not retried.
 
-The guard reads the steps' gradient norms where the loop syncs with the device anyway (its log and checkpoint
-steps): one host read for the steps since the last one, none in between. Where the skip itself stays on the device
-(the fused AdamW kernel), a step has no host sync at all; a run of non-finite steps is acted on at the next log or
-checkpoint step, the steps it names being the exact ones.
+Where the skip itself stays on the device (the fused AdamW kernel: ``deferred``), a step has no host sync at all:
+the guard reads the steps' gradient norms where the loop syncs with the device anyway (its log and checkpoint
+steps), one read for the steps since the last one, and a run of non-finite steps is acted on there, naming the
+exact steps. Elsewhere the step read its flag already, and the guard counts each step at once.
 """
 
 from __future__ import annotations
@@ -49,10 +49,12 @@ class NonFiniteGuard:
         job: JobSpec,
         *,
         enabled: bool = True,
+        deferred: bool = False,
         rollbacks: Sequence[Sequence[int]] = (),
         record_rollback: Callable[[int, int], Any] | None = None,
     ) -> None:
         self.limit = job.run.max_nonfinite_steps
+        self.deferred = deferred  # the norms are read only when the loop syncs anyway (``check``'s ``settle``)
         self.policy = job.run.on_nonfinite
         self.enabled = enabled
         self.rollbacks = [(int(a), int(b)) for a, b in rollbacks]
@@ -63,11 +65,11 @@ class NonFiniteGuard:
         self._unread: list[tuple[int, torch.Tensor]] = []  # (step, grad norm) not read on the host yet
 
     @classmethod
-    def on_board(cls, job: JobSpec, board: Any, *, enabled: bool) -> NonFiniteGuard:
+    def on_board(cls, job: JobSpec, board: Any, *, enabled: bool, deferred: bool = False) -> NonFiniteGuard:
         """The guard of a worker: the job's earlier rollbacks from its progress board (a Ray actor), new ones
         recorded there."""
         if board is None or not enabled:
-            return cls(job, enabled=enabled)
+            return cls(job, enabled=enabled, deferred=deferred)
         import ray
 
         def record(first: int, last: int) -> None:
@@ -76,6 +78,7 @@ class NonFiniteGuard:
         return cls(
             job,
             enabled=enabled,
+            deferred=deferred,
             rollbacks=ray.get(board.rolled_back_steps.remote(), timeout=60),
             record_rollback=record,
         )
@@ -85,13 +88,13 @@ class NonFiniteGuard:
         return any(first <= step <= last for first, last in self.rollbacks)
 
     def check(self, grad_norm: torch.Tensor, step: int, *, settle: bool = True) -> None:
-        """After step ``step``: its gradient norm joins the unread ones; with ``settle`` (a step where the loop syncs
-        anyway), they are read (one host read) and counted in step order: at the limit, NonFiniteError (the group
+        """After step ``step``: count it (``deferred``: its gradient norm joins the unread ones, read and counted in
+        step order with ``settle``, a step where the loop syncs anyway). At the limit, NonFiniteError (the group
         fails for its rollback) or RunStopped (the run ends)."""
         if not self.enabled:
             return
         self._unread.append((step, grad_norm.detach().reshape(())))
-        if settle:
+        if settle or not self.deferred:
             self.settle()
 
     def settle(self) -> None:

@@ -24,7 +24,7 @@ from raytrn.errors import RunStopped
 from raytrn.runtime import worker_logging
 from raytrn.sigterm import TRAINING
 from raytrn.tracking.export import log_final_model
-from raytrn.train.build import build_training
+from raytrn.train.build import build_training, skips_on_device
 from raytrn.train.checkpointer import Checkpointer
 from raytrn.train.evaluate import Evaluation
 from raytrn.train.guard import NonFiniteGuard
@@ -63,7 +63,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     )  # fmt: skip
     checkpointer.cost_usd = metrics.cost_usd
     # NaN/inf steps: skipped; too many in a row: a rollback (once per job) or the run stops (raytrn.train.guard)
-    guard = metrics.guard = NonFiniteGuard.on_board(job, plan.board, enabled=backend.skips_nonfinite_steps)
+    guard = metrics.guard = NonFiniteGuard.on_board(
+        job, plan.board, enabled=backend.skips_nonfinite_steps, deferred=skips_on_device(t.optimizer)
+    )
     evaluation = Evaluation(job, plan.validation, progress, dp=dp, dp_rank=dp_rank, logger=logger)
     watch = PreemptionWatch(world_size)  # a spot notice ends this group at a checkpoint (raytrn.train.preemption)
     device_batches = backend.wrap_batches(batches)

@@ -169,7 +169,7 @@ def test_with_the_fused_kernel_a_nonfinite_step_is_skipped_on_the_device_without
     batches = _batches(8)
     train_step(t, batches, CpuBackend())
     before_params, before_steps = _state(t)
-    guard = NonFiniteGuard(j)
+    guard = NonFiniteGuard(j, deferred=True)
     param = next(p for p in t.model.parameters() if p.requires_grad)
     hook = param.register_hook(lambda g: g * float("nan"))
     for step in (2, 3):  # two non-finite steps: no host read in the step nor in the guard's unsettled check
@@ -192,7 +192,7 @@ def test_with_the_fused_kernel_a_nonfinite_step_is_skipped_on_the_device_without
 def test_settled_late_the_guard_counts_each_step_in_order(tmp_path: Path) -> None:
     """Steps checked unsettled are counted at the next settle as if each had been read at once: a finite step
     between two non-finite ones still breaks their run."""
-    guard = NonFiniteGuard(job(tmp_path, "run.max_nonfinite_steps=2"))
+    guard = NonFiniteGuard(job(tmp_path, "run.max_nonfinite_steps=2"), deferred=True)
     nan, ok = torch.tensor(float("nan")), torch.tensor(1.5)
     for step, norm in enumerate([nan, ok, nan, ok], start=1):
         guard.check(norm, step, settle=False)
@@ -202,3 +202,7 @@ def test_settled_late_the_guard_counts_each_step_in_order(tmp_path: Path) -> Non
     with pytest.raises(NonFiniteError) as e:
         guard.check(nan, 6)  # settle (the default): reads 5 and 6
     assert "steps 5-6" in str(e.value)
+    # Not deferred (the step read its flag already): each step is counted at once, whatever ``settle`` says.
+    at_once = NonFiniteGuard(job(tmp_path, "run.max_nonfinite_steps=1"))
+    with pytest.raises(NonFiniteError, match="steps 3-3"):
+        at_once.check(nan, 3, settle=False)

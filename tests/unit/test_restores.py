@@ -34,3 +34,12 @@ def test_the_summary_names_each_restart() -> None:
         **base, restores=[{"source": "storage", "step": 20, "restore_s": 0.42, "steps_retrained": 8}]
     ).render()
     assert "restarts    1: from storage step 20 (loaded in 0.4 s, 8 steps trained again)" in text
+    fresh = {"source": "none", "step": 0, "restore_s": 0.0, "steps_retrained": 3}
+    assert (
+        "2: from storage step 20 (loaded in 0.4 s, 8 steps trained again); from step 0, no checkpoint yet ("
+        in (
+            Summary(
+                **base, restores=[{"source": "storage", "step": 20, "restore_s": 0.42, "steps_retrained": 8}, fresh]
+            )
+        ).render()
+    )
