@@ -72,10 +72,9 @@ class Checkpointer:
         self.logger = logger
         #: The run's cost so far, stored with each checkpoint (rank 0's; None elsewhere).
         self.cost_usd = cost_usd
-        #: After :meth:`restore`: where this group's state came from (``storage``, or None: a new run), its step,
-        #: and the load's seconds (what the job's board records for a restart).
+        #: After :meth:`restore`: where this group's state came from (``storage``, or None: a new run; its step is
+        #: the progress's) and the load's seconds (what the job's board records for a restart).
         self.restored_from: str | None = None
-        self.restored_step = 0
         self.restore_s = 0.0
 
     # -- start ---------------------------------------------------------------------------------
@@ -98,7 +97,7 @@ class Checkpointer:
         loaded = self._load(t, start)
         self.restore_s = time.perf_counter() - started
         if loaded is not None:
-            self.restored_from, self.restored_step = "storage", loaded.step
+            self.restored_from = "storage"
         job = self.job
         if job.model.init_from and (loaded is None or job.model.lora is not None):
             self._load_init_from(t)

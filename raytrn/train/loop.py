@@ -56,10 +56,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     t = build_training(job, backend, world_size=world_size, schedule=plan.schedule, rank=rank)
     if checkpointer.restore(t, start):  # the saved state's data position wins over its manifest's
         batches = feed.start(progress, rank)
-    restored = (checkpointer.restored_from, checkpointer.restored_step, checkpointer.restore_s)
     metrics = MetricsReporter(
         plan, t, backend, progress, rank=rank, world_size=world_size, local_rank=ctx.get_local_rank(), logger=tracker,
-        restored=restored,
+        restored_from=checkpointer.restored_from, restore_s=checkpointer.restore_s,
     )  # fmt: skip
     checkpointer.cost_usd = metrics.cost_usd
     # NaN/inf steps: skipped; too many in a row: a rollback (once per job) or the run stops (raytrn.train.guard)

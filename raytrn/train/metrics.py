@@ -56,9 +56,11 @@ class MetricsReporter:
         world_size: int,
         local_rank: int,
         logger: RemoteLogger | None,
-        restored: tuple[str | None, int, float] | None = None,
+        restored_from: str | None = None,
+        restore_s: float = 0.0,
     ) -> None:
-        """``restored``: where the group's state came from, its step and the load's seconds (rank 0 posts it)."""
+        """``restored_from``, ``restore_s``: where the group's state (at ``progress.step``) came from and the load's
+        seconds; rank 0 posts them to the board."""
         job = self.job = plan.job
         self.t, self.progress, self.world_size = t, progress, world_size
         self.started_at = plan.started_at
@@ -77,8 +79,8 @@ class MetricsReporter:
         # Tokens per optimizer step over the job: one batch per model replica (data-parallel rank).
         self.tokens_per_step = t.grad_accum * job.data.micro_batch_size * job.data.seq_len * t.data_parallel_size
         if self.board is not None:  # the job's board counts the worker groups (and records world_size_history)
-            if restored is not None:  # first: the board counts a restart's steps trained again
-                self.board.restored.remote(*restored)
+            # First: the board counts a restart's steps trained again.
+            self.board.restored.remote(restored_from, progress.step, restore_s)
             self.board.group_started.remote(progress.step, world_size)
         self._reached_at = time.monotonic()
         self.efficiency = None

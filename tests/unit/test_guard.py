@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -139,28 +141,20 @@ class _FusedCpu(CpuBackend):
     fused_optim = True
 
 
-class _NoHostRead:
+@contextmanager
+def _no_host_read() -> Iterator[None]:
     """Inside: any read of a tensor's value on the host fails the test (what a device sync would be)."""
 
-    READS = ("__bool__", "__float__", "__int__", "item", "tolist")
+    def refuse(*_a, **_k):
+        raise AssertionError("a host read of a tensor inside the step")
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.monkeypatch = monkeypatch
-
-    def __enter__(self) -> None:
-        def refuse(*_a, **_k):
-            raise AssertionError("a host read of a tensor inside the step")
-
-        for name in self.READS:
-            self.monkeypatch.setattr(torch.Tensor, name, refuse)
-
-    def __exit__(self, *exc) -> None:
-        self.monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as m:
+        for name in ("__bool__", "__float__", "__int__", "item", "tolist"):
+            m.setattr(torch.Tensor, name, refuse)
+        yield
 
 
-def test_with_the_fused_kernel_a_nonfinite_step_is_skipped_on_the_device_without_a_host_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_with_the_fused_kernel_a_nonfinite_step_is_skipped_on_the_device_without_a_host_read(tmp_path: Path) -> None:
     """Issue 28 item 1's 'no extra host sync': the flag goes to the fused AdamW kernel as found_inf; the guard
     reads the norms only when the loop syncs anyway (settle), and then counts the exact steps."""
     j = job(tmp_path, "optim.fused=true", "run.max_nonfinite_steps=2")
@@ -173,7 +167,7 @@ def test_with_the_fused_kernel_a_nonfinite_step_is_skipped_on_the_device_without
     param = next(p for p in t.model.parameters() if p.requires_grad)
     hook = param.register_hook(lambda g: g * float("nan"))
     for step in (2, 3):  # two non-finite steps: no host read in the step nor in the guard's unsettled check
-        with _NoHostRead(monkeypatch):
+        with _no_host_read():
             result = train_step(t, batches, CpuBackend())
             guard.check(result.grad_norm, step, settle=False)
     hook.remove()

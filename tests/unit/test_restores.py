@@ -30,16 +30,9 @@ def test_the_summary_names_each_restart() -> None:
     base = dict(run_name="r", start_step=0, final_step=80, tokens=1, tokens_per_s=1.0, first_loss=1.0,
                 final_loss=0.5, checkpoint=None, mlflow_run_id=None, mlflow_ui=None)  # fmt: skip
     assert "restarts" not in Summary(**base).render()
-    text = Summary(
-        **base, restores=[{"source": "storage", "step": 20, "restore_s": 0.42, "steps_retrained": 8}]
-    ).render()
+    stored = {"source": "storage", "step": 20, "restore_s": 0.42, "steps_retrained": 8}
+    text = Summary(**base, restores=[stored]).render()
     assert "restarts    1: from storage step 20 (loaded in 0.4 s, 8 steps trained again)" in text
     fresh = {"source": "none", "step": 0, "restore_s": 0.0, "steps_retrained": 3}
-    assert (
-        "2: from storage step 20 (loaded in 0.4 s, 8 steps trained again); from step 0, no checkpoint yet ("
-        in (
-            Summary(
-                **base, restores=[{"source": "storage", "step": 20, "restore_s": 0.42, "steps_retrained": 8}, fresh]
-            )
-        ).render()
-    )
+    text = Summary(**base, restores=[stored, fresh]).render()
+    assert "2: from storage step 20 (loaded in 0.4 s, 8 steps trained again); from step 0, no checkpoint yet (" in text
