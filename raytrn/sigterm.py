@@ -22,6 +22,11 @@ TRAINING = threading.Event()
 #: After a SIGTERM, the process ends this much later even if the loop never got to its checkpoint.
 SIGTERM_GRACE_S = 120.0
 
+#: What :func:`install_sigterm_handler` changed in this process, for :func:`uninstall_sigterm_handler`: the handler
+#: and wakeup fd it replaced, its pipe, and the exit timer a flagged SIGTERM started.
+_installed: dict[str, Any] = {}
+_exit_timer: threading.Timer | None = None
+
 
 def install_sigterm_handler() -> bool:
     """Make SIGTERM to this training worker a notice (checkpoint at once, then exit) instead of an immediate exit.
@@ -49,22 +54,46 @@ def install_sigterm_handler() -> bool:
         _flag_sigterm(signum)
 
     signal.signal(signal.SIGTERM, handler)
+    _installed["handler"] = previous
     _watch_wakeup_fd()
     return True
+
+
+def uninstall_sigterm_handler() -> None:
+    """Undo :func:`install_sigterm_handler` in this process: the handler and wakeup fd it replaced come back, its
+    reader thread ends, and a flagged SIGTERM's pending exit is cancelled (the flags are cleared).
+
+    For a process that goes on after training in it (a test run): the exit timer otherwise ends it with 143 up to
+    :data:`SIGTERM_GRACE_S` later, whatever it is doing then. Main thread only, like the install."""
+    global _exit_timer
+    with _FLAG_LOCK:
+        if _exit_timer is not None:
+            _exit_timer.cancel()
+            _exit_timer = None
+        _SIGTERM.clear()
+    TRAINING.clear()
+    if "handler" in _installed:
+        signal.signal(signal.SIGTERM, _installed.pop("handler"))
+    if "pipe" in _installed:
+        read_fd, write_fd = _installed.pop("pipe")
+        signal.set_wakeup_fd(_installed.pop("wakeup_fd"))
+        os.close(write_fd)  # the reader sees end of file and returns; it closes the read end
 
 
 _FLAG_LOCK = threading.Lock()
 
 
 def _flag_sigterm(signum: int) -> None:
+    global _exit_timer
     with _FLAG_LOCK:
         if _SIGTERM.is_set():
             return
         _SIGTERM.set()
+        _exit_timer = threading.Timer(SIGTERM_GRACE_S, os._exit, args=(128 + signum,))
+        _exit_timer.name = "raytrn-sigterm-exit"
+        _exit_timer.daemon = True
+        _exit_timer.start()
     log.warning("SIGTERM: checkpointing at the next step, then exiting (at the latest in %.0f s)", SIGTERM_GRACE_S)
-    timer = threading.Timer(SIGTERM_GRACE_S, os._exit, args=(128 + signum,))
-    timer.daemon = True
-    timer.start()
 
 
 def _watch_wakeup_fd() -> None:
@@ -89,11 +118,13 @@ def _watch_wakeup_fd() -> None:
                 data = os.read(read_fd, 64)
             except OSError:
                 return
-            if not data:
+            if not data:  # uninstall_sigterm_handler closed the write end
+                os.close(read_fd)
                 return
             if signal.SIGTERM in data and TRAINING.is_set():
                 _flag_sigterm(signal.SIGTERM)
 
+    _installed.update(pipe=(read_fd, write_fd), wakeup_fd=old)
     threading.Thread(target=watch, name="raytrn-sigterm", daemon=True).start()
 
 
