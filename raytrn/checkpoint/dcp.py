@@ -231,8 +231,13 @@ def _no_dist() -> bool:
 def save(state: dict[str, Any], location: str) -> dict[str, tuple[int, str]]:
     """Write ``state`` (every rank its shards); the files this rank wrote, ``{name: (size, sha256)}``."""
     writer = storage_writer(location)
-    dcp.save(state, storage_writer=writer, no_dist=_no_dist())
+    save_state(state, writer)
     return dict(writer.digests)
+
+
+def save_state(state: dict[str, Any], writer: Any) -> None:
+    """Write ``state`` through any DCP storage writer (a directory's, or memory's: :mod:`raytrn.checkpoint.memory`)."""
+    dcp.save(state, storage_writer=writer, no_dist=_no_dist())
 
 
 def async_save(state: dict[str, Any], location: str, *, process_group: Any) -> tuple[Any, Any]:
@@ -255,12 +260,21 @@ def load(
     Refused with one CheckpointError, before anything is read, when a shard file is missing or short, or a
     model tensor's shape differs from the job's model (naming the first such tensor).
     """
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
     metadata = check_complete(location)
     state = training_state(model, optimizer, scheduler)
     check_shapes(metadata, state["model"], location=location, source=source)
-    dcp.load(state, storage_reader=storage_reader(location), no_dist=_no_dist())
+    load_state(storage_reader(location), model, optimizer, scheduler, state=state)
+
+
+def load_state(
+    reader: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *, state: Any = None
+) -> None:
+    """Read a checkpoint through any DCP storage reader into this rank's model, optimizer, scheduler and RNG
+    (resharding as needed). ``state``: this rank's :func:`training_state`, when the caller has it already."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = training_state(model, optimizer, scheduler) if state is None else state
+    dcp.load(state, storage_reader=reader, no_dist=_no_dist())
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_options(model)
     )

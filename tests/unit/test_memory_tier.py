@@ -1,0 +1,196 @@
+"""The in-memory checkpoint tier's building blocks (raytrn.checkpoint.memory): DCP snapshots in host memory that
+reshard like durable checkpoints (real gloo processes), one node's bounded store, ring placement, and the choice of
+the newest snapshot a restart can use. No Ray."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from raytrn.backends.cpu import CpuBackend
+from raytrn.checkpoint import dcp, memory
+from raytrn.checkpoint.memory import Holding, SnapshotStore, newest_restorable, replica_nodes
+from raytrn.errors import CheckpointError
+from raytrn.train.build import build_training
+from raytrn.train.step import train_step
+from tests.unit.test_dcp import job, trained
+
+pytestmark = pytest.mark.unit
+
+
+def _params(t: Any) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in t.model.named_parameters()
+    }
+
+
+def _moments(t: Any) -> list[torch.Tensor]:
+    return [s["exp_avg"].clone() for s in t.optimizer.state.values()]
+
+
+def _batches(seed: int, steps: int = 2) -> Any:
+    rows = torch.randint(0, 512, (steps * 16, 17), generator=torch.Generator().manual_seed(seed))
+    return iter(rows.split(16))
+
+
+def test_a_snapshot_in_memory_restores_weights_moments_schedule_and_rng_exactly(tmp_path: Path) -> None:
+    j = job(tmp_path)
+    t = trained(j)
+    files = memory.save_to_memory(dcp.training_state(t.model, t.optimizer, t.scheduler))
+    assert sorted(files) == [".metadata", "__0_0.distcp"] and all(files.values())
+    assert not any(tmp_path.iterdir())  # nothing reached the checkpoint storage
+    rng = torch.get_rng_state()
+    torch.manual_seed(123)  # the restore must bring the saved RNG back
+
+    fresh = build_training(j, CpuBackend(), world_size=1)
+    asked: list[str] = []
+    memory.load_from_memory(lambda name: asked.append(name) or files[name], fresh.model, fresh.optimizer,
+                            fresh.scheduler)  # fmt: skip
+    assert sorted(set(asked)) == [".metadata", "__0_0.distcp"]
+    assert torch.equal(torch.get_rng_state(), rng)
+    for name, value in _params(t).items():
+        assert torch.equal(_params(fresh)[name], value), name
+    assert all(torch.equal(a, b) for a, b in zip(_moments(t), _moments(fresh), strict=True))
+    assert fresh.scheduler.state_dict() == t.scheduler.state_dict()
+    # The next step is the same step: same loss, same weights.
+    before, after = train_step(t, _batches(7), CpuBackend()), train_step(fresh, _batches(7), CpuBackend())
+    assert before.loss.item() == after.loss.item() and before.grad_norm.item() == after.grad_norm.item()
+    for name, value in _params(t).items():
+        assert torch.equal(_params(fresh)[name], value), name
+
+
+def test_a_file_missing_from_memory_fails_the_restore_naming_it(tmp_path: Path) -> None:
+    j = job(tmp_path)
+    t = trained(j)
+    files = memory.save_to_memory(dcp.training_state(t.model, t.optimizer, t.scheduler))
+    del files["__0_0.distcp"]
+    fresh = build_training(j, CpuBackend(), world_size=1)
+    with pytest.raises(CheckpointError, match=r"file\(s\) __0_0.distcp not held by any live node"):
+        memory.load_from_memory(lambda name: files[name], fresh.model, fresh.optimizer, fresh.scheduler)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _fsdp_rank(rank: int, world: int, port: int, tmp: str, out: dict) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        j = job(Path(tmp), "parallel.data_parallel=fsdp")
+        t = build_training(j, CpuBackend(), world_size=world)
+        for batch in _batches(0, 2):  # the same global batches on both ranks: a deterministic state
+            train_step(t, iter([batch]), CpuBackend())
+        files = memory.save_to_memory(dcp.training_state(t.model, t.optimizer, t.scheduler))
+        full = _params(t)  # a collective: every rank gathers
+        out[rank] = {"files": files, "params": full if rank == 0 else None}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_two_rank_fsdp_snapshot_reshards_into_one_process(tmp_path: Path) -> None:
+    """2 FSDP ranks each write their own shards to memory; one process reads both ranks' files and gets the whole
+    model back (the reshard a node loss needs), reading only through ``fetch``."""
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(_fsdp_rank, args=(2, _free_port(), str(tmp_path), out), nprocs=2, start_method="spawn")
+        ranks = {r: dict(out[r]) for r in (0, 1)}
+    assert sorted(ranks[0]["files"]) == [".metadata", "__0_0.distcp"]
+    assert sorted(ranks[1]["files"]) == ["__1_0.distcp"]  # each rank its own shards, rank 0 the metadata
+    held = {**ranks[0]["files"], **ranks[1]["files"]}
+    one = build_training(job(tmp_path), CpuBackend(), world_size=1)
+    read: list[str] = []
+    memory.load_from_memory(lambda name: read.append(name) or held[name], one.model, one.optimizer, one.scheduler)
+    assert sorted(set(read)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(_params(one)[name], value), name
+    assert one.scheduler.state_dict()["last_epoch"] == 2
+
+
+# -- one node's store ----------------------------------------------------------------------------------------
+
+
+def test_the_store_refuses_what_does_not_fit_saying_how_much_and_never_holds_more() -> None:
+    store = SnapshotStore(capacity_bytes=3 * 2**20)
+    assert store.put(1, 0, {"__0_0.distcp": b"x" * 2**20}) is None
+    assert store.put(1, 1, {"__1_0.distcp": b"y" * 2**20}) is None
+    reason = store.put(1, 2, {"__2_0.distcp": b"z" * (2 * 2**20)})
+    assert reason == "rank 2's snapshot 1 needs 2.0 MiB; this node's store holds 2.0 of 3.0 MiB"
+    assert store.nbytes == 2 * 2**20 and store.holdings()[1].ranks == {0, 1}
+    # A rank's second write of the same snapshot replaces its first (counted once).
+    assert store.put(1, 1, {"__1_0.distcp": b"w" * 2**20}) is None
+    assert store.nbytes == 2 * 2**20 and store.read(1, "__1_0.distcp") == b"w" * 2**20
+
+
+def test_sealing_a_snapshot_frees_the_older_ones_and_refuses_writes_to_them() -> None:
+    store = SnapshotStore(capacity_bytes=10 * 2**20)
+    for step in (4, 5, 6):
+        assert store.put(step, 0, {"__0_0.distcp": bytes([step]) * 100}) is None
+        store.put_manifest(step, {"step": step, "world_size": 1})
+    store.seal(5)
+    assert sorted(store.holdings()) == [5, 6]  # 6 is newer than the complete one: kept
+    assert store.read(4, "__0_0.distcp") is None and store.read(5, "__0_0.distcp") == bytes([5]) * 100
+    assert store.put(5, 0, {"__0_0.distcp": b""}) == "snapshot 5 is not newer than the complete snapshot 5"
+    store.drop(6)
+    assert sorted(store.holdings()) == [5] and store.nbytes == 100
+    assert store.read(5, "no-such-file") is None
+
+
+# -- placement and choice ------------------------------------------------------------------------------------
+
+
+def test_ring_placement_keeps_every_nodes_state_elsewhere_too() -> None:
+    nodes = ["n3", "n1", "n2"]
+    assert replica_nodes(nodes, "n1", 1) == ["n2"]
+    assert replica_nodes(nodes, "n3", 1) == ["n1"]
+    assert replica_nodes(nodes, "n2", 2) == ["n3", "n1"]
+    assert replica_nodes(nodes, "n2", 5) == ["n3", "n1"]  # only as many as there are other nodes
+    assert replica_nodes(["n1"], "n1", 1) == []
+    held = [r for n in nodes for r in replica_nodes(nodes, n, 1)]
+    assert sorted(held) == sorted(nodes)  # every node holds exactly one other node's copy
+
+
+def _holding(ranks: set[int], step: int | None = None, world: int = 3) -> Holding:
+    return Holding(ranks=ranks, manifest=None if step is None else {"step": step, "world_size": world})
+
+
+def test_the_newest_snapshot_on_live_nodes_is_chosen() -> None:
+    holdings = {
+        "n1": {9: _holding({0}, 9), 10: _holding({0}, 10)},
+        "n2": {9: _holding({1, 0}), 10: _holding({1, 0})},  # rank 0's copy lives on n2 (ring)
+        "n3": {9: _holding({2, 1}), 10: _holding({2, 1})},
+    }
+    choice = newest_restorable(holdings, ["n1", "n2", "n3"])
+    assert choice.step == 10 and choice.manifest == {"step": 10, "world_size": 3} and choice.skipped == ()
+    # n1 lost: rank 0's files live on n2 too, but the manifest only on n1 (it must be replicated like the files).
+    lost_n1 = newest_restorable(holdings, ["n2", "n3"])
+    assert lost_n1.step is None
+    assert lost_n1.skipped[0].startswith("snapshot 10: no manifest on a live node")
+
+
+def test_a_snapshot_whose_only_copy_was_on_a_lost_node_is_skipped_for_the_older_one_saying_why() -> None:
+    holdings = {
+        "n1": {9: _holding({0}, 9), 10: _holding({0}, 10)},
+        "n2": {9: _holding({1, 0}, 9), 10: _holding({1}, 10)},  # rank 0's copy of 10 not yet there
+        "n3": {9: _holding({2, 1}, 9), 10: _holding({2, 1}, 10)},
+    }
+    choice = newest_restorable(holdings, ["n2", "n3"])
+    assert choice.step == 9
+    assert choice.skipped == ("snapshot 10: rank(s) 0 of 3 missing (their only copies were on lost node(s) n1)",)
+
+
+def test_a_snapshot_missing_one_ranks_shard_is_never_used() -> None:
+    holdings = {"n1": {7: _holding({0, 2}, 7)}, "n2": {7: _holding({0, 2}, 7)}}
+    choice = newest_restorable(holdings, ["n1", "n2"])
+    assert choice.step is None and choice.skipped == ("snapshot 7: rank(s) 1 of 3 missing",)
+    assert newest_restorable({}, []).step is None
