@@ -278,3 +278,113 @@ def newest_restorable(holdings: Mapping[str, Mapping[int, Holding]], alive: Iter
 
 def _ranges(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks)
+
+
+# -- the stores on Ray ---------------------------------------------------------------------------------------
+
+#: How long a rank waits for its files to reach every store they belong on before the snapshot counts as failed.
+PUBLISH_TIMEOUT_S = 60.0
+
+
+def store_name(run: str, node: str) -> str:
+    return f"raytrn-memory:{run}:{node}"
+
+
+class MemoryTier:
+    """The driver's side: one :class:`SnapshotStore` actor per node (named, zero CPUs, pinned to its node, owned by
+    the driver so it outlives every worker group of the run), the holdings of the live ones, and the choice.
+
+    A store keeps its bytes in its own heap (what a rank sends is copied there), so a snapshot does not die with
+    the worker that made it, only with its node."""
+
+    def __init__(self, run: str, *, capacity_bytes: int) -> None:
+        self.run = run
+        self.capacity_bytes = capacity_bytes
+        self.handles: dict[str, Any] = {}
+        self._seen: dict[str, dict[int, Holding]] = {}  # each store's last answer: why a lost one's snapshot is gone
+
+    def ensure(self, nodes: Iterable[str], *, pin: bool = True) -> dict[str, Any]:
+        """A store on each of ``nodes`` (Ray node ids; ``pin=False``: any labels, all on this node, for tests)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        actor = ray.remote(SnapshotStore)
+        for node in nodes:
+            if node in self.handles:
+                continue
+            options: dict[str, Any] = {"name": store_name(self.run, node), "num_cpus": 0, "max_restarts": 0}
+            if pin:
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+            self.handles[node] = actor.options(**options).remote(self.capacity_bytes)  # type: ignore[attr-defined]
+        return dict(self.handles)
+
+    def holdings(self, timeout_s: float = 10.0) -> dict[str, dict[int, Holding]]:
+        """Each answering store's holdings; a store that does not answer in time (its node lost) is left out."""
+        import ray
+
+        refs = {node: h.holdings.remote() for node, h in self.handles.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        out: dict[str, dict[int, Holding]] = {}
+        for node, ref in refs.items():
+            if ref in ready:
+                try:
+                    out[node] = ray.get(ref)
+                except ray.exceptions.RayActorError:  # its node (or the actor) is gone
+                    continue
+        self._seen.update(out)
+        return out
+
+    def choose(self, timeout_s: float = 10.0) -> Choice:
+        """The newest snapshot whose files are all on stores that answer (what a store that no longer answers held
+        when last asked names why a newer snapshot was passed over)."""
+        alive = self.holdings(timeout_s).keys()
+        return newest_restorable(self._seen, alive)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for handle in self.handles.values():
+            ray.kill(handle, no_restart=True)
+        self.handles.clear()
+
+
+def publish(
+    stores: Mapping[str, Any], node: str, step: int, rank: int, files: Mapping[str, bytes], *, replicas: int,
+    manifest: dict[str, Any] | None = None, timeout_s: float = PUBLISH_TIMEOUT_S,
+) -> str | None:  # fmt: skip
+    """A rank's side: put its files of snapshot ``step`` (and rank 0 the manifest) on its node's store and on the
+    ``replicas`` next nodes of the ring. None once every one kept them; else why not (then the snapshot must not
+    be used: the caller drops it)."""
+    import ray
+
+    targets = [node, *replica_nodes(stores.keys(), node, replicas)]
+    missing = [t for t in targets if t not in stores]
+    if missing:
+        return f"no memory store on node(s) {', '.join(missing)}"
+    ref = ray.put(dict(files))  # one copy in the object store, read by every target
+    puts = [stores[t].put.remote(step, rank, ref) for t in targets]
+    if manifest is not None:
+        puts += [stores[t].put_manifest.remote(step, manifest) for t in targets]
+    ready, pending = ray.wait(puts, num_returns=len(puts), timeout=timeout_s)
+    if pending:
+        return f"snapshot {step}: rank {rank}'s copies not kept within {timeout_s:.0f} s"
+    reasons = [r for r in ray.get(ready) if r]
+    return "; ".join(reasons) or None
+
+
+def fetcher(stores: Mapping[str, Any], step: int, timeout_s: float = PUBLISH_TIMEOUT_S) -> Callable[[str], bytes]:
+    """``fetch(name)`` for :func:`load_from_memory`: the file from the first store that has it (this node's
+    first, when the caller puts it first)."""
+    import ray
+
+    def fetch(name: str) -> bytes:
+        for handle in stores.values():
+            try:
+                data = ray.get(handle.read.remote(step, name), timeout=timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue  # that node is gone: another copy
+            if data is not None:
+                return bytes(data)
+        raise FileNotFoundError(name)
+
+    return fetch

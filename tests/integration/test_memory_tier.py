@@ -1,0 +1,67 @@
+"""The in-memory tier's stores on a real local Ray (raytrn.checkpoint.memory): a rank's snapshot kept on its
+node's store and the next one's on the ring, chosen and restored exactly after a store's node is gone, and a
+snapshot that does not fit refused with the bytes it needed. (One node: three stores stand for three nodes.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrn.backends.cpu import CpuBackend
+from raytrn.checkpoint import dcp, memory
+from raytrn.checkpoint.memory import MemoryTier, publish
+from raytrn.train.build import build_training
+from tests.unit.test_dcp import job, trained
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_snapshot_survives_its_nodes_store_and_restores_exactly_from_the_replica(ray_session, tmp_path: Path):
+    import ray
+
+    j = job(tmp_path)
+    t = trained(j)
+    files = memory.save_to_memory(dcp.training_state(t.model, t.optimizer, t.scheduler))
+    tier = MemoryTier("mem-test", capacity_bytes=64 * 2**20)
+    try:
+        stores = tier.ensure(["a", "b", "c"], pin=False)
+        manifest = {"step": 2, "world_size": 1}
+        assert publish(stores, "a", 2, 0, files, replicas=1, manifest=manifest) is None
+        held = tier.holdings()
+        assert held["a"][2].ranks == {0} and held["b"][2].ranks == {0} and 2 not in held["c"]  # ring: a -> b
+        assert held["b"][2].manifest == manifest and held["a"][2].nbytes == sum(len(b) for b in files.values())
+
+        ray.kill(stores["a"], no_restart=True)  # node a is lost with its store
+        choice = tier.choose(timeout_s=10)
+        assert choice.step == 2 and choice.manifest == manifest, choice
+        fresh = build_training(j, CpuBackend(), world_size=1)
+        live = {n: h for n, h in stores.items() if n != "a"}
+        memory.load_from_memory(memory.fetcher(live, 2), fresh.model, fresh.optimizer, fresh.scheduler)
+        for (name, a), b in zip(t.model.named_parameters(), fresh.model.parameters(), strict=True):
+            assert torch.equal(a, b), name
+        # Every store is gone with the lost node's: nothing to restore from, and the reason is given.
+        ray.kill(stores["b"], no_restart=True)
+        none = tier.choose(timeout_s=10)
+        assert none.step is None and none.skipped == ("snapshot 2: no manifest on a live node (never completed, or "
+                                                      "only on lost nodes)",)  # fmt: skip
+    finally:
+        tier.shutdown()
+
+
+def test_a_snapshot_that_does_not_fit_is_refused_saying_how_much_it_needed(ray_session, tmp_path: Path):
+    import ray
+
+    t = trained(job(tmp_path))
+    files = memory.save_to_memory(dcp.training_state(t.model, t.optimizer, t.scheduler))
+    size = sum(len(b) for b in files.values())
+    tier = MemoryTier("mem-small", capacity_bytes=size // 2)
+    try:
+        node = ray.get_runtime_context().get_node_id()
+        stores = tier.ensure([node])  # pinned to this (real) node
+        reason = publish(stores, node, 1, 0, files, replicas=1)
+        assert reason is not None and reason.startswith(f"rank 0's snapshot 1 needs {size / 2**20:.1f} MiB"), reason
+        assert tier.holdings()[node] == {}
+    finally:
+        tier.shutdown()
