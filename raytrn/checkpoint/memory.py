@@ -171,7 +171,11 @@ class SnapshotStore:
     snapshots older than the newest complete one; it never holds more. :meth:`seal` marks a snapshot complete
     (every rank's files everywhere they belong, as the caller checked) and frees everything older."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int | None = None) -> None:
+        if capacity_bytes is None:  # a quarter of this node's memory
+            import psutil
+
+            capacity_bytes = psutil.virtual_memory().total // 4
         self.capacity_bytes = capacity_bytes
         self._files: dict[int, dict[int, dict[str, bytes]]] = {}  # step -> rank -> name -> bytes
         self._manifests: dict[int, dict[str, Any]] = {}
@@ -205,6 +209,16 @@ class SnapshotStore:
             del self._files[old]
         for old in [s for s in self._manifests if s < self._sealed]:
             del self._manifests[old]
+
+    def rewind(self, step: int) -> None:
+        """Forget every snapshot newer than ``step`` (a worker group starts at ``step``: what it snapshots next
+        replaces them; a rollback: they hold the diverging steps)."""
+        for newer in [s for s in self._files if s > step]:
+            del self._files[newer]
+        for newer in [s for s in self._manifests if s > step]:
+            del self._manifests[newer]
+        if self._sealed is not None and self._sealed > step:
+            self._sealed = None
 
     def drop(self, step: int) -> None:
         """Free snapshot ``step`` (one that will never complete: a rank failed to write it)."""
@@ -297,7 +311,7 @@ class MemoryTier:
     A store keeps its bytes in its own heap (what a rank sends is copied there), so a snapshot does not die with
     the worker that made it, only with its node."""
 
-    def __init__(self, run: str, *, capacity_bytes: int) -> None:
+    def __init__(self, run: str, *, capacity_bytes: int | None) -> None:
         self.run = run
         self.capacity_bytes = capacity_bytes
         self.handles: dict[str, Any] = {}
@@ -340,6 +354,13 @@ class MemoryTier:
         alive = self.holdings(timeout_s).keys()
         return newest_restorable(self._seen, alive)
 
+    def rewind(self, step: int, timeout_s: float = 10.0) -> None:
+        """Every answering store forgets its snapshots newer than ``step`` (:meth:`SnapshotStore.rewind`)."""
+        import ray
+
+        refs = [h.rewind.remote(step) for h in self.handles.values()]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
     def shutdown(self) -> None:
         import ray
 
@@ -349,26 +370,31 @@ class MemoryTier:
 
 
 def publish(
-    stores: Mapping[str, Any], node: str, step: int, rank: int, files: Mapping[str, bytes], *, replicas: int,
+    stores: Mapping[str, Any], node: str, step: int, rank: int, files: Mapping[str, bytes] | None, *, replicas: int,
     manifest: dict[str, Any] | None = None, timeout_s: float = PUBLISH_TIMEOUT_S,
 ) -> str | None:  # fmt: skip
-    """A rank's side: put its files of snapshot ``step`` (and rank 0 the manifest) on its node's store and on the
-    ``replicas`` next nodes of the ring. None once every one kept them; else why not (then the snapshot must not
-    be used: the caller drops it)."""
+    """A rank's side: put its ``files`` of snapshot ``step`` (and rank 0 the ``manifest``, once every rank's files
+    are kept; ``files`` None then) on its node's store and on the ``replicas`` next nodes of the ring. None once
+    every one kept them; else why not (then the snapshot must not be used: the caller drops it)."""
     import ray
 
     targets = [node, *replica_nodes(stores.keys(), node, replicas)]
     missing = [t for t in targets if t not in stores]
     if missing:
         return f"no memory store on node(s) {', '.join(missing)}"
-    ref = ray.put(dict(files))  # one copy in the object store, read by every target
-    puts = [stores[t].put.remote(step, rank, ref) for t in targets]
+    puts = []
+    if files is not None:
+        ref = ray.put(dict(files))  # one copy in the object store, read by every target
+        puts += [stores[t].put.remote(step, rank, ref) for t in targets]
     if manifest is not None:
         puts += [stores[t].put_manifest.remote(step, manifest) for t in targets]
     ready, pending = ray.wait(puts, num_returns=len(puts), timeout=timeout_s)
     if pending:
         return f"snapshot {step}: rank {rank}'s copies not kept within {timeout_s:.0f} s"
-    reasons = [r for r in ray.get(ready) if r]
+    try:
+        reasons = [r for r in ray.get(ready) if r]
+    except ray.exceptions.RayActorError as e:  # a target's node went away mid-copy
+        return f"snapshot {step}: a store is gone ({type(e).__name__})"
     return "; ".join(reasons) or None
 
 
@@ -388,3 +414,15 @@ def fetcher(stores: Mapping[str, Any], step: int, timeout_s: float = PUBLISH_TIM
         raise FileNotFoundError(name)
 
     return fetch
+
+
+def start_keeper(run: str, capacity_bytes: int | None) -> Any:
+    """The driver's :class:`MemoryTier` as a zero-CPU actor on the driver's node: it creates (and so owns) every
+    node's store, which then lives as long as the run's driver, across worker groups; the workers ask it for the
+    stores and for the choice at a restart."""
+    import ray
+
+    from raytrn.runtime import on_this_node
+
+    keeper = ray.remote(MemoryTier).options(num_cpus=0, max_restarts=0, **on_this_node())  # type: ignore[attr-defined]
+    return keeper.remote(run, capacity_bytes=capacity_bytes)

@@ -347,6 +347,24 @@ class CheckpointConfig(Section):
         description="what a resume checks of a committed checkpoint's files against its manifest: sizes and "
         "sha256 (every byte read once more, split over the workers) or sizes only",
     )
+    memory_every_n_steps: int | None = Field(
+        None,
+        ge=0,
+        le=10**12,
+        description="in-memory snapshots every N steps (raytrn.checkpoint.memory): each rank's shards in host memory "
+        "on its node and on memory_replicas other nodes; a restart resumes from the newest complete one when it is "
+        "newer than the newest checkpoint. 0: off; null: every step when the worker group spans more than one node",
+    )
+    memory_replicas: int = Field(
+        1, ge=0, le=16, description="other nodes that keep a copy of each node's snapshot (the next ones on a ring)"
+    )
+    memory_store_gib: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="host memory each node's snapshot store may hold (a snapshot that does not fit is skipped with "
+        "a warning); null: a quarter of the node's memory",
+    )
 
 
 class TrackingConfig(Section):

@@ -30,7 +30,8 @@ from raytrn.tracking.neuron_monitor import PREFIX as SYSTEM_PREFIX
 
 log = logging.getLogger(__name__)
 
-#: Where the newest worker-group restart restored from: ``storage:step_<N>`` (``none:step_0``: no checkpoint yet).
+#: Where the newest worker-group restart restored from: ``memory:step_<N>`` (an in-memory snapshot), ``storage:step_<N>``
+#: (a committed checkpoint), ``none:step_0`` (neither yet).
 RESTORE_SOURCE_TAG = "raytrn.restore_source"
 
 

@@ -53,8 +53,8 @@ class ProgressBoard:
 
     def restored(self, source: str | None, step: int, restore_s: float) -> dict[str, Any] | None:
         """Rank 0 of a new worker group, before its :meth:`group_started`: it restored step ``step`` from ``source``
-        (``storage``: a committed checkpoint; None: nothing, it starts at ``step`` 0) in ``restore_s`` seconds.
-        A restart (an earlier group of this job ran) is recorded, with the steps trained again: the highest step
+        (``memory``: an in-memory snapshot; ``storage``: a committed checkpoint; None: nothing, it starts at ``step``
+        0) in ``restore_s`` seconds. A restart (an earlier group of this job ran) is recorded, with the steps trained again: the highest step
         reached minus ``step``; the job's first group is not (returns None)."""
         if self.groups == 0:
             return None

@@ -33,6 +33,7 @@ from raytrn.sigterm import sigterm_received
 from raytrn.train.preemption import describe as describe_notice
 from raytrn.train.preemption import exit_after_sigterm, wait_for_teardown
 from raytrn.train.schedule import Schedule
+from raytrn.train.snapshots import MemorySnapshots
 from raytrn.train.step import Training
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,13 @@ class Start:
     progress: Progress
     resume: Any = None
     checkpoint: Any = None
+    #: An in-memory snapshot newer than ``resume`` (:class:`raytrn.train.snapshots.Snapshot`): it wins.
+    snapshot: Any = None
 
     @property
     def location(self) -> str | None:
+        if self.snapshot is not None:
+            return f"memory:step_{self.snapshot.step}"  # as the run's raytrn.restore_source tag says it
         return self.resume.location if self.resume is not None else None
 
 
@@ -65,8 +70,11 @@ class Checkpointer:
         world_size: int,
         logger: Any = None,
         cost_usd: Callable[[], float | None] = lambda: None,
+        memory: MemorySnapshots | None = None,
     ) -> None:
         self.job, self.backend, self.schedule = job, backend, schedule
+        #: The in-memory tier's side of this rank (None or disabled: durable checkpoints only).
+        self.memory = memory if memory is not None and memory.restorable else None
         self.rank, self.world_size = rank, world_size
         #: Rank 0's tracking handle (checkpoint tags); None elsewhere or without tracking.
         self.logger = logger
@@ -83,9 +91,16 @@ class Checkpointer:
         the data feed starts where its counters say while the model builds)."""
         if self.backend.committed_checkpoints:
             resume = resume_point(self.job, rank=self.rank, world_size=self.world_size)
-            if resume is not None:
-                return Start(progress=replace(resume.commit.progress), resume=resume)
-            return Start(progress=Progress())
+            snapshot = self.memory.newest() if self.memory is not None else None  # a collective too
+            if snapshot is not None and (resume is None or snapshot.step > resume.commit.step):
+                start = Start(progress=replace(snapshot.progress), resume=resume, snapshot=snapshot)
+            elif resume is not None:
+                start = Start(progress=replace(resume.commit.progress), resume=resume)
+            else:
+                start = Start(progress=Progress())
+            if self.memory is not None:
+                self.memory.starting_at(start.progress.step)
+            return start
         checkpoint = ray.train.get_checkpoint()  # the frozen XLA path's formats: Ray Train's latest
         return Start(progress=_resume_progress(checkpoint), checkpoint=checkpoint)
 
@@ -97,7 +112,7 @@ class Checkpointer:
         loaded = self._load(t, start)
         self.restore_s = time.perf_counter() - started
         if loaded is not None:
-            self.restored_from = "storage"
+            self.restored_from = "memory" if start.snapshot is not None else "storage"
         job = self.job
         if job.model.init_from and (loaded is None or job.model.lora is not None):
             self._load_init_from(t)
@@ -122,6 +137,11 @@ class Checkpointer:
         return moved
 
     def _load(self, t: Training, start: Start) -> Progress | None:
+        if start.snapshot is not None and self.memory is not None:
+            from_memory = self.memory.load(t, start.snapshot)
+            if self.rank == 0:
+                log.info("resumed from the in-memory snapshot of step %d (no read from storage)", start.snapshot.step)
+            return replace(from_memory)
         if start.resume is not None:
             loaded: Progress = t.checkpoints.load_committed(start.resume, t)  # type: ignore[attr-defined]
             if self.rank == 0:
@@ -161,6 +181,8 @@ class Checkpointer:
         collective); after a notice the group trains no further."""
         preempted = notice is not None and not last
         if not (self.due(progress.step, last=last) or preempted):
+            if self.memory is not None and self.memory.due(progress.step, durable=False):
+                self.memory.save(t, progress)
             return
         cost = self.cost_usd()
         if cost is not None:

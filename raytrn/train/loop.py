@@ -31,6 +31,7 @@ from raytrn.train.guard import NonFiniteGuard
 from raytrn.train.metrics import MetricsReporter, tracking_logger
 from raytrn.train.plan import WorkerPlan
 from raytrn.train.preemption import PreemptionWatch
+from raytrn.train.snapshots import MemorySnapshots
 from raytrn.train.step import skip_step, train_step
 from raytrn.train.watchdog import HangWatch, on_hang_exit
 
@@ -48,7 +49,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     dp, dp_rank = data_parallel_size(job, world_size), data_parallel_rank(job, rank)
 
     # -- start: where the run stands (a collective), the data feed from there while the model builds -------------
-    checkpointer = Checkpointer(job, backend, plan.schedule, rank=rank, world_size=world_size, logger=logger)
+    memory = MemorySnapshots(job, plan.memory, rank=rank, world_size=world_size, board=plan.board)  # a collective
+    checkpointer = Checkpointer(
+        job, backend, plan.schedule, rank=rank, world_size=world_size, logger=logger, memory=memory
+    )
     start = checkpointer.find()
     progress = start.progress
     feed = DataFeed(job, plan.manifest, dp=dp, dp_rank=dp_rank, global_batch=global_batch(job, dp))

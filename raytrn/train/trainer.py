@@ -116,6 +116,7 @@ def _train(
     env = None if started_locally else driver_env(os.environ)
     tracker = start_tracking_actor(tracked, job, manifest=manifest, env=env) if tracked else None
     board = tracker if tracker is not None else ray.remote(num_cpus=0)(ProgressBoard).options(**on_this_node()).remote()
+    keeper = _memory_keeper(job)
     watch = _RunRefused(tracker)
     status = "FAILED"
 
@@ -143,7 +144,7 @@ def _train(
         with _stop_on_sigterm(lambda: finish("KILLED", 3.0)):  # Ray SIGKILLs soon after SIGTERM
             trainer = _trainer(
                 job, backend, scaling, manifest, tracked, tracker, board, schedule=schedule, local=started_locally,
-                validation=validation, report_metrics=trial,
+                validation=validation, report_metrics=trial, memory=keeper,
             )  # fmt: skip
             printer = ProgressPrinter(board, live=live_progress) if not trial else contextlib.nullcontext()
             with printer, watch:
@@ -167,6 +168,8 @@ def _train(
             raise user_error from None
         raise
     finally:
+        if keeper is not None:  # its stores (it owns them) go with it: the snapshots' memory is freed
+            ray.kill(keeper, no_restart=True)
         run_id = finish(status, job.tracking.flush_timeout_s)
     if run_id and tracker is not None and job.tracking.register_model:
         version = ray.get(tracker.register_model.remote(job.tracking.register_model), timeout=600)
@@ -191,6 +194,22 @@ def _train(
         first_step_s=snap.get("first_step_s"),
         restores=snap.get("restores") or [],
     )
+
+
+def _memory_keeper(job: JobSpec) -> Any:
+    """The run's in-memory snapshot keeper when the tier may be on: ``checkpoint.memory_every_n_steps`` > 0, or
+    null (auto) on a cluster of more than one node now (a group on one node keeps none then); None otherwise."""
+    import ray
+
+    spec = job.checkpoint
+    if spec.memory_every_n_steps == 0:
+        return None
+    if spec.memory_every_n_steps is None and sum(1 for n in ray.nodes() if n.get("Alive")) < 2:
+        return None
+    from raytrn.checkpoint.memory import start_keeper
+
+    capacity = None if spec.memory_store_gib is None else int(spec.memory_store_gib * 2**30)
+    return start_keeper(job.run_name, capacity)
 
 
 class _RunRefused:
@@ -256,6 +275,7 @@ def _trainer(
     local: bool = False,
     validation: Any = None,
     report_metrics: bool = False,
+    memory: Any = None,
 ) -> Any:
     """The Ray Train ``TorchTrainer`` for ``job``, reading the manifest's shards with Ray Data
     (``local``: on the embedded local Ray this process started, see :func:`_local_trainer_class`)."""
@@ -283,6 +303,7 @@ def _trainer(
             mlflow_uri=tracked.uri if tracked else None,
             started_at=process_started_at(),
             report_metrics=report_metrics,
+            memory=memory,
         ).as_config(),  # Ray Train takes a dict: the plan travels inside one
         scaling_config=scaling,
         torch_config=backend.ray_backend_config(job),

@@ -362,17 +362,21 @@ def _commits(storage_root: str) -> list[dict[str, Any]]:
 
 
 def _resumes(trace: Path) -> list[dict[str, Any]]:
-    """What every restarted group resumed from, and whether that checkpoint is committed with that step."""
+    """What every restarted group resumed from, and whether that checkpoint is committed with that step (or the
+    group resumed from an in-memory snapshot: ``memory``)."""
     from raytrn.checkpoint import manifest
     from tests.chaos._common import read_resumes
 
     out = []
     for record in read_resumes(trace):
-        try:
-            c = manifest.read_commit(record["resumed_from"])
-        except (OSError, ValueError):
-            c = None
-        out.append({**record, "committed": c is not None and c.step == record["step"]})
+        c = None
+        if not str(record["resumed_from"]).startswith("memory:"):
+            try:
+                c = manifest.read_commit(record["resumed_from"])
+            except (OSError, ValueError):
+                c = None
+        memory = record["resumed_from"] == f"memory:step_{record['step']}"
+        out.append({**record, "committed": c is not None and c.step == record["step"], "memory": memory})
     return out
 
 

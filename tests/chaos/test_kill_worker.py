@@ -140,6 +140,38 @@ def test_killed_worker_resumes_and_history_has_each_step_once(ray_session, tiny_
     )
 
 
+def test_killed_worker_resumes_from_its_in_memory_snapshot_losing_at_most_one_step(ray_session, tiny_dataset, tmp_path):
+    """The memory tier (issue 29) on one node: a snapshot every step, no durable checkpoint before the end. The
+    killed worker's group restarts from the newest snapshot in its node's store (which outlives the worker): at
+    most one step trained again, nothing read from the checkpoint storage (it holds nothing yet), every step
+    logged once."""
+    name = f"mem-{uuid.uuid4().hex[:8]}"
+    job = load_job(REPO / "jobs" / "tiny.yaml", _overrides(tiny_dataset, tmp_path, name, "run.max_steps=40",
+                                                           "scaling.max_failures=2", "checkpoint.every_n_steps=1000",
+                                                           "checkpoint.memory_every_n_steps=1"))  # fmt: skip
+    client = MlflowClient(job.tracking.mlflow_uri)
+    thread, result = train_in_thread(job)
+    try:
+        _wait_for_step(client, name, 2)
+        pid = _train_worker_pid()
+        _wait_for_step(client, name, 12)
+        assert not list((tmp_path / "ckpt" / name / "dcp").glob("step_*")), "no durable checkpoint before the end"
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        thread.join(timeout=480)
+    summary = summary_of(thread, result)
+    assert summary.final_step == 40
+    run = client.get_run(summary.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(summary.mlflow_run_id, "loss")]
+    assert steps == list(range(1, 41)), steps
+    [(source, restored, retrained)] = [(r["source"], r["step"], r["steps_retrained"]) for r in summary.restores]
+    assert source == "memory" and restored >= 12 and retrained <= 1, summary.restores
+    assert run.data.tags["raytrn.restore_source"] == f"memory:step_{restored}"
+    first, second = run.data.tags["world_size_history"].split(",")
+    assert first == "0:1" and second == f"{restored}:1", run.data.tags["world_size_history"]
+
+
 def test_a_hung_worker_is_detected_its_stacks_kept_and_the_group_restarted(ray_session, tiny_dataset, tmp_path):
     """Issue 28 item 3: one of 2 workers frozen (SIGSTOP: a process that never returns, as a stuck kernel or a lost
     device would leave it) holds the other in the gradient all-reduce. Within run.hang_timeout_s the other dumps its

@@ -194,3 +194,17 @@ def test_a_snapshot_missing_one_ranks_shard_is_never_used() -> None:
     choice = newest_restorable(holdings, ["n1", "n2"])
     assert choice.step is None and choice.skipped == ("snapshot 7: rank(s) 1 of 3 missing",)
     assert newest_restorable({}, []).step is None
+
+
+def test_rewinding_forgets_the_newer_snapshots_so_a_restarted_group_can_replace_them() -> None:
+    """A group that starts at step 5 (from a checkpoint older than the stores' newest snapshot, or a rollback)
+    snapshots 6, 7, ... again: the stores forget theirs, or they would refuse the new ones."""
+    store = SnapshotStore(capacity_bytes=2**20)
+    for step in (5, 6, 7):
+        assert store.put(step, 0, {"__0_0.distcp": bytes([step])}) is None
+        store.put_manifest(step, {"step": step, "world_size": 1})
+    store.seal(7)
+    assert store.put(6, 0, {"__0_0.distcp": b"again"}) is not None  # refused: not newer than the sealed 7
+    store.rewind(5)
+    assert store.holdings() == {}  # 5 was freed by the seal of 7; 6 and 7 are forgotten now
+    assert store.put(6, 0, {"__0_0.distcp": b"again"}) is None and store.read(6, "__0_0.distcp") == b"again"

@@ -1,0 +1,141 @@
+"""The loop's in-memory snapshots (``checkpoint.memory_every_n_steps``; the tier: :mod:`raytrn.checkpoint.memory`).
+
+Every N steps each rank writes its DCP shards into host memory and puts them on its node's store and on
+``checkpoint.memory_replicas`` other nodes' (ring placement); once every rank's copies are kept (agreed by a
+collective), rank 0 adds the manifest (step, world size, the counters) next to its files and the stores free the
+older snapshots. A restart (:meth:`raytrn.train.checkpointer.Checkpointer.find`) resumes from the newest complete
+snapshot still held on live nodes when it is newer than the newest committed checkpoint: no read from the checkpoint
+storage, at most N steps trained again, resharded like a durable checkpoint to whatever size the group restarts at.
+
+A snapshot that cannot be kept (a store full, a node gone mid-copy) is skipped with one warning naming why; training
+goes on, the previous complete snapshot and the durable checkpoints stay.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from raytrn.checkpoint import agree
+from raytrn.checkpoint.dcp import training_state
+from raytrn.checkpoint.memory import fetcher, load_from_memory, publish, save_to_memory
+from raytrn.checkpoint.progress import Progress
+from raytrn.config import JobSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A complete in-memory snapshot a group can start from."""
+
+    step: int
+    progress: Progress
+    world_size: int
+
+
+class MemorySnapshots:
+    """One rank's side of the memory tier (a no-op when it is off for this group)."""
+
+    def __init__(self, job: JobSpec, keeper: Any, *, rank: int, world_size: int, board: Any = None) -> None:
+        import ray
+
+        self.job, self.keeper, self.rank, self.world_size = job, keeper, rank, world_size
+        self.board = board  # the job's progress board: its rollbacks (raytrn.train.guard)
+        self.every = job.checkpoint.memory_every_n_steps
+        self.stores: dict[str, Any] = {}
+        self.skipped = 0
+        self._warned: set[str] = set()
+        #: Whether a restart may resume from a snapshot (the tier is on for the job: a group on one node still
+        #: restores what a larger one snapshotted), and whether this group takes snapshots.
+        self.restorable = keeper is not None and self.every != 0
+        self.taking = False
+        if not self.restorable:
+            return
+        self.node = ray.get_runtime_context().get_node_id()
+        nodes = agree.gather(self.node)  # a collective: every rank's node
+        if self.every is None:  # auto: snapshots only while the group spans more than one node
+            self.every = 1 if len(set(nodes)) > 1 else 0
+        self.taking = self.every > 0
+        self.stores = ray.get(keeper.ensure.remote(sorted(set(nodes))), timeout=120)  # every store the run has
+        #: Where this group's snapshots go: the ring over the group's own nodes (never a lost node's store).
+        self.ring = {n: self.stores[n] for n in set(nodes)}
+
+    # -- start -----------------------------------------------------------------------------------------------
+    def newest(self) -> Snapshot | None:
+        """The newest complete snapshot on live nodes (a collective: rank 0 asks the keeper, every rank gets its
+        answer). Its skipped newer snapshots are warned about once, by rank 0."""
+        import ray
+
+        answer: list[Any] = [None]
+        if self.rank == 0 and self.keeper is not None:
+            try:
+                rollbacks = ray.get(self.board.rolled_back_steps.remote(), timeout=60) if self.board else []
+                if rollbacks:  # a rollback goes back before the diverging steps: no snapshot of them is used
+                    ray.get(self.keeper.rewind.remote(min(int(first) for first, _ in rollbacks) - 1), timeout=60)
+                choice = ray.get(self.keeper.choose.remote(), timeout=60)
+            except Exception as e:  # the tier never stops a restart: the durable checkpoint is there
+                log.warning("in-memory snapshots: could not ask the stores (%s); resuming from storage", e)
+            else:
+                for why in choice.skipped:
+                    log.warning("in-memory snapshots: %s; trying the one before", why)
+                if choice.step is not None and choice.manifest is not None:
+                    m = choice.manifest
+                    answer = [Snapshot(choice.step, Progress.from_dict(m["progress"]), int(m["world_size"]))]
+        if self.keeper is None:
+            return None
+        (found,) = agree.broadcast(answer)
+        return found  # type: ignore[no-any-return]
+
+    def starting_at(self, step: int) -> None:
+        """The group starts at ``step`` (from a snapshot, a checkpoint, or 0): the stores forget newer snapshots,
+        so the ones this group makes replace them (rank 0, before its first step: every other rank's first
+        snapshot comes after a step's collectives, which wait for rank 0)."""
+        import ray
+
+        if self.rank == 0 and self.keeper is not None:
+            try:
+                ray.get(self.keeper.rewind.remote(step), timeout=60)
+            except Exception as e:  # a refused snapshot later says why; training does not wait on the tier
+                log.warning("in-memory snapshots: could not rewind the stores to step %d (%s)", step, e)
+
+    def load(self, t: Any, snapshot: Snapshot) -> Progress:
+        """Restore ``snapshot`` into ``t`` (every rank reads the files holding its shards, from its own node's
+        store first)."""
+        ordered = dict(sorted(self.stores.items(), key=lambda item: item[0] != self.node))  # this node's first
+        load_from_memory(fetcher(ordered, snapshot.step), t.model, t.optimizer, t.scheduler)
+        return snapshot.progress
+
+    # -- saving ----------------------------------------------------------------------------------------------
+    def due(self, step: int, *, durable: bool) -> bool:
+        """A snapshot step: every ``memory_every_n_steps``, except where the loop saves a durable checkpoint."""
+        return self.taking and not durable and self.every is not None and step % self.every == 0
+
+    def save(self, t: Any, progress: Progress) -> bool:
+        """Snapshot this step (a collective); True once every rank's copies are kept and the manifest is out."""
+        started = time.perf_counter()
+        files = save_to_memory(training_state(t.model, t.optimizer, t.scheduler))
+        replicas = self.job.checkpoint.memory_replicas
+        reason = publish(self.ring, self.node, progress.step, self.rank, files, replicas=replicas)
+        reasons = agree.gather(reason)
+        complete = not any(reasons)
+        if complete and self.rank == 0:
+            manifest = {"step": progress.step, "world_size": self.world_size, "progress": asdict(progress)}
+            reason = publish(self.ring, self.node, progress.step, 0, None, replicas=replicas, manifest=manifest)
+            if reason is None:
+                for handle in self.ring.values():
+                    handle.seal.remote(progress.step)  # frees the older snapshots (fire and forget)
+        complete = agree.all_true(complete and reason is None)
+        if not complete:
+            self.skipped += 1
+            why = next((r for r in reasons if r), reason) or "unknown"
+            for handle in self.ring.values():
+                handle.drop.remote(progress.step)
+            if self.rank == 0 and why not in self._warned:
+                self._warned.add(why)
+                log.warning("in-memory snapshot of step %d skipped: %s; training goes on", progress.step, why)
+        elif self.rank == 0:
+            log.debug("in-memory snapshot of step %d in %.2f s", progress.step, time.perf_counter() - started)
+        return complete
