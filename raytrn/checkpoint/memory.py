@@ -25,7 +25,7 @@ import os
 import threading
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -186,7 +186,8 @@ class SnapshotStore:
         return sum(len(b) for ranks in self._files.values() for files in ranks.values() for b in files.values())
 
     def put(self, step: int, rank: int, files: Mapping[str, bytes]) -> str | None:
-        """Keep ``rank``'s files of snapshot ``step``; None when kept, else why not (nothing is kept then)."""
+        """Keep ``rank``'s files of snapshot ``step``; None when kept, else why not (nothing is kept then). The bound
+        counts everything held: the complete snapshot and the one being made (room for two, per node)."""
         if self._sealed is not None and step <= self._sealed:
             return f"snapshot {step} is not newer than the complete snapshot {self._sealed}"
         size = sum(len(b) for b in files.values())
@@ -263,6 +264,7 @@ class Choice:
     step: int | None
     manifest: dict[str, Any] | None
     skipped: tuple[str, ...]
+    alive: tuple[str, ...] = ()  # the nodes whose stores answered (MemoryTier.choose)
 
 
 def newest_restorable(holdings: Mapping[str, Mapping[int, Holding]], alive: Iterable[str]) -> Choice:
@@ -316,6 +318,7 @@ class MemoryTier:
         self.capacity_bytes = capacity_bytes
         self.handles: dict[str, Any] = {}
         self._seen: dict[str, dict[int, Holding]] = {}  # each store's last answer: why a lost one's snapshot is gone
+        self._rolled_back: set[int] = set()
 
     def ensure(self, nodes: Iterable[str], *, pin: bool = True) -> dict[str, Any]:
         """A store on each of ``nodes`` (Ray node ids; ``pin=False``: any labels, all on this node, for tests)."""
@@ -350,16 +353,26 @@ class MemoryTier:
 
     def choose(self, timeout_s: float = 10.0) -> Choice:
         """The newest snapshot whose files are all on stores that answer (what a store that no longer answers held
-        when last asked names why a newer snapshot was passed over)."""
-        alive = self.holdings(timeout_s).keys()
-        return newest_restorable(self._seen, alive)
+        when last asked names why a newer snapshot was passed over); ``alive``: those stores."""
+        alive = tuple(sorted(self.holdings(timeout_s)))
+        return replace(newest_restorable(self._seen, alive), alive=alive)
 
-    def rewind(self, step: int, timeout_s: float = 10.0) -> None:
-        """Every answering store forgets its snapshots newer than ``step`` (:meth:`SnapshotStore.rewind`)."""
+    def rewind(self, step: int, timeout_s: float = 60.0) -> list[str]:
+        """Every answering store forgets its snapshots newer than ``step`` (:meth:`SnapshotStore.rewind`); the
+        nodes whose store did not answer in time."""
         import ray
 
-        refs = [h.rewind.remote(step) for h in self.handles.values()]
-        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        refs = {node: h.rewind.remote(step) for node, h in self.handles.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        return sorted(node for node, ref in refs.items() if ref not in ready)
+
+    def forget_rollback(self, first: int) -> None:
+        """A rollback of the steps from ``first`` on (:mod:`raytrn.train.guard`): the snapshots of those steps are
+        never used. Once per rollback (a later restart keeps what the groups after the rollback snapshotted)."""
+        if first in self._rolled_back:
+            return
+        self._rolled_back.add(first)
+        self.rewind(first - 1)
 
     def shutdown(self) -> None:
         import ray
@@ -383,18 +396,21 @@ def publish(
     if missing:
         return f"no memory store on node(s) {', '.join(missing)}"
     puts = []
-    if files is not None:
-        ref = ray.put(dict(files))  # one copy in the object store, read by every target
-        puts += [stores[t].put.remote(step, rank, ref) for t in targets]
-    if manifest is not None:
-        puts += [stores[t].put_manifest.remote(step, manifest) for t in targets]
-    ready, pending = ray.wait(puts, num_returns=len(puts), timeout=timeout_s)
-    if pending:
-        return f"snapshot {step}: rank {rank}'s copies not kept within {timeout_s:.0f} s"
     try:
+        if files is not None:
+            ref = ray.put(dict(files))  # one copy in the object store, read by every target
+            puts += [stores[t].put.remote(step, rank, ref) for t in targets]
+        if manifest is not None:
+            puts += [stores[t].put_manifest.remote(step, manifest) for t in targets]
+    except Exception as e:
+        return f"snapshot {step}: rank {rank}'s copies failed ({type(e).__name__}: {e})"
+    try:
+        ready, pending = ray.wait(puts, num_returns=len(puts), timeout=timeout_s)
+        if pending:
+            return f"snapshot {step}: rank {rank}'s copies not kept within {timeout_s:.0f} s"
         reasons = [r for r in ray.get(ready) if r]
-    except ray.exceptions.RayActorError as e:  # a target's node went away mid-copy
-        return f"snapshot {step}: a store is gone ({type(e).__name__})"
+    except Exception as e:  # a store's node gone mid-copy, the object store full: this snapshot fails, not the step
+        return f"snapshot {step}: rank {rank}'s copies failed ({type(e).__name__}: {e})"
     return "; ".join(reasons) or None
 
 
@@ -407,8 +423,8 @@ def fetcher(stores: Mapping[str, Any], step: int, timeout_s: float = PUBLISH_TIM
         for handle in stores.values():
             try:
                 data = ray.get(handle.read.remote(step, name), timeout=timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                continue  # that node is gone: another copy
+            except Exception:  # that node is gone (or the copy lost): another copy
+                continue
             if data is not None:
                 return bytes(data)
         raise FileNotFoundError(name)

@@ -348,12 +348,13 @@ class CheckpointConfig(Section):
         "sha256 (every byte read once more, split over the workers) or sizes only",
     )
     memory_every_n_steps: int | None = Field(
-        None,
+        0,
         ge=0,
         le=10**12,
         description="in-memory snapshots every N steps (raytrn.checkpoint.memory): each rank's shards in host memory "
         "on its node and on memory_replicas other nodes; a restart resumes from the newest complete one when it is "
-        "newer than the newest checkpoint. 0: off; null: every step when the worker group spans more than one node",
+        "newer than the newest checkpoint. 0: off (the default while a snapshot is written within the step); null: "
+        "every step while the worker group spans more than one node",
     )
     memory_replicas: int = Field(
         1, ge=0, le=16, description="other nodes that keep a copy of each node's snapshot (the next ones on a ring)"

@@ -180,13 +180,18 @@ class Checkpointer:
         """Save when due, or at once on a preemption ``notice`` (every rank got the same one: it was agreed by a
         collective); after a notice the group trains no further."""
         preempted = notice is not None and not last
-        if not (self.due(progress.step, last=last) or preempted):
-            if self.memory is not None and self.memory.due(progress.step, durable=False):
-                self.memory.save(t, progress)
+        durable = self.due(progress.step, last=last) or preempted
+        synchronous = last or preempted or not self.job.checkpoint.async_
+        memory = self.memory is not None and self.memory.due(progress.step, durable=durable and synchronous)
+        if not (durable or memory):
             return
         cost = self.cost_usd()
         if cost is not None:
             progress.cost_usd = cost
+        if memory:  # (an asynchronous checkpoint is resumable only once written: the snapshot covers its step)
+            self.memory.save(t, progress)  # type: ignore[union-attr]
+        if not durable:
+            return
         report = {**metrics, **(scores or {}), "step": progress.step, "tokens_seen": progress.tokens_seen}
         # keep_best: the run's checkpoint tags mark what retention deleted (Ray Train keeps every pointer then)
         deleted = getattr(t.checkpoints, "deleted", None) if self.job.checkpoint.keep_best else None

@@ -49,7 +49,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     dp, dp_rank = data_parallel_size(job, world_size), data_parallel_rank(job, rank)
 
     # -- start: where the run stands (a collective), the data feed from there while the model builds -------------
-    memory = MemorySnapshots(job, plan.memory, rank=rank, world_size=world_size, board=plan.board)  # a collective
+    # In-memory snapshots (a collective); only where checkpoints are DCP's (not the frozen XLA path's formats)
+    keeper = plan.memory if backend.committed_checkpoints else None
+    memory = MemorySnapshots(job, keeper, rank=rank, world_size=world_size, board=plan.board)
     checkpointer = Checkpointer(
         job, backend, plan.schedule, rank=rank, world_size=world_size, logger=logger, memory=memory
     )

@@ -13,7 +13,9 @@ goes on, the previous complete snapshot and the durable checkpoints stay.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -34,6 +36,11 @@ class Snapshot:
     step: int
     progress: Progress
     world_size: int
+    nodes: tuple[str, ...] = ()  # the nodes whose stores answered when it was chosen
+
+
+class SnapshotUnreadable(RuntimeError):
+    """A chosen snapshot could not be read on some rank: the group fails and restarts from the checkpoint."""
 
 
 class MemorySnapshots:
@@ -73,8 +80,8 @@ class MemorySnapshots:
         if self.rank == 0 and self.keeper is not None:
             try:
                 rollbacks = ray.get(self.board.rolled_back_steps.remote(), timeout=60) if self.board else []
-                if rollbacks:  # a rollback goes back before the diverging steps: no snapshot of them is used
-                    ray.get(self.keeper.rewind.remote(min(int(first) for first, _ in rollbacks) - 1), timeout=60)
+                for first, _ in rollbacks:  # no snapshot of a rollback's diverging steps is ever used (once each)
+                    ray.get(self.keeper.forget_rollback.remote(int(first)), timeout=120)
                 choice = ray.get(self.keeper.choose.remote(), timeout=60)
             except Exception as e:  # the tier never stops a restart: the durable checkpoint is there
                 log.warning("in-memory snapshots: could not ask the stores (%s); resuming from storage", e)
@@ -83,7 +90,8 @@ class MemorySnapshots:
                     log.warning("in-memory snapshots: %s; trying the one before", why)
                 if choice.step is not None and choice.manifest is not None:
                     m = choice.manifest
-                    answer = [Snapshot(choice.step, Progress.from_dict(m["progress"]), int(m["world_size"]))]
+                    progress = Progress.from_dict(m["progress"])
+                    answer = [Snapshot(choice.step, progress, int(m["world_size"]), choice.alive)]
         if self.keeper is None:
             return None
         (found,) = agree.broadcast(answer)
@@ -97,45 +105,80 @@ class MemorySnapshots:
 
         if self.rank == 0 and self.keeper is not None:
             try:
-                ray.get(self.keeper.rewind.remote(step), timeout=60)
+                late = ray.get(self.keeper.rewind.remote(step), timeout=120)
             except Exception as e:  # a refused snapshot later says why; training does not wait on the tier
                 log.warning("in-memory snapshots: could not rewind the stores to step %d (%s)", step, e)
+            else:
+                if late:
+                    log.warning("in-memory snapshots: the stores on %s did not answer the rewind", ", ".join(late))
 
     def load(self, t: Any, snapshot: Snapshot) -> Progress:
-        """Restore ``snapshot`` into ``t`` (every rank reads the files holding its shards, from its own node's
-        store first)."""
-        ordered = dict(sorted(self.stores.items(), key=lambda item: item[0] != self.node))  # this node's first
-        load_from_memory(fetcher(ordered, snapshot.step), t.model, t.optimizer, t.scheduler)
-        return snapshot.progress
+        """Restore ``snapshot`` into ``t`` (a collective: every rank reads the files holding its shards from the
+        stores that answered the choice, its own node's first). When any rank cannot, the snapshot is forgotten and
+        the group fails at once (:class:`SnapshotUnreadable`): its restart resumes from the checkpoint."""
+        import ray
+
+        live = {n: h for n, h in self.stores.items() if n in snapshot.nodes}
+        ordered = dict(sorted(live.items(), key=lambda item: item[0] != self.node))  # this node's first
+        error: Exception | None = None
+        try:
+            load_from_memory(fetcher(ordered, snapshot.step), t.model, t.optimizer, t.scheduler)
+        except Exception as e:
+            error = e
+        if agree.all_true(error is None):
+            return snapshot.progress
+        if self.rank == 0 and self.keeper is not None:
+            with contextlib.suppress(Exception):
+                ray.get(self.keeper.rewind.remote(snapshot.step - 1), timeout=120)
+        raise SnapshotUnreadable(
+            f"the in-memory snapshot of step {snapshot.step} could not be read ({error or 'on another rank'}); it is "
+            "forgotten and the group restarts from the newest checkpoint"
+        )
 
     # -- saving ----------------------------------------------------------------------------------------------
     def due(self, step: int, *, durable: bool) -> bool:
-        """A snapshot step: every ``memory_every_n_steps``, except where the loop saves a durable checkpoint."""
+        """A snapshot step: every ``memory_every_n_steps``, except where the loop saves a durable checkpoint
+        synchronously (``durable``; an asynchronous one is resumable only once written: the snapshot covers it)."""
         return self.taking and not durable and self.every is not None and step % self.every == 0
 
     def save(self, t: Any, progress: Progress) -> bool:
         """Snapshot this step (a collective); True once every rank's copies are kept and the manifest is out."""
+        import ray
+
         started = time.perf_counter()
-        files = save_to_memory(training_state(t.model, t.optimizer, t.scheduler))
         replicas = self.job.checkpoint.memory_replicas
-        reason = publish(self.ring, self.node, progress.step, self.rank, files, replicas=replicas)
+        try:
+            files = save_to_memory(training_state(t.model, t.optimizer, t.scheduler))  # DCP: every rank fails alike
+        except Exception as e:
+            reason: str | None = f"snapshot {progress.step}: not written ({type(e).__name__}: {e})"
+        else:
+            reason = publish(self.ring, self.node, progress.step, self.rank, files, replicas=replicas)
         reasons = agree.gather(reason)
         complete = not any(reasons)
         if complete and self.rank == 0:
             manifest = {"step": progress.step, "world_size": self.world_size, "progress": asdict(progress)}
             reason = publish(self.ring, self.node, progress.step, 0, None, replicas=replicas, manifest=manifest)
-            if reason is None:
-                for handle in self.ring.values():
-                    handle.seal.remote(progress.step)  # frees the older snapshots (fire and forget)
+            if reason is None:  # the ring's stores free the older snapshots before anyone's next put
+                seals = [handle.seal.remote(progress.step) for handle in self.ring.values()]
+                ready, _ = ray.wait(seals, num_returns=len(seals), timeout=60)
+                if len(ready) < len(seals):
+                    reason = f"snapshot {progress.step}: a store did not answer the seal"
+                for node, handle in self.stores.items():  # stores of nodes no longer in the group: theirs are older
+                    if node not in self.ring:
+                        handle.seal.remote(progress.step)
         complete = agree.all_true(complete and reason is None)
         if not complete:
             self.skipped += 1
             why = next((r for r in reasons if r), reason) or "unknown"
             for handle in self.ring.values():
                 handle.drop.remote(progress.step)
-            if self.rank == 0 and why not in self._warned:
-                self._warned.add(why)
-                log.warning("in-memory snapshot of step %d skipped: %s; training goes on", progress.step, why)
+            kind = re.sub(r"\d+(\.\d+)?", "N", why)  # one warning per kind of failure, not per step
+            if self.rank == 0 and kind not in self._warned:
+                self._warned.add(kind)
+                log.warning(
+                    "in-memory snapshot of step %d skipped: %s; training goes on (the same failure again is not "
+                    "warned about; checkpoint_failures counts durable saves only)", progress.step, why,
+                )  # fmt: skip
         elif self.rank == 0:
             log.debug("in-memory snapshot of step %d in %.2f s", progress.step, time.perf_counter() - started)
         return complete

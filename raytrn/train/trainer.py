@@ -209,7 +209,11 @@ def _memory_keeper(job: JobSpec) -> Any:
     from raytrn.checkpoint.memory import start_keeper
 
     capacity = None if spec.memory_store_gib is None else int(spec.memory_store_gib * 2**30)
-    return start_keeper(job.run_name, capacity)
+    try:
+        return start_keeper(job.run_name, capacity)
+    except Exception as e:  # the tier is an optimisation: the durable checkpoints are there
+        log.warning("in-memory snapshots: no keeper (%s); restarts resume from checkpoints only", e)
+        return None
 
 
 class _RunRefused:

@@ -176,6 +176,7 @@ def _job(args: Any, work: Path, storage_root: str, *, name: str, workers: tuple[
             f"checkpoint.storage={storage_root}",
             "checkpoint.every_n_steps=5",
             "checkpoint.keep_last=null",  # every checkpoint stays: what each group resumed from is checked after
+            "checkpoint.memory_every_n_steps=null",  # in-memory snapshots every step while on several nodes
             f"tracking.mlflow_uri=sqlite:///{db}",
             "tracking.experiment=raytrn-elastic",
             f"tracking.run_name={name}",

@@ -166,7 +166,8 @@ def test_killed_worker_resumes_from_its_in_memory_snapshot_losing_at_most_one_st
     steps = [m.step for m in client.get_metric_history(summary.mlflow_run_id, "loss")]
     assert steps == list(range(1, 41)), steps
     [(source, restored, retrained)] = [(r["source"], r["step"], r["steps_retrained"]) for r in summary.restores]
-    assert source == "memory" and restored >= 12 and retrained <= 1, summary.restores
+    # Step 12 is logged before its snapshot is out: the kill may come between (restored 11, one step again).
+    assert source == "memory" and restored >= 11 and retrained <= 1, summary.restores
     assert run.data.tags["raytrn.restore_source"] == f"memory:step_{restored}"
     first, second = run.data.tags["world_size_history"].split(",")
     assert first == "0:1" and second == f"{restored}:1", run.data.tags["world_size_history"]
