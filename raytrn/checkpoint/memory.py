@@ -302,13 +302,9 @@ def _ranges(ranks: list[int]) -> str:
 PUBLISH_TIMEOUT_S = 60.0
 
 
-def store_name(run: str, node: str) -> str:
-    return f"raytrn-memory:{run}:{node}"
-
-
 class MemoryTier:
-    """The driver's side: one :class:`SnapshotStore` actor per node (named, zero CPUs, pinned to its node, owned by
-    the driver so it outlives every worker group of the run), the holdings of the live ones, and the choice.
+    """The driver's side: one :class:`SnapshotStore` actor per node (zero CPUs, pinned to its node, owned by the
+    keeper, so it outlives every worker group of the run), the holdings of the live ones, and the choice.
 
     A store keeps its bytes in its own heap (what a rank sends is copied there), so a snapshot does not die with
     the worker that made it, only with its node."""
@@ -319,6 +315,7 @@ class MemoryTier:
         self.handles: dict[str, Any] = {}
         self._seen: dict[str, dict[int, Holding]] = {}  # each store's last answer: why a lost one's snapshot is gone
         self._rolled_back: set[int] = set()
+        self._answered: set[str] = set()  # the stores that answered the last holdings()
 
     def ensure(self, nodes: Iterable[str], *, pin: bool = True) -> dict[str, Any]:
         """A store on each of ``nodes`` (Ray node ids; ``pin=False``: any labels, all on this node, for tests)."""
@@ -329,7 +326,7 @@ class MemoryTier:
         for node in nodes:
             if node in self.handles:
                 continue
-            options: dict[str, Any] = {"name": store_name(self.run, node), "num_cpus": 0, "max_restarts": 0}
+            options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
             if pin:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
             self.handles[node] = actor.options(**options).remote(self.capacity_bytes)  # type: ignore[attr-defined]
@@ -349,6 +346,7 @@ class MemoryTier:
                 except ray.exceptions.RayActorError:  # its node (or the actor) is gone
                     continue
         self._seen.update(out)
+        self._answered = set(out)
         return out
 
     def choose(self, timeout_s: float = 10.0) -> Choice:
@@ -358,13 +356,15 @@ class MemoryTier:
         return replace(newest_restorable(self._seen, alive), alive=alive)
 
     def rewind(self, step: int, timeout_s: float = 60.0) -> list[str]:
-        """Every answering store forgets its snapshots newer than ``step`` (:meth:`SnapshotStore.rewind`); the
-        nodes whose store did not answer in time."""
+        """Every store forgets its snapshots newer than ``step`` (:meth:`SnapshotStore.rewind`); waits for those
+        that answered the last :meth:`holdings` (a lost node's would hang until Ray marks it dead); returns the
+        nodes among them whose store did not answer in time."""
         import ray
 
         refs = {node: h.rewind.remote(step) for node, h in self.handles.items()}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-        return sorted(node for node, ref in refs.items() if ref not in ready)
+        awaited = [ref for node, ref in refs.items() if node in self._answered]
+        ready, _ = ray.wait(awaited, num_returns=len(awaited), timeout=timeout_s)
+        return sorted(node for node, ref in refs.items() if node in self._answered and ref not in ready)
 
     def forget_rollback(self, first: int) -> None:
         """A rollback of the steps from ``first`` on (:mod:`raytrn.train.guard`): the snapshots of those steps are
