@@ -22,10 +22,6 @@ os.environ["AWS_SECRET_ACCESS_KEY"] = "testing"
 os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
 os.environ.pop("AWS_PROFILE", None)
 os.environ.pop("MLFLOW_TRACKING_URI", None)
-# Ray Train's controller sleeps this long between its steps (scheduling, starting the group, each poll of the
-# workers, seeing them finish): 2 s by default, several times in every fit. 0.5 s took 3-6 s off a 35 s fit of the
-# tiny job here (every Ray Train run in the suite; the driver passes it on to the controller). Subprocesses inherit it.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
 @pytest.fixture(scope="session")
