@@ -176,7 +176,6 @@ def _job(args: Any, work: Path, storage_root: str, *, name: str, workers: tuple[
             f"checkpoint.storage={storage_root}",
             "checkpoint.every_n_steps=5",
             "checkpoint.keep_last=null",  # every checkpoint stays: what each group resumed from is checked after
-            "checkpoint.memory_every_n_steps=null",  # in-memory snapshots every step while on several nodes
             f"tracking.mlflow_uri=sqlite:///{db}",
             "tracking.experiment=raytrn-elastic",
             f"tracking.run_name={name}",
@@ -363,21 +362,17 @@ def _commits(storage_root: str) -> list[dict[str, Any]]:
 
 
 def _resumes(trace: Path) -> list[dict[str, Any]]:
-    """What every restarted group resumed from, and whether that checkpoint is committed with that step (or the
-    group resumed from an in-memory snapshot: ``memory``)."""
+    """What every restarted group resumed from, and whether that checkpoint is committed with that step."""
     from raytrn.checkpoint import manifest
     from tests.chaos._common import read_resumes
 
     out = []
     for record in read_resumes(trace):
-        c = None
-        if not str(record["resumed_from"]).startswith("memory:"):
-            try:
-                c = manifest.read_commit(record["resumed_from"])
-            except (OSError, ValueError):
-                c = None
-        memory = record["resumed_from"] == f"memory:step_{record['step']}"
-        out.append({**record, "committed": c is not None and c.step == record["step"], "memory": memory})
+        try:
+            c = manifest.read_commit(record["resumed_from"])
+        except (OSError, ValueError):
+            c = None
+        out.append({**record, "committed": c is not None and c.step == record["step"]})
     return out
 
 

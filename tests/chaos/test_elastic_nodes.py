@@ -6,10 +6,9 @@ checkpoint. Then the same job and seed on 1 worker, uninterrupted, on the same c
 
 Asserted: the run reaches ``max_steps`` and ends FINISHED; every step is logged exactly once; every step trained
 on the same rows as the uninterrupted run, and every epoch on each of its rows exactly once; the final loss
-within ``LOSS_TOLERANCE`` of the uninterrupted run's; every restart resumed from a committed checkpoint or a
-complete in-memory snapshot (the job turns the memory tier on for several nodes), and the killed worker and the
-lost node cost at most one step (their groups resume from memory); after the lost node the group restarts at 2 at
-once (sized from the live cluster, no wait on Ray's 60 s start timeout); the returning node is used; the preemption notice loses no step; the S3 outage restarts nothing and the checkpoint it
+within ``LOSS_TOLERANCE`` of the uninterrupted run's; every restart resumed from a committed checkpoint; after the
+lost node the group restarts at 2 at once (sized from the live cluster, no wait on Ray's 60 s start timeout); the
+returning node is used; the preemption notice loses no step; the S3 outage restarts nothing and the checkpoint it
 covered is committed once S3 is back.
 
 The seconds themselves are measured by ``make bench`` (bench/elastic.py), not asserted tightly here: "sized from
@@ -64,20 +63,15 @@ def test_chaos_suite(tiny_dataset, tmp_path):
     kill, remove, add, drain, s3down = result["events"]
     assert [e["kind"] for e in result["events"]] == ["kill", "remove", "add", "drain", "s3down"], result
 
-    # Every restart resumed from a committed checkpoint (never a half-written one) or a complete in-memory snapshot
-    # (the job sets checkpoint.memory_every_n_steps: null, every step while the group spans several nodes).
-    resumes = result["resumes"]
-    assert resumes and all(r["committed"] or r["memory"] for r in resumes), resumes
-    # The killed worker's and the lost node's groups restart from memory: at most one step trained again (the
-    # lost node's own snapshot lives on the next node of the ring); nothing is read from S3 for them.
-    assert kill["steps_lost"] <= 1 and remove["steps_lost"] <= 1, (kill, remove)
-    memory_steps = {r["step"] for r in resumes if r["memory"]}
-    assert kill["resumed_from_step"] in memory_steps and remove["resumed_from_step"] in memory_steps, resumes
+    # Every restart resumed from a committed checkpoint (never a half-written one), at or before the event.
+    assert result["resumes"] and all(r["committed"] for r in result["resumes"]), result["resumes"]
     for event in (kill, remove, drain):
+        assert event["steps_lost"] <= EVERY, event  # at most one checkpoint interval trained again
         # One start, at the size the cluster had (a stale size would wait out Ray's 60 s start timeout first).
         assert event["tried_sizes"] == [event["restarted_dp"]], event
         # A restart, not a hang: the seconds are measured by make bench (kill → next step 38 s here, 55 s on CI).
         assert event["recovery_s"] is not None and event["recovery_s"] < 120, event
+    assert kill["resumed_from_step"] % EVERY == 0 and remove["resumed_from_step"] % EVERY == 0, result
     assert kill["restarted_dp"] == 3, kill  # every node still there
     assert remove["restarted_dp"] == 2, remove  # not 3 on a stale view
     # The returning node is used at the next resize check: one restart, at 3 (41-46 s after the node joined here).
