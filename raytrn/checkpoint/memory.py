@@ -286,14 +286,10 @@ def newest_restorable(holdings: Mapping[str, Mapping[int, Holding]], alive: Iter
                 n for n, h in holdings.items() if n not in live and step in h and set(missing) & h[step].ranks
             )
             where = f" (their only copies were on lost node(s) {', '.join(lost)})" if lost else ""
-            skipped.append(f"snapshot {step}: rank(s) {_ranges(missing)} of {world} missing{where}")
+            skipped.append(f"snapshot {step}: rank(s) {', '.join(map(str, missing))} of {world} missing{where}")
             continue
         return Choice(step, manifest, tuple(skipped))
     return Choice(None, None, tuple(skipped))
-
-
-def _ranges(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
 
 
 # -- the stores on Ray ---------------------------------------------------------------------------------------

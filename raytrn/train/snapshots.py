@@ -53,7 +53,6 @@ class MemorySnapshots:
         self.board = board  # the job's progress board: its rollbacks (raytrn.train.guard)
         self.every = job.checkpoint.memory_every_n_steps
         self.stores: dict[str, Any] = {}
-        self.skipped = 0
         self._warned: set[str] = set()
         #: Whether a restart may resume from a snapshot (the tier is on for the job: a group on one node still
         #: restores what a larger one snapshotted), and whether this group takes snapshots.
@@ -168,7 +167,6 @@ class MemorySnapshots:
                         handle.seal.remote(progress.step)
         complete = agree.all_true(complete and reason is None)
         if not complete:
-            self.skipped += 1
             why = next((r for r in reasons if r), reason) or "unknown"
             for handle in self.ring.values():
                 handle.drop.remote(progress.step)
