@@ -242,14 +242,19 @@ def save_state(state: dict[str, Any], writer: Any) -> None:
 
 def async_save(state: dict[str, Any], location: str, *, process_group: Any) -> tuple[Any, Any]:
     """Stage ``state`` to host memory now, write it in a background thread; returns the write's future and
-    the writer (whose ``digests`` are this rank's files once the future is done).
+    the writer (whose ``digests`` are this rank's files once the future is done)."""
+    writer = storage_writer(location)
+    return async_save_state(state, writer, process_group=process_group), writer
+
+
+def async_save_state(state: dict[str, Any], writer: Any, *, process_group: Any) -> Any:
+    """:func:`save_state` in the background: ``state`` is staged to host memory now (the caller waits for that
+    only) and written through ``writer`` by a background thread; returns the write's future.
 
     ``process_group``: a gloo group of its own, so the background thread's collectives never interleave with
     the training step's on the default group.
     """
-    writer = storage_writer(location)
-    future = dcp.async_save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist())
-    return future, writer
+    return dcp.async_save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist())
 
 
 def load(

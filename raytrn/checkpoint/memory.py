@@ -5,7 +5,7 @@ A snapshot is what a durable DCP checkpoint is (:mod:`raytrn.checkpoint.dcp`: ev
 ``.metadata``), written into a dict of bytes instead of a directory, so it reshards the same way on the way back
 (N ranks' files into M ranks). Here:
 
-- :class:`MemoryFileSystem`, :func:`save_to_memory`, :func:`load_from_memory`: DCP's file operations on
+- :class:`MemoryFileSystem`, :func:`stage_to_memory`, :func:`load_from_memory`: DCP's file operations on
   ``{file name: bytes}``; the reader takes a ``fetch(name)`` for files held elsewhere (another node's store).
 - :class:`SnapshotStore`: what one node keeps (its ranks' files and the copies of other nodes'), bounded in bytes:
   a snapshot that does not fit is refused with the bytes it needed, never an out-of-memory; a newer complete
@@ -14,8 +14,11 @@ A snapshot is what a durable DCP checkpoint is (:mod:`raytrn.checkpoint.dcp`: ev
 - :func:`newest_restorable`: the newest snapshot whose every rank's files and manifest are on a live store, with
   why each newer one was passed over.
 
-Not yet wired into the loop (the store actors, the per-step snapshot and the restore choice against the durable
-commit are the next steps): see docs/elasticity.md.
+- :class:`MemoryTier`, :func:`publish`, :func:`fetcher`: on Ray, the keeper of the run's stores (one per node,
+  pinned there), a rank's copies to its node and the ring's next ones, and the reads back.
+
+The loop's side (every N steps, in the background; the restore choice against the durable commit):
+:mod:`raytrn.train.snapshots`; the two tiers: docs/elasticity.md.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 
-from raytrn.checkpoint.dcp import load_state, save_state
+from raytrn.checkpoint.dcp import async_save_state, load_state
 from raytrn.errors import CheckpointError
 
 #: The directory name DCP sees for a snapshot (it only joins file names to it).
@@ -122,12 +125,14 @@ class _MemoryReader(FileSystemReader):
         self.fs = fs  # type: ignore[assignment]
 
 
-def save_to_memory(state: dict[str, Any]) -> dict[str, bytes]:
-    """Write ``state`` as DCP does (every rank its shards, rank 0 also ``.metadata``; a collective when a process
-    group is up): the files this rank wrote, ``{name: bytes}``."""
+def stage_to_memory(state: dict[str, Any], *, process_group: Any) -> tuple[Any, Callable[[], dict[str, bytes]]]:
+    """Write ``state`` as DCP does (every rank its shards, rank 0 also ``.metadata``), into memory, in the
+    background: ``state`` is staged to host memory now (the caller waits for that only) and written by a background
+    thread, its collectives on ``process_group`` (a gloo group of its own; None without a process group). Returns
+    the write's future and ``files()``: this rank's files, ``{name: bytes}``, once the future is done."""
     writer = _MemoryWriter()
-    save_state(state, writer)
-    return dict(writer.fs.files)  # type: ignore[attr-defined]
+    future = async_save_state(state, writer, process_group=process_group)
+    return future, lambda: dict(writer.fs.files)  # type: ignore[attr-defined]
 
 
 def load_from_memory(

@@ -167,6 +167,12 @@ class Checkpointer:
         """Whether ``step`` is a checkpoint step (``checkpoint.every_n_steps``, and the last)."""
         return last or step % self.job.checkpoint.every_n_steps == 0
 
+    def step_ended(self) -> None:
+        """Every step, before it is logged: the in-memory snapshot being written is waited for and completed (a
+        collective while one is in flight)."""
+        if self.memory is not None:
+            self.memory.written()
+
     def after_step(
         self,
         t: Training,

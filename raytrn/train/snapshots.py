@@ -1,11 +1,14 @@
 """The loop's in-memory snapshots (``checkpoint.memory_every_n_steps``; the tier: :mod:`raytrn.checkpoint.memory`).
 
-Every N steps each rank writes its DCP shards into host memory and puts them on its node's store and on
-``checkpoint.memory_replicas`` other nodes' (ring placement); once every rank's copies are kept (agreed by a
-collective), rank 0 adds the manifest (step, world size, the counters) next to its files and the stores free the
-older snapshots. A restart (:meth:`raytrn.train.checkpointer.Checkpointer.find`) resumes from the newest complete
-snapshot still held on live nodes when it is newer than the newest committed checkpoint: no read from the checkpoint
-storage, at most N steps trained again, resharded like a durable checkpoint to whatever size the group restarts at.
+Every N steps each rank stages its state to host memory (the step waits for that copy only) and a background
+thread writes its DCP shards into bytes and puts them on its node's store and on ``checkpoint.memory_replicas``
+other nodes' (ring placement). After the next step, before it is logged, each rank waits for its write (only when
+the write took longer than that step), every rank's copies are agreed on (a collective), rank 0 adds the manifest
+(step, world size, the counters) next to its files and the stores free the older snapshots. A restart
+(:meth:`raytrn.train.checkpointer.Checkpointer.find`) resumes from the newest complete snapshot still held on live
+nodes when it is newer than the newest committed checkpoint: no read from the checkpoint storage, at most one
+step trained again with a snapshot every step, resharded like a durable checkpoint to whatever size the group
+restarts at.
 
 A snapshot that cannot be kept (a store full, a node gone mid-copy) is skipped with one warning naming why; training
 goes on, the previous complete snapshot and the durable checkpoints stay.
@@ -16,13 +19,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import threading
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+import torch.distributed as dist
 
 from raytrn.checkpoint import agree
 from raytrn.checkpoint.dcp import training_state
-from raytrn.checkpoint.memory import fetcher, load_from_memory, publish, save_to_memory
+from raytrn.checkpoint.memory import fetcher, load_from_memory, publish, stage_to_memory
 from raytrn.checkpoint.progress import Progress
 from raytrn.config import JobSpec
 
@@ -37,6 +44,16 @@ class Snapshot:
     progress: Progress
     world_size: int
     nodes: tuple[str, ...] = ()  # the nodes whose stores answered when it was chosen
+
+
+@dataclass
+class _Writing:
+    """A snapshot this rank's background thread is writing and putting on the stores."""
+
+    progress: Progress
+    started: float
+    done: threading.Event = field(default_factory=threading.Event)
+    reason: str | None = None  # why this rank's copies are not kept (set by the thread)
 
 
 class SnapshotUnreadable(RuntimeError):
@@ -65,6 +82,12 @@ class MemorySnapshots:
         if self.every is None:  # auto: snapshots only while the group spans more than one node
             self.every = 1 if len(set(nodes)) > 1 else 0
         self.taking = self.every > 0
+        # The background writes' collectives get a gloo group of their own, created by every rank at this point.
+        distributed = self.taking and dist.is_available() and dist.is_initialized()
+        self._group = dist.new_group(backend="gloo") if distributed else None
+        self._writing: _Writing | None = None
+        #: Seconds the steps waited for a snapshot's write to end (the writes slower than the steps).
+        self.waited_s = 0.0
         self.stores = ray.get(keeper.ensure.remote(sorted(set(nodes))), timeout=120)  # every store the run has
         #: Where this group's snapshots go: the ring over the group's own nodes (never a lost node's store).
         self.ring = {n: self.stores[n] for n in set(nodes)}
@@ -140,22 +163,57 @@ class MemorySnapshots:
         synchronously (``durable``; an asynchronous one is resumable only once written: the snapshot covers it)."""
         return self.taking and not durable and self.every is not None and step % self.every == 0
 
-    def save(self, t: Any, progress: Progress) -> bool:
-        """Snapshot this step (a collective); True once every rank's copies are kept and the manifest is out."""
+    def written(self, timeout_s: float = 300.0) -> bool:
+        """After every step, before it is logged: the snapshot being written (the previous step's, when there is
+        one every step) is waited for and completed (a collective), so the step before any logged step is always
+        restorable. The step waits only when the write is slower than the step was. True when it is complete."""
+        writing = self._writing
+        if writing is None:
+            return False
+        started = time.perf_counter()
+        if not writing.done.wait(timeout_s):
+            writing.reason = f"snapshot {writing.progress.step}: not written within {timeout_s:.0f} s"
+        self.waited_s += time.perf_counter() - started
+        return self._complete()
+
+    def save(self, t: Any, progress: Progress) -> None:
+        """Start this step's snapshot in the background: staged to host memory now (the step waits for that copy),
+        written and copied to the stores by a thread while the next step trains."""
+        self.written()  # (none in flight: the loop completed it before logging this step)
+        writing = _Writing(replace(progress), time.perf_counter())  # the counters as of this step (the loop's move on)
+        try:
+            future, files = stage_to_memory(
+                training_state(t.model, t.optimizer, t.scheduler), process_group=self._group
+            )
+        except Exception as e:  # staging to host memory failed on this rank: the others' writes fail with it
+            writing.reason = f"snapshot {progress.step}: not staged ({type(e).__name__}: {e})"
+            writing.done.set()
+        else:
+            publish_ = self._publisher(progress.step, files)
+            threading.Thread(
+                target=_write, args=(writing, future, publish_), name="raytrn-snapshot", daemon=True
+            ).start()
+        self._writing = writing
+
+    def _publisher(self, step: int, files: Callable[[], dict[str, bytes]]) -> Callable[[], str | None]:
+        ring, node, rank, replicas = self.ring, self.node, self.rank, self.job.checkpoint.memory_replicas
+        return lambda: publish(ring, node, step, rank, files(), replicas=replicas)
+
+    def _complete(self) -> bool:
+        """Agree on the written snapshot (a collective): rank 0 adds its manifest and the stores free the older
+        snapshots; when any rank's copies are not kept, it is dropped with one warning per kind of failure."""
         import ray
 
-        started = time.perf_counter()
-        replicas = self.job.checkpoint.memory_replicas
-        try:
-            files = save_to_memory(training_state(t.model, t.optimizer, t.scheduler))  # DCP: every rank fails alike
-        except Exception as e:
-            reason: str | None = f"snapshot {progress.step}: not written ({type(e).__name__}: {e})"
-        else:
-            reason = publish(self.ring, self.node, progress.step, self.rank, files, replicas=replicas)
-        reasons = agree.gather(reason)
+        writing, self._writing = self._writing, None
+        if writing is None:
+            return False
+        progress = writing.progress
+        reasons = agree.gather(writing.reason)
         complete = not any(reasons)
+        reason: str | None = None
         if complete and self.rank == 0:
             manifest = {"step": progress.step, "world_size": self.world_size, "progress": asdict(progress)}
+            replicas = self.job.checkpoint.memory_replicas
             reason = publish(self.ring, self.node, progress.step, 0, None, replicas=replicas, manifest=manifest)
             if reason is None:  # the ring's stores free the older snapshots before anyone's next put
                 seals = [handle.seal.remote(progress.step) for handle in self.ring.values()]
@@ -178,5 +236,17 @@ class MemorySnapshots:
                     "warned about; checkpoint_failures counts durable saves only)", progress.step, why,
                 )  # fmt: skip
         elif self.rank == 0:
-            log.debug("in-memory snapshot of step %d in %.2f s", progress.step, time.perf_counter() - started)
+            log.debug("in-memory snapshot of step %d in %.2f s", progress.step, time.perf_counter() - writing.started)
         return complete
+
+
+def _write(writing: _Writing, future: Any, publish_: Callable[[], str | None]) -> None:
+    """The background thread: this rank's DCP write into memory, then its copies on the stores."""
+    step = writing.progress.step
+    try:
+        future.result()
+        writing.reason = publish_()
+    except Exception as e:  # a failed write or copy fails this snapshot, never the step
+        writing.reason = f"snapshot {step}: not written ({type(e).__name__}: {e})"
+    finally:
+        writing.done.set()

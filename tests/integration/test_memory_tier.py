@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from raytrn.backends.cpu import CpuBackend
-from raytrn.checkpoint import dcp, memory
+from raytrn.checkpoint import memory
 from raytrn.checkpoint.memory import MemoryTier, publish
 from raytrn.train.build import build_training
 from tests.unit.test_dcp import job, trained
+from tests.unit.test_memory_tier import snapshot_files
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +24,7 @@ def test_a_snapshot_survives_its_nodes_store_and_restores_exactly_from_the_repli
 
     j = job(tmp_path)
     t = trained(j)
-    files = memory.save_to_memory(dcp.training_state(t.model, t.optimizer, t.scheduler))
+    files = snapshot_files(t)
     tier = MemoryTier("mem-test", capacity_bytes=64 * 2**20)
     try:
         stores = tier.ensure(["a", "b", "c"], pin=False)
@@ -54,7 +55,7 @@ def test_a_snapshot_that_does_not_fit_is_refused_saying_how_much_it_needed(ray_s
     import ray
 
     t = trained(job(tmp_path))
-    files = memory.save_to_memory(dcp.training_state(t.model, t.optimizer, t.scheduler))
+    files = snapshot_files(t)
     size = sum(len(b) for b in files.values())
     tier = MemoryTier("mem-small", capacity_bytes=size // 2)
     try:

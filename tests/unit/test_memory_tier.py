@@ -39,10 +39,17 @@ def _batches(seed: int, steps: int = 2) -> Any:
     return iter(rows.split(16))
 
 
+def snapshot_files(t: Any, group: Any = None) -> dict[str, bytes]:
+    """This rank's files of a snapshot of ``t``, written in the background and waited for."""
+    future, files = memory.stage_to_memory(dcp.training_state(t.model, t.optimizer, t.scheduler), process_group=group)
+    future.result()
+    return files()
+
+
 def test_a_snapshot_in_memory_restores_weights_moments_schedule_and_rng_exactly(tmp_path: Path) -> None:
     j = job(tmp_path)
     t = trained(j)
-    files = memory.save_to_memory(dcp.training_state(t.model, t.optimizer, t.scheduler))
+    files = snapshot_files(t)
     assert sorted(files) == [".metadata", "__0_0.distcp"] and all(files.values())
     assert not any(tmp_path.iterdir())  # nothing reached the checkpoint storage
     rng = torch.get_rng_state()
@@ -68,7 +75,7 @@ def test_a_snapshot_in_memory_restores_weights_moments_schedule_and_rng_exactly(
 def test_a_file_missing_from_memory_fails_the_restore_naming_it(tmp_path: Path) -> None:
     j = job(tmp_path)
     t = trained(j)
-    files = memory.save_to_memory(dcp.training_state(t.model, t.optimizer, t.scheduler))
+    files = snapshot_files(t)
     del files["__0_0.distcp"]
     fresh = build_training(j, CpuBackend(), world_size=1)
     with pytest.raises(CheckpointError, match=r"file\(s\) __0_0.distcp not held by any live node"):
@@ -91,16 +98,24 @@ def _fsdp_rank(rank: int, world: int, port: int, tmp: str, out: dict) -> None:
         t = build_training(j, CpuBackend(), world_size=world)
         for batch in _batches(0, 2):  # the same global batches on both ranks: a deterministic state
             train_step(t, iter([batch]), CpuBackend())
-        files = memory.save_to_memory(dcp.training_state(t.model, t.optimizer, t.scheduler))
-        full = _params(t)  # a collective: every rank gathers
-        out[rank] = {"files": files, "params": full if rank == 0 else None}
+        # Staged now, written in the background (its collectives on a group of its own) while the next step trains.
+        group = dist.new_group(backend="gloo")
+        future, files = memory.stage_to_memory(
+            dcp.training_state(t.model, t.optimizer, t.scheduler), process_group=group
+        )
+        full = _params(t)  # a collective: every rank gathers (on the default group, beside the write's)
+        train_step(t, iter([next(_batches(1, 1))]), CpuBackend())  # the state moves on; the snapshot keeps step 2
+        moved = _params(t)
+        future.result()
+        out[rank] = {"files": files(), "params": full if rank == 0 else None, "moved": moved if rank == 0 else None}
     finally:
         dist.destroy_process_group()
 
 
 def test_a_two_rank_fsdp_snapshot_reshards_into_one_process(tmp_path: Path) -> None:
-    """2 FSDP ranks each write their own shards to memory; one process reads both ranks' files and gets the whole
-    model back (the reshard a node loss needs), reading only through ``fetch``."""
+    """2 FSDP ranks each write their own shards to memory, in the background while they train the next step; one
+    process reads both ranks' files and gets the whole model back as it was at the snapshot's step (the reshard a
+    node loss needs), reading only through ``fetch``."""
     with mp.Manager() as manager:
         out = manager.dict()
         mp.start_processes(_fsdp_rank, args=(2, _free_port(), str(tmp_path), out), nprocs=2, start_method="spawn")
@@ -114,6 +129,7 @@ def test_a_two_rank_fsdp_snapshot_reshards_into_one_process(tmp_path: Path) -> N
     assert sorted(set(read)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     for name, value in ranks[0]["params"].items():
         assert torch.equal(_params(one)[name], value), name
+    assert any(not torch.equal(ranks[0]["moved"][n], v) for n, v in ranks[0]["params"].items())  # step 3 moved them
     assert one.scheduler.state_dict()["last_epoch"] == 2
 
 
