@@ -95,7 +95,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             saving = checkpointer.due(progress.step, last=last)
             # NaN/inf steps, read where the loop syncs anyway; too many in a row: rollback or stop
             guard.check(result.grad_norm, progress.step, settle=saving or metrics.should_log(progress.step, last=last))
-            checkpointer.step_ended()  # the previous in-memory snapshot, completed before this step is logged
+            with hangs.working():  # the previous in-memory snapshot's write, completed before this step is logged
+                checkpointer.step_ended()
             logged = metrics.step_done(result, last=last)
             hangs.step_done(progress.step)
             notice = watch.notice()  # a collective, every step

@@ -54,6 +54,7 @@ class _Writing:
     started: float
     done: threading.Event = field(default_factory=threading.Event)
     reason: str | None = None  # why this rank's copies are not kept (set by the thread)
+    stuck: bool = False  # the thread did not end in time (it may still be in the group's collectives)
 
 
 class SnapshotUnreadable(RuntimeError):
@@ -86,8 +87,6 @@ class MemorySnapshots:
         distributed = self.taking and dist.is_available() and dist.is_initialized()
         self._group = dist.new_group(backend="gloo") if distributed else None
         self._writing: _Writing | None = None
-        #: Seconds the steps waited for a snapshot's write to end (the writes slower than the steps).
-        self.waited_s = 0.0
         self.stores = ray.get(keeper.ensure.remote(sorted(set(nodes))), timeout=120)  # every store the run has
         #: Where this group's snapshots go: the ring over the group's own nodes (never a lost node's store).
         self.ring = {n: self.stores[n] for n in set(nodes)}
@@ -170,10 +169,9 @@ class MemorySnapshots:
         writing = self._writing
         if writing is None:
             return False
-        started = time.perf_counter()
-        if not writing.done.wait(timeout_s):
+        if not writing.done.wait(timeout_s):  # its thread may still be in the group's collectives: the last one
             writing.reason = f"snapshot {writing.progress.step}: not written within {timeout_s:.0f} s"
-        self.waited_s += time.perf_counter() - started
+            writing.stuck = True
         return self._complete()
 
     def save(self, t: Any, progress: Progress) -> None:
@@ -181,19 +179,33 @@ class MemorySnapshots:
         written and copied to the stores by a thread while the next step trains."""
         self.written()  # (none in flight: the loop completed it before logging this step)
         writing = _Writing(replace(progress), time.perf_counter())  # the counters as of this step (the loop's move on)
+        failed: str | None = None
         try:
             future, files = stage_to_memory(
                 training_state(t.model, t.optimizer, t.scheduler), process_group=self._group
             )
-        except Exception as e:  # staging to host memory failed on this rank: the others' writes fail with it
-            writing.reason = f"snapshot {progress.step}: not staged ({type(e).__name__}: {e})"
-            writing.done.set()
-        else:
-            publish_ = self._publisher(progress.step, files)
-            threading.Thread(
-                target=_write, args=(writing, future, publish_), name="raytrn-snapshot", daemon=True
-            ).start()
+        except Exception as e:  # host memory: the other ranks' writes now wait for this rank's on the group
+            failed = f"snapshot {progress.step}: not staged on rank {self.rank} ({type(e).__name__}: {e})"
+        staged = agree.gather(failed)  # a collective: whether every rank's write can go on
+        if any(staged):
+            self._stop(next(why for why in staged if why))
+            return
+        threading.Thread(
+            target=_write, args=(writing, future, self._publisher(progress.step, files)), name="raytrn-snapshot",
+            daemon=True,
+        ).start()  # fmt: skip
         self._writing = writing
+
+    def _stop(self, why: str) -> None:
+        """No more snapshots in this worker group (every rank): a background write on its group never ended, and
+        another write there would mix with its collectives. Restores, the newest complete snapshot and the durable
+        checkpoints are unaffected."""
+        self.taking, self._writing = False, None
+        if self.rank == 0:
+            log.warning(
+                "in-memory snapshots stop for this worker group: %s; the newest complete snapshot and the durable "
+                "checkpoints stay, and the group's next restart takes snapshots again", why,
+            )  # fmt: skip
 
     def _publisher(self, step: int, files: Callable[[], dict[str, bytes]]) -> Callable[[], str | None]:
         ring, node, rank, replicas = self.ring, self.node, self.rank, self.job.checkpoint.memory_replicas
@@ -208,7 +220,8 @@ class MemorySnapshots:
         if writing is None:
             return False
         progress = writing.progress
-        reasons = agree.gather(writing.reason)
+        results = agree.gather((writing.reason, writing.stuck))
+        reasons = [why for why, _ in results]
         complete = not any(reasons)
         reason: str | None = None
         if complete and self.rank == 0:
@@ -228,6 +241,9 @@ class MemorySnapshots:
             why = next((r for r in reasons if r), reason) or "unknown"
             for handle in self.ring.values():
                 handle.drop.remote(progress.step)
+            if any(stuck for _, stuck in results):
+                self._stop(why)
+                return False
             kind = re.sub(r"\d+(\.\d+)?", "N", why)  # one warning per kind of failure, not per step
             if self.rank == 0 and kind not in self._warned:
                 self._warned.add(kind)

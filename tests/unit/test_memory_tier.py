@@ -224,3 +224,51 @@ def test_rewinding_forgets_the_newer_snapshots_so_a_restarted_group_can_replace_
     store.rewind(5)
     assert store.holdings() == {}  # 5 was freed by the seal of 7; 6 and 7 are forgotten now
     assert store.put(6, 0, {"__0_0.distcp": b"again"}) is None and store.read(6, "__0_0.distcp") == b"again"
+
+
+# -- the loop's side: a background write that never ends ----------------------------------------------------
+
+
+def _taking(tmp: Path) -> Any:
+    """One rank's MemorySnapshots taking a snapshot every step, with no store (no Ray: nothing to publish to)."""
+    from raytrn.train.snapshots import MemorySnapshots
+
+    snaps = MemorySnapshots(job(tmp, "checkpoint.memory_every_n_steps=1"), None, rank=0, world_size=1)
+    snaps.taking, snaps.every, snaps.ring, snaps.node, snaps._group, snaps._writing = True, 1, {}, "n", None, None
+    return snaps
+
+
+def test_a_snapshot_that_cannot_be_staged_stops_the_groups_snapshots_with_one_warning(tmp_path, monkeypatch, caplog):
+    """Staging to host memory fails on a rank: the other ranks' background writes would wait for it on the group,
+    so no more snapshots are started in this worker group (training goes on; restores are unaffected)."""
+    import raytrn.train.snapshots as snapshots
+    from raytrn.checkpoint.progress import Progress
+
+    snaps = _taking(tmp_path)
+    t = trained(job(tmp_path))
+
+    def no_memory(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError("host memory")
+
+    monkeypatch.setattr(snapshots, "stage_to_memory", no_memory)
+    with caplog.at_level("WARNING", logger="raytrn.train.snapshots"):
+        snaps.save(t, Progress(step=3))
+    assert not snaps.taking and not snaps.due(4, durable=False) and snaps._writing is None
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "in-memory snapshots stop for this worker group: snapshot 3: not staged on rank 0 (MemoryError: host " \
+           "memory)" in warning  # fmt: skip
+
+
+def test_a_write_that_does_not_end_in_time_stops_the_groups_snapshots(tmp_path, caplog) -> None:
+    """A background write still going after the bound (its thread may still be in the group's collectives): the
+    snapshot is dropped and no other write is started on that group."""
+    from raytrn.checkpoint.progress import Progress
+    from raytrn.train.snapshots import _Writing
+
+    snaps = _taking(tmp_path)
+    snaps._writing = _Writing(Progress(step=5), 0.0)  # its thread never sets done
+    with caplog.at_level("WARNING", logger="raytrn.train.snapshots"):
+        assert snaps.written(timeout_s=0.05) is False
+    assert not snaps.taking and snaps._writing is None
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("stop for this worker group: snapshot 5: not written within 0 s" in m for m in messages), messages
