@@ -114,6 +114,7 @@ class TrackingActor(ProgressBoard):
             self.last_values[key] = float(metrics[key])
         if training:
             self.max_step = step
+            self.reached(step)  # a logged step was reached (its board update may die with a killed rank 0)
         else:
             for key in metrics:
                 self.last_steps[key] = max(self.last_steps.get(key, -1), step)

@@ -131,6 +131,11 @@ def test_tracking_actor_drops_the_steps_a_restarted_group_repeats(tmp_path):
     for step in (10, 15, 20):  # a worker group restarted from the step-5 checkpoint
         actor.log_metrics({"loss": 100.0 + step}, step)
     actor.log_metrics({"time_to_first_step_s": 9.0}, 6, False)  # not a training step: never dropped
+    # A logged step was reached, even when its board update never came (rank 0 killed between the two calls): a
+    # restart from step 5 trains 15 steps again.
+    assert actor.step_reached == 20 and actor.restored("storage", 5, 0.1) is None  # (the first group: no restart)
+    actor.group_started(5, 1)
+    assert actor.restored("storage", 5, 0.1)["steps_retrained"] == 15
     assert actor.close(30) == 0
     client = MlflowClient(uri)
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == [
