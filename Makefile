@@ -117,25 +117,23 @@ bench: venv data
 # last). The Ray tests run alone on purpose: on 2 cores, the unit tests beside them made both slower and pushed the
 # Ray tests past their time bounds (stop 26: make test took 49 min in CI).
 UNIT_WORKERS ?= 2
-UNIT := -n $(UNIT_WORKERS) --dist loadfile tests/unit
+XDIST := -n $(UNIT_WORKERS) --dist loadfile
 
 test: venv
-	$(BIN)/python -m pytest -q $(UNIT) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) tests/unit $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q tests/integration tests/chaos $(PYTEST_ARGS)
 
-# XLA_TESTS: a part of tests/xla (CI runs test_precheck.py, which starts no Ray, beside make test).
-XLA_TESTS ?= tests/xla
 test-xla: venv-xla
-	PJRT_DEVICE=CPU $(VENV_XLA)/bin/python -m pytest -q $(XLA_TESTS) $(PYTEST_ARGS)
+	PJRT_DEVICE=CPU $(VENV_XLA)/bin/python -m pytest -q tests/xla $(PYTEST_ARGS)
 
 # Python 3.12: the unit suite, then a real-Ray training test (TorchNeuron's Ray backend on gloo, FSDP + compile).
 test-py312: venv-py312
-	$(VENV_PY312)/bin/python -m pytest -q $(UNIT) $(PYTEST_ARGS)
+	$(VENV_PY312)/bin/python -m pytest -q $(XDIST) tests/unit $(PYTEST_ARGS)
 	$(VENV_PY312)/bin/python -m pytest -q $(PYTEST_ARGS) \
 		tests/integration/test_backend_in_ray.py::test_torchneuron_ray_backend_sets_the_env_and_trains_like_one_process
 
 unit: venv
-	$(BIN)/python -m pytest -q -m unit -n $(UNIT_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m unit $(XDIST) $(PYTEST_ARGS)
 
 integration: venv
 	$(BIN)/python -m pytest -q -m integration $(PYTEST_ARGS)

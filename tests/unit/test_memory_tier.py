@@ -39,9 +39,9 @@ def _batches(seed: int, steps: int = 2) -> Any:
     return iter(rows.split(16))
 
 
-def snapshot_files(t: Any, group: Any = None) -> dict[str, bytes]:
-    """This rank's files of a snapshot of ``t``, written in the background and waited for."""
-    future, files = memory.stage_to_memory(dcp.training_state(t.model, t.optimizer, t.scheduler), process_group=group)
+def snapshot_files(t: Any) -> dict[str, bytes]:
+    """This rank's files of a snapshot of ``t`` (one process), written in the background and waited for."""
+    future, files = memory.stage_to_memory(dcp.training_state(t.model, t.optimizer, t.scheduler), process_group=None)
     future.result()
     return files()
 
