@@ -174,7 +174,11 @@ class SnapshotStore:
 
     Bounded: :meth:`put` refuses (returns the reason) what would take it past ``capacity_bytes`` after freeing
     snapshots older than the newest complete one; it never holds more. :meth:`seal` marks a snapshot complete
-    (every rank's files everywhere they belong, as the caller checked) and frees everything older."""
+    (every rank's files everywhere they belong, as the caller checked) and frees everything older.
+
+    Every change names the worker group's ``generation`` (:meth:`MemoryTier.rewind` numbers each group's start):
+    once a newer group started, what an older one still sends (a put, manifest, seal or drop in flight when it
+    died) is refused, so it can never mix into, free or drop the newer group's snapshots."""
 
     def __init__(self, capacity_bytes: int | None = None) -> None:
         if capacity_bytes is None:  # a quarter of this node's memory
@@ -185,14 +189,22 @@ class SnapshotStore:
         self._files: dict[int, dict[int, dict[str, bytes]]] = {}  # step -> rank -> name -> bytes
         self._manifests: dict[int, dict[str, Any]] = {}
         self._sealed: int | None = None
+        self._generation = 0  # the newest worker group's (rewind)
+
+    def _stale(self, generation: int) -> str | None:
+        if generation < self._generation:
+            return f"from an older worker group (generation {generation}; the stores are at {self._generation})"
+        return None
 
     @property
     def nbytes(self) -> int:
         return sum(len(b) for ranks in self._files.values() for files in ranks.values() for b in files.values())
 
-    def put(self, step: int, rank: int, files: Mapping[str, bytes]) -> str | None:
+    def put(self, step: int, rank: int, files: Mapping[str, bytes], generation: int = 0) -> str | None:
         """Keep ``rank``'s files of snapshot ``step``; None when kept, else why not (nothing is kept then). The bound
         counts everything held: the complete snapshot and the one being made (room for two, per node)."""
+        if stale := self._stale(generation):
+            return f"rank {rank}'s snapshot {step} refused: {stale}"
         if self._sealed is not None and step <= self._sealed:
             return f"snapshot {step} is not newer than the complete snapshot {self._sealed}"
         size = sum(len(b) for b in files.values())
@@ -205,20 +217,29 @@ class SnapshotStore:
         self._files.setdefault(step, {})[rank] = dict(files)
         return None
 
-    def put_manifest(self, step: int, manifest: dict[str, Any]) -> None:
+    def put_manifest(self, step: int, manifest: dict[str, Any], generation: int = 0) -> str | None:
+        if stale := self._stale(generation):
+            return f"snapshot {step}'s manifest refused: {stale}"
         self._manifests[step] = dict(manifest)
+        return None
 
-    def seal(self, step: int) -> None:
-        """Snapshot ``step`` is complete: everything older is freed."""
+    def seal(self, step: int, generation: int = 0) -> int | None:
+        """Snapshot ``step`` is complete: everything older is freed. Returns the bytes this store holds then (None:
+        refused, from an older worker group)."""
+        if self._stale(generation):
+            return None
         self._sealed = step if self._sealed is None else max(self._sealed, step)
         for old in [s for s in self._files if s < self._sealed]:
             del self._files[old]
         for old in [s for s in self._manifests if s < self._sealed]:
             del self._manifests[old]
+        return self.nbytes
 
-    def rewind(self, step: int) -> None:
+    def rewind(self, step: int, generation: int = 0) -> None:
         """Forget every snapshot newer than ``step`` (a worker group starts at ``step``: what it snapshots next
-        replaces them; a rollback: they hold the diverging steps)."""
+        replaces them; a rollback: they hold the diverging steps); from now on refuse what a worker group older
+        than ``generation`` sends."""
+        self._generation = max(self._generation, generation)
         for newer in [s for s in self._files if s > step]:
             del self._files[newer]
         for newer in [s for s in self._manifests if s > step]:
@@ -226,8 +247,10 @@ class SnapshotStore:
         if self._sealed is not None and self._sealed > step:
             self._sealed = None
 
-    def drop(self, step: int) -> None:
+    def drop(self, step: int, generation: int = 0) -> None:
         """Free snapshot ``step`` (one that will never complete: a rank failed to write it)."""
+        if self._stale(generation):
+            return
         self._files.pop(step, None)
         self._manifests.pop(step, None)
 
@@ -317,6 +340,8 @@ class MemoryTier:
         self._seen: dict[str, dict[int, Holding]] = {}  # each store's last answer: why a lost one's snapshot is gone
         self._rolled_back: set[int] = set()
         self._answered: set[str] = set()  # the stores that answered the last holdings()
+        #: Numbers the rewinds (each worker group's start): the stores refuse an older group's late sends.
+        self.generation = 0
 
     def ensure(self, nodes: Iterable[str], *, pin: bool = True) -> dict[str, Any]:
         """A store on each of ``nodes`` (Ray node ids; ``pin=False``: any labels, all on this node, for tests)."""
@@ -356,16 +381,19 @@ class MemoryTier:
         alive = tuple(sorted(self.holdings(timeout_s)))
         return replace(newest_restorable(self._seen, alive), alive=alive)
 
-    def rewind(self, step: int, timeout_s: float = 60.0) -> list[str]:
-        """Every store forgets its snapshots newer than ``step`` (:meth:`SnapshotStore.rewind`); waits for those
-        that answered the last :meth:`holdings` (a lost node's would hang until Ray marks it dead); returns the
-        nodes among them whose store did not answer in time."""
+    def rewind(self, step: int, timeout_s: float = 60.0) -> tuple[int, list[str]]:
+        """Every store forgets its snapshots newer than ``step`` (:meth:`SnapshotStore.rewind`) and from now on
+        refuses what older worker groups send; waits for the stores that answered the last :meth:`holdings` (a lost
+        node's would hang until Ray marks it dead). Returns the new generation (what the group starting at ``step``
+        sends with its changes) and the nodes whose store did not answer in time."""
         import ray
 
-        refs = {node: h.rewind.remote(step) for node, h in self.handles.items()}
+        self.generation += 1
+        refs = {node: h.rewind.remote(step, self.generation) for node, h in self.handles.items()}
         awaited = [ref for node, ref in refs.items() if node in self._answered]
         ready, _ = ray.wait(awaited, num_returns=len(awaited), timeout=timeout_s)
-        return sorted(node for node, ref in refs.items() if node in self._answered and ref not in ready)
+        late = sorted(node for node, ref in refs.items() if node in self._answered and ref not in ready)
+        return self.generation, late
 
     def forget_rollback(self, first: int) -> None:
         """A rollback of the steps from ``first`` on (:mod:`raytrn.train.guard`): the snapshots of those steps are
@@ -385,11 +413,12 @@ class MemoryTier:
 
 def publish(
     stores: Mapping[str, Any], node: str, step: int, rank: int, files: Mapping[str, bytes] | None, *, replicas: int,
-    manifest: dict[str, Any] | None = None, timeout_s: float = PUBLISH_TIMEOUT_S,
+    manifest: dict[str, Any] | None = None, generation: int = 0, timeout_s: float = PUBLISH_TIMEOUT_S,
 ) -> str | None:  # fmt: skip
     """A rank's side: put its ``files`` of snapshot ``step`` (and rank 0 the ``manifest``, once every rank's files
-    are kept; ``files`` None then) on its node's store and on the ``replicas`` next nodes of the ring. None once
-    every one kept them; else why not (then the snapshot must not be used: the caller drops it)."""
+    are kept; ``files`` None then) on its node's store and on the ``replicas`` next nodes of the ring, as worker
+    group ``generation``. None once every one kept them; else why not (then the snapshot must not be used: the
+    caller drops it)."""
     import ray
 
     targets = [node, *replica_nodes(stores.keys(), node, replicas)]
@@ -400,9 +429,9 @@ def publish(
     try:
         if files is not None:
             ref = ray.put(dict(files))  # one copy in the object store, read by every target
-            puts += [stores[t].put.remote(step, rank, ref) for t in targets]
+            puts += [stores[t].put.remote(step, rank, ref, generation) for t in targets]
         if manifest is not None:
-            puts += [stores[t].put_manifest.remote(step, manifest) for t in targets]
+            puts += [stores[t].put_manifest.remote(step, manifest, generation) for t in targets]
     except Exception as e:
         return f"snapshot {step}: rank {rank}'s copies failed ({type(e).__name__}: {e})"
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -58,9 +59,11 @@ class MetricsReporter:
         logger: RemoteLogger | None,
         restored_from: str | None = None,
         restore_s: float = 0.0,
+        extra: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         """``restored_from``, ``restore_s``: where the group's state (at ``progress.step``) came from and the load's
-        seconds; rank 0 posts them to the board."""
+        seconds; rank 0 posts them to the board. ``extra``: more metrics of a log step (another component's: the
+        in-memory snapshots' bytes)."""
         job = self.job = plan.job
         self.t, self.progress, self.world_size = t, progress, world_size
         self.started_at = plan.started_at
@@ -68,6 +71,7 @@ class MetricsReporter:
         self.logger = logger if rank == 0 else None
         self.board = plan.board if rank == 0 else None
         self.report_to_tune = plan.report_metrics
+        self.extra = extra
         self.sampler = None
         if logger is not None and local_rank == 0 and job.tracking.system_metrics:
             node = ray.get_runtime_context().get_node_id()
@@ -145,6 +149,8 @@ class MetricsReporter:
         }
         if self.efficiency is not None:
             metrics.update(self.efficiency.metrics(metrics["tokens_per_s"], progress.tokens_seen))
+        if self.extra is not None:
+            metrics.update(self.extra())
         if self.logger is not None and step > progress.last_logged_step:
             self.logger.log_metrics(metrics, step)
         if self.board is not None:

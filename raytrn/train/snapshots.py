@@ -32,6 +32,7 @@ from raytrn.checkpoint.dcp import training_state
 from raytrn.checkpoint.memory import fetcher, load_from_memory, publish, stage_to_memory
 from raytrn.checkpoint.progress import Progress
 from raytrn.config import JobSpec
+from raytrn.tracking.system import node_label
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,10 @@ class MemorySnapshots:
         #: restores what a larger one snapshotted), and whether this group takes snapshots.
         self.restorable = keeper is not None and self.every != 0
         self.taking = False
+        #: This worker group's number (:meth:`MemoryTier.rewind`), sent with every change to the stores.
+        self.generation = 0
+        #: Rank 0: the bytes each node's store held after the last complete snapshot (``memory_checkpoint_bytes``).
+        self.held: dict[str, int] = {}
         if not self.restorable:
             return
         self.node = ray.get_runtime_context().get_node_id()
@@ -119,19 +124,21 @@ class MemorySnapshots:
         return found  # type: ignore[no-any-return]
 
     def starting_at(self, step: int) -> None:
-        """The group starts at ``step`` (from a snapshot, a checkpoint, or 0): the stores forget newer snapshots,
-        so the ones this group makes replace them (rank 0, before its first step: every other rank's first
-        snapshot comes after a step's collectives, which wait for rank 0)."""
+        """The group starts at ``step`` (from a snapshot, a checkpoint, or 0; a collective): the stores forget
+        newer snapshots, so the ones this group makes replace them, and from now on refuse what an older group
+        still sends (rank 0 asks, before the first step; every rank gets the group's generation)."""
         import ray
 
+        answer = [self.generation]
         if self.rank == 0 and self.keeper is not None:
             try:
-                late = ray.get(self.keeper.rewind.remote(step), timeout=120)
+                answer[0], late = ray.get(self.keeper.rewind.remote(step), timeout=120)
             except Exception as e:  # a refused snapshot later says why; training does not wait on the tier
                 log.warning("in-memory snapshots: could not rewind the stores to step %d (%s)", step, e)
             else:
                 if late:
                     log.warning("in-memory snapshots: the stores on %s did not answer the rewind", ", ".join(late))
+        (self.generation,) = agree.broadcast(answer)
 
     def load(self, t: Any, snapshot: Snapshot) -> Progress:
         """Restore ``snapshot`` into ``t`` (a collective: every rank reads the files holding its shards from the
@@ -155,6 +162,17 @@ class MemorySnapshots:
             f"the in-memory snapshot of step {snapshot.step} could not be read ({error or 'on another rank'}); it is "
             "forgotten and the group restarts from the newest checkpoint"
         )
+
+    def metrics(self) -> dict[str, float]:
+        """Rank 0's at a log step, while this group takes snapshots: the bytes each node's store holds
+        (``memory_checkpoint_bytes/node-…``, as of the last complete snapshot) and the most any one holds
+        (``memory_checkpoint_bytes``: what the per-node bound, ``checkpoint.memory_store_gib``, is against)."""
+        if not (self.taking and self.held):
+            return {}
+        return {
+            "memory_checkpoint_bytes": float(max(self.held.values())),
+            **{f"memory_checkpoint_bytes/{node_label(n)}": float(b) for n, b in sorted(self.held.items())},
+        }
 
     # -- saving ----------------------------------------------------------------------------------------------
     def due(self, step: int, *, durable: bool) -> bool:
@@ -208,13 +226,18 @@ class MemorySnapshots:
             )  # fmt: skip
 
     def _publisher(self, step: int, files: Callable[[], dict[str, bytes]]) -> Callable[[], str | None]:
-        ring, node, rank, replicas = self.ring, self.node, self.rank, self.job.checkpoint.memory_replicas
-        return lambda: publish(ring, node, step, rank, files(), replicas=replicas)
+        ring, node, rank, replicas, gen = (
+            self.ring,
+            self.node,
+            self.rank,
+            self.job.checkpoint.memory_replicas,
+            self.generation,
+        )
+        return lambda: publish(ring, node, step, rank, files(), replicas=replicas, generation=gen)
 
     def _complete(self) -> bool:
         """Agree on the written snapshot (a collective): rank 0 adds its manifest and the stores free the older
         snapshots; when any rank's copies are not kept, it is dropped with one warning per kind of failure."""
-        import ray
 
         writing, self._writing = self._writing, None
         if writing is None:
@@ -227,20 +250,25 @@ class MemorySnapshots:
         if complete and self.rank == 0:
             manifest = {"step": progress.step, "world_size": self.world_size, "progress": asdict(progress)}
             replicas = self.job.checkpoint.memory_replicas
-            reason = publish(self.ring, self.node, progress.step, 0, None, replicas=replicas, manifest=manifest)
+            gen = self.generation
+            reason = publish(
+                self.ring, self.node, progress.step, 0, None, replicas=replicas, manifest=manifest, generation=gen
+            )
             if reason is None:  # the ring's stores free the older snapshots before anyone's next put
-                seals = [handle.seal.remote(progress.step) for handle in self.ring.values()]
-                ready, _ = ray.wait(seals, num_returns=len(seals), timeout=60)
-                if len(ready) < len(seals):
+                seals = {node: handle.seal.remote(progress.step, gen) for node, handle in self.ring.items()}
+                held = _answers(seals, timeout_s=60)
+                if held is None or None in held.values():  # (None: refused, a newer group started)
                     reason = f"snapshot {progress.step}: a store did not answer the seal"
+                else:
+                    self.held = held
                 for node, handle in self.stores.items():  # stores of nodes no longer in the group: theirs are older
                     if node not in self.ring:
-                        handle.seal.remote(progress.step)
+                        handle.seal.remote(progress.step, gen)
         complete = agree.all_true(complete and reason is None)
         if not complete:
             why = next((r for r in reasons if r), reason) or "unknown"
             for handle in self.ring.values():
-                handle.drop.remote(progress.step)
+                handle.drop.remote(progress.step, self.generation)
             if any(stuck for _, stuck in results):
                 self._stop(why)
                 return False
@@ -254,6 +282,19 @@ class MemorySnapshots:
         elif self.rank == 0:
             log.debug("in-memory snapshot of step %d in %.2f s", progress.step, time.perf_counter() - writing.started)
         return complete
+
+
+def _answers(refs: dict[str, Any], *, timeout_s: float) -> dict[str, Any] | None:
+    """Each ref's value by key; None when one does not come in time or fails (its store's node is gone)."""
+    import ray
+
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    if len(ready) < len(refs):
+        return None
+    try:
+        return dict(zip(refs, ray.get(list(refs.values())), strict=True))
+    except Exception:
+        return None
 
 
 def _write(writing: _Writing, future: Any, publish_: Callable[[], str | None]) -> None:

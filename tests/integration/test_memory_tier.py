@@ -33,9 +33,14 @@ def test_a_snapshot_survives_its_nodes_store_and_restores_exactly_from_the_repli
         held = tier.holdings()
         assert held["a"][2].ranks == {0} and held["b"][2].ranks == {0} and 2 not in held["c"]  # ring: a -> b
         assert held["b"][2].manifest == manifest and held["a"][2].nbytes == sum(len(b) for b in files.values())
+        # A worker group starting at step 2 numbers itself: what the one before it still sends is refused.
+        assert tier.rewind(2) == (1, [])
+        late = publish(stores, "a", 3, 0, files, replicas=1, generation=0)
+        assert late is not None and "refused: from an older worker group (generation 0" in late, late
+        assert publish(stores, "a", 3, 0, files, replicas=1, generation=1) is None
 
         ray.kill(stores["a"], no_restart=True)  # node a is lost with its store
-        choice = tier.choose(timeout_s=10)
+        choice = tier.choose(timeout_s=10)  # (3 never completed: no manifest)
         assert choice.step == 2 and choice.manifest == manifest, choice
         fresh = build_training(j, CpuBackend(), world_size=1)
         live = {n: h for n, h in stores.items() if n != "a"}
@@ -45,8 +50,8 @@ def test_a_snapshot_survives_its_nodes_store_and_restores_exactly_from_the_repli
         # Every store is gone with the lost node's: nothing to restore from, and the reason is given.
         ray.kill(stores["b"], no_restart=True)
         none = tier.choose(timeout_s=10)
-        assert none.step is None and none.skipped == ("snapshot 2: no manifest on a live node (never completed, or "
-                                                      "only on lost nodes)",)  # fmt: skip
+        why = "no manifest on a live node (never completed, or only on lost nodes)"
+        assert none.step is None and none.skipped == (f"snapshot 3: {why}", f"snapshot 2: {why}"), none
     finally:
         tier.shutdown()
 

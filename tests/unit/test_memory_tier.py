@@ -226,6 +226,39 @@ def test_rewinding_forgets_the_newer_snapshots_so_a_restarted_group_can_replace_
     assert store.put(6, 0, {"__0_0.distcp": b"again"}) is None and store.read(6, "__0_0.distcp") == b"again"
 
 
+def test_once_a_newer_worker_group_started_an_older_ones_late_sends_are_refused() -> None:
+    """A dead group's put, manifest, seal or drop still in flight must not mix into, free or drop the snapshots of
+    the group that replaced it (the same step numbers, another layout)."""
+    store = SnapshotStore(capacity_bytes=2**20)
+    assert store.put(8, 0, {"__0_0.distcp": b"old"}, generation=1) is None
+    store.rewind(7, generation=2)  # the next group starts at step 7
+    assert store.holdings() == {}
+    assert store.put(8, 0, {"__0_0.distcp": b"new"}, generation=2) is None
+    late = "from an older worker group (generation 1; the stores are at 2)"
+    assert store.put(8, 0, {"__0_0.distcp": b"old"}, generation=1) == f"rank 0's snapshot 8 refused: {late}"
+    assert store.put_manifest(8, {"step": 8, "world_size": 3}, generation=1) == f"snapshot 8's manifest refused: {late}"
+    store.drop(8, generation=1)
+    assert store.seal(9, generation=1) is None  # refused: would free the new group's 8
+    assert store.read(8, "__0_0.distcp") == b"new" and store.holdings()[8].manifest is None
+    assert store.put_manifest(8, {"step": 8, "world_size": 1}, generation=2) is None
+    assert store.seal(8, generation=2) == 3  # the bytes it holds then: what memory_checkpoint_bytes reports
+    store.rewind(8, generation=1)  # a rewind never lowers the generation
+    assert store.put(9, 0, {"__0_0.distcp": b"x"}, generation=1) is not None
+
+
+def test_the_groups_store_bytes_are_reported_per_node_and_as_the_most_any_node_holds(tmp_path: Path) -> None:
+    snaps = _taking(tmp_path)
+    assert snaps.metrics() == {}  # nothing complete yet
+    snaps.held = {"0a1b2c3d4e5f": 300, "ffeeddccbbaa": 500}
+    assert snaps.metrics() == {
+        "memory_checkpoint_bytes": 500.0,
+        "memory_checkpoint_bytes/node-0a1b2c3d": 300.0,
+        "memory_checkpoint_bytes/node-ffeeddcc": 500.0,
+    }
+    snaps.taking = False  # stopped: no figure that is not kept up to date
+    assert snaps.metrics() == {}
+
+
 # -- the loop's side: a background write that never ends ----------------------------------------------------
 
 
