@@ -178,6 +178,7 @@ def render(report: dict[str, Any]) -> str:
                 f"{_num(v['s3torchconnector_save_over_raytrn'], '.2f')}x raytrn's time, restore "
                 f"{_num(v['s3torchconnector_restore_over_raytrn'], '.2f')}x | informs the choice (performance.md) |"
             )
+    lines += _memory_rows(res.get("memory", {}))
     par = res.get("parallel", {})
     row = _status_row("parallel", par)
     if row:
@@ -254,6 +255,24 @@ def render(report: dict[str, Any]) -> str:
     lines += ["", *_gpu_block(report)]
     lines += ["", *_trainium_block(res.get("trainium"))]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _memory_rows(mem: dict[str, Any]) -> list[str]:
+    """The in-memory tier's rows (bench/memory_tier.py): restore from a store's memory vs disk and S3, and the
+    step with a snapshot every step."""
+    row = _status_row("memory tier", mem)
+    if row or not mem:
+        return [row] if row else []
+    r, st = mem["restore"], mem["step"]
+    return [
+        f"| restore of a {r['mb']:.0f} MB state (model + AdamW), DCP: from a snapshot store's memory (local Ray) vs "
+        f"local disk vs S3 (moto) | {r['memory_restore_s']:.2f} s vs {r['disk_restore_s']:.2f} s vs "
+        f"{r['s3_restore_s']:.2f} s: S3 takes {r['s3_over_memory']:.1f}x memory's time, disk "
+        f"{r['disk_over_memory']:.1f}x | {_goal(r['s3_over_memory'] >= 5, 'memory >= 5x faster than S3')} |",
+        f"| step with an in-memory snapshot every step vs none, bench job, 1 worker (`raytrn train`) | "
+        f"{st['step_s_snapshot_every_step'] * 1e3:.0f} ms vs {st['step_s_off'] * 1e3:.0f} ms "
+        f"({_pct(st['step_slowdown'])} slower) | {_goal(st['step_slowdown'] < 0.05, '< 5%')} |",
+    ]
 
 
 def _overhead_goal(overhead: float | None, noise: float | None) -> str:

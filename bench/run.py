@@ -17,7 +17,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import checkpoint, data, elastic, guard, lora, mlflow_overhead, parallel, recovery, training, trainium
+from bench import (
+    checkpoint,
+    data,
+    elastic,
+    guard,
+    lora,
+    memory_tier,
+    mlflow_overhead,
+    parallel,
+    recovery,
+    training,
+    trainium,
+)
 from bench.common import REPO, BenchJob, Skip, load_average, machine
 from bench.report import gpu_result, render, update_readme
 
@@ -29,6 +41,7 @@ ALL = (
     "elastic",
     "data",
     "checkpoint",
+    "memory",
     "parallel",
     "lora",
     "guard",
@@ -37,7 +50,7 @@ ALL = (
 #: Rough minutes each needs here (full mode, a busy 2-core machine): a benchmark starts only if this much
 #: budget is left, and the training rounds stop early enough to leave it to the ones after them.
 ESTIMATE_MIN = {"peak": 0.2, "training": 7.0, "mlflow": 2.5, "recovery": 1.5, "elastic": 6.5, "data": 0.5,
-                "checkpoint": 0.5, "parallel": 2.0, "lora": 1.0, "guard": 0.7, "trainium": 0.1}  # fmt: skip
+                "checkpoint": 0.5, "memory": 6.0, "parallel": 2.0, "lora": 1.0, "guard": 0.7, "trainium": 0.1}  # fmt: skip
 
 
 def _benchmarks(args: argparse.Namespace, results: dict[str, Any], deadline: float) -> dict[str, Callable[[], Any]]:
@@ -82,6 +95,7 @@ def _benchmarks(args: argparse.Namespace, results: dict[str, Any], deadline: flo
         "checkpoint": lambda: checkpoint.run(
             models=("tiny",) if quick else ("tiny", "small"), repeats=1 if quick else 3
         ),
+        "memory": lambda: memory_tier.run(bench, quick=quick),
         "parallel": lambda: parallel.run(steps=6 if quick else 20),
         "lora": lambda: lora.run(quick=quick),
         "guard": lambda: guard.run(quick=quick),

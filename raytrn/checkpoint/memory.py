@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 
@@ -45,9 +46,12 @@ class MemoryFileSystem(FileSystemBase):
     """DCP's file operations on ``files`` (``{name: bytes}``). A file is there once its stream closed without an
     error; a name not in ``files`` is asked of ``fetch`` (then kept), else FileNotFoundError."""
 
-    def __init__(self, files: dict[str, bytes] | None = None, fetch: Callable[[str], bytes] | None = None) -> None:
+    def __init__(
+        self, files: dict[str, bytes] | None = None, fetch: Callable[[str], bytes | memoryview] | None = None
+    ) -> None:
         self.files: dict[str, bytes] = {} if files is None else files
         self.fetch = fetch
+        self._fetched: dict[str, bytes | memoryview] = {}  # what fetch gave (a view is not copied into files)
         self._lock = threading.Lock()  # DCP writes files from several threads with thread_count > 1
 
     @contextmanager
@@ -59,17 +63,18 @@ class MemoryFileSystem(FileSystemBase):
             with self._lock:
                 self.files[name] = buffer.kept if buffer.closed else buffer.getvalue()
             return
-        yield io.BytesIO(self._read(name))
+        data = self._read(name)
+        yield io.BytesIO(data) if isinstance(data, bytes) else _ViewStream(data)
 
-    def _read(self, name: str) -> bytes:
+    def _read(self, name: str) -> bytes | memoryview:
         with self._lock:
-            data = self.files.get(name)
+            data: bytes | memoryview | None = self.files.get(name, self._fetched.get(name))
         if data is None:
             if self.fetch is None:
                 raise FileNotFoundError(name)
             data = self.fetch(name)
             with self._lock:
-                self.files[name] = data
+                self._fetched[name] = data
         return data
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
@@ -100,6 +105,42 @@ class MemoryFileSystem(FileSystemBase):
     def ls(self, path: str | os.PathLike[str]) -> list[str]:
         with self._lock:
             return [self.concat_path(path, name) for name in self.files]
+
+
+class _ViewStream(io.RawIOBase):
+    """A read-only, seekable stream over a buffer (a file read in place in Ray's object store): DCP reads the
+    slices it needs, nothing copies the whole file first."""
+
+    def __init__(self, data: memoryview) -> None:
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
+        out = bytes(self._view[self._pos : end])
+        self._pos = max(self._pos, end)
+        return out
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        n = max(0, min(len(out), len(self._view) - self._pos))
+        out[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
 
 
 class _KeptBytes(io.BytesIO):
@@ -136,7 +177,7 @@ def stage_to_memory(state: dict[str, Any], *, process_group: Any) -> tuple[Any, 
 
 
 def load_from_memory(
-    fetch: Callable[[str], bytes], model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
+    fetch: Callable[[str], bytes | memoryview], model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
 ) -> None:
     """Restore a snapshot written in any layout into this rank's, reading each file it needs through ``fetch``
     (``.metadata`` first; then only the files holding pieces of this rank's shards). As
@@ -186,7 +227,7 @@ class SnapshotStore:
 
             capacity_bytes = psutil.virtual_memory().total // 4
         self.capacity_bytes = capacity_bytes
-        self._files: dict[int, dict[int, dict[str, bytes]]] = {}  # step -> rank -> name -> bytes
+        self._files: dict[int, dict[int, Kept]] = {}  # step -> rank -> its files
         self._manifests: dict[int, dict[str, Any]] = {}
         self._sealed: int | None = None
         self._generation = 0  # the newest worker group's (rewind)
@@ -198,7 +239,7 @@ class SnapshotStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(len(b) for ranks in self._files.values() for files in ranks.values() for b in files.values())
+        return sum(kept.nbytes for ranks in self._files.values() for kept in ranks.values())
 
     def put(self, step: int, rank: int, files: Mapping[str, bytes], generation: int = 0) -> str | None:
         """Keep ``rank``'s files of snapshot ``step``; None when kept, else why not (nothing is kept then). The bound
@@ -207,14 +248,22 @@ class SnapshotStore:
             return f"rank {rank}'s snapshot {step} refused: {stale}"
         if self._sealed is not None and step <= self._sealed:
             return f"snapshot {step} is not newer than the complete snapshot {self._sealed}"
-        size = sum(len(b) for b in files.values())
-        held = self.nbytes - sum(len(b) for b in self._files.get(step, {}).get(rank, {}).values())
+        sizes = {name: len(b) for name, b in files.items()}
+        if reason := self._refused(step, rank, sizes):
+            return reason
+        self._files.setdefault(step, {})[rank] = Kept(sizes, dict(files))
+        return None
+
+    def _refused(self, step: int, rank: int, sizes: Mapping[str, int]) -> str | None:
+        """Why ``rank``'s files of snapshot ``step`` (of ``sizes``) cannot be kept; None: they fit."""
+        size = sum(sizes.values())
+        previous = self._files.get(step, {}).get(rank)
+        held = self.nbytes - (previous.nbytes if previous is not None else 0)
         if held + size > self.capacity_bytes:
             return (
                 f"rank {rank}'s snapshot {step} needs {size / 2**20:.1f} MiB; this node's store holds "
                 f"{held / 2**20:.1f} of {self.capacity_bytes / 2**20:.1f} MiB"
             )
-        self._files.setdefault(step, {})[rank] = dict(files)
         return None
 
     def put_manifest(self, step: int, manifest: dict[str, Any], generation: int = 0) -> str | None:
@@ -260,17 +309,67 @@ class SnapshotStore:
             s: Holding(
                 ranks=set(self._files.get(s, {})),
                 manifest=self._manifests.get(s),
-                nbytes=sum(len(b) for files in self._files.get(s, {}).values() for b in files.values()),
+                nbytes=sum(kept.nbytes for kept in self._files.get(s, {}).values()),
             )
             for s in steps
         }
 
     def read(self, step: int, name: str) -> bytes | None:
         """The file ``name`` of snapshot ``step`` (any rank's), None when this store has not got it."""
-        for files in self._files.get(step, {}).values():
-            if name in files:
-                return files[name]
+        kept = self._holder(step, name)
+        return kept.payload[name] if kept is not None else None
+
+    def _holder(self, step: int, name: str) -> Kept | None:
+        return next((kept for kept in self._files.get(step, {}).values() if name in kept.sizes), None)
+
+
+@dataclass
+class Kept:
+    """One rank's files of one snapshot in a store: their sizes, and the files (``{name: bytes}``; on Ray, the
+    store's own object holding them, :class:`RayStore`)."""
+
+    sizes: dict[str, int]
+    payload: Any
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes.values())
+
+
+class RayStore(SnapshotStore):
+    """A node's store as a Ray actor. A rank's files come as one object of ``{name: uint8 array}``
+    (:func:`publish`), and the store keeps its own copy, put into its node's object store (so owned here: it
+    outlives the rank that sent it, and a rank on another node can read it); a reader gets that object back
+    (:meth:`locate`) and reads the arrays in place (shared memory on the same node, one transfer from another),
+    never a copy through this actor's heap."""
+
+    def put(self, step: int, rank: int, files: Any, generation: int = 0) -> str | None:  # type: ignore[override]
+        """``files``: ``[ref]``, the rank's object (in a list: Ray hands the reference, not the value)."""
+        import ray
+
+        if stale := self._stale(generation):
+            return f"rank {rank}'s snapshot {step} refused: {stale}"
+        if self._sealed is not None and step <= self._sealed:
+            return f"snapshot {step} is not newer than the complete snapshot {self._sealed}"
+        (ref,) = files
+        arrays = ray.get(ref)  # views on the rank's object, no copy
+        sizes = {name: int(a.nbytes) for name, a in arrays.items()}
+        if reason := self._refused(step, rank, sizes):
+            return reason
+        self._files.setdefault(step, {})[rank] = Kept(sizes, ray.put(arrays))
         return None
+
+    def locate(self, step: int, name: str) -> list[Any] | None:
+        """``[ref]`` of the object holding file ``name`` of snapshot ``step`` (``{name: uint8 array}``), None when
+        this store has not got it."""
+        kept = self._holder(step, name)
+        return [kept.payload] if kept is not None else None
+
+    def read(self, step: int, name: str) -> bytes | None:
+        import ray
+
+        kept = self._holder(step, name)
+        return bytes(ray.get(kept.payload)[name]) if kept is not None else None
 
 
 # -- placement and choice ------------------------------------------------------------------------------------
@@ -348,7 +447,7 @@ class MemoryTier:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        actor = ray.remote(SnapshotStore)
+        actor = ray.remote(RayStore)
         for node in nodes:
             if node in self.handles:
                 continue
@@ -427,9 +526,9 @@ def publish(
         return f"no memory store on node(s) {', '.join(missing)}"
     puts = []
     try:
-        if files is not None:
-            ref = ray.put(dict(files))  # one copy in the object store, read by every target
-            puts += [stores[t].put.remote(step, rank, ref, generation) for t in targets]
+        if files is not None:  # one copy in the object store, read in place by every target
+            ref = ray.put({name: np.frombuffer(b, dtype=np.uint8) for name, b in files.items()})
+            puts += [stores[t].put.remote(step, rank, [ref], generation) for t in targets]
         if manifest is not None:
             puts += [stores[t].put_manifest.remote(step, manifest, generation) for t in targets]
     except Exception as e:
@@ -444,19 +543,22 @@ def publish(
     return "; ".join(reasons) or None
 
 
-def fetcher(stores: Mapping[str, Any], step: int, timeout_s: float = PUBLISH_TIMEOUT_S) -> Callable[[str], bytes]:
+def fetcher(
+    stores: Mapping[str, Any], step: int, timeout_s: float = PUBLISH_TIMEOUT_S
+) -> Callable[[str], bytes | memoryview]:
     """``fetch(name)`` for :func:`load_from_memory`: the file from the first store that has it (this node's
-    first, when the caller puts it first)."""
+    first, when the caller puts it first), read in place in the object store (a read-only view)."""
     import ray
 
-    def fetch(name: str) -> bytes:
+    def fetch(name: str) -> memoryview:
         for handle in stores.values():
             try:
-                data = ray.get(handle.read.remote(step, name), timeout=timeout_s)
+                found = ray.get(handle.locate.remote(step, name), timeout=timeout_s)
+                if found is None:
+                    continue
+                return memoryview(ray.get(found[0], timeout=timeout_s)[name])
             except Exception:  # that node is gone (or the copy lost): another copy
                 continue
-            if data is not None:
-                return bytes(data)
         raise FileNotFoundError(name)
 
     return fetch

@@ -141,6 +141,15 @@ def test_bench_report_renders_the_elastic_and_data_rows() -> None:
     # where AWS's s3torchconnector is installed: its time over raytrn's, save and restore
     assert "s3torchconnector DCP writer/reader, same state and endpoint, small model | save takes 0.92x" in text
     assert "restore 3.25x |" in text
+    memory = {"restore": {"mb": 695.9, "memory_restore_s": 0.64, "disk_restore_s": 0.56, "s3_restore_s": 2.87,
+                          "s3_over_memory": 4.48, "disk_over_memory": 0.88},
+              "step": {"step_s_off": 0.165, "step_s_snapshot_every_step": 0.293, "step_slowdown": 0.78}}  # fmt: skip
+    text = render({**report, "results": {**report["results"], "memory": memory}})
+    assert (
+        "0.64 s vs 0.56 s vs 2.87 s: S3 takes 4.5x memory's time, disk 0.9x | memory >= 5x faster than S3 **not met"
+        in text
+    )
+    assert "| 293 ms vs 165 ms (78.0% slower) | < 5% **not met** |" in text
 
 
 def test_the_elastic_bench_fails_on_an_event_it_could_not_measure() -> None:

@@ -4,6 +4,7 @@ snapshot that does not fit refused with the bytes it needed. (One node: three st
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,7 @@ def test_a_snapshot_survives_its_nodes_store_and_restores_exactly_from_the_repli
         assert publish(stores, "a", 3, 0, files, replicas=1, generation=1) is None
 
         ray.kill(stores["a"], no_restart=True)  # node a is lost with its store
+        _wait_gone(stores["a"])
         choice = tier.choose(timeout_s=10)  # (3 never completed: no manifest)
         assert choice.step == 2 and choice.manifest == manifest, choice
         fresh = build_training(j, CpuBackend(), world_size=1)
@@ -49,11 +51,22 @@ def test_a_snapshot_survives_its_nodes_store_and_restores_exactly_from_the_repli
             assert torch.equal(a, b), name
         # Every store is gone with the lost node's: nothing to restore from, and the reason is given.
         ray.kill(stores["b"], no_restart=True)
+        _wait_gone(stores["b"])
         none = tier.choose(timeout_s=10)
         why = "no manifest on a live node (never completed, or only on lost nodes)"
         assert none.step is None and none.skipped == (f"snapshot 3: {why}", f"snapshot 2: {why}"), none
     finally:
         tier.shutdown()
+
+
+def _wait_gone(actor, timeout_s: float = 30) -> None:
+    """Until a killed actor no longer answers (ray.kill returns before it is dead)."""
+    import ray
+
+    with pytest.raises(ray.exceptions.RayActorError):
+        for _ in range(int(timeout_s * 10)):
+            ray.get(actor.holdings.remote(), timeout=timeout_s)
+            time.sleep(0.1)
 
 
 def test_a_snapshot_that_does_not_fit_is_refused_saying_how_much_it_needed(ray_session, tmp_path: Path):
