@@ -113,11 +113,11 @@ def restore(*, quick: bool, repeats: int) -> dict[str, Any]:
     }
 
 
-def step_cost(bench: BenchJob, *, steps: int, timeout_s: float = 600) -> dict[str, Any]:
+def step_cost(bench: BenchJob, *, steps: int, rounds: int = 2, timeout_s: float = 600) -> dict[str, Any]:
     """The bench job's median step time with a snapshot every step over none (``raytrn train``, 1 worker)."""
     job = BenchJob(**{**bench.__dict__, "steps": steps})
     out: dict[str, list[float]] = {"off": [], "every_step": []}
-    for every in (0, 1, 0, 1):  # alternated: the machine's drift falls on both
+    for every in (0, 1) * rounds:  # alternated: the machine's drift falls on both
         with tempfile.TemporaryDirectory(prefix="raytrn-bench-memory-step-") as tmp:
             run = launch_raytrn(job, tmp, extra=["run.log_every=1", f"checkpoint.memory_every_n_steps={every}",
                                                  f"checkpoint.every_n_steps={10 * steps}"])  # fmt: skip
@@ -136,7 +136,7 @@ def step_cost(bench: BenchJob, *, steps: int, timeout_s: float = 600) -> dict[st
 def run(bench: BenchJob, *, quick: bool = False) -> dict[str, Any]:
     return {
         "restore": restore(quick=quick, repeats=1 if quick else 3),
-        "step": step_cost(bench, steps=20 if quick else 60),
+        "step": step_cost(bench, steps=20 if quick else 60, rounds=1 if quick else 2),
     }
 
 
