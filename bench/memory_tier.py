@@ -2,8 +2,8 @@
 memory against the checkpoint storage, and what a snapshot every step costs the step.
 
 - Restore of a ~700 MB state (a Llama of 58M parameters with its AdamW moments): from a snapshot store actor's
-  memory on a local Ray (what a restarted rank reads from its node's or a peer's store: ``load_from_memory`` over
-  ``fetcher``), from a local directory and from S3 (moto on 127.0.0.1, raytrn's DCP storage), each into a fresh
+  memory on a local Ray (what a restarted rank reads from its own node's store, in place: ``load_from_memory`` over
+  ``fetcher``; a peer node's adds one transfer per file), from a local directory and from S3 (moto on 127.0.0.1, raytrn's DCP storage), each into a fresh
   model and optimizer, alternated. Goal: memory at least 5x faster than S3.
 - The step with a snapshot every step (``checkpoint.memory_every_n_steps=1``) against none, the bench job under
   ``raytrn train`` (1 CPU worker, local Ray): the median ``step_time_s`` after warm-up of each, alternated. Goal: < 5%
@@ -84,13 +84,22 @@ def child_main(args: argparse.Namespace) -> None:
                     with torch.no_grad():
                         for p in fresh_model.parameters():
                             p.zero_()
+                        for state in fresh_opt.state.values():  # what the restore must bring back
+                            state["exp_avg"].zero_()
+                            state["exp_avg_sq"].zero_()
                     t0 = time.perf_counter()
                     restore()
                     rows[key].append(time.perf_counter() - t0)
                     exact = all(
                         torch.equal(a, b) for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True)
                     )
-                    assert exact, f"{key}: the restored weights differ"
+                    moments = [(s["exp_avg"], s["exp_avg_sq"]) for s in opt.state.values()]
+                    back = [(s["exp_avg"], s["exp_avg_sq"]) for s in fresh_opt.state.values()]
+                    exact = exact and len(moments) == len(back) > 0
+                    exact = exact and all(
+                        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(moments, back, strict=True)
+                    )
+                    assert exact, f"{key}: the restored weights or AdamW moments differ"
         finally:
             tier.shutdown()
             ray.shutdown()

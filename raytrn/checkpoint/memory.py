@@ -14,8 +14,9 @@ A snapshot is what a durable DCP checkpoint is (:mod:`raytrn.checkpoint.dcp`: ev
 - :func:`newest_restorable`: the newest snapshot whose every rank's files and manifest are on a live store, with
   why each newer one was passed over.
 
-- :class:`MemoryTier`, :func:`publish`, :func:`fetcher`: on Ray, the keeper of the run's stores (one per node,
-  pinned there), a rank's copies to its node and the ring's next ones, and the reads back.
+- :class:`RayStore`, :class:`MemoryTier`, :func:`publish`, :func:`fetcher`: on Ray, a node's store (its files
+  in the node's object store), the keeper of the run's stores (one per node, pinned there), a rank's copies to its
+  node and the ring's next ones, and the reads back (each file read in place).
 
 The loop's side (every N steps, in the background; the restore choice against the durable commit):
 :mod:`raytrn.train.snapshots`; the two tiers: docs/elasticity.md.
@@ -222,11 +223,7 @@ class SnapshotStore:
     died) is refused, so it can never mix into, free or drop the newer group's snapshots."""
 
     def __init__(self, capacity_bytes: int | None = None) -> None:
-        if capacity_bytes is None:  # a quarter of this node's memory
-            import psutil
-
-            capacity_bytes = psutil.virtual_memory().total // 4
-        self.capacity_bytes = capacity_bytes
+        self.capacity_bytes = self.default_capacity() if capacity_bytes is None else capacity_bytes
         self._files: dict[int, dict[int, Kept]] = {}  # step -> rank -> its files
         self._manifests: dict[int, dict[str, Any]] = {}
         self._sealed: int | None = None
@@ -236,6 +233,13 @@ class SnapshotStore:
         if generation < self._generation:
             return f"from an older worker group (generation {generation}; the stores are at {self._generation})"
         return None
+
+    @staticmethod
+    def default_capacity() -> int:
+        """A quarter of this node's memory."""
+        import psutil
+
+        return int(psutil.virtual_memory().total // 4)
 
     @property
     def nbytes(self) -> int:
@@ -337,39 +341,61 @@ class Kept:
 
 
 class RayStore(SnapshotStore):
-    """A node's store as a Ray actor. A rank's files come as one object of ``{name: uint8 array}``
-    (:func:`publish`), and the store keeps its own copy, put into its node's object store (so owned here: it
-    outlives the rank that sent it, and a rank on another node can read it); a reader gets that object back
-    (:meth:`locate`) and reads the arrays in place (shared memory on the same node, one transfer from another),
-    never a copy through this actor's heap."""
+    """A node's store as a Ray actor, holding its snapshots in its node's Ray object store. A rank sends each file
+    as an object of its own (a uint8 array, :func:`publish`) with the files' sizes; the store checks the bound
+    before it pulls anything, then keeps its own copy of each file, put by the store (so owned here: it outlives the
+    rank that sent it). A reader asks where a file is (:meth:`locate`) and reads that one object in place: shared
+    memory on the same node, one transfer of that file from another node; never a copy through this actor's heap.
 
-    def put(self, step: int, rank: int, files: Any, generation: int = 0) -> str | None:  # type: ignore[override]
-        """``files``: ``[ref]``, the rank's object (in a list: Ray hands the reference, not the value)."""
+    The bound (``checkpoint.memory_store_gib``; default :meth:`default_capacity`) counts what the store keeps; the
+    ranks' own objects and the copies readers pull sit in the same object store for a while, hence the margin."""
+
+    @staticmethod
+    def default_capacity() -> int:
+        """A quarter of this node's memory or a third of its Ray object store, the smaller (past the object store's
+        size Ray would spill snapshots to disk)."""
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        store = next((n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n.get("NodeID") == node), 0)
+        quarter = SnapshotStore.default_capacity()
+        return int(min(quarter, store // 3)) if store else quarter
+
+    def put(  # type: ignore[override]
+        self, step: int, rank: int, files: Any, generation: int = 0, sizes: Mapping[str, int] | None = None
+    ) -> str | None:
+        """``files``: ``[{name: ref}]``, the rank's objects (in a list: Ray hands the references, not the values);
+        ``sizes``: their bytes, checked against the bound before any is pulled here."""
         import ray
 
         if stale := self._stale(generation):
             return f"rank {rank}'s snapshot {step} refused: {stale}"
         if self._sealed is not None and step <= self._sealed:
             return f"snapshot {step} is not newer than the complete snapshot {self._sealed}"
-        (ref,) = files
-        arrays = ray.get(ref)  # views on the rank's object, no copy
-        sizes = {name: int(a.nbytes) for name, a in arrays.items()}
+        (refs,) = files
+        if sizes is None:
+            raise ValueError("RayStore.put needs the files' sizes")
         if reason := self._refused(step, rank, sizes):
             return reason
-        self._files.setdefault(step, {})[rank] = Kept(sizes, ray.put(arrays))
+        names = list(refs)
+        try:  # in place on this node; one transfer per file from another
+            arrays = ray.get([refs[n] for n in names], timeout=PUBLISH_TIMEOUT_S)
+        except Exception as e:  # the rank's node gone mid-copy, or too slow: this snapshot fails here
+            return f"rank {rank}'s snapshot {step}: its files did not arrive ({type(e).__name__})"
+        own = {n: ray.put(a) for n, a in zip(names, arrays, strict=True)}
+        self._files.setdefault(step, {})[rank] = Kept(dict(sizes), own)
         return None
 
     def locate(self, step: int, name: str) -> list[Any] | None:
-        """``[ref]`` of the object holding file ``name`` of snapshot ``step`` (``{name: uint8 array}``), None when
-        this store has not got it."""
+        """``[ref]`` of file ``name`` of snapshot ``step`` (a uint8 array), None when this store has not got it."""
         kept = self._holder(step, name)
-        return [kept.payload] if kept is not None else None
+        return [kept.payload[name]] if kept is not None else None
 
     def read(self, step: int, name: str) -> bytes | None:
         import ray
 
         kept = self._holder(step, name)
-        return bytes(ray.get(kept.payload)[name]) if kept is not None else None
+        return bytes(ray.get(kept.payload[name])) if kept is not None else None
 
 
 # -- placement and choice ------------------------------------------------------------------------------------
@@ -426,11 +452,11 @@ PUBLISH_TIMEOUT_S = 60.0
 
 
 class MemoryTier:
-    """The driver's side: one :class:`SnapshotStore` actor per node (zero CPUs, pinned to its node, owned by the
-    keeper, so it outlives every worker group of the run), the holdings of the live ones, and the choice.
+    """The driver's side: one :class:`RayStore` actor per node (zero CPUs, pinned to its node, owned by the keeper,
+    so it outlives every worker group of the run), the holdings of the live ones, and the choice.
 
-    A store keeps its bytes in its own heap (what a rank sends is copied there), so a snapshot does not die with
-    the worker that made it, only with its node."""
+    A store keeps its own copy of what a rank sends (objects it owns, in its node's object store), so a snapshot
+    does not die with the worker that made it, only with its node."""
 
     def __init__(self, run: str, *, capacity_bytes: int | None) -> None:
         self.run = run
@@ -526,9 +552,10 @@ def publish(
         return f"no memory store on node(s) {', '.join(missing)}"
     puts = []
     try:
-        if files is not None:  # one copy in the object store, read in place by every target
-            ref = ray.put({name: np.frombuffer(b, dtype=np.uint8) for name, b in files.items()})
-            puts += [stores[t].put.remote(step, rank, [ref], generation) for t in targets]
+        if files is not None:  # each file once in the object store, read in place by every target
+            refs = {name: ray.put(np.frombuffer(b, dtype=np.uint8)) for name, b in files.items()}
+            sizes = {name: len(b) for name, b in files.items()}
+            puts += [stores[t].put.remote(step, rank, [refs], generation, sizes) for t in targets]
         if manifest is not None:
             puts += [stores[t].put_manifest.remote(step, manifest, generation) for t in targets]
     except Exception as e:
@@ -556,7 +583,7 @@ def fetcher(
                 found = ray.get(handle.locate.remote(step, name), timeout=timeout_s)
                 if found is None:
                     continue
-                return memoryview(ray.get(found[0], timeout=timeout_s)[name])
+                return memoryview(ray.get(found[0], timeout=timeout_s))
             except Exception:  # that node is gone (or the copy lost): another copy
                 continue
         raise FileNotFoundError(name)

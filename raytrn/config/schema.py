@@ -363,8 +363,9 @@ class CheckpointConfig(Section):
         None,
         gt=0,
         allow_inf_nan=False,
-        description="host memory each node's snapshot store may hold (a snapshot that does not fit is skipped with "
-        "a warning); null: a quarter of the node's memory",
+        description="memory each node's snapshot store may hold, in the node's Ray object store (a snapshot that "
+        "does not fit is skipped with a warning; the store holds the complete snapshot and the one being made): null: "
+        "a quarter of the node's memory or a third of its object store, the smaller",
     )
 
 

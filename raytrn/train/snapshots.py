@@ -129,16 +129,21 @@ class MemorySnapshots:
         still sends (rank 0 asks, before the first step; every rank gets the group's generation)."""
         import ray
 
-        answer = [self.generation]
+        answer: list[Any] = [None]
         if self.rank == 0 and self.keeper is not None:
             try:
-                answer[0], late = ray.get(self.keeper.rewind.remote(step), timeout=120)
-            except Exception as e:  # a refused snapshot later says why; training does not wait on the tier
-                log.warning("in-memory snapshots: could not rewind the stores to step %d (%s)", step, e)
+                generation, late = ray.get(self.keeper.rewind.remote(step), timeout=120)
+            except Exception as e:  # training does not wait on the tier: this group takes no snapshots (below)
+                answer = [f"could not rewind the stores to step {step} ({type(e).__name__}: {e})"]
             else:
+                answer = [generation]
                 if late:
                     log.warning("in-memory snapshots: the stores on %s did not answer the rewind", ", ".join(late))
-        (self.generation,) = agree.broadcast(answer)
+        (answer,) = agree.broadcast(answer)
+        if isinstance(answer, int):
+            self.generation = answer
+        elif self.taking:  # the stores would refuse this group's snapshots (or keep newer ones it would mix with)
+            self._stop(str(answer))
 
     def load(self, t: Any, snapshot: Snapshot) -> Progress:
         """Restore ``snapshot`` into ``t`` (a collective: every rank reads the files holding its shards from the
@@ -215,9 +220,9 @@ class MemorySnapshots:
         self._writing = writing
 
     def _stop(self, why: str) -> None:
-        """No more snapshots in this worker group (every rank): a background write on its group never ended, and
-        another write there would mix with its collectives. Restores, the newest complete snapshot and the durable
-        checkpoints are unaffected."""
+        """No more snapshots in this worker group (every rank): a background write on its group never ended (another
+        write there would mix with its collectives), or the stores were not rewound for the group (they would refuse
+        its snapshots). Restores, the newest complete snapshot and the durable checkpoints are unaffected."""
         self.taking, self._writing = False, None
         if self.rank == 0:
             log.warning(

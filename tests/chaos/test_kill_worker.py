@@ -173,7 +173,7 @@ def test_killed_worker_resumes_from_its_in_memory_snapshot_losing_at_most_one_st
     assert run.data.tags["raytrn.restore_source"] == f"memory:step_{restored}"
     first, second = run.data.tags["world_size_history"].split(",")
     assert first == "0:1" and second == f"{restored}:1", run.data.tags["world_size_history"]
-    # The node's store holds one complete snapshot (and at most one being made): its bytes, at each log step.
+    # The node's store holds one complete snapshot after each seal: its bytes, at each log step.
     held = [m.value for m in client.get_metric_history(summary.mlflow_run_id, "memory_checkpoint_bytes")]
     per_node = [k for k in run.data.metrics if k.startswith("memory_checkpoint_bytes/node-")]
     assert len(per_node) == 1 and run.data.metrics[per_node[0]] == held[-1], run.data.metrics

@@ -259,6 +259,44 @@ def test_the_groups_store_bytes_are_reported_per_node_and_as_the_most_any_node_h
     assert snaps.metrics() == {}
 
 
+def test_a_snapshot_read_in_place_restores_exactly(tmp_path: Path) -> None:
+    """On Ray a restoring rank reads each file as a read-only view of the object store (fetcher); DCP reads its
+    slices through a stream over the view."""
+    import numpy as np
+
+    j = job(tmp_path)
+    t = trained(j)
+    held = {name: np.frombuffer(b, dtype=np.uint8) for name, b in snapshot_files(t).items()}
+    for a in held.values():
+        assert not a.flags.writeable  # as ray.get hands them back
+    fresh = build_training(j, CpuBackend(), world_size=1)
+    memory.load_from_memory(lambda name: memoryview(held[name]), fresh.model, fresh.optimizer, fresh.scheduler)
+    for (name, a), b in zip(t.model.named_parameters(), fresh.model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    moments = [s["exp_avg"] for s in t.optimizer.state.values()]
+    restored = [s["exp_avg"] for s in fresh.optimizer.state.values()]
+    assert len(moments) == len(restored) > 0 and all(torch.equal(a, b) for a, b in zip(moments, restored, strict=True))
+
+
+def test_a_group_whose_stores_could_not_be_rewound_takes_no_snapshots(tmp_path, caplog) -> None:
+    """The stores would refuse (or mix with) a group they were not rewound for: it stops taking snapshots at once,
+    with one warning, rather than paying for snapshots that are all refused."""
+
+    class Unreachable:  # the keeper actor gone: its method call raises, as Ray's does
+        class rewind:  # noqa: N801
+            @staticmethod
+            def remote(step: int) -> Any:
+                raise ConnectionError("keeper gone")
+
+    snaps = _taking(tmp_path)
+    snaps.keeper = Unreachable()
+    with caplog.at_level("WARNING", logger="raytrn.train.snapshots"):
+        snaps.starting_at(7)
+    assert not snaps.taking
+    [record] = [r for r in caplog.records if "stop for this worker group" in r.getMessage()]
+    assert "could not rewind the stores to step 7 (ConnectionError: keeper gone)" in record.getMessage()
+
+
 # -- the loop's side: a background write that never ends ----------------------------------------------------
 
 
