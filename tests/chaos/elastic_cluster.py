@@ -307,14 +307,22 @@ def main(argv: list[str] | None = None) -> int:
                 event["tried_sizes"] = [n for g, n in _placement_groups().items() if g not in tried_before]
             elif kind == "s3down":
                 assert s3 is not None, "s3down needs --s3"
+                # Cut S3 right after a checkpoint commits, so that the outage covers the next one (a cut at a
+                # logged step raced the commits: one landed as the cut began, written before it took effect).
+                known = _newest_commit(storage_root)
+                deadline = time.monotonic() + 120
+                while thread.is_alive() and time.monotonic() < deadline and _newest_commit(storage_root) <= known:
+                    time.sleep(0.05)
+                before = _newest_commit(storage_root)
                 groups_before = len(_trace_groups(trace))
                 s3.proxy.cut(args.outage_s)
                 start, end = s3.proxy.outages[-1]
-                # The next commit after the outage's start, once it is there (it waited for S3 to come back).
-                while thread.is_alive() and not [c for c in _commits(storage_root) if c["written_at"] > start]:
+                # The first checkpoint committed after the cut, once it is there (it waited for S3 to come back).
+                while thread.is_alive() and not [c for c in _commits(storage_root) if c["step"] > before]:
                     time.sleep(0.2)
-                after = [c for c in _commits(storage_root) if c["written_at"] > start]
+                after = [c for c in _commits(storage_root) if c["step"] > before]
                 event.update(
+                    committed_before=before,
                     outage=[round(start, 2), round(end, 2)],
                     first_commit_after=after[0] if after else None,
                     restarts_during=len(_trace_groups(trace)) - groups_before,
@@ -361,6 +369,23 @@ def _commits(storage_root: str) -> list[dict[str, Any]]:
         if c is not None:
             out.append({"step": c.step, "written_at": round(c.written_at, 2)})
     return out
+
+
+def _newest_commit(storage_root: str) -> int:
+    """The newest committed checkpoint's step (-1: none), reading only the newest checkpoints' manifests (cheap
+    enough to poll between two checkpoints)."""
+    from raytrn.checkpoint import manifest
+    from raytrn.checkpoint.rundir import RunDir
+
+    run = RunDir(storage_root, "elastic")
+    for step in sorted(run.dcp_steps(), reverse=True):
+        try:
+            c = manifest.read_commit(run.dcp_step(step))
+        except (OSError, ValueError):
+            continue
+        if c is not None:
+            return int(c.step)
+    return -1
 
 
 def _resumes(trace: Path) -> list[dict[str, Any]]:

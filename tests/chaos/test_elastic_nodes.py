@@ -84,6 +84,7 @@ def test_chaos_suite(tiny_dataset, tmp_path):
     start, end = s3down["outage"]
     assert s3down["restarts_during"] == 0, s3down
     assert s3down["first_commit_after"] is not None and s3down["first_commit_after"]["written_at"] >= end, s3down
+    assert s3down["first_commit_after"]["step"] == s3down["committed_before"] + EVERY, s3down  # the next one
 
     ref = result["reference"]
     assert ref["finished"] and ref["steps"] == STEPS, ref
