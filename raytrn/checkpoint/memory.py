@@ -248,18 +248,18 @@ class SnapshotStore:
     def put(self, step: int, rank: int, files: Mapping[str, bytes], generation: int = 0) -> str | None:
         """Keep ``rank``'s files of snapshot ``step``; None when kept, else why not (nothing is kept then). The bound
         counts everything held: the complete snapshot and the one being made (room for two, per node)."""
-        if stale := self._stale(generation):
-            return f"rank {rank}'s snapshot {step} refused: {stale}"
-        if self._sealed is not None and step <= self._sealed:
-            return f"snapshot {step} is not newer than the complete snapshot {self._sealed}"
         sizes = {name: len(b) for name, b in files.items()}
-        if reason := self._refused(step, rank, sizes):
+        if reason := self._refused(step, rank, sizes, generation):
             return reason
         self._files.setdefault(step, {})[rank] = Kept(sizes, dict(files))
         return None
 
-    def _refused(self, step: int, rank: int, sizes: Mapping[str, int]) -> str | None:
-        """Why ``rank``'s files of snapshot ``step`` (of ``sizes``) cannot be kept; None: they fit."""
+    def _refused(self, step: int, rank: int, sizes: Mapping[str, int], generation: int) -> str | None:
+        """Why ``rank``'s files of snapshot ``step`` (of ``sizes``) cannot be kept; None: they can."""
+        if stale := self._stale(generation):
+            return f"rank {rank}'s snapshot {step} refused: {stale}"
+        if self._sealed is not None and step <= self._sealed:
+            return f"snapshot {step} is not newer than the complete snapshot {self._sealed}"
         size = sum(sizes.values())
         previous = self._files.get(step, {}).get(rank)
         held = self.nbytes - (previous.nbytes if previous is not None else 0)
@@ -362,21 +362,15 @@ class RayStore(SnapshotStore):
         return int(min(quarter, store // 3)) if store else quarter
 
     def put(  # type: ignore[override]
-        self, step: int, rank: int, files: Any, generation: int = 0, sizes: Mapping[str, int] | None = None
+        self, step: int, rank: int, files: Any, generation: int, sizes: Mapping[str, int]
     ) -> str | None:
         """``files``: ``[{name: ref}]``, the rank's objects (in a list: Ray hands the references, not the values);
         ``sizes``: their bytes, checked against the bound before any is pulled here."""
         import ray
 
-        if stale := self._stale(generation):
-            return f"rank {rank}'s snapshot {step} refused: {stale}"
-        if self._sealed is not None and step <= self._sealed:
-            return f"snapshot {step} is not newer than the complete snapshot {self._sealed}"
-        (refs,) = files
-        if sizes is None:
-            raise ValueError("RayStore.put needs the files' sizes")
-        if reason := self._refused(step, rank, sizes):
+        if reason := self._refused(step, rank, sizes, generation):
             return reason
+        (refs,) = files
         names = list(refs)
         try:  # in place on this node; one transfer per file from another
             arrays = ray.get([refs[n] for n in names], timeout=PUBLISH_TIMEOUT_S)
@@ -390,12 +384,6 @@ class RayStore(SnapshotStore):
         """``[ref]`` of file ``name`` of snapshot ``step`` (a uint8 array), None when this store has not got it."""
         kept = self._holder(step, name)
         return [kept.payload[name]] if kept is not None else None
-
-    def read(self, step: int, name: str) -> bytes | None:
-        import ray
-
-        kept = self._holder(step, name)
-        return bytes(ray.get(kept.payload[name])) if kept is not None else None
 
 
 # -- placement and choice ------------------------------------------------------------------------------------

@@ -363,9 +363,8 @@ class CheckpointConfig(Section):
         None,
         gt=0,
         allow_inf_nan=False,
-        description="memory each node's snapshot store may hold, in the node's Ray object store (a snapshot that "
-        "does not fit is skipped with a warning; the store holds the complete snapshot and the one being made): null: "
-        "a quarter of the node's memory or a third of its object store, the smaller",
+        description="each node's snapshot store's bound, in its Ray object store (the complete snapshot and the one "
+        "being made; one that does not fit is skipped, warned): null: 1/4 of the memory or 1/3 of the object store",
     )
 
 
