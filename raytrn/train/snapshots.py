@@ -171,7 +171,8 @@ class MemorySnapshots:
     def metrics(self) -> dict[str, float]:
         """Rank 0's at a log step, while this group takes snapshots: the bytes each node's store holds
         (``memory_checkpoint_bytes/node-…``, as of the last complete snapshot) and the most any one holds
-        (``memory_checkpoint_bytes``: what the per-node bound, ``checkpoint.memory_store_gib``, is against)."""
+        (``memory_checkpoint_bytes``: under half of the per-node bound, ``checkpoint.memory_store_gib``, or the next
+        snapshot does not fit beside it)."""
         if not (self.taking and self.held):
             return {}
         return {
@@ -231,13 +232,8 @@ class MemorySnapshots:
             )  # fmt: skip
 
     def _publisher(self, step: int, files: Callable[[], dict[str, bytes]]) -> Callable[[], str | None]:
-        ring, node, rank, replicas, gen = (
-            self.ring,
-            self.node,
-            self.rank,
-            self.job.checkpoint.memory_replicas,
-            self.generation,
-        )
+        ring, node, rank = self.ring, self.node, self.rank
+        replicas, gen = self.job.checkpoint.memory_replicas, self.generation
         return lambda: publish(ring, node, step, rank, files(), replicas=replicas, generation=gen)
 
     def _complete(self) -> bool:
