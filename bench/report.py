@@ -162,7 +162,7 @@ def render(report: dict[str, Any]) -> str:
         save, restore, blocked = v.get("save_over_boto3"), v.get("restore_over_boto3"), v.get("async_blocked_fraction")
         goal = []
         if v["mb"] >= 100 and save is not None:
-            goal.append(_goal(save >= 0.8, "save >= 0.8 of raw"))
+            goal.append(_goal(save >= 0.9, "save >= 0.9 of raw"))
         if blocked is not None:
             goal.append(_goal(blocked < 0.1, "async blocked < 10%"))
         lines.append(

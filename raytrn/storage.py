@@ -281,7 +281,9 @@ class S3Upload:
     """A write-only stream into one S3 object (``bucket/key``): parts of ``part_size`` bytes are uploaded with
     boto3 in background threads while the caller is still writing, so producing the bytes (DCP serializing a
     checkpoint) overlaps sending them. :meth:`finish` completes the object; :meth:`abort` leaves nothing
-    behind (an S3 object exists only once its upload completed). A small object is one ``put_object``.
+    behind (an S3 object exists only once its upload completed). A small object is one ``put_object``. Like
+    :class:`DigestStream` it keeps the object's :attr:`size` and sha256 (:meth:`hexdigest`), here off the writer's
+    thread.
 
     Measured against pyarrow's S3 output stream for sharded checkpoints (docs/performance.md). boto3 reads the
     same ``AWS_ENDPOINT_URL[_S3]`` and region settings as :func:`s3_filesystem`.
@@ -299,21 +301,42 @@ class S3Upload:
         config = Config(retries={"mode": "standard", "total_max_attempts": 2}, connect_timeout=10, read_timeout=60)
         self.client = boto3.client("s3", config=config)
         self.part_size = part_size
-        self._buffer = bytearray()
+        self._buffer = bytearray(part_size)  # the part being filled: _filled bytes of it so far
+        self._filled = 0
         self._position = 0
         self._upload_id: str | None = None
         self._parts: list[Any] = []
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="raytrn-s3-upload")
+        # The sha256 of what was written, computed part by part in order on one thread of its own (hashlib lets go
+        # of the GIL), so hashing overlaps the writer instead of adding to it: what the commit manifest records.
+        self._sha = hashlib.sha256()
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="raytrn-s3-sha256")
         self.closed = False
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self._buffer += view
-        self._position += len(view)
-        while len(self._buffer) >= self.part_size:
-            self._send(bytes(self._buffer[: self.part_size]))
-            del self._buffer[: self.part_size]
-        return len(view)
+        n, done = len(view), 0
+        while done < n:
+            take = min(n - done, self.part_size - self._filled)
+            self._buffer[self._filled : self._filled + take] = view[done : done + take]
+            self._filled += take
+            done += take
+            if self._filled == self.part_size:
+                self._send(self._buffer)
+                self._buffer, self._filled = bytearray(self.part_size), 0
+        self._position += n
+        return n
+
+    @property
+    def size(self) -> int:
+        """Bytes written so far."""
+        return self._position
+
+    def hexdigest(self) -> str:
+        """The sha256 of the object, once :meth:`finish` has returned."""
+        if not self.closed:
+            raise RuntimeError("S3Upload.hexdigest() before finish()")
+        return self._sha.hexdigest()
 
     def tell(self) -> int:
         return self._position
@@ -331,12 +354,21 @@ class S3Upload:
             lambda: request(Bucket=self.bucket, Key=self.key, **kwargs), f"S3 {method} s3://{self.bucket}/{self.key}"
         )
 
-    def _send(self, data: bytes) -> None:
+    def _send(self, data: bytearray) -> None:
+        """Hand one part (owned by the upload from here on) to the hasher and the upload threads."""
         if self._upload_id is None:
-            self._upload_id = self._call("create_multipart_upload")["UploadId"]
+            self._upload_id = self._call("create_multipart_upload", ChecksumAlgorithm="CRC32")["UploadId"]
         number = len(self._parts) + 1
+        self._hasher.submit(self._sha.update, data)
         self._parts.append(
-            self._pool.submit(self._call, "upload_part", PartNumber=number, UploadId=self._upload_id, Body=data)
+            self._pool.submit(
+                self._call,
+                "upload_part",
+                PartNumber=number,
+                UploadId=self._upload_id,
+                Body=data,
+                ChecksumAlgorithm="CRC32",
+            )
         )
 
     def close(self) -> None:
@@ -348,24 +380,34 @@ class S3Upload:
             return
         self.closed = True
         try:
+            last = self._buffer[: self._filled]
             if self._upload_id is None:
-                self._call("put_object", Body=bytes(self._buffer))
+                self._hasher.submit(self._sha.update, last)
+                self._call("put_object", Body=last)
                 return
-            if self._buffer:
-                self._send(bytes(self._buffer))
-            parts = [{"ETag": f.result()["ETag"], "PartNumber": i} for i, f in enumerate(self._parts, 1)]
+            if last:
+                self._send(last)
+            # Each part's CRC32 (S3 checks it on receipt) goes into the completion, as boto3's managed upload does;
+            # without them moto took twice as long to complete an upload (0.9-1.0 s against 0.5-0.6 s for 136 MB).
+            parts = [
+                {"ETag": r["ETag"], "PartNumber": i}
+                | ({"ChecksumCRC32": r["ChecksumCRC32"]} if "ChecksumCRC32" in r else {})
+                for i, r in enumerate((f.result() for f in self._parts), 1)
+            ]
             self._call("complete_multipart_upload", UploadId=self._upload_id, MultipartUpload={"Parts": parts})
         except BaseException:
             self.abort()
             raise
         finally:
             self._pool.shutdown(wait=True)
+            self._hasher.shutdown(wait=True)
 
     def abort(self) -> None:
         self.closed = True
         for f in self._parts:
             f.cancel()
         self._pool.shutdown(wait=True)
+        self._hasher.shutdown(wait=True, cancel_futures=True)
         if self._upload_id is not None:
             try:
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id)

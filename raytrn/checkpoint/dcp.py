@@ -42,16 +42,27 @@ METADATA = ".metadata"
 
 
 class ArrowFileSystem(FileSystemBase):
-    """DCP's file operations on a pyarrow filesystem (S3 here; any pyarrow filesystem works)."""
+    """DCP's file operations on a pyarrow filesystem (S3 here; any pyarrow filesystem works).
+
+    On S3 two file-system rituals are dropped, each a request or more per save: there are no directories to make,
+    and the metadata DCP writes as ``.metadata.tmp`` and renames (a copy and a delete on S3) is written straight
+    under its name, which is as atomic there: an object appears only once its upload completed, after every data
+    file. To DCP the ``.tmp`` file still exists until its rename (a no-op).
+    """
 
     def __init__(self, fs: pafs.FileSystem) -> None:
         self.fs = fs
+        self.s3 = isinstance(fs, pafs.S3FileSystem)
+        self._renamed: set[str] = set()  # final names of the .tmp files written straight under them (S3)
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
         path = os.fspath(path)
         if "w" in mode:
-            if isinstance(self.fs, pafs.S3FileSystem):
+            if self.s3:
+                if path.endswith(".tmp"):
+                    path = path.removesuffix(".tmp")
+                    self._renamed.add(path)
                 # DCP serializes item by item into the stream; parts go up in background threads meanwhile
                 # (storage.S3Upload: boto3's multipart upload; nothing is left behind on an error).
                 upload = storage.S3Upload(path)
@@ -77,20 +88,28 @@ class ArrowFileSystem(FileSystemBase):
         return f"{os.fspath(path).rstrip('/')}/{suffix}"
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-        self.fs.move(os.fspath(path), os.fspath(new_path))
+        path, new_path = os.fspath(path), os.fspath(new_path)
+        if new_path in self._renamed and path == f"{new_path}.tmp":
+            self._renamed.discard(new_path)  # written there already
+            return
+        self.fs.move(path, new_path)
 
     def init_path(self, path: str | os.PathLike[str]) -> str:
         return os.fspath(path)
 
     def mkdir(self, path: str | os.PathLike[str]) -> None:
-        self.fs.create_dir(os.fspath(path), recursive=True)
+        if not self.s3:
+            self.fs.create_dir(os.fspath(path), recursive=True)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return True
 
     def exists(self, path: str | os.PathLike[str]) -> bool:
-        return bool(self.fs.get_file_info(os.fspath(path)).type != pafs.FileType.NotFound)
+        path = os.fspath(path)
+        if path in self._renamed:
+            return False  # not renamed yet, as far as DCP knows
+        return bool(self.fs.get_file_info(path).type != pafs.FileType.NotFound)
 
     def rm_file(self, path: str | os.PathLike[str]) -> None:
         self.fs.delete_file(os.fspath(path))
@@ -114,7 +133,8 @@ class DigestingFileSystem(FileSystemBase):
                 yield stream
             return
         with self.inner.create_stream(path, mode) as stream:
-            digest = storage.DigestStream(stream)
+            # An S3 upload hashes its parts off this thread by itself; anything else is hashed as it is written.
+            digest = stream if isinstance(stream, storage.S3Upload) else storage.DigestStream(stream)
             yield digest
         self.digests[os.path.basename(os.fspath(path))] = (digest.size, digest.hexdigest())  # complete only
 

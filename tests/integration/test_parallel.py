@@ -310,8 +310,11 @@ def test_s3_round_trip_and_hf_export_from_shards(single, tmp_path, s3_bucket, s3
 
 
 def test_s3_upload_streams_parts_and_leaves_nothing_on_error(s3_bucket, s3_endpoint) -> None:
-    """raytrn.storage.S3Upload (how DCP files reach S3): parts go up while writing; small objects are one put;
-    an aborted upload leaves neither an object nor a pending multipart upload."""
+    """raytrn.storage.S3Upload (how DCP files reach S3): parts go up while writing, each with its CRC32; the size
+    and sha256 it reports are the object's; small objects are one put; an aborted upload leaves neither an object
+    nor a pending multipart upload."""
+    import hashlib
+
     import boto3
 
     from raytrn.storage import S3Upload
@@ -319,21 +322,49 @@ def test_s3_upload_streams_parts_and_leaves_nothing_on_error(s3_bucket, s3_endpo
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
     data = os.urandom(12 << 20)
     up = S3Upload(f"{s3_bucket}/big", part_size=5 << 20)
-    for i in range(0, len(data), 1 << 20):  # written in 1 MB pieces, as torch.save writes
-        up.write(data[i : i + (1 << 20)])
+    for i in range(0, len(data), 3 << 18):  # written in 768 KB pieces that straddle the parts' edges
+        up.write(memoryview(data)[i : i + (3 << 18)])
     assert up.tell() == len(data)
     up.close()
     up.close()  # idempotent
     assert s3.get_object(Bucket=s3_bucket, Key="big")["Body"].read() == data
+    assert (up.size, up.hexdigest()) == (len(data), hashlib.sha256(data).hexdigest())
+    assert s3.head_object(Bucket=s3_bucket, Key="big", PartNumber=1)["PartsCount"] == 3
+    checksum = s3.get_object_attributes(Bucket=s3_bucket, Key="big", ObjectAttributes=["Checksum"])["Checksum"]
+    assert checksum.get("ChecksumCRC32") and checksum["ChecksumType"] == "COMPOSITE"  # one CRC32 per part
     small = S3Upload(f"{s3_bucket}/small")
     small.write(b"abc")
     small.finish()
     assert s3.get_object(Bucket=s3_bucket, Key="small")["Body"].read() == b"abc"
+    assert (small.size, small.hexdigest()) == (3, hashlib.sha256(b"abc").hexdigest())
     broken = S3Upload(f"{s3_bucket}/broken", part_size=5 << 20)
     broken.write(data)
     broken.abort()
     assert "Contents" not in s3.list_objects_v2(Bucket=s3_bucket, Prefix="broken")
     assert not s3.list_multipart_uploads(Bucket=s3_bucket).get("Uploads")
+
+
+def test_a_dcp_save_to_s3_writes_only_its_files(s3_bucket, s3_endpoint) -> None:
+    """On S3 a DCP save makes no directory markers and no ``.metadata.tmp`` (written under its name, no copy and
+    delete); the digests it returns are the objects' bytes; it loads back equal."""
+    import hashlib
+
+    import boto3
+    import torch.distributed.checkpoint as torch_dcp
+
+    from raytrn.checkpoint import dcp
+
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    state = {"w": torch.randn(300, 500), "b": torch.arange(7)}
+    digests = dcp.save(state, f"s3://{s3_bucket}/run/dcp/step_1")
+    keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=s3_bucket)["Contents"])
+    assert keys == ["run/dcp/step_1/.metadata", "run/dcp/step_1/__0_0.distcp"]
+    for key in keys:
+        body = s3.get_object(Bucket=s3_bucket, Key=key)["Body"].read()
+        assert digests[key.rsplit("/", 1)[1]] == (len(body), hashlib.sha256(body).hexdigest())
+    back = {"w": torch.zeros(300, 500), "b": torch.zeros(7, dtype=torch.long)}
+    torch_dcp.load(back, storage_reader=dcp.storage_reader(f"s3://{s3_bucket}/run/dcp/step_1"), no_dist=True)
+    assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
 
 
 def _tiny_hf(path: Path) -> None:
