@@ -34,9 +34,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter
 
 from raytrn.checkpoint.dcp import async_save_state, load_state
+from raytrn.checkpoint.inplace import InPlaceReader, ViewStream
 from raytrn.errors import CheckpointError
 
 #: The directory name DCP sees for a snapshot (it only joins file names to it).
@@ -65,7 +66,7 @@ class MemoryFileSystem(FileSystemBase):
                 self.files[name] = buffer.kept if buffer.closed else buffer.getvalue()
             return
         data = self._read(name)
-        yield io.BytesIO(data) if isinstance(data, bytes) else _ViewStream(data)
+        yield io.BytesIO(data) if isinstance(data, bytes) else ViewStream(data)
 
     def _read(self, name: str) -> bytes | memoryview:
         with self._lock:
@@ -108,42 +109,6 @@ class MemoryFileSystem(FileSystemBase):
             return [self.concat_path(path, name) for name in self.files]
 
 
-class _ViewStream(io.RawIOBase):
-    """A read-only, seekable stream over a buffer (a file read in place in Ray's object store): DCP reads the
-    slices it needs, nothing copies the whole file first."""
-
-    def __init__(self, data: memoryview) -> None:
-        self._view = memoryview(data).cast("B")
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def read(self, size: int | None = -1) -> bytes:
-        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
-        out = bytes(self._view[self._pos : end])
-        self._pos = max(self._pos, end)
-        return out
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        n = max(0, min(len(out), len(self._view) - self._pos))
-        out[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-
 class _KeptBytes(io.BytesIO):
     """A BytesIO whose contents outlive its close (DCP closes the streams it writes)."""
 
@@ -161,9 +126,11 @@ class _MemoryWriter(FileSystemWriter):
         self.fs = MemoryFileSystem()  # type: ignore[assignment]  # as DCP's own FsspecWriter does
 
 
-class _MemoryReader(FileSystemReader):
+class _MemoryReader(InPlaceReader):
+    """DCP's reader on a :class:`MemoryFileSystem`, its tensors read in place from the files' buffers."""
+
     def __init__(self, fs: MemoryFileSystem) -> None:
-        super().__init__(_ROOT)
+        super().__init__(_ROOT, lambda name: memoryview(fs._read(name)))
         self.fs = fs  # type: ignore[assignment]
 
 

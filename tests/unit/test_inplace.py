@@ -1,0 +1,88 @@
+"""raytrn.checkpoint.inplace: a tensor read in place from one ``torch.save`` (as DCP writes each item) equals what
+``torch.load`` gives, shares the buffer's memory, and anything else is left to ``torch.load``; a restore through
+the in-place reader reads every tensor item in place."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from raytrn.checkpoint import inplace, memory
+from raytrn.checkpoint.inplace import tensor_in_place
+
+pytestmark = pytest.mark.unit
+
+
+def _saved(obj: object) -> memoryview:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    array = np.frombuffer(buffer.getvalue(), dtype=np.uint8)  # read-only, as Ray's object store hands files back
+    return memoryview(array)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(5, 7),
+        torch.randn(4, 6).to(torch.bfloat16),
+        torch.arange(11, dtype=torch.int64),
+        torch.tensor(3.5),  # 0-d: a scheduler's or optimizer's step
+        torch.randn(6, 8).t(),  # another stride
+        torch.randn(10)[3:7].clone(),
+        torch.tensor([True, False, True]),
+    ],
+    ids=["f32", "bf16", "i64", "scalar", "transposed", "slice", "bool"],
+)
+def test_a_tensor_read_in_place_equals_torch_load_and_copies_nothing(tensor: torch.Tensor) -> None:
+    blob = _saved(tensor)
+    expected = torch.load(io.BytesIO(blob.tobytes()), weights_only=True)
+    got = tensor_in_place(blob)
+    assert got is not None
+    assert got.dtype == expected.dtype and got.shape == expected.shape and got.stride() == expected.stride()
+    assert torch.equal(got, expected)
+    start = np.frombuffer(blob, dtype=np.uint8).ctypes.data
+    assert start <= got.untyped_storage().data_ptr() < start + len(blob)  # a view of the buffer, not a copy
+
+
+def test_what_is_not_one_plain_tensor_is_left_to_torch_load() -> None:
+    assert tensor_in_place(_saved(torch.empty(0))) is None  # nothing to view
+    assert tensor_in_place(_saved({"a": torch.ones(2)})) is None  # not a tensor
+    assert tensor_in_place(_saved([1, 2])) is None
+    assert tensor_in_place(memoryview(b"not a zip archive")) is None
+    assert tensor_in_place(memoryview(pickle.dumps(torch.ones(2)))) is None  # the legacy, non-zip format
+
+
+def test_a_restore_from_memory_reads_every_tensor_in_place(tmp_path: Path, monkeypatch) -> None:
+    """The snapshot's tensor items all take the in-place path (none falls back to torch.load), and the restore is
+    exact: the memory tier's restore tests cover the weights, moments, schedule and RNG."""
+    from raytrn.backends.cpu import CpuBackend
+    from raytrn.train.build import build_training
+    from tests.unit.test_dcp import job, trained
+    from tests.unit.test_memory_tier import snapshot_files
+
+    j = job(tmp_path)
+    t = trained(j)
+    files = snapshot_files(t)
+    in_place: list[torch.Tensor] = []
+
+    def counted(blob: memoryview) -> torch.Tensor | None:
+        got = tensor_in_place(blob)
+        assert got is not None
+        in_place.append(got)
+        return got
+
+    monkeypatch.setattr(inplace, "tensor_in_place", counted)
+    loads: list[object] = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    fresh = build_training(j, CpuBackend(), world_size=1)
+    memory.load_from_memory(lambda name: files[name], fresh.model, fresh.optimizer, fresh.scheduler)
+    assert len(in_place) >= 2 * len(list(t.model.parameters()))  # weights and both moments
+    assert all(isinstance(a[0], io.BytesIO) for a in loads)  # torch.load saw only the byte items (schedule, RNG)
+    for (name, a), b in zip(t.model.named_parameters(), fresh.model.parameters(), strict=True):
+        assert torch.equal(a, b), name
