@@ -52,8 +52,9 @@ def _median(xs: list[float | None]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def run(*, quick: bool = False, timeout_s: float = 900) -> dict[str, Any]:
-    events, steps = (QUICK_EVENTS, QUICK_STEPS) if quick else (EVENTS, STEPS)
+def drive(events: str, steps: int, *, sets: tuple[str, ...] = (), timeout_s: float = 900) -> dict[str, Any]:
+    """One run of ``tests/chaos/elastic_cluster.py`` (a local 3-node Ray in a subprocess) with ``events``: its
+    result (events, restores, steps logged)."""
     with tempfile.TemporaryDirectory(prefix="raytrn-bench-elastic-") as tmp:
         data = Path(tmp) / "data"
         subprocess.run(
@@ -64,14 +65,20 @@ def run(*, quick: bool = False, timeout_s: float = 900) -> dict[str, Any]:
         out = Path(tmp) / "result.json"
         proc = subprocess.run(
             [sys.executable, "-m", "tests.chaos.elastic_cluster", "--out", str(out), "--dataset", str(data),
-             "--events", events, "--steps", str(steps)],
+             "--events", events, "--steps", str(steps), *(a for kv in sets for a in ("--set", kv))],
             cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
         )  # fmt: skip
         if not out.exists():
             raise RuntimeError(f"the elastic cluster driver wrote no result:\n{proc.stderr[-2000:]}")
-        result = json.loads(out.read_text())
+        result: dict[str, Any] = json.loads(out.read_text())
     if not result.get("finished"):
         raise RuntimeError(f"the elastic run did not finish: {result.get('error')}")
+    return result
+
+
+def run(*, quick: bool = False, timeout_s: float = 900) -> dict[str, Any]:
+    events, steps = (QUICK_EVENTS, QUICK_STEPS) if quick else (EVENTS, STEPS)
+    result = drive(events, steps, timeout_s=timeout_s)
     missing = unmeasured(events, result["events"])
     if missing:
         raise RuntimeError(

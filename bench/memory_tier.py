@@ -142,11 +142,40 @@ def step_cost(bench: BenchJob, *, steps: int, rounds: int = 2, timeout_s: float 
     return {"step_s_off": off, "step_s_snapshot_every_step": on, "step_slowdown": on / off - 1, "raw": out}
 
 
+def node_loss(*, timeout_s: float = 900) -> dict[str, Any]:
+    """Issue 29's scenario with and without the tier, on a local 3-node Ray (``tests/chaos/elastic_cluster.py``, as
+    the chaos suite runs it): 60 steps, no durable checkpoint before the end, a node removed at step 30 and back 5
+    steps later; with the tier a snapshot every step. Per variant: node lost -> next step logged, the steps trained
+    again, and where the restart read its state from."""
+    from bench.elastic import drive
+
+    out: dict[str, Any] = {}
+    for name, every in (("memory", 1), ("durable_only", 0)):
+        result = drive("remove@30,add@+5", 60, timeout_s=timeout_s,
+                       sets=("checkpoint.every_n_steps=100", f"checkpoint.memory_every_n_steps={every}"))  # fmt: skip
+        lost = next(e for e in result["events"] if e["kind"] == "remove")
+        if lost.get("recovery_s") is None:
+            raise RuntimeError(f"node loss ({name}): no step logged after the restart: {lost}")
+        restore = next(iter(result.get("restores", [])), {})  # the first restart's (the board's record)
+        out[name] = {
+            "recovery_s": lost["recovery_s"],
+            "steps_lost": lost.get("steps_lost"),  # the old group's last step started - the step restored
+            "steps_retrained": restore.get("steps_retrained"),  # the highest step reached - the step restored
+            "restore_s": restore.get("restore_s"),
+            "restarted_dp": lost.get("restarted_dp"),
+            "source": restore.get("source", "none"),
+        }
+    return out
+
+
 def run(bench: BenchJob, *, quick: bool = False) -> dict[str, Any]:
-    return {
+    out = {
         "restore": restore(quick=quick, repeats=1 if quick else 3),
         "step": step_cost(bench, steps=20 if quick else 60, rounds=1 if quick else 2),
     }
+    if not quick:  # two 3-node runs, ~5 minutes each here
+        out["node_loss"] = node_loss()
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -272,6 +272,22 @@ def _memory_rows(mem: dict[str, Any]) -> list[str]:
         f"| step with an in-memory snapshot every step vs none, bench job, 1 worker (`raytrn train`) | "
         f"{st['step_s_snapshot_every_step'] * 1e3:.0f} ms vs {st['step_s_off'] * 1e3:.0f} ms "
         f"({_pct(st['step_slowdown'])} slower) | {_goal(st['step_slowdown'] < 0.05, '< 5%')} |",
+        *_node_loss_rows(mem.get("node_loss")),
+    ]
+
+
+def _node_loss_rows(nl: dict[str, Any] | None) -> list[str]:
+    """Issue 29's scenario with and without the tier (full runs only)."""
+    if not nl:
+        return []
+    m, d = nl["memory"], nl["durable_only"]
+    again = m.get("steps_retrained")
+    return [
+        f"| node lost at step 30 of 60, local 3-node Ray, no durable checkpoint yet: with a snapshot every step vs "
+        f"without the tier | next step logged after {m['recovery_s']:.1f} s vs {d['recovery_s']:.1f} s; steps trained "
+        f"again {again} vs {d.get('steps_retrained')} (from the old group's last step started: {m['steps_lost']} vs "
+        f"{d['steps_lost']}); state from {m['source']} vs {d['source']} | "
+        f"{_goal(again <= 1 if again is not None else None, 'at most 1 step trained again')} |"
     ]
 
 

@@ -8,13 +8,16 @@ shards need. Ray Train records a small directory per checkpoint whose ``meta.jso
 
 S3 goes through a DCP ``FileSystemBase`` of raytrn's own: listing, metadata and reads through pyarrow's S3
 filesystem (as raytrn's data and Ray's storage), writes as boto3 multipart uploads whose parts go up while DCP
-is still serializing (:class:`raytrn.storage.S3Upload`). Why, measured: ``docs/performance.md``.
+is still serializing (:class:`raytrn.storage.S3Upload`). Reading, each file (mapped from local disk, or read
+whole from S3) has its tensors read in place (:mod:`raytrn.checkpoint.inplace`). Why, measured:
+``docs/performance.md``.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import mmap
 import os
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -26,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 
 from raytrn import storage
+from raytrn.checkpoint.inplace import InPlaceReader
 from raytrn.errors import CheckpointError
 from raytrn.models import build_model
 from raytrn.models.lora import apply_lora
@@ -54,6 +58,7 @@ class ArrowFileSystem(FileSystemBase):
         self.fs = fs
         self.s3 = isinstance(fs, pafs.S3FileSystem)
         self._renamed: set[str] = set()  # final names of the .tmp files written straight under them (S3)
+        self._kept: dict[str, bytes] = {}  # files read whole and kept while a reader needs them (read_whole)
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
@@ -81,8 +86,20 @@ class ArrowFileSystem(FileSystemBase):
         # way, about 1 s like this). A rank reads the files holding the pieces it needs: its own after a
         # restart at the same layout, one or two per tensor after a resize. (open_input_file, not
         # open_input_stream: pyarrow 25's stream read() of a whole S3 object took 62 s for the same bytes.)
-        with self.fs.open_input_file(path) as stream:
-            yield io.BytesIO(stream.read())
+        yield io.BytesIO(self.read_whole(path))
+
+    def read_whole(self, path: str, *, keep: bool = False) -> bytes:
+        """The file at ``path`` in one request (or as kept); ``keep``: kept until :meth:`forget`."""
+        data = self._kept.get(path)
+        if data is None:
+            with self.fs.open_input_file(path) as stream:
+                data = stream.read()
+            if keep:
+                self._kept[path] = data
+        return data
+
+    def forget(self, path: str) -> None:
+        self._kept.pop(path, None)
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
         return f"{os.fspath(path).rstrip('/')}/{suffix}"
@@ -189,11 +206,43 @@ class _ArrowWriter(FileSystemWriter):
         return self.fs.digests  # type: ignore[attr-defined,no-any-return]
 
 
-class _ArrowReader(FileSystemReader):
+class _ArrowReader(InPlaceReader):
+    """DCP's reader on a pyarrow filesystem (S3): each file read whole in one request, its tensors in place."""
+
     def __init__(self, fs: pafs.FileSystem, path: str) -> None:
         super().__init__(path)
         self.fs = ArrowFileSystem(fs)  # type: ignore[assignment]  # DCP's own FsspecWriter does the same
         self.path = path
+
+    def buffer(self, name: str) -> memoryview:
+        return memoryview(self.fs.read_whole(self.fs.concat_path(self.path, name), keep=True))  # type: ignore[attr-defined]
+
+    def release(self, name: str) -> None:
+        self.fs.forget(self.fs.concat_path(self.path, name))  # type: ignore[attr-defined]
+
+
+class _LocalReader(InPlaceReader):
+    """DCP's reader of a local directory: each file mapped read-only (from the page cache, nothing copied), its
+    tensors read in place."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def buffer(self, name: str) -> memoryview | None:
+        with open(os.path.join(self.path, name), "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                return None
+            self._maps[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return memoryview(self._maps[name])
+
+    def release(self, name: str) -> None:
+        mapped = self._maps.pop(name, None)
+        if mapped is not None:
+            try:
+                mapped.close()
+            except BufferError:  # a view of it is still alive somewhere: unmapped once that is collected
+                pass
 
 
 def storage_writer(location: str, *, thread_count: int = 1) -> _LocalWriter | _ArrowWriter:
@@ -209,7 +258,7 @@ def storage_reader(location: str) -> FileSystemReader:
     if storage.is_remote(location):
         fs, path = storage.filesystem(location)
         return _ArrowReader(fs, path)
-    return FileSystemReader(storage.filesystem(location)[1])
+    return _LocalReader(storage.filesystem(location)[1])
 
 
 # -- the state -------------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
-"""Tensors read in place from a DCP shard file held in memory, without copying them out first.
+"""Tensors read in place from a DCP shard file's bytes, without copying them out first.
 
 DCP's reader loads every stored item with ``torch.load``, which copies the item's bytes into a freshly allocated
 tensor before DCP copies that into the model's or optimizer's own: for a snapshot read from Ray's object store
 (:mod:`raytrn.checkpoint.memory`) the first copy, into new pages, was most of a restore (0.4 s of 0.75 s for a
 696 MB state). :class:`InPlaceReader` reads a tensor item as a view over the file's bytes instead (``torch.frombuffer``
-on the item's storage record) and copies it once, into its destination.
+on the item's storage record) and copies it once, into its destination. Every raytrn reader is one: the memory
+tier's (files in the object store), and the durable ones of :mod:`raytrn.checkpoint.dcp` (a local file mapped, an
+S3 file read whole).
 
 An item is one ``torch.save`` of one tensor: a zip archive whose records are stored, not compressed: ``data.pkl``
 (the tensor's dtype, size, stride and storage offset, as a pickle of ``torch._utils._rebuild_tensor_v2`` over a
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
 
 #: A zip local file header: signature, versions, flags, method, times, crc, sizes, then name and extra lengths.
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
@@ -140,32 +143,51 @@ def tensor_in_place(blob: memoryview) -> torch.Tensor | None:
 
 
 class InPlaceReader(FileSystemReader):
-    """DCP's file reader whose tensor items are read in place (:func:`tensor_in_place`) from the buffers
-    ``buffer(name)`` gives (the files' bytes, or None where a file is not in memory); every other item goes through
-    DCP's own reader."""
+    """DCP's file reader whose tensor items are read in place (:func:`tensor_in_place`) from each file's bytes
+    (:meth:`buffer`), file by file; every other item of a file (the schedule, the RNG, a transformed item) goes through
+    DCP's own reader while the file is still at hand, and :meth:`release` lets the file go before the next."""
 
-    def __init__(self, path: str, buffer: Callable[[str], memoryview | None]) -> None:
+    def __init__(self, path: str, buffer: Callable[[str], memoryview | None] | None = None) -> None:
         super().__init__(path)
         self._buffer = buffer
 
+    def buffer(self, name: str) -> memoryview | None:
+        """The bytes of the checkpoint's file ``name``, or None to read all of its items through DCP."""
+        return None if self._buffer is None else self._buffer(name)
+
+    def release(self, name: str) -> None:
+        """Done with file ``name``: what :meth:`buffer` holds for it can go."""
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
-        rest = []
+        per_file: dict[str, list[Any]] = {}
         for req in plan.items:
-            stored = self.storage_data[req.storage_index]
-            view = (
-                None
-                if req.type == LoadItemType.BYTE_IO or stored.transform_descriptors
-                else self._buffer(stored.relative_path)
-            )
-            tensor = None if view is None else tensor_in_place(view[stored.offset : stored.offset + stored.length])
-            if tensor is None:
-                rest.append(req)
-                continue
-            for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
-                tensor = tensor.narrow(dim, start, length)
-            target = planner.resolve_tensor(req).detach()
-            if target.size() != tensor.size():
-                raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
-            target.copy_(tensor)
-            planner.commit_tensor(req, target)
-        return super().read_data(replace(plan, items=rest), planner)
+            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        for name, reqs in per_file.items():
+            try:
+                view = self.buffer(name)
+                rest = [req for req in reqs if view is None or not self._in_place(req, view, planner)]
+                view = None
+                if rest:
+                    super().read_data(replace(plan, items=rest), planner)
+            finally:
+                self.release(name)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _in_place(self, req: Any, view: memoryview, planner: LoadPlanner) -> bool:
+        """Read one tensor item in place into its destination; False where it is not a plain tensor item."""
+        stored = self.storage_data[req.storage_index]
+        if req.type == LoadItemType.BYTE_IO or stored.transform_descriptors:
+            return False
+        tensor = tensor_in_place(view[stored.offset : stored.offset + stored.length])
+        if tensor is None:
+            return False
+        for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+            tensor = tensor.narrow(dim, start, length)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+        return True

@@ -150,6 +150,17 @@ def test_bench_report_renders_the_elastic_and_data_rows() -> None:
         in text
     )
     assert "| 293 ms vs 165 ms (78.0% slower) | < 5% **not met** |" in text
+    assert "node lost at step 30" not in text  # --quick runs have no node-loss rows
+    memory["node_loss"] = {
+        "memory": {"recovery_s": 31.0, "steps_lost": 2, "steps_retrained": 1, "restore_s": 0.2, "source": "memory"},
+        "durable_only": {"recovery_s": 41.85, "steps_lost": 31, "steps_retrained": 30, "restore_s": 0.0,
+                         "source": "none"},
+    }  # fmt: skip
+    text = render({**report, "results": {**report["results"], "memory": memory}})
+    assert (
+        "| next step logged after 31.0 s vs 41.9 s; steps trained again 1 vs 30 (from the old group's last step "
+        "started: 2 vs 31); state from memory vs none | at most 1 step trained again met |" in text
+    )
 
 
 def test_the_elastic_bench_fails_on_an_event_it_could_not_measure() -> None:

@@ -363,7 +363,9 @@ def test_a_dcp_save_to_s3_writes_only_its_files(s3_bucket, s3_endpoint) -> None:
         body = s3.get_object(Bucket=s3_bucket, Key=key)["Body"].read()
         assert digests[key.rsplit("/", 1)[1]] == (len(body), hashlib.sha256(body).hexdigest())
     back = {"w": torch.zeros(300, 500), "b": torch.zeros(7, dtype=torch.long)}
-    torch_dcp.load(back, storage_reader=dcp.storage_reader(f"s3://{s3_bucket}/run/dcp/step_1"), no_dist=True)
+    reader = dcp.storage_reader(f"s3://{s3_bucket}/run/dcp/step_1")
+    torch_dcp.load(back, storage_reader=reader, no_dist=True)  # its tensors read in place from the file's bytes
+    assert not reader.fs._kept  # the file let go once read
     assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
 
 

@@ -86,3 +86,31 @@ def test_a_restore_from_memory_reads_every_tensor_in_place(tmp_path: Path, monke
     assert all(isinstance(a[0], io.BytesIO) for a in loads)  # torch.load saw only the byte items (schedule, RNG)
     for (name, a), b in zip(t.model.named_parameters(), fresh.model.parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_a_restore_from_local_disk_reads_every_tensor_in_place_from_the_mapped_files(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The durable reader of a local directory maps each file and reads its tensors in place too, exactly, and
+    unmaps the file once read."""
+    from raytrn.backends.cpu import CpuBackend
+    from raytrn.checkpoint import dcp
+    from raytrn.train.build import build_training
+    from tests.unit.test_dcp import job, trained
+
+    j = job(tmp_path)
+    t = trained(j)
+    location = str(tmp_path / "ckpt")
+    dcp.save(dcp.training_state(t.model, t.optimizer, t.scheduler), location)
+    in_place: list[torch.Tensor] = []
+    monkeypatch.setattr(inplace, "tensor_in_place", lambda blob: in_place.append(tensor_in_place(blob)) or in_place[-1])
+    reader = dcp.storage_reader(location)
+    fresh = build_training(j, CpuBackend(), world_size=1)
+    dcp.load_state(reader, fresh.model, fresh.optimizer, fresh.scheduler)
+    assert len(in_place) >= 2 * len(list(t.model.parameters())) and all(x is not None for x in in_place)
+    assert not reader._maps  # every mapping released
+    for (name, a), b in zip(t.model.named_parameters(), fresh.model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    moments = [s["exp_avg_sq"] for s in t.optimizer.state.values()]
+    back = [s["exp_avg_sq"] for s in fresh.optimizer.state.values()]
+    assert len(moments) == len(back) > 0 and all(torch.equal(a, b) for a, b in zip(moments, back, strict=True))
