@@ -65,9 +65,8 @@ class ArrowFileSystem(FileSystemBase):
         path = os.fspath(path)
         if "w" in mode:
             if self.s3:
-                if path.endswith(".tmp"):
-                    path = path.removesuffix(".tmp")
-                    self._renamed.add(path)
+                tmp = path.endswith(".tmp")
+                path = path.removesuffix(".tmp")
                 # DCP serializes item by item into the stream; parts go up in background threads meanwhile
                 # (storage.S3Upload: boto3's multipart upload; nothing is left behind on an error).
                 upload = storage.S3Upload(path)
@@ -77,6 +76,8 @@ class ArrowFileSystem(FileSystemBase):
                     upload.abort()
                     raise
                 upload.finish()
+                if tmp:
+                    self._renamed.add(path)
             else:
                 with self.fs.open_output_stream(path) as stream:
                     yield stream
@@ -233,7 +234,10 @@ class _LocalReader(InPlaceReader):
         with open(os.path.join(self.path, name), "rb") as f:
             if os.fstat(f.fileno()).st_size == 0:
                 return None
-            self._maps[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                self._maps[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except OSError:  # a filesystem that cannot map files: DCP reads it
+                return None
         return memoryview(self._maps[name])
 
     def release(self, name: str) -> None:

@@ -80,10 +80,15 @@ class _Storage:
 
 
 class _Rebuilt:
-    """What the pickle rebuilds: a tensor of ``size`` and ``stride`` at ``offset`` (elements) in ``storage``."""
+    """What the pickle rebuilds: a tensor of ``size`` and ``stride`` at ``offset`` (elements) in ``storage``;
+    ``extra``: anything more (``requires_grad``, hooks, and the metadata torch.save records for a tensor with its
+    conjugate or negative bit set, which the raw bytes do not show)."""
 
-    def __init__(self, storage: _Storage, offset: int, size: tuple[int, ...], stride: tuple[int, ...], *_: Any) -> None:
+    def __init__(
+        self, storage: _Storage, offset: int, size: tuple[int, ...], stride: tuple[int, ...], *extra: Any
+    ) -> None:
         self.storage, self.offset, self.size, self.stride = storage, offset, tuple(size), tuple(stride)
+        self.plain = len(extra) < 3 or not extra[2]  # (requires_grad, backward_hooks, metadata)
 
 
 class _Unpickler(pickle.Unpickler):
@@ -114,6 +119,8 @@ def _record(blob: memoryview, info: zipfile.ZipInfo) -> memoryview:
     if info.compress_type != zipfile.ZIP_STORED:
         raise ValueError(f"record {info.filename} is compressed")
     header = _LOCAL_HEADER.unpack_from(blob, info.header_offset)
+    if header[0] != 0x04034B50:  # a local file header's signature
+        raise ValueError(f"record {info.filename}: no local header at {info.header_offset}")
     start = info.header_offset + _LOCAL_HEADER.size + header[9] + header[10]
     return blob[start : start + info.file_size]
 
@@ -127,7 +134,7 @@ def tensor_in_place(blob: memoryview) -> torch.Tensor | None:
             if "byteorder" in infos and bytes(_record(blob, infos["byteorder"])).decode() != sys.byteorder:
                 return None
             rebuilt = _Unpickler(io.BytesIO(_record(blob, infos["data.pkl"]))).load()
-            if not isinstance(rebuilt, _Rebuilt):
+            if not isinstance(rebuilt, _Rebuilt) or not rebuilt.plain:
                 return None
             storage = rebuilt.storage
             data = _record(blob, infos[f"data/{storage.key}"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -114,3 +115,26 @@ def test_a_restore_from_local_disk_reads_every_tensor_in_place_from_the_mapped_f
     moments = [s["exp_avg_sq"] for s in t.optimizer.state.values()]
     back = [s["exp_avg_sq"] for s in fresh.optimizer.state.values()]
     assert len(moments) == len(back) > 0 and all(torch.equal(a, b) for a, b in zip(moments, back, strict=True))
+
+
+def test_a_tensor_with_its_conjugate_bit_set_is_left_to_torch_load_and_restores_conjugated(tmp_path: Path) -> None:
+    """torch.save keeps a conjugate view's bit in its metadata, not in the bytes: read in place it would come back
+    unconjugated. It goes through torch.load, and a DCP round trip through the local reader restores it exactly."""
+    import torch.distributed.checkpoint as torch_dcp
+
+    from raytrn.checkpoint import dcp
+
+    z = torch.complex(torch.arange(4.0), torch.arange(4.0) + 1).conj()
+    assert z.is_conj()
+    assert tensor_in_place(_saved(z)) is None
+    dcp.save({"w": z}, str(tmp_path / "c"))
+    back = {"w": torch.zeros(4, dtype=torch.complex64)}
+    torch_dcp.load(back, storage_reader=dcp.storage_reader(str(tmp_path / "c")), no_dist=True)
+    assert torch.equal(back["w"], z.resolve_conj())
+
+
+def test_a_record_not_where_the_directory_says_is_left_to_torch_load() -> None:
+    blob = bytearray(_saved(torch.arange(6.0)).tobytes())
+    info = [i for i in zipfile.ZipFile(io.BytesIO(bytes(blob))).infolist() if i.filename.endswith("/0")][0]
+    blob[info.header_offset : info.header_offset + 4] = b"XXXX"  # the storage record's local header, broken
+    assert tensor_in_place(memoryview(bytes(blob))) is None
