@@ -156,7 +156,7 @@ def node_loss(*, timeout_s: float = 900) -> dict[str, Any]:
         lost = next(e for e in result["events"] if e["kind"] == "remove")
         if lost.get("recovery_s") is None:
             raise RuntimeError(f"node loss ({name}): no step logged after the restart: {lost}")
-        restore = next(iter(result.get("restores", [])), {})  # the first restart's (the board's record)
+        restore: dict[str, Any] = next(iter(result.get("restores", [])), {})  # the first restart's (the board's record)
         out[name] = {
             "recovery_s": lost["recovery_s"],
             "steps_lost": lost.get("steps_lost"),  # the old group's last step started - the step restored
