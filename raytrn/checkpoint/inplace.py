@@ -23,7 +23,6 @@ import sys
 import warnings
 import zipfile
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -37,8 +36,8 @@ _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 
 
 class ViewStream(io.RawIOBase):
-    """A read-only, seekable stream over a buffer (a file read in place in Ray's object store): DCP reads the
-    slices it needs, nothing copies the whole file first."""
+    """A read-only, seekable stream over a buffer (a file read in place, e.g. from Ray's object store): its reader
+    reads the slices it needs, nothing copies the whole file first."""
 
     def __init__(self, data: memoryview) -> None:
         self._view = memoryview(data).cast("B")
@@ -140,8 +139,7 @@ def tensor_in_place(blob: memoryview) -> torch.Tensor | None:
             data = _record(blob, infos[f"data/{storage.key}"])
     except (KeyError, ValueError, struct.error, zipfile.BadZipFile, pickle.UnpicklingError, TypeError):
         return None
-    itemsize = torch.empty((), dtype=storage.dtype).element_size()
-    if storage.numel == 0 or len(data) != storage.numel * itemsize:
+    if storage.numel == 0 or len(data) != storage.numel * storage.dtype.itemsize:
         return None
     with warnings.catch_warnings():  # the view is read-only: it is only ever copied from
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -154,13 +152,10 @@ class InPlaceReader(FileSystemReader):
     (:meth:`buffer`), file by file; every other item of a file (the schedule, the RNG, a transformed item) goes through
     DCP's own reader while the file is still at hand, and :meth:`release` lets the file go before the next."""
 
-    def __init__(self, path: str, buffer: Callable[[str], memoryview | None] | None = None) -> None:
-        super().__init__(path)
-        self._buffer = buffer
-
     def buffer(self, name: str) -> memoryview | None:
-        """The bytes of the checkpoint's file ``name``, or None to read all of its items through DCP."""
-        return None if self._buffer is None else self._buffer(name)
+        """The bytes of the checkpoint's file ``name``, or None to read all of its items through DCP (this base's
+        answer: its subclasses give the bytes)."""
+        return None
 
     def release(self, name: str) -> None:
         """Done with file ``name``: what :meth:`buffer` holds for it can go."""

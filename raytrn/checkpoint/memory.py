@@ -130,8 +130,11 @@ class _MemoryReader(InPlaceReader):
     """DCP's reader on a :class:`MemoryFileSystem`, its tensors read in place from the files' buffers."""
 
     def __init__(self, fs: MemoryFileSystem) -> None:
-        super().__init__(_ROOT, lambda name: memoryview(fs._read(name)))
+        super().__init__(_ROOT)
         self.fs = fs  # type: ignore[assignment]
+
+    def buffer(self, name: str) -> memoryview:
+        return memoryview(self.fs._read(name))  # type: ignore[attr-defined]  # the file DCP's fallback reads too
 
 
 def stage_to_memory(state: dict[str, Any], *, process_group: Any) -> tuple[Any, Callable[[], dict[str, bytes]]]:
