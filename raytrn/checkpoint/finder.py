@@ -89,21 +89,32 @@ def newest_pointer(run: RunDir) -> tuple[Meta | None, str | None]:
     return None, None
 
 
-def resume_point(job: JobSpec, *, rank: int, world_size: int) -> Candidate | None:
+def resume_point(job: JobSpec, *, rank: int, world_size: int, newer_than: int | None = None) -> Candidate | None:
     """The workers' answer: the committed checkpoint this worker group resumes from, or None when the run has none
     (a new run, one whose first save never finished, or one older than commit manifests: Ray Train's own
     checkpoint is then the one). A collective: every rank calls it, at the start.
 
     Rank 0 lists the committed checkpoints whose files are there at their sizes, newest first; with
     ``checkpoint.verify: sha256`` every rank then hashes a share of each candidate's files, newest first, until
-    one passes (:func:`newest_committed`)."""
+    one passes (:func:`newest_committed`).
+
+    ``newer_than``: the step of a state the group restores instead when the newest committed checkpoint is older
+    (an in-memory snapshot). Then only that checkpoint's manifest is read, and none of its files: the group reads
+    nothing else from the checkpoint storage (it is returned unchecked, to be named; a restart that does need it
+    finds it again and checks it)."""
     from raytrn.checkpoint import agree  # torch.distributed: the driver imports this module and never needs torch
 
     run = RunDir.of(job)
-    listing: list[Any] = [None, False]
+    listing: list[Any] = [None, False, False]
     if rank == 0:
-        listing = [list(manifest.candidates(run)), manifest.has_commits(run)]
-    found, any_commits = agree.broadcast(listing)
+        newest = next(manifest.candidates(run), None) if newer_than is not None else None
+        if newer_than is not None and (newest is None or newest.commit.step < newer_than):
+            listing = [[newest] if newest is not None else [], True, True]
+        else:
+            listing = [list(manifest.candidates(run)), manifest.has_commits(run), False]
+    found, any_commits, older = agree.broadcast(listing)
+    if older:
+        return found[0] if found else None
 
     def sha256(candidate: Candidate) -> list[str]:
         names = sorted(candidate.commit.files)[rank::world_size]

@@ -90,8 +90,10 @@ class Checkpointer:
         """The checkpoint this group resumes from (a collective: every rank, at the start, before the model builds:
         the data feed starts where its counters say while the model builds)."""
         if self.backend.committed_checkpoints:
-            resume = resume_point(self.job, rank=self.rank, world_size=self.world_size)
-            snapshot = self.memory.newest() if self.memory is not None else None  # a collective too
+            snapshot = self.memory.newest() if self.memory is not None else None  # a collective
+            # A collective too; behind a newer snapshot only the newest checkpoint's manifest is read, no file of it.
+            newer_than = snapshot.step if snapshot is not None else None
+            resume = resume_point(self.job, rank=self.rank, world_size=self.world_size, newer_than=newer_than)
             if snapshot is not None and (resume is None or snapshot.step > resume.commit.step):
                 start = Start(progress=replace(snapshot.progress), resume=resume, snapshot=snapshot)
             elif resume is not None:

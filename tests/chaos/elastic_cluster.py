@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -116,6 +117,23 @@ def _placement_groups() -> dict[str, int]:
     return {g.placement_group_id: len(g.bundles or []) for g in groups}
 
 
+#: A request line in the S3 server's access log (werkzeug's: ``... "GET /bucket/key?query HTTP/1.1" 200 -``, some
+#: of them in terminal colours).
+_ACCESS = re.compile(r'"(?:\x1b\[[0-9;]*m)*(GET|HEAD|PUT|POST|DELETE) (\S+) HTTP/1\.[01](?:\x1b\[[0-9;]*m)*"')
+
+
+def _reads(requests: list[tuple[str, str]], bucket: str) -> list[str]:
+    """The objects of ``bucket`` that ``requests`` read (GETs of a key, not listings), by key."""
+    from urllib.parse import unquote, urlsplit
+
+    keys = []
+    for method, target in requests:
+        path = urlsplit(target).path
+        if method == "GET" and path.startswith(f"/{bucket}/") and len(path) > len(bucket) + 2:
+            keys.append(unquote(path[len(bucket) + 2 :]))
+    return keys
+
+
 class _S3:
     """A moto server (by PID) behind an outage proxy, and a bucket on it; AWS_ENDPOINT_URL points at the proxy."""
 
@@ -125,7 +143,8 @@ class _S3:
         from tests.outage_proxy import OutageProxy
 
         port = _free_port()
-        self.log = open(work / "moto.log", "w")  # noqa: SIM115 (closed in stop)
+        self.log_path = work / "moto.log"
+        self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
             stdout=self.log, stderr=subprocess.STDOUT,
@@ -143,6 +162,11 @@ class _S3:
         os.environ["AWS_ENDPOINT_URL"] = self.proxy.url
         self.bucket = f"chaos-{uuid.uuid4().hex[:8]}"
         boto3.client("s3", endpoint_url=self.proxy.url).create_bucket(Bucket=self.bucket)
+
+    def requests(self) -> list[tuple[str, str]]:
+        """``(method, path)`` of every request the S3 server has answered so far, oldest first (its access log)."""
+        text = self.log_path.read_text(errors="replace")
+        return [(m.group(1), m.group(2)) for m in _ACCESS.finditer(text)]
 
     def stop(self) -> None:
         self.proxy.close()
@@ -268,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(max(0.0, notice_at + DRAIN_DEADLINE_S - time.time()))
                     old = [g for g in _trace_groups(trace) if g[0] < notice_at]
                     event["old_group_last_step"] = _last_traced_step(trace, old[-1]) if old else None
+                seen = len(s3.requests()) if s3 else 0
                 t0 = time.time()
                 if kind != "drain":
                     old = [g for g in _trace_groups(trace) if g[0] < t0]
@@ -293,17 +318,24 @@ def main(argv: list[str] | None = None) -> int:
                 # The sizes of the worker groups Ray Train tried to start after the event: one try, sized from the
                 # live cluster, not first a stale size that waits out Ray's 60 s start timeout.
                 event["tried_sizes"] = [n for g, n in _placement_groups().items() if g not in tried_before]
+                if s3 is not None:  # the checkpoint store's objects read from the event to the restart's first step
+                    event["storage_reads"] = _reads(s3.requests()[seen:], s3.bucket)
                 if restarted and event["old_group_last_step"] is not None:
                     # Trained again: the last step the old group started, minus the step the new one resumed at.
                     event["steps_lost"] = max(0, event["old_group_last_step"] - restarted[0][1])
             elif kind == "add":
                 tried_before = _placement_groups()
+                seen = len(s3.requests()) if s3 else 0
                 t0 = time.time()
                 nodes.append(cluster.add_node(**NODE))
                 while thread.is_alive() and not [g for g in _trace_groups(trace) if g[0] > t0 and g[2] == 3]:
                     time.sleep(0.1)
                 grown = [g for g in _trace_groups(trace) if g[0] > t0 and g[2] == 3]
                 event["scale_up_s"] = round(grown[0][0] - t0, 2) if grown else None
+                if s3 is not None and grown:  # ... from the node's return to the grown group's first step
+                    while thread.is_alive() and not [s for s, ts in _logged_steps(db) if ts > grown[0][0]]:
+                        time.sleep(0.1)
+                    event["storage_reads"] = _reads(s3.requests()[seen:], s3.bucket)
                 event["tried_sizes"] = [n for g, n in _placement_groups().items() if g not in tried_before]
             elif kind == "s3down":
                 assert s3 is not None, "s3down needs --s3"

@@ -128,6 +128,27 @@ def test_a_corrupt_checkpoint_is_skipped_with_a_warning_naming_the_file(tmp_path
     assert "__0_0.distcp: 100 bytes, the manifest says" in caplog.text
 
 
+def test_behind_a_newer_snapshot_only_the_newest_manifest_is_read(tmp_path: Path) -> None:
+    """A group that restores an in-memory snapshot newer than every committed checkpoint reads no checkpoint
+    file: the newest checkpoint is named (its manifest read), not hashed; a snapshot no newer than it hashes it."""
+    j = job(tmp_path, "checkpoint.keep_last=null")
+    t = trained(j)
+    save(t, j, 2)
+    save(t, j, 4)
+    shard = root(j) / "step_00000004" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # only a read of the file (the sha256) can tell
+    shard.write_bytes(bytes(data))
+    assert resume_point(j, rank=0, world_size=1).commit.step == 2  # read, hashed, skipped
+    assert resume_point(j, rank=0, world_size=1, newer_than=5).commit.step == 4  # never read
+    assert resume_point(j, rank=0, world_size=1, newer_than=4).commit.step == 2  # not older: checked as before
+    (root(j) / "step_00000002" / "__0_0.distcp").write_bytes(b"x")
+    (root(j) / "step_00000004" / "__0_0.distcp").write_bytes(b"x")
+    with pytest.raises(CheckpointError):  # every checkpoint bad and no snapshot: never a silent start over
+        resume_point(j, rank=0, world_size=1)
+    assert resume_point(j, rank=0, world_size=1, newer_than=1) is None  # a snapshot to restore: no start over
+
+
 def test_a_manifest_that_does_not_match_its_files_is_skipped(tmp_path: Path, caplog) -> None:
     j = job(tmp_path, "checkpoint.keep_last=null")
     t = trained(j)
