@@ -99,17 +99,18 @@ def resume_point(job: JobSpec, *, rank: int, world_size: int, newer_than: int | 
     one passes (:func:`newest_committed`).
 
     ``newer_than``: the step of a state the group restores instead when the newest committed checkpoint is older
-    (an in-memory snapshot). Then only that checkpoint's manifest is read, and none of its files: the group reads
-    nothing else from the checkpoint storage (it is returned unchecked, to be named; a restart that does need it
-    finds it again and checks it)."""
+    (an in-memory snapshot). Then the storage is listed and that checkpoint's manifest read, none of its files (it
+    is returned unchecked, to be named; a restart that does need it finds it again and checks it). With no
+    committed checkpoint that passes the size check, the full rule applies: CheckpointError when the run has
+    committed ones (the snapshot may be older than them)."""
     from raytrn.checkpoint import agree  # torch.distributed: the driver imports this module and never needs torch
 
     run = RunDir.of(job)
     listing: list[Any] = [None, False, False]
     if rank == 0:
         newest = next(manifest.candidates(run), None) if newer_than is not None else None
-        if newer_than is not None and (newest is None or newest.commit.step < newer_than):
-            listing = [[newest] if newest is not None else [], True, True]
+        if newest is not None and newer_than is not None and newest.commit.step < newer_than:
+            listing = [[newest], True, True]
         else:
             listing = [list(manifest.candidates(run)), manifest.has_commits(run), False]
     found, any_commits, older = agree.broadcast(listing)

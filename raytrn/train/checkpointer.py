@@ -1,8 +1,9 @@
 """The loop's checkpoint component: where a worker group starts from, and when and how it saves.
 
-- :meth:`Checkpointer.find` (a collective, before anything is built): the newest committed checkpoint whose files
-  check out (:func:`raytrn.checkpoint.finder.resume_point`), or, for the frozen XLA path's formats, Ray Train's
-  latest; its counters tell the data feed where to start.
+- :meth:`Checkpointer.find` (a collective, before anything is built): the newest complete in-memory snapshot when
+  it is newer than every committed checkpoint (none of whose files is then read), else the newest committed
+  checkpoint whose files check out (:func:`raytrn.checkpoint.finder.resume_point`), or, for the frozen XLA path's
+  formats, Ray Train's latest; its counters tell the data feed where to start.
 - :meth:`Checkpointer.restore`: that state into the built training (or ``model.init_from``'s weights for a new run,
   and under LoRA for every start).
 - :meth:`Checkpointer.after_step`: its own cadence (``checkpoint.every_n_steps``, the last step) and a preemption

@@ -144,9 +144,11 @@ def test_behind_a_newer_snapshot_only_the_newest_manifest_is_read(tmp_path: Path
     assert resume_point(j, rank=0, world_size=1, newer_than=4).commit.step == 2  # not older: checked as before
     (root(j) / "step_00000002" / "__0_0.distcp").write_bytes(b"x")
     (root(j) / "step_00000004" / "__0_0.distcp").write_bytes(b"x")
-    with pytest.raises(CheckpointError):  # every checkpoint bad and no snapshot: never a silent start over
-        resume_point(j, rank=0, world_size=1)
-    assert resume_point(j, rank=0, world_size=1, newer_than=1) is None  # a snapshot to restore: no start over
+    for newer_than in (None, 1, 5):  # every checkpoint bad: never a silent step back, to a snapshot either
+        with pytest.raises(CheckpointError):
+            resume_point(j, rank=0, world_size=1, newer_than=newer_than)
+    fresh = job(tmp_path / "fresh")
+    assert resume_point(fresh, rank=0, world_size=1, newer_than=5) is None  # none committed yet: the snapshot
 
 
 def test_a_manifest_that_does_not_match_its_files_is_skipped(tmp_path: Path, caplog) -> None:
