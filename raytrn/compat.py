@@ -1,4 +1,4 @@
-"""Every use of a private or undocumented Ray or MLflow API, in one place.
+"""Every use of a private or undocumented Ray, MLflow (or torch DCP) API, in one place.
 
 Each function says what it stands in for and the public alternative, if there is one.
 :data:`PRIVATE_NAMES` lists what each relies on; ``tests/unit/test_compat.py`` resolves every entry
@@ -47,6 +47,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "MLflow dataset entity": "mlflow.data.dataset:Dataset._to_mlflow_entity",
     "MLflow dataset context tag": "mlflow.utils.mlflow_tags:MLFLOW_DATASET_CONTEXT",
     "MLflow GPU monitor": "mlflow.system_metrics.metrics.gpu_monitor:GPUMonitor",
+    "torch DCP file item record": "torch.distributed.checkpoint.filesystem:_StorageInfo",
 }
 
 # -- Ray Train -----------------------------------------------------------------------------------------
@@ -361,6 +362,19 @@ def gpu_monitor() -> Any:
     from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
 
     return GPUMonitor()
+
+
+# -- torch DCP ---------------------------------------------------------------------------------------
+
+
+def dcp_storage_info(name: str, offset: int, length: int) -> Any:
+    """Where a DCP item is in a file (``relative_path``, ``offset``, ``length``): the record DCP's own file writer
+    makes and its file reader reads (``_StorageInfo``), for a writer of raytrn's own layout
+    (:mod:`raytrn.checkpoint.memory`). No public alternative: a storage writer that keeps DCP's file reader must
+    record its items this way."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(name, offset, length)
 
 
 def resolve(spec: str) -> Any:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
@@ -147,6 +148,24 @@ def tensor_in_place(blob: memoryview) -> torch.Tensor | None:
     return flat.as_strided(rebuilt.size, rebuilt.stride, rebuilt.offset)
 
 
+#: The suffix of a file whose tensor items are raw bytes (:func:`raw_bytes`), not ``torch.save`` archives: the memory
+#: tier's (:mod:`raytrn.checkpoint.memory`). Their dtype and size are the checkpoint metadata's.
+RAW_SUFFIX = ".raw"
+
+
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """A CPU tensor's elements as bytes, in row-major order (a view where it is contiguous already)."""
+    t = tensor.detach().resolve_conj().resolve_neg().contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy().data)
+
+
+def storage_info(name: str, offset: int, length: int) -> Any:
+    """Where an item is (DCP's record of it: file, offset, length), as DCP's own writers record it."""
+    from raytrn.compat import dcp_storage_info
+
+    return dcp_storage_info(name, offset, length)
+
+
 class InPlaceReader(FileSystemReader):
     """DCP's file reader whose tensor items are read in place (:func:`tensor_in_place`) from each file's bytes
     (:meth:`buffer`), file by file; every other item of a file (the schedule, the RNG, a transformed item) goes through
@@ -159,6 +178,16 @@ class InPlaceReader(FileSystemReader):
 
     def release(self, name: str) -> None:
         """Done with file ``name``: what :meth:`buffer` holds for it can go."""
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        #: Each stored chunk's dtype and size, by (fqn, offsets): what a raw item's bytes are.
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, torch.Size]] = {
+            (fqn, tuple(chunk.offsets)): (md.properties.dtype, chunk.sizes)
+            for fqn, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)
+            for chunk in md.chunks
+        }
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
         per_file: dict[str, list[Any]] = {}
@@ -182,7 +211,8 @@ class InPlaceReader(FileSystemReader):
         stored = self.storage_data[req.storage_index]
         if req.type == LoadItemType.BYTE_IO or stored.transform_descriptors:
             return False
-        tensor = tensor_in_place(view[stored.offset : stored.offset + stored.length])
+        blob = view[stored.offset : stored.offset + stored.length]
+        tensor = self._raw(req, blob) if stored.relative_path.endswith(RAW_SUFFIX) else tensor_in_place(blob)
         if tensor is None:
             return False
         for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
@@ -193,3 +223,16 @@ class InPlaceReader(FileSystemReader):
         target.copy_(tensor)
         planner.commit_tensor(req, target)
         return True
+
+    def _raw(self, req: Any, blob: memoryview) -> torch.Tensor:
+        """A raw item's tensor (its chunk's dtype and size), a read-only view of ``blob``."""
+        dtype, size = self._chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
+        numel = size.numel()
+        if len(blob) != numel * dtype.itemsize:
+            raise ValueError(f"{req.storage_index.fqn}: {len(blob)} bytes stored, its chunk {tuple(size)} needs "
+                             f"{numel * dtype.itemsize}")  # fmt: skip
+        if numel == 0:
+            return torch.empty(size, dtype=dtype)
+        with warnings.catch_warnings():  # the view is read-only: it is only ever copied from
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(blob, dtype=dtype, count=numel).view(size)

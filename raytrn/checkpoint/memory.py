@@ -35,9 +35,12 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from raytrn.checkpoint.dcp import async_save_state, load_state
-from raytrn.checkpoint.inplace import InPlaceReader, ViewStream
+from raytrn.checkpoint.inplace import RAW_SUFFIX, InPlaceReader, ViewStream, raw_bytes, storage_info
 from raytrn.errors import CheckpointError
 
 #: The directory name DCP sees for a snapshot (it only joins file names to it).
@@ -67,6 +70,11 @@ class MemoryFileSystem(FileSystemBase):
             return
         data = self._read(name)
         yield io.BytesIO(data) if isinstance(data, bytes) else ViewStream(data)
+
+    def keep(self, name: str, data: bytes | bytearray) -> None:
+        """File ``name`` is ``data`` (written whole: a raw snapshot file)."""
+        with self._lock:
+            self.files[name] = data  # type: ignore[assignment]
 
     def _read(self, name: str) -> bytes | memoryview:
         with self._lock:
@@ -121,9 +129,32 @@ class _KeptBytes(io.BytesIO):
 
 
 class _MemoryWriter(FileSystemWriter):
+    """DCP's file writer into a :class:`MemoryFileSystem`, one file per rank, each tensor item stored as its raw
+    bytes (:data:`raytrn.checkpoint.inplace.RAW_SUFFIX`: its dtype and size are in the checkpoint's metadata), not
+    as a ``torch.save`` archive of its own: that archive was ~60% of a snapshot's write (~0.5 ms an item)."""
+
     def __init__(self) -> None:
         super().__init__(_ROOT, thread_count=1, sync_files=False)  # fsync has no meaning for bytes in memory
         self.fs = MemoryFileSystem()  # type: ignore[assignment]  # as DCP's own FsspecWriter does
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        name = f"{plan.storage_data.prefix}0{RAW_SUFFIX}"
+        items = [_item_bytes(planner.resolve_data(item)) for item in plan.items]
+        file = bytearray(sum(len(b) for b in items))  # allocated once, each item copied into it once
+        results, offset = [], 0
+        for item, data in zip(plan.items, items, strict=True):
+            file[offset : offset + len(data)] = data
+            results.append(WriteResult(item.index, len(data), storage_info(name, offset, len(data))))
+            offset += len(data)
+        self.fs.keep(name, file)  # type: ignore[attr-defined]
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+
+def _item_bytes(data: torch.Tensor | io.BytesIO) -> memoryview:
+    """A write item's bytes: a byte item's as they are, a tensor's raw (:func:`raw_bytes`)."""
+    return data.getbuffer() if isinstance(data, io.BytesIO) else raw_bytes(data)
 
 
 class _MemoryReader(InPlaceReader):

@@ -167,3 +167,9 @@ def test_simulator_nodes_each_unpack_runtime_envs_into_their_own_directory(monke
     # What the subclass relies on: the stock provider builds each node's RayParams, by attribute, with its id.
     source = inspect.getsource(node_provider.FakeMultiNodeProvider)
     assert "ray._private.parameter.RayParams(" in source and f'"{compat.FAKE_NODE_ID_ENV}"' in source
+
+
+def test_dcp_storage_info_is_what_dcps_file_reader_reads() -> None:
+    info = compat.dcp_storage_info("__0_0.raw", 12, 34)
+    assert (info.relative_path, info.offset, info.length) == ("__0_0.raw", 12, 34)
+    assert info.transform_descriptors is None  # no transform: the reader takes the bytes as they are

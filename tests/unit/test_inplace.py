@@ -59,8 +59,8 @@ def test_what_is_not_one_plain_tensor_is_left_to_torch_load() -> None:
 
 
 def test_a_restore_from_memory_reads_every_tensor_in_place(tmp_path: Path, monkeypatch) -> None:
-    """The snapshot's tensor items all take the in-place path (none falls back to torch.load), and the restore is
-    exact: the memory tier's restore tests cover the weights, moments, schedule and RNG."""
+    """The snapshot's tensor items are raw bytes, all read in place (none falls back to torch.load), and the
+    restore is exact: the memory tier's restore tests cover the weights, moments, schedule and RNG."""
     from raytrn.backends.cpu import CpuBackend
     from raytrn.train.build import build_training
     from tests.unit.test_dcp import job, trained
@@ -71,13 +71,16 @@ def test_a_restore_from_memory_reads_every_tensor_in_place(tmp_path: Path, monke
     files = snapshot_files(t)
     in_place: list[torch.Tensor] = []
 
-    def counted(blob: memoryview) -> torch.Tensor | None:
-        got = tensor_in_place(blob)
-        assert got is not None
+    assert files and all(name.endswith(inplace.RAW_SUFFIX) for name in files if name != ".metadata"), sorted(files)
+    raw = inplace.InPlaceReader._raw
+
+    def counted(self: inplace.InPlaceReader, req: object, blob: memoryview) -> torch.Tensor:
+        got = raw(self, req, blob)
+        assert got.untyped_storage().data_ptr() == torch.frombuffer(blob, dtype=torch.uint8).data_ptr()  # a view
         in_place.append(got)
         return got
 
-    monkeypatch.setattr(inplace, "tensor_in_place", counted)
+    monkeypatch.setattr(inplace.InPlaceReader, "_raw", counted)
     loads: list[object] = []
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a) or real_load(*a, **k))
@@ -138,3 +141,38 @@ def test_a_record_not_where_the_directory_says_is_left_to_torch_load() -> None:
     info = [i for i in zipfile.ZipFile(io.BytesIO(bytes(blob))).infolist() if i.filename.endswith("/0")][0]
     blob[info.header_offset : info.header_offset + 4] = b"XXXX"  # the storage record's local header, broken
     assert tensor_in_place(memoryview(bytes(blob))) is None
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(5, 7),
+        torch.randn(4, 6).to(torch.bfloat16),
+        torch.arange(11, dtype=torch.int64),
+        torch.tensor(3.5),
+        torch.randn(6, 8).t(),  # not contiguous: copied in row-major order
+        torch.randn(10)[3:7],  # a view at an offset of a larger storage: its own elements only
+        torch.tensor([True, False, True]),
+        torch.randn(3, 2, dtype=torch.complex64).conj(),  # the conjugate bit resolved into the bytes
+        torch.empty(0, 4),
+    ],
+    ids=["f32", "bf16", "i64", "scalar", "transposed", "view", "bool", "conj", "empty"],
+)
+def test_a_raw_snapshot_item_round_trips_exactly_as_a_view(tensor: torch.Tensor) -> None:
+    """The memory tier's raw items: a tensor's elements in row-major order, read back by the chunk's dtype and size
+    (from the checkpoint's metadata) as a view of the stored bytes."""
+    from types import SimpleNamespace
+
+    stored = bytes(inplace.raw_bytes(tensor))
+    assert len(stored) == tensor.numel() * tensor.element_size()
+    blob = memoryview(np.frombuffer(stored, dtype=np.uint8))  # read-only, as Ray's object store hands files back
+    reader = inplace.InPlaceReader("unused")
+    reader._chunks = {("w", (0,) * tensor.dim()): (tensor.dtype, tensor.size())}
+    req = SimpleNamespace(storage_index=SimpleNamespace(fqn="w", offset=torch.Size((0,) * tensor.dim())))
+    got = reader._raw(req, blob)
+    assert got.dtype == tensor.dtype and got.size() == tensor.size()
+    assert torch.equal(got, tensor.resolve_conj()) and not got.is_conj()
+    if tensor.numel():
+        assert got.data_ptr() == torch.frombuffer(blob, dtype=torch.uint8).data_ptr()  # a view, nothing copied
+    with pytest.raises(ValueError, match="bytes stored"):
+        reader._raw(req, memoryview(np.frombuffer(stored + b"\0" * 8, dtype=np.uint8)))

@@ -50,7 +50,7 @@ def test_a_snapshot_in_memory_restores_weights_moments_schedule_and_rng_exactly(
     j = job(tmp_path)
     t = trained(j)
     files = snapshot_files(t)
-    assert sorted(files) == [".metadata", "__0_0.distcp"] and all(files.values())
+    assert sorted(files) == [".metadata", "__0_0.raw"] and all(files.values())
     assert not any(tmp_path.iterdir())  # nothing reached the checkpoint storage
     rng = torch.get_rng_state()
     torch.manual_seed(123)  # the restore must bring the saved RNG back
@@ -59,7 +59,7 @@ def test_a_snapshot_in_memory_restores_weights_moments_schedule_and_rng_exactly(
     asked: list[str] = []
     memory.load_from_memory(lambda name: asked.append(name) or files[name], fresh.model, fresh.optimizer,
                             fresh.scheduler)  # fmt: skip
-    assert sorted(set(asked)) == [".metadata", "__0_0.distcp"]
+    assert sorted(set(asked)) == [".metadata", "__0_0.raw"]
     assert torch.equal(torch.get_rng_state(), rng)
     for name, value in _params(t).items():
         assert torch.equal(_params(fresh)[name], value), name
@@ -76,9 +76,9 @@ def test_a_file_missing_from_memory_fails_the_restore_naming_it(tmp_path: Path) 
     j = job(tmp_path)
     t = trained(j)
     files = snapshot_files(t)
-    del files["__0_0.distcp"]
+    del files["__0_0.raw"]
     fresh = build_training(j, CpuBackend(), world_size=1)
-    with pytest.raises(CheckpointError, match=r"file\(s\) __0_0.distcp not held by any live node"):
+    with pytest.raises(CheckpointError, match=r"file\(s\) __0_0.raw not held by any live node"):
         memory.load_from_memory(lambda name: files[name], fresh.model, fresh.optimizer, fresh.scheduler)
 
 
@@ -120,13 +120,13 @@ def test_a_two_rank_fsdp_snapshot_reshards_into_one_process(tmp_path: Path) -> N
         out = manager.dict()
         mp.start_processes(_fsdp_rank, args=(2, _free_port(), str(tmp_path), out), nprocs=2, start_method="spawn")
         ranks = {r: dict(out[r]) for r in (0, 1)}
-    assert sorted(ranks[0]["files"]) == [".metadata", "__0_0.distcp"]
-    assert sorted(ranks[1]["files"]) == ["__1_0.distcp"]  # each rank its own shards, rank 0 the metadata
+    assert sorted(ranks[0]["files"]) == [".metadata", "__0_0.raw"]
+    assert sorted(ranks[1]["files"]) == ["__1_0.raw"]  # each rank its own shards, rank 0 the metadata
     held = {**ranks[0]["files"], **ranks[1]["files"]}
     one = build_training(job(tmp_path), CpuBackend(), world_size=1)
     read: list[str] = []
     memory.load_from_memory(lambda name: read.append(name) or held[name], one.model, one.optimizer, one.scheduler)
-    assert sorted(set(read)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(set(read)) == [".metadata", "__0_0.raw", "__1_0.raw"]
     for name, value in ranks[0]["params"].items():
         assert torch.equal(_params(one)[name], value), name
     assert any(not torch.equal(ranks[0]["moved"][n], v) for n, v in ranks[0]["params"].items())  # step 3 moved them
@@ -266,7 +266,7 @@ def test_a_snapshot_read_in_place_restores_exactly(tmp_path: Path) -> None:
 
     j = job(tmp_path)
     t = trained(j)
-    held = {name: np.frombuffer(b, dtype=np.uint8) for name, b in snapshot_files(t).items()}
+    held = {name: np.frombuffer(bytes(b), dtype=np.uint8) for name, b in snapshot_files(t).items()}
     for a in held.values():
         assert not a.flags.writeable  # as ray.get hands them back
     fresh = build_training(j, CpuBackend(), world_size=1)
