@@ -226,7 +226,10 @@ class InPlaceReader(FileSystemReader):
 
     def _raw(self, req: Any, blob: memoryview) -> torch.Tensor:
         """A raw item's tensor (its chunk's dtype and size), a read-only view of ``blob``."""
-        dtype, size = self._chunks[(req.storage_index.fqn, tuple(req.storage_index.offset))]
+        chunk = self._chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset)))
+        if chunk is None:  # (a KeyError would read as a file no live node holds)
+            raise ValueError(f"{req.storage_index.fqn}: no chunk at {tuple(req.storage_index.offset)} in the metadata")
+        dtype, size = chunk
         numel = size.numel()
         if len(blob) != numel * dtype.itemsize:
             raise ValueError(f"{req.storage_index.fqn}: {len(blob)} bytes stored, its chunk {tuple(size)} needs "

@@ -140,12 +140,14 @@ class _MemoryWriter(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = f"{plan.storage_data.prefix}0{RAW_SUFFIX}"
         items = [_item_bytes(planner.resolve_data(item)) for item in plan.items]
-        file = bytearray(sum(len(b) for b in items))  # allocated once, each item copied into it once
-        results, offset = [], 0
-        for item, data in zip(plan.items, items, strict=True):
+        offsets = [0]  # each item at a multiple of 64 bytes: every tensor view of the file is aligned
+        for data in items:
+            offsets.append(offsets[-1] + -(-len(data) // 64) * 64)
+        file = bytearray(offsets[-1])  # allocated once, each item copied into it once
+        results = []
+        for item, data, offset in zip(plan.items, items, offsets, strict=False):
             file[offset : offset + len(data)] = data
             results.append(WriteResult(item.index, len(data), storage_info(name, offset, len(data))))
-            offset += len(data)
         self.fs.keep(name, file)  # type: ignore[attr-defined]
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)

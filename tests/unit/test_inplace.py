@@ -176,3 +176,14 @@ def test_a_raw_snapshot_item_round_trips_exactly_as_a_view(tensor: torch.Tensor)
         assert got.data_ptr() == torch.frombuffer(blob, dtype=torch.uint8).data_ptr()  # a view, nothing copied
     with pytest.raises(ValueError, match="bytes stored"):
         reader._raw(req, memoryview(np.frombuffer(stored + b"\0" * 8, dtype=np.uint8)))
+
+
+def test_every_raw_item_of_a_snapshot_file_starts_64_byte_aligned(tmp_path: Path) -> None:
+    from tests.unit.test_dcp import job, trained
+    from tests.unit.test_memory_tier import snapshot_files
+
+    files = snapshot_files(trained(job(tmp_path)))
+    reader = memory._MemoryReader(memory.MemoryFileSystem(fetch=lambda name: files[name]))
+    metadata = reader.read_metadata()
+    raw = [info for info in metadata.storage_data.values() if info.relative_path.endswith(inplace.RAW_SUFFIX)]
+    assert raw and all(info.offset % 64 == 0 for info in raw)
