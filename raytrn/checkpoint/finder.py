@@ -108,11 +108,12 @@ def resume_point(job: JobSpec, *, rank: int, world_size: int, newer_than: int | 
     run = RunDir.of(job)
     listing: list[Any] = [None, False, False]
     if rank == 0:
-        newest = next(manifest.candidates(run), None) if newer_than is not None else None
+        listed = manifest.candidates(run)  # lazily: behind a newer snapshot only the newest is read
+        newest = next(listed, None)
         if newest is not None and newer_than is not None and newest.commit.step < newer_than:
             listing = [[newest], True, True]
         else:
-            listing = [list(manifest.candidates(run)), manifest.has_commits(run), False]
+            listing = [[newest, *listed] if newest is not None else [], manifest.has_commits(run), False]
     found, any_commits, older = agree.broadcast(listing)
     if older:
         return found[0] if found else None

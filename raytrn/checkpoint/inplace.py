@@ -159,13 +159,6 @@ def raw_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
-def storage_info(name: str, offset: int, length: int) -> Any:
-    """Where an item is (DCP's record of it: file, offset, length), as DCP's own writers record it."""
-    from raytrn.compat import dcp_storage_info
-
-    return dcp_storage_info(name, offset, length)
-
-
 class InPlaceReader(FileSystemReader):
     """DCP's file reader whose tensor items are read in place (:func:`tensor_in_place`) from each file's bytes
     (:meth:`buffer`), file by file; every other item of a file (the schedule, the RNG, a transformed item) goes through

@@ -40,7 +40,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from raytrn.checkpoint.dcp import async_save_state, load_state
-from raytrn.checkpoint.inplace import RAW_SUFFIX, InPlaceReader, ViewStream, raw_bytes, storage_info
+from raytrn.checkpoint.inplace import RAW_SUFFIX, InPlaceReader, ViewStream, raw_bytes
+from raytrn.compat import dcp_storage_info
 from raytrn.errors import CheckpointError
 
 #: The directory name DCP sees for a snapshot (it only joins file names to it).
@@ -147,7 +148,7 @@ class _MemoryWriter(FileSystemWriter):
         results = []
         for item, data, offset in zip(plan.items, items, offsets, strict=False):
             file[offset : offset + len(data)] = data
-            results.append(WriteResult(item.index, len(data), storage_info(name, offset, len(data))))
+            results.append(WriteResult(item.index, len(data), dcp_storage_info(name, offset, len(data))))
         self.fs.keep(name, file)  # type: ignore[attr-defined]
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)

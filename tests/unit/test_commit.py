@@ -105,15 +105,22 @@ def test_an_uncommitted_checkpoint_is_never_resumed(tmp_path: Path) -> None:
     assert resume_point(j, rank=0, world_size=1).commit.step == 4
 
 
-def test_a_corrupt_checkpoint_is_skipped_with_a_warning_naming_the_file(tmp_path: Path, caplog) -> None:
+def _two_saves_the_newest_bit_flipped(tmp_path: Path) -> tuple[Any, Path, bytearray]:
+    """Committed checkpoints of steps 2 and 4, one bit of step 4's shard flipped (same size: only its sha256, a
+    read of the file, tells): the job, that shard and its damaged bytes."""
     j = job(tmp_path, "checkpoint.keep_last=null")
     t = trained(j)
     save(t, j, 2)
     save(t, j, 4)
     shard = root(j) / "step_00000004" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # one bit flipped, same size: only the sha256 tells
+    data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
+    return j, shard, data
+
+
+def test_a_corrupt_checkpoint_is_skipped_with_a_warning_naming_the_file(tmp_path: Path, caplog) -> None:
+    j, shard, data = _two_saves_the_newest_bit_flipped(tmp_path)
     assert latest_checkpoint(j)[0].progress.step == 4  # type: ignore[union-attr]  # the driver checks sizes
     with caplog.at_level(logging.WARNING, logger="raytrn.checkpoint.finder"):
         chosen = resume_point(j, rank=0, world_size=1)
@@ -131,14 +138,7 @@ def test_a_corrupt_checkpoint_is_skipped_with_a_warning_naming_the_file(tmp_path
 def test_behind_a_newer_snapshot_only_the_newest_manifest_is_read(tmp_path: Path) -> None:
     """A group that restores an in-memory snapshot newer than every committed checkpoint reads no checkpoint
     file: the newest checkpoint is named (its manifest read), not hashed; a snapshot no newer than it hashes it."""
-    j = job(tmp_path, "checkpoint.keep_last=null")
-    t = trained(j)
-    save(t, j, 2)
-    save(t, j, 4)
-    shard = root(j) / "step_00000004" / "__0_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # only a read of the file (the sha256) can tell
-    shard.write_bytes(bytes(data))
+    j, _, _ = _two_saves_the_newest_bit_flipped(tmp_path)
     assert resume_point(j, rank=0, world_size=1).commit.step == 2  # read, hashed, skipped
     assert resume_point(j, rank=0, world_size=1, newer_than=5).commit.step == 4  # never read
     assert resume_point(j, rank=0, world_size=1, newer_than=4).commit.step == 2  # not older: checked as before
