@@ -123,9 +123,11 @@ def restore(*, quick: bool, repeats: int) -> dict[str, Any]:
 
 
 def step_cost(bench: BenchJob, *, steps: int, rounds: int = 2, timeout_s: float = 600) -> dict[str, Any]:
-    """The bench job's median step time with a snapshot every step over none (``raytrn train``, 1 worker)."""
+    """The bench job's median step time with a snapshot every step over none (``raytrn train``, 1 worker), and the
+    median time the step waited for its snapshot (``memory_snapshot_blocked_s``: the staging copy and the
+    completion; the write and the copies run beside the next step, on the host's other cores)."""
     job = BenchJob(**{**bench.__dict__, "steps": steps})
-    out: dict[str, list[float]] = {"off": [], "every_step": []}
+    out: dict[str, list[float]] = {"off": [], "every_step": [], "blocked": []}
     for every in (0, 1) * rounds:  # alternated: the machine's drift falls on both
         with tempfile.TemporaryDirectory(prefix="raytrn-bench-memory-step-") as tmp:
             run = launch_raytrn(job, tmp, extra=["run.log_every=1", f"checkpoint.memory_every_n_steps={every}",
@@ -137,9 +139,18 @@ def step_cost(bench: BenchJob, *, steps: int, rounds: int = 2, timeout_s: float 
                 raise RuntimeError(f"raytrn train (memory_every_n_steps={every}) exited {rc}:\n{text[-2000:]}")
             times = [v for s, v in metric_values(run.tracking_uri, run_id, "step_time_s") if s > bench.warmup]
             out["every_step" if every else "off"].append(statistics.median(times))
-    off, on = mean(out["off"]), mean(out["every_step"])
+            if every:
+                waits = [v for s, v in metric_values(run.tracking_uri, run_id, "memory_snapshot_blocked_s")
+                         if s > bench.warmup]  # fmt: skip
+                if not waits:
+                    raise RuntimeError("raytrn train (memory_every_n_steps=1) logged no memory_snapshot_blocked_s")
+                out["blocked"].append(statistics.median(waits))
+    off, on, blocked = mean(out["off"]), mean(out["every_step"]), mean(out["blocked"])
     assert off and on
-    return {"step_s_off": off, "step_s_snapshot_every_step": on, "step_slowdown": on / off - 1, "raw": out}
+    return {
+        "step_s_off": off, "step_s_snapshot_every_step": on, "step_slowdown": on / off - 1,
+        "blocked_s": blocked, "blocked_fraction": blocked / off, "raw": out,
+    }  # fmt: skip
 
 
 def node_loss(*, timeout_s: float = 900) -> dict[str, Any]:

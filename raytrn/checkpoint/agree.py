@@ -31,12 +31,12 @@ def all_true(value: bool, *, group: Any = None) -> bool:
     return all(gather(bool(value), group=group))
 
 
-def broadcast(value: list[Any]) -> list[Any]:
-    """Rank 0's ``value`` on every rank."""
+def broadcast(value: list[Any], *, group: Any = None) -> list[Any]:
+    """Rank 0's ``value`` on every rank (``group``: one over every rank, else the host group)."""
     if not _distributed():
         return value
     box = list(value)
-    dist.broadcast_object_list(box, src=0, group=host_group())
+    dist.broadcast_object_list(box, src=0, group=group or host_group())
     return box
 
 

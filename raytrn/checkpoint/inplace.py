@@ -155,8 +155,14 @@ RAW_SUFFIX = ".raw"
 
 def raw_bytes(tensor: torch.Tensor) -> memoryview:
     """A CPU tensor's elements as bytes, in row-major order (a view where it is contiguous already)."""
+    return memoryview(raw_tensor(tensor).numpy().data)
+
+
+def raw_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """:func:`raw_bytes` as a flat uint8 tensor (a view where it is contiguous already): copied by torch, without
+    Python's lock."""
     t = tensor.detach().resolve_conj().resolve_neg().contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy().data)
+    return t.reshape(-1).view(torch.uint8)
 
 
 class InPlaceReader(FileSystemReader):

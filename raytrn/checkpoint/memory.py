@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import threading
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager
@@ -34,13 +35,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from raytrn.checkpoint.dcp import async_save_state, load_state
-from raytrn.checkpoint.inplace import RAW_SUFFIX, InPlaceReader, ViewStream, raw_bytes
+from raytrn.checkpoint.dcp import LiveState, async_save_state, load_state, save_state
+from raytrn.checkpoint.inplace import RAW_SUFFIX, InPlaceReader, ViewStream, raw_tensor
 from raytrn.compat import dcp_storage_info
 from raytrn.errors import CheckpointError
 
@@ -72,7 +75,7 @@ class MemoryFileSystem(FileSystemBase):
         data = self._read(name)
         yield io.BytesIO(data) if isinstance(data, bytes) else ViewStream(data)
 
-    def keep(self, name: str, data: bytes | bytearray) -> None:
+    def keep(self, name: str, data: bytes | bytearray | memoryview) -> None:
         """File ``name`` is ``data`` (written whole: a raw snapshot file)."""
         with self._lock:
             self.files[name] = data  # type: ignore[assignment]
@@ -132,32 +135,89 @@ class _KeptBytes(io.BytesIO):
 class _MemoryWriter(FileSystemWriter):
     """DCP's file writer into a :class:`MemoryFileSystem`, one file per rank, each tensor item stored as its raw
     bytes (:data:`raytrn.checkpoint.inplace.RAW_SUFFIX`: its dtype and size are in the checkpoint's metadata), not
-    as a ``torch.save`` archive of its own: that archive was ~60% of a snapshot's write (~0.5 ms an item)."""
+    as a ``torch.save`` archive of its own: that archive was ~60% of a snapshot's write (~0.5 ms an item).
+
+    One writer serves a rank's repeated snapshots (:class:`Snapshotter`): what stays the same from one to the next is
+    kept, not made again (each kept thing is free for the next snapshot once the previous one's files are copied
+    out, :func:`publish`):
+
+    - the staging buffers (:meth:`stage`: the state's tensors copied into the same host memory every time);
+    - the file's buffer (each item copied in by torch, without Python's lock the step needs);
+    - each plain value's ``torch.save`` archive (the optimizer's hyperparameters, the schedule's), made again only
+      when the value changed.
+    """
 
     def __init__(self) -> None:
         super().__init__(_ROOT, thread_count=1, sync_files=False)  # fsync has no meaning for bytes in memory
         self.fs = MemoryFileSystem()  # type: ignore[assignment]  # as DCP's own FsspecWriter does
+        self._staged: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._file: torch.Tensor | None = None
+        self._archives: dict[str, tuple[bytes, torch.Tensor]] = {}  # a plain value's fqn: (its pickle, its archive)
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """DCP's staging (the copy the step waits for): ``state_dict`` with every tensor copied into this writer's
+        buffers, allocated at the first snapshot and again only where a tensor's shape, dtype or layout changed."""
+        with torch.no_grad():
+            return _staged(state_dict, self._staged, ())  # type: ignore[no-any-return]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = f"{plan.storage_data.prefix}0{RAW_SUFFIX}"
-        items = [_item_bytes(planner.resolve_data(item)) for item in plan.items]
+        items = [self._item(item, planner) for item in plan.items]
         offsets = [0]  # each item at a multiple of 64 bytes: every tensor view of the file is aligned
         for data in items:
-            offsets.append(offsets[-1] + -(-len(data) // 64) * 64)
-        file = bytearray(offsets[-1])  # allocated once, each item copied into it once
+            offsets.append(offsets[-1] + -(-data.numel() // 64) * 64)
+        if self._file is None or self._file.numel() != offsets[-1]:
+            self._file = torch.empty(offsets[-1], dtype=torch.uint8)
         results = []
         for item, data, offset in zip(plan.items, items, offsets, strict=False):
-            file[offset : offset + len(data)] = data
-            results.append(WriteResult(item.index, len(data), dcp_storage_info(name, offset, len(data))))
-        self.fs.keep(name, file)  # type: ignore[attr-defined]
+            self._file[offset : offset + data.numel()].copy_(data)
+            results.append(WriteResult(item.index, data.numel(), dcp_storage_info(name, offset, data.numel())))
+        self.fs.keep(name, memoryview(self._file.numpy().data))  # type: ignore[attr-defined]
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
 
+    def _item(self, item: Any, planner: SavePlanner) -> torch.Tensor:
+        """A write item's bytes as a flat uint8 tensor: a tensor's raw (:func:`raw_tensor`), a plain value's archive
+        (the previous snapshot's when the value pickles the same)."""
+        if item.type != WriteItemType.BYTE_IO:
+            return raw_tensor(planner.resolve_data(item))  # type: ignore[arg-type]
+        lookup = getattr(planner, "lookup_object", None)
+        try:
+            value = pickle.dumps(lookup(item.index), protocol=pickle.HIGHEST_PROTOCOL) if lookup else None
+        except Exception:  # not picklable as such (torch.save may still manage): archived every time
+            value = None
+        kept = self._archives.get(item.index.fqn)
+        if value is None or kept is None or kept[0] != value:
+            archive = bytearray(planner.resolve_data(item).getbuffer())  # type: ignore[union-attr]
+            kept = (value or b"", torch.frombuffer(archive, dtype=torch.uint8))
+            if value is not None:
+                self._archives[item.index.fqn] = kept
+        return kept[1]
 
-def _item_bytes(data: torch.Tensor | io.BytesIO) -> memoryview:
-    """A write item's bytes: a byte item's as they are, a tensor's raw (:func:`raw_bytes`)."""
-    return data.getbuffer() if isinstance(data, io.BytesIO) else raw_bytes(data)
+
+def _staged(obj: Any, buffers: dict[tuple[Any, ...], torch.Tensor], path: tuple[Any, ...]) -> Any:
+    """``obj`` (a state dict or any value in one) with its tensors copied into ``buffers`` (by their path in it)."""
+    if isinstance(obj, DTensor):
+        local = obj.to_local()
+        return DTensor.from_local(
+            _copied(local, buffers, path), obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+            stride=obj.stride(),
+        )  # fmt: skip
+    if isinstance(obj, torch.Tensor):
+        return _copied(obj, buffers, path)
+    if isinstance(obj, dict):
+        return {k: _staged(v, buffers, (*path, k)) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_staged(v, buffers, (*path, i)) for i, v in enumerate(obj))
+    return obj
+
+
+def _copied(tensor: torch.Tensor, buffers: dict[tuple[Any, ...], torch.Tensor], path: tuple[Any, ...]) -> torch.Tensor:
+    kept = buffers.get(path)
+    if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype or kept.stride() != tensor.stride():
+        kept = buffers[path] = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+    return kept.copy_(tensor.detach())
 
 
 class _MemoryReader(InPlaceReader):
@@ -175,10 +235,42 @@ def stage_to_memory(state: dict[str, Any], *, process_group: Any) -> tuple[Any, 
     """Write ``state`` as DCP does (every rank its shards, rank 0 also ``.metadata``), into memory, in the
     background: ``state`` is staged to host memory now (the caller waits for that only) and written by a background
     thread, its collectives on ``process_group`` (a gloo group of its own; None without a process group). Returns
-    the write's future and ``files()``: this rank's files, ``{name: bytes}``, once the future is done."""
+    the write's future and ``files()``: this rank's files, ``{name: bytes}``, once the future is done. (A one-off
+    snapshot; the loop's repeated ones: :class:`Snapshotter`.)"""
     writer = _MemoryWriter()
     future = async_save_state(state, writer, process_group=process_group)
     return future, lambda: dict(writer.fs.files)  # type: ignore[attr-defined]
+
+
+class _SnapshotPlanner(DefaultSavePlanner):
+    """DCP's default save planner with its plan cache (keyed by this class): from the second snapshot of the same
+    layout on, the ranks send only what changed and the coordinator reuses the global plan and metadata."""
+
+    def __init__(self) -> None:
+        super().__init__(enable_plan_caching=True)
+
+
+class Snapshotter:
+    """One rank's repeated snapshots of one training (:mod:`raytrn.train.snapshots`): the state dict
+    (:class:`raytrn.checkpoint.dcp.LiveState`), the staging and file buffers and the plain values' archives
+    (:class:`_MemoryWriter`), and DCP's plan (:class:`_SnapshotPlanner`) are built at the first snapshot and reused
+    while they fit. One snapshot at a time: :meth:`stage`, then :meth:`write` (in any thread), whose files are valid
+    until the next :meth:`stage`."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+        self.state = LiveState(model, optimizer, scheduler)
+        self.writer = _MemoryWriter()
+
+    def stage(self) -> dict[str, Any]:
+        """The training's state as of now, copied to host memory (what the step waits for)."""
+        return self.writer.stage(self.state())
+
+    def write(self, staged: dict[str, Any], *, process_group: Any) -> dict[str, bytes]:
+        """Write ``staged`` as DCP does, into memory (a collective on ``process_group``, a gloo group of its own; None
+        without a process group): this rank's files, ``{name: bytes}``."""
+        fs = self.writer.fs = MemoryFileSystem()  # type: ignore[assignment]
+        save_state(staged, self.writer, planner=_SnapshotPlanner(), process_group=process_group)
+        return dict(fs.files)
 
 
 def load_from_memory(

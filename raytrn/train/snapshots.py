@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import re
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch.distributed as dist
 
 from raytrn.checkpoint import agree
-from raytrn.checkpoint.dcp import training_state
-from raytrn.checkpoint.memory import fetcher, load_from_memory, publish, stage_to_memory
+from raytrn.checkpoint.memory import Snapshotter, fetcher, load_from_memory, publish
 from raytrn.checkpoint.progress import Progress
 from raytrn.config import JobSpec
 from raytrn.tracking.system import node_label
@@ -53,9 +52,12 @@ class _Writing:
 
     progress: Progress
     started: float
+    generation: int = 0  # the worker group's (MemorySnapshots.generation), sent with every change to the stores
     done: threading.Event = field(default_factory=threading.Event)
-    reason: str | None = None  # why this rank's copies are not kept (set by the thread)
+    reason: str | None = None  # why this snapshot is not complete: the group's agreement (set by the thread)
     stuck: bool = False  # the thread did not end in time (it may still be in the group's collectives)
+    held: dict[str, int] = field(default_factory=dict)  # rank 0: what each store holds once it is sealed
+    staged_s: float = 0.0  # how long the step waited for its staging (and the agreement that every rank staged)
 
 
 class SnapshotUnreadable(RuntimeError):
@@ -81,6 +83,13 @@ class MemorySnapshots:
         self.generation = 0
         #: Rank 0: the bytes each node's store held after the last complete snapshot (``memory_checkpoint_bytes``).
         self.held: dict[str, int] = {}
+        self._writing: _Writing | None = None
+        #: The training's wait for the last completed snapshot: its staging and its completion
+        #: (``memory_snapshot_blocked_s``; the write and the copies run beside the next step).
+        self.blocked_s = 0.0
+        self._snapshotter: Snapshotter | None = None  # what one snapshot leaves for the next to reuse
+        self._thread: threading.Thread | None = None  # this rank's snapshot thread (started at the first snapshot)
+        self._queue: queue.SimpleQueue[tuple[_Writing, Any]] = queue.SimpleQueue()
         if not self.restorable:
             return
         self.node = ray.get_runtime_context().get_node_id()
@@ -91,7 +100,6 @@ class MemorySnapshots:
         # The background writes' collectives get a gloo group of their own, created by every rank at this point.
         distributed = self.taking and dist.is_available() and dist.is_initialized()
         self._group = dist.new_group(backend="gloo") if distributed else None
-        self._writing: _Writing | None = None
         self.stores = ray.get(keeper.ensure.remote(sorted(set(nodes))), timeout=120)  # every store the run has
         #: Where this group's snapshots go: the ring over the group's own nodes (never a lost node's store).
         self.ring = {n: self.stores[n] for n in set(nodes)}
@@ -169,13 +177,15 @@ class MemorySnapshots:
         )
 
     def metrics(self) -> dict[str, float]:
-        """Rank 0's at a log step, while this group takes snapshots: the bytes each node's store holds
+        """Rank 0's at a log step, while this group takes snapshots: how long the step waited for the last snapshot
+        (``memory_snapshot_blocked_s``: its staging copy and its completion), the bytes each node's store holds
         (``memory_checkpoint_bytes/node-…``, as of the last complete snapshot) and the most any one holds
         (``memory_checkpoint_bytes``: under half of the per-node bound, ``checkpoint.memory_store_gib``, or the next
         snapshot does not fit beside it)."""
         if not (self.taking and self.held):
             return {}
         return {
+            "memory_snapshot_blocked_s": self.blocked_s,
             "memory_checkpoint_bytes": float(max(self.held.values())),
             **{f"memory_checkpoint_bytes/{node_label(n)}": float(b) for n, b in sorted(self.held.items())},
         }
@@ -193,32 +203,86 @@ class MemorySnapshots:
         writing = self._writing
         if writing is None:
             return False
+        waited = time.perf_counter()
         if not writing.done.wait(timeout_s):  # its thread may still be in the group's collectives: the last one
             writing.reason = f"snapshot {writing.progress.step}: not written within {timeout_s:.0f} s"
             writing.stuck = True
-        return self._complete()
+        complete = self._complete()
+        self.blocked_s = writing.staged_s + time.perf_counter() - waited
+        return complete
 
     def save(self, t: Any, progress: Progress) -> None:
-        """Start this step's snapshot in the background: staged to host memory now (the step waits for that copy),
-        written and copied to the stores by a thread while the next step trains."""
+        """Start this step's snapshot: staged to host memory now (the step waits for that copy only), then written,
+        copied to the stores and completed by this rank's background thread while the next step trains."""
         self.written()  # (none in flight: the loop completed it before logging this step)
-        writing = _Writing(replace(progress), time.perf_counter())  # the counters as of this step (the loop's move on)
+        if not self.taking:  # (its write never ended: its buffers may still be read, and no more are taken)
+            return
+        started = time.perf_counter()
+        writing = _Writing(replace(progress), started, self.generation)  # (as of this step: the loop moves on)
         failed: str | None = None
         try:
-            future, files = stage_to_memory(
-                training_state(t.model, t.optimizer, t.scheduler), process_group=self._group
-            )
+            if self._snapshotter is None:  # (the group's training: built once, before its first snapshot)
+                self._snapshotter = Snapshotter(t.model, t.optimizer, t.scheduler)
+            staged = self._snapshotter.stage()
         except Exception as e:  # host memory: the other ranks' writes now wait for this rank's on the group
             failed = f"snapshot {progress.step}: not staged on rank {self.rank} ({type(e).__name__}: {e})"
-        staged = agree.gather(failed)  # a collective: whether every rank's write can go on
-        if any(staged):
-            self._stop(next(why for why in staged if why))
+        if any(why := agree.gather(failed)):  # a collective: whether every rank's write can go on
+            self._stop(next(w for w in why if w))
             return
-        threading.Thread(
-            target=_write, args=(writing, future, self._publisher(progress.step, files)), name="raytrn-snapshot",
-            daemon=True,
-        ).start()  # fmt: skip
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._background, name="raytrn-snapshot", daemon=True)
+            self._thread.start()
         self._writing = writing
+        writing.staged_s = time.perf_counter() - started
+        self._queue.put((writing, staged))
+
+    def _background(self) -> None:
+        """This rank's snapshot thread: for each staged snapshot, its DCP write into memory, its copies on the stores
+        and the group's agreement on it (its collectives on the group's snapshot group, never the step's): rank 0
+        then adds the manifest and the stores free the older snapshots."""
+        while True:
+            writing, staged = self._queue.get()
+            step = writing.progress.step
+            try:
+                assert self._snapshotter is not None
+                files = self._snapshotter.write(staged, process_group=self._group)
+                writing.reason = publish(
+                    self.ring, self.node, step, self.rank, files, replicas=self.job.checkpoint.memory_replicas,
+                    generation=writing.generation,
+                )  # fmt: skip
+            except Exception as e:  # a failed write or copy fails this snapshot, never the step
+                writing.reason = f"snapshot {step}: not written ({type(e).__name__}: {e})"
+            try:
+                reasons = agree.gather(writing.reason, group=self._group)  # every rank's copies kept?
+                if self.rank == 0 and not any(reasons):
+                    reasons = [self._seal(writing)]
+                (writing.reason,) = agree.broadcast([next((r for r in reasons if r), None)], group=self._group)
+            except Exception as e:  # a rank gone mid-agreement: the restart decides
+                writing.reason = writing.reason or f"snapshot {step}: not agreed ({type(e).__name__}: {e})"
+            writing.done.set()
+
+    def _seal(self, writing: _Writing) -> str | None:
+        """Rank 0, once every rank's copies are kept: the manifest on the ring's stores, then the seal, which frees
+        the older snapshots (stores of nodes no longer in the group too: theirs are older). None when both are done,
+        else why not."""
+        progress, gen = writing.progress, writing.generation
+        manifest = {"step": progress.step, "world_size": self.world_size, "progress": asdict(progress)}
+        replicas = self.job.checkpoint.memory_replicas
+        reason = publish(
+            self.ring, self.node, progress.step, 0, None, replicas=replicas, manifest=manifest, generation=gen
+        )
+        if reason is not None:
+            return reason
+        held = _answers(
+            {node: handle.seal.remote(progress.step, gen) for node, handle in self.ring.items()}, timeout_s=60
+        )
+        if held is None or None in held.values():  # (None: refused, a newer group started)
+            return f"snapshot {progress.step}: a store did not answer the seal"
+        writing.held = held
+        for node, handle in self.stores.items():
+            if node not in self.ring:
+                handle.seal.remote(progress.step, gen)
+        return None
 
     def _stop(self, why: str) -> None:
         """No more snapshots in this worker group (every rank): a background write on its group never ended (another
@@ -231,58 +295,36 @@ class MemorySnapshots:
                 "checkpoints stay, and the group's next restart takes snapshots again", why,
             )  # fmt: skip
 
-    def _publisher(self, step: int, files: Callable[[], dict[str, bytes]]) -> Callable[[], str | None]:
-        ring, node, rank = self.ring, self.node, self.rank
-        replicas, gen = self.job.checkpoint.memory_replicas, self.generation
-        return lambda: publish(ring, node, step, rank, files(), replicas=replicas, generation=gen)
-
     def _complete(self) -> bool:
-        """Agree on the written snapshot (a collective): rank 0 adds its manifest and the stores free the older
-        snapshots; when any rank's copies are not kept, it is dropped with one warning per kind of failure."""
-
+        """Agree on the written snapshot (a collective): complete when every rank's thread says so (the manifest
+        and the seal are done then); else it is dropped with one warning per kind of failure."""
         writing, self._writing = self._writing, None
         if writing is None:
             return False
         progress = writing.progress
         results = agree.gather((writing.reason, writing.stuck))
         reasons = [why for why, _ in results]
-        complete = not any(reasons)
-        reason: str | None = None
-        if complete and self.rank == 0:
-            manifest = {"step": progress.step, "world_size": self.world_size, "progress": asdict(progress)}
-            replicas = self.job.checkpoint.memory_replicas
-            gen = self.generation
-            reason = publish(
-                self.ring, self.node, progress.step, 0, None, replicas=replicas, manifest=manifest, generation=gen
-            )
-            if reason is None:  # the ring's stores free the older snapshots before anyone's next put
-                seals = {node: handle.seal.remote(progress.step, gen) for node, handle in self.ring.items()}
-                held = _answers(seals, timeout_s=60)
-                if held is None or None in held.values():  # (None: refused, a newer group started)
-                    reason = f"snapshot {progress.step}: a store did not answer the seal"
-                else:
-                    self.held = held
-                for node, handle in self.stores.items():  # stores of nodes no longer in the group: theirs are older
-                    if node not in self.ring:
-                        handle.seal.remote(progress.step, gen)
-        complete = agree.all_true(complete and reason is None)
-        if not complete:
-            why = next((r for r in reasons if r), reason) or "unknown"
-            for handle in self.ring.values():
-                handle.drop.remote(progress.step, self.generation)
-            if any(stuck for _, stuck in results):
-                self._stop(why)
-                return False
-            kind = re.sub(r"\d+(\.\d+)?", "N", why)  # one warning per kind of failure, not per step
-            if self.rank == 0 and kind not in self._warned:
-                self._warned.add(kind)
-                log.warning(
-                    "in-memory snapshot of step %d skipped: %s; training goes on (the same failure again is not "
-                    "warned about; checkpoint_failures counts durable saves only)", progress.step, why,
-                )  # fmt: skip
-        elif self.rank == 0:
-            log.debug("in-memory snapshot of step %d in %.2f s", progress.step, time.perf_counter() - writing.started)
-        return complete
+        if not any(reasons):
+            if self.rank == 0:
+                self.held = writing.held
+                log.debug(
+                    "in-memory snapshot of step %d in %.2f s", progress.step, time.perf_counter() - writing.started
+                )
+            return True
+        why = next(r for r in reasons if r)
+        for handle in self.ring.values():
+            handle.drop.remote(progress.step, writing.generation)
+        if any(stuck for _, stuck in results):
+            self._stop(why)
+            return False
+        kind = re.sub(r"\d+(\.\d+)?", "N", why)  # one warning per kind of failure, not per step
+        if self.rank == 0 and kind not in self._warned:
+            self._warned.add(kind)
+            log.warning(
+                "in-memory snapshot of step %d skipped: %s; training goes on (the same failure again is not "
+                "warned about; checkpoint_failures counts durable saves only)", progress.step, why,
+            )  # fmt: skip
+        return False
 
 
 def _answers(refs: dict[str, Any], *, timeout_s: float) -> dict[str, Any] | None:
@@ -296,15 +338,3 @@ def _answers(refs: dict[str, Any], *, timeout_s: float) -> dict[str, Any] | None
         return dict(zip(refs, ray.get(list(refs.values())), strict=True))
     except Exception:
         return None
-
-
-def _write(writing: _Writing, future: Any, publish_: Callable[[], str | None]) -> None:
-    """The background thread: this rank's DCP write into memory, then its copies on the stores."""
-    step = writing.progress.step
-    try:
-        future.result()
-        writing.reason = publish_()
-    except Exception as e:  # a failed write or copy fails this snapshot, never the step
-        writing.reason = f"snapshot {step}: not written ({type(e).__name__}: {e})"
-    finally:
-        writing.done.set()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,67 @@ def test_a_snapshot_in_memory_restores_weights_moments_schedule_and_rng_exactly(
         assert torch.equal(_params(fresh)[name], value), name
 
 
+def _flat(obj: Any, path: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], Any]:
+    if isinstance(obj, dict):
+        return {k: v for key, value in obj.items() for k, v in _flat(value, (*path, key)).items()}
+    if isinstance(obj, list):
+        return {k: v for i, value in enumerate(obj) for k, v in _flat(value, (*path, i)).items()}
+    return {path: obj}
+
+
+def _same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    flat_a, flat_b = _flat(a), _flat(b)
+    assert flat_a.keys() == flat_b.keys()
+    for key, value in flat_a.items():
+        other = flat_b[key]
+        assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, key
+
+
+def test_the_live_state_is_the_training_state_after_every_step_and_is_rebuilt_when_tensors_are_replaced(
+    tmp_path: Path,
+) -> None:
+    """Snapshots every step reuse one state dict (its tensors are the training's, updated in place): after more
+    steps it still equals a fresh ``training_state`` (weights, moments, the learning rate the schedule moved, the
+    schedule, the RNG) without being built again; a restore's new optimizer tensors build it again."""
+    import copy
+
+    t = trained(job(tmp_path))
+    live = dcp.LiveState(t.model, t.optimizer, t.scheduler)
+    lrs = [live()["optim"]["param_groups"][0]["lr"]]
+    for seed in (3, 4):
+        train_step(t, _batches(seed, 1), CpuBackend())
+        _same_state(live(), dcp.training_state(t.model, t.optimizer, t.scheduler))
+        lrs.append(live()["optim"]["param_groups"][0]["lr"])
+    assert live.builds == 1 and len(set(lrs)) == 3  # the warmup moved the learning rate at every step
+    t.optimizer.load_state_dict(copy.deepcopy(t.optimizer.state_dict()))  # new moment tensors, as a restore makes
+    train_step(t, _batches(5, 1), CpuBackend())
+    _same_state(live(), dcp.training_state(t.model, t.optimizer, t.scheduler))
+    assert live.builds == 2
+
+
+def test_repeated_snapshots_reuse_their_buffers_and_each_restores_its_own_step(tmp_path: Path) -> None:
+    """One :class:`memory.Snapshotter` for every snapshot of a training (staging and file buffers, plain values'
+    archives, DCP's plan reused): each snapshot, copied out before the next, restores exactly its own step."""
+    j = job(tmp_path)
+    t = trained(j)
+    snapshotter = memory.Snapshotter(t.model, t.optimizer, t.scheduler)
+    taken = []
+    for seed in (5, 6, None):
+        files = snapshotter.write(snapshotter.stage(), process_group=None)
+        taken.append(({n: bytes(b) for n, b in files.items()}, _params(t), _moments(t), t.scheduler.state_dict()))
+        if seed is not None:
+            train_step(t, _batches(seed, 1), CpuBackend())
+    assert snapshotter.state.builds == 1
+    assert len({repr(scheduler) for *_, scheduler in taken}) == 3  # the schedule moved between the snapshots
+    for files, params, moments, scheduler in taken:
+        fresh = build_training(j, CpuBackend(), world_size=1)
+        memory.load_from_memory(files.__getitem__, fresh.model, fresh.optimizer, fresh.scheduler)
+        assert all(torch.equal(_params(fresh)[n], v) for n, v in params.items())
+        assert all(torch.equal(a, b) for a, b in zip(moments, _moments(fresh), strict=True))
+        assert fresh.scheduler.state_dict() == scheduler
+        assert fresh.optimizer.param_groups[0]["lr"] == scheduler["_last_lr"][0]
+
+
 def test_a_file_missing_from_memory_fails_the_restore_naming_it(tmp_path: Path) -> None:
     j = job(tmp_path)
     t = trained(j)
@@ -96,18 +158,25 @@ def _fsdp_rank(rank: int, world: int, port: int, tmp: str, out: dict) -> None:
     try:
         j = job(Path(tmp), "parallel.data_parallel=fsdp")
         t = build_training(j, CpuBackend(), world_size=world)
+        group = dist.new_group(backend="gloo")
+        snapshotter = memory.Snapshotter(t.model, t.optimizer, t.scheduler)
         for batch in _batches(0, 2):  # the same global batches on both ranks: a deterministic state
             train_step(t, iter([batch]), CpuBackend())
+            if t.scheduler.state_dict()["last_epoch"] == 1:  # a snapshot of step 1, whose buffers step 2's reuses
+                snapshotter.write(snapshotter.stage(), process_group=group)
         # Staged now, written in the background (its collectives on a group of its own) while the next step trains.
-        group = dist.new_group(backend="gloo")
-        future, files = memory.stage_to_memory(
-            dcp.training_state(t.model, t.optimizer, t.scheduler), process_group=group
-        )
+        pool = ThreadPoolExecutor(1)
+        future = pool.submit(snapshotter.write, snapshotter.stage(), process_group=group)
         full = _params(t)  # a collective: every rank gathers (on the default group, beside the write's)
         train_step(t, iter([next(_batches(1, 1))]), CpuBackend())  # the state moves on; the snapshot keeps step 2
         moved = _params(t)
-        future.result()
-        out[rank] = {"files": files(), "params": full if rank == 0 else None, "moved": moved if rank == 0 else None}
+        files = future.result()
+        pool.shutdown()
+        assert snapshotter.state.builds == 1
+        out[rank] = {
+            "files": {n: bytes(b) for n, b in files.items()}, "params": full if rank == 0 else None,
+            "moved": moved if rank == 0 else None,
+        }  # fmt: skip
     finally:
         dist.destroy_process_group()
 
@@ -250,7 +319,9 @@ def test_the_groups_store_bytes_are_reported_per_node_and_as_the_most_any_node_h
     snaps = _taking(tmp_path)
     assert snaps.metrics() == {}  # nothing complete yet
     snaps.held = {"0a1b2c3d4e5f": 300, "ffeeddccbbaa": 500}
+    snaps.blocked_s = 0.004
     assert snaps.metrics() == {
+        "memory_snapshot_blocked_s": 0.004,
         "memory_checkpoint_bytes": 500.0,
         "memory_checkpoint_bytes/node-0a1b2c3d": 300.0,
         "memory_checkpoint_bytes/node-ffeeddcc": 500.0,
@@ -309,10 +380,28 @@ def _taking(tmp: Path) -> Any:
     return snaps
 
 
+def test_a_snapshot_is_written_by_the_ranks_thread_and_the_step_waits_only_for_its_staging(tmp_path, caplog):
+    """The step waits for the staging copy; the rank's snapshot thread writes the files and sends them (here to no
+    store: the snapshot is not kept, so it is never used, with one warning); the wait is reported."""
+    from raytrn.checkpoint.progress import Progress
+
+    snaps = _taking(tmp_path)
+    t = trained(job(tmp_path))
+    with caplog.at_level("WARNING", logger="raytrn.train.snapshots"):
+        snaps.save(t, Progress(step=3))
+        writing = snaps._writing
+        assert writing is not None and writing.done.wait(60)  # written beside the step
+        assert snaps.written() is False
+    assert sorted(snaps._snapshotter.writer.fs.files) == [".metadata", "__0_0.raw"]  # type: ignore[union-attr]
+    assert writing.reason == "no memory store on node(s) n"
+    assert 0 < writing.staged_s <= snaps.blocked_s < 60
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "raytrn.train.snapshots"]
+    assert warning.startswith("in-memory snapshot of step 3 skipped: no memory store on node(s) n; training goes on")
+
+
 def test_a_snapshot_that_cannot_be_staged_stops_the_groups_snapshots_with_one_warning(tmp_path, monkeypatch, caplog):
     """Staging to host memory fails on a rank: the other ranks' background writes would wait for it on the group,
     so no more snapshots are started in this worker group (training goes on; restores are unaffected)."""
-    import raytrn.train.snapshots as snapshots
     from raytrn.checkpoint.progress import Progress
 
     snaps = _taking(tmp_path)
@@ -321,11 +410,11 @@ def test_a_snapshot_that_cannot_be_staged_stops_the_groups_snapshots_with_one_wa
     def no_memory(*args: Any, **kwargs: Any) -> Any:
         raise MemoryError("host memory")
 
-    monkeypatch.setattr(snapshots, "stage_to_memory", no_memory)
+    monkeypatch.setattr(memory._MemoryWriter, "stage", no_memory)  # the staging copy itself
     with caplog.at_level("WARNING", logger="raytrn.train.snapshots"):
         snaps.save(t, Progress(step=3))
     assert not snaps.taking and not snaps.due(4, durable=False) and snaps._writing is None
-    [warning] = [r.getMessage() for r in caplog.records]
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "raytrn.train.snapshots"]
     assert "in-memory snapshots stop for this worker group: snapshot 3: not staged on rank 0 (MemoryError: host " \
            "memory)" in warning  # fmt: skip
 
