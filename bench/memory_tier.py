@@ -146,7 +146,7 @@ def step_cost(bench: BenchJob, *, steps: int, rounds: int = 2, timeout_s: float 
                     raise RuntimeError("raytrn train (memory_every_n_steps=1) logged no memory_snapshot_blocked_s")
                 out["blocked"].append(statistics.median(waits))
     off, on, blocked = mean(out["off"]), mean(out["every_step"]), mean(out["blocked"])
-    assert off and on
+    assert off and on and blocked is not None
     return {
         "step_s_off": off, "step_s_snapshot_every_step": on, "step_slowdown": on / off - 1,
         "blocked_s": blocked, "blocked_fraction": blocked / off, "raw": out,

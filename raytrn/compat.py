@@ -48,6 +48,8 @@ PRIVATE_NAMES: dict[str, str] = {
     "MLflow dataset context tag": "mlflow.utils.mlflow_tags:MLFLOW_DATASET_CONTEXT",
     "MLflow GPU monitor": "mlflow.system_metrics.metrics.gpu_monitor:GPUMonitor",
     "torch DCP file item record": "torch.distributed.checkpoint.filesystem:_StorageInfo",
+    "torch DCP staging buffers": "torch.distributed._state_dict_utils:_create_cpu_state_dict",
+    "torch DCP staging copy": "torch.distributed._state_dict_utils:_copy_state_dict",
 }
 
 # -- Ray Train -----------------------------------------------------------------------------------------
@@ -375,6 +377,24 @@ def dcp_storage_info(name: str, offset: int, length: int) -> Any:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo(name, offset, length)
+
+
+def dcp_stage(state: dict[str, Any], host: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``state`` copied to host memory as DCP's own staging does (its tensors and DTensors' shards into CPU tensors,
+    plain values as they are), into ``host``'s buffers when it has the same keys, else into new ones (not pinned:
+    CPU-only machines have no pinned memory). The caller passes ``host`` only for a state of the same shapes: a
+    tensor of another shape could broadcast into a kept buffer. Returns the copy and the buffers to pass next time. DCP's
+    ``BlockingAsyncStager`` uses these functions but pins its cached buffers; no public function stages into kept
+    buffers."""
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+    if host is not None:
+        try:
+            return _copy_state_dict(state, host, type_check=False), host
+        except Exception:  # another structure (CompanionMismatch, a shape): new buffers (a real error raises again)
+            pass
+    host = _create_cpu_state_dict(state)
+    return _copy_state_dict(state, host, type_check=False), host
 
 
 def resolve(spec: str) -> Any:

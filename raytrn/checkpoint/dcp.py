@@ -311,8 +311,8 @@ class LiveState:
         return self._state
 
     def _tensors(self) -> tuple[Any, ...]:
-        """What the kept state dict depends on: every parameter's and buffer's identity and storage, the optimizer's
-        state tensors' and its groups' sizes."""
+        """What the kept state dict depends on: every parameter's and buffer's identity, storage and shape and
+        which are frozen, the optimizer's state tensors' and its groups' sizes."""
         model = tuple(_where(t) for t in (*self.model.parameters(), *self.model.buffers()))
         optim = tuple(
             (id(p), tuple((k, _where(v)) for k, v in s.items() if isinstance(v, torch.Tensor)))
@@ -322,10 +322,11 @@ class LiveState:
         return model, id(self.optimizer.state), optim, groups
 
 
-def _where(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
-    """A tensor's identity, storage and shape (a DTensor's local shard's)."""
+def _where(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], bool]:
+    """A tensor's identity, storage, shape (a DTensor's local shard's) and whether it is trained (frozen parameters
+    are not in the state dict)."""
     local = t.to_local() if hasattr(t, "to_local") else t
-    return id(t), local.data_ptr(), tuple(local.shape)
+    return id(t), local.data_ptr(), tuple(local.shape), t.requires_grad
 
 
 def _options(model: torch.nn.Module) -> Any:
@@ -353,10 +354,10 @@ def save(state: dict[str, Any], location: str) -> dict[str, tuple[int, str]]:
     return dict(writer.digests)
 
 
-def save_state(state: dict[str, Any], writer: Any, *, planner: Any = None, process_group: Any = None) -> None:
-    """Write ``state`` through any DCP storage writer (a directory's, or memory's: :mod:`raytrn.checkpoint.memory`);
-    ``planner``: DCP's default when None; ``process_group``: the default group when None."""
-    dcp.save(state, storage_writer=writer, planner=planner, process_group=process_group, no_dist=_no_dist())
+def save_state(state: dict[str, Any], writer: Any, *, process_group: Any = None) -> None:
+    """Write ``state`` through any DCP storage writer (a directory's, or memory's: :mod:`raytrn.checkpoint.memory`),
+    its collectives on ``process_group`` (the default group when None)."""
+    dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist())
 
 
 def async_save(state: dict[str, Any], location: str, *, process_group: Any) -> tuple[Any, Any]:

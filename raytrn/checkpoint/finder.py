@@ -89,7 +89,7 @@ def newest_pointer(run: RunDir) -> tuple[Meta | None, str | None]:
     return None, None
 
 
-def resume_point(job: JobSpec, *, rank: int, world_size: int, newer_than: int | None = None) -> Candidate | None:
+def resume_point(job: JobSpec, *, rank: int, world_size: int, snapshot: int | None = None) -> Candidate | None:
     """The workers' answer: the committed checkpoint this worker group resumes from, or None when the run has none
     (a new run, one whose first save never finished, or one older than commit manifests: Ray Train's own
     checkpoint is then the one). A collective: every rank calls it, at the start.
@@ -98,9 +98,10 @@ def resume_point(job: JobSpec, *, rank: int, world_size: int, newer_than: int | 
     ``checkpoint.verify: sha256`` every rank then hashes a share of each candidate's files, newest first, until
     one passes (:func:`newest_committed`).
 
-    ``newer_than``: the step of a state the group restores instead when the newest committed checkpoint is older
-    (an in-memory snapshot). Then the storage is listed and that checkpoint's manifest read, none of its files (it
-    is returned unchecked, to be named; a restart that does need it finds it again and checks it). With no
+    ``snapshot``: the step of a state the group restores instead when the newest committed checkpoint is not newer
+    (an in-memory snapshot: the same state at the same step, read from memory). Then the storage is listed and that
+    checkpoint's manifest read, none of its files (it is returned unchecked, to be named; a restart that does need
+    it finds it again and checks it). With no
     committed checkpoint that passes the size check, the full rule applies: CheckpointError when the run has
     committed ones (the snapshot may be older than them)."""
     from raytrn.checkpoint import agree  # torch.distributed: the driver imports this module and never needs torch
@@ -110,7 +111,7 @@ def resume_point(job: JobSpec, *, rank: int, world_size: int, newer_than: int | 
     if rank == 0:
         listed = manifest.candidates(run)  # lazily: behind a newer snapshot only the newest is read
         newest = next(listed, None)
-        if newest is not None and newer_than is not None and newest.commit.step < newer_than:
+        if newest is not None and snapshot is not None and newest.commit.step <= snapshot:
             listing = [[newest], True, True]
         else:
             listing = [[newest, *listed] if newest is not None else [], manifest.has_commits(run), False]

@@ -35,16 +35,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from raytrn.checkpoint.dcp import LiveState, async_save_state, load_state, save_state
 from raytrn.checkpoint.inplace import RAW_SUFFIX, InPlaceReader, ViewStream, raw_tensor
-from raytrn.compat import dcp_storage_info
+from raytrn.compat import dcp_stage, dcp_storage_info
 from raytrn.errors import CheckpointError
 
 #: The directory name DCP sees for a snapshot (it only joins file names to it).
@@ -150,15 +148,20 @@ class _MemoryWriter(FileSystemWriter):
     def __init__(self) -> None:
         super().__init__(_ROOT, thread_count=1, sync_files=False)  # fsync has no meaning for bytes in memory
         self.fs = MemoryFileSystem()  # type: ignore[assignment]  # as DCP's own FsspecWriter does
-        self._staged: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._host: dict[str, Any] | None = None  # the staging buffers (raytrn.compat.dcp_stage)
         self._file: torch.Tensor | None = None
         self._archives: dict[str, tuple[bytes, torch.Tensor]] = {}  # a plain value's fqn: (its pickle, its archive)
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """DCP's staging (the copy the step waits for): ``state_dict`` with every tensor copied into this writer's
-        buffers, allocated at the first snapshot and again only where a tensor's shape, dtype or layout changed."""
-        with torch.no_grad():
-            return _staged(state_dict, self._staged, ())  # type: ignore[no-any-return]
+        """DCP's staging (the copy the step waits for): ``state_dict`` with every tensor (a DTensor's shard) copied
+        into this writer's host-memory buffers, allocated at the first snapshot and again only when the state's
+        structure changed."""
+        staged, self._host = dcp_stage(state_dict, self._host)
+        return staged
+
+    def forget_buffers(self) -> None:
+        """The next :meth:`stage` allocates new staging buffers (the state's tensors were replaced)."""
+        self._host = None
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = f"{plan.storage_data.prefix}0{RAW_SUFFIX}"
@@ -196,30 +199,6 @@ class _MemoryWriter(FileSystemWriter):
         return kept[1]
 
 
-def _staged(obj: Any, buffers: dict[tuple[Any, ...], torch.Tensor], path: tuple[Any, ...]) -> Any:
-    """``obj`` (a state dict or any value in one) with its tensors copied into ``buffers`` (by their path in it)."""
-    if isinstance(obj, DTensor):
-        local = obj.to_local()
-        return DTensor.from_local(
-            _copied(local, buffers, path), obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
-            stride=obj.stride(),
-        )  # fmt: skip
-    if isinstance(obj, torch.Tensor):
-        return _copied(obj, buffers, path)
-    if isinstance(obj, dict):
-        return {k: _staged(v, buffers, (*path, k)) for k, v in obj.items()}
-    if type(obj) in (list, tuple):
-        return type(obj)(_staged(v, buffers, (*path, i)) for i, v in enumerate(obj))
-    return obj
-
-
-def _copied(tensor: torch.Tensor, buffers: dict[tuple[Any, ...], torch.Tensor], path: tuple[Any, ...]) -> torch.Tensor:
-    kept = buffers.get(path)
-    if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype or kept.stride() != tensor.stride():
-        kept = buffers[path] = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
-    return kept.copy_(tensor.detach())
-
-
 class _MemoryReader(InPlaceReader):
     """DCP's reader on a :class:`MemoryFileSystem`, its tensors read in place from the files' buffers."""
 
@@ -242,34 +221,31 @@ def stage_to_memory(state: dict[str, Any], *, process_group: Any) -> tuple[Any, 
     return future, lambda: dict(writer.fs.files)  # type: ignore[attr-defined]
 
 
-class _SnapshotPlanner(DefaultSavePlanner):
-    """DCP's default save planner with its plan cache (keyed by this class): from the second snapshot of the same
-    layout on, the ranks send only what changed and the coordinator reuses the global plan and metadata."""
-
-    def __init__(self) -> None:
-        super().__init__(enable_plan_caching=True)
-
-
 class Snapshotter:
     """One rank's repeated snapshots of one training (:mod:`raytrn.train.snapshots`): the state dict
     (:class:`raytrn.checkpoint.dcp.LiveState`), the staging and file buffers and the plain values' archives
-    (:class:`_MemoryWriter`), and DCP's plan (:class:`_SnapshotPlanner`) are built at the first snapshot and reused
-    while they fit. One snapshot at a time: :meth:`stage`, then :meth:`write` (in any thread), whose files are valid
-    until the next :meth:`stage`."""
+    (:class:`_MemoryWriter`) are built at the first snapshot and reused while they fit. One snapshot at a time:
+    :meth:`stage`, then :meth:`write` (in any thread), whose files are valid until the next :meth:`write`. (DCP's plan
+    cache is not used: it is kept per process and class and does not compare dtypes.)"""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
         self.state = LiveState(model, optimizer, scheduler)
         self.writer = _MemoryWriter()
+        self._staged_for = 0  # the state dict's build the writer's staging buffers were made for
 
     def stage(self) -> dict[str, Any]:
         """The training's state as of now, copied to host memory (what the step waits for)."""
-        return self.writer.stage(self.state())
+        state = self.state()
+        if self.state.builds != self._staged_for:  # tensors replaced (maybe reshaped): new staging buffers
+            self.writer.forget_buffers()
+            self._staged_for = self.state.builds
+        return self.writer.stage(state)
 
     def write(self, staged: dict[str, Any], *, process_group: Any) -> dict[str, bytes]:
         """Write ``staged`` as DCP does, into memory (a collective on ``process_group``, a gloo group of its own; None
         without a process group): this rank's files, ``{name: bytes}``."""
         fs = self.writer.fs = MemoryFileSystem()  # type: ignore[assignment]
-        save_state(staged, self.writer, planner=_SnapshotPlanner(), process_group=process_group)
+        save_state(staged, self.writer, process_group=process_group)
         return dict(fs.files)
 
 
@@ -397,8 +373,9 @@ class SnapshotStore:
             self._sealed = None
 
     def drop(self, step: int, generation: int = 0) -> None:
-        """Free snapshot ``step`` (one that will never complete: a rank failed to write it)."""
-        if self._stale(generation):
+        """Free snapshot ``step`` (one that will never complete: a rank failed to write it). A sealed one is kept: it
+        was complete when sealed, and the seal freed every older one (only a rewind forgets it)."""
+        if self._stale(generation) or step == self._sealed:
             return
         self._files.pop(step, None)
         self._manifests.pop(step, None)

@@ -353,7 +353,7 @@ class CheckpointConfig(Section):
         le=10**12,
         description="in-memory snapshots every N steps (raytrn.checkpoint.memory): each rank's shards in host memory "
         "on its node and on memory_replicas other nodes; a restart resumes from the newest complete one when it is "
-        "newer than the newest checkpoint; written in the background while the next step trains. 0: off (the default "
+        "at least as new as the newest checkpoint; written in the background while the next step trains. 0: off (the default "
         "for now: docs/elasticity.md); null: every step while the worker group spans more than one node",
     )
     memory_replicas: int = Field(

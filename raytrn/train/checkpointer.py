@@ -1,7 +1,7 @@
 """The loop's checkpoint component: where a worker group starts from, and when and how it saves.
 
 - :meth:`Checkpointer.find` (a collective, before anything is built): the newest complete in-memory snapshot when
-  it is newer than every committed checkpoint (none of whose files is then read), else the newest committed
+  it is at least as new as every committed checkpoint (none of whose files is then read), else the newest committed
   checkpoint whose files check out (:func:`raytrn.checkpoint.finder.resume_point`), or, for the frozen XLA path's
   formats, Ray Train's latest; its counters tell the data feed where to start.
 - :meth:`Checkpointer.restore`: that state into the built training (or ``model.init_from``'s weights for a new run,
@@ -92,10 +92,10 @@ class Checkpointer:
         the data feed starts where its counters say while the model builds)."""
         if self.backend.committed_checkpoints:
             snapshot = self.memory.newest() if self.memory is not None else None  # a collective
-            # A collective too; behind a newer snapshot only the newest checkpoint's manifest is read, no file of it.
-            newer_than = snapshot.step if snapshot is not None else None
-            resume = resume_point(self.job, rank=self.rank, world_size=self.world_size, newer_than=newer_than)
-            if snapshot is not None and (resume is None or snapshot.step > resume.commit.step):
+            # A collective too; behind a snapshot at least as new only the newest checkpoint's manifest is read.
+            step = snapshot.step if snapshot is not None else None
+            resume = resume_point(self.job, rank=self.rank, world_size=self.world_size, snapshot=step)
+            if snapshot is not None and (resume is None or snapshot.step >= resume.commit.step):  # (memory is faster)
                 start = Start(progress=replace(snapshot.progress), resume=resume, snapshot=snapshot)
             elif resume is not None:
                 start = Start(progress=replace(resume.commit.progress), resume=resume)
@@ -191,13 +191,13 @@ class Checkpointer:
         preempted = notice is not None and not last
         durable = self.due(progress.step, last=last) or preempted
         synchronous = last or preempted or not self.job.checkpoint.async_
-        memory = self.memory is not None and self.memory.due(progress.step, durable=durable and synchronous)
+        memory = self.memory is not None and self.memory.due(progress.step, final=last or preempted)
         if not (durable or memory):
             return
         cost = self.cost_usd()
         if cost is not None:
             progress.cost_usd = cost
-        if memory:  # (an asynchronous checkpoint is resumable only once written: the snapshot covers its step)
+        if memory:  # staged before a durable save, written beside it
             self.memory.save(t, progress)  # type: ignore[union-attr]
         if not durable:
             return
@@ -207,6 +207,8 @@ class Checkpointer:
         # Synchronous at the end and on a notice: the checkpoint must exist before the group goes.
         for saved in t.checkpoints.save(t, progress, self.schedule, report, final=last or preempted):
             self._report(saved, deleted)  # every worker (Ray Train counts the reports)
+        if memory and synchronous:  # the same step's snapshot, written beside the save: complete too, now (a restart
+            self.memory.written()  # type: ignore[union-attr]  # from here reads the state from memory, not storage)
         if preempted:
             self._stop(notice, progress.step)
 

@@ -1,10 +1,11 @@
 """The loop's in-memory snapshots (``checkpoint.memory_every_n_steps``; the tier: :mod:`raytrn.checkpoint.memory`).
 
-Every N steps each rank stages its state to host memory (the step waits for that copy only) and a background
-thread writes its DCP shards into bytes and puts them on its node's store and on ``checkpoint.memory_replicas``
-other nodes' (ring placement). After the next step, before it is logged, each rank waits for its write (only when
-the write took longer than that step), every rank's copies are agreed on (a collective), rank 0 adds the manifest
-(step, world size, the counters) next to its files and the stores free the older snapshots. A restart
+Every N steps each rank stages its state to host memory (the step waits for that copy only) and its snapshot thread
+writes its DCP shards into bytes and puts them on its node's store and on ``checkpoint.memory_replicas`` other
+nodes' (ring placement); the threads then agree that every rank's copies are kept (on a process group of their
+own), rank 0's adds the manifest (step, world size, the counters) next to its files and seals it, and the stores
+free the older snapshots. After the next step, before it is logged, each rank waits for its thread (only when it
+took longer than that step) and the ranks agree on the outcome (one collective). A restart
 (:meth:`raytrn.train.checkpointer.Checkpointer.find`) resumes from the newest complete snapshot still held on live
 nodes when it is newer than the newest committed checkpoint: no read from the checkpoint storage, at most one
 step trained again with a snapshot every step, resharded like a durable checkpoint to whatever size the group
@@ -54,8 +55,7 @@ class _Writing:
     started: float
     generation: int = 0  # the worker group's (MemorySnapshots.generation), sent with every change to the stores
     done: threading.Event = field(default_factory=threading.Event)
-    reason: str | None = None  # why this snapshot is not complete: the group's agreement (set by the thread)
-    stuck: bool = False  # the thread did not end in time (it may still be in the group's collectives)
+    reason: str | None = None  # why this snapshot is not complete: the threads' agreement (set by the thread only)
     held: dict[str, int] = field(default_factory=dict)  # rank 0: what each store holds once it is sealed
     staged_s: float = 0.0  # how long the step waited for its staging (and the agreement that every rank staged)
 
@@ -191,10 +191,11 @@ class MemorySnapshots:
         }
 
     # -- saving ----------------------------------------------------------------------------------------------
-    def due(self, step: int, *, durable: bool) -> bool:
-        """A snapshot step: every ``memory_every_n_steps``, except where the loop saves a durable checkpoint
-        synchronously (``durable``; an asynchronous one is resumable only once written: the snapshot covers it)."""
-        return self.taking and not durable and self.every is not None and step % self.every == 0
+    def due(self, step: int, *, final: bool) -> bool:
+        """A snapshot step: every ``memory_every_n_steps``, checkpoint steps too (a restart prefers a snapshot at the
+        newest checkpoint's step: the same state, read from memory), except the group's ``final`` step (the run's
+        end, a preemption notice: its checkpoint is synchronous, and no snapshot outlives the group)."""
+        return self.taking and not final and self.every is not None and step % self.every == 0
 
     def written(self, timeout_s: float = 300.0) -> bool:
         """After every step, before it is logged: the snapshot being written (the previous step's, when there is
@@ -204,10 +205,8 @@ class MemorySnapshots:
         if writing is None:
             return False
         waited = time.perf_counter()
-        if not writing.done.wait(timeout_s):  # its thread may still be in the group's collectives: the last one
-            writing.reason = f"snapshot {writing.progress.step}: not written within {timeout_s:.0f} s"
-            writing.stuck = True
-        complete = self._complete()
+        stuck = not writing.done.wait(timeout_s)  # its thread may still be in the group's collectives: the last one
+        complete = self._complete(stuck, timeout_s)
         self.blocked_s = writing.staged_s + time.perf_counter() - waited
         return complete
 
@@ -224,7 +223,7 @@ class MemorySnapshots:
             if self._snapshotter is None:  # (the group's training: built once, before its first snapshot)
                 self._snapshotter = Snapshotter(t.model, t.optimizer, t.scheduler)
             staged = self._snapshotter.stage()
-        except Exception as e:  # host memory: the other ranks' writes now wait for this rank's on the group
+        except Exception as e:  # host memory: no rank's thread may start this snapshot's collectives
             failed = f"snapshot {progress.step}: not staged on rank {self.rank} ({type(e).__name__}: {e})"
         if any(why := agree.gather(failed)):  # a collective: whether every rank's write can go on
             self._stop(next(w for w in why if w))
@@ -259,6 +258,7 @@ class MemorySnapshots:
                 (writing.reason,) = agree.broadcast([next((r for r in reasons if r), None)], group=self._group)
             except Exception as e:  # a rank gone mid-agreement: the restart decides
                 writing.reason = writing.reason or f"snapshot {step}: not agreed ({type(e).__name__}: {e})"
+            del staged  # (its buffers are the writer's; nothing of this snapshot is held while the thread waits)
             writing.done.set()
 
     def _seal(self, writing: _Writing) -> str | None:
@@ -295,15 +295,17 @@ class MemorySnapshots:
                 "checkpoints stay, and the group's next restart takes snapshots again", why,
             )  # fmt: skip
 
-    def _complete(self) -> bool:
-        """Agree on the written snapshot (a collective): complete when every rank's thread says so (the manifest
-        and the seal are done then); else it is dropped with one warning per kind of failure."""
+    def _complete(self, stuck: bool, timeout_s: float) -> bool:
+        """Agree on the written snapshot (a collective): complete when every rank's thread ended saying so (the
+        manifest and the seal are done then). A thread that has not ended (``stuck``) stops the group's snapshots;
+        one that ended without agreement drops the snapshot (never sealed then), with one warning per kind of
+        failure."""
         writing, self._writing = self._writing, None
         if writing is None:
             return False
         progress = writing.progress
-        results = agree.gather((writing.reason, writing.stuck))
-        reasons = [why for why, _ in results]
+        late = f"snapshot {progress.step}: not written within {timeout_s:.0f} s"
+        reasons = agree.gather(late if stuck else writing.reason)  # (a thread still going may change its reason)
         if not any(reasons):
             if self.rank == 0:
                 self.held = writing.held
@@ -312,11 +314,11 @@ class MemorySnapshots:
                 )
             return True
         why = next(r for r in reasons if r)
-        for handle in self.ring.values():
-            handle.drop.remote(progress.step, writing.generation)
-        if any(stuck for _, stuck in results):
+        if late in reasons:  # (a thread still going may yet seal it: then complete and usable, so not dropped)
             self._stop(why)
             return False
+        for handle in self.ring.values():
+            handle.drop.remote(progress.step, writing.generation)
         kind = re.sub(r"\d+(\.\d+)?", "N", why)  # one warning per kind of failure, not per step
         if self.rank == 0 and kind not in self._warned:
             self._warned.add(kind)

@@ -135,20 +135,21 @@ def test_a_corrupt_checkpoint_is_skipped_with_a_warning_naming_the_file(tmp_path
     assert "__0_0.distcp: 100 bytes, the manifest says" in caplog.text
 
 
-def test_behind_a_newer_snapshot_only_the_newest_manifest_is_read(tmp_path: Path) -> None:
-    """A group that restores an in-memory snapshot newer than every committed checkpoint reads no checkpoint
-    file: the newest checkpoint is named (its manifest read), not hashed; a snapshot no newer than it hashes it."""
+def test_behind_a_snapshot_at_least_as_new_only_the_newest_manifest_is_read(tmp_path: Path) -> None:
+    """A group that restores an in-memory snapshot at least as new as every committed checkpoint reads no checkpoint
+    file: the newest checkpoint is named (its manifest read), not hashed; an older snapshot hashes it."""
     j, _, _ = _two_saves_the_newest_bit_flipped(tmp_path)
     assert resume_point(j, rank=0, world_size=1).commit.step == 2  # read, hashed, skipped
-    assert resume_point(j, rank=0, world_size=1, newer_than=5).commit.step == 4  # never read
-    assert resume_point(j, rank=0, world_size=1, newer_than=4).commit.step == 2  # not older: checked as before
+    assert resume_point(j, rank=0, world_size=1, snapshot=5).commit.step == 4  # never read
+    assert resume_point(j, rank=0, world_size=1, snapshot=4).commit.step == 4  # the same step: memory's, not read
+    assert resume_point(j, rank=0, world_size=1, snapshot=3).commit.step == 2  # older: checked as before
     (root(j) / "step_00000002" / "__0_0.distcp").write_bytes(b"x")
     (root(j) / "step_00000004" / "__0_0.distcp").write_bytes(b"x")
-    for newer_than in (None, 1, 5):  # every checkpoint bad: never a silent step back, to a snapshot either
+    for snapshot in (None, 1, 5):  # every checkpoint bad: never a silent step back, to a snapshot either
         with pytest.raises(CheckpointError):
-            resume_point(j, rank=0, world_size=1, newer_than=newer_than)
+            resume_point(j, rank=0, world_size=1, snapshot=snapshot)
     fresh = job(tmp_path / "fresh")
-    assert resume_point(fresh, rank=0, world_size=1, newer_than=5) is None  # none committed yet: the snapshot
+    assert resume_point(fresh, rank=0, world_size=1, snapshot=5) is None  # none committed yet: the snapshot
 
 
 def test_a_manifest_that_does_not_match_its_files_is_skipped(tmp_path: Path, caplog) -> None:

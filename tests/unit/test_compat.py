@@ -169,6 +169,22 @@ def test_simulator_nodes_each_unpack_runtime_envs_into_their_own_directory(monke
     assert "ray._private.parameter.RayParams(" in source and f'"{compat.FAKE_NODE_ID_ENV}"' in source
 
 
+def test_dcp_stage_copies_into_kept_host_buffers_until_the_structure_changes() -> None:
+    import torch
+
+    state = {"w": torch.arange(4.0), "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}], "step": 3}
+    staged, host = compat.dcp_stage(state, None)
+    assert torch.equal(staged["w"], state["w"]) and staged["w"].data_ptr() != state["w"].data_ptr()
+    state["w"].add_(1)
+    state["groups"][0]["lr"] = 0.2
+    again, kept = compat.dcp_stage(state, host)
+    assert kept is host and again["w"].data_ptr() == staged["w"].data_ptr()  # the same buffer, copied into
+    assert torch.equal(again["w"], torch.arange(4.0) + 1) and again["groups"][0]["lr"] == 0.2 and again["step"] == 3
+    state["bias"] = torch.zeros(2)  # another structure: new buffers
+    moved, other = compat.dcp_stage(state, host)
+    assert other is not host and torch.equal(moved["bias"], torch.zeros(2)) and torch.equal(moved["w"], state["w"])
+
+
 def test_dcp_storage_info_is_what_dcps_file_reader_reads() -> None:
     info = compat.dcp_storage_info("__0_0.raw", 12, 34)
     assert (info.relative_path, info.offset, info.length) == ("__0_0.raw", 12, 34)

@@ -113,7 +113,10 @@ def test_the_live_state_is_the_training_state_after_every_step_and_is_rebuilt_wh
 
 def test_repeated_snapshots_reuse_their_buffers_and_each_restores_its_own_step(tmp_path: Path) -> None:
     """One :class:`memory.Snapshotter` for every snapshot of a training (staging and file buffers, plain values'
-    archives, DCP's plan reused): each snapshot, copied out before the next, restores exactly its own step."""
+    archives reused; new ones after a restore's new tensors): each snapshot, copied out before the next, restores
+    exactly its own step."""
+    import copy
+
     j = job(tmp_path)
     t = trained(j)
     snapshotter = memory.Snapshotter(t.model, t.optimizer, t.scheduler)
@@ -125,6 +128,12 @@ def test_repeated_snapshots_reuse_their_buffers_and_each_restores_its_own_step(t
             train_step(t, _batches(seed, 1), CpuBackend())
     assert snapshotter.state.builds == 1
     assert len({repr(scheduler) for *_, scheduler in taken}) == 3  # the schedule moved between the snapshots
+    buffers = snapshotter.writer._host
+    t.optimizer.load_state_dict(copy.deepcopy(t.optimizer.state_dict()))  # new moment tensors, as a restore makes
+    train_step(t, _batches(7, 1), CpuBackend())
+    files = snapshotter.write(snapshotter.stage(), process_group=None)
+    taken.append(({n: bytes(b) for n, b in files.items()}, _params(t), _moments(t), t.scheduler.state_dict()))
+    assert snapshotter.state.builds == 2 and snapshotter.writer._host is not buffers  # staged anew
     for files, params, moments, scheduler in taken:
         fresh = build_training(j, CpuBackend(), world_size=1)
         memory.load_from_memory(files.__getitem__, fresh.model, fresh.optimizer, fresh.scheduler)
@@ -229,6 +238,8 @@ def test_sealing_a_snapshot_frees_the_older_ones_and_refuses_writes_to_them() ->
     store.drop(6)
     assert sorted(store.holdings()) == [5] and store.nbytes == 100
     assert store.read(5, "no-such-file") is None
+    store.drop(5)  # a sealed snapshot was complete, and the seal freed the older ones: never dropped
+    assert sorted(store.holdings()) == [5] and store.holdings()[5].manifest is not None
 
 
 # -- placement and choice ------------------------------------------------------------------------------------
@@ -413,22 +424,25 @@ def test_a_snapshot_that_cannot_be_staged_stops_the_groups_snapshots_with_one_wa
     monkeypatch.setattr(memory._MemoryWriter, "stage", no_memory)  # the staging copy itself
     with caplog.at_level("WARNING", logger="raytrn.train.snapshots"):
         snaps.save(t, Progress(step=3))
-    assert not snaps.taking and not snaps.due(4, durable=False) and snaps._writing is None
+    assert not snaps.taking and not snaps.due(4, final=False) and snaps._writing is None
     [warning] = [r.getMessage() for r in caplog.records if r.name == "raytrn.train.snapshots"]
     assert "in-memory snapshots stop for this worker group: snapshot 3: not staged on rank 0 (MemoryError: host " \
            "memory)" in warning  # fmt: skip
 
 
 def test_a_write_that_does_not_end_in_time_stops_the_groups_snapshots(tmp_path, caplog) -> None:
-    """A background write still going after the bound (its thread may still be in the group's collectives): the
-    snapshot is dropped and no other write is started on that group."""
+    """A snapshot thread still going after the bound (it may still be in the group's collectives): the snapshot does
+    not count and no other write is started on that group, even when the thread then ends saying it is complete."""
     from raytrn.checkpoint.progress import Progress
     from raytrn.train.snapshots import _Writing
 
     snaps = _taking(tmp_path)
-    snaps._writing = _Writing(Progress(step=5), 0.0)  # its thread never sets done
+    writing = snaps._writing = _Writing(Progress(step=5), 0.0)  # its thread never sets done
     with caplog.at_level("WARNING", logger="raytrn.train.snapshots"):
         assert snaps.written(timeout_s=0.05) is False
+    writing.reason = None  # the thread's late answer changes nothing
+    writing.done.set()
+    assert snaps.written() is False and not snaps.due(6, final=False)
     assert not snaps.taking and snaps._writing is None
     messages = [r.getMessage() for r in caplog.records]
     assert any("stop for this worker group: snapshot 5: not written within 0 s" in m for m in messages), messages
