@@ -117,9 +117,12 @@ def test_killed_worker_resumes_and_history_has_each_step_once(ray_session, tiny_
     restored = restart_step - 1
     assert run.data.tags["raytrn.restore_source"] == f"storage:step_{restored}"
     # The killed group's last logged step: every step the restarted group trains again was logged by the killed one
-    # (never twice), so the killed group's are those logged before the restarted group's first step was.
-    loss = client.get_metric_history(summary.mlflow_run_id, "loss")
-    killed_last = max(m.step for m in loss if m.timestamp <= restart.timestamp)
+    # (never twice), so the killed group's last is the one before the restart's gap in time (the largest between two
+    # steps' losses). (Not "logged before restart_to_first_step_s": killed right at its checkpoint, the restarted
+    # group's first loss can come before that metric, and the step looked trained twice.)
+    loss = sorted(client.get_metric_history(summary.mlflow_run_id, "loss"), key=lambda m: m.step)
+    gap = max(range(1, len(loss)), key=lambda i: loss[i].timestamp - loss[i - 1].timestamp)
+    killed_last = loss[gap - 1].step
     assert killed_last >= 28
     [retrained] = client.get_metric_history(summary.mlflow_run_id, "steps_retrained")
     assert (retrained.step, retrained.value) == (restored, killed_last - restored)
