@@ -10,7 +10,7 @@ memory against the checkpoint storage, and what a snapshot every step costs the 
   slower.
 
 The snapshot's staging, its DCP write into bytes and its copies to the stores are
-:func:`raytrn.checkpoint.memory.stage_to_memory` and :func:`raytrn.checkpoint.memory.publish`, as the loop runs them.
+:func:`raytrn.checkpoint.memfiles.stage_to_memory` and :func:`raytrn.checkpoint.memory.publish`, as the loop runs them.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def child_main(args: argparse.Namespace) -> None:
     import torch
 
     from bench.checkpoint import _training_state
-    from raytrn.checkpoint import dcp, memory
+    from raytrn.checkpoint import dcp, memfiles, memory
     from raytrn.checkpoint.rundir import RunDir
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
@@ -61,7 +61,7 @@ def child_main(args: argparse.Namespace) -> None:
         tier = memory.MemoryTier("bench", capacity_bytes=16 * 2**30)
         try:
             stores = tier.ensure(["peer"], pin=False)  # a store actor: another process, as a peer node's is
-            future, files = memory.stage_to_memory(dcp.training_state(model, opt, sched), process_group=None)
+            future, files = memfiles.stage_to_memory(dcp.training_state(model, opt, sched), process_group=None)
             future.result()
             snapshot = files()
             nbytes = sum(len(b) for b in snapshot.values())
@@ -73,7 +73,7 @@ def child_main(args: argparse.Namespace) -> None:
             s3 = RunDir("s3://bench/raytrn", "memory").dcp_step(1)
             dcp.save(dcp.training_state(model, opt, sched), s3)
             sources = [
-                ("memory_s", lambda: memory.load_from_memory(
+                ("memory_s", lambda: memfiles.load_from_memory(
                     memory.fetcher(stores, 1), fresh_model, fresh_opt, fresh_sched)),
                 ("disk_s", lambda: dcp.load(disk, fresh_model, fresh_opt, fresh_sched, source="bench")),
                 ("s3_s", lambda: dcp.load(s3, fresh_model, fresh_opt, fresh_sched, source="bench")),

@@ -355,7 +355,7 @@ def save(state: dict[str, Any], location: str) -> dict[str, tuple[int, str]]:
 
 
 def save_state(state: dict[str, Any], writer: Any, *, process_group: Any = None) -> None:
-    """Write ``state`` through any DCP storage writer (a directory's, or memory's: :mod:`raytrn.checkpoint.memory`),
+    """Write ``state`` through any DCP storage writer (a directory's, or memory's: :mod:`raytrn.checkpoint.memfiles`),
     its collectives on ``process_group`` (the default group when None)."""
     dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist())
 

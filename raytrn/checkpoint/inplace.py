@@ -148,19 +148,14 @@ def tensor_in_place(blob: memoryview) -> torch.Tensor | None:
     return flat.as_strided(rebuilt.size, rebuilt.stride, rebuilt.offset)
 
 
-#: The suffix of a file whose tensor items are raw bytes (:func:`raw_bytes`), not ``torch.save`` archives: the memory
-#: tier's (:mod:`raytrn.checkpoint.memory`). Their dtype and size are the checkpoint metadata's.
+#: The suffix of a file whose tensor items are raw bytes (:func:`raw_tensor`), not ``torch.save`` archives: the memory
+#: tier's (:mod:`raytrn.checkpoint.memfiles`). Their dtype and size are the checkpoint metadata's.
 RAW_SUFFIX = ".raw"
 
 
-def raw_bytes(tensor: torch.Tensor) -> memoryview:
-    """A CPU tensor's elements as bytes, in row-major order (a view where it is contiguous already)."""
-    return memoryview(raw_tensor(tensor).numpy().data)
-
-
 def raw_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """:func:`raw_bytes` as a flat uint8 tensor (a view where it is contiguous already): copied by torch, without
-    Python's lock."""
+    """A CPU tensor's elements as bytes, in row-major order, as a flat uint8 tensor (a view where it is contiguous
+    already): copied into a file by torch, without Python's lock."""
     t = tensor.detach().resolve_conj().resolve_neg().contiguous()
     return t.reshape(-1).view(torch.uint8)
 

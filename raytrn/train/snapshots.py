@@ -29,7 +29,8 @@ from typing import Any
 import torch.distributed as dist
 
 from raytrn.checkpoint import agree
-from raytrn.checkpoint.memory import Snapshotter, fetcher, load_from_memory, publish
+from raytrn.checkpoint.memfiles import Snapshotter, load_from_memory
+from raytrn.checkpoint.memory import fetcher, publish
 from raytrn.checkpoint.progress import Progress
 from raytrn.config import JobSpec
 from raytrn.tracking.system import node_label

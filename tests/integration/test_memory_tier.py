@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from raytrn.backends.cpu import CpuBackend
-from raytrn.checkpoint import memory
+from raytrn.checkpoint import memfiles, memory
 from raytrn.checkpoint.memory import MemoryTier, publish
 from raytrn.train.build import build_training
 from tests.unit.test_dcp import job, trained
@@ -46,7 +46,7 @@ def test_a_snapshot_survives_its_nodes_store_and_restores_exactly_from_the_repli
         assert choice.step == 2 and choice.manifest == manifest, choice
         fresh = build_training(j, CpuBackend(), world_size=1)
         live = {n: h for n, h in stores.items() if n != "a"}
-        memory.load_from_memory(memory.fetcher(live, 2), fresh.model, fresh.optimizer, fresh.scheduler)
+        memfiles.load_from_memory(memory.fetcher(live, 2), fresh.model, fresh.optimizer, fresh.scheduler)
         for (name, a), b in zip(t.model.named_parameters(), fresh.model.parameters(), strict=True):
             assert torch.equal(a, b), name
         # Every store is gone with the lost node's: nothing to restore from, and the reason is given.

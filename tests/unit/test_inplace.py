@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from raytrn.checkpoint import inplace, memory
+from raytrn.checkpoint import inplace, memfiles
 from raytrn.checkpoint.inplace import tensor_in_place
 
 pytestmark = pytest.mark.unit
@@ -85,7 +85,7 @@ def test_a_restore_from_memory_reads_every_tensor_in_place(tmp_path: Path, monke
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a) or real_load(*a, **k))
     fresh = build_training(j, CpuBackend(), world_size=1)
-    memory.load_from_memory(lambda name: files[name], fresh.model, fresh.optimizer, fresh.scheduler)
+    memfiles.load_from_memory(lambda name: files[name], fresh.model, fresh.optimizer, fresh.scheduler)
     assert len(in_place) >= 2 * len(list(t.model.parameters()))  # weights and both moments
     assert all(isinstance(a[0], io.BytesIO) for a in loads)  # torch.load saw only the byte items (schedule, RNG)
     for (name, a), b in zip(t.model.named_parameters(), fresh.model.parameters(), strict=True):
@@ -163,7 +163,7 @@ def test_a_raw_snapshot_item_round_trips_exactly_as_a_view(tensor: torch.Tensor)
     (from the checkpoint's metadata) as a view of the stored bytes."""
     from types import SimpleNamespace
 
-    stored = bytes(inplace.raw_bytes(tensor))
+    stored = inplace.raw_tensor(tensor).numpy().tobytes()
     assert len(stored) == tensor.numel() * tensor.element_size()
     blob = memoryview(np.frombuffer(stored, dtype=np.uint8))  # read-only, as Ray's object store hands files back
     reader = inplace.InPlaceReader("unused")
@@ -183,7 +183,7 @@ def test_every_raw_item_of_a_snapshot_file_starts_64_byte_aligned(tmp_path: Path
     from tests.unit.test_memory_tier import snapshot_files
 
     files = snapshot_files(trained(job(tmp_path)))
-    reader = memory._MemoryReader(memory.MemoryFileSystem(fetch=lambda name: files[name]))
+    reader = memfiles._MemoryReader(memfiles.MemoryFileSystem(fetch=lambda name: files[name]))
     metadata = reader.read_metadata()
     raw = [info for info in metadata.storage_data.values() if info.relative_path.endswith(inplace.RAW_SUFFIX)]
     assert raw and all(info.offset % 64 == 0 for info in raw)

@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from raytrn.backends.cpu import CpuBackend
-from raytrn.checkpoint import dcp, memory
+from raytrn.checkpoint import dcp, memfiles
 from raytrn.checkpoint.memory import Holding, SnapshotStore, newest_restorable, replica_nodes
 from raytrn.errors import CheckpointError
 from raytrn.train.build import build_training
@@ -42,7 +42,7 @@ def _batches(seed: int, steps: int = 2) -> Any:
 
 def snapshot_files(t: Any) -> dict[str, bytes]:
     """This rank's files of a snapshot of ``t`` (one process), written in the background and waited for."""
-    future, files = memory.stage_to_memory(dcp.training_state(t.model, t.optimizer, t.scheduler), process_group=None)
+    future, files = memfiles.stage_to_memory(dcp.training_state(t.model, t.optimizer, t.scheduler), process_group=None)
     future.result()
     return files()
 
@@ -58,7 +58,7 @@ def test_a_snapshot_in_memory_restores_weights_moments_schedule_and_rng_exactly(
 
     fresh = build_training(j, CpuBackend(), world_size=1)
     asked: list[str] = []
-    memory.load_from_memory(lambda name: asked.append(name) or files[name], fresh.model, fresh.optimizer,
+    memfiles.load_from_memory(lambda name: asked.append(name) or files[name], fresh.model, fresh.optimizer,
                             fresh.scheduler)  # fmt: skip
     assert sorted(set(asked)) == [".metadata", "__0_0.raw"]
     assert torch.equal(torch.get_rng_state(), rng)
@@ -112,14 +112,14 @@ def test_the_live_state_is_the_training_state_after_every_step_and_is_rebuilt_wh
 
 
 def test_repeated_snapshots_reuse_their_buffers_and_each_restores_its_own_step(tmp_path: Path) -> None:
-    """One :class:`memory.Snapshotter` for every snapshot of a training (staging and file buffers, plain values'
+    """One :class:`memfiles.Snapshotter` for every snapshot of a training (staging and file buffers, plain values'
     archives reused; new ones after a restore's new tensors): each snapshot, copied out before the next, restores
     exactly its own step."""
     import copy
 
     j = job(tmp_path)
     t = trained(j)
-    snapshotter = memory.Snapshotter(t.model, t.optimizer, t.scheduler)
+    snapshotter = memfiles.Snapshotter(t.model, t.optimizer, t.scheduler)
     taken = []
     for seed in (5, 6, None):
         files = snapshotter.write(snapshotter.stage(), process_group=None)
@@ -136,7 +136,7 @@ def test_repeated_snapshots_reuse_their_buffers_and_each_restores_its_own_step(t
     assert snapshotter.state.builds == 2 and snapshotter.writer._host is not buffers  # staged anew
     for files, params, moments, scheduler in taken:
         fresh = build_training(j, CpuBackend(), world_size=1)
-        memory.load_from_memory(files.__getitem__, fresh.model, fresh.optimizer, fresh.scheduler)
+        memfiles.load_from_memory(files.__getitem__, fresh.model, fresh.optimizer, fresh.scheduler)
         assert all(torch.equal(_params(fresh)[n], v) for n, v in params.items())
         assert all(torch.equal(a, b) for a, b in zip(moments, _moments(fresh), strict=True))
         assert fresh.scheduler.state_dict() == scheduler
@@ -150,7 +150,7 @@ def test_a_file_missing_from_memory_fails_the_restore_naming_it(tmp_path: Path) 
     del files["__0_0.raw"]
     fresh = build_training(j, CpuBackend(), world_size=1)
     with pytest.raises(CheckpointError, match=r"file\(s\) __0_0.raw not held by any live node"):
-        memory.load_from_memory(lambda name: files[name], fresh.model, fresh.optimizer, fresh.scheduler)
+        memfiles.load_from_memory(lambda name: files[name], fresh.model, fresh.optimizer, fresh.scheduler)
 
 
 def _free_port() -> int:
@@ -168,7 +168,7 @@ def _fsdp_rank(rank: int, world: int, port: int, tmp: str, out: dict) -> None:
         j = job(Path(tmp), "parallel.data_parallel=fsdp")
         t = build_training(j, CpuBackend(), world_size=world)
         group = dist.new_group(backend="gloo")
-        snapshotter = memory.Snapshotter(t.model, t.optimizer, t.scheduler)
+        snapshotter = memfiles.Snapshotter(t.model, t.optimizer, t.scheduler)
         for batch in _batches(0, 2):  # the same global batches on both ranks: a deterministic state
             train_step(t, iter([batch]), CpuBackend())
             if t.scheduler.state_dict()["last_epoch"] == 1:  # a snapshot of step 1, whose buffers step 2's reuses
@@ -203,7 +203,7 @@ def test_a_two_rank_fsdp_snapshot_reshards_into_one_process(tmp_path: Path) -> N
     held = {**ranks[0]["files"], **ranks[1]["files"]}
     one = build_training(job(tmp_path), CpuBackend(), world_size=1)
     read: list[str] = []
-    memory.load_from_memory(lambda name: read.append(name) or held[name], one.model, one.optimizer, one.scheduler)
+    memfiles.load_from_memory(lambda name: read.append(name) or held[name], one.model, one.optimizer, one.scheduler)
     assert sorted(set(read)) == [".metadata", "__0_0.raw", "__1_0.raw"]
     for name, value in ranks[0]["params"].items():
         assert torch.equal(_params(one)[name], value), name
@@ -352,7 +352,7 @@ def test_a_snapshot_read_in_place_restores_exactly(tmp_path: Path) -> None:
     for a in held.values():
         assert not a.flags.writeable  # as ray.get hands them back
     fresh = build_training(j, CpuBackend(), world_size=1)
-    memory.load_from_memory(lambda name: memoryview(held[name]), fresh.model, fresh.optimizer, fresh.scheduler)
+    memfiles.load_from_memory(lambda name: memoryview(held[name]), fresh.model, fresh.optimizer, fresh.scheduler)
     for (name, a), b in zip(t.model.named_parameters(), fresh.model.parameters(), strict=True):
         assert torch.equal(a, b), name
     moments = [s["exp_avg"] for s in t.optimizer.state.values()]
@@ -421,7 +421,7 @@ def test_a_snapshot_that_cannot_be_staged_stops_the_groups_snapshots_with_one_wa
     def no_memory(*args: Any, **kwargs: Any) -> Any:
         raise MemoryError("host memory")
 
-    monkeypatch.setattr(memory._MemoryWriter, "stage", no_memory)  # the staging copy itself
+    monkeypatch.setattr(memfiles._MemoryWriter, "stage", no_memory)  # the staging copy itself
     with caplog.at_level("WARNING", logger="raytrn.train.snapshots"):
         snaps.save(t, Progress(step=3))
     assert not snaps.taking and not snaps.due(4, final=False) and snaps._writing is None
