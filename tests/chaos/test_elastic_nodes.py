@@ -115,7 +115,9 @@ def test_a_lost_node_costs_at_most_one_step_with_the_memory_tier(tiny_dataset, t
     assert remove["storage_reads"] == [], remove  # no checkpoint yet: a listing, nothing read
     newest = grown["step"] // 50 * 50  # the checkpoint of step 50 when the group grew back after it (as here)
     read = [f"ckpt/elastic/dcp/step_{newest:08d}/commit.json"] if newest else []  # its manifest, nothing else
-    assert add["storage_reads"] == read, (grown, add)
+    # A restart at the checkpoint's own step may come before that checkpoint committed: then there is none to read.
+    allowed = [read, []] if grown["step"] == newest else [read]
+    assert add["storage_reads"] in allowed, (grown, add)
     assert [r["resumed_from"] for r in result["resumes"]] == [f"memory:step_{lost['step']}",
                                                               f"memory:step_{grown['step']}"], result  # fmt: skip
     assert [g["dp"] for g in result["groups"]] == [3, 2, 3], result["groups"]
