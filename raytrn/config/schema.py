@@ -351,7 +351,7 @@ class CheckpointConfig(Section):
         0,
         ge=0,
         le=10**12,
-        description="in-memory snapshots every N steps (raytrn.checkpoint.memory): each rank's shards in host memory "
+        description="in-memory snapshots every N steps and at each checkpoint (raytrn.checkpoint.memory): each rank's shards in host memory "
         "on its node and on memory_replicas other nodes; a restart resumes from the newest complete one when it is "
         "at least as new as the newest checkpoint; written in the background while the next step trains. 0: off (the default "
         "for now: docs/elasticity.md); null: every step while the worker group spans more than one node",

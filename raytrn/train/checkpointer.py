@@ -191,7 +191,7 @@ class Checkpointer:
         preempted = notice is not None and not last
         durable = self.due(progress.step, last=last) or preempted
         synchronous = last or preempted or not self.job.checkpoint.async_
-        memory = self.memory is not None and self.memory.due(progress.step, final=last or preempted)
+        memory = self.memory is not None and self.memory.due(progress.step, final=last or preempted, checkpoint=durable)
         if not (durable or memory):
             return
         cost = self.cost_usd()

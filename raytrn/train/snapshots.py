@@ -192,12 +192,12 @@ class MemorySnapshots:
         }
 
     # -- saving ----------------------------------------------------------------------------------------------
-    def due(self, step: int, *, final: bool) -> bool:
-        """A snapshot step: every ``memory_every_n_steps``, a checkpoint's step among them too (a restart prefers a
-        snapshot at the newest checkpoint's step: the same state, read from memory), except the group's ``final``
-        step (the run's end, a preemption notice: its checkpoint is synchronous, and no snapshot outlives the
-        group)."""
-        return self.taking and not final and self.every is not None and step % self.every == 0
+    def due(self, step: int, *, final: bool, checkpoint: bool = False) -> bool:
+        """A snapshot step: every ``memory_every_n_steps``, and every ``checkpoint`` step while snapshots are taken
+        (a restart prefers a snapshot at the newest checkpoint's step: the same state, read from memory), except the
+        group's ``final`` step (the run's end, a preemption notice: its checkpoint is synchronous, and no snapshot
+        outlives the group)."""
+        return self.taking and not final and self.every is not None and (checkpoint or step % self.every == 0)
 
     def written(self, timeout_s: float = 300.0) -> bool:
         """After every step, before it is logged: the snapshot being written (the previous step's, when there is

@@ -391,6 +391,23 @@ def _taking(tmp: Path) -> Any:
     return snaps
 
 
+def test_snapshots_are_due_every_n_steps_and_at_every_checkpoint_but_not_at_the_groups_last_step(tmp_path):
+    """With a snapshot every 7 steps and a checkpoint every 50: steps 7, 14, ... and 50 (a restart after the
+    checkpoint of step 50 reads that state from memory); never the group's final step (the run's end, a preemption:
+    its checkpoint is synchronous), never once snapshots stopped or when they are off."""
+    from raytrn.train.snapshots import MemorySnapshots
+
+    snaps = _taking(tmp_path)
+    snaps.every = 7
+    due = [s for s in range(1, 101) if snaps.due(s, final=False, checkpoint=s % 50 == 0)]
+    assert due == [7, 14, 21, 28, 35, 42, 49, 50, 56, 63, 70, 77, 84, 91, 98, 100]
+    assert not snaps.due(49, final=True) and not snaps.due(50, final=True, checkpoint=True)
+    snaps.taking = False
+    assert not snaps.due(49, final=False) and not snaps.due(50, final=False, checkpoint=True)
+    off = MemorySnapshots(job(tmp_path), None, rank=0, world_size=1)
+    assert not any(off.due(s, final=False, checkpoint=True) for s in (1, 50))
+
+
 def test_a_snapshot_is_written_by_the_ranks_thread_and_the_step_waits_only_for_its_staging(tmp_path, caplog):
     """The step waits for the staging copy; the rank's snapshot thread writes the files and sends them (here to no
     store: the snapshot is not kept, so it is never used, with one warning); the wait is reported."""
