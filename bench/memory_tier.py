@@ -74,7 +74,7 @@ def child_main(args: argparse.Namespace) -> None:
             dcp.save(dcp.training_state(model, opt, sched), s3)
             sources = [
                 ("memory_s", lambda: memfiles.load_from_memory(
-                    memory.fetcher(stores, 1), fresh_model, fresh_opt, fresh_sched)),
+                    memory.fetcher(stores, 1, node="peer"), fresh_model, fresh_opt, fresh_sched)),
                 ("disk_s", lambda: dcp.load(disk, fresh_model, fresh_opt, fresh_sched, source="bench")),
                 ("s3_s", lambda: dcp.load(s3, fresh_model, fresh_opt, fresh_sched, source="bench")),
             ]  # fmt: skip

@@ -22,11 +22,14 @@ The loop's side (every N steps, in the background; the restore choice against th
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+
+from raytrn.checkpoint import slabs
 
 # -- one node's store ----------------------------------------------------------------------------------------
 
@@ -110,22 +113,23 @@ class SnapshotStore:
         refused, from an older worker group)."""
         if self._stale(generation):
             return None
-        self._sealed = step if self._sealed is None else max(self._sealed, step)
-        for old in [s for s in self._files if s < self._sealed]:
-            del self._files[old]
-        for old in [s for s in self._manifests if s < self._sealed]:
-            del self._manifests[old]
+        self._sealed = sealed = step if self._sealed is None else max(self._sealed, step)
+        self._forget(lambda s: s < sealed)
         return self.nbytes
+
+    def _forget(self, which: Callable[[int], bool]) -> None:
+        """Free the snapshots whose step ``which`` names (their files and manifests)."""
+        for old in [s for s in self._files if which(s)]:
+            del self._files[old]
+        for old in [s for s in self._manifests if which(s)]:
+            del self._manifests[old]
 
     def rewind(self, step: int, generation: int = 0) -> None:
         """Forget every snapshot newer than ``step`` (a worker group starts at ``step``: what it snapshots next
         replaces them; a rollback: they hold the diverging steps); from now on refuse what a worker group older
         than ``generation`` sends."""
         self._generation = max(self._generation, generation)
-        for newer in [s for s in self._files if s > step]:
-            del self._files[newer]
-        for newer in [s for s in self._manifests if s > step]:
-            del self._manifests[newer]
+        self._forget(lambda s: s > step)
         if self._sealed is not None and self._sealed > step:
             self._sealed = None
 
@@ -134,8 +138,7 @@ class SnapshotStore:
         was complete when sealed, and the seal freed every older one (only a rewind forgets it)."""
         if self._stale(generation) or step == self._sealed:
             return
-        self._files.pop(step, None)
-        self._manifests.pop(step, None)
+        self._forget(lambda s: s == step)
 
     def holdings(self) -> dict[int, Holding]:
         steps = set(self._files) | set(self._manifests)
@@ -171,14 +174,21 @@ class Kept:
 
 
 class RayStore(SnapshotStore):
-    """A node's store as a Ray actor, holding its snapshots in its node's Ray object store. A rank sends each file
-    as an object of its own (a uint8 array, :func:`publish`) with the files' sizes; the store checks the bound
-    before it pulls anything, then keeps its own copy of each file, put by the store (so owned here: it outlives the
-    rank that sent it). A reader asks where a file is (:meth:`locate`) and reads that one object in place: shared
-    memory on the same node, one transfer of that file from another node; never a copy through this actor's heap.
+    """A node's store as a Ray actor. A rank on the same node copies its files into a slab the store leases it
+    (:mod:`raytrn.checkpoint.slabs`: shared memory the store keeps and reuses; :meth:`lease`, :meth:`put_slab`).
+    A rank on another node (this store keeps a replica), or any rank when shared memory has no room, sends each file
+    as an object of its own (a uint8 array, :func:`publish`) with the files' sizes; the store checks the bound before
+    it pulls anything, then keeps its own copy of each file in its node's Ray object store, put by the store (so
+    owned here: it outlives the rank that sent it). A reader asks where a file is (:meth:`locate`) and reads it in
+    place: a slab or an object in shared memory on the same node, one transfer of that file from another node
+    (a slab's file as an object then, :meth:`export`); never a copy through this actor's heap.
 
     The bound (``checkpoint.memory_store_gib``; default :meth:`default_capacity`) counts what the store keeps; the
     ranks' own objects and the copies readers pull sit in the same object store for a while, hence the margin."""
+
+    def __init__(self, capacity_bytes: int | None = None, token: str | None = None) -> None:
+        super().__init__(capacity_bytes)
+        self._slabs = slabs.SlabPool(token) if token is not None and slabs.usable() else None
 
     @staticmethod
     def default_capacity() -> int:
@@ -210,10 +220,54 @@ class RayStore(SnapshotStore):
         self._files.setdefault(step, {})[rank] = Kept(dict(sizes), own)
         return None
 
+    def lease(self, step: int, rank: int, sizes: Mapping[str, int], generation: int) -> tuple[str | None, Any]:
+        """A same-node rank's first call: (why its files of snapshot ``step`` cannot be kept, None) when they cannot;
+        (None, a :class:`slabs.Lease` to copy them into), or (None, None) when this store has no slab for them
+        (no shared memory here, or no room: the rank sends them as objects, :meth:`put`)."""
+        if reason := self._refused(step, rank, sizes, generation):
+            return reason, None
+        return None, self._slabs.lease(step, rank, sizes) if self._slabs is not None else None
+
+    def put_slab(self, step: int, rank: int, lease: slabs.Lease, generation: int) -> str | None:
+        """The rank copied its files into ``lease``: keep them (None), or why not (its slab is freed then)."""
+        if reason := self._refused(step, rank, lease.sizes, generation):
+            if self._slabs is not None:
+                self._slabs.release(lambda s, r: (s, r) == (step, rank))
+            return reason
+        self._files.setdefault(step, {})[rank] = Kept(dict(lease.sizes), lease)
+        return None
+
+    def _forget(self, which: Callable[[int], bool]) -> None:
+        super()._forget(which)
+        if self._slabs is not None:  # (also a lease whose put never came: its rank died mid-copy)
+            self._slabs.release(lambda s, _: which(s))
+
     def locate(self, step: int, name: str) -> list[Any] | None:
-        """``[ref]`` of file ``name`` of snapshot ``step`` (a uint8 array), None when this store has not got it."""
+        """``[ref]`` of file ``name`` of snapshot ``step`` (a uint8 array), or ``["slab", path, offset, size]`` when
+        it is in a slab (read it in place on this node, or :meth:`export` it); None when this store has not got it."""
         kept = self._holder(step, name)
-        return [kept.payload[name]] if kept is not None else None
+        if kept is None:
+            return None
+        if isinstance(kept.payload, slabs.Lease):
+            return ["slab", kept.payload.path, kept.payload.offsets[name], kept.sizes[name]]
+        return [kept.payload[name]]
+
+    def export(self, step: int, name: str) -> list[Any] | None:
+        """``[ref]`` of file ``name`` of snapshot ``step`` as an object (for a reader on another node), None when this
+        store has not got it."""
+        import ray
+
+        found = self.locate(step, name)
+        if found is None or found[0] != "slab":
+            return found
+        view = slabs.read_slab(*found[1:])
+        return [ray.put(np.frombuffer(view, dtype=np.uint8))]
+
+    def close(self) -> None:
+        """Remove this store's slabs (the run is over)."""
+        self._files.clear()
+        if self._slabs is not None:
+            self._slabs.close()
 
 
 # -- placement and choice ------------------------------------------------------------------------------------
@@ -277,8 +331,12 @@ class MemoryTier:
     does not die with the worker that made it, only with its node."""
 
     def __init__(self, run: str, *, capacity_bytes: int | None) -> None:
+        import uuid
+
         self.run = run
         self.capacity_bytes = capacity_bytes
+        #: Names this tier's slabs (:mod:`raytrn.checkpoint.slabs`), so that :meth:`shutdown` removes all of them.
+        self.token = uuid.uuid4().hex[:12]
         self.handles: dict[str, Any] = {}
         self._seen: dict[str, dict[int, Holding]] = {}  # each store's last answer: why a lost one's snapshot is gone
         self._rolled_back: set[int] = set()
@@ -298,7 +356,9 @@ class MemoryTier:
             options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
             if pin:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
-            self.handles[node] = actor.options(**options).remote(self.capacity_bytes)  # type: ignore[attr-defined]
+            self.handles[node] = actor.options(**options).remote(  # type: ignore[attr-defined]
+                self.capacity_bytes, self.token
+            )
         return dict(self.handles)
 
     def holdings(self, timeout_s: float = 10.0) -> dict[str, dict[int, Holding]]:
@@ -346,22 +406,30 @@ class MemoryTier:
         self._rolled_back.add(first)
         self.rewind(first - 1)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Every store removes its slabs and goes; what a store that did not answer left on this node is removed
+        here (on a lost node's machine, the next store started there removes it: :func:`slabs.sweep`)."""
         import ray
 
+        closing = [h.close.remote() for h in self.handles.values()]
+        with contextlib.suppress(Exception):
+            ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
         for handle in self.handles.values():
             ray.kill(handle, no_restart=True)
         self.handles.clear()
+        slabs.sweep(token=self.token)
 
 
 def publish(
     stores: Mapping[str, Any], node: str, step: int, rank: int, files: Mapping[str, bytes] | None, *, replicas: int,
     manifest: dict[str, Any] | None = None, generation: int = 0, timeout_s: float = PUBLISH_TIMEOUT_S,
+    writer: slabs.SlabWriter | None = None,
 ) -> str | None:  # fmt: skip
     """A rank's side: put its ``files`` of snapshot ``step`` (and rank 0 the ``manifest``, once every rank's files
     are kept; ``files`` None then) on its node's store and on the ``replicas`` next nodes of the ring, as worker
     group ``generation``. None once every one kept them; else why not (then the snapshot must not be used: the
-    caller drops it)."""
+    caller drops it). Its node's store gets them in a slab (copied by ``writer``, which keeps the rank's slabs
+    mapped) when it has one; the other stores (and that one when it has none) as objects."""
     import ray
 
     targets = [node, *replica_nodes(stores.keys(), node, replicas)]
@@ -370,10 +438,19 @@ def publish(
         return f"no memory store on node(s) {', '.join(missing)}"
     puts = []
     try:
-        if files is not None:  # each file once in the object store, read in place by every target
-            refs = {name: ray.put(np.frombuffer(b, dtype=np.uint8)) for name, b in files.items()}
+        if files is not None:
             sizes = {name: len(b) for name, b in files.items()}
-            puts += [stores[t].put.remote(step, rank, [refs], generation, sizes) for t in targets]
+            reason, lease = ray.get(stores[node].lease.remote(step, rank, sizes, generation), timeout=timeout_s)
+            if reason:
+                return reason
+            as_objects = targets
+            if lease is not None:  # this node's copy: into the store's slab, no object
+                (writer or slabs.SlabWriter()).write(lease, files)
+                puts.append(stores[node].put_slab.remote(step, rank, lease, generation))
+                as_objects = targets[1:]
+            if as_objects:  # each file once in the object store, read in place by every one of them
+                refs = {name: ray.put(np.frombuffer(b, dtype=np.uint8)) for name, b in files.items()}
+                puts += [stores[t].put.remote(step, rank, [refs], generation, sizes) for t in as_objects]
         if manifest is not None:
             puts += [stores[t].put_manifest.remote(step, manifest, generation) for t in targets]
     except Exception as e:
@@ -389,16 +466,21 @@ def publish(
 
 
 def fetcher(
-    stores: Mapping[str, Any], step: int, timeout_s: float = PUBLISH_TIMEOUT_S
+    stores: Mapping[str, Any], step: int, timeout_s: float = PUBLISH_TIMEOUT_S, *, node: str | None = None
 ) -> Callable[[str], bytes | memoryview]:
     """``fetch(name)`` for :func:`load_from_memory`: the file from the first store that has it (this node's
-    first, when the caller puts it first), read in place in the object store (a read-only view)."""
+    first, when the caller puts it first), read in place (a read-only view): from the object store, or from the
+    slab of ``node``'s store (the caller's node); another node's slab is sent as an object."""
     import ray
 
     def fetch(name: str) -> memoryview:
-        for handle in stores.values():
+        for at, handle in stores.items():
             try:
                 found = ray.get(handle.locate.remote(step, name), timeout=timeout_s)
+                if found is not None and found[0] == "slab":
+                    if at == node:
+                        return slabs.read_slab(*found[1:])
+                    found = ray.get(handle.export.remote(step, name), timeout=timeout_s)
                 if found is None:
                     continue
                 return memoryview(ray.get(found[0], timeout=timeout_s))

@@ -363,8 +363,8 @@ class CheckpointConfig(Section):
         None,
         gt=0,
         allow_inf_nan=False,
-        description="each node's snapshot store's bound, in its Ray object store (the complete snapshot and the one "
-        "being made; one that does not fit is skipped, warned): null: 1/4 of the memory or 1/3 of the object store",
+        description="each node's snapshot store's bound, in shared memory and its Ray object store (the complete "
+        "snapshot and the one being made; one that does not fit is skipped, warned): null: 1/4 of the memory or 1/3 of the object store",
     )
 
 

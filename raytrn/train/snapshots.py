@@ -32,6 +32,7 @@ from raytrn.checkpoint import agree
 from raytrn.checkpoint.memfiles import Snapshotter, load_from_memory
 from raytrn.checkpoint.memory import fetcher, publish
 from raytrn.checkpoint.progress import Progress
+from raytrn.checkpoint.slabs import SlabWriter
 from raytrn.config import JobSpec
 from raytrn.tracking.system import node_label
 
@@ -89,6 +90,7 @@ class MemorySnapshots:
         #: (``memory_snapshot_blocked_s``; the write and the copies run beside the next step).
         self.blocked_s = 0.0
         self._snapshotter: Snapshotter | None = None  # what one snapshot leaves for the next to reuse
+        self._slabs = SlabWriter()  # this rank's slabs on its node's store, kept mapped
         self._thread: threading.Thread | None = None  # this rank's snapshot thread (started at the first snapshot)
         self._queue: queue.SimpleQueue[tuple[_Writing, Any]] = queue.SimpleQueue()
         if not self.restorable:
@@ -164,7 +166,7 @@ class MemorySnapshots:
         ordered = dict(sorted(live.items(), key=lambda item: item[0] != self.node))  # this node's first
         error: Exception | None = None
         try:
-            load_from_memory(fetcher(ordered, snapshot.step), t.model, t.optimizer, t.scheduler)
+            load_from_memory(fetcher(ordered, snapshot.step, node=self.node), t.model, t.optimizer, t.scheduler)
         except Exception as e:
             error = e
         if agree.all_true(error is None):
@@ -249,7 +251,7 @@ class MemorySnapshots:
                 files = self._snapshotter.write(staged, process_group=self._group)
                 writing.reason = publish(
                     self.ring, self.node, step, self.rank, files, replicas=self.job.checkpoint.memory_replicas,
-                    generation=writing.generation,
+                    generation=writing.generation, writer=self._slabs,
                 )  # fmt: skip
             except Exception as e:  # a failed write or copy fails this snapshot, never the step
                 writing.reason = f"snapshot {step}: not written ({type(e).__name__}: {e})"

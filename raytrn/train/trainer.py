@@ -169,6 +169,8 @@ def _train(
         raise
     finally:
         if keeper is not None:  # its stores (it owns them) go with it: the snapshots' memory is freed
+            with contextlib.suppress(Exception):  # their slabs first (a store that does not answer: its node's next
+                ray.get(keeper.shutdown.remote(), timeout=60)  # store removes them, raytrn.checkpoint.slabs.sweep)
             ray.kill(keeper, no_restart=True)
         run_id = finish(status, job.tracking.flush_timeout_s)
     if run_id and tracker is not None and job.tracking.register_model:

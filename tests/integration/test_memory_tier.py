@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from raytrn.backends.cpu import CpuBackend
-from raytrn.checkpoint import memfiles, memory
+from raytrn.checkpoint import memfiles, memory, slabs
 from raytrn.checkpoint.memory import MemoryTier, publish
 from raytrn.train.build import build_training
 from tests.unit.test_dcp import job, trained
@@ -34,6 +34,17 @@ def test_a_snapshot_survives_its_nodes_store_and_restores_exactly_from_the_repli
         held = tier.holdings()
         assert held["a"][2].ranks == {0} and held["b"][2].ranks == {0} and 2 not in held["c"]  # ring: a -> b
         assert held["b"][2].manifest == manifest and held["a"][2].nbytes == sum(len(b) for b in files.values())
+        # The rank's own node keeps them in a slab (shared memory), the ring's next one as its own objects.
+        in_a = ray.get(stores["a"].locate.remote(2, "__0_0.raw"))
+        assert in_a[0] == "slab" and Path(in_a[1]).name.startswith(f"raytrn-snapshot-{tier.token}-"), in_a
+        assert isinstance(ray.get(stores["b"].locate.remote(2, "__0_0.raw"))[0], ray.ObjectRef)
+        for node in ("a", None):  # read in place on a's node; from another node, a's slab is sent as an object
+            fresh = build_training(j, CpuBackend(), world_size=1)
+            fetch = memory.fetcher({"a": stores["a"]}, 2, node=node)
+            assert bytes(fetch("__0_0.raw")) == bytes(files["__0_0.raw"])
+            memfiles.load_from_memory(fetch, fresh.model, fresh.optimizer, fresh.scheduler)
+            for (name, a), b in zip(t.model.named_parameters(), fresh.model.parameters(), strict=True):
+                assert torch.equal(a, b), (node, name)
         # A worker group starting at step 2 numbers itself: what the one before it still sends is refused.
         assert tier.rewind(2) == (1, [])
         late = publish(stores, "a", 3, 0, files, replicas=1, generation=0)
@@ -57,6 +68,8 @@ def test_a_snapshot_survives_its_nodes_store_and_restores_exactly_from_the_repli
         assert none.step is None and none.skipped == (f"snapshot 3: {why}", f"snapshot 2: {why}"), none
     finally:
         tier.shutdown()
+    # Every slab is gone, also those of a's store, killed before it could remove them.
+    assert not list(slabs.SHM_DIR.glob(f"raytrn-snapshot-{tier.token}-*"))
 
 
 def _wait_gone(actor, timeout_s: float = 30) -> None:

@@ -1,0 +1,160 @@
+"""The in-memory tier's shared-memory slabs (raytrn.checkpoint.slabs) and a node store's use of them
+(raytrn.checkpoint.memory.RayStore without Ray: lease, put, locate, free): files in a test directory standing for
+/dev/shm."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from raytrn.checkpoint import slabs
+from raytrn.checkpoint.memory import RayStore
+
+pytestmark = pytest.mark.unit
+
+TOKEN = "0123abcd"
+
+
+def _files(step: int, n: int = 1000) -> dict[str, bytes]:
+    return {".metadata": bytes([step % 256]) * 17, "__0_0.raw": bytes((step + i) % 256 for i in range(n))}
+
+
+def _sizes(files: dict[str, bytes]) -> dict[str, int]:
+    return {k: len(v) for k, v in files.items()}
+
+
+def _read(lease: slabs.Lease, name: str) -> bytes:
+    return bytes(slabs.read_slab(lease.path, lease.offsets[name], lease.sizes[name]))
+
+
+def test_a_ranks_snapshots_reuse_two_slabs_and_read_back_exactly(tmp_path: Path) -> None:
+    """Snapshot after snapshot (each freed once the next one is complete, as a seal does) a rank copies into the same
+    two slabs: the complete one's is never the one written; the bytes reserved do not grow; each file is read back
+    in place, byte for byte, at an aligned offset."""
+    pool = slabs.SlabPool(TOKEN, tmp_path)
+    writer = slabs.SlabWriter()
+    paths = []
+    for step in range(1, 9):
+        files = _files(step)
+        lease = pool.lease(step, 0, _sizes(files))
+        assert lease is not None
+        writer.write(lease, files)
+        assert all(_read(lease, n) == b for n, b in files.items())
+        assert all(off % 64 == 0 for off in lease.offsets.values())
+        pool.release(lambda s, _, step=step: s < step)  # step is complete: the older snapshot is freed
+        paths.append(lease.path)
+    assert len(set(paths)) == 2 and paths[0] != paths[1] and paths[2] == paths[0], paths
+    assert pool.nbytes == 2 * slabs.layout(_sizes(_files(1)))[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"raytrn-snapshot-{TOKEN}-{os.getpid()}-r0-{i}" for i in (0, 1)
+    ]
+    writer.close()
+    pool.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bigger_snapshot_grows_its_slab_and_the_writer_maps_it_again(tmp_path: Path) -> None:
+    pool = slabs.SlabPool(TOKEN, tmp_path)
+    writer = slabs.SlabWriter()
+    small = _files(1, 100)
+    first = pool.lease(1, 3, _sizes(small))
+    assert first is not None
+    writer.write(first, small)
+    pool.release(lambda s, r: True)
+    big = _files(2, 100_000)
+    second = pool.lease(2, 3, _sizes(big))
+    assert second is not None and second.path == first.path  # the same slab, grown
+    writer.write(second, big)
+    assert _read(second, "__0_0.raw") == big["__0_0.raw"]
+    assert Path(second.path).stat().st_size == slabs.layout(_sizes(big))[1]
+    with pytest.raises(ValueError, match="is 5 bytes, leased for"):
+        writer.write(second, {".metadata": b"12345"})
+    writer.close()
+    pool.close()
+
+
+def test_no_room_in_shared_memory_refuses_the_lease_and_leaves_no_file(tmp_path: Path, monkeypatch) -> None:
+    """posix_fallocate says ENOSPC (a full tmpfs): no lease (the rank then sends its files through Ray), no file."""
+    pool = slabs.SlabPool(TOKEN, tmp_path)
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    assert pool.lease(1, 0, {"a": 10}) is None
+    assert list(tmp_path.iterdir()) == [] and pool.nbytes == 0
+
+
+def test_sweep_removes_only_slabs_of_stores_no_longer_running(tmp_path: Path) -> None:
+    """A store killed with its node (or its driver) leaves its slabs; the next store on the machine removes those of
+    stores that are not running, never a running store's, never a file raytrn did not name so."""
+    names = [
+        f"raytrn-snapshot-{TOKEN}-111-r0-0",  # a dead store's
+        f"raytrn-snapshot-{TOKEN}-222-r1-0",  # a running store's
+        "raytrn-snapshot-notes.txt",  # not a slab
+        "other-file",
+        f"raytrn-snapshot-{TOKEN}-111-r0-0.bak",
+    ]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    removed = slabs.sweep(tmp_path, running=lambda pid: pid == 222)
+    assert removed == [names[0]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+    # A tier's own shutdown removes every slab of its token, running store or not.
+    assert slabs.sweep(tmp_path, running=lambda pid: True, token=TOKEN) == [names[1]]
+    assert slabs.sweep(tmp_path, running=lambda pid: True, token="ffff") == []
+    with pytest.raises(ValueError, match="lowercase hex"):
+        slabs.SlabPool("../x", tmp_path)
+
+
+def _store(tmp_path: Path, capacity: int = 10**6) -> RayStore:
+    store = RayStore(capacity, None)
+    store._slabs = slabs.SlabPool(TOKEN, tmp_path)
+    return store
+
+
+def test_a_store_keeps_a_ranks_files_in_its_slab_and_frees_it_with_the_snapshot(tmp_path: Path) -> None:
+    """lease, copy, put_slab: the store holds the files (counted against its bound), locates them in the slab; the
+    seal of a newer snapshot frees the slab for the next lease; a rewind and a drop free theirs; a put from an older
+    worker group is refused and its slab freed."""
+    store, writer = _store(tmp_path), slabs.SlabWriter()
+
+    def snapshot(step: int, generation: int = 0) -> str | None:
+        files = _files(step)
+        reason, lease = store.lease(step, 0, _sizes(files), generation)
+        assert reason is None and lease is not None
+        writer.write(lease, files)
+        return store.put_slab(step, 0, lease, generation)
+
+    assert snapshot(1) is None and store.seal(1) == sum(_sizes(_files(1)).values())
+    tag, path, offset, size = store.locate(1, "__0_0.raw")  # type: ignore[misc]
+    assert tag == "slab" and bytes(slabs.read_slab(path, offset, size)) == _files(1)["__0_0.raw"]
+    assert snapshot(2) is None and store.seal(2) is not None
+    assert store.locate(1, "__0_0.raw") is None and snapshot(3) is None  # 1's slab, freed by the seal of 2, reused
+    assert len(store._slabs._sizes) == 2  # type: ignore[union-attr]
+    store.rewind(2, generation=1)  # 3 forgotten: its slab free
+    assert len(store._slabs._busy) == 1  # type: ignore[union-attr]  # only the complete snapshot's
+    # A lease of the older group, then the rewind, then its put: refused, and the slab it had is free again.
+    reason, lease = store.lease(3, 0, _sizes(_files(3)), 1)
+    assert reason is None and lease is not None
+    store.rewind(2, generation=2)
+    assert store.put_slab(3, 0, lease, 1) == (
+        "rank 0's snapshot 3 refused: from an older worker group (generation 1; the stores are at 2)"
+    )
+    assert len(store._slabs._busy) == 1  # type: ignore[union-attr]
+    reason, _ = store.lease(3, 0, _sizes(_files(3)), 1)
+    assert reason == "rank 0's snapshot 3 refused: from an older worker group (generation 1; the stores are at 2)"
+    assert snapshot(3, generation=2) is None
+    store.drop(3, generation=2)
+    assert len(store._slabs._busy) == 1 and len(store._slabs._sizes) == 2  # type: ignore[union-attr]
+    # Over the bound: refused at the lease, before anything is copied.
+    (tmp_path / "small").mkdir()
+    small = _store(tmp_path / "small", capacity=100)
+    reason, lease = small.lease(1, 0, _sizes(_files(1)), 0)
+    assert lease is None and reason is not None and reason.startswith("rank 0's snapshot 1 needs"), reason
+    writer.close()
+    store.close()
+    assert [p for p in tmp_path.iterdir() if p.is_file()] == []
