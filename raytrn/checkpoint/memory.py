@@ -188,16 +188,24 @@ class RayStore(SnapshotStore):
 
     def __init__(self, capacity_bytes: int | None = None, token: str | None = None) -> None:
         super().__init__(capacity_bytes)
-        self._slabs = slabs.SlabPool(token) if token is not None and slabs.usable() else None
+        self._slabs = None
+        if token is not None and slabs.usable():  # (Ray's object store may be in /dev/shm too: its size stays free)
+            self._slabs = slabs.SlabPool(token, keep_free=self._object_store_bytes())
+
+    @staticmethod
+    def _object_store_bytes() -> int:
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        return int(
+            next((n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n.get("NodeID") == node), 0)
+        )
 
     @staticmethod
     def default_capacity() -> int:
         """A quarter of this node's memory or a third of its Ray object store, the smaller (past the object store's
         size Ray would spill snapshots to disk)."""
-        import ray
-
-        node = ray.get_runtime_context().get_node_id()
-        store = next((n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n.get("NodeID") == node), 0)
+        store = RayStore._object_store_bytes()
         quarter = SnapshotStore.default_capacity()
         return int(min(quarter, store // 3)) if store else quarter
 
@@ -230,9 +238,10 @@ class RayStore(SnapshotStore):
 
     def put_slab(self, step: int, rank: int, lease: slabs.Lease, generation: int) -> str | None:
         """The rank copied its files into ``lease``: keep them (None), or why not (its slab is freed then)."""
+        if self._slabs is None or not self._slabs.holds(lease, step, rank):  # freed, or re-leased by a newer group
+            return f"rank {rank}'s snapshot {step}: its slab was freed before its files were kept"
         if reason := self._refused(step, rank, lease.sizes, generation):
-            if self._slabs is not None:
-                self._slabs.release(lambda s, r: (s, r) == (step, rank))
+            self._slabs.release_lease(lease)
             return reason
         self._files.setdefault(step, {})[rank] = Kept(dict(lease.sizes), lease)
         return None
@@ -241,6 +250,11 @@ class RayStore(SnapshotStore):
         super()._forget(which)
         if self._slabs is not None:  # (also a lease whose put never came: its rank died mid-copy)
             self._slabs.release(lambda s, _: which(s))
+
+    def rewind(self, step: int, generation: int = 0) -> None:
+        super().rewind(step, generation)
+        if self._slabs is not None and generation >= self._generation:  # a new worker group: the free slabs go
+            self._slabs.trim()
 
     def locate(self, step: int, name: str) -> list[Any] | None:
         """``[ref]`` of file ``name`` of snapshot ``step`` (a uint8 array), or ``["slab", path, offset, size]`` when
@@ -445,9 +459,13 @@ def publish(
                 return reason
             as_objects = targets
             if lease is not None:  # this node's copy: into the store's slab, no object
-                (writer or slabs.SlabWriter()).write(lease, files)
-                puts.append(stores[node].put_slab.remote(step, rank, lease, generation))
-                as_objects = targets[1:]
+                try:
+                    (writer or slabs.SlabWriter()).write(lease, files)
+                except OSError:  # (the slab cannot be mapped here: as objects, and the next seal frees it)
+                    lease = None
+                else:
+                    puts.append(stores[node].put_slab.remote(step, rank, lease, generation))
+                    as_objects = targets[1:]
             if as_objects:  # each file once in the object store, read in place by every one of them
                 refs = {name: ray.put(np.frombuffer(b, dtype=np.uint8)) for name, b in files.items()}
                 puts += [stores[t].put.remote(step, rank, [refs], generation, sizes) for t in as_objects]
@@ -479,7 +497,8 @@ def fetcher(
                 found = ray.get(handle.locate.remote(step, name), timeout=timeout_s)
                 if found is not None and found[0] == "slab":
                     if at == node:
-                        return slabs.read_slab(*found[1:])
+                        with contextlib.suppress(OSError):  # (else sent as an object, below)
+                            return slabs.read_slab(*found[1:])
                     found = ray.get(handle.export.remote(step, name), timeout=timeout_s)
                 if found is None:
                     continue

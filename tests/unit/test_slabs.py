@@ -48,9 +48,7 @@ def test_a_ranks_snapshots_reuse_two_slabs_and_read_back_exactly(tmp_path: Path)
         paths.append(lease.path)
     assert len(set(paths)) == 2 and paths[0] != paths[1] and paths[2] == paths[0], paths
     assert pool.nbytes == 2 * slabs.layout(_sizes(_files(1)))[1]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        f"raytrn-snapshot-{TOKEN}-{os.getpid()}-r0-{i}" for i in (0, 1)
-    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"raytrn-snapshot-{TOKEN}-{os.getpid()}-{i}" for i in (0, 1)]
     writer.close()
     pool.close()
     assert list(tmp_path.iterdir()) == []
@@ -88,26 +86,48 @@ def test_no_room_in_shared_memory_refuses_the_lease_and_leaves_no_file(tmp_path:
     assert list(tmp_path.iterdir()) == [] and pool.nbytes == 0
 
 
-def test_sweep_removes_only_slabs_of_stores_no_longer_running(tmp_path: Path) -> None:
-    """A store killed with its node (or its driver) leaves its slabs; the next store on the machine removes those of
-    stores that are not running, never a running store's, never a file raytrn did not name so."""
+def test_sweep_removes_only_slabs_no_live_store_holds(tmp_path: Path) -> None:
+    """A store killed with its node (or its driver) leaves its slabs, no longer locked; the next store on the machine
+    removes those, never a slab a live store holds (its lock; also across PID namespaces), never a file raytrn did
+    not name so."""
+    live = slabs.SlabPool(TOKEN, tmp_path)
+    lease = live.lease(1, 0, {"a": 10})
+    assert lease is not None
     names = [
-        f"raytrn-snapshot-{TOKEN}-111-r0-0",  # a dead store's
-        f"raytrn-snapshot-{TOKEN}-222-r1-0",  # a running store's
+        f"raytrn-snapshot-{TOKEN}-111-0",  # a dead store's
         "raytrn-snapshot-notes.txt",  # not a slab
         "other-file",
-        f"raytrn-snapshot-{TOKEN}-111-r0-0.bak",
+        f"raytrn-snapshot-{TOKEN}-111-0.bak",
     ]
     for n in names:
         (tmp_path / n).write_bytes(b"x")
-    removed = slabs.sweep(tmp_path, running=lambda pid: pid == 222)
-    assert removed == [names[0]]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
-    # A tier's own shutdown removes every slab of its token, running store or not.
-    assert slabs.sweep(tmp_path, running=lambda pid: True, token=TOKEN) == [names[1]]
-    assert slabs.sweep(tmp_path, running=lambda pid: True, token="ffff") == []
+    assert slabs.sweep(tmp_path) == [names[0]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*names[1:], Path(lease.path).name])
+    # A tier's own shutdown removes every slab of its token, held or not.
+    assert slabs.sweep(tmp_path, token="ffff") == []
+    assert slabs.sweep(tmp_path, token=TOKEN) == [Path(lease.path).name]
+    live.close()
     with pytest.raises(ValueError, match="lowercase hex"):
         slabs.SlabPool("../x", tmp_path)
+
+
+def test_a_lease_leaves_the_room_ray_may_need_and_a_new_group_trims_the_free_slabs(tmp_path: Path) -> None:
+    """No lease when it would leave /dev/shm less than ``keep_free`` (Ray's object store, unreserved, may be there);
+    any rank reuses a free slab; a new worker group's rewind removes the free ones (its ranks may be elsewhere)."""
+    room = os.statvfs(tmp_path)
+    free = room.f_bavail * room.f_frsize
+    assert slabs.SlabPool(TOKEN, tmp_path, keep_free=free).lease(1, 0, {"a": 10}) is None
+    assert list(tmp_path.iterdir()) == []
+    store = _store(tmp_path)
+    for rank in (0, 1):
+        reason, lease = store.lease(1, rank, {"a": 100}, 0)
+        assert reason is None and lease is not None and store.put_slab(1, rank, lease, 0) is None
+    store.seal(1)
+    reason, lease = store.lease(2, 5, {"a": 100}, 0)  # rank 5 (another group's numbering) on this node
+    assert reason is None and lease is not None
+    store.rewind(1, generation=1)  # a new group from step 1: 2's slab is free, then removed
+    assert len(list(tmp_path.iterdir())) == 2 and store._slabs.nbytes == 2 * 128  # type: ignore[union-attr]
+    store.close()
 
 
 def _store(tmp_path: Path, capacity: int = 10**6) -> RayStore:
@@ -137,14 +157,17 @@ def test_a_store_keeps_a_ranks_files_in_its_slab_and_frees_it_with_the_snapshot(
     assert len(store._slabs._sizes) == 2  # type: ignore[union-attr]
     store.rewind(2, generation=1)  # 3 forgotten: its slab free
     assert len(store._slabs._busy) == 1  # type: ignore[union-attr]  # only the complete snapshot's
-    # A lease of the older group, then the rewind, then its put: refused, and the slab it had is free again.
+    # A lease of the older group, then the rewind (its slab is freed), then its put: refused.
     reason, lease = store.lease(3, 0, _sizes(_files(3)), 1)
     assert reason is None and lease is not None
     store.rewind(2, generation=2)
-    assert store.put_slab(3, 0, lease, 1) == (
-        "rank 0's snapshot 3 refused: from an older worker group (generation 1; the stores are at 2)"
-    )
+    assert store.put_slab(3, 0, lease, 1) == "rank 0's snapshot 3: its slab was freed before its files were kept"
     assert len(store._slabs._busy) == 1  # type: ignore[union-attr]
+    # A late put naming a slab that is no longer leased for that step and rank: refused, the current lease kept.
+    reason, newer = store.lease(3, 0, _sizes(_files(3)), 2)
+    assert reason is None and newer is not None
+    assert store.put_slab(3, 0, slabs.Lease("/elsewhere", newer.offsets, newer.sizes), 2) is not None
+    assert store._slabs.holds(newer, 3, 0)  # type: ignore[union-attr]
     reason, _ = store.lease(3, 0, _sizes(_files(3)), 1)
     assert reason == "rank 0's snapshot 3 refused: from an older worker group (generation 1; the stores are at 2)"
     assert snapshot(3, generation=2) is None
