@@ -187,27 +187,19 @@ class RayStore(SnapshotStore):
     ranks' own objects and the copies readers pull sit in the same object store for a while, hence the margin."""
 
     def __init__(self, capacity_bytes: int | None = None, token: str | None = None) -> None:
-        super().__init__(capacity_bytes)
+        usable = token is not None and slabs.usable()
+        store = _object_store_bytes() if capacity_bytes is None or usable else 0  # (one look at the cluster)
+        super().__init__(self.default_capacity(store) if capacity_bytes is None else capacity_bytes)
         self._slabs = None
-        if token is not None and slabs.usable():  # (Ray's object store may be in /dev/shm too: its size stays free)
-            self._slabs = slabs.SlabPool(token, keep_free=self._object_store_bytes())
+        if token is not None and usable:  # (Ray's object store may be in /dev/shm too: its size stays free)
+            self._slabs = slabs.SlabPool(token, keep_free=store)
 
     @staticmethod
-    def _object_store_bytes() -> int:
-        import ray
-
-        node = ray.get_runtime_context().get_node_id()
-        return int(
-            next((n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n.get("NodeID") == node), 0)
-        )
-
-    @staticmethod
-    def default_capacity() -> int:
-        """A quarter of this node's memory or a third of its Ray object store, the smaller (past the object store's
-        size Ray would spill snapshots to disk)."""
-        store = RayStore._object_store_bytes()
+    def default_capacity(object_store_bytes: int = 0) -> int:
+        """A quarter of this node's memory or a third of its Ray object store (``object_store_bytes``), the smaller
+        (past the object store's size Ray would spill snapshots to disk)."""
         quarter = SnapshotStore.default_capacity()
-        return int(min(quarter, store // 3)) if store else quarter
+        return int(min(quarter, object_store_bytes // 3)) if object_store_bytes else quarter
 
     def put(  # type: ignore[override]
         self, step: int, rank: int, files: Any, generation: int, sizes: Mapping[str, int]
@@ -241,7 +233,7 @@ class RayStore(SnapshotStore):
         if self._slabs is None or not self._slabs.holds(lease, step, rank):  # freed, or re-leased by a newer group
             return f"rank {rank}'s snapshot {step}: its slab was freed before its files were kept"
         if reason := self._refused(step, rank, lease.sizes, generation):
-            self._slabs.release_lease(lease)
+            self._slabs.release(lambda s, r: (s, r) == (step, rank))  # (its slab: holds() said so)
             return reason
         self._files.setdefault(step, {})[rank] = Kept(dict(lease.sizes), lease)
         return None
@@ -253,7 +245,7 @@ class RayStore(SnapshotStore):
 
     def rewind(self, step: int, generation: int = 0) -> None:
         super().rewind(step, generation)
-        if self._slabs is not None and generation >= self._generation:  # a new worker group: the free slabs go
+        if self._slabs is not None and generation == self._generation:  # a new worker group: the free slabs go
             self._slabs.trim()
 
     def locate(self, step: int, name: str) -> list[Any] | None:
@@ -282,6 +274,14 @@ class RayStore(SnapshotStore):
         self._files.clear()
         if self._slabs is not None:
             self._slabs.close()
+
+
+def _object_store_bytes() -> int:
+    """This node's Ray object store's size (0 when Ray does not say)."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    return int(next((n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n.get("NodeID") == node), 0))
 
 
 # -- placement and choice ------------------------------------------------------------------------------------

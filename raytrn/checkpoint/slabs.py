@@ -172,10 +172,6 @@ class SlabPool:
             if which(step, rank):
                 del self._busy[path]
 
-    def release_lease(self, lease: Lease) -> None:
-        """Free ``lease``'s slab."""
-        self._busy.pop(lease.path, None)
-
     def trim(self) -> None:
         """Remove the free slabs (a new worker group: its ranks may be others, on other nodes)."""
         for path in [p for p in self._sizes if p not in self._busy]:
