@@ -138,9 +138,10 @@ class AsyncLogger:
         delivered = self.flush(timeout_s)
         with self._cond:
             self._closing = True
-            left = len(self._metrics) + self._dropped
             self._cond.notify()
-        self._thread.join(timeout=15)
+        self._thread.join(timeout=15)  # a batch in flight is delivered or put back first
+        with self._cond:  # a batch still in flight (the thread did not stop) counts as not delivered
+            left = len(self._metrics) + self._dropped + (self._in_flight if self._thread.is_alive() else 0)
         if self.rejected:
             log.warning("MLflow at %s refused %d metrics/tags for good: dropped, not retried", self.uri, self.rejected)
         if not delivered or left:
