@@ -20,7 +20,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -127,7 +130,11 @@ class _MemoryWriter(FileSystemWriter):
     - the staging buffers (:meth:`stage`: the state's tensors copied into the same host memory every time);
     - the file's buffer (each item copied in by torch, without Python's lock the step needs);
     - each plain value's ``torch.save`` archive (the optimizer's hyperparameters, the schedule's), made again only
-      when the value changed.
+      when the value changed;
+    - the layout (:meth:`repeat`): DCP's plan for this rank, each item's size and rank 0's ``.metadata``. A snapshot
+      whose every item has the size, dtype and shape it had in the previous one, on every rank, is written into
+      that layout without DCP's planning and its collectives (pickled plans and metadata gathered and scattered on
+      every call, ~70% of a write and nearly all of its time under Python's lock, which the step needs too).
     """
 
     def __init__(self) -> None:
@@ -136,6 +143,9 @@ class _MemoryWriter(FileSystemWriter):
         self._host: dict[str, Any] | None = None  # the staging buffers (raytrn.compat.dcp_stage)
         self._file: torch.Tensor | None = None
         self._archives: dict[str, tuple[bytes, torch.Tensor]] = {}  # a plain value's fqn: (its pickle, its archive)
+        self._coordinator = False
+        self._layout: _Layout | None = None  # the last write's, once it is complete
+        self.repeats = 0  # writes into the previous write's layout (a test's and a profile's count)
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """DCP's staging (the copy the step waits for): ``state_dict`` with every tensor (a DTensor's shard) copied
@@ -148,9 +158,51 @@ class _MemoryWriter(FileSystemWriter):
         """The next :meth:`stage` allocates new staging buffers (the state's tensors were replaced)."""
         self._host = None
 
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self._coordinator = is_coordinator
+        self._layout = None  # DCP plans this write: the previous layout is not used again until it completes
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        name = f"{plan.storage_data.prefix}0{RAW_SUFFIX}"
         items = [self._item(item, planner) for item in plan.items]
+        results = self._write(plan, items)
+        self._layout = _Layout(plan, [data.numel() for data in items], set(_flat(planner)), self._coordinator)
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        if self._layout is not None:  # (rank 0) the pickled metadata, the same for a write into the same layout
+            self._layout.metadata = self.fs.files[".metadata"]  # type: ignore[attr-defined]
+
+    def repeat(self, staged: dict[str, Any], *, process_group: Any) -> bool:
+        """Write ``staged`` into the previous write's layout, without DCP's planning and collectives, when every
+        rank can (one flag, agreed on ``process_group``: a collective); False when one cannot (no complete write yet,
+        or an item of another size, dtype or shape, an item more or less: then DCP plans the write, every rank)."""
+        layout, items = self._layout, None
+        if layout is not None and (layout.metadata is not None or not layout.coordinator):
+            try:  # (never raises past the flag: the other ranks wait for it)
+                planner = DefaultSavePlanner()
+                planner.set_up_planner(staged, storage_meta=None, is_coordinator=layout.coordinator)
+                items = layout.items(planner, self)
+            except Exception:  # DCP's planning then says what is wrong, on every rank
+                items = None
+        group = process_group if process_group is not None or not dist.is_initialized() else dist.group.WORLD
+        every = torch.tensor([int(items is not None)])
+        if group is not None:
+            dist.all_reduce(every, op=dist.ReduceOp.MIN, group=group)
+        if not every.item() or items is None or layout is None:
+            return False
+        self._write(layout.plan, items)
+        if layout.metadata is not None:
+            self.fs.keep(".metadata", layout.metadata)  # type: ignore[attr-defined]
+        self.repeats += 1
+        return True
+
+    def _write(self, plan: SavePlan, items: list[torch.Tensor]) -> list[WriteResult]:
+        """This rank's file: ``items`` (``plan``'s, as bytes) copied into the file's buffer; where each is."""
+        name = f"{plan.storage_data.prefix}0{RAW_SUFFIX}"
         offsets = [0]  # each item at a multiple of 64 bytes: every tensor view of the file is aligned
         for data in items:
             offsets.append(offsets[-1] + -(-data.numel() // 64) * 64)
@@ -161,9 +213,7 @@ class _MemoryWriter(FileSystemWriter):
             self._file[offset : offset + data.numel()].copy_(data)
             results.append(WriteResult(item.index, data.numel(), dcp_storage_info(name, offset, data.numel())))
         self.fs.keep(name, memoryview(self._file.numpy().data))  # type: ignore[attr-defined]
-        done: Future[list[WriteResult]] = Future()
-        done.set_result(results)
-        return done
+        return results
 
     def _item(self, item: Any, planner: SavePlanner) -> torch.Tensor:
         """A write item's bytes as a flat uint8 tensor: a tensor's raw (:func:`raw_tensor`), a plain value's archive
@@ -182,6 +232,41 @@ class _MemoryWriter(FileSystemWriter):
             if value is not None:
                 self._archives[item.index.fqn] = kept
         return kept[1]
+
+
+def _flat(planner: SavePlanner) -> dict[str, Any]:
+    """The planner's state dict, flattened (``set_up_planner`` made it: DCP's item names)."""
+    return planner.state_dict  # type: ignore[attr-defined,no-any-return]
+
+
+class _Layout:
+    """A complete write's layout on this rank: DCP's final plan, each item's size in bytes, the state dict's
+    (flattened) names, and on rank 0 the pickled metadata (``.metadata``), which names every rank's items' places."""
+
+    def __init__(self, plan: SavePlan, sizes: list[int], names: set[str], coordinator: bool) -> None:
+        self.plan, self.sizes, self.names, self.coordinator = plan, sizes, names, coordinator
+        self.metadata: bytes | None = None
+
+    def items(self, planner: SavePlanner, writer: _MemoryWriter) -> list[torch.Tensor] | None:
+        """``planner``'s state's items as bytes, when each fits this layout: the same names, every tensor of the
+        dtype and shape the metadata says, every item of the same size (its place in the file); else None."""
+        if set(_flat(planner)) != self.names:
+            return None
+        out = []
+        for item, size in zip(self.plan.items, self.sizes, strict=True):
+            if item.type != WriteItemType.BYTE_IO:
+                tensor = planner.resolve_data(item)
+                chunk = item.tensor_data
+                assert isinstance(tensor, torch.Tensor) and chunk is not None
+                if tensor.dtype != chunk.properties.dtype or tuple(tensor.shape) != tuple(chunk.chunk.sizes):
+                    return None
+                data = raw_tensor(tensor)
+            else:
+                data = writer._item(item, planner)
+            if data.numel() != size:
+                return None
+            out.append(data)
+        return out
 
 
 class _MemoryReader(InPlaceReader):
@@ -210,8 +295,10 @@ class Snapshotter:
     """One rank's repeated snapshots of one training (:mod:`raytrn.train.snapshots`): the state dict
     (:class:`raytrn.checkpoint.dcp.LiveState`), the staging and file buffers and the plain values' archives
     (:class:`_MemoryWriter`) are built at the first snapshot and reused while they fit. One snapshot at a time:
-    :meth:`stage`, then :meth:`write` (in any thread), whose files are valid until the next :meth:`write`. (DCP's plan
-    cache is not used: it is kept per process and class and does not compare dtypes.)"""
+    :meth:`stage`, then :meth:`write` (in any thread), whose files are valid until the next :meth:`write`. A write
+    whose items all fit the previous one's layout skips DCP's planning and collectives (:meth:`_MemoryWriter.repeat`).
+    (DCP's own plan cache is not used: it is kept per process and class, does not compare dtypes, and still gathers
+    every rank's results and broadcasts the metadata.)"""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
         self.state = LiveState(model, optimizer, scheduler)
@@ -230,7 +317,8 @@ class Snapshotter:
         """Write ``staged`` as DCP does, into memory (a collective on ``process_group``, a gloo group of its own; None
         without a process group): this rank's files, ``{name: bytes}``."""
         fs = self.writer.fs = MemoryFileSystem()  # type: ignore[assignment]
-        save_state(staged, self.writer, process_group=process_group)
+        if not self.writer.repeat(staged, process_group=process_group):  # the previous snapshot's layout, else DCP's
+            save_state(staged, self.writer, process_group=process_group)
         return dict(fs.files)
 
 

@@ -134,6 +134,8 @@ def test_repeated_snapshots_reuse_their_buffers_and_each_restores_its_own_step(t
     files = snapshotter.write(snapshotter.stage(), process_group=None)
     taken.append(({n: bytes(b) for n, b in files.items()}, _params(t), _moments(t), t.scheduler.state_dict()))
     assert snapshotter.state.builds == 2 and snapshotter.writer._host is not buffers  # staged anew
+    # Planned by DCP once: the others were written into its layout (new tensors of the same shapes: the same layout).
+    assert snapshotter.writer.repeats == 3
     for files, params, moments, scheduler in taken:
         fresh = build_training(j, CpuBackend(), world_size=1)
         memfiles.load_from_memory(files.__getitem__, fresh.model, fresh.optimizer, fresh.scheduler)
@@ -141,6 +143,39 @@ def test_repeated_snapshots_reuse_their_buffers_and_each_restores_its_own_step(t
         assert all(torch.equal(a, b) for a, b in zip(moments, _moments(fresh), strict=True))
         assert fresh.scheduler.state_dict() == scheduler
         assert fresh.optimizer.param_groups[0]["lr"] == scheduler["_last_lr"][0]
+
+
+def test_a_snapshot_whose_layout_changed_is_planned_again_and_restores_exactly(tmp_path: Path) -> None:
+    """A snapshot is written into the previous one's layout only when every item has the same size, dtype and
+    shape: a plain value whose archive grew (a longer pickle, past torch.save's padding) or a tensor of another
+    dtype (the same bytes) is planned by DCP again, and each snapshot restores exactly its own state."""
+    j = job(tmp_path)
+    t = trained(j)
+    snapshotter = memfiles.Snapshotter(t.model, t.optimizer, t.scheduler)
+    snapshotter.write(snapshotter.stage(), process_group=None)
+    taken = []
+    t.scheduler.last_epoch = 10**5000  # its archive is ~2 kB longer: the items after it move in the file
+    taken.append(({n: bytes(b) for n, b in snapshotter.write(snapshotter.stage(), process_group=None).items()},
+                  _params(t), t.scheduler.state_dict()))  # fmt: skip
+    assert snapshotter.writer.repeats == 0
+    name, param = next((n, p) for n, p in t.model.named_parameters() if p.dim() == 2)
+    with torch.no_grad():  # the same bytes as another dtype: every item of the same size, read otherwise
+        param.data = param.data.view(torch.bfloat16)
+    staged = snapshotter.stage()
+    assert staged["model"][name].dtype == torch.bfloat16
+    snapshotter.write(staged, process_group=None)
+    assert snapshotter.writer.repeats == 0
+    with torch.no_grad():
+        param.data = param.data.view(torch.float32)
+    snapshotter.write(snapshotter.stage(), process_group=None)
+    taken.append(({n: bytes(b) for n, b in snapshotter.write(snapshotter.stage(), process_group=None).items()},
+                  _params(t), t.scheduler.state_dict()))  # fmt: skip
+    assert snapshotter.writer.repeats == 1  # the last one: the same layout as the one before it
+    for files, params, scheduler in taken:
+        fresh = build_training(j, CpuBackend(), world_size=1)
+        memfiles.load_from_memory(files.__getitem__, fresh.model, fresh.optimizer, fresh.scheduler)
+        assert all(torch.equal(_params(fresh)[n], v) for n, v in params.items())
+        assert fresh.scheduler.state_dict() == scheduler
 
 
 def test_a_file_missing_from_memory_fails_the_restore_naming_it(tmp_path: Path) -> None:
@@ -182,9 +217,15 @@ def _fsdp_rank(rank: int, world: int, port: int, tmp: str, out: dict) -> None:
         files = future.result()
         pool.shutdown()
         assert snapshotter.state.builds == 1
+        assert snapshotter.writer.repeats == 1  # step 2's snapshot: step 1's layout, agreed by both ranks
+        files = {n: bytes(b) for n, b in files.items()}
+        if rank == 1:  # as after a failed write on rank 1 only: it has no layout, so neither rank uses one
+            snapshotter.writer._layout = None
+        again = snapshotter.write(snapshotter.stage(), process_group=group)
+        assert snapshotter.writer.repeats == 1
         out[rank] = {
-            "files": {n: bytes(b) for n, b in files.items()}, "params": full if rank == 0 else None,
-            "moved": moved if rank == 0 else None,
+            "files": files, "params": full if rank == 0 else None, "moved": moved if rank == 0 else None,
+            "again": {n: bytes(b) for n, b in again.items()},
         }  # fmt: skip
     finally:
         dist.destroy_process_group()
@@ -209,6 +250,11 @@ def test_a_two_rank_fsdp_snapshot_reshards_into_one_process(tmp_path: Path) -> N
         assert torch.equal(_params(one)[name], value), name
     assert any(not torch.equal(ranks[0]["moved"][n], v) for n, v in ranks[0]["params"].items())  # step 3 moved them
     assert one.scheduler.state_dict()["last_epoch"] == 2
+    # The snapshot after step 3 (planned by DCP again: rank 1 had no layout) restores step 3's state.
+    held = {**ranks[0]["again"], **ranks[1]["again"]}
+    memfiles.load_from_memory(held.__getitem__, one.model, one.optimizer, one.scheduler)
+    assert all(torch.equal(_params(one)[n], v) for n, v in ranks[0]["moved"].items())
+    assert one.scheduler.state_dict()["last_epoch"] == 3
 
 
 # -- one node's store ----------------------------------------------------------------------------------------
