@@ -10,7 +10,7 @@ memory against the checkpoint storage, and what a snapshot every step costs the 
   slower.
 
 The snapshot's staging, its DCP write into bytes and its copies to the stores are
-:func:`raytrn.checkpoint.memfiles.stage_to_memory` and :func:`raytrn.checkpoint.memory.publish`, as the loop runs them.
+:class:`raytrn.checkpoint.memfiles.Snapshotter` and :func:`raytrn.checkpoint.memory.publish`, as the loop runs them.
 """
 
 from __future__ import annotations
@@ -61,13 +61,12 @@ def child_main(args: argparse.Namespace) -> None:
         tier = memory.MemoryTier("bench", capacity_bytes=16 * 2**30)
         try:
             stores = tier.ensure(["peer"], pin=False)  # a store actor: another process, as a peer node's is
-            future, files = memfiles.stage_to_memory(dcp.training_state(model, opt, sched), process_group=None)
-            future.result()
-            snapshot = files()
+            snapshotter = memfiles.Snapshotter(model, opt, sched)  # as the loop writes one
+            snapshot = snapshotter.write(snapshotter.stage(), process_group=None)
             nbytes = sum(len(b) for b in snapshot.values())
             reason = memory.publish(stores, "peer", 1, 0, snapshot, replicas=0, timeout_s=600)
             assert reason is None, reason
-            del snapshot
+            del snapshot, snapshotter  # (its staging and file buffers: a restore is measured, not memory held)
             disk = os.path.join(tmp, "disk")
             dcp.save(dcp.training_state(model, opt, sched), disk)
             s3 = RunDir("s3://bench/raytrn", "memory").dcp_step(1)

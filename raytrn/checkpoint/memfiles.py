@@ -2,9 +2,10 @@
 checkpoint is (:mod:`raytrn.checkpoint.dcp`: every rank's shard file and rank 0's ``.metadata``), written into a dict
 of bytes instead of a directory, so it reshards the same way on the way back (N ranks' files into M ranks).
 
-- :class:`MemoryFileSystem`, :func:`stage_to_memory`, :func:`load_from_memory`: DCP's file operations on
-  ``{file name: bytes}``; the reader takes a ``fetch(name)`` for files held elsewhere (another node's store).
-- :class:`Snapshotter`: one rank's repeated snapshots, reusing what stays the same from one to the next.
+- :class:`MemoryFileSystem`, :func:`load_from_memory`: DCP's file operations on ``{file name: bytes}``; the reader
+  takes a ``fetch(name)`` for files held elsewhere (another node's store).
+- :class:`Snapshotter`: one rank's snapshots (the only way one is written), reusing what stays the same from one
+  to the next.
 
 Where the files are kept and which snapshot a restart can use: :mod:`raytrn.checkpoint.memory`.
 """
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from raytrn.checkpoint.dcp import LiveState, async_save_state, load_state, save_state
+from raytrn.checkpoint.dcp import LiveState, load_state, save_state
 from raytrn.checkpoint.inplace import RAW_SUFFIX, InPlaceReader, ViewStream, raw_tensor
 from raytrn.compat import dcp_stage, dcp_storage_info
 from raytrn.errors import CheckpointError
@@ -278,17 +279,6 @@ class _MemoryReader(InPlaceReader):
 
     def buffer(self, name: str) -> memoryview:
         return memoryview(self.fs._read(name))  # type: ignore[attr-defined]  # the file DCP's fallback reads too
-
-
-def stage_to_memory(state: dict[str, Any], *, process_group: Any) -> tuple[Any, Callable[[], dict[str, bytes]]]:
-    """Write ``state`` as DCP does (every rank its shards, rank 0 also ``.metadata``), into memory, in the
-    background: ``state`` is staged to host memory now (the caller waits for that only) and written by a background
-    thread, its collectives on ``process_group`` (a gloo group of its own; None without a process group). Returns
-    the write's future and ``files()``: this rank's files, ``{name: bytes}``, once the future is done. (A one-off
-    snapshot; the loop's repeated ones: :class:`Snapshotter`.)"""
-    writer = _MemoryWriter()
-    future = async_save_state(state, writer, process_group=process_group)
-    return future, lambda: dict(writer.fs.files)  # type: ignore[attr-defined]
 
 
 class Snapshotter:
