@@ -382,8 +382,11 @@ def dcp_storage_info(name: str, offset: int, length: int) -> Any:
 def dcp_stage(state: dict[str, Any], host: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """``state`` copied to host memory as DCP's own staging does (its tensors and DTensors' shards into CPU tensors,
     plain values as they are), into ``host``'s buffers when it has the same keys, else into new ones (not pinned:
-    CPU-only machines have no pinned memory). The caller passes ``host`` only for a state of the same shapes: a
-    tensor of another shape could broadcast into a kept buffer. Returns the copy and the buffers to pass next time. DCP's
+    CPU-only machines have no pinned memory). The caller passes ``host`` only for a state of the same structure:
+    a tensor of the same shape wherever ``host`` has one, and none where it has a plain value (a tensor of another
+    shape could broadcast into a kept buffer; a value that became a tensor is passed through, the live tensor, not
+    copied: :class:`raytrn.checkpoint.dcp.LiveState` builds its state again for either). Returns the copy and the
+    buffers to pass next time. DCP's
     ``BlockingAsyncStager`` uses these functions but pins its cached buffers; no public function stages into kept
     buffers."""
     from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict

@@ -312,13 +312,18 @@ class LiveState:
 
     def _tensors(self) -> tuple[Any, ...]:
         """What the kept state dict depends on: every parameter's and buffer's identity, storage and shape and
-        which are frozen, the optimizer's state tensors' and its groups' sizes."""
+        which are frozen, the optimizer's state tensors', its groups' sizes and their values' types."""
         model = tuple(_where(t) for t in (*self.model.parameters(), *self.model.buffers()))
         optim = tuple(
             (id(p), tuple((k, _where(v)) for k, v in s.items() if isinstance(v, torch.Tensor)))
             for p, s in self.optimizer.state.items()
         )
-        groups = tuple(len(g["params"]) for g in self.optimizer.param_groups)
+        # Each group's size and its values' types: a value that becomes a tensor (a tensor learning rate set
+        # mid-run) would be passed through staging, not copied, into buffers kept for a plain value.
+        groups = tuple(
+            (len(g["params"]), tuple((k, type(v)) for k, v in g.items() if k != "params"))
+            for g in self.optimizer.param_groups
+        )
         return model, id(self.optimizer.state), optim, groups
 
 

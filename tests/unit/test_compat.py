@@ -185,6 +185,24 @@ def test_dcp_stage_copies_into_kept_host_buffers_until_the_structure_changes() -
     assert other is not host and torch.equal(moved["bias"], torch.zeros(2)) and torch.equal(moved["w"], state["w"])
 
 
+def test_dcp_stage_copies_a_0_dim_tensor_and_passes_a_new_tensor_through_kept_plain_buffers() -> None:
+    """AdamW's ``step`` is a 0-dim tensor: copied into its kept buffer. A value that was None when the buffers were
+    made and is a tensor now is passed through as the live tensor (why LiveState builds its state again then)."""
+    import torch
+
+    state = {"step": torch.tensor(3.0), "momentum": None, "w": torch.ones(3)}
+    staged, host = compat.dcp_stage(state, None)
+    assert staged["step"].dim() == 0 and staged["step"].item() == 3.0 and staged["momentum"] is None
+    state["step"].add_(1)
+    again, kept = compat.dcp_stage(state, host)
+    assert kept is host and again["step"].item() == 4.0 and again["step"].data_ptr() == staged["step"].data_ptr()
+    state["momentum"] = torch.full((3,), 2.0)
+    moved, _ = compat.dcp_stage(state, host)
+    assert moved["momentum"] is state["momentum"]  # not copied: the caller must not pass these buffers
+    fresh, _ = compat.dcp_stage(state, None)
+    assert torch.equal(fresh["momentum"], state["momentum"]) and fresh["momentum"] is not state["momentum"]
+
+
 def test_dcp_storage_info_is_what_dcps_file_reader_reads() -> None:
     info = compat.dcp_storage_info("__0_0.raw", 12, 34)
     assert (info.relative_path, info.offset, info.length) == ("__0_0.raw", 12, 34)

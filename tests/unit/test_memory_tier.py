@@ -108,6 +108,11 @@ def test_the_live_state_is_the_training_state_after_every_step_and_is_rebuilt_wh
     train_step(t, _batches(5, 1), CpuBackend())
     _same_state(live(), dcp.training_state(t.model, t.optimizer, t.scheduler))
     assert live.builds == 2
+    live()
+    assert live.builds == 2
+    t.optimizer.param_groups[0]["weight_decay"] = torch.tensor(0.1)  # a plain value becomes a tensor: built again
+    state = live()
+    assert live.builds == 3 and torch.equal(state["optim"]["param_groups"][0]["weight_decay"], torch.tensor(0.1))
 
 
 def test_repeated_snapshots_reuse_their_buffers_and_each_restores_its_own_step(tmp_path: Path) -> None:
