@@ -1,7 +1,7 @@
-"""A Hugging Face Llama checkpoint's ``config.json`` as raytrn's ``model`` section (``model.init_from``).
+"""A Hugging Face Llama or Qwen3 checkpoint's ``config.json`` as raytrn's ``model`` section (``model.init_from``).
 
-``config.json`` (``model_type: llama``) gives the sizes; a job may omit them, and any it gives (or its preset
-gives) must match, else one error naming the field. RoPE: the default, or Llama 3.x's ``llama3`` scaling
+``config.json`` (``model_type``: one of :data:`FAMILIES`) gives the family and the sizes; a job may omit them, and
+any it gives (or its preset gives) must match, else one error naming the field. RoPE: the default, or Llama 3.x's ``llama3`` scaling
 (honoured by :class:`raytrn.models.decoder.RotaryEmbedding`); any other type is refused. Both spellings are
 read: ``rope_theta`` + ``rope_scaling`` (transformers 4) and ``rope_parameters`` (5). The weights are
 :mod:`raytrn.models.hf`'s.
@@ -24,11 +24,14 @@ FIELDS = {
     "num_hidden_layers": "num_layers",
     "num_attention_heads": "num_attention_heads",
     "num_key_value_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
     "vocab_size": "vocab_size",
     "max_position_embeddings": "max_position_embeddings",
     "rms_norm_eps": "rms_norm_eps",
     "tie_word_embeddings": "tie_word_embeddings",
 }
+#: config.json's ``model_type`` -> raytrn's ``model.family`` (what raytrn's decoder implements).
+FAMILIES = {"llama": "llama", "qwen3": "qwen3"}
 #: The keys of Llama 3.x's ``llama3`` RoPE scaling (transformers' ``_compute_llama3_parameters``).
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -71,15 +74,22 @@ def _exists(location: str) -> bool:
 
 
 def model_fields(config: dict[str, Any], *, where: str) -> dict[str, Any]:
-    """raytrn ``model`` fields from a Llama ``config.json``; ConfigError for another architecture or a RoPE
-    raytrn does not implement."""
+    """raytrn ``model`` fields from a Llama or Qwen3 ``config.json``; ConfigError for another architecture, or a
+    variant (attention biases, sliding windows, a RoPE) raytrn's decoder does not implement."""
     model_type = config.get("model_type")
-    if model_type != "llama":
+    if model_type not in FAMILIES:
         raise ConfigError(
-            f"{where}: model_type is {model_type!r}, not 'llama': raytrn's decoder is Llama's (Llama 2, 3, 3.1, 3.2 "
-            "and their fine-tunes); other architectures are not supported"
+            f"{where}: model_type is {model_type!r}; raytrn's decoder implements {', '.join(map(repr, FAMILIES))} "
+            "(Llama 2, 3, 3.1, 3.2, Qwen3 dense, and their fine-tunes); other architectures are not supported"
         )
-    fields = {ours: config[theirs] for theirs, ours in FIELDS.items() if config.get(theirs) is not None}
+    for key, plain in (("attention_bias", False), ("use_sliding_window", False)):
+        if config.get(key, plain) != plain:
+            raise ConfigError(
+                f"{where}: config.json has {key}: {config[key]!r}; raytrn's decoder implements {key}: "
+                f"{str(plain).lower()} only (training with it ignored would be silently wrong)"
+            )
+    fields: dict[str, Any] = {"family": FAMILIES[model_type]}  # first: another family is named as such
+    fields.update({ours: config[theirs] for theirs, ours in FIELDS.items() if config.get(theirs) is not None})
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                            "vocab_size") if k not in config]  # fmt: skip
     if missing:
@@ -120,13 +130,14 @@ def merge_config(model: dict[str, Any], location: str, *, where: str) -> dict[st
     if given.get("preset") is not None:
         preset = PRESETS.get(str(given["preset"]))
         if preset is not None:
-            given = {**preset, **given}
+            given = {"family": "llama", **preset, **given}  # (a Llama preset names no family)
     theirs = model_fields(read_config(location), where=f"{where}: model.init_from {location}")
     for name, value in theirs.items():
         if name in given and given[name] is not None and not _same(given[name], value):
             raise ConfigError(
                 f"{where}: model.{name} is {given[name]!r} but {_config_path(location)} says {value!r}; "
-                f"drop model.{name} (the checkpoint's config decides) or use a checkpoint of that size"
+                f"drop model.{name} (the checkpoint's config decides) or use a checkpoint of that "
+                f"{'family' if name == 'family' else 'size'}"
             )
     return {**theirs, **{k: v for k, v in model.items() if v is not None}}  # null: the checkpoint decides
 
@@ -136,7 +147,7 @@ def check_config(model: Any, location: str, *, where: str) -> None:
     says otherwise (a remote ``init_from``, checked where the job starts)."""
     theirs = model_fields(read_config(location), where=f"{where}: model.init_from {location}")
     for name, value in theirs.items():
-        ours = model.kv_heads if name == "num_key_value_heads" else getattr(model, name)
+        ours = {"num_key_value_heads": model.kv_heads, "head_dim": model.head_size}.get(name, getattr(model, name))
         if not _same(ours, value) and not (value is None and ours is None):
             raise ConfigError(
                 f"{where}: model.{name} is {ours!r} but {_config_path(location)} says {value!r}; set it "

@@ -1,4 +1,4 @@
-"""Model presets: named sizes of the Llama family (``model.preset``), as data.
+"""Model presets: named sizes of the Llama and Qwen3 families (``model.preset``), as data.
 
 A preset fills the ``model`` section's sizes (explicit fields win); with ``model.init_from`` its values are
 checked against the checkpoint's ``config.json`` (:mod:`raytrn.config.hf_config`).
@@ -71,3 +71,35 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=500000.0,
     ),
 }
+
+
+def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, *, tied: bool) -> dict[str, Any]:
+    """A Qwen3 dense model's config.json: 128-wide heads, 8 kv heads, a 151,936-token vocabulary, RoPE base 1e6,
+    a 40,960-token context."""
+    return dict(
+        family="qwen3",
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+    )
+
+
+PRESETS.update({
+    # Qwen3's attention at the tiny preset's sizes: heads of their own width (4 x 48 against a width of 128).
+    "tiny-qwen3": {**_qwen3(128, 384, 2, 4, tied=False), "num_key_value_heads": 2, "head_dim": 48,
+                   "vocab_size": 4096, "max_position_embeddings": 512},
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, tied=True),
+    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, tied=True),
+    "qwen3-4b": _qwen3(2560, 9728, 36, 32, tied=True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, tied=False),
+    "qwen3-14b": _qwen3(5120, 17408, 40, 40, tied=False),
+    "qwen3-32b": _qwen3(5120, 25600, 64, 64, tied=False),
+})  # fmt: skip

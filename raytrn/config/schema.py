@@ -41,18 +41,28 @@ class LoraConfig(Section):
 
 
 class ModelConfig(Section):
-    """A Llama-family decoder (HF ``LlamaConfig``). ``preset`` or ``init_from``'s config.json fills the sizes (the
-    required ones too); explicit fields win over a preset and must match init_from."""
+    """A decoder of a supported family (HF ``LlamaConfig``, ``Qwen3Config``). ``preset`` or ``init_from``'s
+    config.json fills the sizes (the required ones too); explicit fields win over a preset and must match
+    init_from."""
 
-    family: Literal["llama"] = Field("llama", description="model family; only HF Llama for now")
+    family: Literal["llama", "qwen3"] = Field(
+        "llama",
+        description="model family: llama (Llama 2, 3, 3.x) or qwen3 (Qwen3 dense: queries and keys RMS-normed per "
+        "head, head_dim of its own); a preset or init_from's config.json sets it",
+    )
     preset: str | None = Field(
-        None, description="named size (raytrn.config.presets): tiny, llama3.2-1b, llama3.1-8b, llama3-8b"
+        None,
+        description="named size (raytrn.config.presets): tiny, llama3.2-1b, llama3.1-8b, llama3-8b, tiny-qwen3, "
+        "qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, qwen3-32b",
     )
     hidden_size: int = Field(..., gt=0, le=1 << 18, description="model width")
     intermediate_size: int = Field(..., gt=0, le=1 << 20, description="MLP width")
     num_layers: int = Field(..., gt=0, le=4096, description="decoder layers")
     num_attention_heads: int = Field(..., gt=0, le=4096, description="attention heads; must divide hidden_size")
     num_key_value_heads: int | None = Field(None, gt=0, le=4096, description="GQA kv heads; default = attention heads")
+    head_dim: int | None = Field(
+        None, gt=0, le=4096, description="width of an attention head; default hidden_size / num_attention_heads"
+    )
     vocab_size: int = Field(..., gt=0, le=1 << 24, description="must be >= the dataset tokenizer's vocabulary")
     max_position_embeddings: int = Field(2048, gt=0, le=1 << 24, description="must be >= data.seq_len")
     rope_theta: float = Field(10000.0, gt=0, allow_inf_nan=False, description="RoPE base frequency")
@@ -85,15 +95,26 @@ class ModelConfig(Section):
             name = data["preset"]
             if not isinstance(name, str) or name not in PRESETS:
                 raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+            family = PRESETS[name].get("family", "llama")
+            if data.get("family") is not None and data["family"] != family:
+                raise ValueError(
+                    f"family {data['family']!r} but preset {name!r} is a {family} model; drop family (the preset "
+                    "sets it) or choose a preset of that family"
+                )
             return {**PRESETS[name], **data}
         return data
 
+    @property
+    def head_size(self) -> int:
+        """The width of an attention head: ``head_dim``, else ``hidden_size / num_attention_heads``."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
-        if self.hidden_size % self.num_attention_heads:
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                f"({self.num_attention_heads})"
+                f"({self.num_attention_heads}), or set head_dim"
             )
         if self.num_attention_heads % self.kv_heads:
             raise ValueError(

@@ -1,4 +1,6 @@
-"""A Llama decoder in plain PyTorch, numerically the same as HF ``LlamaForCausalLM`` with SDPA attention.
+"""A Llama or Qwen3 decoder in plain PyTorch, numerically the same as HF ``LlamaForCausalLM`` /
+``Qwen3ForCausalLM`` with SDPA attention. The two differ only in attention: Qwen3 RMS-normalises each head's query
+and key (``q_norm``, ``k_norm``, before RoPE) and its head width is a size of its own (``head_dim``).
 
 Why not the HF class itself: importing ``transformers``' Llama costs a training worker ~4.5 CPU-seconds at
 start-up (it also pulls in ``torch.distributed.tensor``), and on a 2-core machine that is seconds before the
@@ -119,23 +121,34 @@ def document_positions(segments: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int) -> None:
+    """Llama's attention; with ``qk_norm_eps`` Qwen3's (``q_norm``/``k_norm``: RMSNorm over each head's query and
+    key, before RoPE; created after the projections, HF's order)."""
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm_eps: float | None = None
+    ) -> None:
         super().__init__()
-        self.head_dim = hidden_size // num_heads
+        self.head_dim = head_dim
         self.num_kv_groups = num_heads // num_kv_heads
         self.scaling = self.head_dim**-0.5
         self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=False)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+        self.qk_norm = qk_norm_eps is not None
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         batch, seq = x.shape[:2]
         shape = (batch, seq, -1, self.head_dim)
-        q = self.q_proj(x).view(shape).transpose(1, 2)  # [batch, heads, seq, head_dim]
-        k = self.k_proj(x).view(shape).transpose(1, 2)
+        q, k = self.q_proj(x).view(shape), self.k_proj(x).view(shape)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [batch, heads, seq, head_dim]
         v = self.v_proj(x).view(shape).transpose(1, 2)
         q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
         gqa = self.num_kv_groups > 1
@@ -158,9 +171,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int, eps: float):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        eps: float,
+        head_dim: int,
+        qk_norm: bool = False,
+    ):
         super().__init__()
-        self.self_attn = Attention(hidden_size, num_heads, num_kv_heads)
+        self.self_attn = Attention(hidden_size, num_heads, num_kv_heads, head_dim, eps if qk_norm else None)
         self.mlp = MLP(hidden_size, intermediate_size)
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
@@ -173,7 +195,8 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Embedding, decoder layers, final norm: HF's ``LlamaModel`` (the ``model.`` prefix of the names)."""
+    """Embedding, decoder layers, final norm: HF's ``LlamaModel`` / ``Qwen3Model`` (the ``model.`` prefix of the
+    names). ``head_dim``: default ``hidden_size / num_heads``; ``qk_norm``: Qwen3's per-head query and key norms."""
 
     def __init__(
         self,
@@ -187,14 +210,18 @@ class Decoder(nn.Module):
         rope_theta: float,
         eps: float,
         rope_scaling: dict[str, float] | None = None,
+        head_dim: int | None = None,
+        qk_norm: bool = False,
     ) -> None:
         super().__init__()
+        head_dim = head_dim or hidden_size // num_heads
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(hidden_size, intermediate_size, num_heads, num_kv_heads, eps) for _ in range(num_layers)
+            DecoderLayer(hidden_size, intermediate_size, num_heads, num_kv_heads, eps, head_dim, qk_norm)
+            for _ in range(num_layers)
         )
         self.norm = RMSNorm(hidden_size, eps)
-        self.rotary_emb = RotaryEmbedding(hidden_size // num_heads, rope_theta, rope_scaling)
+        self.rotary_emb = RotaryEmbedding(head_dim, rope_theta, rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         """``segments``: a document number per token of packed rows (0: padding): attention stays inside each

@@ -1,5 +1,6 @@
-"""Llama-family decoders: the builder (:mod:`raytrn.models.decoder`, plain PyTorch) and the Hugging Face view
-of the same model (``LlamaConfig``, export), used only where ``transformers`` is wanted.
+"""Llama- and Qwen3-family decoders (``model.family``): the builder (:mod:`raytrn.models.decoder`, plain PyTorch)
+and the Hugging Face view of the same model (``LlamaConfig`` / ``Qwen3Config``, export), used only where
+``transformers`` is wanted.
 
 Sizes come from the job spec (``model.preset`` fills them from :data:`raytrn.config.presets.PRESETS`).
 :func:`model_stats` gives parameter counts and training FLOPs per token (6N + attention term) for MFU.
@@ -18,8 +19,32 @@ if TYPE_CHECKING:
     from raytrn.config import ModelConfig
 
 
+#: ``model.family`` -> the Hugging Face architecture of its export.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 def hf_config(cfg: ModelConfig):
-    """The HF ``LlamaConfig`` for a raytrn model config."""
+    """The HF ``LlamaConfig`` or ``Qwen3Config`` for a raytrn model config."""
+    if cfg.family == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(  # type: ignore[call-arg]
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.kv_heads,
+            head_dim=cfg.head_size,
+            max_position_embeddings=cfg.max_position_embeddings,
+            rope_theta=cfg.rope_theta,
+            rms_norm_eps=cfg.rms_norm_eps,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+            attention_bias=False,
+            use_sliding_window=False,
+            attn_implementation="sdpa",
+            use_cache=False,
+        )
     from transformers import LlamaConfig
 
     # rope_theta in the 4.x keyword form: transformers 5 folds it into rope_parameters, and the
@@ -31,6 +56,7 @@ def hf_config(cfg: ModelConfig):
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_size,
         max_position_embeddings=cfg.max_position_embeddings,
         rope_theta=cfg.rope_theta,
         rope_scaling=cfg.rope_scaling,
@@ -42,8 +68,9 @@ def hf_config(cfg: ModelConfig):
 
 
 def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cpu") -> torch.nn.Module:
-    """A freshly initialised Llama (:mod:`raytrn.models.decoder`, plain PyTorch with HF's parameter names);
-    the same seed gives the same weights, and the same weights as HF's ``LlamaForCausalLM``."""
+    """A freshly initialised decoder of ``cfg.family`` (:mod:`raytrn.models.decoder`, plain PyTorch with HF's
+    parameter names); the same seed gives the same weights, and the same weights as HF's ``LlamaForCausalLM`` /
+    ``Qwen3ForCausalLM``."""
     import torch
 
     from raytrn.models.decoder import Decoder, LlamaForCausalLM  # torch (~1.9 s, measured): model_stats needs none
@@ -61,6 +88,8 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
             rope_theta=cfg.rope_theta,
             eps=cfg.rms_norm_eps,
             rope_scaling=cfg.rope_scaling,
+            head_dim=cfg.head_size,
+            qk_norm=cfg.family == "qwen3",
         )
         model = LlamaForCausalLM(decoder, tie_word_embeddings=cfg.tie_word_embeddings)
     return model.to(device=device, dtype=dtype)
@@ -69,7 +98,7 @@ def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cp
 def save_hf(
     cfg: ModelConfig, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], out_dir: str | None, *, specs: Any = None
 ) -> None:
-    """Write a model's state (of :func:`build_model`'s model) as a Hugging Face Llama checkpoint: ``config.json``
+    """Write a model's state (of :func:`build_model`'s model) as a Hugging Face checkpoint of its family: ``config.json``
     + ``model.safetensors``, loadable with ``AutoModelForCausalLM.from_pretrained``.
 
     ``tensors``: a state dict, or (name, CPU tensor) pairs arriving one at a time (a sharded model gathered
@@ -90,7 +119,7 @@ def save_hf(
     config = hf_config(cfg)
     dtypes = {dtype for dtype, _ in specs.values()}
     config.dtype = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
-    config.architectures = ["LlamaForCausalLM"]
+    config.architectures = [ARCHITECTURES[cfg.family]]
     config.save_pretrained(out_dir)
 
 
@@ -168,22 +197,22 @@ class ModelStats:
 def model_stats(cfg: ModelConfig, seq_len: int) -> ModelStats:
     """Parameter count and training FLOPs/token, from the config alone (no weights allocated).
 
-    FLOPs/token = 6 * (N - N_embedding) + 12 * layers * hidden * seq_len, the usual dense-transformer
+    FLOPs/token = 6 * (N - N_embedding) + 12 * layers * heads * head_dim * seq_len (hidden for Llama), the usual dense-transformer
     estimate (PaLM appendix B; torchtitan): 6N for the matmuls' forward+backward, and the attention
     score/value matmuls that N does not count. The input embedding is a lookup, so it is excluded; an
     untied output head is a matmul and stays in N.
     """
     h, f, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    head_dim = h // cfg.num_attention_heads
-    kv = cfg.kv_heads * head_dim
-    attn = h * h + 2 * h * kv + h * h  # q, k, v, o projections (Llama has no biases)
+    head_dim = cfg.head_size
+    q, kv = cfg.num_attention_heads * head_dim, cfg.kv_heads * head_dim  # (q == h unless head_dim is its own)
+    attn = h * q + 2 * h * kv + q * h  # q, k, v, o projections (no biases)
     mlp = 3 * h * f  # gate, up, down
-    norms = 2 * h
+    norms = 2 * h + (2 * head_dim if cfg.family == "qwen3" else 0)  # + Qwen3's per-head query and key norms
     per_layer = attn + mlp + norms
     embedding = cfg.vocab_size * h
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
     n = layers * per_layer + embedding + head + h  # + final norm
-    flops = 6 * (n - embedding) + 12 * layers * h * seq_len
+    flops = 6 * (n - embedding) + 12 * layers * q * seq_len  # attention scores and values over the heads' width
     if cfg.tie_word_embeddings:
         flops += 6 * embedding  # the tied matrix is still used as the output matmul
     return ModelStats(num_params=n, num_embedding_params=embedding, flops_per_token=float(flops))

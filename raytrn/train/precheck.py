@@ -149,6 +149,8 @@ def shrink(job: JobSpec, *, shapes: bool = False) -> JobSpec:
             "intermediate_size": min(m.intermediate_size, 3 * SHRINK_HIDDEN),
             "num_attention_heads": heads,
             "num_key_value_heads": kv,
+            # A head width of its own (Qwen3) stays one, smaller: the shrunk model keeps the family's attention.
+            "head_dim": None if m.head_dim is None else min(m.head_dim, SHRINK_HIDDEN // heads),
         }
     )
     if not shapes:

@@ -80,6 +80,7 @@ class XlaBackend(Backend):
             "model.lora": getattr(job.model, "lora", None),
             "data.validation": getattr(job.data, "validation", None),
             "data.attention: document": getattr(job.data, "attention", "causal") == "document" or None,
+            f"model.family: {job.model.family}": job.model.family != "llama" or None,
         }
         for name, value in asked.items():
             if value:

@@ -150,7 +150,7 @@ def test_source_is_not_a_yaml_field(tmp_path: Path) -> None:
         pytest.param(
             "model",
             {"preset": ["tiny"]},
-            "model: unknown preset ['tiny']; choose one of ['llama3-8b', 'llama3.1-8b', 'llama3.2-1b', 'tiny']",
+            "model: unknown preset ['tiny']; choose one of ['llama3-8b', 'llama3.1-8b', 'llama3.2-1b', 'qwen3-0.6b', 'qwen3-1.7b', 'qwen3-14b', 'qwen3-32b', 'qwen3-4b', 'qwen3-8b', 'tiny', 'tiny-qwen3']",
             id="preset-unhashable",
         ),
         pytest.param(
@@ -212,7 +212,11 @@ def test_missing_required_section(tmp_path: Path) -> None:
         ("optim", {"betas": [1.0, 0.95]}, "optim: betas must each be in [0, 1), got [1.0, 0.95]"),
         ("optim", {"betas": [0.9, -0.1]}, "optim: betas must each be in [0, 1), got [0.9, -0.1]"),
         ("data", {"global_batch_size": 64}, "data: set either grad_accum or global_batch_size, not both"),
-        ("model", {"hidden_size": 130}, "model: hidden_size (130) must be divisible by num_attention_heads (4)"),
+        (
+            "model",
+            {"hidden_size": 130},
+            "model: hidden_size (130) must be divisible by num_attention_heads (4), or set head_dim",
+        ),
         (
             "model",
             {"num_key_value_heads": 3},
@@ -226,7 +230,7 @@ def test_missing_required_section(tmp_path: Path) -> None:
         (
             "model",
             {"preset": "llama-70b"},
-            "model: unknown preset 'llama-70b'; choose one of ['llama3-8b', 'llama3.1-8b', 'llama3.2-1b', 'tiny']",
+            "model: unknown preset 'llama-70b'; choose one of ['llama3-8b', 'llama3.1-8b', 'llama3.2-1b', 'qwen3-0.6b', 'qwen3-1.7b', 'qwen3-14b', 'qwen3-32b', 'qwen3-4b', 'qwen3-8b', 'tiny', 'tiny-qwen3']",
         ),
         (
             "scaling",

@@ -41,7 +41,7 @@ def hf_checkpoint(out: Path, *, tie: bool = False, rope_scaling: dict | None = N
 def job_for(checkpoint: Path, *overrides: str) -> Any:
     return load_job(
         REPO / "jobs" / "tiny.yaml",
-        ["model.preset=null", "model.hidden_size=null", "model.intermediate_size=null", "model.num_layers=null",
+        ["model.family=null", "model.preset=null", "model.hidden_size=null", "model.intermediate_size=null", "model.num_layers=null",
          "model.num_attention_heads=null", "model.num_key_value_heads=null", "model.vocab_size=null",
          f"model.init_from={checkpoint}", "data.manifest=unused", *overrides],
         resolve=False,
@@ -76,6 +76,44 @@ def test_logits_equal_hf_exactly(tmp_path: Path, kind: str) -> None:
     assert torch.equal(logits_of(ours, ids), logits_of(hf, ids))
     if kind == "tied":
         assert ours.lm_head.weight is ours.model.embed_tokens.weight
+
+
+def qwen3_checkpoint(out: Path, *, tie: bool) -> Any:
+    """A tiny random HF Qwen3 (heads 48 wide against a width of 64) saved to ``out``; the model."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(7)
+    config = Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=48, max_position_embeddings=256, rope_theta=1e6, rms_norm_eps=1e-6,
+        tie_word_embeddings=tie, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():  # per-head norms that are not all ones: their loading matters
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(out)
+    return model
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_a_qwen3_checkpoint_sets_the_family_and_loads_exactly(tmp_path: Path, tie: bool) -> None:
+    hf = qwen3_checkpoint(tmp_path, tie=tie)
+    m = job_for(tmp_path).model
+    assert (m.family, m.head_size, m.kv_heads, m.rope_theta, m.tie_word_embeddings) == ("qwen3", 48, 2, 1e6, tie)
+    ours = build_model(m, seed=0).eval()
+    assert load_weights(ours, str(tmp_path), tied=m.tie_word_embeddings, source="t") > 0
+    ids = torch.randint(0, 512, (2, 100), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(logits_of(ours, ids), logits_of(hf, ids))
+
+
+def test_a_preset_of_another_family_than_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    qwen3_checkpoint(tmp_path, tie=False)
+    with pytest.raises(ConfigError, match="model.family is 'llama' but .*config.json says 'qwen3'.*of that family"):
+        load_job(REPO / "jobs" / "tiny.yaml", [f"model.init_from={tmp_path}", "data.manifest=x"], resolve=False)
+    with pytest.raises(ConfigError, match="model.head_dim is 16 but .*config.json says 48"):
+        job_for(tmp_path, "model.head_dim=16")
 
 
 def test_a_bf16_checkpoint_loads_into_a_float32_model(tmp_path: Path) -> None:
@@ -129,12 +167,13 @@ def test_sizes_the_job_gives_must_match_the_checkpoint(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        ({"model_type": "gpt2"}, "model_type is 'gpt2', not 'llama'"),
+        ({"model_type": "gpt2"}, "model_type is 'gpt2'; raytrn's decoder implements 'llama', 'qwen3'"),
+        ({"attention_bias": True}, "attention_bias: True; raytrn's decoder implements attention_bias: false only"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None},
          "RoPE scaling 'yarn' is not implemented"),
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "'llama3' RoPE scaling without factor"),
     ],
-    ids=["not-llama", "yarn", "llama3-incomplete"],
+    ids=["not-supported", "attention-bias", "yarn", "llama3-incomplete"],
 )  # fmt: skip
 def test_a_checkpoint_raytrn_cannot_train_is_refused(tmp_path: Path, edit: dict, message: str) -> None:
     hf_checkpoint(tmp_path)

@@ -205,3 +205,117 @@ def test_building_needs_no_transformers() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# -- Qwen3 dense ---------------------------------------------------------------------------------------
+
+
+def qwen3(**changes: Any) -> ModelConfig:
+    """A tiny Qwen3: heads of their own width (4 x 48 = 192 against a width of 128), RoPE base 1e6."""
+    sizes = dict(hidden_size=128, intermediate_size=384, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=48, vocab_size=512, max_position_embeddings=512, rope_theta=1e6, rms_norm_eps=1e-6)  # fmt: skip
+    return ModelConfig(family="qwen3", **{**sizes, **changes})
+
+
+QWEN3_CASES = [
+    pytest.param({}, id="untied-gqa"),
+    pytest.param({"tie_word_embeddings": True}, id="tied-gqa"),
+    pytest.param({"num_key_value_heads": None, "head_dim": None}, id="mha-hidden-over-heads"),
+    pytest.param(
+        {"hidden_size": 96, "intermediate_size": 200, "num_layers": 3, "vocab_size": 300, "head_dim": 40},
+        id="odd-sizes",
+    ),  # fmt: skip
+    pytest.param({"dtype": "bfloat16", "num_key_value_heads": 1}, id="bf16-mqa"),
+]
+
+
+@pytest.mark.parametrize("changes", QWEN3_CASES)
+def test_same_model_as_hf_qwen3(changes: dict[str, Any]) -> None:
+    """raytrn's Qwen3 is HF's Qwen3ForCausalLM (SDPA): the same seed gives the same weights under the same names
+    (q_norm and k_norm included), bit-identical logits and gradients."""
+    from transformers import Qwen3ForCausalLM
+
+    from raytrn.models.llama import hf_config
+
+    cfg = qwen3(**changes)
+    ours = build_model(cfg, seed=3)
+    torch.manual_seed(3)
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    hf = Qwen3ForCausalLM(hf_config(cfg))
+    inv_freq = hf.model.rotary_emb.inv_freq
+    hf = hf.to(dtype)
+    hf.model.rotary_emb.inv_freq = inv_freq  # float32 RoPE frequencies, as from_pretrained leaves them (and raytrn)
+    mine, theirs = ours.state_dict(), hf.state_dict()
+    assert list(mine) == list(theirs) and "model.layers.0.self_attn.q_norm.weight" in mine
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert model_stats(cfg, seq_len=64).num_params == real_params(ours) == real_params(hf)
+
+    ids = torch.randint(0, cfg.vocab_size, (3, 40), generator=torch.Generator().manual_seed(1))
+    a, b = ours(input_ids=ids).logits, hf(input_ids=ids).logits
+    assert torch.equal(a, b)
+    a.float().square().mean().backward()
+    b.float().square().mean().backward()
+    grads = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        assert p.grad is not None and torch.equal(p.grad, grads[name].grad), name
+
+
+@pytest.mark.parametrize(
+    ("preset", "total", "non_embedding"),
+    [("qwen3-0.6b", 0.6e9, 0.44e9), ("qwen3-1.7b", 1.7e9, 1.4e9), ("qwen3-4b", 4.0e9, 3.6e9),
+     ("qwen3-8b", 8.2e9, 6.95e9), ("qwen3-14b", 14.8e9, 13.2e9), ("qwen3-32b", 32.8e9, 31.2e9)],
+)  # fmt: skip
+def test_qwen3_presets_have_the_published_sizes(preset: str, total: float, non_embedding: float) -> None:
+    """The model cards' counts (total; without the embedding and an untied output head)."""
+    cfg = ModelConfig(preset=preset)
+    stats = model_stats(cfg, seq_len=4096)
+    head = 0 if cfg.tie_word_embeddings else stats.num_embedding_params
+    assert cfg.family == "qwen3" and cfg.head_size == 128
+    assert stats.num_params == pytest.approx(total, rel=0.02)
+    assert stats.num_params - stats.num_embedding_params - head == pytest.approx(non_embedding, rel=0.02)
+
+
+def test_qwen3_preset_counts_equal_transformers() -> None:
+    """The preset's parameter count is what transformers counts for the same config (built on the meta device)."""
+    from transformers import Qwen3ForCausalLM
+
+    from raytrn.models.llama import hf_config
+
+    cfg = ModelConfig(preset="qwen3-0.6b")
+    with torch.device("meta"):
+        hf = Qwen3ForCausalLM(hf_config(cfg))
+    assert model_stats(cfg, seq_len=4096).num_params == real_params(hf)
+
+
+def test_qwen3_export_loads_in_transformers(tmp_path) -> None:
+    """save_hf writes a Qwen3 checkpoint (architectures: Qwen3ForCausalLM) that transformers loads into the same
+    model: identical logits."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from raytrn.models.llama import save_hf
+
+    cfg = qwen3(tie_word_embeddings=True)
+    model = build_model(cfg, seed=4).eval()
+    with torch.no_grad():  # trained weights, not the init: the per-head norms must round-trip too
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.01)
+    save_hf(cfg, model.state_dict(), str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["architectures"] == ["Qwen3ForCausalLM"]
+    assert config["head_dim"] == 48
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, loaded(input_ids=ids).logits)
+
+
+def test_a_family_the_preset_contradicts_is_one_clear_error() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="family 'llama' but preset 'qwen3-8b' is a qwen3 model"):
+        ModelConfig(preset="qwen3-8b", family="llama")
+    with pytest.raises(ValidationError, match="must be divisible by num_attention_heads .*or set head_dim"):
+        ModelConfig(preset="tiny", hidden_size=130)
+    assert qwen3().head_size == 48 and qwen3(head_dim=None).head_size == 32

@@ -289,6 +289,14 @@ def test_the_xla_path_refuses_init_from(tmp_path: Path) -> None:
                                              "scaling.max_workers=1"))  # fmt: skip
 
 
+def test_the_xla_path_refuses_a_qwen3_model() -> None:
+    job = load_job(Path(__file__).resolve().parents[2] / "jobs" / "tiny.yaml",
+                   ["model.family=qwen3", "model.preset=qwen3-0.6b", "scaling.accelerator=xla-cpu",
+                    "scaling.min_workers=1", "scaling.max_workers=1", "data.manifest=unused"], resolve=False)  # fmt: skip
+    with pytest.raises(BackendError, match="model.family: qwen3 is not supported on scaling.accelerator='xla-cpu'"):
+        get_backend("xla-cpu").check(job)
+
+
 def test_xla_cpu_keeps_the_glibc_allocator_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     test_host_malloc.test_worker_runtime_env_follows_backend_default_and_job(monkeypatch, "xla-cpu", None, False)
 
