@@ -213,6 +213,17 @@ def test_tensor_parallel_2_equals_tp_1(single, tmp_path) -> None:
     assert losses(tp2) == pytest.approx(losses(ref)[:6], rel=LOSS_RTOL)
 
 
+def test_qwen3_under_fsdp_x_tensor_parallel_follows_one_process(tmp_path) -> None:
+    """Qwen3's per-head query and key norms on each rank's own heads (TP 2 splits the heads), under FSDP: the
+    same losses as one process."""
+    qwen3 = ("model.family=qwen3", "model.preset=tiny-qwen3")
+    one = run_layout(tmp_path, 1, "qwen3-one", *qwen3, steps=4)
+    tp2 = run_layout(tmp_path, 2, "qwen3-tp2", *qwen3, "parallel.data_parallel=fsdp",
+                     "parallel.tensor_parallel_size=2", steps=4)  # fmt: skip
+    assert losses(tp2) == pytest.approx(losses(one), rel=LOSS_RTOL)
+    assert losses(one)[3] < losses(one)[0]  # it trains
+
+
 def test_dp2_x_tp2_on_4_workers_with_activation_checkpointing(single, tmp_path) -> None:
     _, ref = single
     run = run_layout(

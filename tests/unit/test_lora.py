@@ -1,4 +1,4 @@
-"""LoRA (raytrn.models.lora) on a Hugging Face Llama made here: training starts at the base model, only the adapters
+"""LoRA (raytrn.models.lora) on a Hugging Face Llama (and Qwen3, for the exports) made here: training starts at the base model, only the adapters
 train (optimizer and checkpoints hold nothing else), the merged export is a plain Llama that ``transformers`` loads,
 the adapter export a directory that ``peft`` loads, each computing what raytrn's model computes. One process."""
 
@@ -18,7 +18,7 @@ from raytrn.models.lora import LoRALinear, trainable_parameters
 from raytrn.train.build import build_training
 from raytrn.train.schedule import Schedule
 from raytrn.train.step import train_step
-from tests.unit.test_init_from import hf_checkpoint, job_for
+from tests.unit.test_init_from import hf_checkpoint, job_for, qwen3_checkpoint
 
 pytestmark = pytest.mark.unit
 
@@ -89,29 +89,40 @@ def test_checkpoints_hold_the_adapters_only_and_resume_them(tmp_path: Path) -> N
     assert torch.equal(logits(fresh.model, IDS), logits(t.model, IDS))
 
 
-def test_the_merged_export_is_a_llama_transformers_loads(tmp_path: Path) -> None:
+def checkpoint_of(family: str, out: Path) -> Any:
+    """A tiny random HF checkpoint of ``family`` (Llama, or Qwen3: per-head norms, heads of their own width)."""
+    return hf_checkpoint(out) if family == "llama" else qwen3_checkpoint(out, tie=False)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_merged_export_is_a_plain_model_transformers_loads(tmp_path: Path, family: str) -> None:
+    import json
+
     from transformers import AutoModelForCausalLM
 
     from raytrn.tracking.export import export_hf
 
-    hf_checkpoint(tmp_path / "hf")
+    checkpoint_of(family, tmp_path / "hf")
     job = lora_job(tmp_path / "hf", tmp_path)
+    assert job.model.family == family
     t = trained(job, tmp_path / "hf")
     specs = {n: (v.dtype, tuple(v.shape)) for n, v in t.model.state_dict().items()}
     (tmp_path / "merged").mkdir()
     export_hf(job, iter(t.model.state_dict().items()), str(tmp_path / "merged"), specs)
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == family
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     assert not any("lora" in n for n in back.state_dict())
     torch.testing.assert_close(logits(back, IDS), logits(t.model, IDS), rtol=1e-5, atol=1e-5)
 
 
-def test_the_adapter_export_is_a_peft_adapter(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_adapter_export_is_a_peft_adapter(tmp_path: Path, family: str) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from raytrn.tracking.export import export_hf
 
-    hf_checkpoint(tmp_path / "hf")
+    checkpoint_of(family, tmp_path / "hf")
     job = lora_job(tmp_path / "hf", tmp_path, "tracking.export=adapter")
     t = trained(job, tmp_path / "hf")
     specs = {n: (v.dtype, tuple(v.shape)) for n, v in t.model.state_dict().items()}
