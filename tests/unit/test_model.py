@@ -131,6 +131,25 @@ def test_forward_is_causal() -> None:
     assert not torch.equal(a[:, 15:], b[:, 15:])
 
 
+def qwen3(**changes: Any) -> ModelConfig:
+    """A tiny Qwen3: heads of their own width (4 x 48 = 192 against a width of 128), RoPE base 1e6."""
+    sizes = dict(hidden_size=128, intermediate_size=384, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=48, vocab_size=512, max_position_embeddings=512, rope_theta=1e6, rms_norm_eps=1e-6)  # fmt: skip
+    return ModelConfig(family="qwen3", **{**sizes, **changes})
+
+
+QWEN3_CASES = [
+    pytest.param({}, id="untied-gqa"),
+    pytest.param({"tie_word_embeddings": True}, id="tied-gqa"),
+    pytest.param({"num_key_value_heads": None, "head_dim": None}, id="mha-hidden-over-heads"),
+    pytest.param(
+        {"hidden_size": 96, "intermediate_size": 200, "num_layers": 3, "vocab_size": 300, "head_dim": 40},
+        id="odd-sizes",
+    ),  # fmt: skip
+    pytest.param({"dtype": "bfloat16", "num_key_value_heads": 1}, id="bf16-mqa"),
+]
+
+
 HF_CASES = [
     pytest.param({}, id="untied-gqa"),
     pytest.param({"tie_word_embeddings": True}, id="tied-gqa"),
@@ -140,25 +159,32 @@ HF_CASES = [
 ]
 
 
-@pytest.mark.parametrize("changes", HF_CASES)
-def test_same_model_as_hf_llama(changes: dict[str, Any]) -> None:
-    """raytrn's plain-PyTorch Llama is HF's LlamaForCausalLM (SDPA): same seed -> the same weights under the
-    same names, and bit-identical logits and gradients. Golden losses and checkpoints rely on it."""
-    from transformers import LlamaForCausalLM
+@pytest.mark.parametrize(
+    ("family", "changes"),
+    [pytest.param("llama", c.values[0], id=f"llama-{c.id}") for c in HF_CASES]
+    + [pytest.param("qwen3", c.values[0], id=f"qwen3-{c.id}") for c in QWEN3_CASES],
+)
+def test_same_model_as_hf(family: str, changes: dict[str, Any]) -> None:
+    """raytrn's plain-PyTorch decoder is HF's LlamaForCausalLM / Qwen3ForCausalLM (SDPA): same seed -> the same
+    weights under the same names (Qwen3's q_norm and k_norm included), the same parameter count, and bit-identical
+    logits and gradients. Golden losses and checkpoints rely on it."""
+    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
 
     from raytrn.models.llama import hf_config
 
-    cfg = tiny(**changes)
+    cfg = tiny(**changes) if family == "llama" else qwen3(**changes)
     ours = build_model(cfg, seed=3)
     torch.manual_seed(3)
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    hf = LlamaForCausalLM(hf_config(cfg))
+    hf = (LlamaForCausalLM if family == "llama" else Qwen3ForCausalLM)(hf_config(cfg))
     inv_freq = hf.model.rotary_emb.inv_freq
     hf = hf.to(dtype)
     hf.model.rotary_emb.inv_freq = inv_freq  # float32 RoPE frequencies, as from_pretrained leaves them (and raytrn)
     mine, theirs = ours.state_dict(), hf.state_dict()
     assert list(mine) == list(theirs)
+    assert ("model.layers.0.self_attn.q_norm.weight" in mine) == (family == "qwen3")
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert model_stats(cfg, seq_len=64).num_params == real_params(ours) == real_params(hf)
 
     ids = torch.randint(0, cfg.vocab_size, (3, 40), generator=torch.Generator().manual_seed(1))
     a, b = ours(input_ids=ids).logits, hf(input_ids=ids).logits
@@ -205,59 +231,6 @@ def test_building_needs_no_transformers() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
-
-
-# -- Qwen3 dense ---------------------------------------------------------------------------------------
-
-
-def qwen3(**changes: Any) -> ModelConfig:
-    """A tiny Qwen3: heads of their own width (4 x 48 = 192 against a width of 128), RoPE base 1e6."""
-    sizes = dict(hidden_size=128, intermediate_size=384, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=48, vocab_size=512, max_position_embeddings=512, rope_theta=1e6, rms_norm_eps=1e-6)  # fmt: skip
-    return ModelConfig(family="qwen3", **{**sizes, **changes})
-
-
-QWEN3_CASES = [
-    pytest.param({}, id="untied-gqa"),
-    pytest.param({"tie_word_embeddings": True}, id="tied-gqa"),
-    pytest.param({"num_key_value_heads": None, "head_dim": None}, id="mha-hidden-over-heads"),
-    pytest.param(
-        {"hidden_size": 96, "intermediate_size": 200, "num_layers": 3, "vocab_size": 300, "head_dim": 40},
-        id="odd-sizes",
-    ),  # fmt: skip
-    pytest.param({"dtype": "bfloat16", "num_key_value_heads": 1}, id="bf16-mqa"),
-]
-
-
-@pytest.mark.parametrize("changes", QWEN3_CASES)
-def test_same_model_as_hf_qwen3(changes: dict[str, Any]) -> None:
-    """raytrn's Qwen3 is HF's Qwen3ForCausalLM (SDPA): the same seed gives the same weights under the same names
-    (q_norm and k_norm included), bit-identical logits and gradients."""
-    from transformers import Qwen3ForCausalLM
-
-    from raytrn.models.llama import hf_config
-
-    cfg = qwen3(**changes)
-    ours = build_model(cfg, seed=3)
-    torch.manual_seed(3)
-    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    hf = Qwen3ForCausalLM(hf_config(cfg))
-    inv_freq = hf.model.rotary_emb.inv_freq
-    hf = hf.to(dtype)
-    hf.model.rotary_emb.inv_freq = inv_freq  # float32 RoPE frequencies, as from_pretrained leaves them (and raytrn)
-    mine, theirs = ours.state_dict(), hf.state_dict()
-    assert list(mine) == list(theirs) and "model.layers.0.self_attn.q_norm.weight" in mine
-    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
-    assert model_stats(cfg, seq_len=64).num_params == real_params(ours) == real_params(hf)
-
-    ids = torch.randint(0, cfg.vocab_size, (3, 40), generator=torch.Generator().manual_seed(1))
-    a, b = ours(input_ids=ids).logits, hf(input_ids=ids).logits
-    assert torch.equal(a, b)
-    a.float().square().mean().backward()
-    b.float().square().mean().backward()
-    grads = dict(hf.named_parameters())
-    for name, p in ours.named_parameters():
-        assert p.grad is not None and torch.equal(p.grad, grads[name].grad), name
 
 
 @pytest.mark.parametrize(
