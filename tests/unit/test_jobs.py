@@ -103,8 +103,9 @@ def test_global_batch_fits_every_node_count(name: str, nodes: int) -> None:
 
 @pytest.mark.parametrize(
     ("name", "tp", "dps"),
-    [("llama3-8b-trn2.yaml", 4, (16, 32, 48, 64)), ("llama3.2-1b-trn2.yaml", 1, (64, 128, 192, 256))],
-)
+    [("llama3-8b-trn2.yaml", 4, (16, 32, 48, 64)), ("llama3.2-1b-trn2.yaml", 1, (64, 128, 192, 256)),
+     ("qwen3-8b-trn2.yaml", 4, (16, 32, 48, 64))],
+)  # fmt: skip
 def test_trn2_jobs_validate_as_torchneuron(name: str, tp: int, dps: tuple[int, ...]) -> None:
     """The trn2 jobs: TorchNeuron, one worker per logical core (64 at LNC=2), FSDP (x TP), bf16 compute over fp32
     master weights, seq 8192, compiled; `raytrn validate --no-data` passes at every node count of 1-4."""
@@ -143,6 +144,23 @@ def test_llama31_8b_sft_trn2() -> None:
     assert job.scaling.accelerator == "neuron" and job.parallel.data_parallel == "fsdp"
     assert job.data.seq_len == 8192 and job.data.attention == "document" and job.run.eval_every
     check_job(job, data=False)
+
+
+def test_qwen3_jobs() -> None:
+    """The Qwen3 jobs: the 8B pre-training (FSDP x TP 4, as the Llama 8B's) and the 0.6B chat SFT from a checkpoint
+    (its family and sizes from the preset, checked against the checkpoint's config.json where the job starts)."""
+    pretrain = load("qwen3-8b-trn2.yaml")
+    assert (pretrain.model.family, pretrain.model.head_size, pretrain.model.tie_word_embeddings) == (
+        "qwen3",
+        128,
+        False,
+    )
+    assert model_stats(pretrain.model, seq_len=8192).num_params == 8_190_735_360
+    sft = load("qwen3-0.6b-sft-trn2.yaml")
+    assert sft.model.family == "qwen3" and sft.model.tie_word_embeddings and sft.model.init_from.startswith("s3://")
+    assert sft.data.attention == "document" and sft.data.seq_len == 4096 and sft.run.eval_every
+    assert (sft.scaling.accelerator, sft.parallel.data_parallel) == ("neuron", "fsdp")
+    assert not [line for line in check_job(sft, data=False) if line.startswith("warning:")]
 
 
 def test_sweep_tiny_plans_four_learning_rates_under_asha() -> None:
