@@ -369,13 +369,14 @@ class CheckpointConfig(Section):
         "sha256 (every byte read once more, split over the workers) or sizes only",
     )
     memory_every_n_steps: int | None = Field(
-        0,
+        None,
         ge=0,
         le=10**12,
         description="in-memory snapshots every N steps and at each checkpoint (raytrn.checkpoint.memory): each rank's shards in host memory "
         "on its node and on memory_replicas other nodes; a restart resumes from the newest complete one when it is "
-        "at least as new as the newest checkpoint; written in the background while the next step trains. 0: off (the default "
-        "for now: docs/elasticity.md); null: every step while the worker group spans more than one node",
+        "at least as new as the newest checkpoint; written in the background while the next step trains. null (the "
+        "default): every step while the worker group spans more than one node (off on one node, and for "
+        "neuron-xla); 0: off",
     )
     memory_replicas: int = Field(
         1, ge=0, le=16, description="other nodes that keep a copy of each node's snapshot (the next ones on a ring)"

@@ -198,15 +198,23 @@ def _train(
     )
 
 
+def memory_tier_may_run(job: JobSpec, *, alive_nodes: int) -> bool:
+    """Whether the run needs an in-memory snapshot keeper: ``checkpoint.memory_every_n_steps`` > 0, or null (auto,
+    the default) on a cluster of more than one node now (each worker group then takes snapshots only while it spans
+    more than one node). Auto leaves the frozen ``neuron-xla`` path (trn1) as it was: durable checkpoints only."""
+    every = job.checkpoint.memory_every_n_steps
+    if every is None:
+        return job.scaling.accelerator != "neuron-xla" and alive_nodes > 1
+    return every > 0
+
+
 def _memory_keeper(job: JobSpec) -> Any:
-    """The run's in-memory snapshot keeper when the tier may be on: ``checkpoint.memory_every_n_steps`` > 0, or
-    null (auto) on a cluster of more than one node now (a group on one node keeps none then); None otherwise."""
+    """The run's in-memory snapshot keeper when the tier may be on (:func:`memory_tier_may_run`); else None."""
     import ray
 
     spec = job.checkpoint
-    if spec.memory_every_n_steps == 0:
-        return None
-    if spec.memory_every_n_steps is None and sum(1 for n in ray.nodes() if n.get("Alive")) < 2:
+    alive = sum(1 for n in ray.nodes() if n.get("Alive")) if spec.memory_every_n_steps is None else 0
+    if not memory_tier_may_run(job, alive_nodes=alive):
         return None
     from raytrn.checkpoint.memory import start_keeper
 

@@ -200,6 +200,7 @@ def _job(args: Any, work: Path, storage_root: str, *, name: str, workers: tuple[
             f"checkpoint.storage={storage_root}",
             "checkpoint.every_n_steps=5",
             "checkpoint.keep_last=null",  # every checkpoint stays: what each group resumed from is checked after
+            "checkpoint.memory_every_n_steps=0",  # the durable tier alone (its default, on 3 nodes: every step)
             f"tracking.mlflow_uri=sqlite:///{db}",
             "tracking.experiment=raytrn-elastic",
             f"tracking.run_name={name}",

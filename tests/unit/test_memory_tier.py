@@ -441,6 +441,20 @@ def _taking(tmp: Path) -> Any:
     return snaps
 
 
+def test_by_default_the_tier_runs_on_more_than_one_node_except_for_neuron_xla(tmp_path: Path) -> None:
+    from raytrn.train.trainer import memory_tier_may_run
+
+    default = job(tmp_path)
+    assert default.checkpoint.memory_every_n_steps is None  # the default: auto
+    assert not memory_tier_may_run(default, alive_nodes=1)  # one node: durable checkpoints only
+    assert memory_tier_may_run(default, alive_nodes=3)
+    xla = job(tmp_path, "scaling.accelerator=neuron-xla", "scaling.instance_type=trn1.32xlarge",
+              "scaling.workers_per_node=32")  # fmt: skip
+    assert not memory_tier_may_run(xla, alive_nodes=3)  # the frozen trn1 path: as it was
+    assert not memory_tier_may_run(job(tmp_path, "checkpoint.memory_every_n_steps=0"), alive_nodes=3)  # off
+    assert memory_tier_may_run(job(tmp_path, "checkpoint.memory_every_n_steps=5"), alive_nodes=1)  # asked for
+
+
 def test_snapshots_are_due_every_n_steps_and_at_every_checkpoint_but_not_at_the_groups_last_step(tmp_path):
     """With a snapshot every 7 steps and a checkpoint every 50: steps 7, 14, ... and 50 (a restart after the
     checkpoint of step 50 reads that state from memory); never the group's final step (the run's end, a preemption:
