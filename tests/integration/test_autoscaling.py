@@ -141,7 +141,7 @@ def test_sweep_submitted_to_the_simulator_scales_it_up_and_down(
 ) -> None:
     """``raytrn sweep --address``: the sweep's driver runs as one Ray job on the simulator, its two trials (2 at a
     time: what cluster/local-sim.yaml can grow to) scale the empty cluster up, both are tracked under one parent run,
-    best.yaml is written beside the sweep's state."""
+    best.yaml is written beside the sweep's state, and the idle nodes go away after."""
     from mlflow.tracking import MlflowClient
 
     url = simulator.address
@@ -180,4 +180,4 @@ def test_sweep_submitted_to_the_simulator_scales_it_up_and_down(
     assert all(c.data.tags["ray.job_submission_id"].startswith(f"raytrn-{name}-") for c in children)
     best = tmp_path / "checkpoints" / "sweeps" / name / "best.yaml"
     assert "The best trial of sweep" in best.read_text()
-    # The idle nodes' removal is test_job_scales_cluster_up_and_down's (~40 s of waiting, not asserted twice).
+    simulator.wait_no_worker_nodes(SCALE_DOWN_TIMEOUT_S)  # idle worker nodes removed
