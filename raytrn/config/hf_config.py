@@ -30,8 +30,8 @@ FIELDS = {
     "rms_norm_eps": "rms_norm_eps",
     "tie_word_embeddings": "tie_word_embeddings",
 }
-#: config.json's ``model_type`` -> raytrn's ``model.family`` (what raytrn's decoder implements).
-FAMILIES = {"llama": "llama", "qwen3": "qwen3"}
+#: The ``model_type`` values of config.json raytrn's decoder implements: its ``model.family`` values.
+FAMILIES = ("llama", "qwen3")
 #: The keys of Llama 3.x's ``llama3`` RoPE scaling (transformers' ``_compute_llama3_parameters``).
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -88,7 +88,7 @@ def model_fields(config: dict[str, Any], *, where: str) -> dict[str, Any]:
                 f"{where}: config.json has {key}: {config[key]!r}; raytrn's decoder implements {key}: "
                 f"{str(plain).lower()} only (training with it ignored would be silently wrong)"
             )
-    fields: dict[str, Any] = {"family": FAMILIES[model_type]}  # first: another family is named as such
+    fields: dict[str, Any] = {"family": model_type}  # first: another family is named as such
     fields.update({ours: config[theirs] for theirs, ours in FIELDS.items() if config.get(theirs) is not None})
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                            "vocab_size") if k not in config]  # fmt: skip

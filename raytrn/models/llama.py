@@ -25,31 +25,9 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 def hf_config(cfg: ModelConfig):
     """The HF ``LlamaConfig`` or ``Qwen3Config`` for a raytrn model config."""
-    if cfg.family == "qwen3":
-        from transformers import Qwen3Config
-
-        return Qwen3Config(  # type: ignore[call-arg]
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.kv_heads,
-            head_dim=cfg.head_size,
-            max_position_embeddings=cfg.max_position_embeddings,
-            rope_theta=cfg.rope_theta,
-            rms_norm_eps=cfg.rms_norm_eps,
-            tie_word_embeddings=cfg.tie_word_embeddings,
-            attention_bias=False,
-            use_sliding_window=False,
-            attn_implementation="sdpa",
-            use_cache=False,
-        )
-    from transformers import LlamaConfig
-
     # rope_theta in the 4.x keyword form: transformers 5 folds it into rope_parameters, and the
     # Neuron DLAMI's venvs may still carry 4.x.
-    return LlamaConfig(  # type: ignore[call-arg]
+    sizes = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -59,12 +37,18 @@ def hf_config(cfg: ModelConfig):
         head_dim=cfg.head_size,
         max_position_embeddings=cfg.max_position_embeddings,
         rope_theta=cfg.rope_theta,
-        rope_scaling=cfg.rope_scaling,
         rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=cfg.tie_word_embeddings,
         attn_implementation="sdpa",
         use_cache=False,
     )
+    if cfg.family == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**sizes, attention_bias=False, use_sliding_window=False)  # type: ignore[arg-type]
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**sizes, rope_scaling=cfg.rope_scaling)  # type: ignore[arg-type,call-arg]
 
 
 def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str = "cpu") -> torch.nn.Module:
