@@ -1,7 +1,7 @@
 """The job spec: a YAML file plus ``--set`` overrides, parsed into typed, range-checked config.
 
 - :mod:`raytrn.config.schema`: the sections (every field described; ``docs/job-spec.md`` is rendered from them
-  by :mod:`raytrn.config.reference`).
+  by :mod:`raytrn.config.reference`); the model section, its families and LoRA: :mod:`raytrn.config.model`.
 - :mod:`raytrn.config.load`: reading, ``--set`` overrides, errors that name file, field and fix.
 - :mod:`raytrn.config.paths`: the one table of path fields and what reads it (resolution, the relative-path
   refusal, ``raytrn submit``'s frozen overrides).
