@@ -64,8 +64,8 @@ class ModelConfig(Section):
     )
     init_from: str | None = Field(
         None,
-        description="a Hugging Face Llama checkpoint directory (local or s3://): config.json + *.safetensors; its "
-        "config gives the sizes (any the job gives must match) and its weights the starting point",
+        description="a Hugging Face Llama or Qwen3 checkpoint directory (local or s3://): config.json + *.safetensors; its "
+        "config gives the family and the sizes (any the job gives must match) and its weights the starting point",
     )
     lora: LoraConfig | None = Field(
         None, description="train low-rank adapters only (needs init_from): rank, alpha, dropout, targets"
