@@ -324,7 +324,15 @@ def newest_restorable(holdings: Mapping[str, Mapping[int, Holding]], alive: Iter
             lost = sorted(
                 n for n, h in holdings.items() if n not in live and step in h and set(missing) & h[step].ranks
             )
-            where = f" (their only copies were on lost node(s) {', '.join(lost)})" if lost else ""
+            # The group's nodes whose stores no longer answer (their holdings were last asked before this snapshot).
+            gone = sorted(set(manifest.get("nodes") or holdings) - set(live))
+            where = (
+                f" (their only copies were on lost node(s) {', '.join(lost)})"
+                if lost
+                else f" (node(s) {', '.join(gone)} no longer answer: lost, with the copies they held)"
+                if gone
+                else ""
+            )
             skipped.append(f"snapshot {step}: rank(s) {', '.join(map(str, missing))} of {world} missing{where}")
             continue
         return Choice(step, manifest, tuple(skipped))

@@ -270,7 +270,12 @@ class MemorySnapshots:
         the older snapshots (stores of nodes no longer in the group too: theirs are older). None when both are done,
         else why not."""
         progress, gen = writing.progress, writing.generation
-        manifest = {"step": progress.step, "world_size": self.world_size, "progress": asdict(progress)}
+        manifest = {
+            "step": progress.step,
+            "world_size": self.world_size,
+            "progress": asdict(progress),
+            "nodes": sorted(self.ring),  # where the copies went: a warning names those lost
+        }
         replicas = self.job.checkpoint.memory_replicas
         reason = publish(
             self.ring, self.node, progress.step, 0, None, replicas=replicas, manifest=manifest, generation=gen

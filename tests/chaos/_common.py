@@ -111,11 +111,13 @@ def read_trace(directory: Path) -> dict[int, list[tuple[int, list[int]]]]:
 
 
 def read_resumes(directory: Path) -> list[dict[str, Any]]:
-    """The ``{"resumed_from", "step"}`` records the worker groups of a run wrote (rank 0's files)."""
+    """The ``{"resumed_from", "step"}`` records the worker groups of a run wrote (rank 0's files), in the order the
+    groups started (a file is ``group-<first step>-dp<size>-<start ns>-rank0.jsonl``: a group that stepped back
+    to an older checkpoint comes after the groups before it)."""
     import json
 
     out = []
-    for path in sorted(directory.glob("group-*-rank0.jsonl")):
+    for path in sorted(directory.glob("group-*-rank0.jsonl"), key=lambda p: int(p.stem.split("-")[3])):
         first = path.read_text().split("\n", 1)[0]
         if first.endswith("}") and "resumed_from" in (record := json.loads(first)):
             out.append(record)

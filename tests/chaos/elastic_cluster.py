@@ -8,6 +8,8 @@ reads the JSON it writes. Events happen at seeded steps, in order:
 
 - ``kill``: a training worker process is SIGKILLed (Ray Train restarts the group, ``scaling.max_failures``);
 - ``remove``: a node that holds a worker is removed (its raylet and workers killed);
+- ``remove2``: two such nodes are removed at once: on a ring of three every pair holds some rank's snapshot and its
+  only replica (``checkpoint.memory_replicas: 1``), so that snapshot is lost and the restart uses an older state;
 - ``add``: a node is added back (the group should grow within ``scaling.resize_interval_s``);
 - ``drain``: a node that holds a worker gets a preemption notice (``ray drain-node --reason
   DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds 15``) and is removed at the deadline;
@@ -200,7 +202,6 @@ def _job(args: Any, work: Path, storage_root: str, *, name: str, workers: tuple[
             f"checkpoint.storage={storage_root}",
             "checkpoint.every_n_steps=5",
             "checkpoint.keep_last=null",  # every checkpoint stays: what each group resumed from is checked after
-            "checkpoint.memory_every_n_steps=0",  # the durable tier alone (its default, on 3 nodes: every step)
             f"tracking.mlflow_uri=sqlite:///{db}",
             "tracking.experiment=raytrn-elastic",
             f"tracking.run_name={name}",
@@ -274,13 +275,14 @@ def main(argv: list[str] | None = None) -> int:
             driver_node = ray.get_runtime_context().get_node_id()
             result.setdefault("driver_node", driver_node)
             result.setdefault("tracking_nodes", sorted({a.node_id for a in _actors("TrackingActor")}))
-            if kind in ("remove", "drain", "kill"):
+            if kind in ("remove", "remove2", "drain", "kill"):
                 tried_before = _placement_groups()
                 # Never the driver's node (its tracking actor lives there): on a real cluster that is the head,
                 # not a spot node; here every node shares the host and the driver attaches to any of them.
                 workers = [a for a in _actors("RayTrainWorker") if a.node_id != driver_node]
                 holding = {a.node_id for a in workers}
-                victim = next(n for n in reversed(nodes) if n.node_id in holding and n not in removed)
+                victims = [n for n in reversed(nodes) if n.node_id in holding and n not in removed]
+                victim = victims[0]
                 if kind == "drain":
                     notice_at = time.time()
                     subprocess.run(
@@ -302,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
                     pid = next(int(a.pid) for a in workers if a.node_id == victim.node_id)
                     os.kill(pid, signal.SIGKILL)
                 else:
-                    cluster.remove_node(victim, allow_graceful=False)
-                    removed.append(victim)
+                    for node in victims[: 2 if kind == "remove2" else 1]:
+                        cluster.remove_node(node, allow_graceful=False)
+                        removed.append(node)
                 # Recovery: until a step is logged by a group started after the event (a step the old group
                 # finished may still be on its way to MLflow).
                 while thread.is_alive() and not [g for g in _trace_groups(trace) if g[0] > t0]:

@@ -333,6 +333,16 @@ def test_a_snapshot_whose_only_copy_was_on_a_lost_node_is_skipped_for_the_older_
     choice = newest_restorable(holdings, ["n2", "n3"])
     assert choice.step == 9
     assert choice.skipped == ("snapshot 10: rank(s) 0 of 3 missing (their only copies were on lost node(s) n1)",)
+    # What n1 held was last asked before snapshot 10 was made (at the previous restart): n1 is named all the same,
+    # from the manifest's nodes (the group that made it), not n0, lost long before.
+    holdings["n1"] = {9: _holding({0}, 9)}
+    holdings["n0"] = {3: _holding({0}, 3)}
+    for h in holdings.values():
+        if 10 in h and h[10].manifest:
+            h[10].manifest["nodes"] = ["n1", "n2", "n3"]
+    assert newest_restorable(holdings, ["n2", "n3"]).skipped == (
+        "snapshot 10: rank(s) 0 of 3 missing (node(s) n1 no longer answer: lost, with the copies they held)",
+    )
 
 
 def test_a_snapshot_missing_one_ranks_shard_is_never_used() -> None:
