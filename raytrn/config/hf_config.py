@@ -1,4 +1,4 @@
-"""A Hugging Face Llama or Qwen3 checkpoint's ``config.json`` as raytrn's ``model`` section (``model.init_from``).
+"""A Hugging Face Llama, Qwen3 or Qwen3-MoE checkpoint's ``config.json`` as raytrn's ``model`` section (``model.init_from``).
 
 ``config.json`` (``model_type``: one of :data:`FAMILIES`) gives the family and the sizes; a job may omit them, and
 any it gives (or its preset gives) must match, else one error naming the field. RoPE: the default, or Llama 3.x's ``llama3`` scaling
@@ -29,9 +29,14 @@ FIELDS = {
     "max_position_embeddings": "max_position_embeddings",
     "rms_norm_eps": "rms_norm_eps",
     "tie_word_embeddings": "tie_word_embeddings",
+    # Qwen3-MoE's
+    "num_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "moe_intermediate_size": "moe_intermediate_size",
+    "router_aux_loss_coef": "router_aux_loss_coef",
 }
 #: The ``model_type`` values of config.json raytrn's decoder implements: its ``model.family`` values.
-FAMILIES = ("llama", "qwen3")
+FAMILIES = ("llama", "qwen3", "qwen3_moe")
 #: The keys of Llama 3.x's ``llama3`` RoPE scaling (transformers' ``_compute_llama3_parameters``).
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -80,9 +85,12 @@ def model_fields(config: dict[str, Any], *, where: str) -> dict[str, Any]:
     if model_type not in FAMILIES:
         raise ConfigError(
             f"{where}: model_type is {model_type!r}; raytrn's decoder implements {', '.join(map(repr, FAMILIES))} "
-            "(Llama 2, 3, 3.1, 3.2, Qwen3 dense, and their fine-tunes); other architectures are not supported"
+            "(Llama 2, 3, 3.1, 3.2, Qwen3 dense, Qwen3-MoE, and their fine-tunes); other architectures are not supported"
         )
-    for key, plain in (("attention_bias", False), ("use_sliding_window", False)):
+    variants: list[tuple[str, Any]] = [("attention_bias", False), ("use_sliding_window", False)]
+    if model_type == "qwen3_moe":  # every layer sparse, as in every published Qwen3-MoE
+        variants += [("decoder_sparse_step", 1), ("mlp_only_layers", [])]
+    for key, plain in variants:
         if config.get(key, plain) != plain:
             raise ConfigError(
                 f"{where}: config.json has {key}: {config[key]!r}; raytrn's decoder implements {key}: "
@@ -90,6 +98,10 @@ def model_fields(config: dict[str, Any], *, where: str) -> dict[str, Any]:
             )
     fields: dict[str, Any] = {"family": model_type}  # first: another family is named as such
     fields.update({ours: config[theirs] for theirs, ours in FIELDS.items() if config.get(theirs) is not None})
+    if model_type == "qwen3_moe":
+        fields["norm_topk_prob"] = bool(config.get("norm_topk_prob", False))  # Qwen3MoeConfig's default
+        if config.get("num_experts") is None and config.get("num_local_experts") is not None:
+            fields["num_experts"] = config["num_local_experts"]  # transformers 5's name for it
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                            "vocab_size") if k not in config]  # fmt: skip
     if missing:

@@ -30,19 +30,21 @@ class LoraConfig(Section):
 
 
 class ModelConfig(Section):
-    """A decoder of a supported family (HF ``LlamaConfig``, ``Qwen3Config``). ``preset`` or ``init_from``'s
+    """A decoder of a supported family (HF ``LlamaConfig``, ``Qwen3Config``, ``Qwen3MoeConfig``). ``preset`` or ``init_from``'s
     config.json fills the sizes (the required ones too); explicit fields win over a preset and must match
     init_from."""
 
-    family: Literal["llama", "qwen3"] = Field(
+    family: Literal["llama", "qwen3", "qwen3_moe"] = Field(
         "llama",
-        description="model family: llama (Llama 2, 3, 3.x) or qwen3 (Qwen3 dense: queries and keys RMS-normed per "
-        "head, head_dim of its own); a preset or init_from's config.json sets it",
+        description="model family: llama (Llama 2, 3, 3.x), qwen3 (Qwen3 dense: queries and keys RMS-normed per "
+        "head, head_dim of its own) or qwen3_moe (Qwen3-MoE: Qwen3's attention, routed experts as every MLP); a "
+        "preset or init_from's config.json sets it",
     )
     preset: str | None = Field(
         None,
         description="named size (raytrn.config.presets): tiny, llama3.2-1b, llama3.1-8b, llama3-8b, tiny-qwen3, "
-        "qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, qwen3-32b",
+        "qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, qwen3-32b, tiny-qwen3-moe, qwen3-30b-a3b, "
+        "qwen3-235b-a22b",
     )
     hidden_size: int = Field(..., gt=0, le=1 << 18, description="model width")
     intermediate_size: int = Field(..., gt=0, le=1 << 20, description="MLP width")
@@ -62,9 +64,34 @@ class ModelConfig(Section):
         description="Llama 3.x RoPE scaling ({rope_type: llama3, factor, low_freq_factor, high_freq_factor, "
         "original_max_position_embeddings}); from config.json with init_from; null: the default RoPE",
     )
+    num_experts: int | None = Field(None, gt=0, le=1 << 16, description="qwen3_moe: routed experts per layer")
+    num_experts_per_tok: int | None = Field(
+        None, gt=0, le=1 << 16, description="qwen3_moe: experts each token is routed to (top-k); at most num_experts"
+    )
+    moe_intermediate_size: int | None = Field(None, gt=0, le=1 << 20, description="qwen3_moe: each expert's MLP width")
+    norm_topk_prob: bool = Field(
+        True, description="qwen3_moe: the top-k routing weights are renormalised to sum to one (Qwen3-MoE's: true)"
+    )
+    router_aux_loss_coef: float = Field(
+        0.001,
+        ge=0,
+        le=1e3,
+        allow_inf_nan=False,
+        description="qwen3_moe: weight of the load-balancing loss (HF's load_balancing_loss_func, over every layer) "
+        "added to the training loss; 0: none. Logged as router_aux_loss",
+    )
+    moe_capacity_factor: float | None = Field(
+        None,
+        gt=0,
+        le=1e3,
+        allow_inf_nan=False,
+        description="qwen3_moe: null: dropless (every token reaches its experts; shapes follow the routing, for cpu "
+        "and cuda); c: each expert takes ceil(c * tokens * top_k / experts) tokens a micro-batch, the rest dropped "
+        "(fixed shapes: the neuron backend needs it, as every new shape is a new compile); logged: moe_dropped_fraction",
+    )
     init_from: str | None = Field(
         None,
-        description="a Hugging Face Llama or Qwen3 checkpoint directory (local or s3://): config.json + *.safetensors; its "
+        description="a Hugging Face Llama, Qwen3 or Qwen3-MoE checkpoint directory (local or s3://): config.json + *.safetensors; its "
         "config gives the family and the sizes (any the job gives must match) and its weights the starting point",
     )
     lora: LoraConfig | None = Field(
@@ -137,6 +164,41 @@ class ModelConfig(Section):
                 "adapters on random weights learn nothing useful"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_experts(self) -> ModelConfig:
+        moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+        if self.family == "qwen3_moe":
+            missing = [f"model.{name}" for name in moe if getattr(self, name) is None]
+            if missing:
+                raise ValueError(f"a qwen3_moe model needs {', '.join(missing)} (or a preset: tiny-qwen3-moe, ...)")
+            if self.num_experts_per_tok > self.num_experts:  # type: ignore[operator]
+                raise ValueError(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) is more than num_experts ({self.num_experts}): "
+                    "a token is routed to top-k of the experts"
+                )
+        else:
+            given = [f"model.{name}" for name in (*moe, "moe_capacity_factor") if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)}: only a qwen3_moe model has experts (family is {self.family!r})")
+        return self
+
+    @property
+    def is_moe(self) -> bool:
+        return self.family == "qwen3_moe"
+
+    @property
+    def expert_sizes(self) -> tuple[int, int, int]:
+        """A MoE model's ``(num_experts, num_experts_per_tok, moe_intermediate_size)`` (set: the validator checks)."""
+        sizes = (self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size)
+        if not self.is_moe or None in sizes:
+            raise ValueError(f"model.family {self.family!r} has no experts")
+        return sizes  # type: ignore[return-value]
+
+    @property
+    def qk_norm(self) -> bool:
+        """Queries and keys RMS-normed per head (the Qwen3 families)."""
+        return self.family in ("qwen3", "qwen3_moe")
 
     @property
     def kv_heads(self) -> int:

@@ -103,3 +103,28 @@ PRESETS.update({
     "qwen3-14b": _qwen3(5120, 17408, 40, 40, tied=False),
     "qwen3-32b": _qwen3(5120, 25600, 64, 64, tied=False),
 })  # fmt: skip
+
+
+def _qwen3_moe(hidden: int, intermediate: int, layers: int, heads: int, expert_width: int) -> dict[str, Any]:
+    """A Qwen3-MoE model's config.json: Qwen3's attention with 4 kv heads, 128 experts a layer of which each token
+    takes 8, every layer sparse (``intermediate_size`` is the width a dense layer would have: none here)."""
+    return dict(
+        _qwen3(hidden, intermediate, layers, heads, tied=False),
+        family="qwen3_moe",
+        num_key_value_heads=4,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=expert_width,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.001,
+    )
+
+
+PRESETS.update({
+    # Qwen3-MoE at the tiny preset's sizes: 8 experts of width 64, 2 a token (a fraction of the tiny model's
+    # compute per token, ~4x its MLP parameters).
+    "tiny-qwen3-moe": {**_qwen3_moe(128, 384, 2, 4, 64), "num_key_value_heads": 2, "head_dim": 32, "num_experts": 8,
+                       "num_experts_per_tok": 2, "vocab_size": 4096, "max_position_embeddings": 512},
+    "qwen3-30b-a3b": _qwen3_moe(2048, 6144, 48, 32, 768),
+    "qwen3-235b-a22b": _qwen3_moe(4096, 12288, 94, 64, 1536),
+})  # fmt: skip

@@ -469,7 +469,25 @@ class JobSpec(Section):
                 "sharded like the layers they adapt; use data_parallel ddp or fsdp (TP 1): LoRA keeps optimizer "
                 "memory small enough for it"
             )
+        if self.model.is_moe:
+            self._check_moe()
         return self
+
+    def _check_moe(self) -> None:
+        """What a Qwen3-MoE model can train with today: data parallelism (DDP or FSDP), experts replicated or
+        FSDP-sharded, the dropless dispatch on cpu and cuda, the capacity dispatch (fixed shapes) on neuron (the
+        XLA path refuses every family but Llama itself)."""
+        if self.parallel.tensor_parallel_size > 1:
+            raise ValueError(
+                f"model.family qwen3_moe with parallel.tensor_parallel_size {self.parallel.tensor_parallel_size}: "
+                "tensor parallelism of the experts is not implemented; use parallel.data_parallel: fsdp "
+                "(tensor_parallel_size 1), which shards the experts with the rest"
+            )
+        if self.scaling.accelerator == "neuron" and self.model.moe_capacity_factor is None:
+            raise ValueError(
+                "model.family qwen3_moe on scaling.accelerator neuron needs model.moe_capacity_factor (e.g. 1.25): "
+                "the dropless dispatch's shapes follow the routing, and on Neuron every new shape is a new compile"
+            )
 
     @property
     def run_name(self) -> str:

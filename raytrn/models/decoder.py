@@ -1,6 +1,7 @@
-"""A Llama or Qwen3 decoder in plain PyTorch, numerically the same as HF ``LlamaForCausalLM`` /
-``Qwen3ForCausalLM`` with SDPA attention. The two differ only in attention: Qwen3 RMS-normalises each head's query
-and key (``q_norm``, ``k_norm``, before RoPE) and its head width is a size of its own (``head_dim``).
+"""A Llama, Qwen3 or Qwen3-MoE decoder in plain PyTorch, numerically the same as HF ``LlamaForCausalLM`` /
+``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` with SDPA attention. Llama and Qwen3 differ only in attention: Qwen3
+RMS-normalises each head's query and key (``q_norm``, ``k_norm``, before RoPE) and its head width is a size of its
+own (``head_dim``). Qwen3-MoE is Qwen3 with a sparse MLP of routed experts (:mod:`raytrn.models.moe`).
 
 Why not the HF class itself: importing ``transformers``' Llama costs a training worker ~4.5 CPU-seconds at
 start-up (it also pulls in ``torch.distributed.tensor``), and on a 2-core machine that is seconds before the
@@ -28,15 +29,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raytrn.models.moe import Experts, RouterStats, SparseMoeBlock, TopKRouter, load_balancing_loss
+
 #: HF ``LlamaConfig.initializer_range``'s default, the std of every linear and embedding weight at init.
 INIT_STD = 0.02
 
 
 class CausalLMOutput(NamedTuple):
     """What the forward returns (a tuple, so DDP, ``torch.compile`` and pytrees handle it): ``.logits``
-    [batch, seq, vocab], as HF's output object names them."""
+    [batch, seq, vocab], as HF's output object names them. A MoE model adds ``.aux_loss``, the load-balancing loss
+    (HF's, not yet scaled by ``router_aux_loss_coef``), and ``.expert_load`` [moe layers, experts], the top-k
+    assignments each expert got (no gradient), with ``.dropped``, the assignments over capacity."""
 
     logits: torch.Tensor
+    aux_loss: torch.Tensor | None = None
+    expert_load: torch.Tensor | None = None
+    dropped: torch.Tensor | None = None
+
+
+class MoeOptions(NamedTuple):
+    """A Qwen3-MoE decoder's sparse MLP (every layer's: Qwen3-MoE's ``decoder_sparse_step`` 1, no
+    ``mlp_only_layers``)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool = True
+    capacity_factor: float | None = None
 
 
 class RMSNorm(nn.Module):
@@ -180,18 +199,29 @@ class DecoderLayer(nn.Module):
         eps: float,
         head_dim: int,
         qk_norm: bool = False,
+        moe: MoeOptions | None = None,
     ):
         super().__init__()
         self.self_attn = Attention(hidden_size, num_heads, num_kv_heads, head_dim, eps if qk_norm else None)
-        self.mlp = MLP(hidden_size, intermediate_size)
+        self.mlp: nn.Module = (
+            MLP(hidden_size, intermediate_size)
+            if moe is None
+            else SparseMoeBlock(
+                hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.norm_topk_prob, moe.capacity_factor
+            )
+        )
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, RouterStats]:
+        """The layer's output; a MoE layer's with its routing's sums."""
         x = x + self.self_attn(self.input_layernorm(x), rope, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out = self.mlp(self.post_attention_layernorm(x))
+        if isinstance(out, tuple):
+            return x + out[0], out[1]
+        return x + out
 
 
 class Decoder(nn.Module):
@@ -212,28 +242,39 @@ class Decoder(nn.Module):
         rope_scaling: dict[str, float] | None = None,
         head_dim: int | None = None,
         qk_norm: bool = False,
+        moe: MoeOptions | None = None,
     ) -> None:
         super().__init__()
         head_dim = head_dim or hidden_size // num_heads
+        self.moe = moe
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(hidden_size, intermediate_size, num_heads, num_kv_heads, eps, head_dim, qk_norm)
+            DecoderLayer(hidden_size, intermediate_size, num_heads, num_kv_heads, eps, head_dim, qk_norm, moe)
             for _ in range(num_layers)
         )
         self.norm = RMSNorm(hidden_size, eps)
         self.rotary_emb = RotaryEmbedding(head_dim, rope_theta, rope_scaling)
 
-    def forward(self, input_ids: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
-        """``segments``: a document number per token of packed rows (0: padding): attention stays inside each
-        document and positions restart at each (:func:`document_mask`); None: plain causal attention."""
+    def forward(
+        self, input_ids: torch.Tensor, segments: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[RouterStats]]:
+        """The final hidden states, and each MoE layer's routing sums (none for a dense model). ``segments``: a
+        document number per token of packed rows (0: padding): attention stays inside each document and positions
+        restart at each (:func:`document_mask`); None: plain causal attention."""
         x = self.embed_tokens(input_ids)
         if segments is None:
             rope, mask = self.rotary_emb(x), None
         else:
             rope, mask = self.rotary_emb(x, document_positions(segments)), document_mask(segments)
+        routing: list[RouterStats] = []
         for layer in self.layers:
-            x = layer(x, rope, mask)
-        return self.norm(x)
+            out = layer(x, rope, mask)
+            if isinstance(out, tuple):
+                x, stats = out
+                routing.append(stats)
+            else:
+                x = out
+        return self.norm(x), routing
 
 
 @torch.no_grad()
@@ -242,8 +283,11 @@ def _init_weights(module: nn.Module) -> None:
     weight in that order (norm weights start at one already). The same order draws the same random numbers."""
     for child in module.children():
         _init_weights(child)
-    if isinstance(module, (nn.Linear, nn.Embedding)):
+    if isinstance(module, (nn.Linear, nn.Embedding, TopKRouter)):
         module.weight.normal_(mean=0.0, std=INIT_STD)
+    elif isinstance(module, Experts):
+        module.gate_up_proj.normal_(mean=0.0, std=INIT_STD)
+        module.down_proj.normal_(mean=0.0, std=INIT_STD)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -267,4 +311,14 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens
 
     def forward(self, input_ids: torch.Tensor, segments: torch.Tensor | None = None) -> CausalLMOutput:
-        return CausalLMOutput(logits=self.lm_head(self.model(input_ids, segments)))
+        hidden, routing = self.model(input_ids, segments)
+        logits = self.lm_head(hidden)
+        if not routing:
+            return CausalLMOutput(logits=logits)
+        experts = routing[0].counts.shape[0]
+        return CausalLMOutput(
+            logits=logits,
+            aux_loss=load_balancing_loss(routing, experts),
+            expert_load=torch.stack([s.counts for s in routing]),
+            dropped=sum((s.dropped for s in routing), torch.zeros((), device=logits.device)),
+        )

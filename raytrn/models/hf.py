@@ -6,6 +6,9 @@ raytrn's decoder in any layout. (Its ``config.json`` as raytrn's model section: 
   own shards need and reads them as ``safetensors`` slices, so no rank ever holds the full model unless its
   layout does (DDP). Single-file or sharded (``model.safetensors.index.json``) checkpoints, any dtype (converted
   to the job's). From ``s3://`` the files are first copied to a per-node cache directory, once per node.
+- **Experts.** A Qwen3-MoE checkpoint holds one tensor per expert and projection (``mlp.experts.{e}.gate_proj.weight``:
+  the published ones, and what transformers 4 and 5 save); raytrn's model stacks them (``mlp.experts.gate_up_proj``).
+  Each rank asks for the experts its shard of the stacked tensor holds, read straight into it (:func:`_expert_views`).
 """
 
 from __future__ import annotations
@@ -107,7 +110,11 @@ def load_weights(model: torch.nn.Module, location: str, *, tied: bool, source: s
     }
     if tied:
         state.pop("lm_head.weight", None)  # one matrix: the embedding's (HF writes it once)
-    for name, value in state.items():
+    stacked = {name: value for name, value in state.items() if name not in saved and _is_stacked(name)}
+    wanted = {k: v for k, v in state.items() if k not in stacked}
+    for name, value in stacked.items():
+        wanted.update(_expert_views(name, value, source=source))
+    for name, value in wanted.items():
         entry = saved.get(name)
         if entry is None:
             raise CheckpointError(
@@ -120,6 +127,36 @@ def load_weights(model: torch.nn.Module, location: str, *, tied: bool, source: s
                 f"{tuple(value.shape)}"
             )
     no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
-    dcp.load(state, storage_reader=reader, no_dist=no_dist)
+    dcp.load(wanted, storage_reader=reader, no_dist=no_dist)  # the experts' views fill their stacked tensors
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
-    return len(state)
+    return len(wanted)
+
+
+def _is_stacked(name: str) -> bool:
+    from raytrn.models.llama import split_stacked
+
+    return split_stacked(name)[1] is not None
+
+
+def _expert_views(name: str, value: Any, *, source: str) -> dict[str, Any]:
+    """The per-expert checkpoint names of stacked-experts tensor ``name`` (:func:`raytrn.models.llama.hub_tensors`)
+    for the experts this rank holds, each a view into ``value`` (a tensor, or a DTensor sharded on the experts, as
+    FSDP2 shards it): loading into the views loads the stacked tensor."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from raytrn.models.llama import hub_tensors
+
+    first, local = 0, value
+    if isinstance(value, DTensor):
+        mesh, placements = value.device_mesh, tuple(value.placements)
+        if mesh.ndim != 1 or placements != (Shard(0),):
+            raise CheckpointError(
+                f"{source}: model.init_from into {name} laid out as {placements} over a {mesh.ndim}-D mesh: a MoE "
+                "model's experts load into a replicated or FSDP-sharded (Shard(0)) tensor only"
+            )
+        local = value.to_local()
+        chunk = -(-value.shape[0] // mesh.size())  # FSDP2's torch.chunk: ceil(experts / ranks) on each rank
+        first = min(value.shape[0], mesh.get_local_rank() * chunk)
+        assert local.shape[0] == min(value.shape[0], first + chunk) - first, (name, local.shape, first, chunk)
+    views = dict(hub_tensors([(name, local)], first_expert=first))
+    return views

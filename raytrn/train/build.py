@@ -84,6 +84,7 @@ def build_native(
         export=par.full_state_items,
         world_size=world_size,
         data_parallel_size=data_parallel_size(job, world_size),
+        aux_loss_coef=job.model.router_aux_loss_coef if job.model.is_moe else 0.0,
     )
 
 

@@ -46,7 +46,7 @@ def check_job(job: JobSpec, *, data: bool = True) -> list[str]:
         backend.check_installed(job)
     except BackendUnavailableError as e:  # a trn job validated on a laptop: fine, noted
         lines.append(f"note: {e} (checked again when the job starts)")
-    lines.append(f"model: llama, {model_stats(job.model, job.data.seq_len).describe()}")
+    lines.append(f"model: {job.model.family}, {model_stats(job.model, job.data.seq_len).describe()}")
     lines.append(describe_sizes(job))
     # One batch per model replica: data-parallel size = workers / tensor-parallel size.
     lines.append(describe_batch(job))

@@ -74,7 +74,7 @@ class Evaluator:
         count = torch.zeros((), device=device, dtype=torch.float64)
         try:
             for batch in self.batches:
-                logits, targets, mask = forward(t, batch.to(device))
+                logits, targets, mask, _ = forward(t, batch.to(device))
                 losses = F.cross_entropy(
                     logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none"
                 )

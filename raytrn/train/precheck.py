@@ -38,6 +38,8 @@ from raytrn.train.step import read_metrics, train_step
 
 SHRINK_MAX_LAYERS = 2
 SHRINK_HIDDEN = 256
+#: Experts a shrunk MoE model keeps (top 2 of them a token).
+SHRINK_EXPERTS = 8
 #: ``--tiny`` also caps these: the step's graph has the same structure (layers, micro-batches, logging cadence,
 #: every op), only smaller tensors, so shape instability is caught the same way on a laptop.
 TINY_SEQ_LEN = 256
@@ -151,6 +153,16 @@ def shrink(job: JobSpec, *, shapes: bool = False) -> JobSpec:
             "num_key_value_heads": kv,
             # A head width of its own (Qwen3) stays one, smaller: the shrunk model keeps the family's attention.
             "head_dim": None if m.head_dim is None else min(m.head_dim, SHRINK_HIDDEN // heads),
+            # A MoE model stays one: fewer and narrower experts, routed as sparsely, the same dispatch.
+            **(
+                {
+                    "num_experts": min(m.expert_sizes[0], SHRINK_EXPERTS),
+                    "num_experts_per_tok": min(m.expert_sizes[1], 2),
+                    "moe_intermediate_size": min(m.expert_sizes[2], SHRINK_HIDDEN),
+                }
+                if m.is_moe
+                else {}
+            ),
         }
     )
     if not shapes:

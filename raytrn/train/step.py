@@ -49,6 +49,9 @@ class Training:
     #: normalised over the global batch.
     world_size: int = 1
     data_parallel_size: int = 1
+    #: A MoE model's ``router_aux_loss_coef``: the load-balancing loss it returns is added, so weighted, to the loss
+    #: the gradients are taken of (the loss logged stays the language-modelling loss).
+    aux_loss_coef: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -60,6 +63,39 @@ class StepResult:
     forward_s: float = 0.0
     #: Tokens the loss was taken on over the whole global batch (masked data); None: every token (text).
     trained_tokens: int | None = None
+    #: A MoE model's routing over the step (:class:`Routing`); None for a dense one.
+    routing: Routing | None = None
+
+
+@dataclass
+class Routing:
+    """A MoE model's routing summed over a step's micro-batches (on the device, read on log steps only)."""
+
+    aux_loss: torch.Tensor  # the load-balancing loss, summed over the micro-batches (unweighted)
+    expert_load: torch.Tensor  # [moe layers, experts]: top-k assignments each expert got
+    dropped: torch.Tensor  # assignments dropped for capacity
+    micro_batches: int = 0
+
+    def add(self, out: Any) -> None:
+        self.aux_loss = self.aux_loss + out.aux_loss.detach()
+        self.expert_load = self.expert_load + out.expert_load
+        self.dropped = self.dropped + out.dropped
+        self.micro_batches += 1
+
+    @classmethod
+    def of(cls, out: Any) -> Routing | None:
+        """Sums for ``out``'s routing; None for a dense model (or the XLA path's HF output, which has none)."""
+        if getattr(out, "aux_loss", None) is None:
+            return None
+        return cls(torch.zeros_like(out.aux_loss), torch.zeros_like(out.expert_load), torch.zeros_like(out.dropped))
+
+
+def with_aux_loss(t: Training, loss: torch.Tensor, out: Any, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """The loss to take gradients of: ``loss`` plus a MoE model's load-balancing loss weighted by
+    ``router_aux_loss_coef`` (and ``scale``, the micro-batch's share of the step)."""
+    if not t.aux_loss_coef or getattr(out, "aux_loss", None) is None:
+        return loss
+    return loss + (t.aux_loss_coef * scale) * out.aux_loss
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -73,8 +109,11 @@ def masked_loss_sum(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Ten
     return (losses * mask.reshape(-1).to(losses.dtype)).sum()
 
 
-def forward(t: Training, batch: torch.Tensor | TokenBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Logits of a micro-batch's inputs, its targets, and the targets' mask (None: all count)."""
+def forward(
+    t: Training, batch: torch.Tensor | TokenBatch
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Any]:
+    """Logits of a micro-batch's inputs, its targets, the targets' mask (None: all count), and the model's whole
+    output (a MoE model's routing: :class:`raytrn.models.decoder.CausalLMOutput`)."""
     if isinstance(batch, TokenBatch):
         tokens, mask, segments = batch.tokens, batch.loss_mask, batch.segments
     else:
@@ -82,8 +121,8 @@ def forward(t: Training, batch: torch.Tensor | TokenBatch) -> tuple[torch.Tensor
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     kwargs = {"segments": segments[:, :-1]} if segments is not None else {}
     with torch.autocast(inputs.device.type, dtype=t.autocast_dtype) if t.autocast_dtype else nullcontext():
-        logits = t.model(input_ids=inputs, **kwargs).logits
-    return logits, targets, None if mask is None else mask[:, 1:]
+        out = t.model(input_ids=inputs, **kwargs)
+    return out.logits, targets, None if mask is None else mask[:, 1:], out
 
 
 def global_count(local: torch.Tensor, t: Training) -> torch.Tensor:
@@ -113,6 +152,7 @@ def train_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch], backen
     loss_sum = torch.zeros((), device=backend.device())
     data_wait = time.perf_counter() - t0
     forward_s = 0.0
+    routing: Routing | None = None
     for micro in range(t.grad_accum):
         t0 = time.perf_counter()
         batch = pending.pop() if pending else next(batches)  # already on the device (backend.wrap_batches)
@@ -122,18 +162,21 @@ def train_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch], backen
         with nullcontext() if last else t.no_sync():
             # Mixed precision: forward in bf16, weights fp32; backward outside autocast (it follows the forward).
             t0 = time.perf_counter()
-            logits, targets, _ = forward(t, batch)
+            logits, targets, _, out = forward(t, batch)
             with torch.autocast(logits.device.type, dtype=t.autocast_dtype) if t.autocast_dtype else nullcontext():
                 loss = t.loss_fn(logits, targets)
             forward_s += time.perf_counter() - t0
-            (loss / t.grad_accum).backward()
+            (with_aux_loss(t, loss, out) / t.grad_accum).backward()
         loss_sum = loss_sum + loss.detach()
+        routing = routing or Routing.of(out)
+        if routing is not None:
+            routing.add(out)
     loss_mean = loss_sum / t.grad_accum  # before the sync: part of the step's graph, read later for free
     grad_norm = t.clip_and_step()
     t.scheduler.step()
     t.optimizer.zero_grad(set_to_none=True)
     backend.sync()  # XLA: the step's graph ends here (compiled once, then cached)
-    return StepResult(loss=loss_mean, grad_norm=grad_norm, data_wait_s=data_wait, forward_s=forward_s)
+    return StepResult(loss=loss_mean, grad_norm=grad_norm, data_wait_s=data_wait, forward_s=forward_s, routing=routing)
 
 
 def skip_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch]) -> None:
@@ -156,16 +199,20 @@ def _masked_step(t: Training, micro: list[TokenBatch], backend: Backend, *, data
     scale = t.data_parallel_size / total
     loss_sum = torch.zeros((), device=device)
     forward_s = 0.0
+    routing: Routing | None = None
     for k, batch in enumerate(micro):
         last = k == len(micro) - 1
         with nullcontext() if last else t.no_sync():
             t0 = time.perf_counter()
-            logits, targets, mask = forward(t, batch)
+            logits, targets, mask, out = forward(t, batch)
             assert mask is not None
             loss = masked_loss_sum(logits, targets, mask) * scale
             forward_s += time.perf_counter() - t0
-            loss.backward()
+            with_aux_loss(t, loss, out, 1.0 / len(micro)).backward()
         loss_sum = loss_sum + loss.detach()
+        routing = routing or Routing.of(out)
+        if routing is not None:
+            routing.add(out)
     grad_norm = t.clip_and_step()
     t.scheduler.step()
     t.optimizer.zero_grad(set_to_none=True)
@@ -178,6 +225,7 @@ def _masked_step(t: Training, micro: list[TokenBatch], backend: Backend, *, data
         data_wait_s=data_wait,
         forward_s=forward_s,
         trained_tokens=int(total.item()),  # a host read: the step's count, already all-reduced
+        routing=routing,
     )
 
 
@@ -188,4 +236,27 @@ def read_metrics(result: StepResult, world_size: int) -> dict[str, float]:
         loss = loss.clone()
         torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.SUM)
         loss = loss / world_size
-    return {"loss": loss.item(), "grad_norm": float(result.grad_norm)}
+    metrics = {"loss": loss.item(), "grad_norm": float(result.grad_norm)}
+    if result.routing is not None:
+        metrics.update(routing_metrics(result.routing, world_size))
+    return metrics
+
+
+def routing_metrics(routing: Routing, world_size: int) -> dict[str, float]:
+    """A MoE step's routing over every worker (a collective on log steps): ``router_aux_loss`` (the mean
+    load-balancing loss, unweighted), ``moe_dropped_fraction`` (assignments dropped for capacity) and per MoE layer
+    ``expert_load/layer_NN``: the most tokens any expert got over the mean (1.0: balanced; num_experts: one expert
+    took every token)."""
+    packed = torch.cat([routing.aux_loss.reshape(1), routing.dropped.reshape(1), routing.expert_load.reshape(-1)])
+    if world_size > 1 and torch.distributed.is_initialized():
+        packed = packed.clone()
+        torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.SUM)
+    values = packed.cpu()
+    load = values[2:].view_as(routing.expert_load)
+    metrics = {
+        "router_aux_loss": float(values[0]) / (max(routing.micro_batches, 1) * world_size),
+        "moe_dropped_fraction": float(values[1]) / max(float(load.sum()), 1.0),
+    }
+    for layer, counts in enumerate(load):
+        metrics[f"expert_load/layer_{layer:02d}"] = float(counts.max() / counts.mean().clamp(min=1e-9))
+    return metrics

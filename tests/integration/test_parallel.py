@@ -94,7 +94,10 @@ def _run_plan(rank: int, world: int, plan: dict[str, Any], out: Path) -> None:
     t = build_training(job, backend, world_size=world, rank=rank)
     seen: list[str] = []
     inner = getattr(t.model, "module", t.model)  # DDP wraps
-    inner.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(str(o.dtype)))
+    mlp = inner.model.layers[0].mlp  # a MoE layer's returns its output and its routing's sums
+    getattr(mlp, "down_proj", mlp).register_forward_hook(
+        lambda m, i, o: seen.append(str((o[0] if isinstance(o, tuple) else o).dtype))
+    )
     tp = job.parallel.tensor_parallel_size
     dp, dp_rank = data_parallel_size(job, world), rank // tp
     record: dict[str, Any] = {"losses": {}}
@@ -422,6 +425,47 @@ def test_init_from_a_hugging_face_checkpoint_into_fsdp_and_tensor_parallel(tmp_p
     assert sorted(loaded) == sorted(saved)
     for name, tensor in saved.items():
         assert torch.equal(loaded[name], tensor), name
+
+
+def test_qwen3_moe_under_ddp_and_fsdp_follows_one_process_and_loads_its_experts_sharded(tmp_path) -> None:
+    """The tiny Qwen3-MoE (dropless, the load-balancing loss in the gradients) on 2 workers, DDP and FSDP (the
+    stacked experts sharded): the losses of one process. Then model.init_from a transformers-saved checkpoint (one
+    tensor per expert) into FSDP on 3 workers, 4 experts (2, 2 and none a rank): gathered back, the checkpoint's
+    experts stacked, bit-equal."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    moe = ("model.family=qwen3_moe", "model.preset=tiny-qwen3-moe", "model.router_aux_loss_coef=0.01")
+    one = run_layout(tmp_path, 1, "moe-one", *moe, steps=4)
+    ddp = run_layout(tmp_path, 2, "moe-ddp", *moe, "parallel.data_parallel=ddp", steps=4)
+    fsdp = run_layout(tmp_path, 2, "moe-fsdp", *moe, "parallel.data_parallel=fsdp", steps=4)
+    assert losses(ddp) == pytest.approx(losses(one), rel=LOSS_RTOL)
+    assert losses(fsdp) == pytest.approx(losses(one), rel=LOSS_RTOL)
+    assert losses(one)[3] < losses(one)[0]  # it trains
+
+    torch.manual_seed(3)
+    config = Qwen3MoeConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=384, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=512, rope_theta=1e6, rms_norm_eps=1e-6,
+    )  # fmt: skip
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "hf-moe")
+    run_layout(tmp_path, 3, "moe-init", "model.family=null", "model.preset=null", "model.hidden_size=null",
+               "model.intermediate_size=null", "model.num_layers=null", "model.num_attention_heads=null",
+               "model.num_key_value_heads=null", f"model.init_from={tmp_path / 'hf-moe'}", "parallel.data_parallel=fsdp",
+               steps=0, init=str(tmp_path / "hf-moe"))  # fmt: skip
+    loaded = torch.load(tmp_path / "out" / "init-moe-init.pt")["model"]
+    saved = load_file(tmp_path / "hf-moe" / "model.safetensors")
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        gate_up = torch.stack([torch.cat([saved[f"{prefix}.{e}.gate_proj.weight"], saved[f"{prefix}.{e}.up_proj.weight"]])
+                               for e in range(4)])  # fmt: skip
+        down = torch.stack([saved[f"{prefix}.{e}.down_proj.weight"] for e in range(4)])
+        assert torch.equal(loaded[f"{prefix}.gate_up_proj"], gate_up) and torch.equal(
+            loaded[f"{prefix}.down_proj"], down
+        )
+    others = {n: t for n, t in saved.items() if ".experts." not in n}
+    assert all(torch.equal(loaded[n], t) for n, t in others.items()) and len(loaded) == len(others) + 4
 
 
 def test_masked_loss_is_the_mean_over_the_global_batch_at_any_layout(tmp_path) -> None:

@@ -22,10 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden" / "tiny_loss.json"
 
 
-def _job(tiny_dataset: Path, tmp: Path, *overrides: str, name: str | None = None):
-    """jobs/tiny.yaml shrunk to the test dataset (seq_len 32, vocab 512), with a unique run name."""
+def _job(tiny_dataset: Path, tmp: Path, *overrides: str, name: str | None = None, base: str = "tiny.yaml"):
+    """jobs/tiny.yaml (or ``base``) shrunk to the test dataset (seq_len 32, vocab 512), with a unique run name."""
     return load_job(
-        REPO / "jobs" / "tiny.yaml",
+        REPO / "jobs" / base,
         [
             f"data.manifest={tiny_dataset}",
             "data.seq_len=32",
@@ -326,3 +326,46 @@ def _leaves(obj):
             yield from _leaves(v)
     else:
         yield obj
+
+
+def test_a_qwen3_moe_run_resumed_equals_the_uninterrupted_one(ray_session, tiny_dataset, tmp_path, monkeypatch):
+    """jobs/tiny-moe.yaml on 2 workers under Ray: 8 steps in one go, and 4 steps then a second invocation resuming
+    from the step-4 checkpoint to step 8. The same rows at every step; the same loss, load-balancing loss and
+    expert loads, bit for bit, each logged once a step; the same final weights and AdamW moments."""
+    from tests.chaos._common import read_trace
+
+    keys = ("loss", "router_aux_loss", "moe_dropped_fraction", "expert_load/layer_00", "expert_load/layer_01")
+    out: dict[str, dict] = {}
+    for name, steps in (("whole", 8), ("split", 4), ("split", 8)):
+        job = _job(
+            tiny_dataset, tmp_path, "scaling.min_workers=2", "scaling.max_workers=2", "checkpoint.every_n_steps=4",
+            "checkpoint.keep_last=null", f"run.max_steps={steps}", "run.log_every=1", "tracking.log_model=false",
+            "tracking.system_metrics=false", name=f"moe-{name}", base="tiny-moe.yaml",
+        )  # fmt: skip
+        assert job.model.family == "qwen3_moe" and job.model.moe_capacity_factor is None
+        monkeypatch.setenv("RAYTRN_SAMPLE_TRACE", str(tmp_path / f"trace-{name}"))
+        summary = run_training(job, live_progress=False)
+        assert summary.final_step == steps
+        out[name] = {
+            "start": summary.start_step,
+            "metrics": {k: _metric_history(job, summary.mlflow_run_id, k) for k in keys},
+            "checkpoint": summary.checkpoint,
+        }
+    whole, split = out["whole"], out["split"]
+    assert split["start"] == 4  # the second invocation resumed
+    for key in keys:
+        assert [s for s, _ in whole["metrics"][key]] == list(range(1, 9)), key  # once a step
+        assert whole["metrics"][key] == split["metrics"][key], key
+    assert all(v >= 1.0 for _, v in whole["metrics"]["router_aux_loss"])
+    assert read_trace(tmp_path / "trace-whole") == read_trace(tmp_path / "trace-split")
+    states = []
+    for name in ("whole", "split"):
+        meta = json.loads((Path(out[name]["checkpoint"]) / "meta.json").read_text())
+        assert meta["step"] == 8
+        (tmp_path / name).mkdir()
+        states.append(_dcp_state(meta["dcp"], tmp_path / name))
+    a, b = states
+    assert a["model"].keys() == b["model"].keys() and "model.layers.0.mlp.experts.gate_up_proj" in a["model"]
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    for k, moments in a["optim"]["state"].items():
+        assert torch.equal(moments["exp_avg"], b["optim"]["state"][k]["exp_avg"]), k

@@ -50,10 +50,13 @@ def saved(tmp: Path, *overrides: str) -> tuple[Any, str]:
     return j, location
 
 
-@pytest.mark.parametrize("family", [("llama", "tiny"), ("qwen3", "tiny-qwen3")], ids=lambda f: f[0])
+@pytest.mark.parametrize(
+    "family", [("llama", "tiny"), ("qwen3", "tiny-qwen3"), ("qwen3_moe", "tiny-qwen3-moe")], ids=lambda f: f[0]
+)
 def test_a_resumed_training_equals_the_uninterrupted_one(tmp_path: Path, family: tuple[str, str]) -> None:
     """4 steps in one go, and 2 steps + a sharded checkpoint + a fresh process's model, optimizer and schedule
-    loaded from it + 2 more steps: bit-identical weights (Qwen3's per-head norms included) and optimizer moments."""
+    loaded from it + 2 more steps: bit-identical weights (Qwen3's per-head norms, Qwen3-MoE's router and stacked
+    experts included) and optimizer moments."""
     j = job(tmp_path, f"model.family={family[0]}", f"model.preset={family[1]}")
     rows = torch.randint(0, 512, (4 * 16, 17), generator=torch.Generator().manual_seed(0)).split(16)
     whole = build_training(j, CpuBackend(), world_size=1)
@@ -69,7 +72,8 @@ def test_a_resumed_training_equals_the_uninterrupted_one(tmp_path: Path, family:
     for batch in rows[2:]:
         train_step(resumed, iter([batch]), CpuBackend())
     names = [n for n, _ in whole.model.named_parameters()]
-    assert (family[0] == "qwen3") == any(n.endswith("self_attn.q_norm.weight") for n in names)
+    assert (family[0] != "llama") == any(n.endswith("self_attn.q_norm.weight") for n in names)
+    assert (family[0] == "qwen3_moe") == any(n.endswith("mlp.experts.gate_up_proj") for n in names)
     for (name, a), b in zip(whole.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b), name
     for a, b in zip(whole.optimizer.state.values(), resumed.optimizer.state.values(), strict=True):

@@ -108,6 +108,40 @@ def test_a_qwen3_checkpoint_sets_the_family_and_loads_exactly(tmp_path: Path, ti
     assert torch.equal(logits_of(ours, ids), logits_of(hf, ids))
 
 
+def qwen3_moe_checkpoint(out: Path) -> Any:
+    """A tiny random HF Qwen3-MoE (6 experts, 2 a token) saved to ``out`` by transformers (one tensor per expert,
+    ``num_local_experts`` in config.json: transformers 5's spelling); the model."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(7)
+    config = Qwen3MoeConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=160, moe_intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=6, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=256, rope_theta=1e6, rms_norm_eps=1e-6, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = Qwen3MoeForCausalLM(config).eval()
+    model.config._experts_implementation = "eager"  # the per-expert loop raytrn's dropless dispatch is, op for op
+    model.save_pretrained(out)
+    return model
+
+
+def test_a_qwen3_moe_checkpoint_loads_its_experts_into_the_stacked_ones_exactly(tmp_path: Path) -> None:
+    hf = qwen3_moe_checkpoint(tmp_path)
+    m = job_for(tmp_path).model
+    assert (m.family, m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.norm_topk_prob) == (
+        "qwen3_moe", 6, 2, 48, True
+    )  # fmt: skip
+    ours = build_model(m, seed=0).eval()
+    assert (
+        load_weights(ours, str(tmp_path), tied=False, source="t") == len(ours.state_dict()) - 2 * 2 + 2 * 3 * 6
+    )  # 3 per expert
+    theirs = hf.state_dict()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(tensor, theirs[name]), name
+    ids = torch.randint(0, 512, (2, 100), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(logits_of(ours, ids), logits_of(hf, ids))
+
+
 def test_a_preset_of_another_family_than_the_checkpoint_is_refused(tmp_path: Path) -> None:
     qwen3_checkpoint(tmp_path, tie=False)
     with pytest.raises(ConfigError, match="model.family is 'llama' but .*config.json says 'qwen3'.*of that family"):

@@ -174,3 +174,29 @@ def test_sweep_tiny_plans_four_learning_rates_under_asha() -> None:
     assert plan.state.max_concurrent == 2 and plan.base.scaling.max_workers == 1
     with pytest.raises(ConfigError, match="has a sweep: section"):
         load_job(JOBS / "sweep-tiny.yaml")
+
+
+def test_qwen3_moe_jobs() -> None:
+    """The Qwen3-MoE jobs: the tiny one on CPU (dropless) and Qwen3-30B-A3B on trn2 (FSDP over 64-256 workers, the
+    capacity dispatch that Neuron needs); `raytrn validate --no-data` passes at every node count of 1-4, and the
+    model line counts the active parameters."""
+    tiny = load("tiny-moe.yaml")
+    assert (tiny.model.family, tiny.model.num_experts, tiny.model.num_experts_per_tok) == ("qwen3_moe", 8, 2)
+    assert tiny.model.moe_capacity_factor is None and tiny.scaling.accelerator == "cpu"
+    big = load("qwen3-30b-a3b-trn2.yaml")
+    m, s = big.model, big.scaling
+    assert (m.family, m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size) == ("qwen3_moe", 128, 8, 768)
+    assert m.moe_capacity_factor == 1.25 and (m.dtype, m.autocast) == ("float32", "bfloat16")
+    assert (s.accelerator, s.instance_type, s.workers_per_node, s.min_workers, s.max_workers) == (
+        "neuron", "trn2.48xlarge", 64, 64, 256,
+    )  # fmt: skip
+    assert [data_parallel_size(big, n) for n in world_sizes(big)] == [64, 128, 192, 256]
+    stats = model_stats(m, seq_len=big.data.seq_len)
+    assert stats.num_params == pytest.approx(30.5e9, rel=0.01) and stats.num_active_params == pytest.approx(
+        3.35e9, rel=0.02
+    )
+    lines = check_job(big, data=False)
+    assert not [line for line in lines if line.startswith("warning:")], lines
+    assert any("active a token" in line for line in lines), lines
+    with pytest.raises(ConfigError, match="needs model.moe_capacity_factor"):
+        load_job(JOBS / "qwen3-30b-a3b-trn2.yaml", ["model.moe_capacity_factor=null"], base_dir="/base")

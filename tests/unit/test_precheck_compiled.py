@@ -100,9 +100,10 @@ def test_a_graph_break_fails_with_where_it_broke(monkeypatch: pytest.MonkeyPatch
     assert text.endswith("verdict: FAIL (graph break)")
 
 
-@pytest.mark.parametrize("name", ["llama3.2-1b-trn2.yaml", "qwen3-8b-trn2.yaml"])
+@pytest.mark.parametrize("name", ["llama3.2-1b-trn2.yaml", "qwen3-8b-trn2.yaml", "qwen3-30b-a3b-trn2.yaml"])
 def test_cli_on_the_trn2_job(capsys: pytest.CaptureFixture[str], name: str) -> None:
-    """`raytrn precheck jobs/<trn2 job> --tiny` in the main venv: exit 0 and PASS (Llama; Qwen3's per-head norms)."""
+    """`raytrn precheck jobs/<trn2 job> --tiny` in the main venv: exit 0 and PASS (Llama; Qwen3's per-head norms;
+    Qwen3-MoE's capacity dispatch: fixed shapes, no graph break)."""
     from raytrn.cli import main
 
     assert main(["precheck", str(REPO / "jobs" / name), "--tiny", "--steps", "5"]) == 0
