@@ -208,6 +208,19 @@ def render(report: dict[str, Any]) -> str:
             f"MiB ({_pct(lo['optimizer_ratio'], 2)}); {_num(ad['tokens_per_s'])} vs {_num(full['tokens_per_s'])} "
             f"tokens/s ({_num(lo['speed_ratio'], '.2f')}x) | |"
         )
+    mo = res.get("moe", {})
+    row = _status_row("moe", mo)
+    if row:
+        lines.append(row)
+    elif mo:
+        dense, dropless, fixed = mo["dense"], mo["moe_dropless"], mo["moe_capacity"]
+        lines.append(
+            f"| Qwen3-MoE step vs a dense Qwen3 of the same active parameters, one CPU process ({mo['setup']}) | "
+            f"dropless {_num(dropless['tokens_per_s'])} ({_num(mo['dropless_over_dense'], '.2f')}x), capacity 1.25 "
+            f"{_num(fixed['tokens_per_s'])} ({_num(mo['capacity_over_dense'], '.2f')}x, "
+            f"{_pct(fixed['dropped_fraction'] or 0.0, 1)} dropped) vs {_num(dense['tokens_per_s'])} tokens/s; "
+            f"parameters {_num(dropless['params'])} vs {_num(dense['params'])} | EP 1 vs EP 2: not built yet |"
+        )
     gu = res.get("guard", {})
     row = _status_row("finiteness check", gu)
     if row:

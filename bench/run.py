@@ -25,6 +25,7 @@ from bench import (
     lora,
     memory_tier,
     mlflow_overhead,
+    moe,
     parallel,
     recovery,
     training,
@@ -44,13 +45,14 @@ ALL = (
     "memory",
     "parallel",
     "lora",
+    "moe",
     "guard",
     "trainium",
 )
 #: Rough minutes each needs here (full mode, a busy 2-core machine): a benchmark starts only if this much
 #: budget is left, and the training rounds stop early enough to leave it to the ones after them.
 ESTIMATE_MIN = {"peak": 0.2, "training": 7.0, "mlflow": 2.5, "recovery": 1.5, "elastic": 6.5, "data": 0.5,
-                "checkpoint": 0.5, "memory": 6.0, "parallel": 2.0, "lora": 1.0, "guard": 0.7, "trainium": 0.1}  # fmt: skip
+                "checkpoint": 0.5, "memory": 6.0, "parallel": 2.0, "lora": 1.0, "moe": 1.5, "guard": 0.7, "trainium": 0.1}  # fmt: skip
 
 
 def _benchmarks(args: argparse.Namespace, results: dict[str, Any], deadline: float) -> dict[str, Callable[[], Any]]:
@@ -98,6 +100,7 @@ def _benchmarks(args: argparse.Namespace, results: dict[str, Any], deadline: flo
         "memory": lambda: memory_tier.run(bench, quick=quick),
         "parallel": lambda: parallel.run(steps=6 if quick else 20),
         "lora": lambda: lora.run(quick=quick),
+        "moe": lambda: moe.run(quick=quick),
         "guard": lambda: guard.run(quick=quick),
         "trainium": trainium.targets,
     }

@@ -39,13 +39,17 @@ def _bench(tiny_dataset: Path, tmp_path: Path, only: str, timeout: float) -> dic
 
 
 def test_bench_quick_cheap_parts(tiny_dataset: Path, tmp_path: Path) -> None:
-    results = _bench(tiny_dataset, tmp_path, "peak,data,checkpoint,guard,trainium", timeout=300)
+    results = _bench(tiny_dataset, tmp_path, "peak,data,checkpoint,moe,guard,trainium", timeout=400)
     assert results["peak"]["flops_per_s"] > 0
     assert results["data"]["status"] == "ok", results["data"]
     assert results["data"]["raytrn_rows_per_s_mean"] > 0 and results["data"]["raw_rows_per_s_mean"] > 0
     assert results["checkpoint"]["status"] == "ok", results["checkpoint"]
     assert results["checkpoint"]["tiny"]["raytrn_save_mb_per_s"] > 0
     assert results["checkpoint"]["tiny"]["boto3_put_mb_per_s"] > 0
+    assert results["moe"]["status"] == "ok", results["moe"]
+    moe = results["moe"]
+    assert moe["moe_dropless"]["active_params"] == pytest.approx(moe["dense"]["params"], rel=0.01)  # like for like
+    assert moe["moe_dropless"]["dropped_fraction"] == 0 and moe["dropless_over_dense"] > 0
     assert results["guard"]["status"] == "ok", results["guard"]
     assert results["guard"]["check_s"] > 0 and results["guard"]["check_share"] > 0  # measured (the goal: make bench)
     eight_b = next(r for r in results["trainium"] if r["job"] == "llama3-8b-trn1")

@@ -1,0 +1,103 @@
+"""The Qwen3-MoE step on CPU, one process: tokens/s of raytrn's step (build_training + train_step) for a MoE model,
+dropless and with the capacity dispatch (factor 1.25, Neuron's fixed shapes), against a dense Qwen3 of the same
+active parameters a token (the MLP as wide as the experts a token goes to), and the parameters and AdamW state each
+holds. Expert parallelism (issue 30, item 5) is not built: its EP 1 vs EP 2 rows come with it.
+
+The MoE: 4 layers, width 256, 4/2 heads of 64, 16 experts of width 128, 2 a token; the dense: the same with an
+MLP of width 256 (2 x 128). seq 128, micro-batch 8, 1 torch thread; the three variants alternated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+from bench.common import emit, mean, run_child
+
+SIZES = (
+    "model.preset=null", "model.hidden_size=256", "model.num_layers=4", "model.num_attention_heads=4",
+    "model.num_key_value_heads=2", "model.head_dim=64", "model.vocab_size=4096", "model.max_position_embeddings=512",
+    "model.rope_theta=1000000.0",
+)  # fmt: skip
+MOE = ("model.family=qwen3_moe", "model.num_experts=16", "model.num_experts_per_tok=2",
+       "model.moe_intermediate_size=128", "model.intermediate_size=512")  # fmt: skip
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "dense": ("model.family=qwen3", "model.intermediate_size=256"),  # 3 x 256 x 256 = 2 experts of 128
+    "moe_dropless": MOE,
+    "moe_capacity": (*MOE, "model.moe_capacity_factor=1.25"),
+}
+
+
+def _variant(name: str, steps: int, warmup: int) -> dict[str, Any]:
+    import torch
+
+    from raytrn.backends.cpu import CpuBackend
+    from raytrn.config import load_job
+    from raytrn.models import model_stats
+    from raytrn.train.build import build_training
+    from raytrn.train.step import read_metrics, train_step
+
+    job = load_job(
+        "jobs/tiny.yaml",
+        [*SIZES, *VARIANTS[name], "data.manifest=unused", "data.seq_len=128", "data.micro_batch_size=8",
+         "data.grad_accum=1"],
+        resolve=False,
+    )  # fmt: skip
+    t = build_training(job, CpuBackend(), world_size=1)
+    gen = torch.Generator().manual_seed(0)
+    batches = iter([torch.randint(0, 4096, (8, 129), generator=gen) for _ in range(steps)])
+    times, result = [], None
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        result = train_step(t, batches, CpuBackend())
+        times.append(time.perf_counter() - t0)
+    moments = sum(v.numel() * v.element_size() for s in t.optimizer.state.values() for v in s.values() if v.ndim)
+    stats = model_stats(job.model, 128)
+    metrics = read_metrics(result, world_size=1) if result is not None else {}
+    return {
+        "params": stats.num_params,
+        "active_params": stats.num_active_params,
+        "optimizer_bytes": moments,
+        "tokens_per_s": 8 * 128 / (mean(times[warmup:]) or float("nan")),
+        "dropped_fraction": metrics.get("moe_dropped_fraction"),
+    }
+
+
+def child_main(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
+    for _ in range(args.rounds):
+        for name in VARIANTS:
+            rows[name].append(_variant(name, args.steps, args.warmup))
+    emit({name: {**r[-1], "tokens_per_s": mean([x["tokens_per_s"] for x in r])} for name, r in rows.items()})
+
+
+def run(*, quick: bool = False) -> dict[str, Any]:
+    r = run_child(
+        "moe", ["--steps", "4" if quick else "12", "--warmup", "1" if quick else "2", "--rounds", "1" if quick else "2"],
+        threads=1, timeout_s=600,
+    )  # fmt: skip
+    dense = r["dense"]
+    return {
+        **r,
+        "dropless_over_dense": r["moe_dropless"]["tokens_per_s"] / dense["tokens_per_s"],
+        "capacity_over_dense": r["moe_capacity"]["tokens_per_s"] / dense["tokens_per_s"],
+        "setup": "4 layers, width 256, 16 experts of 128 (top 2) vs a dense MLP of 256; seq 128 x micro 8",
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.moe")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    child_main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
