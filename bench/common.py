@@ -162,6 +162,29 @@ def steady_rate(points: Sequence[tuple[int, float]], warmup: int, tokens_per_ste
     return (s1 - s0) * tokens_per_step / (t1 - t0)
 
 
+def timed_steps(t: Any, steps: int, *, vocab: int, rows: int = 8, seq_len: int = 128) -> tuple[list[float], Any]:
+    """raytrn's step (``train_step`` on a :class:`raytrn.train.step.Training`, CPU backend) over ``steps`` seeded
+    random micro-batches of ``rows`` x (``seq_len`` + 1) tokens: each step's seconds, and the last step's result."""
+    import torch
+
+    from raytrn.backends.cpu import CpuBackend
+    from raytrn.train.step import train_step
+
+    gen = torch.Generator().manual_seed(0)
+    batches = iter([torch.randint(0, vocab, (rows, seq_len + 1), generator=gen) for _ in range(steps)])
+    times, result = [], None
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        result = train_step(t, batches, CpuBackend())
+        times.append(time.perf_counter() - t0)
+    return times, result
+
+
+def optimizer_state_bytes(optimizer: Any) -> int:
+    """Bytes of an optimizer's state tensors (AdamW's moments; not its scalar step counts)."""
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if v.ndim)
+
+
 def mean(xs: Sequence[float]) -> float | None:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None

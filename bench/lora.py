@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 from typing import Any
 
-from bench.common import emit, mean, run_child
+from bench.common import emit, mean, optimizer_state_bytes, run_child, timed_steps
 
 MODEL: dict[str, Any] = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
                              num_key_value_heads=4, vocab_size=4096, max_position_embeddings=512)  # fmt: skip
@@ -21,14 +20,12 @@ LORA = "{rank: 8, alpha: 16, targets: [q_proj, k_proj, v_proj, o_proj]}"
 
 
 def _variant(ckpt: str, lora: bool, steps: int, warmup: int) -> dict[str, Any]:
-    import torch
 
     from raytrn.backends.cpu import CpuBackend
     from raytrn.config import load_job
     from raytrn.models.hf import load_weights
     from raytrn.models.lora import trainable_parameters
     from raytrn.train.build import build_training
-    from raytrn.train.step import train_step
 
     sets = ["model.preset=null", "model.hidden_size=null", "model.intermediate_size=null", "model.num_layers=null",
             "model.num_attention_heads=null", "model.vocab_size=null", f"model.init_from={ckpt}",
@@ -36,19 +33,12 @@ def _variant(ckpt: str, lora: bool, steps: int, warmup: int) -> dict[str, Any]:
     job = load_job("jobs/tiny.yaml", [*sets, *([f"model.lora={LORA}"] if lora else [])], resolve=False)
     t = build_training(job, CpuBackend(), world_size=1)
     load_weights(t.model, ckpt, tied=False, source="bench")
-    gen = torch.Generator().manual_seed(0)
-    batches = iter([torch.randint(0, 4096, (8, 129), generator=gen) for _ in range(steps)])
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        train_step(t, batches, CpuBackend())
-        times.append(time.perf_counter() - t0)
-    moments = sum(v.numel() * v.element_size() for s in t.optimizer.state.values() for v in s.values() if v.ndim)
+    times, _ = timed_steps(t, steps, vocab=4096)
     trainable, total = trainable_parameters(t.model)
     return {
         "trainable_params": trainable,
         "params": total,
-        "optimizer_bytes": moments,
+        "optimizer_bytes": optimizer_state_bytes(t.optimizer),
         "tokens_per_s": 8 * 128 / (mean(times[warmup:]) or float("nan")),
     }
 

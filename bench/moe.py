@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from typing import Any
 
-from bench.common import emit, mean, run_child
+from bench.common import emit, mean, optimizer_state_bytes, run_child, timed_steps
 
 SIZES = (
     "model.preset=null", "model.hidden_size=256", "model.num_layers=4", "model.num_attention_heads=4",
@@ -31,13 +30,12 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 
 
 def _variant(name: str, steps: int, warmup: int) -> dict[str, Any]:
-    import torch
 
     from raytrn.backends.cpu import CpuBackend
     from raytrn.config import load_job
     from raytrn.models import model_stats
     from raytrn.train.build import build_training
-    from raytrn.train.step import read_metrics, train_step
+    from raytrn.train.step import read_metrics
 
     job = load_job(
         "jobs/tiny.yaml",
@@ -46,20 +44,13 @@ def _variant(name: str, steps: int, warmup: int) -> dict[str, Any]:
         resolve=False,
     )  # fmt: skip
     t = build_training(job, CpuBackend(), world_size=1)
-    gen = torch.Generator().manual_seed(0)
-    batches = iter([torch.randint(0, 4096, (8, 129), generator=gen) for _ in range(steps)])
-    times, result = [], None
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        result = train_step(t, batches, CpuBackend())
-        times.append(time.perf_counter() - t0)
-    moments = sum(v.numel() * v.element_size() for s in t.optimizer.state.values() for v in s.values() if v.ndim)
+    times, result = timed_steps(t, steps, vocab=4096)
     stats = model_stats(job.model, 128)
     metrics = read_metrics(result, world_size=1) if result is not None else {}
     return {
         "params": stats.num_params,
         "active_params": stats.num_active_params,
-        "optimizer_bytes": moments,
+        "optimizer_bytes": optimizer_state_bytes(t.optimizer),
         "tokens_per_s": 8 * 128 / (mean(times[warmup:]) or float("nan")),
         "dropped_fraction": metrics.get("moe_dropped_fraction"),
     }

@@ -246,7 +246,6 @@ class Decoder(nn.Module):
     ) -> None:
         super().__init__()
         head_dim = head_dim or hidden_size // num_heads
-        self.moe = moe
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(hidden_size, intermediate_size, num_heads, num_kv_heads, eps, head_dim, qk_norm, moe)
