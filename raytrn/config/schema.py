@@ -400,6 +400,14 @@ class ParallelConfig(Section):
     tensor_parallel_size: int = Field(
         1, gt=0, le=4096, description="workers (consecutive ranks, one node) one model replica is split over"
     )
+    expert_parallel_size: int = Field(
+        1,
+        gt=0,
+        le=4096,
+        description="qwen3_moe: data-parallel ranks a layer's experts are spread over (each holds num_experts / EP "
+        "of them; tokens reach their experts by all-to-all). Taken from the data-parallel ranks: workers / TP must "
+        "be a multiple of it. Needs data_parallel: fsdp",
+    )
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         "none",
         description="recompute activations in backward: full (each decoder block keeps only its input), "
@@ -471,17 +479,34 @@ class JobSpec(Section):
             )
         if self.model.is_moe:
             self._check_moe()
+        elif self.parallel.expert_parallel_size > 1:
+            raise ValueError(
+                f"parallel.expert_parallel_size {self.parallel.expert_parallel_size} with model.family "
+                f"{self.model.family}: a dense model has no experts to spread; remove it (or use model.family: "
+                "qwen3_moe)"
+            )
         return self
 
     def _check_moe(self) -> None:
-        """What a Qwen3-MoE model can train with today: data parallelism (DDP or FSDP), experts replicated or
-        FSDP-sharded, the dropless dispatch on cpu and cuda, the capacity dispatch (fixed shapes) on neuron (the
-        XLA path refuses every family but Llama itself)."""
-        if self.parallel.tensor_parallel_size > 1:
+        """What a Qwen3-MoE model can train with: data parallelism (DDP or FSDP), tensor parallelism of attention (the
+        experts replicated over the TP group), expert parallelism under FSDP (the experts spread over
+        ``expert_parallel_size`` data-parallel ranks), the dropless dispatch on cpu and cuda, the capacity dispatch
+        (fixed shapes) on neuron (the XLA path refuses every family but Llama itself)."""
+        ep, experts = self.parallel.expert_parallel_size, self.model.num_experts or 0
+        if experts % ep:
             raise ValueError(
-                f"model.family qwen3_moe with parallel.tensor_parallel_size {self.parallel.tensor_parallel_size}: "
-                "tensor parallelism of the experts is not implemented; use parallel.data_parallel: fsdp "
-                "(tensor_parallel_size 1), which shards the experts with the rest"
+                f"parallel.expert_parallel_size {ep} does not divide model.num_experts ({experts}): every rank of an "
+                f"expert-parallel group holds the same number of experts; use a divisor of {experts}"
+            )
+        if ep > 1 and self.parallel.data_parallel != "fsdp":
+            raise ValueError(
+                f"parallel.expert_parallel_size {ep} needs parallel.data_parallel: fsdp (DDP would replicate the "
+                "experts EP spreads, and reduce their gradients over the wrong ranks); set data_parallel: fsdp"
+            )
+        if ep > 1 and self.model.lora is not None:
+            raise ValueError(
+                f"model.lora with parallel.expert_parallel_size {ep}: LoRA adapts attention and keeps the experts "
+                "frozen; train it without expert parallelism (data_parallel: fsdp shards the frozen experts)"
             )
         if self.scaling.accelerator == "neuron" and self.model.moe_capacity_factor is None:
             raise ValueError(

@@ -59,15 +59,27 @@ def world_sizes(job: JobSpec) -> list[int]:
 
 def size_unit(job: JobSpec) -> int:
     """What every elastic size is a multiple of: whole nodes (``workers_per_node``, which whole TP groups must
-    divide: a group never spans two nodes), else whole tensor-parallel groups."""
-    return job.scaling.workers_per_node or job.parallel.tensor_parallel_size
+    divide: a group never spans two nodes), else whole tensor-parallel groups. With expert parallelism also whole
+    expert-parallel blocks (``TP x EP`` consecutive ranks: EP data-parallel ranks of every TP index)."""
+    p = job.parallel
+    block = p.tensor_parallel_size * p.expert_parallel_size
+    wpn = job.scaling.workers_per_node
+    return math.lcm(wpn, block) if wpn else block
 
 
 def _unit_reason(job: JobSpec) -> str:
-    wpn, tp = job.scaling.workers_per_node, job.parallel.tensor_parallel_size
+    wpn, tp, ep = job.scaling.workers_per_node, job.parallel.tensor_parallel_size, job.parallel.expert_parallel_size
+    unit = size_unit(job)
+    why = []
     if wpn:
-        return f"a multiple of {wpn}: whole nodes (scaling.workers_per_node={wpn})"
-    return f"a multiple of {tp}: whole tensor-parallel groups (parallel.tensor_parallel_size={tp})"
+        why.append(f"whole nodes (scaling.workers_per_node={wpn})")
+    if ep > 1:
+        why.append(
+            f"whole expert-parallel groups of tensor-parallel groups (TP {tp} x parallel.expert_parallel_size {ep})"
+        )
+    elif not wpn:
+        why.append(f"whole tensor-parallel groups (parallel.tensor_parallel_size={tp})")
+    return f"a multiple of {unit}: {' and '.join(why)}"
 
 
 def describe_sizes(job: JobSpec) -> str:

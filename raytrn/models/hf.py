@@ -142,21 +142,26 @@ def _expert_views(name: str, value: Any, *, source: str) -> dict[str, Any]:
     """The per-expert checkpoint names of stacked-experts tensor ``name`` (:func:`raytrn.models.llama.hub_tensors`)
     for the experts this rank holds, each a view into ``value`` (a tensor, or a DTensor sharded on the experts, as
     FSDP2 shards it): loading into the views loads the stacked tensor."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 
     from raytrn.models.llama import hub_tensors
 
     first, local = 0, value
     if isinstance(value, DTensor):
-        mesh, placements = value.device_mesh, tuple(value.placements)
-        if mesh.ndim != 1 or placements != (Shard(0),):
-            raise CheckpointError(
-                f"{source}: model.init_from into {name} laid out as {placements} over a {mesh.ndim}-D mesh: a MoE "
-                "model's experts load into a replicated or FSDP-sharded (Shard(0)) tensor only"
-            )
+        # Where this rank's block starts: DCP's own record of a DTensor's local chunk (FSDP's Shard(0), expert
+        # parallelism's Shard(0) over EP, FSDP's _StridedShard over the EP holders, a TP replica: all on dim 0).
+        chunks = value.__create_chunk_list__()
         local = value.to_local()
-        chunk = -(-value.shape[0] // mesh.size())  # FSDP2's torch.chunk: ceil(experts / ranks) on each rank
-        first = min(value.shape[0], mesh.get_local_rank() * chunk)
-        assert local.shape[0] == min(value.shape[0], first + chunk) - first, (name, local.shape, first, chunk)
+        chunk = chunks[0] if len(chunks) == 1 else None
+        if (
+            chunk is None
+            or tuple(chunk.offsets[1:]) != (0,) * (value.ndim - 1)
+            or tuple(local.shape[1:]) != tuple(value.shape[1:])
+        ):
+            raise CheckpointError(
+                f"{source}: model.init_from into {name} laid out as {tuple(value.placements)}: a MoE model's "
+                "experts load into whole experts on each rank only (one run of them, split on the experts dimension)"
+            )
+        first = int(chunk.offsets[0])
     views = dict(hub_tensors([(name, local)], first_expert=first))
     return views

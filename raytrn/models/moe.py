@@ -13,6 +13,11 @@ Two dispatches of the same routing:
   Every tensor's shape depends only on the micro-batch's, so a Neuron graph compiles once. With slots for every
   assignment nothing is dropped and the result is the dropless one.
 
+**Expert parallelism** (``parallel.expert_parallel_size``): the layer's experts are spread over a group of ranks,
+each holding a block of them; :mod:`raytrn.train.expert_parallel` sets :attr:`Experts.exchange`, and both dispatches
+send each assignment's row to the rank of its expert and its result back (an all-to-all each way). The model
+code only calls :class:`Exchange`; the collectives live there.
+
 Each block also returns what the load-balancing loss and the expert-load metrics need (:class:`RouterStats`):
 the loss is HF's ``load_balancing_loss_func`` (Switch Transformer's, over every MoE layer's tokens), computed
 from per-layer sums so that no router logits are kept for it.
@@ -21,7 +26,7 @@ from per-layer sums so that no router logits are kept for it.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +44,30 @@ class RouterStats(NamedTuple):
     tokens: int
 
 
+class Exchange(Protocol):
+    """Moves rows between the ``size`` ranks an expert-parallel group spreads a layer's experts over (rank ``r``
+    holds experts ``r * E / size`` to ``(r + 1) * E / size - 1``): :class:`raytrn.train.expert_parallel.AllToAll`."""
+
+    size: int
+
+    def counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """``counts`` [experts]: the rows this rank sends each expert; returns [size, experts / size], the rows every
+        rank sends this rank's experts (no gradient)."""
+        ...
+
+    def rows(self, rows: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        """``send[r]`` rows to rank ``r`` (in rank order), ``receive[r]`` from it; differentiable (the gradient
+        goes back the same way)."""
+        ...
+
+
+def local(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's local tensor: itself, or its shard of a DTensor (tensor or expert parallelism lay the MoE
+    parameters out as DTensors; the computation here is on the rows and experts this rank holds)."""
+    to_local: Any = getattr(param, "to_local", None)
+    return param if to_local is None else to_local()
+
+
 class TopKRouter(nn.Module):
     """HF ``Qwen3MoeTopKRouter``: softmax in float32 over ``num_experts`` logits, the ``top_k`` largest, and with
     ``norm_topk_prob`` those renormalised to sum to one; the weights in the logits' dtype."""
@@ -49,7 +78,7 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)  # [tokens, experts]
+        logits = F.linear(x, local(self.weight))  # [tokens, experts]
         probs = F.softmax(logits, dtype=torch.float, dim=-1)
         top, indices = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -65,20 +94,63 @@ class Experts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        #: Expert parallelism: how rows reach the ranks holding their experts; None: this rank holds them all.
+        self.exchange: Exchange | None = None
 
     def dropless(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every assignment computed, expert by expert in ascending order (HF's loop: a token's outputs are added
         in its experts' order)."""
+        if self.exchange is not None:
+            return self._dropless_spread(x, indices, weights, self.exchange)
+        gate_up_proj, down_proj = local(self.gate_up_proj), local(self.down_proj)
         out = torch.zeros_like(x)
         with torch.no_grad():
             mask = F.one_hot(indices, num_classes=self.num_experts).permute(2, 1, 0)  # [experts, top_k, tokens]
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
         for (expert,) in hit.tolist():
             choice, token = torch.where(mask[expert])
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[token, choice, None]
+            gate, up = F.linear(x[token], gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, down_proj[expert]) * weights[token, choice, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
+
+    def _dropless_spread(
+        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, exchange: Exchange
+    ) -> torch.Tensor:
+        """The dropless dispatch over an expert-parallel group: the assignments sorted by expert, each rank's share
+        sent to it, computed there expert by expert (every sender's rows of an expert together), sent back and
+        added to their tokens with the router's weights."""
+        experts, top_k = self.num_experts, indices.shape[1]
+        held = experts // exchange.size
+        expert = indices.reshape(-1)  # token-major: token t's choices at t * top_k ...
+        order = torch.argsort(expert, stable=True)
+        token = torch.div(order, top_k, rounding_mode="floor")
+        with torch.no_grad():
+            counts = torch.bincount(expert, minlength=experts)
+            arriving = exchange.counts(counts)  # [ranks, held]: what each rank sends this rank's experts
+        send = counts.view(exchange.size, held).sum(1).tolist()
+        receive = arriving.sum(1).tolist()
+        rows = exchange.rows(x[token], send, receive)  # grouped by sender, then by expert
+        # By expert, then by sender: each expert's rows in one piece.
+        segments = arriving.reshape(-1).tolist()
+        starts = [0]
+        for n in segments[:-1]:
+            starts.append(starts[-1] + n)
+        by_expert = [
+            torch.arange(starts[r * held + e], starts[r * held + e] + segments[r * held + e], device=x.device)
+            for e in range(held)
+            for r in range(exchange.size)
+        ]
+        perm = torch.cat(by_expert) if by_expert else torch.zeros(0, dtype=torch.long, device=x.device)
+        gate_up_proj, down_proj = local(self.gate_up_proj), local(self.down_proj)
+        outputs = []
+        for e, part in enumerate(rows[perm].split(arriving.sum(0).tolist())):
+            gate, up = F.linear(part, gate_up_proj[e]).chunk(2, dim=-1)
+            outputs.append(F.linear(F.silu(gate) * up, down_proj[e]))
+        y = torch.cat(outputs)[torch.argsort(perm)]  # back to the order the rows arrived in
+        y = exchange.rows(y, receive, send)  # back to their tokens' ranks, in the order sent
+        y = y * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
 
     def with_capacity(
         self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, capacity: int
@@ -96,11 +168,28 @@ class Experts(nn.Module):
             slot = torch.where(keep, expert * capacity + position, experts * capacity)  # dropped: a spare row
         buffer = x.new_zeros(experts * capacity + 1, hidden).index_copy(0, slot, x[token])
         h = buffer[:-1].view(experts, capacity, hidden)
-        gate, up = torch.bmm(h, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
-        y = torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2)).reshape(experts * capacity, hidden)
+        y = self._slots(h).reshape(experts * capacity, hidden)
         y = torch.cat([y, y.new_zeros(1, hidden)])[slot]  # back to the assignments (dropped: zeros)
         y = y * (weights.t().reshape(-1) * keep.to(weights.dtype))[:, None]
         return y.view(top_k, tokens, hidden).sum(0).to(x.dtype), (~keep).sum().float()
+
+    def _slots(self, h: torch.Tensor) -> torch.Tensor:
+        """Every expert on its ``capacity`` slots, [experts, capacity, hidden]; under expert parallelism each rank
+        receives every rank's slots of its experts (equal sizes: fixed shapes still) and sends the results back."""
+        gate_up_proj, down_proj = local(self.gate_up_proj), local(self.down_proj)
+        exchange = self.exchange
+        experts, slots, hidden = h.shape
+        if exchange is not None:
+            ranks, held = exchange.size, experts // exchange.size
+            even = [held * slots] * ranks
+            h = exchange.rows(h.reshape(experts * slots, hidden), even, even)  # [ranks, held, slots] rows
+            h = h.view(ranks, held, slots, hidden).transpose(0, 1).reshape(held, ranks * slots, hidden)
+        gate, up = torch.bmm(h, gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+        y = torch.bmm(F.silu(gate) * up, down_proj.transpose(1, 2))
+        if exchange is not None:
+            y = y.view(held, ranks, slots, hidden).transpose(0, 1).reshape(experts * slots, hidden)
+            y = exchange.rows(y, even, even).view(experts, slots, hidden)
+        return y
 
 
 def capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:

@@ -158,7 +158,32 @@ def check_parallel(job: JobSpec) -> list[str]:
             f"{f', workers_per_node={step}' if step else ''}); every world size must hold whole tensor-parallel "
             f"groups: make min_workers, max_workers{' and workers_per_node' if step else ''} multiples of {tp}"
         )
+    _check_expert_parallel(job, sizes)
     return _describe_layout(job, sizes)
+
+
+def _check_expert_parallel(job: JobSpec, sizes: list[int]) -> None:
+    """Expert parallelism takes its EP ranks from the data-parallel ones: ``workers / TP`` must be a multiple of EP
+    at every size; an elastic job resizes by whole nodes (``scaling.workers_per_node``), so that a lost node takes
+    whole EP groups with it, never half of every one."""
+    p, s, where = job.parallel, job.scaling, job.source
+    ep, tp = p.expert_parallel_size, p.tensor_parallel_size
+    if ep == 1:
+        return
+    if s.elastic and not s.workers_per_node:
+        raise ConfigError(
+            f"{where}: parallel.expert_parallel_size {ep} in an elastic job (scaling.min_workers {s.min_workers}, "
+            f"max_workers {s.max_workers}) needs scaling.workers_per_node: it resizes by whole nodes; set it to the "
+            "workers one node holds (a multiple of TP x EP keeps every all-to-all inside a node)"
+        )
+    bad = [n for n in sizes if n % (tp * ep)]
+    if bad:
+        raise ConfigError(
+            f"{where}: {', '.join(map(str, bad))} worker(s) (a world size the job can take) is not a multiple of "
+            f"TP {tp} x parallel.expert_parallel_size {ep} = {tp * ep}: the experts are spread over EP "
+            f"data-parallel ranks (workers / TP = EP x the rest); make scaling.min_workers and max_workers "
+            f"multiples of {tp * ep}, or lower expert_parallel_size"
+        )
 
 
 def _check_features(job: JobSpec) -> None:
@@ -231,6 +256,9 @@ def _describe_layout(job: JobSpec, sizes: list[int]) -> list[str]:
     parts = [f"{p.data_parallel} over {'/'.join(str(n // tp) for n in sizes)} data-parallel rank(s)"]
     if tp > 1:
         parts.append(f"tensor parallel {tp} (DTensor)")
+    if p.expert_parallel_size > 1:
+        per = (job.model.num_experts or 0) // p.expert_parallel_size
+        parts.append(f"expert parallel {p.expert_parallel_size} ({per} experts a rank, all-to-all)")
     if p.activation_checkpointing != "none":
         parts.append(f"{p.activation_checkpointing} activation checkpointing")
     return [f"parallel: {', '.join(parts)}"]

@@ -88,6 +88,14 @@ def parallelize(
 
         check_tp_placement(tp)
         mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    experts_mesh = None
+    if mesh is not None and job.model.is_moe and (tp > 1 or p.expert_parallel_size > 1):
+        from raytrn.train.expert_parallel import apply_expert_parallel, expert_mesh
+
+        experts_mesh = expert_mesh(
+            device.type, world_size, tensor_parallel_size=tp, expert_parallel_size=p.expert_parallel_size
+        )
+        apply_expert_parallel(model, experts_mesh)
     if mesh is not None and tp > 1:
         apply_tensor_parallel(model, mesh["tp"], tie_word_embeddings=job.model.tie_word_embeddings)
     if p.activation_checkpointing != "none":
@@ -102,7 +110,7 @@ def parallelize(
         return Parallelized(model=model, mesh=None, data_parallel="none", tensor_parallel_size=1)
     if p.data_parallel == "fsdp":
         assert mesh is not None
-        apply_fsdp(model, mesh["dp"], p.reshard_after_forward, mixed_precision)
+        apply_fsdp(model, mesh["dp"], p.reshard_after_forward, mixed_precision, experts_mesh=experts_mesh)
         return Parallelized(model=model, mesh=mesh, data_parallel="fsdp", tensor_parallel_size=tp)
     from torch.nn.parallel import DistributedDataParallel
 
@@ -130,31 +138,41 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, tie_word_emb
             "lm_head": ColwiseParallel(output_layouts=Replicate()),  # logits gathered: the loss is the usual one
         },
     )
-    block = {
+    attention = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(),
+    }
+    dense_mlp = {
         "mlp.gate_proj": ColwiseParallel(),
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(),
     }
     for layer in decoder.layers:
-        parallelize_module(layer, tp_mesh, block)
+        # A MoE layer's MLP (router and experts) is laid out by raytrn.train.expert_parallel: replicated over TP.
+        parallelize_module(layer, tp_mesh, attention if hasattr(layer.mlp, "experts") else {**attention, **dense_mlp})
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             _replicate(norm, tp_mesh)
+        if getattr(layer.self_attn, "qk_norm", False):  # Qwen3: over each head of this rank's heads [b, s, heads, d]
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                _replicate(norm, tp_mesh, sharded_dim=2)
     _replicate(decoder.norm, tp_mesh)
     if tie_word_embeddings:  # each module got its own copy of the shared matrix: share it again (both Shard(0))
         model.lm_head.weight = decoder.embed_tokens.weight  # type: ignore[union-attr]
 
 
-def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
+def _replicate(module: nn.Module, mesh: DeviceMesh, *, sharded_dim: int | None = None) -> None:
     """Parameters as replicated DTensors (so every parameter lives on the same mesh, as FSDP and the grad norm
-    need), taking and returning plain tensors: the activations around it are replicated already."""
-    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    need), taking and returning plain tensors: the activations around it are replicated already, or, with
+    ``sharded_dim``, split along that dimension over the TP ranks (Qwen3's query and key norms see only this rank's
+    heads: as DTensors their weights' gradients are summed over the TP group, not left each rank's part)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+
+    placement = Replicate() if sharded_dim is None else Shard(sharded_dim)
 
     def to_dtensor(_mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+        return tuple(DTensor.from_local(x, mesh, [placement], run_check=False) for x in inputs)
 
     def to_local(_mod: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
         return output.to_local()
@@ -205,19 +223,37 @@ def _checkpointed(checkpoint: Callable[..., Any], forward: Callable[..., Any], k
 
 
 def apply_fsdp(
-    model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool, mixed_precision: torch.dtype | None
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    reshard_after_forward: bool,
+    mixed_precision: torch.dtype | None,
+    *,
+    experts_mesh: DeviceMesh | None = None,
 ) -> None:
-    """``fully_shard`` every decoder block, then the root (embedding, final norm, head)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    """``fully_shard`` every decoder block, then the root (embedding, final norm, head). With ``experts_mesh``
+    (:mod:`raytrn.train.expert_parallel`) each block's experts first, over its ``dp_mod_ep`` ranks, their gradients
+    divided by the whole data-parallel size (each EP rank's already sums its EP peers' tokens)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-    kwargs: dict[str, Any] = {"mesh": dp_mesh}
+    kwargs: dict[str, Any] = {}
     if mixed_precision is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
     layers = _layers(model)
     for i, layer in enumerate(layers):
         # The last block's parameters are needed at once by backward: no point resharding them (torchtitan).
-        fully_shard(layer, reshard_after_forward=reshard_after_forward and i < len(layers) - 1, **kwargs)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+        reshard = reshard_after_forward and i < len(layers) - 1
+        experts: Any = getattr(layer.mlp, "experts", None)
+        if experts_mesh is not None and experts is not None:
+            fully_shard(experts, mesh=experts_mesh["dp_mod_ep"], reshard_after_forward=reshard, **kwargs)
+            experts.set_gradient_divide_factor(float(dp_mesh.size()))
+            if experts_mesh["dp_mod_ep"].size() > 1:
+                # Sum, then divide: gloo (and Neuron) have no PREMUL_SUM. Not on one rank: FSDP (torch 2.13) divides
+                # there by the factor and again after (tests/integration/test_parallel.py compares the gradients).
+                experts.set_force_sum_reduction_for_comms(True)
+            for method in ("dropless", "with_capacity"):  # the block calls these, not forward: FSDP's hooks on them
+                register_fsdp_forward_method(experts, method)
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kwargs)
 
 
 def check_tp_placement(tp: int) -> None:

@@ -9,6 +9,7 @@ layout (4 workers fsdp -> 2 workers ddp -> 3 workers fsdp). The workers run rayt
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -113,13 +114,18 @@ def _run_plan(rank: int, world: int, plan: dict[str, Any], out: Path) -> None:
         dcp.load(plan["load"], t.model, t.optimizer, t.scheduler, source="test")
         start = plan["start"]
         _dump_full(t, out / f"loaded-{plan['name']}.pt", rank)
+    if plan.get("grads"):  # the first step's gradients (loss, aux loss, averaged over the global batch), full
+        _dump_grads(t, global_batch(1).chunk(dp)[dp_rank].split(job.data.micro_batch_size), out, plan["name"], rank)
     for step in range(start + 1, plan["steps"] + 1):
         rows = global_batch(step).chunk(dp)[dp_rank]  # this replica's share, micro-batch by micro-batch
         micro = list(rows.split(job.data.micro_batch_size))
         if plan.get("masked"):  # instruction data: rows trained on in part, unevenly across the ranks
             micro = [_masked(m) for m in micro]
         result = train_step(t, iter(micro), backend)
-        record["losses"][step] = read_metrics(result, world)["loss"]
+        metrics = read_metrics(result, world)
+        record["losses"][step] = metrics["loss"]
+        if "moe_dropped_fraction" in metrics:
+            record.setdefault("dropped", {})[step] = metrics["moe_dropped_fraction"]
         record.setdefault("trained", {})[step] = result.trained_tokens
     if plan.get("eval"):  # the validation loss over the same rows at any world size
         from raytrn.data.manifest import load_manifest
@@ -147,6 +153,27 @@ def _run_plan(rank: int, world: int, plan: dict[str, Any], out: Path) -> None:
     record["autocast"] = str(t.autocast_dtype)
     if rank == 0:
         (out / f"record-{plan['name']}.json").write_text(json.dumps(record))
+
+
+def _dump_grads(t: Any, micro: Any, out: Path, name: str, rank: int) -> None:
+    """Rank 0 saves every parameter's gradient of one step over ``micro`` (gathered: a collective), then drops them."""
+    from contextlib import nullcontext
+
+    from torch.distributed.tensor import DTensor
+
+    from raytrn.train.step import forward, with_aux_loss
+
+    for i, batch in enumerate(micro):
+        with nullcontext() if i == len(micro) - 1 else t.no_sync():
+            logits, targets, _, result = forward(t, batch)
+            (with_aux_loss(t, t.loss_fn(logits, targets), result) / len(micro)).backward()
+    grads = {}
+    for param_name, param in getattr(t.model, "module", t.model).named_parameters():
+        grad = param.grad
+        grads[param_name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+    t.optimizer.zero_grad(set_to_none=True)
+    if rank == 0:
+        torch.save(grads, out / f"grads-{name}.pt")
 
 
 def _masked(rows: torch.Tensor) -> Any:
@@ -190,6 +217,16 @@ def losses(record: dict[str, Any]) -> list[float]:
     return [record["losses"][k] for k in sorted(record["losses"], key=int)]
 
 
+MOE = ("model.family=qwen3_moe", "model.preset=tiny-qwen3-moe", "model.router_aux_loss_coef=0.01")
+
+
+@pytest.fixture(scope="module")
+def moe_one(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
+    """The tiny Qwen3-MoE's reference: one process, 3 steps, the first step's gradients."""
+    tmp = tmp_path_factory.mktemp("moe")
+    return tmp, run_layout(tmp, 1, "moe-one", *MOE, steps=3, grads=True)
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
     """The reference: one process, the whole global batch, 12 steps."""
@@ -218,12 +255,14 @@ def test_tensor_parallel_2_equals_tp_1(single, tmp_path) -> None:
 
 def test_qwen3_under_fsdp_x_tensor_parallel_follows_one_process(tmp_path) -> None:
     """Qwen3's per-head query and key norms on each rank's own heads (TP 2 splits the heads), under FSDP: the
-    same losses as one process."""
+    same losses and gradients as one process (the norms' weights see every head: their gradients are summed over
+    the TP group, not each rank's half)."""
     qwen3 = ("model.family=qwen3", "model.preset=tiny-qwen3")
-    one = run_layout(tmp_path, 1, "qwen3-one", *qwen3, steps=4)
+    one = run_layout(tmp_path, 1, "qwen3-one", *qwen3, steps=4, grads=True)
     tp2 = run_layout(tmp_path, 2, "qwen3-tp2", *qwen3, "parallel.data_parallel=fsdp",
-                     "parallel.tensor_parallel_size=2", steps=4)  # fmt: skip
+                     "parallel.tensor_parallel_size=2", steps=4, grads=True)  # fmt: skip
     assert losses(tp2) == pytest.approx(losses(one), rel=LOSS_RTOL)
+    _same_grads(tmp_path, "qwen3-one", "qwen3-tp2")
     assert losses(one)[3] < losses(one)[0]  # it trains
 
 
@@ -427,7 +466,7 @@ def test_init_from_a_hugging_face_checkpoint_into_fsdp_and_tensor_parallel(tmp_p
         assert torch.equal(loaded[name], tensor), name
 
 
-def test_qwen3_moe_under_ddp_and_fsdp_follows_one_process_and_loads_its_experts_sharded(tmp_path) -> None:
+def test_qwen3_moe_under_ddp_and_fsdp_follows_one_process_and_loads_its_experts_sharded(moe_one, tmp_path) -> None:
     """The tiny Qwen3-MoE (dropless, the load-balancing loss in the gradients) on 2 workers, DDP and FSDP (the
     stacked experts sharded): the losses of one process. Then model.init_from a transformers-saved checkpoint (one
     tensor per expert) into FSDP on 3 workers, 4 experts (2, 2 and none a rank): gathered back, the checkpoint's
@@ -435,13 +474,13 @@ def test_qwen3_moe_under_ddp_and_fsdp_follows_one_process_and_loads_its_experts_
     from safetensors.torch import load_file
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    moe = ("model.family=qwen3_moe", "model.preset=tiny-qwen3-moe", "model.router_aux_loss_coef=0.01")
-    one = run_layout(tmp_path, 1, "moe-one", *moe, steps=4)
-    ddp = run_layout(tmp_path, 2, "moe-ddp", *moe, "parallel.data_parallel=ddp", steps=4)
-    fsdp = run_layout(tmp_path, 2, "moe-fsdp", *moe, "parallel.data_parallel=fsdp", steps=4)
-    assert losses(ddp) == pytest.approx(losses(one), rel=LOSS_RTOL)
-    assert losses(fsdp) == pytest.approx(losses(one), rel=LOSS_RTOL)
-    assert losses(one)[3] < losses(one)[0]  # it trains
+    tmp, one = moe_one
+    moe = MOE
+    ddp = run_layout(tmp, 2, "moe-ddp", *moe, "parallel.data_parallel=ddp", steps=3, grads=True)
+    fsdp = run_layout(tmp, 2, "moe-fsdp", *moe, "parallel.data_parallel=fsdp", steps=3, grads=True)
+    for name, run in (("moe-ddp", ddp), ("moe-fsdp", fsdp)):
+        assert losses(run) == pytest.approx(losses(one), rel=LOSS_RTOL)
+        _same_grads(tmp, "moe-one", name)
 
     torch.manual_seed(3)
     config = Qwen3MoeConfig(
@@ -450,22 +489,84 @@ def test_qwen3_moe_under_ddp_and_fsdp_follows_one_process_and_loads_its_experts_
         norm_topk_prob=True, max_position_embeddings=512, rope_theta=1e6, rms_norm_eps=1e-6,
     )  # fmt: skip
     Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "hf-moe")
-    run_layout(tmp_path, 3, "moe-init", "model.family=null", "model.preset=null", "model.hidden_size=null",
-               "model.intermediate_size=null", "model.num_layers=null", "model.num_attention_heads=null",
-               "model.num_key_value_heads=null", f"model.init_from={tmp_path / 'hf-moe'}", "parallel.data_parallel=fsdp",
-               steps=0, init=str(tmp_path / "hf-moe"))  # fmt: skip
-    loaded = torch.load(tmp_path / "out" / "init-moe-init.pt")["model"]
+    from_hf = ("model.family=null", "model.preset=null", "model.hidden_size=null", "model.intermediate_size=null",
+               "model.num_layers=null", "model.num_attention_heads=null", "model.num_key_value_heads=null",
+               f"model.init_from={tmp_path / 'hf-moe'}", "parallel.data_parallel=fsdp")  # fmt: skip
+    run_layout(tmp_path, 3, "moe-init", *from_hf, steps=0, init=str(tmp_path / "hf-moe"))
+    # Expert parallel 2 x FSDP 2: each rank reads its one expert of its EP half (2 of 4) of every layer.
+    run_layout(tmp_path, 4, "moe-init-ep", *from_hf, "parallel.expert_parallel_size=2", steps=0,
+               init=str(tmp_path / "hf-moe"))  # fmt: skip
     saved = load_file(tmp_path / "hf-moe" / "model.safetensors")
-    for layer in range(2):
+    for layer, run in itertools.product(range(2), ("moe-init", "moe-init-ep")):
+        loaded = torch.load(tmp_path / "out" / f"init-{run}.pt")["model"]
         prefix = f"model.layers.{layer}.mlp.experts"
         gate_up = torch.stack([torch.cat([saved[f"{prefix}.{e}.gate_proj.weight"], saved[f"{prefix}.{e}.up_proj.weight"]])
                                for e in range(4)])  # fmt: skip
         down = torch.stack([saved[f"{prefix}.{e}.down_proj.weight"] for e in range(4)])
         assert torch.equal(loaded[f"{prefix}.gate_up_proj"], gate_up) and torch.equal(
             loaded[f"{prefix}.down_proj"], down
-        )
-    others = {n: t for n, t in saved.items() if ".experts." not in n}
-    assert all(torch.equal(loaded[n], t) for n, t in others.items()) and len(loaded) == len(others) + 4
+        ), run
+        others = {n: t for n, t in saved.items() if ".experts." not in n}
+        assert all(torch.equal(loaded[n], t) for n, t in others.items()) and len(loaded) == len(others) + 4
+
+
+def _same_grads(tmp: Path, a: str, b: str) -> None:
+    """Every parameter's gradient of layout ``a`` equal to ``b``'s within 2e-5 of its largest entry."""
+    ga, gb = (torch.load(tmp / "out" / f"grads-{n}.pt") for n in (a, b))
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        scale = float(ga[name].abs().max().clamp(min=1e-6))
+        assert torch.allclose(ga[name], gb[name], rtol=0, atol=LOSS_RTOL * scale), (a, b, name)
+    assert all(float(g.abs().max()) > 0 for g in ga.values())  # every parameter learns
+
+
+def test_expert_parallel_follows_one_process(moe_one, tmp_path) -> None:
+    """The tiny Qwen3-MoE (8 experts, 2 a token, the aux loss in the gradients) with its experts spread over 2
+    ranks: EP 2 on 2 workers, EP 2 x FSDP 2 on 4 (each expert also sharded over its 2 holders), EP 2 with TP 2
+    attention on 4. The first step's gradients (every parameter, gathered) and 3 steps of losses equal one
+    process's within 2e-5. The capacity dispatch with slots for every assignment equals the dropless one; with
+    capacity 1.0 (assignments dropped) EP 2 equals FSDP 2 without EP (the same per-rank slots)."""
+    tmp, one = moe_one
+    moe = (*MOE, "parallel.data_parallel=fsdp")
+    for name, world, extra in (
+        ("ep2", 2, ("parallel.expert_parallel_size=2",)),
+        ("ep2-fsdp2", 4, ("parallel.expert_parallel_size=2",)),
+        ("ep2-tp2", 4, ("parallel.expert_parallel_size=2", "parallel.tensor_parallel_size=2")),
+        ("ep2-slots", 2, ("parallel.expert_parallel_size=2", "model.moe_capacity_factor=4.0")),  # 4 = 8 / 2: no drop
+    ):
+        run = run_layout(tmp, world, name, *moe, *extra, steps=3, grads=True)
+        assert losses(run) == pytest.approx(losses(one), rel=LOSS_RTOL), name
+        _same_grads(tmp, "moe-one", name)
+    assert losses(one)[2] < losses(one)[0]  # it trains
+    tight = ("model.moe_capacity_factor=1.0",)
+    fsdp = run_layout(tmp_path, 2, "cap-fsdp2", *moe, *tight, steps=2, grads=True)
+    ep = run_layout(tmp_path, 2, "cap-ep2", *moe, *tight, "parallel.expert_parallel_size=2", steps=2, grads=True)
+    assert losses(ep) == pytest.approx(losses(fsdp), rel=LOSS_RTOL)
+    _same_grads(tmp_path, "cap-fsdp2", "cap-ep2")
+    assert ep["dropped"] == pytest.approx(fsdp["dropped"]) and min(ep["dropped"].values()) > 0
+
+
+def test_expert_parallel_checkpoints_reshard_ep2_ep1_ep4(tmp_path) -> None:
+    """A checkpoint written with the experts spread over 2 ranks loads bit-equal (weights, AdamW moments, schedule)
+    into one process (EP 1), whose checkpoint loads bit-equal into EP 4 on 4 workers; training goes on from each."""
+    moe = (*MOE, "parallel.data_parallel=fsdp")
+    out = tmp_path / "out"
+    run_layout(tmp_path, 2, "ep2", *moe, "parallel.expert_parallel_size=2", steps=2, save=str(tmp_path / "ck2"))
+    run_layout(tmp_path, 1, "ep1", *moe, steps=3, start=2, load=str(tmp_path / "ck2"), save=str(tmp_path / "ck3"))
+    last = run_layout(tmp_path, 4, "ep4", *moe, "parallel.expert_parallel_size=4", steps=4, start=3,
+                      load=str(tmp_path / "ck3"))  # fmt: skip
+    for saved, loaded in (("ep2", "ep1"), ("ep1", "ep4")):
+        a = torch.load(out / f"saved-{saved}.pt", weights_only=False)
+        b = torch.load(out / f"loaded-{loaded}.pt", weights_only=False)
+        assert a["model"].keys() == b["model"].keys() and any(".experts." in n for n in a["model"])
+        for name in a["model"]:
+            assert torch.equal(a["model"][name], b["model"][name]), (saved, loaded, name)
+        assert a["optim"].keys() == b["optim"].keys()
+        for name, moments in a["optim"].items():
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(moments[key], b["optim"][name][key]), (saved, loaded, name, key)
+        assert a["sched"] == b["sched"]
+    assert len(losses(last)) == 1
 
 
 def test_masked_loss_is_the_mean_over_the_global_batch_at_any_layout(tmp_path) -> None:

@@ -1,0 +1,107 @@
+"""Expert parallelism (``parallel.expert_parallel_size``): a Qwen3-MoE layer's experts spread over EP ranks.
+
+The layout (torchtitan's, on a device mesh of its own, ``(dp_mod_ep, ep, tp)``):
+
+- **EP ranks are data-parallel ranks.** Each reads its own batch; ``workers / TP = dp_mod_ep x EP``. EP rank ``r``
+  of a group holds experts ``r * E / EP`` to ``(r + 1) * E / EP - 1`` of every layer (``Shard(0)`` of the stacked
+  ``gate_up_proj`` / ``down_proj`` over the ``ep`` mesh dimension, replicated over ``tp``: tensor parallelism
+  splits attention, every rank of a TP group computes the same expert rows).
+- **Tokens move, experts stay**: :class:`AllToAll` sends each assignment's row to its expert's rank and the
+  result back (``torch.distributed.all_to_all_single`` with uneven splits for the dropless dispatch, even ones for
+  the capacity dispatch), differentiably: the gradient goes back the same way.
+- **FSDP** shards the experts further over ``dp_mod_ep`` (the data-parallel ranks that hold the same experts) and
+  everything else over all data-parallel ranks as before. An expert's gradient on its EP rank already sums every
+  EP peer's tokens, so FSDP divides the experts' reduce-scatter by the whole data-parallel size, not by
+  ``dp_mod_ep``: the same mean over the global batch as every other parameter.
+- Checkpoints (DCP) hold the stacked experts as one tensor of global shape: a checkpoint written at one EP size
+  loads at any other (:mod:`raytrn.checkpoint.dcp`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """``all_to_all_single`` of rows with uneven splits; its gradient is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, send: list[int], receive: list[int], group: Any) -> torch.Tensor:
+        ctx.send, ctx.receive, ctx.group = send, receive, group
+        out = rows.new_empty((sum(receive), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), receive, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.receive, group=ctx.group)
+        return out, None, None, None
+
+
+@dataclass(frozen=True)
+class AllToAll:
+    """:class:`raytrn.models.moe.Exchange` over one expert-parallel process group."""
+
+    group: Any  # a torch.distributed ProcessGroup
+    size: int
+
+    def counts(self, counts: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(counts)
+        dist.all_to_all_single(out, counts.contiguous(), group=self.group)
+        return out.view(self.size, -1)
+
+    def rows(self, rows: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        return _AllToAllRows.apply(rows, send, receive, self.group)  # type: ignore[no-any-return]
+
+
+def expert_mesh(
+    device_type: str, world_size: int, *, tensor_parallel_size: int, expert_parallel_size: int
+) -> DeviceMesh:
+    """The experts' mesh ``(dp_mod_ep, ep, tp)``: consecutive ranks form TP groups (as the model's ``(dp, tp)``
+    mesh), ranks ``tp`` apart form an EP group. A collective: every rank calls it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp, ep = tensor_parallel_size, expert_parallel_size
+    return init_device_mesh(device_type, (world_size // (tp * ep), ep, tp), mesh_dim_names=("dp_mod_ep", "ep", "tp"))
+
+
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    """The sparse MLP blocks (``mlp.experts`` and ``mlp.gate``) of a Qwen3-MoE model's decoder layers."""
+    layers: Any = model.model.layers  # type: ignore[union-attr]
+    return [layer.mlp for layer in layers if hasattr(layer.mlp, "experts")]
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Lay every MoE layer's experts out over ``mesh`` (:func:`expert_mesh`): each rank keeps its EP block of the
+    stacked experts (a DTensor, ``Shard(0)`` on ``ep``, replicated on ``tp``) and sends its rows to the others'.
+    The router's weight becomes a replicated DTensor on ``tp`` when TP > 1 (every parameter of a block on one mesh,
+    as FSDP and the gradient norm need). The model is built identically seeded on every rank: no communication."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    ep, tp = mesh["ep"].size(), mesh["tp"].size()
+    placed = mesh["ep", "tp"] if tp > 1 else mesh["ep"]
+    placements = [Shard(0), Replicate()] if tp > 1 else [Shard(0)]
+    rank = mesh["ep"].get_local_rank()
+    for mlp in moe_layers(model):
+        experts: Any = mlp.experts
+        held = experts.num_experts // ep
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(experts, name)
+            shard = full.detach()[rank * held : (rank + 1) * held].clone()
+            tensor = DTensor.from_local(shard, placed, placements, run_check=False)
+            setattr(experts, name, nn.Parameter(tensor, requires_grad=full.requires_grad))
+        if ep > 1:
+            experts.exchange = AllToAll(mesh["ep"].get_group(), ep)
+        if tp > 1:
+            gate: Any = mlp.gate
+            tensor = DTensor.from_local(gate.weight.detach().clone(), mesh["tp"], [Replicate()], run_check=False)
+            gate.weight = nn.Parameter(tensor, requires_grad=gate.weight.requires_grad)
