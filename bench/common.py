@@ -14,8 +14,9 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,15 +163,18 @@ def steady_rate(points: Sequence[tuple[int, float]], warmup: int, tokens_per_ste
     return (s1 - s0) * tokens_per_step / (t1 - t0)
 
 
-def timed_steps(t: Any, steps: int, *, vocab: int, rows: int = 8, seq_len: int = 128) -> tuple[list[float], Any]:
+def timed_steps(
+    t: Any, steps: int, *, vocab: int, rows: int = 8, seq_len: int = 128, seed: int = 0
+) -> tuple[list[float], Any]:
     """raytrn's step (``train_step`` on a :class:`raytrn.train.step.Training`, CPU backend) over ``steps`` seeded
-    random micro-batches of ``rows`` x (``seq_len`` + 1) tokens: each step's seconds, and the last step's result."""
+    random micro-batches of ``rows`` x (``seq_len`` + 1) tokens: each step's seconds, and the last step's result.
+    (A data-parallel worker passes its rank as ``seed``: its own rows.)"""
     import torch
 
     from raytrn.backends.cpu import CpuBackend
     from raytrn.train.step import train_step
 
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     batches = iter([torch.randint(0, vocab, (rows, seq_len + 1), generator=gen) for _ in range(steps)])
     times, result = [], None
     for _ in range(steps):
@@ -181,8 +185,68 @@ def timed_steps(t: Any, steps: int, *, vocab: int, rows: int = 8, seq_len: int =
 
 
 def optimizer_state_bytes(optimizer: Any) -> int:
-    """Bytes of an optimizer's state tensors (AdamW's moments; not its scalar step counts)."""
-    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if v.ndim)
+    """Bytes of an optimizer's state tensors this process holds (AdamW's moments, a DTensor's local shard; not the
+    scalar step counts)."""
+    return sum(local_bytes(v) for s in optimizer.state.values() for v in s.values() if v.ndim)
+
+
+def local_bytes(tensor: Any) -> int:
+    """Bytes of a tensor this process holds: a DTensor's local shard (FSDP, TP, EP), a plain tensor whole."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return int(local.numel() * local.element_size())
+
+
+def held_state_bytes(t: Any) -> dict[str, int]:
+    """Parameters, gradients and AdamW state one worker holds after a step of a
+    :class:`raytrn.train.step.Training` (exact counts of its local tensors). The gradients are set to None after the
+    step: counted as one per parameter shard, the size of the parameters, which they are during the step."""
+    params = sum(local_bytes(p) for p in t.model.parameters())
+    return {"params": params, "grads": params, "optim": optimizer_state_bytes(t.optimizer)}
+
+
+def run_gloo(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
+    """``fn(rank, world, *args)`` in ``world`` spawned processes joined in one gloo process group (127.0.0.1, a free
+    port, 1 torch thread each; no Ray): each rank's return value (JSON-able), by rank. ``fn`` must be a module-level
+    function (spawn pickles it by name)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="raytrn-bench-gloo-") as d:
+        mp.start_processes(_gloo_rank, args=(world, free_port(), d, fn, args), nprocs=world, start_method="spawn")
+        return [json.loads((Path(d) / f"{rank}.json").read_text()) for rank in range(world)]
+
+
+def train_rank(rank: int, world: int, overrides: Sequence[str], steps: int) -> dict[str, Any]:
+    """A rank of :func:`run_gloo`: jobs/tiny.yaml with ``overrides`` (not resolved: no data read), raytrn's build and
+    :func:`timed_steps` on its own random rows (seeded by its rank; tokens below 4096): each step's seconds, and the
+    bytes it holds (:func:`held_state_bytes`)."""
+    from raytrn.backends.cpu import CpuBackend
+    from raytrn.config import load_job
+    from raytrn.train.build import build_training
+
+    job = load_job(TINY_JOB, list(overrides), resolve=False)
+    t = build_training(job, CpuBackend(), world_size=world, rank=rank)
+    rows, seq_len = job.data.micro_batch_size, job.data.seq_len
+    times, _ = timed_steps(t, steps, vocab=4096, rows=rows, seq_len=seq_len, seed=rank)
+    return {"held": held_state_bytes(t), "step_s": times}
+
+
+def _gloo_rank(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        (Path(out) / f"{rank}.json").write_text(json.dumps(result))
+        # Every rank done before any tears down: a rank that exits while a peer's gloo pair still has work on the
+        # wire can abort that peer.
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def mean(xs: Sequence[float]) -> float | None:

@@ -13,7 +13,7 @@ import argparse
 import os
 from typing import Any
 
-from bench.common import emit, mean, optimizer_state_bytes, run_child, timed_steps
+from bench.common import emit, mean, optimizer_state_bytes, run_child, run_gloo, timed_steps, train_rank
 
 SIZES = (
     "model.preset=null", "model.hidden_size=256", "model.num_layers=4", "model.num_attention_heads=4",
@@ -29,20 +29,26 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _variant(name: str, steps: int, warmup: int) -> dict[str, Any]:
+#: The 2-worker rows (gloo, FSDP over both, 1 torch thread each, 8 rows a worker: a global batch of 16 rows): the
+#: dropless MoE without expert parallelism (EP 1) and with its experts spread over the 2 workers (EP 2).
+EP_ROWS = {"moe_dropless_ep1": 1, "moe_dropless_ep2": 2}
+EP_WORKERS = 2
 
+
+def _overrides(name: str, *extra: str) -> list[str]:
+    """jobs/tiny.yaml's overrides for a variant: seq 128, micro-batch 8, no data read."""
+    return [*SIZES, *VARIANTS[name], "data.manifest=unused", "data.seq_len=128", "data.micro_batch_size=8",
+            "data.grad_accum=1", *extra]  # fmt: skip
+
+
+def _variant(name: str, steps: int, warmup: int) -> dict[str, Any]:
     from raytrn.backends.cpu import CpuBackend
     from raytrn.config import load_job
     from raytrn.models import model_stats
     from raytrn.train.build import build_training
     from raytrn.train.step import read_metrics
 
-    job = load_job(
-        "jobs/tiny.yaml",
-        [*SIZES, *VARIANTS[name], "data.manifest=unused", "data.seq_len=128", "data.micro_batch_size=8",
-         "data.grad_accum=1"],
-        resolve=False,
-    )  # fmt: skip
+    job = load_job("jobs/tiny.yaml", _overrides(name), resolve=False)
     t = build_training(job, CpuBackend(), world_size=1)
     times, result = timed_steps(t, steps, vocab=4096)
     stats = model_stats(job.model, 128)
@@ -64,20 +70,45 @@ def child_main(args: argparse.Namespace) -> None:
     for _ in range(args.rounds):
         for name in VARIANTS:
             rows[name].append(_variant(name, args.steps, args.warmup))
+    for _ in range(args.rounds if args.ep_steps else 0):
+        for name, ep in EP_ROWS.items():
+            rows.setdefault(name, []).append(_expert_parallel(ep, args.ep_steps, args.warmup))
     emit({name: {**r[-1], "tokens_per_s": mean([x["tokens_per_s"] for x in r])} for name, r in rows.items()})
+
+
+def _expert_parallel(ep: int, steps: int, warmup: int) -> dict[str, Any]:
+    """The dropless MoE on :data:`EP_WORKERS` gloo workers at FSDP 2 and expert parallelism ``ep``: tokens/s of both
+    (rank 0's step times: a step ends on every worker together) and the bytes one worker holds (the larger rank)."""
+    overrides = _overrides("moe_dropless", "parallel.data_parallel=fsdp", f"parallel.expert_parallel_size={ep}")
+    ranks = run_gloo(train_rank, EP_WORKERS, overrides, steps)
+    held = {key: max(r["held"][key] for r in ranks) for key in ("params", "grads", "optim")}
+    return {
+        "workers": EP_WORKERS,
+        "expert_parallel": ep,
+        "tokens_per_s": EP_WORKERS * 8 * 128 / (mean(ranks[0]["step_s"][warmup:]) or float("nan")),
+        "param_bytes": held["params"],
+        "grad_bytes": held["grads"],
+        "optimizer_bytes": held["optim"],
+        "held_bytes": max(sum(r["held"].values()) for r in ranks),
+    }
 
 
 def run(*, quick: bool = False) -> dict[str, Any]:
     r = run_child(
-        "moe", ["--steps", "4" if quick else "12", "--warmup", "1" if quick else "2", "--rounds", "1" if quick else "2"],
+        "moe",
+        ["--steps", "4" if quick else "12", "--warmup", "1" if quick else "2", "--rounds", "1" if quick else "2",
+         "--ep-steps", "3" if quick else "EP_STEPS"],
         threads=1, timeout_s=600,
     )  # fmt: skip
-    dense = r["dense"]
+    dense, ep1, ep2 = r["dense"], r["moe_dropless_ep1"], r["moe_dropless_ep2"]
     return {
         **r,
         "dropless_over_dense": r["moe_dropless"]["tokens_per_s"] / dense["tokens_per_s"],
         "capacity_over_dense": r["moe_capacity"]["tokens_per_s"] / dense["tokens_per_s"],
+        "ep2_over_ep1": ep2["tokens_per_s"] / ep1["tokens_per_s"],
+        "ep2_over_ep1_held": ep2["held_bytes"] / ep1["held_bytes"],
         "setup": "4 layers, width 256, 16 experts of 128 (top 2) vs a dense MLP of 256; seq 128 x micro 8",
+        "ep_setup": "dropless, 2 gloo workers at FSDP 2, 1 thread each, micro 8 a worker (global batch 16 x 128)",
     }
 
 
@@ -86,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--ep-steps", type=int, default=6, help="steps of each 2-worker run a round (0: none)")
     child_main(parser.parse_args(argv))
 
 

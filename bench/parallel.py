@@ -9,14 +9,10 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
-import tempfile
 import time
 from typing import Any
 
-from bench.common import emit, run_child
+from bench.common import emit, run_child, run_gloo, train_rank
 
 SMALL = (
     "model.hidden_size=256", "model.intermediate_size=768", "model.num_layers=4", "model.num_attention_heads=4",
@@ -24,54 +20,15 @@ SMALL = (
 )  # fmt: skip
 
 
+#: Every run's job: jobs/tiny.yaml, 8 rows of 128 tokens a worker, no data read.
+BASE = ("data.manifest=unused", "data.seq_len=128", "data.micro_batch_size=8", "data.grad_accum=1",
+        "scaling.min_workers=1", "scaling.max_workers=4")  # fmt: skip
+
+
 def _job(*overrides: str) -> Any:
     from raytrn.config import load_job
 
-    return load_job(
-        "jobs/tiny.yaml",
-        ["data.manifest=unused", "data.seq_len=128", "data.micro_batch_size=8", "data.grad_accum=1",
-         "scaling.min_workers=1", "scaling.max_workers=4", *overrides],
-        resolve=False,
-    )  # fmt: skip
-
-
-def _worker(rank: int, world: int, port: int, layout: str, model: str, steps: int, out: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from raytrn.backends.cpu import CpuBackend
-    from raytrn.train.build import build_training
-    from raytrn.train.step import train_step
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        job = _job(f"parallel.data_parallel={layout}", *(SMALL if model == "small" else ()))
-        t = build_training(job, CpuBackend(), world_size=world, rank=rank)
-        gen = torch.Generator().manual_seed(rank)
-        batches = iter([torch.randint(0, 4096, (8, 129), generator=gen) for _ in range(steps)])
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            train_step(t, batches, CpuBackend())
-            times.append(time.perf_counter() - t0)
-        held = {
-            "params": sum(_local(p).nbytes for p in t.model.parameters()),
-            "grads": 0,  # set to None after the step; counted as the parameters' size below
-            "optim": sum(_local(v).nbytes for s in t.optimizer.state.values() for v in s.values() if v.dim() > 0),
-        }
-        held["grads"] = held["params"]  # one gradient per parameter shard during the step
-        with open(os.path.join(out, f"{layout}-{model}-{rank}.json"), "w") as f:
-            json.dump({"held": held, "step_s": times}, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def _local(t: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
+    return load_job("jobs/tiny.yaml", [*BASE, *overrides], resolve=False)
 
 
 def _bare(steps: int) -> list[float]:
@@ -99,22 +56,12 @@ def _bare(steps: int) -> list[float]:
 
 
 def child_main(args: argparse.Namespace) -> None:
-    import torch.multiprocessing as mp
-
     out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="raytrn-bench-parallel-") as d:
-        runs = [("ddp", "small", 4, 2), ("fsdp", "small", 4, 2)]
-        runs += [("ddp", "tiny", 2, args.steps), ("fsdp", "tiny", 2, args.steps)]
-        for layout, model, world, steps in runs:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            mp.start_processes(_worker, args=(world, port, layout, model, steps, d), nprocs=world, start_method="spawn")
-            ranks = []
-            for r in range(world):
-                with open(os.path.join(d, f"{layout}-{model}-{r}.json")) as f:
-                    ranks.append(json.load(f))
-            out[f"{layout}-{model}-{world}"] = ranks
+    runs = [("ddp", "small", 4, 2), ("fsdp", "small", 4, 2)]
+    runs += [("ddp", "tiny", 2, args.steps), ("fsdp", "tiny", 2, args.steps)]
+    for layout, model, world, steps in runs:
+        overrides = [*BASE, f"parallel.data_parallel={layout}", *(SMALL if model == "small" else ())]
+        out[f"{layout}-{model}-{world}"] = run_gloo(train_rank, world, overrides, steps)
     out["bare-tiny-1"] = _bare(args.steps)
     emit(out)
 

@@ -74,9 +74,7 @@ def _unit_reason(job: JobSpec) -> str:
     if wpn:
         why.append(f"whole nodes (scaling.workers_per_node={wpn})")
     if ep > 1:
-        why.append(
-            f"whole expert-parallel groups of tensor-parallel groups (TP {tp} x parallel.expert_parallel_size {ep})"
-        )
+        why.append(f"whole expert-parallel blocks (TP {tp} x parallel.expert_parallel_size {ep} = {tp * ep} workers)")
     elif not wpn:
         why.append(f"whole tensor-parallel groups (parallel.tensor_parallel_size={tp})")
     return f"a multiple of {unit}: {' and '.join(why)}"

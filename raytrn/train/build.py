@@ -107,7 +107,9 @@ def native_layout(backend: Backend) -> Layout:
 def sharded_checkpoints(job: JobSpec, par: Parallelized, *, rank: int) -> Checkpoints:
     """Sharded, reshardable ``torch.distributed.checkpoint`` checkpoints (every rank writes its shards)."""
     tp = par.tensor_parallel_size
-    layout = {"data_parallel": par.data_parallel, "tensor_parallel_size": tp}
+    layout: dict[str, Any] = {"data_parallel": par.data_parallel, "tensor_parallel_size": tp}
+    if job.parallel.expert_parallel_size > 1:  # recorded (a checkpoint loads at any EP size)
+        layout["expert_parallel_size"] = job.parallel.expert_parallel_size
     return DcpCheckpoints(job, rank=rank, plain_layout=tp == 1 and par.data_parallel != "fsdp", layout=layout)
 
 

@@ -114,6 +114,13 @@ def _run_plan(rank: int, world: int, plan: dict[str, Any], out: Path) -> None:
         dcp.load(plan["load"], t.model, t.optimizer, t.scheduler, source="test")
         start = plan["start"]
         _dump_full(t, out / f"loaded-{plan['name']}.pt", rank)
+    if plan.get("load_snapshot"):  # the memory tier's files of another layout (every rank's), resharded here
+        from raytrn.checkpoint import memfiles
+
+        held = {f.name: f.read_bytes() for f in Path(plan["load_snapshot"]).iterdir()}
+        memfiles.load_from_memory(held.__getitem__, t.model, t.optimizer, t.scheduler)
+        start = plan["start"]
+        _dump_full(t, out / f"loaded-{plan['name']}.pt", rank)
     if plan.get("grads"):  # the first step's gradients (loss, aux loss, averaged over the global batch), full
         _dump_grads(t, global_batch(1).chunk(dp)[dp_rank].split(job.data.micro_batch_size), out, plan["name"], rank)
     for step in range(start + 1, plan["steps"] + 1):
@@ -143,6 +150,14 @@ def _run_plan(rank: int, world: int, plan: dict[str, Any], out: Path) -> None:
         else:
             dcp.save(state, plan["save"])
         _dump_full(t, out / f"saved-{plan['name']}.pt", rank)
+    if plan.get("snapshot"):  # the memory tier's in-memory snapshot of the same state, its files to a directory
+        from raytrn.checkpoint import memfiles
+
+        snapshotter = memfiles.Snapshotter(t.model, t.optimizer, t.scheduler)
+        group = torch.distributed.new_group(backend="gloo") if world > 1 else None
+        for file_name, data in snapshotter.write(snapshotter.stage(), process_group=group).items():
+            Path(plan["snapshot"]).mkdir(exist_ok=True)
+            (Path(plan["snapshot"]) / file_name).write_bytes(bytes(data))
     if plan.get("export"):
         from raytrn.models.llama import save_hf
 
@@ -548,14 +563,17 @@ def test_expert_parallel_follows_one_process(moe_one, tmp_path) -> None:
 
 def test_expert_parallel_checkpoints_reshard_ep2_ep1_ep4(tmp_path) -> None:
     """A checkpoint written with the experts spread over 2 ranks loads bit-equal (weights, AdamW moments, schedule)
-    into one process (EP 1), whose checkpoint loads bit-equal into EP 4 on 4 workers; training goes on from each."""
+    into one process (EP 1), whose checkpoint loads bit-equal into EP 4 on 4 workers; training goes on from each.
+    The memory tier's snapshot of the EP 2 state restores bit-equal into one process too."""
     moe = (*MOE, "parallel.data_parallel=fsdp")
     out = tmp_path / "out"
-    run_layout(tmp_path, 2, "ep2", *moe, "parallel.expert_parallel_size=2", steps=2, save=str(tmp_path / "ck2"))
+    run_layout(tmp_path, 2, "ep2", *moe, "parallel.expert_parallel_size=2", steps=2, save=str(tmp_path / "ck2"),
+               snapshot=str(tmp_path / "mem2"))  # fmt: skip
     run_layout(tmp_path, 1, "ep1", *moe, steps=3, start=2, load=str(tmp_path / "ck2"), save=str(tmp_path / "ck3"))
+    run_layout(tmp_path, 1, "ep1-mem", *moe, steps=2, start=2, load_snapshot=str(tmp_path / "mem2"))
     last = run_layout(tmp_path, 4, "ep4", *moe, "parallel.expert_parallel_size=4", steps=4, start=3,
                       load=str(tmp_path / "ck3"))  # fmt: skip
-    for saved, loaded in (("ep2", "ep1"), ("ep1", "ep4")):
+    for saved, loaded in (("ep2", "ep1"), ("ep1", "ep4"), ("ep2", "ep1-mem")):
         a = torch.load(out / f"saved-{saved}.pt", weights_only=False)
         b = torch.load(out / f"loaded-{loaded}.pt", weights_only=False)
         assert a["model"].keys() == b["model"].keys() and any(".experts." in n for n in a["model"])

@@ -227,8 +227,10 @@ def test_a_training_step_adds_the_weighted_aux_loss_and_reports_the_routing(tmp_
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (("parallel.data_parallel=fsdp", "parallel.tensor_parallel_size=2", "scaling.min_workers=2",
-          "scaling.max_workers=2"), "tensor parallelism of the experts is not implemented"),
+        (("parallel.data_parallel=fsdp", "parallel.expert_parallel_size=3"),
+         r"parallel.expert_parallel_size 3 does not divide model.num_experts \(8\)"),
+        (("parallel.expert_parallel_size=2",), r"needs parallel.data_parallel: fsdp"),
+        (("model.num_experts_per_tok=9",), r"num_experts_per_tok"),
         (("scaling.accelerator=neuron", "scaling.resources_per_worker={neuron_cores: 1}"),
          r"needs model.moe_capacity_factor \(e.g. 1.25\)"),
     ],
@@ -238,6 +240,42 @@ def test_what_a_moe_job_cannot_train_with_is_refused_when_it_loads(tmp_path, ove
 
     with pytest.raises(ConfigError, match=message):
         _job(tmp_path, *overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        # 6 workers / TP 1 = 6 data-parallel ranks: not EP 4 x something
+        (("scaling.min_workers=6", "scaling.max_workers=6", "parallel.expert_parallel_size=4"),
+         r"6 worker\(s\) .* is not a multiple of TP 1 x parallel.expert_parallel_size 4 = 4"),
+        (("scaling.min_workers=4", "scaling.max_workers=8", "parallel.expert_parallel_size=2",
+          "data.allow_variable_global_batch=true"), r"elastic job .* needs scaling.workers_per_node"),
+        (("scaling.min_workers=6", "scaling.max_workers=6", "parallel.expert_parallel_size=2",
+          "parallel.tensor_parallel_size=2"), r"6 worker\(s\) .* TP 2 x parallel.expert_parallel_size 2 = 4"),
+    ],
+)  # fmt: skip
+def test_expert_parallel_sizes_are_checked_before_any_worker_starts(tmp_path, overrides, message) -> None:
+    """EP takes its ranks from the data-parallel ones: every world size holds whole TP x EP blocks, and an elastic
+    EP job resizes by whole nodes."""
+    from raytrn.errors import ConfigError
+    from raytrn.train.checks import check_spec
+
+    with pytest.raises(ConfigError, match=message):
+        check_spec(_job(tmp_path, "parallel.data_parallel=fsdp", "data.global_batch_size=null", *overrides))
+
+
+def test_expert_parallel_layouts_are_accepted_and_described(tmp_path) -> None:
+    from raytrn.config.sizes import world_sizes
+    from raytrn.train.checks import check_spec
+
+    job = _job(tmp_path, "parallel.data_parallel=fsdp", "parallel.expert_parallel_size=2",
+               "parallel.tensor_parallel_size=2", "scaling.min_workers=4", "scaling.max_workers=16",
+               "scaling.workers_per_node=4", "data.allow_variable_global_batch=true", "data.global_batch_size=null")  # fmt: skip
+    assert world_sizes(job) == [4, 8, 12, 16]  # whole nodes, each 2 TP groups x EP 2
+    [line] = check_spec(job)
+    assert "tensor parallel 2 (DTensor), expert parallel 2 (4 experts a rank, all-to-all)" in line, line
+    with pytest.raises(Exception, match="dense model has no experts"):
+        _job(tmp_path, "model.family=qwen3", "model.preset=tiny-qwen3", "parallel.expert_parallel_size=2")
 
 
 def test_export_writes_the_published_per_expert_tensors_and_loads_in_transformers(tmp_path) -> None:
