@@ -7,6 +7,7 @@ import os
 import re
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -251,30 +252,46 @@ def test_dataset_and_checkpoints_on_s3_then_resume(ray_session, tiny_dataset, tm
         load_manifest(f"s3://{s3_bucket}/datasets/nothing-here")
 
 
-def test_fsdp_tensor_parallel_run_resumes_as_ddp(ray_session, tiny_dataset, tmp_path):
-    """Under Ray: 2 workers as one tensor-parallel group (fsdp, TP 2, async checkpoints), then the same run
-    resumed by 2 DDP workers from the sharded checkpoint (a layout change; numerics are proven equal in
-    test_parallel.py)."""
-    job = _job(
-        tiny_dataset, tmp_path, "run.max_steps=10", "scaling.min_workers=2", "scaling.max_workers=2",
-        "parallel.data_parallel=fsdp", "parallel.tensor_parallel_size=2", "checkpoint.every_n_steps=5",
-        "checkpoint.async=true", "run.log_every=5",
-    )  # fmt: skip
-    first = run_training(job, live_progress=False)
-    assert first.final_step == 10
-    run_dir = Path(job.checkpoint.storage) / job.run_name
-    assert {"step_00000005", "step_00000010"} <= {p.name for p in (run_dir / "dcp").iterdir()}
-    ddp = job.model_copy(
-        update={
-            "run": job.run.model_copy(update={"max_steps": 15}),
-            "parallel": job.parallel.model_copy(update={"data_parallel": "ddp", "tensor_parallel_size": 1}),
-        }
+def test_a_qwen3_run_under_fsdp_x_tp_resumed_as_ddp_follows_the_uninterrupted_one(
+    ray_session, tiny_dataset, tmp_path, monkeypatch
+):
+    """The dense Qwen3 (jobs/tiny.yaml with model.family qwen3, preset tiny-qwen3) under Ray on 2 workers as one
+    tensor-parallel group (fsdp, TP 2, async checkpoints): 10 steps in one go, and 5 steps then a second invocation
+    resuming from the step-5 checkpoint as 2 DDP workers (a layout change). The same rows at every step, every step
+    logged once, and the resumed losses on the uninterrupted run's (another layout sums in another order: 2e-5)."""
+    from tests.chaos._common import read_trace
+
+    # decay_steps: the schedule's horizon (pinned by a run's first invocation) the same for both runs; the global
+    # batch fixed (16 rows: 2 micro-batches of 8 at DP 1 under TP 2, 1 a rank at DP 2 under DDP)
+    qwen3 = ("model.family=qwen3", "model.preset=tiny-qwen3", "optim.decay_steps=10", "data.grad_accum=null",
+             "data.global_batch_size=16")  # fmt: skip
+    out: dict[str, Any] = {}
+    for name, steps, layout in (("whole", 10, "fsdp"), ("split", 5, "fsdp"), ("split", 10, "ddp")):
+        tp = 2 if layout == "fsdp" else 1
+        job = _job(
+            tiny_dataset, tmp_path, *qwen3, f"run.max_steps={steps}", "scaling.min_workers=2", "scaling.max_workers=2",
+            f"parallel.data_parallel={layout}", f"parallel.tensor_parallel_size={tp}", "checkpoint.every_n_steps=5",
+            "checkpoint.async=true", "run.log_every=1", "tracking.log_model=false", "tracking.system_metrics=false",
+            name=f"qwen3-{name}",
+        )  # fmt: skip
+        monkeypatch.setenv("RAYTRN_SAMPLE_TRACE", str(tmp_path / f"trace-{name}"))
+        summary = run_training(job, live_progress=False)
+        assert summary.final_step == steps
+        out[name] = {"start": summary.start_step, "loss": _metric_history(job, summary.mlflow_run_id, "loss")}
+        run_dir = Path(job.checkpoint.storage) / job.run_name
+        assert f"step_{steps:08d}" in {p.name for p in (run_dir / "dcp").iterdir()}
+    whole, split = out["whole"], out["split"]
+    assert split["start"] == 5  # the DDP invocation resumed from the TP checkpoint
+    assert [s for s, _ in whole["loss"]] == [s for s, _ in split["loss"]] == list(range(1, 11))
+    assert [v for _, v in split["loss"]] == pytest.approx([v for _, v in whole["loss"]], rel=2e-5)
+    assert whole["loss"][-1][1] < whole["loss"][0][1]
+    # The same 16 rows at every step (under TP both ranks of the group trace the DP rank's rows; at DP 2 each rank
+    # its 8: compared as sets)
+    whole_rows, split_rows = (
+        {s: sorted({row for row, _ in r}) for s, r in read_trace(tmp_path / f"trace-{n}").items()} for n in out
     )
-    second = run_training(ddp, live_progress=False)
-    assert (second.start_step, second.final_step) == (10, 15)
-    assert second.final_loss < first.first_loss
-    steps = [s for s, _ in _metric_history(job, second.mlflow_run_id, "loss")]
-    assert steps == [5, 10, 15]
+    assert sorted(whole_rows) == list(range(1, 11)) and whole_rows == split_rows
+    assert all(len(rows) == 16 for rows in whole_rows.values())
 
 
 def test_a_diverging_run_rolls_back_once_then_stops_failed_with_every_checkpoint_finite(
@@ -329,9 +346,10 @@ def _leaves(obj):
 
 
 def test_a_qwen3_moe_run_resumed_equals_the_uninterrupted_one(ray_session, tiny_dataset, tmp_path, monkeypatch):
-    """jobs/tiny-moe.yaml on 2 workers under Ray: 8 steps in one go, and 4 steps then a second invocation resuming
-    from the step-4 checkpoint to step 8. The same rows at every step; the same loss, load-balancing loss and
-    expert loads, bit for bit, each logged once a step; the same final weights and AdamW moments."""
+    """jobs/tiny-moe.yaml on 2 workers under Ray, its experts spread over both (expert parallel 2, FSDP): 8 steps in
+    one go, and 4 steps then a second invocation resuming from the step-4 checkpoint to step 8. The same rows at
+    every step; the same loss, load-balancing loss and expert loads, bit for bit, each logged once a step; the same
+    final weights and AdamW moments."""
     from tests.chaos._common import read_trace
 
     keys = ("loss", "router_aux_loss", "moe_dropped_fraction", "expert_load/layer_00", "expert_load/layer_01")
@@ -340,7 +358,8 @@ def test_a_qwen3_moe_run_resumed_equals_the_uninterrupted_one(ray_session, tiny_
         job = _job(
             tiny_dataset, tmp_path, "scaling.min_workers=2", "scaling.max_workers=2", "checkpoint.every_n_steps=4",
             "checkpoint.keep_last=null", f"run.max_steps={steps}", "run.log_every=1", "tracking.log_model=false",
-            "tracking.system_metrics=false", name=f"moe-{name}", base="tiny-moe.yaml",
+            "tracking.system_metrics=false", "parallel.data_parallel=fsdp", "parallel.expert_parallel_size=2",
+            name=f"moe-{name}", base="tiny-moe.yaml",
         )  # fmt: skip
         assert job.model.family == "qwen3_moe" and job.model.moe_capacity_factor is None
         monkeypatch.setenv("RAYTRN_SAMPLE_TRACE", str(tmp_path / f"trace-{name}"))
