@@ -58,26 +58,20 @@ def world_sizes(job: JobSpec) -> list[int]:
 
 
 def size_unit(job: JobSpec) -> int:
-    """What every elastic size is a multiple of: whole nodes (``workers_per_node``, which whole TP groups must
-    divide: a group never spans two nodes), else whole tensor-parallel groups. With expert parallelism also whole
-    expert-parallel blocks (``TP x EP`` consecutive ranks: EP data-parallel ranks of every TP index)."""
+    """What every elastic size is a multiple of: whole nodes (``workers_per_node``, which whole TP groups, and with
+    expert parallelism whole ``TP x EP`` blocks, must divide: checked by ``raytrn.train.checks``), else whole
+    tensor-parallel groups (with expert parallelism whole blocks of ``TP x EP`` consecutive ranks)."""
     p = job.parallel
-    block = p.tensor_parallel_size * p.expert_parallel_size
-    wpn = job.scaling.workers_per_node
-    return math.lcm(wpn, block) if wpn else block
+    return job.scaling.workers_per_node or p.tensor_parallel_size * p.expert_parallel_size
 
 
 def _unit_reason(job: JobSpec) -> str:
     wpn, tp, ep = job.scaling.workers_per_node, job.parallel.tensor_parallel_size, job.parallel.expert_parallel_size
-    unit = size_unit(job)
-    why = []
     if wpn:
-        why.append(f"whole nodes (scaling.workers_per_node={wpn})")
+        return f"a multiple of {wpn}: whole nodes (scaling.workers_per_node={wpn})"
     if ep > 1:
-        why.append(f"whole expert-parallel blocks (TP {tp} x parallel.expert_parallel_size {ep} = {tp * ep} workers)")
-    elif not wpn:
-        why.append(f"whole tensor-parallel groups (parallel.tensor_parallel_size={tp})")
-    return f"a multiple of {unit}: {' and '.join(why)}"
+        return f"a multiple of {tp * ep}: whole expert-parallel blocks (TP {tp} x parallel.expert_parallel_size {ep})"
+    return f"a multiple of {tp}: whole tensor-parallel groups (parallel.tensor_parallel_size={tp})"
 
 
 def describe_sizes(job: JobSpec) -> str:
