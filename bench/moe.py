@@ -1,10 +1,18 @@
-"""The Qwen3-MoE step on CPU, one process: tokens/s of raytrn's step (build_training + train_step) for a MoE model,
-dropless and with the capacity dispatch (factor 1.25, Neuron's fixed shapes), against a dense Qwen3 of the same
-active parameters a token (the MLP as wide as the experts a token goes to), and the parameters and AdamW state each
-holds. Expert parallelism (issue 30, item 5) is not built: its EP 1 vs EP 2 rows come with it.
+"""The Qwen3-MoE step on CPU: tokens/s of raytrn's step (build_training + train_step) for a MoE model.
+
+- One process: the MoE dropless and with the capacity dispatch (factor 1.25, Neuron's fixed shapes), against a
+  dense Qwen3 of the same active parameters a token (the MLP as wide as the experts a token goes to), and the
+  parameters and AdamW state each holds.
+- Expert parallelism (``parallel.expert_parallel_size``): the dropless MoE on 2 gloo workers (no Ray), FSDP over
+  both, without EP (EP 1: every expert FSDP-sharded over the 2 workers, all-gathered for the step) and with EP 2
+  (each worker holds 8 of the 16 experts whole; tokens move to them by all-to-all): tokens/s of both workers, and
+  the parameter + gradient + AdamW bytes one worker holds (local shards, as bench/parallel.py counts them). At 2
+  workers both layouts hold half of every tensor, so those bytes are equal; EP's saving is the experts'
+  all-gathers it does not do (time, and a transient layer of experts), not held state.
 
 The MoE: 4 layers, width 256, 4/2 heads of 64, 16 experts of width 128, 2 a token; the dense: the same with an
-MLP of width 256 (2 x 128). seq 128, micro-batch 8, 1 torch thread; the three variants alternated.
+MLP of width 256 (2 x 128). seq 128, micro-batch 8 (a worker), 1 torch thread (a worker); the three one-process
+variants alternated, then EP 1 and EP 2 alternated, each round.
 """
 
 from __future__ import annotations
@@ -97,7 +105,7 @@ def run(*, quick: bool = False) -> dict[str, Any]:
     r = run_child(
         "moe",
         ["--steps", "4" if quick else "12", "--warmup", "1" if quick else "2", "--rounds", "1" if quick else "2",
-         "--ep-steps", "3" if quick else "EP_STEPS"],
+         "--ep-steps", "3" if quick else "8"],
         threads=1, timeout_s=600,
     )  # fmt: skip
     dense, ep1, ep2 = r["dense"], r["moe_dropless_ep1"], r["moe_dropless_ep2"]
@@ -117,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--ep-steps", type=int, default=6, help="steps of each 2-worker run a round (0: none)")
+    parser.add_argument("--ep-steps", type=int, default=8, help="steps of each 2-worker run a round (0: none)")
     child_main(parser.parse_args(argv))
 
 

@@ -219,8 +219,16 @@ def render(report: dict[str, Any]) -> str:
             f"dropless {_num(dropless['tokens_per_s'])} ({_num(mo['dropless_over_dense'], '.2f')}x), capacity 1.25 "
             f"{_num(fixed['tokens_per_s'])} ({_num(mo['capacity_over_dense'], '.2f')}x, "
             f"{_pct(fixed['dropped_fraction'] or 0.0, 1)} dropped) vs {_num(dense['tokens_per_s'])} tokens/s; "
-            f"parameters {_num(dropless['params'])} vs {_num(dense['params'])} | EP 1 vs EP 2: not built yet |"
+            f"parameters {_num(dropless['params'])} vs {_num(dense['params'])} | |"
         )
+        if "moe_dropless_ep2" in mo:
+            ep1, ep2 = mo["moe_dropless_ep1"], mo["moe_dropless_ep2"]
+            lines.append(
+                f"| Qwen3-MoE at expert parallel 2 vs 1 ({mo['ep_setup']}) | EP 2 {_num(ep2['tokens_per_s'])} vs EP 1 "
+                f"{_num(ep1['tokens_per_s'])} tokens/s ({_num(mo['ep2_over_ep1'], '.2f')}x); held a worker (parameters, "
+                f"gradients, AdamW) {_num(ep2['held_bytes'] / 2**20, ',.1f')} vs {_num(ep1['held_bytes'] / 2**20, ',.1f')} "
+                f"MiB ({_num(mo['ep2_over_ep1_held'], '.2f')}x) | |"
+            )
     gu = res.get("guard", {})
     row = _status_row("finiteness check", gu)
     if row:

@@ -54,8 +54,9 @@ def test_bench_quick_cheap_parts(tiny_dataset: Path, tmp_path: Path) -> None:
 
 def test_bench_moe_variants_are_like_for_like() -> None:
     """bench/moe.py's three variants, 2 steps each in this process (make bench runs them in a child): the MoE's
-    active parameters are the dense model's, the dropless dispatch drops nothing, the capacity one reports its drops."""
-    from bench.moe import _variant
+    active parameters are the dense model's, the dropless dispatch drops nothing, the capacity one reports its drops.
+    Its EP 2 row, 2 steps on 2 gloo workers (~5 s): each worker holds half the one-process AdamW state."""
+    from bench.moe import _expert_parallel, _variant
 
     dense, dropless, fixed = (_variant(name, steps=2, warmup=0) for name in ("dense", "moe_dropless", "moe_capacity"))
     assert dropless["active_params"] == pytest.approx(dense["params"], rel=0.01)
@@ -64,6 +65,8 @@ def test_bench_moe_variants_are_like_for_like() -> None:
         dropless["dropped_fraction"] == 0 and 0 <= fixed["dropped_fraction"] < 1 and dense["dropped_fraction"] is None
     )
     assert all(v["tokens_per_s"] > 0 for v in (dense, dropless, fixed))
+    ep2 = _expert_parallel(2, steps=2, warmup=0)
+    assert ep2["tokens_per_s"] > 0 and ep2["optimizer_bytes"] == dropless["optimizer_bytes"] // 2
 
 
 def test_bench_bare_loop(tiny_dataset: Path) -> None:
