@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO
+from raytrn.estimate.reference import PUBLISHED_THROUGHPUT
 
-#: AWS Neuron docs, trn1 Llama-3.1-8B pretraining (NxD): sequences/s, nodes, sequence length.
-PUBLISHED: dict[str, dict[str, Any]] = {
-    "llama3-8b-trn1": {"seq_per_s": 47.95, "nodes": 32, "seq_len": 8192, "what": "AWS trn1 Llama-3.1-8B, TP 32"},
-}
+#: AWS Neuron docs, trn1 Llama-3.1-8B pretraining (NxD): sequences/s, nodes, sequence length (``raytrn estimate``
+#: takes its MFU from the same figure).
+PUBLISHED: dict[str, dict[str, Any]] = PUBLISHED_THROUGHPUT
 
 
 def targets() -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ from raytrn.cluster.cli import register as register_cluster
 from raytrn.cluster.validate import validate_cluster_file
 from raytrn.config import load_job, read_job_file, resolve_paths
 from raytrn.errors import RaytrnError
+from raytrn.estimate.cli import register as register_estimate
 from raytrn.runtime import check_paths_for_ray_job, route_ray_output
 from raytrn.submit import register as register_submit
 from raytrn.sweep.cli import register as register_sweep
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_cluster(sub)
 
     register_submit(sub)
+    register_estimate(sub)
 
     register_sweep(sub)
 

@@ -46,6 +46,12 @@ class InstanceSpec:
     neuron_devices: int
     #: The default logical NeuronCore config (trn2: 2 physical cores per logical core); None: no LNC.
     default_lnc: int | None = None
+    #: Device memory (HBM) of one chip, GiB: a worker's share is this x chips / cores.
+    hbm_gib_per_chip: int = 0
+
+    def worker_memory_bytes(self, lnc: int | None = None) -> int:
+        """Device memory one worker (one logical NeuronCore) has: the node's HBM over its cores."""
+        return self.hbm_gib_per_chip * (1 << 30) * self.neuron_devices // self.cores(lnc)
 
     @property
     def family(self) -> str:
@@ -72,12 +78,17 @@ INSTANCES: dict[str, InstanceSpec] = {
     spec.name: spec
     for spec in (
         # trn1: 2 NeuronCore-v2 per Trainium chip; trn2: 8 NeuronCore-v3 per Trainium2 chip.
-        InstanceSpec("trn1.2xlarge", physical_cores=2, efa_devices=0, neuron_devices=1),
-        InstanceSpec("trn1.32xlarge", physical_cores=32, efa_devices=8, neuron_devices=16),
-        InstanceSpec("trn1n.32xlarge", physical_cores=32, efa_devices=16, neuron_devices=16),
-        InstanceSpec("trn2.48xlarge", physical_cores=128, efa_devices=16, neuron_devices=16, default_lnc=2),
+        # HBM: 32 GiB a Trainium chip, 96 GiB a Trainium2 chip (trn1-arch, trn2-arch).
+        InstanceSpec("trn1.2xlarge", physical_cores=2, efa_devices=0, neuron_devices=1, hbm_gib_per_chip=32),
+        InstanceSpec("trn1.32xlarge", physical_cores=32, efa_devices=8, neuron_devices=16, hbm_gib_per_chip=32),
+        InstanceSpec("trn1n.32xlarge", physical_cores=32, efa_devices=16, neuron_devices=16, hbm_gib_per_chip=32),
+        InstanceSpec(
+            "trn2.48xlarge", physical_cores=128, efa_devices=16, neuron_devices=16, default_lnc=2, hbm_gib_per_chip=96
+        ),
         # The UltraServer member: the same server, four of them joined by NeuronLink (64 chips).
-        InstanceSpec("trn2u.48xlarge", physical_cores=128, efa_devices=16, neuron_devices=16, default_lnc=2),
+        InstanceSpec(
+            "trn2u.48xlarge", physical_cores=128, efa_devices=16, neuron_devices=16, default_lnc=2, hbm_gib_per_chip=96
+        ),
     )
 }
 

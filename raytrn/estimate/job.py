@@ -1,0 +1,272 @@
+"""A job's estimate: memory a worker against its device (and the smallest changes that make it fit), tokens/s,
+time and cost to ``run.max_steps`` with the expected interruptions, and the checkpoint interval that loses least.
+
+Offline and pure (no torch, no Ray): the inputs are the job spec, the tables in :mod:`raytrn.estimate.devices`,
+:mod:`raytrn.tracking.cost` and :mod:`raytrn.estimate.reference`, and what the caller passes (a node MTBF, an MFU,
+a spot price, a measured save time).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from raytrn.config.sizes import data_parallel_size, global_batch, world_sizes
+from raytrn.estimate.devices import GIB, Device, worker_device
+from raytrn.estimate.failures import DEFAULT_RATE, FailureRate, lost_fraction, young_daly_interval_s
+from raytrn.estimate.memory import USABLE, MemoryEstimate, estimate_memory
+from raytrn.estimate.reference import ASSUMED_MFU, MFU, RESTART_S, Measured
+from raytrn.models import model_stats
+from raytrn.tracking.cost import usd_per_hour
+
+if TYPE_CHECKING:
+    from raytrn.config import JobSpec
+
+#: A blocking checkpoint save, when nothing measured is given: the state a worker holds copied to host memory
+#: (async checkpoints block only for that) at this rate. An assumption, shown as one.
+ASSUMED_STAGING_BYTES_PER_S = 2e9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fix:
+    """A change to the job (``--set`` overrides) and the memory it leaves."""
+
+    overrides: tuple[str, ...]
+    memory: MemoryEstimate
+
+    def describe(self) -> str:
+        return f"{' '.join('--set ' + o for o in self.overrides)}: {self.memory.total / GIB:,.2f} GiB"
+
+
+@dataclass(kw_only=True)
+class JobEstimate:
+    job: str
+    world_size: int
+    nodes: int
+    device: Device
+    memory: MemoryEstimate
+    fits: bool | None  # None: the device's memory is unknown
+    fixes: list[Fix] = field(default_factory=list)
+    flops_per_token: float = 0.0
+    mfu: Measured | None = None
+    tokens_per_s_per_node: float | None = None
+    hours: float | None = None
+    usd_per_hour: float | None = None
+    spot_usd_per_hour: float | None = None
+    failures: FailureRate = DEFAULT_RATE
+    expected_interruptions: float | None = None
+    lost_hours: float | None = None
+    save_s: Measured | None = None
+    interval_s: float | None = None
+    interval_steps: int | None = None
+    step_s: float | None = None
+
+    @property
+    def margin_bytes(self) -> int | None:
+        if self.device.memory_bytes is None:
+            return None
+        return int(self.device.memory_bytes * USABLE) - self.memory.total
+
+    def cost(self, price: float | None) -> float | None:
+        if price is None or self.hours is None:
+            return None
+        return price * self.nodes * (self.hours + (self.lost_hours or 0.0))
+
+    def summary(self) -> str:
+        """One line: fits or not, $/hour, ETA."""
+        fit = {True: "fits", False: "DOES NOT FIT", None: "memory not checked"}[self.fits]
+        parts = [f"estimate: {fit} ({self.memory.total / GIB:,.1f} GiB a worker"]
+        if self.device.memory_bytes:
+            parts[0] += f" of {self.device.memory_bytes / GIB:,.1f}"
+        parts[0] += ")"
+        if self.usd_per_hour is not None:
+            parts.append(f"${self.usd_per_hour * self.nodes:,.2f}/hour on {self.nodes} node(s)")
+        if self.hours is not None:
+            total = self.hours + (self.lost_hours or 0.0)
+            parts.append(f"ETA {total:,.1f} h to step {self.job_steps:,}")
+        return ", ".join(parts)
+
+    job_steps: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "world_size": self.world_size,
+            "nodes": self.nodes,
+            "device": {
+                "name": self.device.name,
+                "memory_bytes": self.device.memory_bytes,
+                "peak_flops": self.device.peak_flops,
+                "source": self.device.source,
+                "confirmed": self.device.confirmed,
+            },  # fmt: skip
+            "memory": {**self.memory.as_dict(), "notes": self.memory.notes},
+            "fits": self.fits,
+            "margin_bytes": self.margin_bytes,
+            "fixes": [{"set": list(f.overrides), "total_bytes": f.memory.total} for f in self.fixes],
+            "flops_per_token": self.flops_per_token,
+            "mfu": None if self.mfu is None else {"value": self.mfu.value, "source": self.mfu.source},
+            "tokens_per_s_per_node": self.tokens_per_s_per_node,
+            "hours": self.hours,
+            "lost_hours": self.lost_hours,
+            "usd_per_hour": self.usd_per_hour,
+            "cost_usd": self.cost(self.usd_per_hour),
+            "spot_usd_per_hour": self.spot_usd_per_hour,
+            "spot_cost_usd": self.cost(self.spot_usd_per_hour),
+            "node_mtbf_hours": self.failures.node_mtbf_hours,
+            "failure_source": self.failures.source,
+            "expected_interruptions": self.expected_interruptions,
+            "save_s": None if self.save_s is None else {"value": self.save_s.value, "source": self.save_s.source},
+            "checkpoint_interval_s": self.interval_s,
+            "checkpoint_interval_steps": self.interval_steps,
+        }
+
+    def render(self) -> str:
+        m, gib = self.memory, GIB
+        lines = [f"{self.job}: {self.world_size} workers on {self.nodes} node(s)", f"device: {self.device.describe()}"]
+        lines.append(
+            f"memory a worker: {m.describe()}; layout: {', '.join(m.notes)}"
+            + (
+                ""
+                if self.margin_bytes is None
+                else f"; margin {self.margin_bytes / gib:,.2f} GiB of {USABLE:.0%} usable"
+            )  # fmt: skip
+        )
+        if self.fits is False:
+            lines.append("does not fit; changes that make it fit (smallest first):" if self.fixes else
+                         "does not fit, and no change of TP, FSDP, checkpointing or micro-batch makes it fit")  # fmt: skip
+            lines += [f"  {f.describe()}" for f in self.fixes]
+        if self.tokens_per_s_per_node is not None and self.mfu is not None:
+            lines.append(
+                f"speed: {self.tokens_per_s_per_node:,.0f} tokens/s a node at MFU {self.mfu.value:.1%} ({self.mfu.source}); "
+                f"{self.flops_per_token / 1e9:,.1f} GFLOPs/token"
+            )
+        else:
+            lines.append("speed: no peak FLOP/s for this device (cpu): run it and read tokens_per_s in MLflow")
+        if self.hours is not None:
+            lines.append(
+                f"time to step {self.job_steps:,}: {self.hours:,.1f} h of training + {self.lost_hours or 0:,.2f} h lost to "
+                f"{self.expected_interruptions or 0:,.2f} expected interruption(s) (node MTBF "
+                f"{self.failures.node_mtbf_hours:,.0f} h: {self.failures.source})"
+            )
+        for label, price in (("on-demand", self.usd_per_hour), ("spot", self.spot_usd_per_hour)):
+            cost = self.cost(price)
+            if cost is not None and price is not None:
+                lines.append(f"cost {label}: ${cost:,.0f} (${price:,.2f} a node-hour)")
+            elif label == "spot":
+                lines.append("cost spot: pass --spot-usd-per-hour (or tracking.spot_usd_per_hour)")
+        if self.interval_s is not None and self.save_s is not None:
+            steps = f" = every {self.interval_steps:,} steps" if self.interval_steps else ""
+            lines.append(
+                f"checkpoint interval that loses least (Young/Daly): {self.interval_s / 60:,.1f} min{steps} "
+                f"(blocking save {self.save_s.value:,.1f} s: {self.save_s.source})"
+            )
+        return "\n".join(lines)
+
+
+def device_family(device: Device, instance_type: str | None) -> str:
+    family = (instance_type or "").split(".", 1)[0]
+    if family.startswith("trn"):
+        return family.rstrip("nu") if family in ("trn1n", "trn2u") else family
+    return device.name.split()[0]
+
+
+def estimate_job(
+    job: JobSpec,
+    *,
+    instance_type: str | None = None,
+    world_size: int | None = None,
+    failures: FailureRate = DEFAULT_RATE,
+    mfu: Measured | None = None,
+    spot_usd_per_hour: float | None = None,
+    save_s: Measured | None = None,
+    restart_s: Measured = RESTART_S,
+) -> JobEstimate:
+    """The estimate of ``job`` at ``world_size`` workers (default: the most it can take)."""
+    s = job.scaling
+    world = world_size or max(world_sizes(job))
+    itype = instance_type or s.instance_type
+    nodes = max(1, -(-world // (s.workers_per_node or world)))
+    device = worker_device(job, instance_type=itype)
+    memory = estimate_memory(job, world)
+    fits = None if device.memory_bytes is None else memory.total <= device.memory_bytes * USABLE
+    out = JobEstimate(job=job.source, world_size=world, nodes=nodes, device=device, memory=memory, fits=fits,
+                      failures=failures, job_steps=job.run.max_steps)  # fmt: skip
+    if fits is False:
+        out.fixes = fixes(job, world, device)
+    out.flops_per_token = model_stats(job.model, job.data.seq_len).flops_per_token
+    out.usd_per_hour = usd_per_hour(itype, override=job.tracking.usd_per_hour)
+    out.spot_usd_per_hour = spot_usd_per_hour or job.tracking.spot_usd_per_hour
+    if device.peak_flops:
+        out.mfu = mfu or MFU.get(device_family(device, itype), ASSUMED_MFU)
+        per_worker = device.peak_flops * out.mfu.value / out.flops_per_token
+        out.tokens_per_s_per_node = per_worker * (world // nodes)
+        tokens = job.run.max_steps * global_batch(job, data_parallel_size(job, world)) * job.data.seq_len
+        out.hours = tokens / (out.tokens_per_s_per_node * nodes) / 3600
+        out.step_s = out.hours * 3600 / job.run.max_steps
+        out.save_s = save_s or Measured(
+            memory.state / ASSUMED_STAGING_BYTES_PER_S,
+            f"assumed: the state a worker holds ({memory.state / GIB:,.1f} GiB) copied to host at "
+            f"{ASSUMED_STAGING_BYTES_PER_S / 1e9:.0f} GB/s (async save; pass --save-s with a measured one)",
+        )
+        job_mtbf_s = failures.job_mtbf_hours(nodes) * 3600
+        out.interval_s = young_daly_interval_s(max(out.save_s.value, 1e-3), job_mtbf_s)
+        out.interval_steps = max(1, round(out.interval_s / out.step_s))
+        out.expected_interruptions = failures.expected(nodes, out.hours)
+        every = job.checkpoint.every_n_steps
+        interval = every * out.step_s if every else out.interval_s
+        out.lost_hours = out.hours * lost_fraction(interval, out.save_s.value, restart_s.value, job_mtbf_s)
+    return out
+
+
+def fixes(job: JobSpec, world: int, device: Device, *, limit: int = 3) -> list[Fix]:
+    """The smallest changes (one, else two, of: FSDP, full activation checkpointing, a larger TP, a smaller
+    micro-batch) after which a worker's memory fits ``device``; fewest changes first, then least memory."""
+    p, d = job.parallel, job.data
+    single: list[tuple[str, ...]] = []
+    if p.data_parallel != "fsdp":
+        single.append(("parallel.data_parallel=fsdp",))
+    if p.activation_checkpointing != "full":
+        single.append(("parallel.activation_checkpointing=full",))
+    tp = p.tensor_parallel_size
+    for bigger in (tp * 2, tp * 4, tp * 8):
+        if world % bigger == 0 and (not job.scaling.workers_per_node or job.scaling.workers_per_node % bigger == 0):
+            fsdp = () if p.data_parallel == "fsdp" else ("parallel.data_parallel=fsdp",)  # TP needs it
+            single.append((f"parallel.tensor_parallel_size={bigger}", *fsdp))
+    mb = d.micro_batch_size
+    while mb > 1:
+        mb //= 2
+        single.append((f"data.micro_batch_size={mb}",))
+    limit_bytes = (device.memory_bytes or 0) * USABLE
+    found: list[Fix] = []
+    for size in (1, 2):
+        for combo in itertools.combinations(single, size):
+            overrides = tuple(dict.fromkeys(o for change in combo for o in change))
+            changed = _apply(job, overrides)
+            if changed is None:
+                continue
+            memory = estimate_memory(changed, world)
+            if memory.total <= limit_bytes:
+                found.append(Fix(overrides=overrides, memory=memory))
+        if found:
+            break
+    found.sort(key=lambda f: (len(f.overrides), f.memory.total))
+    return found[:limit]
+
+
+def _apply(job: JobSpec, overrides: tuple[str, ...]) -> JobSpec | None:
+    """``job`` with ``overrides`` (``--set`` syntax), or None when the result is not a valid job."""
+    from raytrn.config import apply_overrides, parse_job
+    from raytrn.errors import RaytrnError
+
+    raw = job.model_dump(mode="json", by_alias=True)
+    try:
+        apply_overrides(raw, list(overrides))
+        changed = parse_job(raw, source=job.source)
+        from raytrn.train.checks import check_parallel
+
+        check_parallel(changed)
+    except (RaytrnError, ValueError):
+        return None
+    return changed

@@ -1,0 +1,188 @@
+"""Memory per worker device, from the job spec alone: what each kind of tensor costs under the job's layout.
+
+Pure arithmetic (no torch): ``raytrn estimate`` answers in well under a second on a laptop. The terms:
+
+- **state**: parameters (``model.dtype``), gradients (the same dtype, trainable parameters only) and AdamW's two
+  moments (the parameters' dtype, trainable only). DDP holds all of it on every worker (and a second copy of the
+  gradients in its buckets); FSDP shards it over the data-parallel ranks; tensor parallelism splits attention, the
+  dense MLP, the embedding and the head over the TP group first; a MoE model's experts are split over the
+  data-parallel ranks only (expert parallelism or FSDP: replicated over TP). LoRA: the frozen base has parameters
+  only; the adapters train.
+- **gathered**: FSDP's transient full blocks (the one computing and the one prefetched), in the compute dtype.
+- **activations**: what the decoder layers keep for backward at ``micro_batch_size x seq_len`` tokens: every layer's
+  saved tensors, or with activation checkpointing each layer's input plus one layer's tensors recomputed (selective:
+  the matmul outputs kept too). Attention is a fused kernel (SDPA; NKI flash attention on trn1): no ``seq x seq``
+  scores, except on xla-cpu, which materialises them. NxD's ZeRO-1 (fp32 moments and master weights sharded over
+  the data-parallel ranks) and sequence parallelism (the hidden-size activations split over TP) on neuron-xla.
+- **logits**: the head's output and the loss's float32 copies (log-softmax, gradient): the whole vocabulary on every
+  TP rank (raytrn's TP gathers the head's output), a TP shard of it on neuron-xla (NxD's parallel cross-entropy).
+- **runtime**: what the device's runtime and allocator take before the model (an assumption, named as such).
+
+The copies per layer are counted tensor by tensor from :mod:`raytrn.models.decoder`; ``tests/unit/test_estimate.py``
+pins them against measured steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from raytrn.models import model_stats
+
+if TYPE_CHECKING:
+    from raytrn.config import JobSpec, ModelConfig
+
+GIB = 1 << 30
+
+#: Device memory taken before the model: the Neuron runtime's scratch and collectives buffers, the CUDA context
+#: and caching allocator's reserve, the CPU worker process with torch loaded. Assumptions, not measurements.
+RUNTIME_BYTES = {"neuron": 2 * GIB, "neuron-xla": 2 * GIB, "cuda": GIB, "cpu": GIB, "xla-cpu": 5 * GIB // 4}
+#: The share of a device's memory a step may plan to use: the rest is fragmentation and allocator slack.
+USABLE = 0.9
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Bytes one worker's device needs at the step's peak, by kind."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    gathered: int
+    activations: int
+    logits: int
+    runtime: int
+    #: What each term assumed (layout, dtypes), for the report.
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def state(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.state + self.gathered + self.activations + self.logits + self.runtime
+
+    def as_dict(self) -> dict[str, int]:
+        keys = ("parameters", "gradients", "optimizer", "gathered", "activations", "logits", "runtime", "total")
+        return {k: int(getattr(self, k)) for k in keys}
+
+    def describe(self) -> str:
+        parts = [f"{k} {v / GIB:,.2f}" for k, v in self.as_dict().items() if k != "total" and v]
+        return f"{self.total / GIB:,.2f} GiB a worker ({', '.join(parts)} GiB)"
+
+
+@dataclass(frozen=True)
+class _Split:
+    """The model's parameters by how layouts divide them."""
+
+    tp_split: int  # attention, dense MLP, embedding, head: split over TP, then FSDP
+    experts: int  # stacked experts: split over the data-parallel ranks (EP and/or FSDP), replicated over TP
+    replicated: int  # norms and routers: whole on every TP rank, FSDP-sharded
+    block: int  # one decoder layer's parameters (FSDP gathers a block at a time)
+
+
+def _split(m: ModelConfig, seq_len: int) -> _Split:
+    total = model_stats(m, seq_len).num_params
+    h, layers, head_dim = m.hidden_size, m.num_layers, m.head_size
+    norms = layers * (2 * h + (2 * head_dim if m.qk_norm else 0)) + h
+    experts = router = 0
+    if m.is_moe:
+        count, _top_k, width = m.expert_sizes
+        experts = layers * count * 3 * h * width
+        router = layers * count * h
+    replicated = norms + router
+    embedding_and_head = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
+    block = (total - embedding_and_head - h) // layers
+    return _Split(total - experts - replicated, experts, replicated, block)
+
+
+def lora_params(m: ModelConfig) -> int:
+    """The adapters' parameters: ``rank x (in + out)`` for every targeted linear layer of every decoder layer."""
+    assert m.lora is not None
+    h, q, kv, f = m.hidden_size, m.num_attention_heads * m.head_size, m.kv_heads * m.head_size, m.intermediate_size
+    dims = {
+        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+        "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h),
+    }  # fmt: skip
+    per_layer = sum(sum(dims[t]) for t in m.lora.targets if t in dims)
+    return m.num_layers * m.lora.rank * per_layer
+
+
+def _width(dtype: str) -> int:
+    return 2 if dtype in ("bfloat16", "float16") else 4
+
+
+def estimate_memory(job: JobSpec, world_size: int) -> MemoryEstimate:
+    """One worker's device memory for ``job`` at ``world_size`` workers (see the module)."""
+    m, d, p = job.model, job.data, job.parallel
+    tp, acc = p.tensor_parallel_size, job.scaling.accelerator
+    dp = max(1, world_size // tp)
+    width = _width(m.dtype)
+    compute = 2 if m.autocast == "bfloat16" else width
+    split = _split(m, d.seq_len)
+    fsdp = p.data_parallel == "fsdp" and world_size > 1
+    shard_tp, shard_dp = (tp, dp) if fsdp else (tp, 1)
+    held = split.tp_split // shard_tp // shard_dp + split.experts // shard_dp + split.replicated // shard_dp
+    notes = [f"{p.data_parallel}" + (f" over {dp} data-parallel ranks" if fsdp else " (whole model a worker)")]
+    if tp > 1:
+        notes.append(f"TP {tp}")
+    if p.expert_parallel_size > 1:
+        notes.append(f"experts over EP {p.expert_parallel_size} x FSDP {dp // p.expert_parallel_size}")
+    trainable = held
+    if m.lora is not None:
+        trainable = lora_params(m) // (shard_dp if fsdp else 1)
+        notes.append(f"LoRA rank {m.lora.rank}: {lora_params(m):,} trainable parameters")
+    xla = acc in ("neuron-xla", "xla-cpu")
+    ddp_buckets = not fsdp and not xla and world_size > 1  # DDP's buckets copy the gradients; NxD reduces in place
+    gradients = trainable * width * (2 if ddp_buckets else 1)
+    optimizer = 2 * trainable * width
+    if p.zero1 and xla:  # NxD ZeRO-1: fp32 moments and fp32 master weights sharded over the data-parallel ranks
+        optimizer = 3 * 4 * trainable // dp
+        notes.append(f"ZeRO-1 over {dp}: fp32 moments and master weights")
+    # FSDP gathers a block (and prefetches the next): its dense part over the TP shard, its experts over EP's block
+    layer_experts = split.experts // m.num_layers
+    gathered_block = (split.block - layer_experts) // tp + layer_experts // p.expert_parallel_size
+    gathered = 2 * gathered_block * compute if fsdp else 0
+    tokens = d.micro_batch_size * d.seq_len
+    return MemoryEstimate(
+        parameters=held * width,
+        gradients=gradients,
+        optimizer=optimizer,
+        gathered=gathered,
+        activations=activation_bytes(job, tokens, compute),
+        # the head's output, the loss's fp32 log-softmax and its gradient: the whole vocabulary on every rank under
+        # torch.distributed TP (the head's output is gathered), a TP shard of it under NxD (parallel cross-entropy)
+        logits=tokens * m.vocab_size * (compute + 12) // (tp if xla else 1),
+        runtime=RUNTIME_BYTES.get(acc, GIB),
+        notes=notes,
+    )
+
+
+def activation_bytes(job: JobSpec, tokens: int, width: int) -> int:
+    """What the decoder layers keep for backward at ``tokens`` tokens a micro-batch (see the module)."""
+    m, p = job.model, job.parallel
+    tp = p.tensor_parallel_size
+    h, q, kv = m.hidden_size, m.num_attention_heads * m.head_size, m.kv_heads * m.head_size
+    # Per token, per layer, as decoder.DecoderLayer saves them: the residual input and both norms' inputs and
+    # outputs (4 h), q/k/v and q/k after RoPE, SDPA's output and o_proj's input (4 q + 3 kv, split over TP).
+    hidden = 4 * h // tp if p.sequence_parallel else 4 * h  # NxD sequence parallel splits them along the sequence
+    attention = hidden + (4 * q + 3 * kv) // tp
+    if m.is_moe:
+        count, top_k, width_e = m.expert_sizes
+        factor = job.model.moe_capacity_factor or 1.0
+        # the router's logits, and each routed copy of the token: its row, gate and up, SiLU and product
+        mlp = count + int(factor * top_k * (h + 4 * width_e))
+    else:
+        mlp = 4 * m.intermediate_size // tp  # gate, up, SiLU(gate), their product
+    per_layer = tokens * (attention + mlp) * width
+    if job.scaling.accelerator == "xla-cpu":  # XLA on CPU materialises the scores, softmax, gradient (trn1: flash)
+        seq = job.data.seq_len
+        per_layer += 3 * (tokens // seq) * (m.num_attention_heads // tp) * seq * seq * 4
+    mode = p.activation_checkpointing
+    if mode == "none":
+        return m.num_layers * per_layer
+    kept = tokens * h * width  # each layer's input
+    if mode == "selective":  # the matmul and attention outputs kept as well: about half of a layer's tensors
+        kept += per_layer // 2
+    return m.num_layers * kept + per_layer  # plus one layer recomputed at a time

@@ -1,0 +1,122 @@
+"""``raytrn estimate`` (raytrn.estimate): its arithmetic against closed forms and the layouts' own sharding, its
+devices, its fixes, and the command's exit codes and JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from raytrn.cli import main
+from raytrn.config import load_job
+from raytrn.estimate.devices import GIB, worker_device
+from raytrn.estimate.failures import DEFAULT_RATE, FailureRate, lost_fraction, young_daly_interval_s
+from raytrn.estimate.job import estimate_job
+from raytrn.estimate.memory import estimate_memory, lora_params
+from raytrn.models import model_stats
+
+pytestmark = pytest.mark.unit
+
+JOBS = Path(__file__).resolve().parents[2] / "jobs"
+
+
+def _job(name: str, *overrides: str):
+    return load_job(JOBS / name, list(overrides), resolve=False)
+
+
+def test_young_daly_is_the_closed_form_and_its_minimum():
+    save, mtbf = 30.0, 6 * 3600.0
+    tau = young_daly_interval_s(save, mtbf)
+    assert tau == pytest.approx(math.sqrt(2 * save * mtbf))
+    # the first-order lost time is smallest there
+    lost = [lost_fraction(t, save, 60.0, mtbf) for t in (tau * 0.5, tau, tau * 2)]
+    assert lost[1] < lost[0] and lost[1] < lost[2]
+    assert young_daly_interval_s(4 * save, mtbf) == pytest.approx(2 * tau)  # a slower save: a longer interval
+    with pytest.raises(ValueError, match="must be positive"):
+        young_daly_interval_s(0, mtbf)
+
+
+def test_the_default_failure_rate_is_the_llama3_reports():
+    assert DEFAULT_RATE.node_mtbf_hours == pytest.approx(54 * 24 * 2048 / 419)
+    assert "419" in DEFAULT_RATE.source
+    assert FailureRate(100.0, "x").expected(4, 50.0) == pytest.approx(2.0)
+    assert FailureRate(100.0, "x").job_mtbf_hours(4) == 25.0
+
+
+def test_parameter_counts_are_the_model_cards():
+    assert model_stats(_job("llama3-8b-trn2.yaml").model, 8192).num_params == 8_030_261_248  # Llama 3.1 8B
+
+
+def test_worker_devices_come_from_the_instance_tables():
+    trn2 = worker_device(_job("llama3-8b-trn2.yaml"))
+    assert trn2.memory_bytes == 24 * GIB and trn2.peak_flops == pytest.approx(2 * 667e12 / 8)  # LNC 2
+    assert worker_device(_job("llama3-8b-trn2.yaml", "neuron.lnc=1")).memory_bytes == 12 * GIB
+    assert worker_device(_job("llama3-8b-trn1.yaml")).memory_bytes == 16 * GIB  # 32 GiB a chip, 2 cores
+    cpu = worker_device(_job("tiny.yaml"))
+    assert cpu.peak_flops is None and cpu.memory_bytes and "RAM" in cpu.source
+
+
+def test_state_is_sharded_as_each_layout_shards_it():
+    """FSDP holds 1/DP of DDP's parameters and AdamW state; TP splits all but norms first; LoRA trains only its
+    adapters; activation checkpointing keeps far less."""
+    base = ("parallel.data_parallel=ddp", "parallel.tensor_parallel_size=1", "parallel.activation_checkpointing=none")
+    ddp = estimate_memory(_job("llama3-8b-trn2.yaml", *base), 64)
+    fsdp = estimate_memory(_job("llama3-8b-trn2.yaml", *base, "parallel.data_parallel=fsdp"), 64)
+    assert fsdp.parameters == pytest.approx(ddp.parameters / 64, rel=1e-6)
+    assert fsdp.optimizer == pytest.approx(ddp.optimizer / 64, rel=1e-6)
+    assert ddp.gradients == 2 * ddp.parameters  # DDP's buckets copy the gradients
+    tp4 = estimate_memory(_job("llama3-8b-trn2.yaml", *base, "parallel.data_parallel=fsdp",
+                               "parallel.tensor_parallel_size=4"), 64)  # fmt: skip
+    assert tp4.parameters == pytest.approx(fsdp.parameters, rel=1e-3)  # 1/(TP x DP) = 1/64 either way
+    assert tp4.activations < fsdp.activations and tp4.logits == fsdp.logits  # the logits are gathered under TP
+    full = estimate_memory(_job("llama3-8b-trn2.yaml", *base, "parallel.activation_checkpointing=full"), 64)
+    assert full.activations < ddp.activations / 10
+    lora = _job("llama3.1-8b-sft-trn2.yaml", "model.lora={rank: 8}")
+    assert lora_params(lora.model) == 6_815_744  # PEFT's count for Llama 3.1 8B, r 8 on q, k, v, o
+    assert estimate_memory(lora, 64).optimizer == 2 * 4 * 6_815_744 // 64  # only the adapters train
+
+
+def test_experts_are_split_over_the_data_parallel_ranks_only():
+    """Qwen3-30B-A3B: with TP the experts stay whole on every TP rank (1/DP), everything else 1/(TP x DP)."""
+    job = _job("qwen3-30b-a3b-trn2.yaml")
+    one = estimate_memory(job, 64)
+    tp2 = estimate_memory(_job("qwen3-30b-a3b-trn2.yaml", "parallel.tensor_parallel_size=2",
+                               "parallel.expert_parallel_size=4"), 64)  # fmt: skip
+    assert tp2.parameters > one.parameters  # 32 data-parallel ranks hold the experts now, not 64
+    experts = 48 * 128 * 3 * 2048 * 768
+    assert tp2.parameters - one.parameters == pytest.approx(4 * (experts / 32 - experts / 64), rel=0.05)
+
+
+def test_a_trn2_8b_job_without_fsdp_is_refused_with_the_fix(capsys):
+    rc = main(["estimate", str(JOBS / "llama3-8b-trn2.yaml"), "--set", "parallel.tensor_parallel_size=1",
+               "--set", "parallel.data_parallel=ddp"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "does not fit; changes that make it fit" in out
+    assert "--set parallel.data_parallel=fsdp:" in out.split("changes that make it fit")[1].splitlines()[1]
+
+
+def test_the_shipped_trn2_jobs_are_estimated_with_their_margin(capsys):
+    for path in sorted(JOBS.glob("*trn2*.yaml")):
+        estimate = estimate_job(load_job(path, resolve=False))
+        assert estimate.fits is not None and estimate.margin_bytes is not None, path
+        assert estimate.tokens_per_s_per_node and estimate.hours and estimate.usd_per_hour == 46.98, path
+        assert estimate.interval_s and estimate.interval_steps, path
+
+
+def test_json_output_and_bad_options(capsys):
+    assert main(["estimate", str(JOBS / "qwen3-30b-a3b-trn2.yaml"), "--json", "--mfu", "0.4",
+                 "--spot-usd-per-hour", "20", "--save-s", "12"]) in (0, 1)  # fmt: skip
+    data = json.loads(capsys.readouterr().out)
+    assert data["mfu"] == {"value": 0.4, "source": "--mfu"} and data["save_s"]["value"] == 12
+    assert data["spot_cost_usd"] < data["cost_usd"] and data["memory"]["total"] > 0
+    assert data["checkpoint_interval_s"] == pytest.approx(
+        math.sqrt(2 * 12 * data["node_mtbf_hours"] / data["nodes"] * 3600)
+    )
+    assert main(["estimate", str(JOBS / "tiny.yaml"), "--mfu", "1.5"]) == 2
+    assert "--mfu 1.5: a fraction of the peak" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["estimate"])
+    assert e.value.code == 2
