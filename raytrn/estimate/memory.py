@@ -39,6 +39,10 @@ GIB = 1 << 30
 RUNTIME_BYTES = {"neuron": 2 * GIB, "neuron-xla": 2 * GIB, "cuda": GIB, "cpu": GIB, "xla-cpu": 5 * GIB // 4}
 #: The share of a device's memory a step may plan to use: the rest is fragmentation and allocator slack.
 USABLE = 0.9
+#: Bytes per logit: the loss keeps its float32 log-softmax for backward (beside the head's output in the compute
+#: dtype); backward adds the log-softmax's gradient and the logits' (float32, then cast): 4 + 4.
+LOGIT_SAVED_FP32 = 4
+LOGIT_BACKWARD_FP32 = 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,14 +150,14 @@ def estimate_memory(job: JobSpec, world_size: int) -> MemoryEstimate:
     gathered = 2 * gathered_block * compute if fsdp else 0
     tokens = d.micro_batch_size * d.seq_len
     return MemoryEstimate(
-        parameters=held * width,
+        parameters=held * width + (lora_params(m) // (shard_dp if fsdp else 1) * width if m.lora else 0),
         gradients=gradients,
         optimizer=optimizer,
         gathered=gathered,
         activations=activation_bytes(job, tokens, compute),
         # the head's output, the loss's fp32 log-softmax and its gradient: the whole vocabulary on every rank under
         # torch.distributed TP (the head's output is gathered), a TP shard of it under NxD (parallel cross-entropy)
-        logits=tokens * m.vocab_size * (compute + 12) // (tp if xla else 1),
+        logits=tokens * m.vocab_size * (compute + LOGIT_SAVED_FP32 + LOGIT_BACKWARD_FP32) // (tp if xla else 1),
         runtime=RUNTIME_BYTES.get(acc, GIB),
         notes=notes,
     )
@@ -168,21 +172,32 @@ def activation_bytes(job: JobSpec, tokens: int, width: int) -> int:
     # outputs (4 h), q/k/v and q/k after RoPE, SDPA's output and o_proj's input (4 q + 3 kv, split over TP).
     hidden = 4 * h // tp if p.sequence_parallel else 4 * h  # NxD sequence parallel splits them along the sequence
     attention = hidden + (4 * q + 3 * kv) // tp
+    if m.qk_norm:  # Qwen3's per-head query and key norms: their inputs and outputs
+        attention += 2 * (q + kv) // tp
     if m.is_moe:
         count, top_k, width_e = m.expert_sizes
         factor = job.model.moe_capacity_factor or 1.0
-        # the router's logits, and each routed copy of the token: its row, gate and up, SiLU and product
-        mlp = count + int(factor * top_k * (h + 4 * width_e))
+        # the two softmaxes over the router's logits (routing, load-balancing loss), the block's flattened input and
+        # output, and each routed copy of the token: its row, gate and up, SiLU, their product, the expert's output
+        mlp = 2 * count + 2 * h + int(factor * top_k * (2 * h + 4 * width_e))
     else:
         mlp = 4 * m.intermediate_size // tp  # gate, up, SiLU(gate), their product
+    if m.lora is not None:
+        # Frozen layers keep no input for a weight gradient: measured (tests/unit/test_estimate.py) on adapters of
+        # attention, 4 h + f a token less (the normed inputs and projections' copies, the down projection's input);
+        # adapted MLPs keep theirs.
+        mlp_adapted = any(t in m.lora.targets for t in ("gate_proj", "up_proj", "down_proj"))
+        attention -= 2 * h if mlp_adapted else 4 * h
+        mlp -= 0 if mlp_adapted or m.is_moe else m.intermediate_size // tp
     per_layer = tokens * (attention + mlp) * width
     if job.scaling.accelerator == "xla-cpu":  # XLA on CPU materialises the scores, softmax, gradient (trn1: flash)
         seq = job.data.seq_len
         per_layer += 3 * (tokens // seq) * (m.num_attention_heads // tp) * seq * seq * 4
+    final_norm = tokens * 2 * h * width  # its input and output, outside the layers
     mode = p.activation_checkpointing
     if mode == "none":
-        return m.num_layers * per_layer
+        return m.num_layers * per_layer + final_norm
     kept = tokens * h * width  # each layer's input
     if mode == "selective":  # the matmul and attention outputs kept as well: about half of a layer's tensors
         kept += per_layer // 2
-    return m.num_layers * kept + per_layer  # plus one layer recomputed at a time
+    return m.num_layers * kept + per_layer + final_norm  # plus one layer recomputed at a time

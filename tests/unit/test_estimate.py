@@ -120,3 +120,85 @@ def test_json_output_and_bad_options(capsys):
     with pytest.raises(SystemExit) as e:
         main(["estimate"])
     assert e.value.code == 2
+
+
+# -- against measured steps (one CPU process: the state held after a step, the tensors saved for backward) ------
+
+
+def _measured(job) -> dict[str, int]:
+    """One training step of ``job`` on one CPU process: the parameters and AdamW state it holds, and the bytes of
+    the tensors the forward pass saves for backward (each storage once, parameters excluded), split into the
+    model's and the loss's (the logits and the float32 log-softmax)."""
+    import torch
+
+    from raytrn.backends.cpu import CpuBackend
+    from raytrn.train.build import build_training
+    from raytrn.train.step import forward, train_step
+
+    t = build_training(job, CpuBackend(), world_size=1)
+    rows = torch.randint(0, job.model.vocab_size, (job.data.micro_batch_size, job.data.seq_len + 1),
+                         generator=torch.Generator().manual_seed(0))  # fmt: skip
+    train_step(t, iter([rows]), CpuBackend())
+    params = {p.untyped_storage().data_ptr() for p in t.model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(x):
+        storage = x.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        logits, targets, _, _ = forward(t, rows)
+    activations = sum(saved.values())
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        t.loss_fn(logits, targets)
+    return {
+        "parameters": sum(p.numel() * p.element_size() for p in t.model.parameters()),
+        "optimizer": sum(
+            v.numel() * v.element_size() for s in t.optimizer.state.values() for k, v in s.items() if k != "step"
+        ),  # fmt: skip
+        "activations": activations,
+        "logits_saved": sum(saved.values()) + logits.untyped_storage().nbytes(),
+    }
+
+
+SMALL = ("model.preset=null", "model.hidden_size=256", "model.intermediate_size=688", "model.num_layers=4",
+         "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=4096")  # fmt: skip
+LARGER = ("model.preset=null", "model.hidden_size=512", "model.intermediate_size=1376", "model.num_layers=6",
+          "model.num_attention_heads=8", "model.num_key_value_heads=4", "model.vocab_size=8192")  # fmt: skip
+
+
+def _hf_llama(path: Path) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [SMALL, LARGER, ("model.family=qwen3", "model.preset=tiny-qwen3"), ("model.family=qwen3_moe",
+     "model.preset=tiny-qwen3-moe"), "lora"],
+    ids=["llama-small", "llama-larger", "qwen3", "qwen3-moe", "lora"],
+)  # fmt: skip
+def test_the_memory_estimate_is_within_15_percent_of_a_measured_step(tmp_path, sizes):
+    """State exactly (parameters, AdamW); the activations and the loss's saved logits within 15% of what one CPU
+    step saves for backward; the logits' backward transient (gradients) is arithmetic on top."""
+    from raytrn.estimate.memory import LOGIT_BACKWARD_FP32
+
+    if sizes == "lora":
+        sizes = ("model.preset=null", "model.hidden_size=null", "model.intermediate_size=null",
+                 "model.num_layers=null", "model.num_attention_heads=null", "model.num_key_value_heads=null",
+                 "model.vocab_size=null", f"model.init_from={_hf_llama(tmp_path / 'hf')}", "model.lora={rank: 8}")  # fmt: skip
+    job = _job("tiny.yaml", "data.manifest=unused", "data.seq_len=128", "data.micro_batch_size=4",
+               f"checkpoint.storage={tmp_path}", *sizes)  # fmt: skip
+    est, got = estimate_memory(job, 1), _measured(job)
+    assert est.parameters == got["parameters"] and est.optimizer == got["optimizer"]
+    assert est.activations == pytest.approx(got["activations"], rel=0.15)
+    tokens = job.data.micro_batch_size * job.data.seq_len
+    logits_saved = est.logits - tokens * job.model.vocab_size * LOGIT_BACKWARD_FP32
+    assert logits_saved == pytest.approx(got["logits_saved"], rel=0.15)
