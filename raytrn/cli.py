@@ -238,6 +238,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if args.cluster:
         validate_cluster_file(args.cluster)
         lines += check_job_fits(job, get_backend(job.scaling.accelerator).worker_resources(job), args.cluster)
+        from raytrn.estimate.job import check_fits
+
+        lines.append(check_fits(job))
     for line in lines:
         print(line)
     print(f"{args.job}: OK")

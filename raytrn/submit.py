@@ -227,6 +227,9 @@ def submit(
     base_dir = os.getcwd()
     raw = load_job(str(job_path), list(overrides), base_dir=base_dir, resolve=False, raw=mapping)
     job = resolve_paths(raw, base_dir)
+    from raytrn.estimate.job import check_fits  # refuses a job whose workers cannot fit their devices
+
+    print(f"raytrn: {check_fits(raw)}", flush=True)
     wd = Path(working_dir).resolve()
     job_file = job_file_in(job_path, wd)
     address = normalize_address(address)

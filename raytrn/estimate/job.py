@@ -76,6 +76,8 @@ class JobEstimate:
     def summary(self) -> str:
         """One line: fits or not, $/hour, ETA."""
         fit = {True: "fits", False: "DOES NOT FIT", None: "memory not checked"}[self.fits]
+        if self.fits is False and self.device.memory_bytes and self.memory.total <= self.device.memory_bytes:
+            fit = f"tight: {-(self.margin_bytes or 0) / GIB:,.2f} GiB over the {USABLE:.0%} planned for"
         parts = [f"estimate: {fit} ({self.memory.total / GIB:,.1f} GiB a worker"]
         if self.device.memory_bytes:
             parts[0] += f" of {self.device.memory_bytes / GIB:,.1f}"
@@ -270,3 +272,21 @@ def _apply(job: JobSpec, overrides: tuple[str, ...]) -> JobSpec | None:
     except (RaytrnError, ValueError):
         return None
     return changed
+
+
+def check_fits(job: JobSpec, *, instance_type: str | None = None) -> str:
+    """The estimate's one-line summary for ``raytrn submit`` and ``raytrn validate --cluster``; ConfigError, with
+    the arithmetic and the changes that fit, when a worker needs more than its device has (a device from the
+    instance tables: a cpu worker's memory is the cluster's, unknown here). Between the usable share and the whole
+    device the job is tight, not refused: the summary says so."""
+    from raytrn.errors import ConfigError
+
+    est = estimate_job(job, instance_type=instance_type)
+    device = est.device.memory_bytes
+    if job.scaling.accelerator != "cpu" and device is not None and est.memory.total > device:
+        fixes = "; ".join(f.describe() for f in est.fixes) or "none of TP, FSDP, checkpointing or micro-batch"
+        raise ConfigError(
+            f"{job.source}: a worker needs {est.memory.describe()} but its device ({est.device.name}) has "
+            f"{device / GIB:,.1f} GiB; changes that fit: {fixes} (`raytrn estimate` for the whole estimate)"
+        )
+    return est.summary()

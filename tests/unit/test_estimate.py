@@ -202,3 +202,19 @@ def test_the_memory_estimate_is_within_15_percent_of_a_measured_step(tmp_path, s
     tokens = job.data.micro_batch_size * job.data.seq_len
     logits_saved = est.logits - tokens * job.model.vocab_size * LOGIT_BACKWARD_FP32
     assert logits_saved == pytest.approx(got["logits_saved"], rel=0.15)
+
+
+def test_validate_cluster_and_submit_print_the_summary_and_refuse_what_cannot_fit(capsys):
+    cluster = str(JOBS.parent / "cluster" / "aws-trn2.yaml")
+    assert main(["validate", str(JOBS / "qwen3-30b-a3b-trn2.yaml"), "--no-data", "--cluster", cluster]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("estimate: "))
+    assert line.startswith("estimate: fits (") and "/hour on 4 node(s), ETA " in line
+    too_big = ["--set", "parallel.tensor_parallel_size=1", "--set", "parallel.data_parallel=ddp"]
+    assert main(["validate", str(JOBS / "llama3-8b-trn2.yaml"), "--no-data", "--cluster", cluster, *too_big]) == 2
+    err = capsys.readouterr().err
+    assert "a worker needs 16" in err and "has 24.0 GiB; changes that fit: --set parallel.data_parallel=fsdp" in err
+    from raytrn.errors import ConfigError
+    from raytrn.submit import submit
+
+    with pytest.raises(ConfigError, match="changes that fit"):  # before any connection (the address is closed)
+        submit(JOBS / "llama3-8b-trn2.yaml", address="http://127.0.0.1:9", overrides=too_big[1::2])
