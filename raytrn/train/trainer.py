@@ -95,6 +95,7 @@ def _train(
         "model.flops_per_token": stats.flops_per_token,
         **versions(),
         **_git_commit(),
+        **_estimate_params(job),
     }
     # Only whether MLflow answers (tracking.required: fail now); the run is created by the tracking actor.
     tracked = plan_run(job, tags={**_tags(job), "lr_schedule": schedule.describe()}, extra_params=params)
@@ -109,7 +110,7 @@ def _train(
     import ray
 
     if not trial:
-        print(f"raytrn: {job.run_name}: llama {stats.describe()}", flush=True)
+        print(f"raytrn: {job.run_name}: {job.model.family} {stats.describe()}", flush=True)
     # The tracking actor creates or reattaches the MLflow run while the workers start (no run exists before
     # the resource check passed); it is also the progress board. Without tracking, a board of its own.
     # A Ray this process did not start has another environment: give the actor the driver's MLflow/AWS settings.
@@ -489,6 +490,33 @@ def versions() -> dict[str, str]:
             out[f"versions.{dist}"] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             pass
+    return out
+
+
+def _estimate_params(job: JobSpec) -> dict[str, Any]:
+    """``raytrn estimate``'s figures for this job at its largest size, logged as the run's params (``estimate.*``)
+    so that a run's actuals can be set against them. An estimate that fails is a warning, never a failed job."""
+    try:
+        from raytrn.estimate.job import estimate_job
+
+        est = estimate_job(job)
+    except Exception as e:  # the estimate is advice: a job it cannot describe still trains
+        log.warning("no estimate for this job (%s: %s)", type(e).__name__, e)
+        return {}
+    out: dict[str, Any] = {
+        "estimate.world_size": est.world_size,
+        "estimate.memory_bytes": est.memory.total,
+        "estimate.device_memory_bytes": est.device.memory_bytes,
+        "estimate.fits": est.fits,
+    }
+    if est.tokens_per_s_per_node is not None and est.mfu is not None:
+        out.update({
+            "estimate.tokens_per_s": round(est.tokens_per_s_per_node * est.nodes, 1),
+            "estimate.mfu": est.mfu.value,
+            "estimate.mfu_source": est.mfu.source,
+            "estimate.hours": round(est.hours or 0.0, 3),
+            "estimate.checkpoint_interval_steps": est.interval_steps,
+        })  # fmt: skip
     return out
 
 

@@ -98,6 +98,9 @@ def test_mlflow_run_has_params_and_metrics(two_worker_run):
     assert run.data.params["scaling.accelerator"] == "cpu"
     assert int(run.data.params["model.num_params"]) > 100_000
     assert float(run.data.params["model.flops_per_token"]) > 6 * int(run.data.params["model.num_params"]) * 0.5
+    # raytrn estimate's figures for the job, to set the actuals against (a cpu worker: memory, no speed)
+    assert int(run.data.params["estimate.memory_bytes"]) > 0 and run.data.params["estimate.fits"] == "True"
+    assert run.data.params["estimate.world_size"] == "2" and "estimate.tokens_per_s" not in run.data.params
     assert run.data.tags["checkpoint.latest"].endswith("checkpoint_00000030")
     assert run.data.tags["world_size_history"] == "0:2"
     # run.tune_malloc (on for cpu): the workers started with the allocator settings (read in the worker).
