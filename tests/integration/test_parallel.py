@@ -538,7 +538,7 @@ def _same_grads(tmp: Path, a: str, b: str) -> None:
 def test_expert_parallel_follows_one_process(moe_one, tmp_path) -> None:
     """The tiny Qwen3-MoE (8 experts, 2 a token, the aux loss in the gradients) with its experts spread over 2
     ranks: EP 2 on 2 workers, EP 2 x FSDP 2 on 4 (each expert also sharded over its 2 holders), EP 2 with TP 2
-    attention on 4. The first step's gradients (every parameter, gathered) and 3 steps of losses equal one
+    attention on 4, and TP 2 without EP on 2 (the experts replicated over the TP group). The first step's gradients (every parameter, gathered) and 3 steps of losses equal one
     process's within 2e-5. The capacity dispatch at factor 1.0 (assignments dropped): EP 2 equals FSDP 2 without EP
     (the same per-rank slots; that capacity with room for every assignment is the dropless result is unit-tested)."""
     tmp, one = moe_one
@@ -547,6 +547,7 @@ def test_expert_parallel_follows_one_process(moe_one, tmp_path) -> None:
         ("ep2", 2, ("parallel.expert_parallel_size=2",)),
         ("ep2-fsdp2", 4, ("parallel.expert_parallel_size=2",)),
         ("ep2-tp2", 4, ("parallel.expert_parallel_size=2", "parallel.tensor_parallel_size=2")),
+        ("tp2", 2, ("parallel.tensor_parallel_size=2",)),  # TP attention, the experts whole on both ranks
     ):
         run = run_layout(tmp, world, name, *moe, *extra, steps=3, grads=True)
         assert losses(run) == pytest.approx(losses(one), rel=LOSS_RTOL), name
