@@ -84,7 +84,7 @@ class Backend:
 
     def check_layout(self, job: JobSpec) -> list[str] | None:
         """This backend's own rules for the ``parallel`` section (info lines, or ConfigError); None: the
-        torch.distributed layouts' (:func:`raytrn.train.checks.check_parallel`). Only the frozen XLA path has
+        torch.distributed layouts' (:func:`raytrn.config.layout.check_parallel`). Only the frozen XLA path has
         its own."""
         return None
 

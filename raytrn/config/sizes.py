@@ -59,7 +59,7 @@ def world_sizes(job: JobSpec) -> list[int]:
 
 def size_unit(job: JobSpec) -> int:
     """What every elastic size is a multiple of: whole nodes (``workers_per_node``, which whole TP groups, and with
-    expert parallelism whole ``TP x EP`` blocks, must divide: checked by ``raytrn.train.checks``), else whole
+    expert parallelism whole ``TP x EP`` blocks, must divide: checked by ``raytrn.config.layout``), else whole
     tensor-parallel groups (with expert parallelism whole blocks of ``TP x EP`` consecutive ranks)."""
     p = job.parallel
     return job.scaling.workers_per_node or p.tensor_parallel_size * p.expert_parallel_size

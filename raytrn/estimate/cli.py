@@ -34,6 +34,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--mfu", type=float, metavar="F", help="model FLOPs utilisation to assume (0-1)")
     p.add_argument("--spot-usd-per-hour", type=float, metavar="USD", help="spot price of one node-hour")
     p.add_argument("--save-s", type=float, metavar="S", help="measured blocking checkpoint save, seconds")
+    p.add_argument(
+        "--no-history",
+        action="store_true",
+        help="do not read the MFU and restart times of the experiment's finished runs from MLflow",
+    )
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.set_defaults(func=_cmd_estimate)
 
@@ -58,8 +63,12 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     failures = (
         FailureRate(args.node_mtbf_hours, "--node-mtbf-hours") if args.node_mtbf_hours is not None else DEFAULT_RATE
     )
+    from raytrn.estimate.history import History, read_history
+
+    history = History() if args.no_history else read_history(job, instance_type=instance_type)
     estimate = estimate_job(
         job,
+        history=history,
         instance_type=instance_type,
         world_size=args.workers,
         failures=failures,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from raytrn.config.sizes import data_parallel_size, global_batch, world_sizes
 from raytrn.estimate.devices import GIB, Device, worker_device
 from raytrn.estimate.failures import DEFAULT_RATE, FailureRate, lost_fraction, young_daly_interval_s
+from raytrn.estimate.history import History
 from raytrn.estimate.memory import USABLE, MemoryEstimate, estimate_memory
 from raytrn.estimate.reference import ASSUMED_MFU, MFU, RESTART_S, Measured
 from raytrn.models import model_stats
@@ -61,6 +62,7 @@ class JobEstimate:
     interval_s: float | None = None
     interval_steps: int | None = None
     step_s: float | None = None
+    restart_s: Measured | None = None
 
     @property
     def margin_bytes(self) -> int | None:
@@ -119,6 +121,9 @@ class JobEstimate:
             "node_mtbf_hours": self.failures.node_mtbf_hours,
             "failure_source": self.failures.source,
             "expected_interruptions": self.expected_interruptions,
+            "restart_s": None
+            if self.restart_s is None
+            else {"value": self.restart_s.value, "source": self.restart_s.source},  # fmt: skip
             "save_s": None if self.save_s is None else {"value": self.save_s.value, "source": self.save_s.source},
             "checkpoint_interval_s": self.interval_s,
             "checkpoint_interval_steps": self.interval_steps,
@@ -150,7 +155,9 @@ class JobEstimate:
             lines.append(
                 f"time to step {self.job_steps:,}: {self.hours:,.1f} h of training + {self.lost_hours or 0:,.2f} h lost to "
                 f"{self.expected_interruptions or 0:,.2f} expected interruption(s) (node MTBF "
-                f"{self.failures.node_mtbf_hours:,.0f} h: {self.failures.source})"
+                f"{self.failures.node_mtbf_hours:,.0f} h: {self.failures.source}; a restart "
+                f"{self.restart_s.value if self.restart_s else 0:,.0f} s: "
+                f"{self.restart_s.source if self.restart_s else '-'})"
             )
         for label, price in (("on-demand", self.usd_per_hour), ("spot", self.spot_usd_per_hour)):
             cost = self.cost(price)
@@ -183,9 +190,13 @@ def estimate_job(
     mfu: Measured | None = None,
     spot_usd_per_hour: float | None = None,
     save_s: Measured | None = None,
-    restart_s: Measured = RESTART_S,
+    restart_s: Measured | None = None,
+    history: History | None = None,
 ) -> JobEstimate:
-    """The estimate of ``job`` at ``world_size`` workers (default: the most it can take)."""
+    """The estimate of ``job`` at ``world_size`` workers (default: the most it can take). The MFU and the restart
+    time: as given, else from ``history`` (:func:`raytrn.estimate.history.read_history`), else the shipped ones."""
+    history = history or History()
+    restart = restart_s or history.restart_s or RESTART_S
     s = job.scaling
     world = world_size or max(world_sizes(job))
     itype = instance_type or s.instance_type
@@ -201,7 +212,7 @@ def estimate_job(
     out.usd_per_hour = usd_per_hour(itype, override=job.tracking.usd_per_hour)
     out.spot_usd_per_hour = spot_usd_per_hour or job.tracking.spot_usd_per_hour
     if device.peak_flops:
-        out.mfu = mfu or MFU.get(device_family(device, itype), ASSUMED_MFU)
+        out.mfu = mfu or history.mfu or MFU.get(device_family(device, itype), ASSUMED_MFU)
         per_worker = device.peak_flops * out.mfu.value / out.flops_per_token
         out.tokens_per_s_per_node = per_worker * (world // nodes)
         tokens = job.run.max_steps * global_batch(job, data_parallel_size(job, world)) * job.data.seq_len
@@ -218,7 +229,8 @@ def estimate_job(
         out.expected_interruptions = failures.expected(nodes, out.hours)
         every = job.checkpoint.every_n_steps
         interval = every * out.step_s if every else out.interval_s
-        out.lost_hours = out.hours * lost_fraction(interval, out.save_s.value, restart_s.value, job_mtbf_s)
+        out.restart_s = restart
+        out.lost_hours = out.hours * lost_fraction(interval, out.save_s.value, restart.value, job_mtbf_s)
     return out
 
 
@@ -266,7 +278,7 @@ def _apply(job: JobSpec, overrides: tuple[str, ...]) -> JobSpec | None:
     try:
         apply_overrides(raw, list(overrides))
         changed = parse_job(raw, source=job.source)
-        from raytrn.train.checks import check_parallel
+        from raytrn.config.layout import check_parallel
 
         check_parallel(changed)
     except (RaytrnError, ValueError):

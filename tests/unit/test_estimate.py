@@ -218,3 +218,49 @@ def test_validate_cluster_and_submit_print_the_summary_and_refuse_what_cannot_fi
 
     with pytest.raises(ConfigError, match="changes that fit"):  # before any connection (the address is closed)
         submit(JOBS / "llama3-8b-trn2.yaml", address="http://127.0.0.1:9", overrides=too_big[1::2])
+
+
+def test_the_experiments_finished_runs_give_the_mfu_and_restart_time(tmp_path, capsys):
+    """Two finished runs of the same model on trn2 (and one of another model, one still running) in a local MLflow
+    store: the estimate takes their mean MFU and median restart, and says so; --no-history does not read them."""
+    from mlflow.tracking import MlflowClient
+
+    from raytrn.estimate.history import read_history
+    from tests.conftest import mlflow_store
+
+    uri = mlflow_store(tmp_path / "mlflow.db")
+    job = _job("llama3-8b-trn2.yaml", f"tracking.mlflow_uri={uri}")
+    client = MlflowClient(uri)
+    experiment = client.create_experiment(job.tracking.experiment)
+    params = str(model_stats(job.model, job.data.seq_len).num_params)
+    for num_params, mfu, restarts, status in (
+        (params, 0.30, [100.0, 300.0], "FINISHED"),
+        (params, 0.40, [200.0], "FINISHED"),
+        ("1234", 0.90, [9.0], "FINISHED"),  # another model
+        (params, 0.90, [9.0], "RUNNING"),  # not finished
+    ):
+        run = client.create_run(experiment).info.run_id
+        client.log_param(run, "model.num_params", num_params)
+        client.log_param(run, "scaling.instance_type", "trn2.48xlarge")
+        client.log_metric(run, "mfu", mfu)
+        for step, value in enumerate(restarts):
+            client.log_metric(run, "restart_to_first_step_s", value, step=step)
+        client.set_terminated(run, status)
+    history = read_history(job)
+    assert (
+        history.mfu is not None
+        and history.mfu.value == pytest.approx(0.35)
+        and "2 finished run(s)" in history.mfu.source
+    )
+    assert history.restart_s is not None and history.restart_s.value == 200.0
+    estimate = estimate_job(job, history=history)
+    assert estimate.mfu == history.mfu and estimate.restart_s == history.restart_s
+    assert main(["estimate", str(JOBS / "llama3-8b-trn2.yaml"), "--set", f"tracking.mlflow_uri={uri}"]) == 0
+    assert "MFU 35.0% (MLflow experiment" in capsys.readouterr().out
+    assert main(["estimate", str(JOBS / "llama3-8b-trn2.yaml"), "--set", f"tracking.mlflow_uri={uri}",
+                 "--no-history"]) == 0  # fmt: skip
+    assert "at MFU 23.4% (trn1's published 8B MFU carried over" in capsys.readouterr().out  # the shipped figure
+    assert (
+        read_history(_job("llama3-8b-trn2.yaml", f"tracking.mlflow_uri={mlflow_store(tmp_path / 'none.db')}")).mfu
+        is None
+    )
