@@ -122,6 +122,8 @@ def _type_name(annotation: Any) -> str:
         return "null"
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
+    if origin is typing.Annotated:  # a union member with its own bounds: ``int (> 0) | "auto"``
+        return _type(FieldInfo.from_annotation(annotation))
     if origin is Literal:
         return " | ".join(json.dumps(a) for a in args)
     if origin in (types.UnionType, typing.Union):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -217,8 +217,21 @@ class CheckpointConfig(Section):
     newest committed one."""
 
     storage: str = Field("checkpoints", min_length=1, description="local directory or s3://bucket/prefix")
-    every_n_steps: int = Field(100, gt=0, le=10**12, description="save every N optimizer steps (and at the last step)")
+    every_n_steps: Annotated[int, Field(gt=0, le=10**12)] | Literal["auto"] = Field(
+        100,
+        description="save every N optimizer steps (and at the last step); auto: the interval that loses least to "
+        "failures (Young/Daly, from raytrn estimate's save time, step time and node MTBF), chosen when the run "
+        "starts and logged with its inputs as params",
+    )
     keep_last: int | None = Field(3, gt=0, le=10**6, description="checkpoints kept; null keeps all")
+
+    @property
+    def interval(self) -> int:
+        """``every_n_steps`` as a number: ``auto`` is chosen by the driver before any worker starts
+        (:func:`raytrn.estimate.job.resolve_auto_interval`)."""
+        assert isinstance(self.every_n_steps, int), "checkpoint.every_n_steps: auto was not resolved by the driver"
+        return self.every_n_steps
+
     keep_best: bool = Field(
         False,
         description="also keep the committed checkpoint with the lowest val_loss (evaluated at its step: evaluate at "

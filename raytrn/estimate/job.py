@@ -228,7 +228,7 @@ def estimate_job(
         out.interval_steps = max(1, round(out.interval_s / out.step_s))
         out.expected_interruptions = failures.expected(nodes, out.hours)
         every = job.checkpoint.every_n_steps
-        interval = every * out.step_s if every else out.interval_s
+        interval = every * out.step_s if isinstance(every, int) else out.interval_s
         out.restart_s = restart
         out.lost_hours = out.hours * lost_fraction(interval, out.save_s.value, restart.value, job_mtbf_s)
     return out
@@ -302,3 +302,38 @@ def check_fits(job: JobSpec, *, instance_type: str | None = None) -> str:
             f"{device / GIB:,.1f} GiB; changes that fit: {fixes} (`raytrn estimate` for the whole estimate)"
         )
     return est.summary()
+
+
+#: ``checkpoint.every_n_steps: auto`` where the estimate has no step time (cpu workers: no peak FLOP/s).
+AUTO_FALLBACK_STEPS = 100
+
+
+def resolve_auto_interval(job: JobSpec) -> tuple[JobSpec, dict[str, Any], str | None]:
+    """``job`` with ``checkpoint.every_n_steps: auto`` replaced by the Young/Daly interval in steps (at the job's
+    largest size, the MLflow history's figures where it has them), the params that record the choice and its
+    inputs, and a line saying it; ``job`` unchanged (no params, no line) when the interval is a number."""
+    if job.checkpoint.every_n_steps != "auto":
+        return job, {}, None
+    from raytrn.estimate.history import read_history
+
+    est = estimate_job(job, history=read_history(job))
+    if est.interval_steps is None or est.save_s is None or est.step_s is None:
+        steps, why = AUTO_FALLBACK_STEPS, f"no step-time estimate for {est.device.name}: the default"
+        params: dict[str, Any] = {"checkpoint.auto.every_n_steps": steps, "checkpoint.auto.reason": why}
+    else:
+        steps = est.interval_steps
+        mtbf = est.failures.job_mtbf_hours(est.nodes)
+        why = (
+            f"Young/Daly: sqrt(2 x {est.save_s.value:.1f} s save x {mtbf:,.0f} h MTBF of {est.nodes} node(s)) = "
+            f"{(est.interval_s or 0) / 60:,.1f} min at {est.step_s:.2f} s a step"
+        )
+        params = {
+            "checkpoint.auto.every_n_steps": steps,
+            "checkpoint.auto.save_s": round(est.save_s.value, 3),
+            "checkpoint.auto.save_s_source": est.save_s.source,
+            "checkpoint.auto.job_mtbf_hours": round(mtbf, 1),
+            "checkpoint.auto.mtbf_source": est.failures.source,
+            "checkpoint.auto.step_s": round(est.step_s, 4),
+        }
+    resolved = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"every_n_steps": steps})})
+    return resolved, params, f"checkpoint.every_n_steps auto: every {steps:,} steps ({why})"

@@ -168,7 +168,7 @@ class Checkpointer:
     # -- saving --------------------------------------------------------------------------------
     def due(self, step: int, *, last: bool) -> bool:
         """Whether ``step`` is a checkpoint step (``checkpoint.every_n_steps``, and the last)."""
-        return last or step % self.job.checkpoint.every_n_steps == 0
+        return last or step % self.job.checkpoint.interval == 0
 
     def step_ended(self) -> None:
         """Every step, before it is logged: the in-memory snapshot being written is waited for and completed (a

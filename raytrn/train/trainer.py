@@ -29,6 +29,7 @@ from raytrn.config.sizes import world_sizes
 from raytrn.data.manifest import Manifest
 from raytrn.data.order import SAMPLE_TRACE_ENV
 from raytrn.errors import RaytrnError, RunStopped
+from raytrn.estimate.job import resolve_auto_interval
 from raytrn.models import model_stats
 from raytrn.runtime import ensure_ray, git_commit, on_this_node, process_started_at
 from raytrn.tracking.actor import driver_env, start_tracking_actor
@@ -52,22 +53,32 @@ def run_training(job: JobSpec, *, live_progress: bool = True, trial: bool = Fals
     alone while it trains (:mod:`raytrn.checkpoint.lease`; ``take_over``: replace a stale lease)."""
     backend = get_backend(job.scaling.accelerator)
     check_spec(job)
+    job, auto_params, auto_line = resolve_auto_interval(job)  # checkpoint.every_n_steps: auto, chosen once here
+    if auto_line:
+        print(f"raytrn: {auto_line}", flush=True)
     backend.check(job)
     check_init_from(job)
     manifest = check_data(job)
 
     validation = validation_set(job, manifest)
     if trial:  # a sweep's trial: its run is named by the sweep, whose directory is the sweep driver's own
-        return _train(job, backend, manifest, validation, live_progress=live_progress, trial=trial)
+        return _train(job, backend, manifest, validation, live_progress=live_progress, trial=trial, params=auto_params)
     lease = acquire(RunDir.of(job), take_over=take_over, job=os.environ.get("RAY_JOB_SUBMISSION_ID", ""))
     try:
-        return _train(job, backend, manifest, validation, live_progress=live_progress, trial=trial)
+        return _train(job, backend, manifest, validation, live_progress=live_progress, trial=trial, params=auto_params)
     finally:
         lease.release()
 
 
 def _train(
-    job: JobSpec, backend: Backend, manifest: Manifest, validation: Any, *, live_progress: bool, trial: bool
+    job: JobSpec,
+    backend: Backend,
+    manifest: Manifest,
+    validation: Any,
+    *,
+    live_progress: bool,
+    trial: bool,
+    params: dict[str, Any],
 ) -> Summary:
     meta, latest = latest_checkpoint(job, committed=backend.committed_checkpoints)
     resumed = meta.progress if meta else Progress()
@@ -91,6 +102,7 @@ def _train(
 
     stats = model_stats(job.model, job.data.seq_len)
     params = {
+        **params,  # the driver's own choices (checkpoint.every_n_steps: auto)
         "model.num_params": stats.num_params,
         "model.flops_per_token": stats.flops_per_token,
         **versions(),

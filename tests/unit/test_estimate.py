@@ -264,3 +264,28 @@ def test_the_experiments_finished_runs_give_the_mfu_and_restart_time(tmp_path, c
         read_history(_job("llama3-8b-trn2.yaml", f"tracking.mlflow_uri={mlflow_store(tmp_path / 'none.db')}")).mfu
         is None
     )
+
+
+def test_checkpoint_every_n_steps_auto_is_chosen_by_young_daly_and_recorded():
+    from raytrn.errors import ConfigError
+    from raytrn.estimate.job import AUTO_FALLBACK_STEPS, resolve_auto_interval
+
+    job = _job("llama3-8b-trn2.yaml", "checkpoint.every_n_steps=auto")
+    resolved, params, line = resolve_auto_interval(job)
+    est = estimate_job(job)
+    assert resolved.checkpoint.every_n_steps == resolved.checkpoint.interval == est.interval_steps
+    assert params["checkpoint.auto.every_n_steps"] == est.interval_steps and params["checkpoint.auto.save_s"] > 0
+    assert "419" in params["checkpoint.auto.mtbf_source"] and line and "Young/Daly" in line
+    slower, _, _ = resolve_auto_interval(_job("llama3-8b-trn2.yaml", "checkpoint.every_n_steps=auto",
+                                              "parallel.tensor_parallel_size=1", "parallel.data_parallel=ddp"))  # fmt: skip
+    assert slower.checkpoint.interval > resolved.checkpoint.interval  # the whole state a worker: a slower save
+    cpu, cpu_params, _ = resolve_auto_interval(_job("tiny.yaml", "checkpoint.every_n_steps=auto"))
+    assert (
+        cpu.checkpoint.interval == AUTO_FALLBACK_STEPS
+        and "no step-time estimate" in cpu_params["checkpoint.auto.reason"]
+    )
+    fixed = _job("tiny.yaml", "checkpoint.every_n_steps=7")
+    assert resolve_auto_interval(fixed) == (fixed, {}, None)
+    for bad in ("sometimes", "0"):
+        with pytest.raises(ConfigError, match="every_n_steps"):
+            _job("tiny.yaml", f"checkpoint.every_n_steps={bad}")
