@@ -50,6 +50,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "torch DCP file item record": "torch.distributed.checkpoint.filesystem:_StorageInfo",
     "torch DCP staging buffers": "torch.distributed._state_dict_utils:_create_cpu_state_dict",
     "torch DCP staging copy": "torch.distributed._state_dict_utils:_copy_state_dict",
+    "torch traceable all-to-all": "torch.distributed._functional_collectives:all_to_all_single_autograd",
 }
 
 # -- Ray Train -----------------------------------------------------------------------------------------
@@ -398,6 +399,20 @@ def dcp_stage(state: dict[str, Any], host: dict[str, Any] | None) -> tuple[dict[
             pass
     host = _create_cpu_state_dict(state)
     return _copy_state_dict(state, host, type_check=False), host
+
+
+# -- torch functional collectives -----------------------------------------------------------------------
+
+
+def all_to_all_rows(rows: Any, send: list[int], receive: list[int], group: Any) -> Any:
+    """``send[r]`` rows of ``rows`` to rank ``r`` of ``group``, ``receive[r]`` from it, differentiably (the gradient
+    goes back the same way), and traceable by ``torch.compile`` (TorchNeuron compiles each block with
+    ``fullgraph=True``): torch's functional ``all_to_all_single_autograd``, what torchtitan's expert parallelism
+    uses. The public ``torch.distributed.all_to_all_single`` has no autograd and breaks the graph;
+    ``torch.distributed.nn.functional.all_to_all_single`` is deprecated in its favour."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    return all_to_all_single_autograd(rows.contiguous(), receive, send, group)
 
 
 def resolve(spec: str) -> Any:

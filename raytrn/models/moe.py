@@ -97,6 +97,16 @@ class Experts(nn.Module):
         #: Expert parallelism: how rows reach the ranks holding their experts; None: this rank holds them all.
         self.exchange: Exchange | None = None
 
+    def forward(
+        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, capacity: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts' output for ``x``'s routing and the assignments dropped: dropless, or with ``capacity`` slots an
+        expert. (A module call, not a method: FSDP gathers the experts in its forward hooks, which ``torch.compile``
+        traces through as for every other FSDP module.)"""
+        if capacity is None:
+            return self.dropless(x, indices, weights), x.new_zeros((), dtype=torch.float32)
+        return self.with_capacity(x, indices, weights, capacity)
+
     def dropless(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every assignment computed, expert by expert in ascending order (HF's loop: a token's outputs are added
         in its experts' order)."""
@@ -219,11 +229,10 @@ class SparseMoeBlock(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         logits, weights, indices = self.gate(flat)
-        if self.capacity_factor is None:
-            out, dropped = self.experts.dropless(flat, indices, weights), flat.new_zeros((), dtype=torch.float32)
-        else:
+        slots = None
+        if self.capacity_factor is not None:
             slots = capacity(flat.shape[0], self.gate.top_k, self.gate.num_experts, self.capacity_factor)
-            out, dropped = self.experts.with_capacity(flat, indices, weights, slots)
+        out, dropped = self.experts(flat, indices, weights, slots)
         # The load-balancing loss's sums, as HF's load_balancing_loss_func takes them from the logits: a softmax
         # in their dtype and its own top-k (with bfloat16 logits, not always the router's float32 one).
         probs = F.softmax(logits, dim=-1)

@@ -7,8 +7,9 @@ The layout (torchtitan's, on a device mesh of its own, ``(dp_mod_ep, ep, tp)``):
   ``gate_up_proj`` / ``down_proj`` over the ``ep`` mesh dimension, replicated over ``tp``: tensor parallelism
   splits attention, every rank of a TP group computes the same expert rows).
 - **Tokens move, experts stay**: :class:`AllToAll` sends each assignment's row to its expert's rank and the
-  result back (``torch.distributed.all_to_all_single`` with uneven splits for the dropless dispatch, even ones for
-  the capacity dispatch), differentiably: the gradient goes back the same way.
+  result back (torch's functional ``all_to_all_single_autograd``, through :mod:`raytrn.compat`: uneven splits for
+  the dropless dispatch, even ones for the capacity dispatch), differentiably, and traceable by ``torch.compile``
+  (the capacity dispatch is what runs compiled on Neuron).
 - **FSDP** shards the experts further over ``dp_mod_ep`` (the data-parallel ranks that hold the same experts) and
   everything else over all data-parallel ranks as before. An expert's gradient on its EP rank already sums every
   EP peer's tokens, so FSDP divides the experts' reduce-scatter by the whole data-parallel size, not by
@@ -26,25 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raytrn import compat
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-
-class _AllToAllRows(torch.autograd.Function):
-    """``all_to_all_single`` of rows with uneven splits; its gradient is the reverse all-to-all."""
-
-    @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, send: list[int], receive: list[int], group: Any) -> torch.Tensor:
-        ctx.send, ctx.receive, ctx.group = send, receive, group
-        out = rows.new_empty((sum(receive), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), receive, send, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.receive, group=ctx.group)
-        return out, None, None, None
 
 
 @dataclass(frozen=True)
@@ -60,7 +46,7 @@ class AllToAll:
         return out.view(self.size, -1)
 
     def rows(self, rows: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
-        return _AllToAllRows.apply(rows, send, receive, self.group)  # type: ignore[no-any-return]
+        return compat.all_to_all_rows(rows, send, receive, self.group)  # type: ignore[no-any-return]
 
 
 def expert_mesh(

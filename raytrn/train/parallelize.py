@@ -103,7 +103,10 @@ def parallelize(
     if compile is not None:  # per block under FSDP (torchtitan); the whole model in place otherwise (keys unchanged)
         if p.data_parallel == "fsdp":
             for layer in _layers(model):
-                layer.compile(**compile)
+                if experts_mesh is not None and hasattr(layer.mlp, "experts"):
+                    _compile_around_experts(layer, compile)
+                else:
+                    layer.compile(**compile)
         else:
             model.compile(**compile)
     if not distributed:
@@ -118,6 +121,20 @@ def parallelize(
     return Parallelized(
         model=DistributedDataParallel(model, device_ids=ids), mesh=None, data_parallel="ddp", tensor_parallel_size=1
     )
+
+
+def _compile_around_experts(layer: nn.Module, compile: dict[str, Any]) -> None:
+    """A MoE block whose experts are an FSDP module of their own (expert parallelism, or TP): FSDP's hooks on a
+    module called inside a compiled graph break it, so each of the block's parts is compiled but the experts
+    (torchtitan's way): attention, the norms, the router. The experts, their all-to-alls and the routing's
+    bookkeeping run eagerly."""
+    for name, child in layer.named_children():
+        if name != "mlp":
+            child.compile(**compile)
+            continue
+        for part_name, part in child.named_children():
+            if part_name != "experts":
+                part.compile(**compile)
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
@@ -233,7 +250,7 @@ def apply_fsdp(
     """``fully_shard`` every decoder block, then the root (embedding, final norm, head). With ``experts_mesh``
     (:mod:`raytrn.train.expert_parallel`) each block's experts first, over its ``dp_mod_ep`` ranks, their gradients
     divided by the whole data-parallel size (each EP rank's already sums its EP peers' tokens)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {}
     if mixed_precision is not None:
@@ -250,8 +267,6 @@ def apply_fsdp(
                 # Sum, then divide: gloo (and Neuron) have no PREMUL_SUM. Not on one rank: FSDP (torch 2.13) divides
                 # there by the factor and again after (tests/integration/test_parallel.py compares the gradients).
                 experts.set_force_sum_reduction_for_comms(True)
-            for method in ("dropless", "with_capacity"):  # the block calls these, not forward: FSDP's hooks on them
-                register_fsdp_forward_method(experts, method)
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kwargs)
 

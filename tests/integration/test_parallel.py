@@ -91,7 +91,7 @@ def _run_plan(rank: int, world: int, plan: dict[str, Any], out: Path) -> None:
     from raytrn.train.step import read_metrics, train_step
 
     job = tiny_job(Path(plan["tmp"]), *plan["overrides"])
-    backend = _Bf16Cpu() if plan.get("bf16") else CpuBackend()
+    backend = _Bf16Cpu() if plan.get("bf16") else _CompiledCpu() if plan.get("compiled") else CpuBackend()
     t = build_training(job, backend, world_size=world, rank=rank)
     seen: list[str] = []
     inner = getattr(t.model, "module", t.model)  # DDP wraps
@@ -204,6 +204,13 @@ class _Bf16Cpu(CpuBackend):
 
     def autocast_dtype(self, job: Any) -> torch.dtype | None:
         return torch.bfloat16
+
+
+class _CompiledCpu(CpuBackend):
+    """torch.compile as TorchNeuron's (fullgraph, static shapes), with aot_eager: the graphs traced and run in
+    eager kernels (the same numbers), on gloo."""
+
+    compile_options = {"backend": "aot_eager", "fullgraph": True, "dynamic": False}
 
 
 def _dump_full(t: Any, path: Path, rank: int) -> None:
@@ -538,7 +545,9 @@ def _same_grads(tmp: Path, a: str, b: str) -> None:
 def test_expert_parallel_follows_one_process(moe_one, tmp_path) -> None:
     """The tiny Qwen3-MoE (8 experts, 2 a token, the aux loss in the gradients) with its experts spread over 2
     ranks: EP 2 on 2 workers, EP 2 x FSDP 2 on 4 (each expert also sharded over its 2 holders), EP 2 with TP 2
-    attention on 4, and TP 2 without EP on 2 (the experts replicated over the TP group). The first step's gradients (every parameter, gathered) and 3 steps of losses equal one
+    attention on 4, TP 2 without EP on 2 (the experts replicated over the TP group), and EP 2 under torch.compile
+    (fullgraph, as on Neuron: every part of a block but the experts, whose FSDP hooks would break the graph). The
+    first step's gradients (every parameter, gathered) and 3 steps of losses equal one
     process's within 2e-5. The capacity dispatch at factor 1.0 (assignments dropped): EP 2 equals FSDP 2 without EP
     (the same per-rank slots; that capacity with room for every assignment is the dropless result is unit-tested)."""
     tmp, one = moe_one
@@ -548,8 +557,9 @@ def test_expert_parallel_follows_one_process(moe_one, tmp_path) -> None:
         ("ep2-fsdp2", 4, ("parallel.expert_parallel_size=2",)),
         ("ep2-tp2", 4, ("parallel.expert_parallel_size=2", "parallel.tensor_parallel_size=2")),
         ("tp2", 2, ("parallel.tensor_parallel_size=2",)),  # TP attention, the experts whole on both ranks
+        ("ep2-compiled", 2, ("parallel.expert_parallel_size=2", "run.compile=true")),  # the block's parts compiled
     ):
-        run = run_layout(tmp, world, name, *moe, *extra, steps=3, grads=True)
+        run = run_layout(tmp, world, name, *moe, *extra, steps=3, grads=True, compiled="run.compile=true" in extra)
         assert losses(run) == pytest.approx(losses(one), rel=LOSS_RTOL), name
         _same_grads(tmp, "moe-one", name)
     assert losses(one)[2] < losses(one)[0]  # it trains
