@@ -43,6 +43,9 @@ REPO = Path(__file__).resolve().parents[2]
 NODE = {"num_cpus": 1, "resources": {"neuron_cores": 1}}
 DRAIN_DEADLINE_S = 15
 GLOBAL_BATCH = 48
+#: scaling.resize_interval_s of the job: how soon a returning node is used (a shorter check: fewer steps trained
+#: while the harness waits for the group to grow, on a fast machine as on a slow one).
+RESIZE_INTERVAL_S = 8
 
 
 def _logged(db: Path, key: str = "loss") -> list[tuple[int, float, float]]:
@@ -198,7 +201,7 @@ def _job(args: Any, work: Path, storage_root: str, *, name: str, workers: tuple[
             "scaling.workers_per_node=1",
             "scaling.resources_per_worker={neuron_cores: 1}",
             "scaling.max_failures=10",
-            "scaling.resize_interval_s=15",
+            f"scaling.resize_interval_s={RESIZE_INTERVAL_S}",
             f"checkpoint.storage={storage_root}",
             "checkpoint.every_n_steps=5",
             "checkpoint.keep_last=null",  # every checkpoint stays: what each group resumed from is checked after
