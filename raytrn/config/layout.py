@@ -60,9 +60,9 @@ def _check_expert_parallel(job: JobSpec, sizes: list[int]) -> None:
         )
 
 
-def _check_features(job: JobSpec) -> None:
-    """torch.distributed does DDP/FSDP, tensor parallel and activation checkpointing; ZeRO-1 and sequence parallel
-    are neuronx-distributed's (the frozen XLA path)."""
+def refuse_nxd_only(job: JobSpec) -> None:
+    """ConfigError when ``job`` asks for ZeRO-1 or sequence parallelism, neuronx-distributed's (neuron-xla) alone,
+    on another accelerator."""
     acc, p, where = job.scaling.accelerator, job.parallel, job.source
     nxd_only = [
         name
@@ -76,6 +76,13 @@ def _check_features(job: JobSpec) -> None:
             f"(scaling.accelerator: neuron-xla, the XLA path); on {acc} {fix if p.zero1 else 'remove it'}"
             + ("" if not p.sequence_parallel else " (sequence parallelism is not supported on torch.distributed yet)")
         )
+
+
+def _check_features(job: JobSpec) -> None:
+    """torch.distributed does DDP/FSDP, tensor parallel and activation checkpointing; ZeRO-1 and sequence parallel
+    are neuronx-distributed's (the frozen XLA path)."""
+    p, where = job.parallel, job.source
+    refuse_nxd_only(job)
     if p.tensor_parallel_size > 1 and p.data_parallel == "ddp":
         raise ConfigError(
             f"{where}: parallel.tensor_parallel_size={p.tensor_parallel_size} needs parallel.data_parallel: fsdp "

@@ -9,6 +9,7 @@ a spot price, a measured save time).
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,8 @@ from raytrn.tracking.cost import usd_per_hour
 
 if TYPE_CHECKING:
     from raytrn.config import JobSpec
+
+log = logging.getLogger(__name__)
 
 #: A blocking checkpoint save, when nothing measured is given: the state a worker holds copied to host memory
 #: (async checkpoints block only for that) at this rate. An assumption, shown as one.
@@ -337,3 +340,28 @@ def resolve_auto_interval(job: JobSpec) -> tuple[JobSpec, dict[str, Any], str | 
         }
     resolved = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"every_n_steps": steps})})
     return resolved, params, f"checkpoint.every_n_steps auto: every {steps:,} steps ({why})"
+
+
+def estimate_params(job: JobSpec) -> dict[str, Any]:
+    """``raytrn estimate``'s figures for this job at its largest size, logged as the run's params (``estimate.*``)
+    so that a run's actuals can be set against them. An estimate that fails is a warning, never a failed job."""
+    try:
+        est = estimate_job(job)
+    except Exception as e:  # the estimate is advice: a job it cannot describe still trains
+        log.warning("no estimate for this job (%s: %s)", type(e).__name__, e)
+        return {}
+    out: dict[str, Any] = {
+        "estimate.world_size": est.world_size,
+        "estimate.memory_bytes": est.memory.total,
+        "estimate.device_memory_bytes": est.device.memory_bytes,
+        "estimate.fits": est.fits,
+    }
+    if est.tokens_per_s_per_node is not None and est.mfu is not None:
+        out.update({
+            "estimate.tokens_per_s": round(est.tokens_per_s_per_node * est.nodes, 1),
+            "estimate.mfu": est.mfu.value,
+            "estimate.mfu_source": est.mfu.source,
+            "estimate.hours": round(est.hours or 0.0, 3),
+            "estimate.checkpoint_interval_steps": est.interval_steps,
+        })  # fmt: skip
+    return out

@@ -29,7 +29,7 @@ from raytrn.config.sizes import world_sizes
 from raytrn.data.manifest import Manifest
 from raytrn.data.order import SAMPLE_TRACE_ENV
 from raytrn.errors import RaytrnError, RunStopped
-from raytrn.estimate.job import resolve_auto_interval
+from raytrn.estimate.job import estimate_params, resolve_auto_interval
 from raytrn.models import model_stats
 from raytrn.runtime import ensure_ray, git_commit, on_this_node, process_started_at
 from raytrn.tracking.actor import driver_env, start_tracking_actor
@@ -107,7 +107,7 @@ def _train(
         "model.flops_per_token": stats.flops_per_token,
         **versions(),
         **_git_commit(),
-        **_estimate_params(job),
+        **estimate_params(job),
     }
     # Only whether MLflow answers (tracking.required: fail now); the run is created by the tracking actor.
     tracked = plan_run(job, tags={**_tags(job), "lr_schedule": schedule.describe()}, extra_params=params)
@@ -502,33 +502,6 @@ def versions() -> dict[str, str]:
             out[f"versions.{dist}"] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             pass
-    return out
-
-
-def _estimate_params(job: JobSpec) -> dict[str, Any]:
-    """``raytrn estimate``'s figures for this job at its largest size, logged as the run's params (``estimate.*``)
-    so that a run's actuals can be set against them. An estimate that fails is a warning, never a failed job."""
-    try:
-        from raytrn.estimate.job import estimate_job
-
-        est = estimate_job(job)
-    except Exception as e:  # the estimate is advice: a job it cannot describe still trains
-        log.warning("no estimate for this job (%s: %s)", type(e).__name__, e)
-        return {}
-    out: dict[str, Any] = {
-        "estimate.world_size": est.world_size,
-        "estimate.memory_bytes": est.memory.total,
-        "estimate.device_memory_bytes": est.device.memory_bytes,
-        "estimate.fits": est.fits,
-    }
-    if est.tokens_per_s_per_node is not None and est.mfu is not None:
-        out.update({
-            "estimate.tokens_per_s": round(est.tokens_per_s_per_node * est.nodes, 1),
-            "estimate.mfu": est.mfu.value,
-            "estimate.mfu_source": est.mfu.source,
-            "estimate.hours": round(est.hours or 0.0, 3),
-            "estimate.checkpoint_interval_steps": est.interval_steps,
-        })  # fmt: skip
     return out
 
 

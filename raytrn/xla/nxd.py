@@ -28,6 +28,7 @@ import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from raytrn.config.layout import refuse_nxd_only
 from raytrn.config.sizes import data_parallel_size, world_sizes
 from raytrn.errors import BackendError, BackendUnavailableError, ConfigError
 from raytrn.models.llama import hf_config
@@ -148,18 +149,7 @@ def _check_accelerator(job: JobSpec) -> None:
                 "neuron-xla (neuronx-distributed checkpoints full layers): use full"
             )
         return
-    nxd_only = [
-        name
-        for name, on in (("parallel.zero1=true", p.zero1), ("parallel.sequence_parallel=true", p.sequence_parallel))
-        if on
-    ]
-    if nxd_only:
-        fix = "use parallel.data_parallel: fsdp, which shards parameters, gradients and optimizer state"
-        raise ConfigError(
-            f"{where}: {' and '.join(nxd_only)} {'is' if len(nxd_only) == 1 else 'are'} neuronx-distributed's "
-            f"(scaling.accelerator: neuron-xla, the XLA path); on {acc} {fix if p.zero1 else 'remove it'}"
-            + ("" if not p.sequence_parallel else " (sequence parallelism is not supported on torch.distributed yet)")
-        )
+    refuse_nxd_only(job)
     if acc == "xla-cpu":
         asked = [
             name

@@ -229,6 +229,22 @@ def _dump_full(t: Any, path: Path, rank: int) -> None:
         torch.save({"model": model_state, "optim": optim_state["state"], "sched": t.scheduler.state_dict()}, path)
 
 
+def _same_state(out: Path, saved: str, loaded: str) -> dict[str, Any]:
+    """Layout ``saved``'s state as it saved it and ``loaded``'s as it loaded it (``_dump_full``), bit-equal: every
+    weight, every AdamW moment and step, the schedule. Returns the saved one."""
+    a = torch.load(out / f"saved-{saved}.pt", weights_only=False)
+    b = torch.load(out / f"loaded-{loaded}.pt", weights_only=False)
+    assert a["model"].keys() == b["model"].keys()
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), (saved, loaded, name)
+    assert a["optim"].keys() == b["optim"].keys()
+    for name, moments in a["optim"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(moments[key], b["optim"][name][key]), (saved, loaded, name, key)
+    assert a["sched"] == b["sched"]
+    return a
+
+
 def run_layout(tmp: Path, world: int, name: str, *overrides: str, **plan: Any) -> dict[str, Any]:
     """Run ``plan`` on ``world`` gloo processes; rank 0's record (loss per step)."""
     import torch.multiprocessing as mp
@@ -328,16 +344,7 @@ def test_resharded_resume_fsdp4_ddp2_fsdp3(single, tmp_path) -> None:
         steps=12, start=8, load=str(tmp_path / "ck8"),
     )  # fmt: skip
     for saved, loaded in (("fsdp4", "ddp2"), ("ddp2", "fsdp3")):
-        a = torch.load(out / f"saved-{saved}.pt", weights_only=False)
-        b = torch.load(out / f"loaded-{loaded}.pt", weights_only=False)
-        assert a["model"].keys() == b["model"].keys()
-        for name in a["model"]:
-            assert torch.equal(a["model"][name], b["model"][name]), (saved, loaded, name)
-        assert a["optim"].keys() == b["optim"].keys()
-        for name, moments in a["optim"].items():
-            for key in ("exp_avg", "exp_avg_sq", "step"):
-                assert torch.equal(moments[key], b["optim"][name][key]), (saved, loaded, name, key)
-        assert a["sched"] == b["sched"]
+        _same_state(out, saved, loaded)
     curve = losses(first) + losses(second) + losses(third)
     assert curve == pytest.approx(losses(ref), rel=LOSS_RTOL)
 
@@ -589,16 +596,8 @@ def test_expert_parallel_checkpoints_reshard_ep2_ep1_ep4(tmp_path) -> None:
     last = run_layout(tmp_path, 4, "ep4", *moe, "parallel.expert_parallel_size=4", steps=4, start=3,
                       load=str(tmp_path / "ck3"))  # fmt: skip
     for saved, loaded in (("ep2", "ep1"), ("ep1", "ep4"), ("ep2", "ep1-mem")):
-        a = torch.load(out / f"saved-{saved}.pt", weights_only=False)
-        b = torch.load(out / f"loaded-{loaded}.pt", weights_only=False)
-        assert a["model"].keys() == b["model"].keys() and any(".experts." in n for n in a["model"])
-        for name in a["model"]:
-            assert torch.equal(a["model"][name], b["model"][name]), (saved, loaded, name)
-        assert a["optim"].keys() == b["optim"].keys()
-        for name, moments in a["optim"].items():
-            for key in ("exp_avg", "exp_avg_sq", "step"):
-                assert torch.equal(moments[key], b["optim"][name][key]), (saved, loaded, name, key)
-        assert a["sched"] == b["sched"]
+        state = _same_state(out, saved, loaded)
+        assert any(".experts." in n for n in state["model"])
     assert len(losses(last)) == 1
 
 
