@@ -184,28 +184,6 @@ def timed_steps(
     return times, result
 
 
-def optimizer_state_bytes(optimizer: Any) -> int:
-    """Bytes of an optimizer's state tensors this process holds (AdamW's moments, a DTensor's local shard; not the
-    scalar step counts)."""
-    return sum(local_bytes(v) for s in optimizer.state.values() for v in s.values() if v.ndim)
-
-
-def local_bytes(tensor: Any) -> int:
-    """Bytes of a tensor this process holds: a DTensor's local shard (FSDP, TP, EP), a plain tensor whole."""
-    from torch.distributed.tensor import DTensor
-
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return int(local.numel() * local.element_size())
-
-
-def held_state_bytes(t: Any) -> dict[str, int]:
-    """Parameters, gradients and AdamW state one worker holds after a step of a
-    :class:`raytrn.train.step.Training` (exact counts of its local tensors). The gradients are set to None after the
-    step: counted as one per parameter shard, the size of the parameters, which they are during the step."""
-    params = sum(local_bytes(p) for p in t.model.parameters())
-    return {"params": params, "grads": params, "optim": optimizer_state_bytes(t.optimizer)}
-
-
 def run_gloo(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     """``fn(rank, world, *args)`` in ``world`` spawned processes joined in one gloo process group (127.0.0.1, a free
     port, 1 torch thread each; no Ray): each rank's return value (JSON-able), by rank. ``fn`` must be a module-level
@@ -220,16 +198,17 @@ def run_gloo(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
 def train_rank(rank: int, world: int, overrides: Sequence[str], steps: int) -> dict[str, Any]:
     """A rank of :func:`run_gloo`: jobs/tiny.yaml with ``overrides`` (not resolved: no data read), raytrn's build and
     :func:`timed_steps` on its own random rows (seeded by its rank; tokens below 4096): each step's seconds, and the
-    bytes it holds (:func:`held_state_bytes`)."""
+    bytes it holds (:func:`raytrn.train.memory_probe.held_state_bytes`)."""
     from raytrn.backends.cpu import CpuBackend
     from raytrn.config import load_job
     from raytrn.train.build import build_training
+    from raytrn.train.memory_probe import held_state_bytes
 
     job = load_job(TINY_JOB, list(overrides), resolve=False)
     t = build_training(job, CpuBackend(), world_size=world, rank=rank)
     rows, seq_len = job.data.micro_batch_size, job.data.seq_len
     times, _ = timed_steps(t, steps, vocab=4096, rows=rows, seq_len=seq_len, seed=rank)
-    return {"held": held_state_bytes(t), "step_s": times}
+    return {"held": held_state_bytes(t.model, t.optimizer), "step_s": times}
 
 
 def _gloo_rank(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:

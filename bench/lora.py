@@ -12,7 +12,8 @@ import os
 import tempfile
 from typing import Any
 
-from bench.common import emit, mean, optimizer_state_bytes, run_child, timed_steps
+from bench.common import emit, mean, run_child, timed_steps
+from raytrn.train.memory_probe import optimizer_state_bytes
 
 MODEL: dict[str, Any] = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
                              num_key_value_heads=4, vocab_size=4096, max_position_embeddings=512)  # fmt: skip

@@ -21,7 +21,8 @@ import argparse
 import os
 from typing import Any
 
-from bench.common import emit, mean, optimizer_state_bytes, run_child, run_gloo, timed_steps, train_rank
+from bench.common import emit, mean, run_child, run_gloo, timed_steps, train_rank
+from raytrn.train.memory_probe import optimizer_state_bytes
 
 SIZES = (
     "model.preset=null", "model.hidden_size=256", "model.num_layers=4", "model.num_attention_heads=4",

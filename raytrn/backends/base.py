@@ -111,6 +111,11 @@ class Backend:
         node's own monitors cover it (cuda: MLflow's GPU monitor) or there is no device memory."""
         return {}
 
+    def peak_memory_bytes(self) -> int | None:
+        """The device allocator's peak of allocated bytes in this process (what ``raytrn estimate``'s memory is
+        checked against); None where no allocator counts them (cpu)."""
+        return None
+
     def reduce_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """All-reduce gradients before clipping. DDP already did it during backward."""
 

@@ -34,3 +34,8 @@ class CudaBackend(Backend):
 
         torch.manual_seed(seed)
         torch.cuda.manual_seed_all(seed)
+
+    def peak_memory_bytes(self) -> int | None:
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(self.device())) if torch.cuda.is_available() else None

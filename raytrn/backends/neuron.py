@@ -138,6 +138,13 @@ class NeuronBackend(Backend):
         neuron: Any = torch.neuron  # type: ignore[attr-defined]
         return neuron_memory_metrics(neuron)
 
+    def peak_memory_bytes(self) -> int | None:
+        import torch
+
+        neuron: Any = torch.neuron  # type: ignore[attr-defined]
+        neuron.synchronize()  # the allocator is asynchronous
+        return int(neuron.max_memory_allocated())
+
 
 @functools.cache
 def _neuron_device() -> torch.device:

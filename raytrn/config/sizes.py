@@ -1,5 +1,5 @@
 """World sizes and batch arithmetic: the worker counts a job can run at, its model replicas at each, and
-the global batch they train with. Pure (no torch, no Ray): ``raytrn validate`` runs it on a laptop.
+the global batch they train with (and how many logits the loss takes at once). Pure (no torch, no Ray): ``raytrn validate`` runs it on a laptop.
 
 An elastic job (``scaling.min_workers != max_workers``) is restarted at another size on every resize. Its
 *global* batch (sequences per optimizer step) must not change when that happens, or the training trajectory
@@ -26,6 +26,17 @@ MAX_WORKERS = 100_000
 #: Above this a "use a multiple of N" suggestion is not a batch size anyone trains with.
 MAX_SUGGESTED_BATCH = 1 << 24
 _SHOWN = 8  # sizes listed in a message before "... and N more"
+#: Logits a micro-batch's loss takes in one piece (256 MiB of float32); above it, chunks of about this many
+#: (:mod:`raytrn.train.loss`; :mod:`raytrn.estimate.memory` counts it).
+LOSS_CHUNK_LOGITS = 1 << 26
+
+
+def loss_chunk_rows(tokens: int, vocab: int) -> int | None:
+    """Rows (tokens) a chunk of the loss takes, or None when a micro-batch's ``tokens x vocab`` logits are taken in
+    one piece (:data:`LOSS_CHUNK_LOGITS`)."""
+    if tokens * vocab <= LOSS_CHUNK_LOGITS:
+        return None
+    return max(1, LOSS_CHUNK_LOGITS // vocab)
 
 
 def elastic_world_sizes(min_workers: int, max_workers: int, step: int) -> list[int]:

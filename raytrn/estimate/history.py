@@ -1,5 +1,5 @@
-"""What the job's MLflow experiment already measured: the MFU and the restart time of finished runs of the same
-model on the same instance type, to estimate with in place of the shipped figures.
+"""What the job's MLflow experiment already measured: the MFU, the restart time and the blocking checkpoint save of
+finished runs of the same model on the same instance type, to estimate with in place of the shipped figures.
 
 Read-only and bounded: a local store that does not exist or a server that does not answer within seconds is no
 history (the estimate says where its figures came from), never an error.
@@ -29,11 +29,14 @@ MAX_RUNS = 50
 class History:
     mfu: Measured | None = None
     restart_s: Measured | None = None
+    #: A periodic checkpoint's blocking save (the loop's wait): the Young/Daly interval's save cost.
+    save_s: Measured | None = None
 
 
 def read_history(job: JobSpec, *, instance_type: str | None = None) -> History:
     """The experiment's finished runs with ``job``'s model (parameter count) on ``instance_type`` (the job's by
-    default): the mean of their last ``mfu``, the median of their ``restart_to_first_step_s``."""
+    default): the mean of their last ``mfu``, the medians of their ``restart_to_first_step_s`` and
+    ``checkpoint_blocking_s``."""
     uri = job.tracking.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
         return History()
@@ -54,13 +57,16 @@ def read_history(job: JobSpec, *, instance_type: str | None = None) -> History:
     where = f"MLflow experiment {job.tracking.experiment!r}"
     mfus = [r.data.metrics["mfu"] for r in same if "mfu" in r.data.metrics]
     mfu = Measured(statistics.fmean(mfus), f"{where}: mean of {len(mfus)} finished run(s)") if mfus else None
-    restarts = [
-        m.value for r in same for m in client.get_metric_history(r.info.run_id, "restart_to_first_step_s")
-    ]  # fmt: skip
-    restart = (
-        Measured(statistics.median(restarts), f"{where}: median of {len(restarts)} restart(s)") if restarts else None
+
+    def median(metric: str, what: str) -> Measured | None:
+        values = [m.value for r in same for m in client.get_metric_history(r.info.run_id, metric)]
+        return Measured(statistics.median(values), f"{where}: median of {len(values)} {what}") if values else None
+
+    return History(
+        mfu=mfu,
+        restart_s=median("restart_to_first_step_s", "restart(s)"),
+        save_s=median("checkpoint_blocking_s", "periodic checkpoint save(s)"),
     )
-    return History(mfu=mfu, restart_s=restart)
 
 
 def _finished_runs(job: JobSpec, uri: str) -> tuple[list[Any], Any]:

@@ -221,10 +221,14 @@ def estimate_job(
         tokens = job.run.max_steps * global_batch(job, data_parallel_size(job, world)) * job.data.seq_len
         out.hours = tokens / (out.tokens_per_s_per_node * nodes) / 3600
         out.step_s = out.hours * 3600 / job.run.max_steps
-        out.save_s = save_s or Measured(
-            memory.state / ASSUMED_STAGING_BYTES_PER_S,
-            f"assumed: the state a worker holds ({memory.state / GIB:,.1f} GiB) copied to host at "
-            f"{ASSUMED_STAGING_BYTES_PER_S / 1e9:.0f} GB/s (async save; pass --save-s with a measured one)",
+        out.save_s = (
+            save_s
+            or history.save_s
+            or Measured(
+                memory.state / ASSUMED_STAGING_BYTES_PER_S,
+                f"assumed: the state a worker holds ({memory.state / GIB:,.1f} GiB) copied to host at "
+                f"{ASSUMED_STAGING_BYTES_PER_S / 1e9:.0f} GB/s (async save; pass --save-s with a measured one)",
+            )
         )
         job_mtbf_s = failures.job_mtbf_hours(nodes) * 3600
         out.interval_s = young_daly_interval_s(max(out.save_s.value, 1e-3), job_mtbf_s)
@@ -364,4 +368,24 @@ def estimate_params(job: JobSpec) -> dict[str, Any]:
             "estimate.hours": round(est.hours or 0.0, 3),
             "estimate.checkpoint_interval_steps": est.interval_steps,
         })  # fmt: skip
+    return out
+
+
+def estimate_errors(
+    job: JobSpec, world_size: int, *, tokens_per_s: float | None, memory_bytes: int | None, memory_how: str = "probe"
+) -> dict[str, float]:
+    """How far the estimate of ``job`` at ``world_size`` workers was from a run's actuals, as signed fractions of
+    the estimate (``+0.1``: the run measured 10% more): ``estimate_error_tokens_per_s`` (the run's tokens/s, the
+    estimate's at the shipped MFU; none for a device without a peak FLOP/s: cpu) and ``estimate_error_memory`` (a
+    worker's measured memory, :mod:`raytrn.train.memory_probe`: a device allocator's peak against the estimate's
+    total less the runtime's share, ``memory_how="allocator"``; else the state held and the tensors saved for
+    backward against :attr:`MemoryEstimate.probed`)."""
+    est = estimate_job(job, world_size=world_size)
+    out: dict[str, float] = {}
+    if tokens_per_s and est.tokens_per_s_per_node:
+        out["estimate_error_tokens_per_s"] = tokens_per_s / (est.tokens_per_s_per_node * est.nodes) - 1
+    if memory_bytes:
+        m = est.memory
+        expected = m.total - m.runtime if memory_how == "allocator" else m.probed
+        out["estimate_error_memory"] = memory_bytes / expected - 1
     return out

@@ -15,7 +15,8 @@ Pure arithmetic (no torch): ``raytrn estimate`` answers in well under a second o
   scores, except on xla-cpu, which materialises them. NxD's ZeRO-1 (fp32 moments and master weights sharded over
   the data-parallel ranks) and sequence parallelism (the hidden-size activations split over TP) on neuron-xla.
 - **logits**: the head's output and the loss's float32 copies (log-softmax, gradient): the whole vocabulary on every
-  TP rank (raytrn's TP gathers the head's output), a TP shard of it on neuron-xla (NxD's parallel cross-entropy).
+  TP rank (raytrn's TP gathers the head's output), a TP shard of it on neuron-xla (NxD's parallel cross-entropy);
+  a large vocabulary's loss runs in chunks (:mod:`raytrn.train.loss`): the logits and their gradient only.
 - **runtime**: what the device's runtime and allocator take before the model (an assumption, named as such).
 
 The copies per layer are counted tensor by tensor from :mod:`raytrn.models.decoder`; ``tests/unit/test_estimate.py``
@@ -27,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from raytrn.config.sizes import loss_chunk_rows
 from raytrn.models import model_stats
 
 if TYPE_CHECKING:
@@ -50,25 +52,38 @@ class MemoryEstimate:
     """Bytes one worker's device needs at the step's peak, by kind."""
 
     parameters: int
+    #: One gradient per trainable parameter this worker holds.
     gradients: int
     optimizer: int
     gathered: int
     activations: int
+    #: What the head's output and the loss keep for backward (the compute-dtype logits, the fp32 log-softmax).
     logits: int
     runtime: int
+    #: DDP's buckets: a second copy of the gradients.
+    gradient_buckets: int = 0
+    #: The logits' backward transient (the log-softmax's gradient and the logits', fp32).
+    logits_backward: int = 0
     #: What each term assumed (layout, dtypes), for the report.
     notes: list[str] = field(default_factory=list)
 
     @property
     def state(self) -> int:
-        return self.parameters + self.gradients + self.optimizer
+        return self.parameters + self.gradients + self.gradient_buckets + self.optimizer
 
     @property
     def total(self) -> int:
-        return self.state + self.gathered + self.activations + self.logits + self.runtime
+        return self.state + self.gathered + self.activations + self.logits + self.logits_backward + self.runtime
+
+    @property
+    def probed(self) -> int:
+        """What :mod:`raytrn.train.memory_probe` measures on a worker without a device allocator (cpu): the state
+        held (one gradient per trainable parameter) and the tensors saved for backward (activations, logits)."""
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.logits
 
     def as_dict(self) -> dict[str, int]:
-        keys = ("parameters", "gradients", "optimizer", "gathered", "activations", "logits", "runtime", "total")
+        keys = ("parameters", "gradients", "gradient_buckets", "optimizer", "gathered", "activations", "logits",
+                "logits_backward", "runtime", "total")  # fmt: skip
         return {k: int(getattr(self, k)) for k in keys}
 
     def describe(self) -> str:
@@ -139,7 +154,7 @@ def estimate_memory(job: JobSpec, world_size: int) -> MemoryEstimate:
         notes.append(f"LoRA rank {m.lora.rank}: {lora_params(m):,} trainable parameters")
     xla = acc in ("neuron-xla", "xla-cpu")
     ddp_buckets = not fsdp and not xla and world_size > 1  # DDP's buckets copy the gradients; NxD reduces in place
-    gradients = trainable * width * (2 if ddp_buckets else 1)
+    gradients = trainable * width
     optimizer = 2 * trainable * width
     if p.zero1 and xla:  # NxD ZeRO-1: fp32 moments and fp32 master weights sharded over the data-parallel ranks
         optimizer = 3 * 4 * trainable // dp
@@ -152,15 +167,29 @@ def estimate_memory(job: JobSpec, world_size: int) -> MemoryEstimate:
     return MemoryEstimate(
         parameters=held * width + (lora_params(m) // (shard_dp if fsdp else 1) * width if m.lora else 0),
         gradients=gradients,
+        gradient_buckets=gradients if ddp_buckets else 0,
         optimizer=optimizer,
         gathered=gathered,
         activations=activation_bytes(job, tokens, compute),
-        # the head's output, the loss's fp32 log-softmax and its gradient: the whole vocabulary on every rank under
-        # torch.distributed TP (the head's output is gathered), a TP shard of it under NxD (parallel cross-entropy)
-        logits=tokens * m.vocab_size * (compute + LOGIT_SAVED_FP32 + LOGIT_BACKWARD_FP32) // (tp if xla else 1),
+        **_logits(tokens, m.vocab_size, compute, nxd_tp=tp if acc == "neuron-xla" else None),
         runtime=RUNTIME_BYTES.get(acc, GIB),
         notes=notes,
     )
+
+
+def _logits(tokens: int, vocab: int, compute: int, *, nxd_tp: int | None) -> dict[str, int]:
+    """The head's output and what the loss keeps of it, and its backward transient: under NxD a TP shard of the
+    vocabulary (its parallel cross entropy); elsewhere the whole vocabulary on every rank (raytrn's TP gathers the
+    head's output), the loss in one piece (its fp32 log-softmax kept, two fp32 gradients in backward) or, above
+    :data:`raytrn.config.sizes.LOSS_CHUNK_LOGITS`, in chunks (:mod:`raytrn.train.loss`: the gradient kept in the
+    compute dtype, a chunk's fp32 copy and its exponentials at a time)."""
+    if nxd_tp is not None:
+        n = tokens * vocab // nxd_tp
+        return {"logits": n * (compute + LOGIT_SAVED_FP32), "logits_backward": n * LOGIT_BACKWARD_FP32}
+    n, rows = tokens * vocab, loss_chunk_rows(tokens, vocab)
+    if rows is None:
+        return {"logits": n * (compute + LOGIT_SAVED_FP32), "logits_backward": n * LOGIT_BACKWARD_FP32}
+    return {"logits": 2 * n * compute, "logits_backward": rows * vocab * LOGIT_BACKWARD_FP32}
 
 
 def activation_bytes(job: JobSpec, tokens: int, width: int) -> int:

@@ -28,6 +28,9 @@ DEFAULT_METRICS = ("loss", "tokens_per_s", "usd_per_1m_tokens", "mfu")
 #: Shown first by default when a run of the experiment has them (the held-out loss says more than the training loss).
 VALIDATION_METRICS = ("val_loss",)
 HIGHER_IS_BETTER = frozenset({"tokens_per_s", "mfu", "tokens_per_usd", "tokens_seen"})
+#: ``--estimates``: how far ``raytrn estimate`` was from each run (signed fractions: best is closest to 0).
+ESTIMATE_METRICS = ("estimate_error_tokens_per_s", "estimate_error_memory")
+CLOSEST_TO_ZERO = frozenset(ESTIMATE_METRICS)
 # (param key, column header): what tells runs of a sweep apart.
 KEY_PARAMS = (
     ("model.preset", "preset"),
@@ -74,6 +77,8 @@ class Comparison:
         values = [r.metrics[metric] for r in self.rows if metric in r.metrics and not math.isnan(r.metrics[metric])]
         if not values:
             return None
+        if metric in CLOSEST_TO_ZERO:
+            return min(values, key=abs)
         return max(values) if metric in HIGHER_IS_BETTER else min(values)
 
     def render(self) -> str:
@@ -101,9 +106,13 @@ class Comparison:
             out = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
             return "  ".join(out).rstrip()
 
-        legend = ", ".join(f"{m} {'higher' if m in HIGHER_IS_BETTER else 'lower'}" for m in self.metrics)
+        legend = ", ".join(f"{m} {_better(m)}" for m in self.metrics)
         title = f"experiment {self.experiment} ({len(self.rows)} run{'s' if len(self.rows) != 1 else ''})"
         return "\n".join([title, fmt(header), *(fmt(row) for row in lines), f"* best ({legend} is better)"])
+
+
+def _better(metric: str) -> str:
+    return "closer to 0" if metric in CLOSEST_TO_ZERO else "higher" if metric in HIGHER_IS_BETTER else "lower"
 
 
 def _fmt_value(v: float) -> str:
@@ -159,10 +168,11 @@ def compare_runs(
     filter_string: str = "",
     metrics: Sequence[str] | None = None,
     max_runs: int = 20,
+    estimates: bool = False,
 ) -> Comparison:
     """Collect the newest ``max_runs`` runs of ``experiment`` matching ``filter_string`` (MLflow syntax,
     e.g. ``params.`optim.lr` = '0.001'``) with the final value of each of ``metrics`` (default: ``val_loss`` when a
-    run has it, then :data:`DEFAULT_METRICS`)."""
+    run has it, then :data:`DEFAULT_METRICS`), and ``estimates``: :data:`ESTIMATE_METRICS` after them."""
     from mlflow.exceptions import MlflowException
 
     if max_runs < 1:
@@ -196,6 +206,8 @@ def compare_runs(
     if chosen is None:
         shown = [m for m in VALIDATION_METRICS if any(m in run.data.metrics for run in runs)]
         chosen = [*shown, *DEFAULT_METRICS]
+    if estimates:  # the estimate's errors after whatever else is compared
+        chosen = [*chosen, *(m for m in ESTIMATE_METRICS if m not in chosen)]
     metrics = chosen
     now_ms = time.time() * 1000
     rows = []
@@ -546,6 +558,12 @@ def register(subparsers: Any) -> None:
         metavar="M1,M2",
         help=f"comma-separated metrics to compare (default: val_loss when a run has it, then {','.join(DEFAULT_METRICS)})",
     )
+    p.add_argument(
+        "--estimates",
+        action="store_true",
+        help=f"also {' and '.join(ESTIMATE_METRICS)}: how far raytrn estimate was from each run (signed fractions "
+        "of the estimate; best: closest to 0)",
+    )
     p.add_argument("--plot", metavar="OUT.png", help="also write loss and tokens_per_s vs step to this PNG")
     p.add_argument(
         "--tracking-uri",
@@ -566,7 +584,11 @@ def register(subparsers: Any) -> None:
 
 def _cmd_runs_compare(args: argparse.Namespace) -> int:
     if args.sweep or args.parent:
-        for flag, value in (("--filter", args.filter_string), ("--metrics", args.metrics)):
+        for flag, value in (
+            ("--filter", args.filter_string),
+            ("--metrics", args.metrics),
+            ("--estimates", args.estimates),
+        ):
             if value:
                 raise RaytrnError(f"{flag} does not apply to --sweep/--parent (a sweep is ranked by its own metric)")
         sweep = compare_sweep(
@@ -582,6 +604,7 @@ def _cmd_runs_compare(args: argparse.Namespace) -> int:
         filter_string=args.filter_string,
         metrics=args.metrics.split(",") if args.metrics is not None else None,
         max_runs=args.max_runs,
+        estimates=args.estimates,
     )
     print(comparison.render())
     if args.plot and comparison.rows:

@@ -23,10 +23,11 @@ from raytrn.config import JobSpec
 from raytrn.config.sizes import data_parallel_size
 from raytrn.models import build_model
 from raytrn.models.lora import apply_lora
+from raytrn.train.loss import cross_entropy
 from raytrn.train.optim import build_adamw, lr_scheduler
 from raytrn.train.parallelize import Parallelized, grad_norm_and_clip, parallelize
 from raytrn.train.schedule import Schedule
-from raytrn.train.step import Training, cross_entropy
+from raytrn.train.step import Training
 
 log = logging.getLogger(__name__)
 

@@ -201,6 +201,7 @@ class Checkpointer:
             self.memory.save(t, progress)  # type: ignore[union-attr]
         if not durable:
             return
+        started = time.perf_counter()
         report = {**metrics, **(scores or {}), "step": progress.step, "tokens_seen": progress.tokens_seen}
         # keep_best: the run's checkpoint tags mark what retention deleted (Ray Train keeps every pointer then)
         deleted = getattr(t.checkpoints, "deleted", None) if self.job.checkpoint.keep_best else None
@@ -209,6 +210,9 @@ class Checkpointer:
             self._report(saved, deleted)  # every worker (Ray Train counts the reports)
         if memory and synchronous:  # the same step's snapshot, written beside the save: complete too, now (a restart
             self.memory.written()  # type: ignore[union-attr]  # from here reads the state from memory, not storage)
+        if self.logger is not None and not (last or preempted):  # what a periodic save costs the loop: the save
+            blocked = {"checkpoint_blocking_s": time.perf_counter() - started}  # time `raytrn estimate` reads back
+            self.logger.log_metrics(blocked, progress.step, training=False)
         if preempted:
             self._stop(notice, progress.step)
 

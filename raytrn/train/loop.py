@@ -88,7 +88,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 feed.advance(progress)
                 hangs.step_done(progress.step)
                 continue
-            result = train_step(t, device_batches, backend)
+            with metrics.measuring(progress.step + 1):  # a worker's memory, once a group (raytrn.train.memory_probe)
+                result = train_step(t, device_batches, backend)
             progress.step += 1
             feed.advance(progress)
             last = progress.step == job.run.max_steps
@@ -112,6 +113,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         TRAINING.clear()
         hangs.close()
 
+    if stopped is None and progress.step == job.run.max_steps:
+        metrics.finish()  # the estimate's errors against this group's actuals
     metrics.close()
     if stopped is not None:
         stop_run(plan.board, stopped)  # the driver ends the run FAILED with it; nothing is exported

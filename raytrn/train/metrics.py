@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import ray
@@ -21,12 +22,14 @@ import torch
 from raytrn.backends import Backend, host_malloc
 from raytrn.checkpoint.progress import Progress
 from raytrn.config import JobSpec
+from raytrn.estimate.job import estimate_errors
 from raytrn.models import model_stats
 from raytrn.runtime import process_started_at
 from raytrn.tracking.actor import RemoteLogger, resolve
 from raytrn.tracking.cost import CostTracker, mfu, peak_flops_per_worker, usd_per_hour
 from raytrn.tracking.system import SystemSampler
 from raytrn.train.guard import NonFiniteGuard
+from raytrn.train.memory_probe import MemoryProbe
 from raytrn.train.plan import WorkerPlan
 from raytrn.train.step import StepResult, Training, read_metrics
 from raytrn.train.stragglers import Stragglers
@@ -97,7 +100,12 @@ class MetricsReporter:
             )
         # Each rank's own time per step (data wait + forward), gathered at log steps: who is slow
         self.stragglers = Stragglers(world_size, rank)
+        #: A worker's memory, measured once per group (a collective at its second step): set against the estimate
+        self.probe = MemoryProbe(job, backend, start_step=progress.step, enabled=backend.committed_checkpoints)
         self._first_step = True
+        #: Tokens and seconds of the group's log windows after its first (compiles, warm-up), and of the first
+        self._steady_tokens, self._steady_s = 0, 0.0
+        self._first_window: tuple[int, float] | None = None
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -107,9 +115,16 @@ class MetricsReporter:
     def should_log(self, step: int, *, last: bool) -> bool:
         return last or step % self.job.run.log_every == 0
 
+    def measuring(self, step: int) -> AbstractContextManager[None]:
+        """Around the train step ``step`` (every rank): the memory probe's, at its step."""
+        return self.probe.stepping(step)
+
     def step_done(self, result: StepResult, *, last: bool) -> dict[str, Any]:
         """Count the step just trained (``progress.step`` already moved); on a log step, its metrics (else {})."""
         progress = self.progress
+        measured = self.probe.measure(progress.step, self.t.model, self.t.optimizer)  # a collective, at its step
+        if measured is not None and self.logger is not None:
+            self.logger.log_metrics({"memory_measured_bytes": float(measured.bytes)}, progress.step, training=False)
         if self._first_step:  # start-up cost: launch (or restart) to the first step done, once per worker group
             self._first_step = False
             if self.board is not None:  # the board names it: time_to_first_step_s, or restart_to_first_step_s
@@ -130,6 +145,11 @@ class MetricsReporter:
             return {}
         # Loss all-reduced over workers, then read: a host-device sync, after the step's graph.
         elapsed = time.perf_counter() - self._window_start
+        if self._first_window is None:
+            self._first_window = (self._tokens, elapsed)
+        else:
+            self._steady_tokens += self._tokens
+            self._steady_s += elapsed
         metrics: dict[str, Any] = {
             **read_metrics(result, self.world_size),
             "lr": self.t.scheduler.get_last_lr()[0],
@@ -163,6 +183,20 @@ class MetricsReporter:
         """A sweep's trial: Ray Tune judges it on the log and eval steps' metrics (every rank reports)."""
         if self.report_to_tune and (metrics or scores):
             ray.train.report({**metrics, **scores, "step": self.progress.step}, checkpoint=None)
+
+    def finish(self) -> None:
+        """The run's last step (rank 0 logs): how far ``raytrn estimate``'s tokens/s and memory a worker were from
+        this group's (its log windows after the first; the probe's measurement), as metrics."""
+        if self.logger is None:
+            return
+        tokens, seconds = (self._steady_tokens, self._steady_s) if self._steady_s else (self._first_window or (0, 0.0))
+        measured = self.probe.result
+        errors = estimate_errors(
+            self.job, self.world_size, tokens_per_s=tokens / seconds if seconds else None,
+            memory_bytes=measured.bytes if measured else None, memory_how=measured.how if measured else "probe",
+        )  # fmt: skip
+        if errors:
+            self.logger.log_metrics(errors, self.progress.step, training=False)
 
     def cost_usd(self) -> float | None:
         """The run's cost up to now (rank 0; None elsewhere): what a checkpoint stores."""

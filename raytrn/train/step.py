@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from raytrn.data.batch import TokenBatch
+from raytrn.train.loss import cross_entropy, masked_loss_sum
 
 if TYPE_CHECKING:
     from raytrn.backends.base import Backend
@@ -96,17 +96,6 @@ def with_aux_loss(t: Training, loss: torch.Tensor, out: Any, scale: float | torc
     if not t.aux_loss_coef or getattr(out, "aux_loss", None) is None:
         return loss
     return loss + (t.aux_loss_coef * scale) * out.aux_loss
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy (fp32 logits)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-
-def masked_loss_sum(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sum of the next-token cross entropy (fp32 logits) over the targets ``mask`` selects."""
-    losses = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none")
-    return (losses * mask.reshape(-1).to(losses.dtype)).sum()
 
 
 def forward(

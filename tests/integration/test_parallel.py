@@ -648,3 +648,83 @@ def test_validation_loss_is_the_same_at_any_world_size(tmp_path) -> None:
     assert 0 < ref["val_loss"] < 10 and ref["val_perplexity"] == pytest.approx(math.exp(ref["val_loss"]))
     for n in (2, 3):
         assert sizes[n]["val"]["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-6), n
+
+
+# -- raytrn estimate's memory against what workers hold (issue 31's check) -------------------------------------
+
+#: Two model sizes (the unit test's one-process check uses the same), 4 rows of 128 tokens a worker.
+ESTIMATE_SIZES = {
+    "small": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 4096},
+    "larger": {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 6, "num_attention_heads": 8,
+               "num_key_value_heads": 4, "vocab_size": 8192},
+}  # fmt: skip
+ESTIMATE_LAYOUTS = {
+    "ddp": ("parallel.data_parallel=ddp",),
+    "fsdp2": ("parallel.data_parallel=fsdp",),
+    "tp2": ("parallel.data_parallel=fsdp", "parallel.tensor_parallel_size=2"),
+    "lora-ddp": ("parallel.data_parallel=ddp", "model.lora={rank: 8}"),
+}
+
+
+def _probe_rank(rank: int, world: int, port: int, plan: dict[str, Any], out: str) -> None:
+    """Every (size, layout) of ``plan`` in turn on the same gloo group: two steps of raytrn's build and step, the
+    memory probe of the run (:mod:`raytrn.train.memory_probe`) at the second, beside the estimate's figure."""
+    import torch.distributed as dist
+
+    from raytrn.estimate.memory import estimate_memory
+    from raytrn.train.build import build_training
+    from raytrn.train.memory_probe import MemoryProbe
+    from raytrn.train.step import train_step
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    record = {}
+    for name, overrides in plan["runs"].items():
+        job = load_job(REPO / "jobs" / "tiny.yaml", overrides, resolve=False)
+        t = build_training(job, CpuBackend(), world_size=world, rank=rank)
+        probe = MemoryProbe(job, CpuBackend(), start_step=0)
+        gen = torch.Generator().manual_seed(rank)
+        for step in (1, 2):
+            rows = torch.randint(0, job.model.vocab_size, (job.data.micro_batch_size, job.data.seq_len + 1),
+                                 generator=gen)  # fmt: skip
+            with probe.stepping(step):
+                train_step(t, iter([rows]), CpuBackend())
+            probe.measure(step, t.model, t.optimizer)
+        assert probe.result is not None
+        record[name] = {"measured": probe.result.bytes, "estimated": estimate_memory(job, world).probed}
+        del t
+    if rank == 0:
+        Path(out, "probe.json").write_text(json.dumps(record))
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def test_the_memory_estimate_is_within_15_percent_of_what_2_workers_hold(tmp_path) -> None:
+    """``raytrn estimate``'s memory a worker (the state and the tensors saved for backward) within 15% of what the
+    run's memory probe measures on 2 gloo workers, for DDP, FSDP 2, TP 2 and LoRA (DDP) at two model sizes."""
+    import torch.multiprocessing as mp
+    from transformers import LlamaConfig
+
+    runs = {}
+    for size, dims in ESTIMATE_SIZES.items():
+        hf = tmp_path / size
+        LlamaConfig(**dims, max_position_embeddings=512, tie_word_embeddings=False).save_pretrained(hf)
+        for layout, overrides in ESTIMATE_LAYOUTS.items():
+            runs[f"{size}-{layout}"] = [
+                "data.manifest=unused", "data.seq_len=128", "data.micro_batch_size=4", "data.grad_accum=1",
+                "scaling.min_workers=2", "scaling.max_workers=2", f"checkpoint.storage={tmp_path / 'ckpt'}",
+                "model.preset=null", *(f"model.{k}=null" for k in ("hidden_size", "intermediate_size", "num_layers",
+                "num_attention_heads", "num_key_value_heads", "vocab_size")), f"model.init_from={hf}",
+                "model.tie_word_embeddings=false", *overrides,
+            ]  # fmt: skip
+    mp.start_processes(_probe_rank, args=(2, _free_port(), {"runs": runs}, str(tmp_path)), nprocs=2,
+                       start_method="spawn")  # fmt: skip
+    record = json.loads((tmp_path / "probe.json").read_text())
+    print({name: round(r["measured"] / r["estimated"] - 1, 4) for name, r in record.items()})  # the errors, -s
+    assert set(record) == set(runs)
+    for name, r in record.items():
+        assert r["measured"] == pytest.approx(r["estimated"], rel=0.15), name

@@ -101,6 +101,16 @@ def test_mlflow_run_has_params_and_metrics(two_worker_run):
     # raytrn estimate's figures for the job, to set the actuals against (a cpu worker: memory, no speed)
     assert int(run.data.params["estimate.memory_bytes"]) > 0 and run.data.params["estimate.fits"] == "True"
     assert run.data.params["estimate.world_size"] == "2" and "estimate.tokens_per_s" not in run.data.params
+    # ... and the actuals against them: a worker's memory measured at the group's second step, the estimate's error
+    # at the end (within the 15% of issue 31's checks), no speed error (no peak FLOP/s for a cpu worker); what each
+    # periodic checkpoint save blocked the loop (a later estimate's save cost)
+    measured = _metric_history(job, summary.mlflow_run_id, "memory_measured_bytes")
+    assert len(measured) == 1 and measured[0][0] == 2 and measured[0][1] > 0
+    (error,) = _metric_history(job, summary.mlflow_run_id, "estimate_error_memory")
+    assert error[0] == 30 and abs(error[1]) < 0.15, error
+    assert "estimate_error_tokens_per_s" not in run.data.metrics
+    blocking = _metric_history(job, summary.mlflow_run_id, "checkpoint_blocking_s")
+    assert [s for s, _ in blocking] == [10, 20] and all(0 < v < 60 for _, v in blocking)
     assert run.data.tags["checkpoint.latest"].endswith("checkpoint_00000030")
     assert run.data.tags["world_size_history"] == "0:2"
     # run.tune_malloc (on for cpu): the workers started with the allocator settings (read in the worker).

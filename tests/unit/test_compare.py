@@ -22,15 +22,30 @@ T0 = 1_700_000_000_000  # ms
 RUNS = {
     "lr-1e-3": (
         {"model.preset": "tiny", "scaling.accelerator": "cpu", "scaling.max_workers": "2", "optim.lr": "0.001"},
-        {"loss": [5.0, 4.0, 3.0], "tokens_per_s": [900.0, 1000.0, 1100.0], "mfu": [0.1, 0.2, 0.3]},
+        {
+            "loss": [5.0, 4.0, 3.0],
+            "tokens_per_s": [900.0, 1000.0, 1100.0],
+            "mfu": [0.1, 0.2, 0.3],
+            "estimate_error_memory": [-0.08],
+        },
     ),
     "lr-3e-4": (
         {"model.preset": "tiny", "scaling.accelerator": "cpu", "scaling.max_workers": "2", "optim.lr": "0.0003"},
-        {"loss": [5.0, 4.5, 2.5], "tokens_per_s": [800.0, 900.0, 950.0], "mfu": [0.1, 0.15, 0.2]},
+        {
+            "loss": [5.0, 4.5, 2.5],
+            "tokens_per_s": [800.0, 900.0, 950.0],
+            "mfu": [0.1, 0.15, 0.2],
+            "estimate_error_memory": [0.03],
+        },
     ),
     "big": (
         {"model.preset": "small", "scaling.accelerator": "neuron", "scaling.max_workers": "4", "optim.lr": "0.001"},
-        {"loss": [6.0, 3.5], "tokens_per_s": [20000.0, 25000.0]},  # no mfu logged
+        {
+            "loss": [6.0, 3.5],
+            "tokens_per_s": [20000.0, 25000.0],  # no mfu logged
+            "estimate_error_tokens_per_s": [-0.2],
+            "estimate_error_memory": [-0.05],
+        },
     ),
 }
 
@@ -102,6 +117,22 @@ def test_unknown_metrics_are_lower_is_better_and_missing_shows_dash(store: str) 
     assert "loss" not in table.splitlines()[1]
     c2 = _compare(store, metrics=["loss", "custom"])
     assert c2.best("loss") == 2.5
+
+
+def test_estimates_show_how_far_raytrn_estimate_was_best_closest_to_zero(store: str, capsys) -> None:
+    c = _compare(store, metrics=["loss"], estimates=True)
+    assert c.metrics == ["loss", "estimate_error_tokens_per_s", "estimate_error_memory"]
+    assert c.best("estimate_error_memory") == 0.03 and c.best("estimate_error_tokens_per_s") == -0.2
+    table = c.render()
+    assert _line(table, "lr-3e-4").split()[-2:] == ["-", "0.03*"] and _line(table, "big").split()[-2:] == [
+        "-0.2*",
+        "-0.05",
+    ]
+    assert "estimate_error_memory closer to 0" in table
+    args = _parser().parse_args(["runs", "compare", "--experiment", "sweep", "--tracking-uri", store, "--estimates"])
+    assert args.func(args) == 0
+    header = capsys.readouterr().out.splitlines()[1].split()
+    assert header[-3:] == ["mfu", "estimate_error_tokens_per_s", "estimate_error_memory"]
 
 
 def test_filter_on_dotted_param(store: str) -> None:

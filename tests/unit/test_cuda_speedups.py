@@ -20,7 +20,8 @@ from raytrn.errors import ConfigError
 from raytrn.models import build_model
 from raytrn.train.build import build_training, native_layout
 from raytrn.train.checks import check_job
-from raytrn.train.step import cross_entropy, train_step
+from raytrn.train.loss import cross_entropy
+from raytrn.train.step import train_step
 
 pytestmark = pytest.mark.unit
 
