@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from raytrn.config.model import LoraConfig as LoraConfig  # the model section: its own module
 from raytrn.config.model import ModelConfig as ModelConfig
@@ -313,8 +313,19 @@ class TrackingConfig(Section):
         description="with model.lora: log the model with the adapters merged into its weights (a plain Llama), or "
         "only the adapters (a peft adapter directory, loaded on top of init_from)",
     )
-    register_model: str | None = Field(
-        None, min_length=1, description="register the final model under this name in the MLflow model registry"
+    register_: Literal["best", "last", "none"] | None = Field(
+        None,
+        alias="register",
+        description="what goes into the MLflow model registry under registered_model, with the alias 'candidate': "
+        "'best' the checkpoint with the lowest val_loss (its model exported off the training loop; the alias moves "
+        "when a later checkpoint is better), 'last' the final model, 'none' nothing. null: 'last' when "
+        "registered_model is set, else 'none'",
+    )
+    registered_model: str | None = Field(
+        None,
+        min_length=1,
+        validation_alias=AliasChoices("registered_model", "register_model"),
+        description="the registered model's name (register_model: its former spelling, still read)",
     )
     system_metrics: bool = Field(True, description="log CPU/memory/disk/network (and NeuronCore) metrics per node")
     system_metrics_interval_s: float = Field(10.0, gt=0, le=86400, description="seconds between system metric samples")
@@ -335,10 +346,17 @@ class TrackingConfig(Section):
             )
         return value
 
+    @property
+    def registers(self) -> str:
+        """``register`` with its default resolved: best, last or none."""
+        return self.register_ or ("last" if self.registered_model else "none")
+
     @model_validator(mode="after")
     def _check_register(self) -> TrackingConfig:
-        if self.register_model and not self.log_model:
-            raise ValueError("register_model needs log_model: true (the registry points at the logged model)")
+        if self.registers != "none" and not self.registered_model:
+            raise ValueError(f"register: {self.registers} needs registered_model: the name to register under")
+        if self.registers == "last" and not self.log_model:
+            raise ValueError("register: last needs log_model: true (the registry points at the logged model)")
         return self
 
 

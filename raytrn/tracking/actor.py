@@ -25,7 +25,8 @@ from raytrn.runtime import NOT_FORWARDED, forwarded_env, mark_raytrn_logs, on_th
 from raytrn.tracking.board import ProgressBoard
 from raytrn.tracking.client import mlflow_client, unreachable
 from raytrn.tracking.logger import AsyncLogger, logged_step_of
-from raytrn.tracking.mlflow_run import TrackedRun, attach, end_run, register_model
+from raytrn.tracking.mlflow_run import TrackedRun, attach, end_run
+from raytrn.tracking.models import CheckpointModels, DatasetRef
 from raytrn.tracking.neuron_monitor import PREFIX as SYSTEM_PREFIX
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class TrackingActor(ProgressBoard):
         params: dict[str, Any] | None = None,
         *,
         manifest: Any = None,
+        validation: Any = None,
         background: bool = False,
     ) -> None:
         super().__init__()
@@ -62,7 +64,7 @@ class TrackingActor(ProgressBoard):
         self.job = job
 
         def create() -> str | None:
-            run = attach(job, tags or {}, params or {}, manifest=manifest)
+            run = attach(job, tags or {}, params or {}, manifest=manifest, validation=validation)
             self.experiment_id = run.experiment_id
             return run.run_id
 
@@ -78,6 +80,13 @@ class TrackingActor(ProgressBoard):
                 log.warning("MLflow run not created yet (%s): metrics are buffered meanwhile", e)
         pending = run_id is None and job is not None and self.error is None
         self.logger = AsyncLogger(uri, run_id, resolve_run=create_when_reachable if pending else None)
+        datasets = {k: DatasetRef.of(m) for k, m in (("train", manifest), ("validation", validation)) if m is not None}
+        #: The run's committed checkpoints as LoggedModels, and what is registered (raytrn.tracking.models)
+        self.models = (
+            CheckpointModels(self.logger, job, lambda: (self.logger.run_id, self.experiment_id), datasets=datasets)
+            if job is not None
+            else None
+        )
         # What an earlier invocation of this job delivered (one read of the run), then what is queued here:
         # the highest training step (the run's tag), each non-training metric's last step, the last value of
         # the running totals, the world-size history and the checkpoints that still exist.
@@ -89,6 +98,7 @@ class TrackingActor(ProgressBoard):
         if run_id:
             try:
                 run = self.logger.client.get_run(run_id)
+                self.experiment_id = run.info.experiment_id
                 self.max_step = logged_step_of(run)
                 self.world_sizes = WorldSizeHistory.parse(run.data.tags.get(WORLD_SIZE_TAG, ""))
                 self.last_steps = {m.key: m.step for m in metric_objects(run) if m.key.startswith(SYSTEM_PREFIX)}
@@ -159,11 +169,19 @@ class TrackingActor(ProgressBoard):
             self.log_metrics({"restart_to_first_step_s": since_group_start_s}, step, training=False)
 
     def checkpoint_saved(
-        self, step: int, location: str, keep_last: int | None, deleted: set[int] | None = None
+        self,
+        step: int,
+        location: str,
+        keep_last: int | None,
+        deleted: set[int] | None = None,
+        metrics: dict[str, float] | None = None,
     ) -> None:
         """Tag the new checkpoint (``checkpoint.latest``, ``checkpoint.step_<N>``) and mark the tags of those that
         ``checkpoint.keep_last`` made Ray Train delete (it keeps the newest ``keep_last`` reported), or, with
-        ``checkpoint.keep_best``, the ``deleted`` steps raytrn's retention reports."""
+        ``checkpoint.keep_best``, the ``deleted`` steps raytrn's retention reports; each committed checkpoint is a
+        LoggedModel with ``metrics`` of its step linked to it, the deleted ones' marked so."""
+        if self.models is not None:
+            self.models.committed(step, location, metrics)
         self.checkpoints[step] = location
         tags = {"checkpoint.latest": location, "checkpoint.latest_step": str(step), checkpoint_tag(step): location}
         gone = sorted(self.checkpoints)[:-keep_last] if keep_last is not None else []
@@ -171,6 +189,8 @@ class TrackingActor(ProgressBoard):
         reason = f"checkpoint.keep_last={keep_last}" if keep_last is not None else "checkpoint.keep_last (keep_best)"
         for old in gone:
             tags[checkpoint_tag(old)] = f"{DELETED} by {reason}: {self.checkpoints.pop(old)}"
+            if self.models is not None:
+                self.models.deleted(old, f"{DELETED} by {reason}")
         self.logger.set_tags(tags)
 
     def run_id(self) -> str | None:
@@ -181,6 +201,8 @@ class TrackingActor(ProgressBoard):
 
     def close(self, timeout_s: float) -> int:
         """Flush (bounded) and stop; returns how many metrics could not be delivered."""
+        if self.models is not None:  # first: its links are metrics the logger then delivers
+            self.models.close(timeout_s)
         return self.logger.close(timeout_s)
 
     def finish(self, status: str, timeout_s: float) -> dict[str, str | None]:
@@ -190,6 +212,8 @@ class TrackingActor(ProgressBoard):
         Here rather than in the driver: this process has the store open already (under ``ray job submit``
         the driver's working directory can be gone by the end, and a new local MLflow store needs it)."""
         self.ready()  # MLflow refused the run: raise that
+        if status == "FINISHED":
+            self.final_model()
         self.close(timeout_s)
         ids = self.ready()  # (a pending run may have been created while flushing)
         # the URI itself, not the logger's redacted one (a client of it would send "***" as the password)
@@ -199,10 +223,20 @@ class TrackingActor(ProgressBoard):
         ids["run_id"] = end_run(run, status, job=self.job)
         return ids
 
-    def register_model(self, name: str) -> str | None:
-        """Register the run's logged ``model`` as ``name``; the new version (None when it was not)."""
-        run_id = self.logger.run_id
-        return register_model(self.logger.target, run_id, name) if run_id else None
+    def final_model(self) -> None:
+        """A finished run: its last checkpoint's LoggedModel is the run's output model (its export the run's
+        ``model`` artifact, with ``tracking.log_model``), registered with ``tracking.register: last``."""
+        if self.models is None or not self.checkpoints or self.logger.run_id is None:
+            return
+        step, tracking = max(self.checkpoints), self.job.tracking
+        export = f"runs:/{self.logger.run_id}/model" if tracking.log_model else None
+        self.models.output(step, export)
+        if tracking.registers == "last":
+            self.models.register(step, tracking.registered_model, source=export)
+
+    def registered(self) -> dict[str, str]:
+        """What this run registered: ``{model id: version}``."""
+        return dict(self.models.registered) if self.models is not None else {}
 
 
 def resolve(future: Any, default: float, timeout_s: float = 60) -> float:
@@ -286,9 +320,15 @@ class RemoteLogger:
         self.actor.set_tags.remote(tags)
 
     def checkpoint_saved(
-        self, step: int, location: str, keep_last: int | None, *, deleted: set[int] | None = None
+        self,
+        step: int,
+        location: str,
+        keep_last: int | None,
+        *,
+        deleted: set[int] | None = None,
+        metrics: dict[str, float] | None = None,
     ) -> None:
-        self.actor.checkpoint_saved.remote(step, location, keep_last, deleted)
+        self.actor.checkpoint_saved.remote(step, location, keep_last, deleted, metrics)
 
     def last_value(self, key: str) -> Any:
         """A future (Ray ObjectRef) of the run's last value of a running total: asked now, read when needed, so
@@ -319,7 +359,9 @@ class RemoteLogger:
         return bool(ray.get(self.actor.flush.remote(timeout_s), timeout=timeout_s + 60))
 
 
-def start_tracking_actor(tracked: Any, job: Any, *, manifest: Any = None, env: dict[str, str] | None = None) -> Any:
+def start_tracking_actor(
+    tracked: Any, job: Any, *, manifest: Any = None, validation: Any = None, env: dict[str, str] | None = None
+) -> Any:
     """The job's TrackingActor, on the driver's node (0 CPUs, lower CPU priority): it creates or reattaches
     ``tracked``'s run (from :func:`~raytrn.tracking.mlflow_run.plan_run`) unless it has an id already.
 
@@ -332,7 +374,16 @@ def start_tracking_actor(tracked: Any, job: Any, *, manifest: Any = None, env: d
     return (
         ray.remote(num_cpus=0)(TrackingActor)  # one call at a time: metrics stay in order
         .options(**options)
-        .remote(tracked.uri, tracked.run_id, job, tracked.tags, tracked.params, manifest=manifest, background=True)
+        .remote(
+            tracked.uri,
+            tracked.run_id,
+            job,
+            tracked.tags,
+            tracked.params,
+            manifest=manifest,
+            validation=validation,
+            background=True,
+        )  # fmt: skip
     )
 
 

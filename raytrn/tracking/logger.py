@@ -36,6 +36,7 @@ LOGGED_STEP_TAG = "raytrn.logged_step"
 _MAX_METRICS_PER_BATCH = 900  # MLflow's log_batch takes at most 1000 metrics + params + tags
 _MAX_TAGS_PER_BATCH = 90
 _BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 10.0)
+_REMEMBERED = 4096
 #: MLflow's limit on a tag value (mlflow.utils.validation.MAX_TAG_VAL_LENGTH in MLflow 3).
 MAX_TAG_VALUE = 8000
 
@@ -71,6 +72,7 @@ class AsyncLogger:
         self._cond = threading.Condition()
         self._metrics: deque[tuple[Any, bool]] = deque()  # (mlflow Metric, is a training metric)
         self._tags: dict[str, str] = {}
+        self._stamps: dict[tuple[str, int], int] = {}  # (key, step) -> timestamp, the newest _REMEMBERED
         self._in_flight = 0
         self._closing = False
         self._down_since: float | None = None
@@ -90,12 +92,28 @@ class AsyncLogger:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
+        self._queue([Metric(key, float(value), now, step) for key, value in metrics.items()], training)
+
+    def log_metric_objects(self, metrics: list[Any]) -> None:
+        """Queue MLflow ``Metric`` objects as they are (a LoggedModel's: ``model_id``, dataset); not training ones."""
+        self._queue(metrics, False)
+
+    def timestamp_of(self, key: str, step: int) -> int | None:
+        """The timestamp this logger gave ``key`` at ``step`` (one of the latest :data:`_REMEMBERED`), or None: a row
+        logged again with it (a LoggedModel's link) is the same row to MLflow."""
+        with self._cond:
+            return self._stamps.get((key, step))
+
+    def _queue(self, metrics: list[Any], training: bool) -> None:
         with self._cond:
             if self._gone:  # the run was deleted: nothing could be delivered
                 self.rejected += len(metrics)
                 return
-            for key, value in metrics.items():
-                self._metrics.append((Metric(key, float(value), now, step), training))
+            for metric in metrics:
+                self._metrics.append((metric, training))
+                self._stamps[(metric.key, metric.step)] = metric.timestamp
+            while len(self._stamps) > _REMEMBERED:
+                del self._stamps[next(iter(self._stamps))]
             overflow = len(self._metrics) - self._max_buffered
             if overflow > 0:  # a very long outage: keep the newest, say how many were dropped
                 for _ in range(overflow):

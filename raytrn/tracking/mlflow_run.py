@@ -26,6 +26,7 @@ from raytrn.compat import dataset_input
 from raytrn.config import JobSpec
 from raytrn.errors import ConfigError
 from raytrn.tracking.client import mlflow_client, redact, redact_uri, split_credentials, sqlite_path, unreachable
+from raytrn.tracking.models import DatasetRef
 
 log = logging.getLogger(__name__)
 _MAX_PARAM_LEN = 6000
@@ -91,7 +92,9 @@ def plan_run(
     )
 
 
-def attach(job: JobSpec, tags: dict[str, str], params: dict[str, Any], *, manifest: Any = None) -> TrackedRun:
+def attach(
+    job: JobSpec, tags: dict[str, str], params: dict[str, Any], *, manifest: Any = None, validation: Any = None
+) -> TrackedRun:
     """Create or reattach the run (server reachable), log params and tags, and the ``manifest``'s dataset as
     the run's input when given; the tracking actor's call."""
     # mlflow lazily here and below: the driver imports this module and must not pay for MLflow (see above).
@@ -129,8 +132,9 @@ def attach(job: JobSpec, tags: dict[str, str], params: dict[str, Any], *, manife
     except MlflowException as e:
         raise ConfigError(f"tracking.mlflow_uri={redact_uri(uri)}: MLflow refused: {e.message}") from None
     run = TrackedRun(uri=uri, run_id=run_id, experiment_id=exp_id, resumed=resumed, tags=tags, params=params)
-    if manifest is not None:
-        _log_dataset(run, manifest)
+    for data, context in ((manifest, "train"), (validation, "validation")):
+        if data is not None:
+            _log_dataset(run, data, context)
     return run
 
 
@@ -160,29 +164,6 @@ def end_run(run: TrackedRun | None, status: str, *, job: JobSpec | None = None) 
     except Exception as e:  # tracking must never turn a finished training into a failure
         log.warning("could not mark MLflow run %s %s: %s", run_id, status, e)
     return run_id
-
-
-def register_model(uri: str, run_id: str, name: str) -> str | None:
-    """Register the run's logged ``model`` under ``name``; returns the new version (None, with a warning,
-    when the run has no model or the registry refuses)."""
-    from mlflow.exceptions import MlflowException
-
-    client = mlflow_client(uri)
-    try:
-        if not client.list_artifacts(run_id, "model"):
-            log.warning("run %s has no logged model: nothing registered as %r", run_id, name)
-            return None
-        try:
-            client.create_registered_model(name)
-        except MlflowException as e:
-            if e.error_code != "RESOURCE_ALREADY_EXISTS":
-                raise
-        source = client.get_run(run_id).info.artifact_uri.rstrip("/") + "/model"
-        version = client.create_model_version(name, source=source, run_id=run_id)
-    except Exception as e:
-        log.warning("could not register the model of run %s as %r: %s", run_id, name, e)
-        return None
-    return str(version.version)
 
 
 # -- experiments, runs to reattach ------------------------------------------------------------------
@@ -248,27 +229,24 @@ def _previous_run(client: Any, marker: str, uri: str) -> str | None:
     return saved.get("run_id")
 
 
-def _log_dataset(run: TrackedRun, manifest: Any) -> None:
-    """The training data as the run's input: the manifest's location, with its fingerprint as digest."""
+def _log_dataset(run: TrackedRun, manifest: Any, context: str) -> None:
+    """A dataset as the run's input (``train``, ``validation``): the manifest's location, with its fingerprint as
+    digest (:class:`raytrn.tracking.models.DatasetRef`: what a LoggedModel's metrics are linked to)."""
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
 
     assert run.run_id is not None
     client = mlflow_client(run.uri)
-    digest = manifest.source.fingerprint[:32]
+    ref = DatasetRef.of(manifest)
     inputs = client.get_run(run.run_id).inputs
     existing = (inputs.dataset_inputs if inputs else None) or []
-    if any(d.dataset.digest == digest for d in existing):
+    if any(d.dataset.digest == ref.digest for d in existing):
         return
     with warnings.catch_warnings():  # "can be interpreted in multiple ways": a local path, taken as one
         warnings.simplefilter("ignore")
         source = resolve_dataset_source(manifest.manifest_path)
-    name = os.path.basename(manifest.root.rstrip("/")) or "dataset"
-    dataset = MetaDataset(source=source, name=name, digest=digest)  # type: ignore[abstract]
+    dataset = MetaDataset(source=source, name=ref.name, digest=ref.digest)  # type: ignore[abstract]
     try:
-        client.log_inputs(
-            run.run_id,
-            datasets=[dataset_input(dataset, "train")],
-        )
+        client.log_inputs(run.run_id, datasets=[dataset_input(dataset, context)])
     except Exception as e:
         log.warning("could not log the dataset as the run's input: %s", e)

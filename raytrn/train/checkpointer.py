@@ -31,6 +31,7 @@ from raytrn.checkpoint.store import Saved
 from raytrn.config import JobSpec
 from raytrn.models.hf import load_weights
 from raytrn.sigterm import sigterm_received
+from raytrn.tracking.models import LINKED
 from raytrn.train.preemption import describe as describe_notice
 from raytrn.train.preemption import exit_after_sigterm, wait_for_teardown
 from raytrn.train.schedule import Schedule
@@ -227,9 +228,11 @@ class Checkpointer:
             saved.write(d)
             ray.train.report(saved.report, checkpoint=ray.train.Checkpoint.from_directory(d), checkpoint_dir_name=name)
         if self.logger is not None:  # the run's checkpoint tags (those keep_last deleted are marked so by the actor)
+            logged = {k: float(v) for k, v in saved.report.items() if k in LINKED}  # its LoggedModel's metrics
             self.logger.checkpoint_saved(
-                saved.step, RunDir.of(self.job).pointer(saved.step), _retention(self.job), deleted=deleted
-            )
+                saved.step, RunDir.of(self.job).pointer(saved.step), _retention(self.job), deleted=deleted,
+                metrics=logged,
+            )  # fmt: skip
 
     def _stop(self, notice: Any, step: int) -> None:
         if self.rank == 0:

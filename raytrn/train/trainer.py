@@ -127,7 +127,7 @@ def _train(
     # the resource check passed); it is also the progress board. Without tracking, a board of its own.
     # A Ray this process did not start has another environment: give the actor the driver's MLflow/AWS settings.
     env = None if started_locally else driver_env(os.environ)
-    tracker = start_tracking_actor(tracked, job, manifest=manifest, env=env) if tracked else None
+    tracker = start_tracking_actor(tracked, job, manifest=manifest, validation=validation, env=env) if tracked else None
     board = tracker if tracker is not None else ray.remote(num_cpus=0)(ProgressBoard).options(**on_this_node()).remote()
     keeper = _memory_keeper(job)
     watch = _RunRefused(tracker)
@@ -186,10 +186,10 @@ def _train(
                 ray.get(keeper.shutdown.remote(), timeout=60)  # store removes them, raytrn.checkpoint.slabs.sweep)
             ray.kill(keeper, no_restart=True)
         run_id = finish(status, job.tracking.flush_timeout_s)
-    if run_id and tracker is not None and job.tracking.register_model:
-        version = ray.get(tracker.register_model.remote(job.tracking.register_model), timeout=600)
-        if version:
-            print(f"raytrn: registered the model as {job.tracking.register_model!r} version {version}", flush=True)
+    if run_id and tracker is not None and job.tracking.registers != "none":
+        registered = ray.get(tracker.registered.remote(), timeout=60)
+        name = job.tracking.registered_model
+        print(f"raytrn: registered as {name!r}: version(s) {', '.join(registered.values()) or 'none'}", flush=True)
 
     snap: Any = ray.get(board.snapshot.remote(), timeout=30)  # type: ignore[attr-defined,union-attr]
     first, last = snap["first"] or {}, snap["last"] or {}

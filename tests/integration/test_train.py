@@ -111,6 +111,25 @@ def test_mlflow_run_has_params_and_metrics(two_worker_run):
     assert "estimate_error_tokens_per_s" not in run.data.metrics
     blocking = _metric_history(job, summary.mlflow_run_id, "checkpoint_blocking_s")
     assert [s for s, _ in blocking] == [10, 20] and all(0 < v < 60 for _, v in blocking)
+    # Each committed checkpoint a LoggedModel (issue 32): its step's training loss linked (with the training data),
+    # the one keep_last deleted marked, the last the run's output model
+    client = MlflowClient(job.tracking.mlflow_uri)
+    models = {int(m.tags["raytrn.step"]): m for m in client.search_logged_models(
+        [run.info.experiment_id], filter_string=f"source_run_id = '{summary.mlflow_run_id}'")}  # fmt: skip
+    assert sorted(models) == [10, 20, 30]
+    loss = dict(_metric_history(job, summary.mlflow_run_id, "loss"))
+    train = next(d.dataset for d in run.inputs.dataset_inputs if [t.value for t in d.tags] == ["train"])
+    for step, m in models.items():
+        assert m.name == f"{job.run_name}-step-{step}" and m.tags["raytrn.checkpoint"].endswith(f"{step:08d}")
+        assert m.params["model.vocab_size"] == "512" and m.params["parallel.data_parallel"] == "ddp"
+        (linked,) = m.metrics
+        assert (linked.key, linked.step, linked.value) == ("loss", step, loss[step])
+        assert (linked.dataset_name, linked.dataset_digest) == (train.name, train.digest)
+    assert (
+        models[10].tags["raytrn.deleted"] == "deleted by checkpoint.keep_last=2"
+        and "raytrn.deleted" not in models[30].tags
+    )
+    assert [o.model_id for o in run.outputs.model_outputs] == [models[30].model_id]
     assert run.data.tags["checkpoint.latest"].endswith("checkpoint_00000030")
     assert run.data.tags["world_size_history"] == "0:2"
     # run.tune_malloc (on for cpu): the workers started with the allocator settings (read in the worker).

@@ -514,7 +514,7 @@ NOT_PATHS = {
     "tracking.experiment",
     "tracking.run_name",
     "tracking.run_id",
-    "tracking.register_model",
+    "tracking.registered_model",
     "neuron.cc_flags",
     "neuron.socket_ifname",
 }

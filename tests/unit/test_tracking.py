@@ -404,8 +404,13 @@ def test_params_are_redacted_and_versions_recorded(tmp_path):
 
 
 def test_register_model_needs_log_model(tmp_path):
-    with pytest.raises(ConfigError, match="register_model needs log_model"):
+    with pytest.raises(ConfigError, match="register: last needs log_model"):
         _job(tmp_path, "tracking.register_model=tiny", "tracking.log_model=false")
+    with pytest.raises(ConfigError, match="register: best needs registered_model"):
+        _job(tmp_path, "tracking.register=best")
+    old = _job(tmp_path, "tracking.register_model=tiny")  # the former spelling: the final model, as before
+    assert old.tracking.registered_model == "tiny" and old.tracking.registers == "last"
+    assert _job(tmp_path).tracking.registers == "none"
 
 
 # -- system metrics -----------------------------------------------------------------------------------
