@@ -274,7 +274,7 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sch
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     # Frozen parameters (the base model under LoRA) come from model.init_from at every start: not checkpointed.
-    model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
+    model_state, optim_state = get_state_dict(model, optimizer, options=state_dict_options(model))
     return {
         "model": model_state,
         "optim": optim_state,
@@ -334,7 +334,7 @@ def _where(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], bool]:
     return id(t), local.data_ptr(), tuple(local.shape), t.requires_grad
 
 
-def _options(model: torch.nn.Module) -> Any:
+def state_dict_options(model: torch.nn.Module) -> Any:
     """State-dict options: frozen parameters left out (and not expected back) when the model has any."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -406,7 +406,7 @@ def load_state(
     state = training_state(model, optimizer, scheduler) if state is None else state
     dcp.load(state, storage_reader=reader, no_dist=_no_dist())
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_options(model)
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=state_dict_options(model)
     )
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])

@@ -28,6 +28,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from raytrn import storage
+from raytrn.checkpoint.pins import pinned
 from raytrn.checkpoint.progress import Progress, read_meta
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.errors import CheckpointError, RaytrnError
@@ -180,7 +181,8 @@ def has_commits(run: RunDir) -> bool:
 
 def prune(run: RunDir, *, keep_last: int | None, keep_best: bool = False) -> list[int]:
     """Retention after a commit: keep the newest ``keep_last`` committed checkpoints (all when None), with
-    ``keep_best`` the one of the lowest ``val_loss`` too (:func:`best_step`), and anything newer than the newest
+    ``keep_best`` the one of the lowest ``val_loss`` too (:func:`best_step`), those pinned (:mod:`raytrn.checkpoint.pins`:
+    an evaluation reads them), and anything newer than the newest
     committed one (a save in flight); delete older committed ones and uncommitted leftovers older than the newest
     committed one. Only raytrn's ``step_<N>`` directories, strictly inside ``run.dcp``. Returns the steps deleted."""
     steps = run.dcp_steps()
@@ -188,6 +190,7 @@ def prune(run: RunDir, *, keep_last: int | None, keep_best: bool = False) -> lis
     if not committed:
         return []
     keep = set(committed if keep_last is None else committed[-keep_last:])
+    keep |= pinned(run) if keep_last is not None else set()  # an evaluation off the loop is reading them
     best = best_step(run, committed) if keep_best and keep_last is not None else None
     if best is not None:
         keep.add(best)

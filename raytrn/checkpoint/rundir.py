@@ -107,6 +107,12 @@ class RunDir:
 
     # -- the rest ------------------------------------------------------------------------------------
     @property
+    def pins(self) -> str:
+        """Checkpoints an evaluation is reading, kept from retention (``<run>/pins/step_<N>.json``:
+        :mod:`raytrn.checkpoint.pins`)."""
+        return storage.join(self.root, "pins")
+
+    @property
     def nxd(self) -> str:
         """neuronx-distributed's shards (the frozen XLA path): ``<run>/nxd``."""
         return storage.join(self.root, NXD_DIR)

@@ -73,6 +73,7 @@ PATH_FIELDS: tuple[PathField, ...] = (
     PathField("checkpoint.storage"),
     PathField("neuron.compile_cache", resolve=False),
     PathField("tracking.mlflow_uri", kind="mlflow_uri"),
+    PathField("eval.include_path"),
 )
 
 

@@ -80,13 +80,17 @@ class TrackingActor(ProgressBoard):
                 log.warning("MLflow run not created yet (%s): metrics are buffered meanwhile", e)
         pending = run_id is None and job is not None and self.error is None
         self.logger = AsyncLogger(uri, run_id, resolve_run=create_when_reachable if pending else None)
-        datasets = {k: DatasetRef.of(m) for k, m in (("train", manifest), ("validation", validation)) if m is not None}
+        sets = (("train", manifest), ("validation", validation))
+        datasets = {k: DatasetRef.of(m, k) for k, m in sets if m is not None}
         #: The run's committed checkpoints as LoggedModels, and what is registered (raytrn.tracking.models)
         self.models = (
-            CheckpointModels(self.logger, job, lambda: (self.logger.run_id, self.experiment_id), datasets=datasets)
+            CheckpointModels(self.logger, job, lambda: (self.logger.run_id, self.experiment_id), datasets=datasets,
+                             created=self._created)  # fmt: skip
             if job is not None
             else None
         )
+        #: The job's checkpoint evaluator (raytrn.evals.runner), when it has one: told of each LoggedModel
+        self.evaluator: Any = None
         # What an earlier invocation of this job delivered (one read of the run), then what is queued here:
         # the highest training step (the run's tag), each non-training metric's last step, the last value of
         # the running totals, the world-size history and the checkpoints that still exist.
@@ -222,6 +226,39 @@ class TrackingActor(ProgressBoard):
         )
         ids["run_id"] = end_run(run, status, job=self.job)
         return ids
+
+    # -- the evaluator's (raytrn.evals.runner) -----------------------------------------------------------------
+    def set_evaluator(self, evaluator: Any) -> None:
+        self.evaluator = evaluator
+
+    def _created(self, step: int, location: str, model_id: str, val_loss: float | None) -> None:
+        if self.evaluator is not None:  # (its models thread) received before this checkpoint counts as recorded
+            import ray
+
+            ray.get(self.evaluator.committed.remote(step, location, model_id, val_loss), timeout=60)
+
+    def flush_models(self, timeout_s: float) -> bool:
+        """Wait (bounded) until every committed checkpoint's LoggedModel exists and the evaluator was told."""
+        return self.models.flush(timeout_s) if self.models is not None else True
+
+    def checkpoint_evaluated(self, step: int, scores: dict[str, float], exported: bool) -> None:
+        """The evaluator's results for the checkpoint of ``step``: its scores as the run's metrics at ``step`` and
+        its LoggedModel's; an export better (``val_loss``) than what the run registered so far is registered and
+        becomes the candidate (``tracking.register: best``)."""
+        if self.models is None:
+            return
+        if scores:
+            self.log_metrics(scores, step, training=False)
+            self.models.link(step, scores)
+        tracking = self.job.tracking
+        if exported and tracking.registers == "best" and self.models.improves(step):
+            self.models.register(step, tracking.registered_model)
+
+    def checkpoint_eval_failed(self, step: int, reason: str, failures: int) -> None:
+        """An evaluation failed (or timed out): counted (``eval_failures``) and its reason on the LoggedModel."""
+        self.log_metrics({"eval_failures": float(failures)}, step, training=False)
+        if self.models is not None:
+            self.models.tag(step, {"raytrn.eval_error": reason})
 
     def final_model(self) -> None:
         """A finished run: its last checkpoint's LoggedModel is the run's output model (its export the run's

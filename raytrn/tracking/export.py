@@ -36,7 +36,7 @@ def log_final_model(
         try:
             export_hf(job, export(), d if writing else None, specs)
             if writing:
-                save_tokenizer(load_manifest(job.data.manifest, check_files=False).tokenizer_path, d)
+                save_tokenizer(load_manifest(job.data.manifest, check_files=False), d)
                 logger.client.log_artifacts(logger.run_id, d, "model")
         except Exception as e:  # tracking never fails a finished training
             log.warning("could not log the final model to MLflow: %s", e)
@@ -56,13 +56,15 @@ def export_hf(job: JobSpec, items: Any, out_dir: str | None, specs: dict[str, An
     save_hf(job.model, merged_items(items, scaling, adapted_weights(specs)), out_dir, specs=export_specs(specs))
 
 
-def save_tokenizer(path: str, out_dir: str) -> None:
-    """The dataset's ``tokenizer.json`` (local or S3) saved as a transformers tokenizer beside the model."""
+def save_tokenizer(manifest: Any, out_dir: str) -> None:
+    """The dataset's ``tokenizer.json`` (local or S3) saved as a transformers tokenizer beside the model, its
+    end-of-text token named (what generation stops at and what lm-eval prefixes a context with)."""
     from transformers import PreTrainedTokenizerFast  # a second of import: only at the end, on rank 0
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        f.write(storage.read_text(path) or "")
+        f.write(storage.read_text(manifest.tokenizer_path) or "")
     try:
-        PreTrainedTokenizerFast(tokenizer_file=f.name).save_pretrained(out_dir)
+        eos = manifest.tokenizer.eos_token
+        PreTrainedTokenizerFast(tokenizer_file=f.name, eos_token=eos, bos_token=eos).save_pretrained(out_dir)
     finally:
         os.unlink(f.name)

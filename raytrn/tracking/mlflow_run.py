@@ -237,7 +237,7 @@ def _log_dataset(run: TrackedRun, manifest: Any, context: str) -> None:
 
     assert run.run_id is not None
     client = mlflow_client(run.uri)
-    ref = DatasetRef.of(manifest)
+    ref = DatasetRef.of(manifest, context)
     inputs = client.get_run(run.run_id).inputs
     existing = (inputs.dataset_inputs if inputs else None) or []
     if any(d.dataset.digest == ref.digest for d in existing):

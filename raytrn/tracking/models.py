@@ -51,10 +51,16 @@ class DatasetRef:
     digest: str
 
     @classmethod
-    def of(cls, manifest: Any) -> DatasetRef:
+    def of(cls, manifest: Any, context: str = "train") -> DatasetRef:
+        """The training set's digest is its source's fingerprint; another split of the same source (the
+        validation set) gets one of its own, from the fingerprint and its manifest's location."""
+        import hashlib
         import os
 
-        return cls(os.path.basename(manifest.root.rstrip("/")) or "dataset", manifest.source.fingerprint[:32])
+        digest = manifest.source.fingerprint[:32]
+        if context != "train":
+            digest = hashlib.sha256(f"{manifest.source.fingerprint}:{manifest.manifest_path}".encode()).hexdigest()[:32]
+        return cls(os.path.basename(manifest.root.rstrip("/")) or "dataset", digest)
 
 
 def model_params(job: Any) -> dict[str, str]:
@@ -81,14 +87,19 @@ class CheckpointModels:
         run: Callable[[], tuple[str | None, str | None]],
         *,
         datasets: dict[str, DatasetRef] | None = None,
+        created: Callable[[int, str, str, float | None], None] | None = None,
     ) -> None:
+        """``created(step, location, model id, val_loss)``: called (on its thread) once a checkpoint's LoggedModel
+        exists (the evaluator's cue)."""
         self.logger, self.client, self.job, self.run = logger, logger.client, job, run
+        self.created = created
         self.datasets = datasets or {}
         self.params = model_params(job)
         #: step -> LoggedModel id, and the val_loss of each (registration's "best")
         self.ids: dict[int, str] = {}
         self.val_loss: dict[int, float] = {}
         self.registered: dict[str, str] = {}  # model id -> version
+        self.candidate: int | None = None  # the step this run last registered (points the alias at)
         self.failed = 0
         self._recovered = False
         self._ops: deque[tuple[str, Callable[[], None]]] = deque()
@@ -108,26 +119,28 @@ class CheckpointModels:
 
     def deleted(self, step: int, why: str) -> None:
         """Retention deleted the checkpoint of ``step``: its LoggedModel says so."""
-        self._submit(f"deleted tag of step {step}", lambda: self._tag(step, {DELETED_TAG: why}))
+        self.tag(step, {DELETED_TAG: why})
 
     def link(self, step: int, scores: dict[str, float], *, dataset: str | None = None) -> None:
         """``scores`` measured on the checkpoint of ``step`` (an evaluation off the loop): linked to its model and
         logged as the run's metrics at ``step``."""
         self._submit(f"scores of step {step}", lambda: self._link(step, scores, dataset))
 
-    def model_id(self, step: int) -> str | None:
-        return self.ids.get(step)
+    def tag(self, step: int, tags: dict[str, str]) -> None:
+        self._submit(f"tags of step {step}", lambda: self._tag(step, tags))
 
     def register(self, step: int, name: str, source: str | None = None) -> None:
         """Register the model of ``step`` as ``name`` (``source``: where its files are; default its LoggedModel's
         artifacts) and move the alias ``candidate`` to the new version; once per model."""
+        self.candidate = step  # decided here (the next one must improve on it), done on its thread
         self._submit(f"registration of step {step}", lambda: self._register(step, name, source))
 
-    def best_step(self) -> int | None:
-        """The step whose checkpoint has the lowest ``val_loss`` (the earliest of equals), or None."""
-        if not self.val_loss:
-            return None
-        return min(self.val_loss, key=lambda s: (self.val_loss[s], s))
+    def improves(self, step: int) -> bool:
+        """Whether the checkpoint of ``step`` has a lower ``val_loss`` than the one registered as candidate by this
+        run (any, when none is yet)."""
+        if step not in self.val_loss:
+            return False
+        return self.candidate is None or self.val_loss[step] < self.val_loss.get(self.candidate, float("inf"))
 
     def output(self, step: int, export: str | None) -> None:
         """The run's final model: the LoggedModel of ``step`` is the run's output (``export``: its files)."""
@@ -175,6 +188,8 @@ class CheckpointModels:
             )  # fmt: skip
             self.client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
             self.ids[step] = model.model_id
+            if self.created is not None:
+                self.created(step, location, model.model_id, metrics.get("val_loss"))
         self._link(step, metrics, None)
 
     def _link(self, step: int, scores: dict[str, float], dataset: str | None) -> None:

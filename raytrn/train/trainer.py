@@ -30,6 +30,7 @@ from raytrn.data.manifest import Manifest
 from raytrn.data.order import SAMPLE_TRACE_ENV
 from raytrn.errors import RaytrnError, RunStopped
 from raytrn.estimate.job import estimate_params, resolve_auto_interval
+from raytrn.evals.runner import drain_evaluator, start_evaluator
 from raytrn.models import model_stats
 from raytrn.runtime import ensure_ray, git_commit, on_this_node, process_started_at
 from raytrn.tracking.actor import driver_env, start_tracking_actor
@@ -129,6 +130,8 @@ def _train(
     env = None if started_locally else driver_env(os.environ)
     tracker = start_tracking_actor(tracked, job, manifest=manifest, validation=validation, env=env) if tracked else None
     board = tracker if tracker is not None else ray.remote(num_cpus=0)(ProgressBoard).options(**on_this_node()).remote()
+    # eval.tasks, tracking.register: best: committed checkpoints exported and evaluated off the loop (raytrn.evals)
+    evaluator = start_evaluator(job, tracker, tracked.uri) if tracker is not None and tracked is not None else None
     keeper = _memory_keeper(job)
     watch = _RunRefused(tracker)
     status = "FAILED"
@@ -185,6 +188,8 @@ def _train(
             with contextlib.suppress(Exception):  # their slabs first (a store that does not answer: its node's next
                 ray.get(keeper.shutdown.remote(), timeout=60)  # store removes them, raytrn.checkpoint.slabs.sweep)
             ray.kill(keeper, no_restart=True)
+        if evaluator is not None:  # the last checkpoint's evaluation and the best's registration, bounded
+            drain_evaluator(evaluator, tracker, job.eval.timeout_s if status == "FINISHED" else 0.0)
         run_id = finish(status, job.tracking.flush_timeout_s)
     if run_id and tracker is not None and job.tracking.registers != "none":
         registered = ray.get(tracker.registered.remote(), timeout=60)

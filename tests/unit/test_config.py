@@ -121,7 +121,7 @@ def test_unknown_key_without_near_match_lists_known_fields(tmp_path: Path) -> No
     msg = error_for(tmp_path, None, xyzzy=1)
     assert (
         msg
-        == "xyzzy: unknown field. Known fields: model, data, optim, scaling, checkpoint, tracking, run, parallel, neuron."
+        == "xyzzy: unknown field. Known fields: model, data, optim, scaling, checkpoint, tracking, run, parallel, neuron, eval."
     )
     msg = error_for(tmp_path, "scaling", zzzzzz=1)
     assert msg.startswith("scaling.zzzzzz: unknown field. Known fields: accelerator, min_workers, max_workers")
@@ -413,6 +413,7 @@ def test_flat_gives_dotted_keys(tmp_path: Path) -> None:
         "run",
         "parallel",
         "neuron",
+        "eval",
     }
 
 
@@ -515,6 +516,7 @@ NOT_PATHS = {
     "tracking.run_name",
     "tracking.run_id",
     "tracking.registered_model",
+    "eval.tasks",
     "neuron.cc_flags",
     "neuron.socket_ifname",
 }
@@ -568,6 +570,7 @@ def test_resolution_and_the_relative_path_check_read_the_table(tmp_path: Path) -
         "checkpoint.storage": "ckpt",
         "neuron.compile_cache": "cache",
         "tracking.mlflow_uri": "sqlite:///mlruns/mlflow.db",
+        "eval.include_path": "tasks",
     }
     assert set(relative) == {f.key for f in PATH_FIELDS}  # one case per path field
     _hf_config(tmp_path / "hf")

@@ -1,0 +1,61 @@
+"""Checkpoints kept from retention while something reads them off the training loop (an evaluation's export).
+
+A pin is ``<run>/pins/step_<N>.json`` with the time it lapses: :func:`raytrn.checkpoint.manifest.prune` keeps a
+pinned step (a lapsed pin, of a reader that died, is ignored: the checkpoint goes at the next save). The reader pins
+a step when it queues it and unpins it when done or skipped; only its own pins, by name, are removed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+
+from raytrn import storage
+from raytrn.checkpoint.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+_PIN = re.compile(r"^step_(\d{8})\.json$")
+
+
+def pin(run: RunDir, step: int, *, ttl_s: float) -> None:
+    """Keep the checkpoint of ``step`` for ``ttl_s`` seconds (or until :func:`unpin`)."""
+    storage.write_text(_path(run, step), json.dumps({"step": step, "until": time.time() + ttl_s}))
+
+
+def unpin(run: RunDir, step: int) -> None:
+    """Remove the pin of ``step`` (the one file this module wrote; nothing when absent)."""
+    fs, path = storage.filesystem(_path(run, step))
+    try:
+        fs.delete_file(path)
+    except (OSError, FileNotFoundError) as e:  # absent, or the storage is down: it lapses anyway
+        log.debug("pin of step %d not removed: %s", step, e)
+
+
+def pinned(run: RunDir) -> set[int]:
+    """The steps pinned now (lapsed and unreadable pins are not)."""
+    fs, root = storage.filesystem(run.pins)
+    from pyarrow import fs as pafs
+
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    except OSError:
+        return set()
+    out, now = set(), time.time()
+    for info in infos:
+        name = info.path.rsplit("/", 1)[-1]
+        match = _PIN.match(name)
+        if not match:
+            continue
+        try:
+            if json.loads(storage.read_text(storage.join(run.pins, name)) or "{}").get("until", 0) > now:
+                out.add(int(match.group(1)))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _path(run: RunDir, step: int) -> str:
+    return storage.join(run.pins, f"{RunDir.step_name(step)}.json")

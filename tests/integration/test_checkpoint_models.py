@@ -1,0 +1,122 @@
+"""Checkpoints as MLflow LoggedModels, the best registered, lm-eval off the training loop (issue 32), against a real
+``mlflow server`` (sqlite store, artifacts proxied to moto's S3) and the shared local Ray.
+
+One run of the tiny job (1 worker, 40 steps, a checkpoint and a validation loss every 10, keep_last 2,
+``tracking.register: best``, the shipped lm-eval task every second checkpoint) is read back by the tests.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.chaos._common import tiny_chaos_job
+from tests.conftest import FIXTURE_CORPUS
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def dataset_with_validation(ray_session, tmp_path_factory) -> Path:
+    from raytrn.data.prepare import prepare_dataset
+
+    out = tmp_path_factory.mktemp("data") / "tiny-val"
+    prepare_dataset(inputs=[str(FIXTURE_CORPUS)], output=str(out), seq_len=32, vocab_size=512,
+                    validation_fraction=0.15, progress=False)  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def models_run(ray_session, dataset_with_validation, mlflow_server, tmp_path_factory):
+    from mlflow.tracking import MlflowClient
+
+    from raytrn.train.trainer import run_training
+
+    tmp = tmp_path_factory.mktemp("models")
+    registered = f"raytrn-tiny-{uuid.uuid4().hex[:6]}"
+    job = tiny_chaos_job(
+        dataset_with_validation, tmp / "ckpt", mlflow_uri=mlflow_server.url, experiment="raytrn-models",
+        name=f"models-{uuid.uuid4().hex[:6]}",
+        extra=("run.max_steps=40", "checkpoint.every_n_steps=10", "checkpoint.keep_last=2", "run.eval_every=10",
+               "run.eval_batches=1", "run.log_every=5", "tracking.register=best", f"tracking.registered_model={registered}",
+               "eval.tasks=[stdlib_next_line]", "eval.every_n_checkpoints=2", "eval.limit=24", "eval.num_cpus=0",
+               "tracking.system_metrics=false"),
+    )  # fmt: skip
+    summary = run_training(job, live_progress=False)
+    client = MlflowClient(mlflow_server.url)
+    run = client.get_run(summary.mlflow_run_id)
+    models = {
+        int(m.tags["raytrn.step"]): m
+        for m in client.search_logged_models(
+            [run.info.experiment_id], filter_string=f"source_run_id = '{summary.mlflow_run_id}'"
+        )
+    }
+    return job, summary, client, run, models, registered
+
+
+def _history(client, run_id: str, key: str) -> dict[int, float]:
+    return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+
+def test_every_committed_checkpoint_is_a_logged_model_with_its_metrics(models_run):
+    job, summary, client, run, models, _ = models_run
+    assert sorted(models) == [10, 20, 30, 40]
+    loss, val = _history(client, run.info.run_id, "loss"), _history(client, run.info.run_id, "val_loss")
+    assert sorted(val) == [10, 20, 30, 40]  # one row a step: the LoggedModel's link is the run metric's row
+    inputs = {[t.value for t in d.tags][0]: d.dataset for d in run.inputs.dataset_inputs}
+    assert set(inputs) == {"train", "validation"}
+    for step, m in models.items():
+        assert m.name == f"{job.run_name}-step-{step}" and m.source_run_id == run.info.run_id
+        assert m.params["model.vocab_size"] == "512" and m.params["data.seq_len"] == "32"
+        linked = {x.key: x for x in m.metrics}
+        assert linked["loss"].value == loss[step] and linked["val_loss"].value == val[step]
+        assert (linked["val_loss"].dataset_name, linked["val_loss"].dataset_digest) == (
+            inputs["validation"].name, inputs["validation"].digest)  # fmt: skip
+        assert linked["loss"].dataset_digest == inputs["train"].digest
+    assert [o.model_id for o in run.outputs.model_outputs] == [models[40].model_id]  # the run's output model
+
+
+def test_checkpoints_retention_deleted_are_marked_and_their_files_gone(models_run):
+    job, _, _, _, models, _ = models_run
+    run_dir = Path(job.checkpoint.storage) / job.run_name
+    for step in (10, 20):
+        assert models[step].tags["raytrn.deleted"] == "deleted by checkpoint.keep_last=2"
+        assert not (run_dir / f"checkpoint_{step:08d}").exists()
+    for step in (30, 40):
+        assert "raytrn.deleted" not in models[step].tags and (run_dir / f"checkpoint_{step:08d}").is_dir()
+
+
+def test_the_best_checkpoint_is_registered_as_candidate_and_the_alias_moves(models_run):
+    _, summary, client, run, models, registered = models_run
+    val = _history(client, run.info.run_id, "val_loss")
+    best = min(val, key=lambda s: (val[s], s))
+    versions = {v.version: v for v in client.search_model_versions(f"name = '{registered}'")}
+    steps = {int(v.tags["raytrn.step"]): v for v in versions.values()}
+    assert len(steps) == len(versions)  # a checkpoint registered once
+    candidate = client.get_model_version_by_alias(registered, "candidate")
+    assert candidate.tags["raytrn.step"] == str(best) and candidate.run_id == summary.mlflow_run_id
+    assert candidate.source == models[best].artifact_location  # its export, in its LoggedModel's artifacts
+    # the first checkpoint (the best at its time, exported at once) was registered, then the alias moved on
+    assert 10 in steps and len(versions) >= 2 and best != 10
+    assert models[best].tags["raytrn.registered_version"] == candidate.version
+
+
+def test_lm_eval_ran_off_the_loop_and_scores_as_by_hand(models_run, tmp_path):
+    """The shipped task's score on the last checkpoint: logged as the run's metric at its step and linked to its
+    LoggedModel; lm-eval run by hand on that checkpoint's Hugging Face export gives the same score."""
+    from raytrn.evals.harness import build_task, run_lm_eval
+
+    job, _, client, run, models, _ = models_run
+    acc = _history(client, run.info.run_id, "stdlib_next_line/acc")
+    assert 40 in acc and 0.0 <= acc[40] <= 1.0
+    linked = {x.key: x.value for x in client.get_logged_model(models[40].model_id).metrics}
+    assert linked["stdlib_next_line/acc"] == acc[40]
+    from raytrn.evals.export import export_checkpoint
+
+    export_checkpoint(job, 40, str(tmp_path / "m"))  # the checkpoint's model, by hand
+    local = str(tmp_path / "m")
+    scores = run_lm_eval(local, ["stdlib_next_line"], include_path=build_task("stdlib_next_line", str(tmp_path / "t")),
+                         limit=24)  # fmt: skip
+    assert scores["stdlib_next_line/acc"] == acc[40]
