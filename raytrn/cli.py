@@ -22,7 +22,8 @@ from raytrn.estimate.cli import register as register_estimate
 from raytrn.runtime import check_paths_for_ray_job, route_ray_output
 from raytrn.submit import register as register_submit
 from raytrn.sweep.cli import register as register_sweep
-from raytrn.tracking.compare import register as register_runs
+from raytrn.tracking.runs_cli import register as register_runs
+from raytrn.tracking.runs_cli import register_models
 from raytrn.tracking.server import register as register_mlflow
 
 # Commands import their heavy modules when they run (measured, CPU s): raytrn.train.trainer pulls in torch and Ray
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_sweep(sub)
 
     register_runs(sub)
+    register_models(sub)
 
     register_mlflow(sub)
 

@@ -406,7 +406,11 @@ def load_state(
     state = training_state(model, optimizer, scheduler) if state is None else state
     dcp.load(state, storage_reader=reader, no_dist=_no_dist())
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=state_dict_options(model)
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=state_dict_options(model),
     )
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])

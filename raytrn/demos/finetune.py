@@ -6,7 +6,10 @@ Python standard library, fully and with LoRA, and compare the two by validation 
 2. The data: every documented function of the standard library's top-level modules as a prompt/completion pair,
    the prompt its signature and the docstring's opening quotes, the completion the docstring's first paragraph
    (``data/stdlib-sft/functions.jsonl``), prepared with the demo model's tokenizer and a 5% validation split.
-3. Two runs of ``jobs/finetune-tiny.yaml``: all weights, then LoRA adapters only; then ``raytrn runs compare``.
+3. Two runs of ``jobs/finetune-tiny.yaml``: all weights, then LoRA adapters only. Each committed checkpoint is an
+   MLflow LoggedModel; each is scored off the training loop by lm-eval on the shipped ``stdlib_next_line`` task; each
+   run registers its best checkpoint (``demo-finetune-full``, ``demo-finetune-lora``, alias ``candidate``).
+4. ``raytrn runs compare``: the two runs' val_loss beside the task's score, then every checkpoint ranked.
 
     python -m raytrn.demos.finetune [--tracking-uri URI] [--steps N]
 """
@@ -100,6 +103,10 @@ def function_examples(stdlib: str | None = None, *, limit: int = 4000) -> list[d
     return out
 
 
+#: The shipped lm-eval task's score (jobs/finetune-tiny.yaml's eval.tasks), shown beside val_loss.
+SCORE = "stdlib_next_line/acc"
+
+
 def _run(*args: str) -> None:
     print("$ raytrn " + " ".join(args), flush=True)
     subprocess.run([sys.executable, "-m", "raytrn.cli", *args], check=True)
@@ -130,10 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         _run("data", "prepare", "--input", str(jsonl), "--output", str(DATA_DIR), "--format", "prompt-completion",
              "--tokenizer", str(model), "--seq-len", "128", "--validation-fraction", "0.05", "--overwrite")  # fmt: skip
         steps, stamp = f"run.max_steps={args.steps}", time.strftime("%Y%m%d-%H%M%S")
-        _run("train", JOB, "--no-progress", "--set", steps, "--set", f"tracking.run_name=full-{stamp}")
+        _run("train", JOB, "--no-progress", "--set", steps, "--set", f"tracking.run_name=full-{stamp}",
+             "--set", "tracking.registered_model=demo-finetune-full")  # fmt: skip
         _run("train", JOB, "--no-progress", "--set", steps, "--set", f"tracking.run_name=lora-{stamp}",
-             "--set", f"model.lora={LORA}", "--set", "optim.lr=1e-2")  # fmt: skip
-        _run("runs", "compare", "--experiment", "raytrn-finetune", "--plot", "mlruns/finetune.png")
+             "--set", f"model.lora={LORA}", "--set", "optim.lr=1e-2",
+             "--set", "tracking.registered_model=demo-finetune-lora")  # fmt: skip
+        _run("runs", "compare", "--experiment", "raytrn-finetune", "--max-runs", "2", "--metrics",
+             f"val_loss,{SCORE},loss,tokens_per_s", "--plot", "mlruns/finetune.png")  # fmt: skip
+        _run("runs", "compare", "--experiment", "raytrn-finetune", "--models", "--rank-by", "val_loss")
     except subprocess.CalledProcessError as e:
         return e.returncode
     return 0

@@ -137,9 +137,10 @@ class CheckpointEvaluator:
             self._cond.notify_all()
 
     def drain(self, timeout_s: float) -> dict[str, int]:
-        """Wait (at most ``timeout_s``) for the running and waiting work; then stop. What was done."""
-        deadline = time.monotonic() + timeout_s
+        """Wait for the running and waiting work (at most ``timeout_s`` each: ``eval.timeout_s``); then stop. What
+        was done."""
         with self._cond:
+            deadline = time.monotonic() + timeout_s * (len(self._waiting) + (1 if self._running else 0)) + 30
             while (self._waiting or self._running) and time.monotonic() < deadline:
                 self._cond.wait(min(1.0, max(0.0, deadline - time.monotonic())))
             left = len(self._waiting) + (1 if self._running else 0)
@@ -240,7 +241,7 @@ def drain_evaluator(evaluator: Any, tracker: Any, timeout_s: float) -> None:
 
     try:
         ray.get(tracker.flush_models.remote(60.0), timeout=120)
-        done = ray.get(evaluator.drain.remote(timeout_s), timeout=timeout_s + 60)
+        done = ray.get(evaluator.drain.remote(timeout_s), timeout=3 * timeout_s + 120)
         if done["done"] or done["failed"] or done["skipped"]:
             print(f"raytrn: checkpoint evaluations: {done['done']} done, {done['failed']} failed, "
                   f"{done['skipped']} skipped", flush=True)  # fmt: skip

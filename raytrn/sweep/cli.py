@@ -16,7 +16,7 @@ from raytrn.runtime import ensure_ray, route_ray_output
 from raytrn.submit import _client as jobs_client
 from raytrn.submit import _token_arg, follow_logs, job_file_in, submit
 from raytrn.sweep.space import label, parse_flag
-from raytrn.tracking.compare import plot_sweep
+from raytrn.tracking.compare_sweeps import plot_sweep
 
 # Commands import their heavy modules when they run (measured, CPU s): raytrn.sweep.driver pulls in torch and Ray
 # Train (~4.7 s), sweep.plan and raytrn.storage pyarrow (+0.15 s on the 0.45 s of `raytrn --help`, which imports this).

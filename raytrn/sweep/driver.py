@@ -33,7 +33,7 @@ from raytrn.runtime import mark_raytrn_logs
 from raytrn.sweep.plan import BEST_FILE, DONE, TRAINING_METRICS, VALIDATION_METRICS, Scheduler, SweepState, TrialState
 from raytrn.sweep.space import format_value, label
 from raytrn.tracking.client import mlflow_client, redact_uri, unreachable
-from raytrn.tracking.compare import SweepComparison, TrialRow, compare_sweep
+from raytrn.tracking.compare_sweeps import SweepComparison, TrialRow, compare_sweep
 from raytrn.tracking.mlflow_run import ensure_experiment, param_text
 from raytrn.train.trainer import run_storage, run_training
 
@@ -554,7 +554,7 @@ def reopen(state: SweepState) -> None:
 
 
 def table_of(state: SweepState) -> Any:
-    """The trials ranked (:class:`raytrn.tracking.compare.SweepComparison`): from MLflow, as ``raytrn runs compare
+    """The trials ranked (:class:`raytrn.tracking.compare_sweeps.SweepComparison`): from MLflow, as ``raytrn runs compare
     --sweep`` shows them, else (no tracking, or MLflow down) from sweep.json."""
     if state.tracking_uri is not None and state.parent_run_id is not None:
         try:

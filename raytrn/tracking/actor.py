@@ -84,8 +84,13 @@ class TrackingActor(ProgressBoard):
         datasets = {k: DatasetRef.of(m, k) for k, m in sets if m is not None}
         #: The run's committed checkpoints as LoggedModels, and what is registered (raytrn.tracking.models)
         self.models = (
-            CheckpointModels(self.logger, job, lambda: (self.logger.run_id, self.experiment_id), datasets=datasets,
-                             created=self._created)  # fmt: skip
+            CheckpointModels(
+                self.logger,
+                job,
+                lambda: (self.logger.run_id, self.experiment_id),
+                datasets=datasets,
+                created=self._created,
+            )  # fmt: skip
             if job is not None
             else None
         )

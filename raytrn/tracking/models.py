@@ -35,6 +35,7 @@ STEP_TAG = "raytrn.step"
 CHECKPOINT_TAG = "raytrn.checkpoint"
 DELETED_TAG = "raytrn.deleted"
 REGISTERED_TAG = "raytrn.registered_version"
+REGISTERED_NAME_TAG = "raytrn.registered_model"
 MODEL_TYPE = "raytrn-checkpoint"
 #: The alias ``tracking.register`` moves; ``raytrn models promote`` sets others (``champion``).
 CANDIDATE = "candidate"
@@ -234,7 +235,7 @@ class CheckpointModels:
                     tags={STEP_TAG: str(step)},
                 )  # fmt: skip
                 version = str(created.version)
-                self.client.set_logged_model_tags(model_id, {REGISTERED_TAG: version})
+                self.client.set_logged_model_tags(model_id, {REGISTERED_TAG: version, REGISTERED_NAME_TAG: name})
             self.registered[model_id] = version
         self.client.set_registered_model_alias(name, CANDIDATE, version)
         log.info("registered step %d as %s version %s (alias %s)", step, name, version, CANDIDATE)

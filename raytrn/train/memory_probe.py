@@ -95,9 +95,9 @@ class MemoryProbe:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
             yield
 
-    def measure(self, step: int, model: torch.nn.Module, optimizer: Any) -> MeasuredMemory | None:
-        """After the train step ``step``: at the probe's step, the measurement (the largest over the workers, a
-        collective); else None."""
+    def measure(self, step: int, model: torch.nn.Module, optimizer: Any, grad_accum: int) -> MeasuredMemory | None:
+        """After the train step ``step`` (of ``grad_accum`` micro-batches): at the probe's step, the measurement (the
+        largest over the workers, a collective); else None."""
         if step != self.at:
             return None
         if self.allocator:
@@ -107,7 +107,7 @@ class MemoryProbe:
             # FSDP's gathered parameters are saved too: freed (size 0) once the step is done, they drop out here
             saved = sum(s.nbytes() for ptr, s in self._saved.items() if ptr not in params)
             self._saved.clear()
-            local = sum(held_state_bytes(model, optimizer).values()) + saved // self.job.data.grad_accum
+            local = sum(held_state_bytes(model, optimizer).values()) + saved // max(1, grad_accum)
             how = "probe"
         value = torch.tensor([float(local)], device=self.backend.device())
         if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -122,7 +122,7 @@ class MetricsReporter:
     def step_done(self, result: StepResult, *, last: bool) -> dict[str, Any]:
         """Count the step just trained (``progress.step`` already moved); on a log step, its metrics (else {})."""
         progress = self.progress
-        measured = self.probe.measure(progress.step, self.t.model, self.t.optimizer)  # a collective, at its step
+        measured = self.probe.measure(progress.step, self.t.model, self.t.optimizer, self.t.grad_accum)  # collective
         if measured is not None and self.logger is not None:
             self.logger.log_metrics({"memory_measured_bytes": float(measured.bytes)}, progress.step, training=False)
         if self._first_step:  # start-up cost: launch (or restart) to the first step done, once per worker group

@@ -120,3 +120,111 @@ def test_lm_eval_ran_off_the_loop_and_scores_as_by_hand(models_run, tmp_path):
     scores = run_lm_eval(local, ["stdlib_next_line"], include_path=build_task("stdlib_next_line", str(tmp_path / "t")),
                          limit=24)  # fmt: skip
     assert scores["stdlib_next_line/acc"] == acc[40]
+
+
+def test_runs_compare_models_ranks_the_checkpoints_and_promote_sets_an_alias(models_run, mlflow_server, capsys):
+    from raytrn.cli import main
+
+    job, summary, client, run, models, registered = models_run
+    val = _history(client, run.info.run_id, "val_loss")
+    argv = ["runs", "compare", "--experiment", "raytrn-models", "--tracking-uri", mlflow_server.url]
+    assert main([*argv, "--models", summary.mlflow_run_id]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"run {summary.mlflow_run_id}: 4 checkpoint model(s), ranked by val_loss (lower")
+    ranked = [int(line.split()[2]) for line in lines[2:]]
+    assert ranked == sorted(val, key=lambda s: (val[s], -s))  # best first
+    best = next(line for line in lines[2:] if line.split()[2] == str(ranked[0]))
+    assert f"{registered} v" in best and "(candidate)" in best and "kept" in best
+    assert "deleted" in next(line for line in lines[2:] if line.split()[2] == "10")
+    assert "stdlib_next_line/acc" in lines[1]
+    assert main([*argv, "--models", "--rank-by", "stdlib_next_line/acc"]) == 0  # the experiment's, by the score
+    assert "ranked by stdlib_next_line/acc (higher is better)" in capsys.readouterr().out
+    assert main([*argv, "--models", "--plot", "x.png"]) == 2
+    assert "--plot does not apply to --models" in capsys.readouterr().err
+
+    candidate = client.get_model_version_by_alias(registered, "candidate").version
+    promote = ["models", "promote", registered, candidate, "--alias", "champion", "--tracking-uri", mlflow_server.url]
+    assert main(promote) == 0
+    assert capsys.readouterr().out.strip() == f"{registered} version {candidate} is now 'champion'"
+    assert client.get_model_version_by_alias(registered, "champion").version == candidate
+    assert main([*promote[:3], "99", *promote[4:]]) == 2
+    assert f"{registered!r} has no version 99; its versions: 1" in capsys.readouterr().err
+    assert main(["models", "promote", "no-such-model", "1", "--alias", "x", "--tracking-uri", mlflow_server.url]) == 2
+    assert "no registered model 'no-such-model'" in capsys.readouterr().err
+
+
+FAULTS = '''"""A task whose documents fail to load: raises, then kills its process (as the out-of-memory killer does), then
+hangs; from the fourth load on it loads (the count is kept beside this file's origin)."""
+import os
+import signal
+import time
+
+COUNTER = {counter!r}
+
+
+def process_docs(dataset):
+    with open(COUNTER, "a+") as f:
+        f.seek(0)
+        n = len(f.read()) + 1
+        f.write("x")
+    if n == 1:
+        raise ValueError("a broken task: its documents cannot be read")
+    if n == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if n == 3:
+        time.sleep(3600)
+    return dataset
+'''
+
+
+def test_an_evaluation_that_raises_dies_or_hangs_never_stops_or_slows_training(
+    ray_session, dataset_with_validation, mlflow_server, tmp_path
+):
+    """Evaluations of a task that raises, kills its process, then hangs past eval.timeout_s: the run finishes
+    (FINISHED, every step), each failure logged once with its reason (the LoggedModel's raytrn.eval_error, the
+    eval_failures count), and the run trains as fast as the same run without evaluations (its median tokens/s)."""
+    import shutil
+    import statistics
+
+    from mlflow.tracking import MlflowClient
+
+    from raytrn.evals.harness import build_task
+    from raytrn.train.trainer import run_training
+
+    tasks = tmp_path / "tasks"
+    build_task("stdlib_next_line", str(tasks), rows=16)
+    (tasks / "faults.py").write_text(FAULTS.format(counter=str(tmp_path / "loads")))
+    text = (tasks / "stdlib_next_line.yaml").read_text().replace("task: stdlib_next_line", "task: faulty")
+    (tasks / "faulty.yaml").write_text(text + "process_docs: !function faults.process_docs\n")
+    (tasks / "stdlib_next_line.yaml").unlink()
+    shutil.rmtree(tasks / ".hf_datasets", ignore_errors=True)
+
+    def run(name: str, *extra: str):
+        job = tiny_chaos_job(
+            dataset_with_validation, tmp_path / name, mlflow_uri=mlflow_server.url, experiment="raytrn-faults",
+            name=f"{name}-{uuid.uuid4().hex[:6]}",
+            extra=("run.max_steps=1200", "checkpoint.every_n_steps=100", "run.log_every=20",
+                   "tracking.system_metrics=false", *extra),
+        )  # fmt: skip
+        summary = run_training(job, live_progress=False)
+        client = MlflowClient(mlflow_server.url)
+        speed = [m.value for m in client.get_metric_history(summary.mlflow_run_id, "tokens_per_s") if m.step > 100]
+        return summary, client, statistics.median(speed)
+
+    base, _, base_speed = run("plain")
+    summary, client, speed = run("faulty", "eval.tasks=[faulty]", f"eval.include_path={tasks}",
+                                 "eval.timeout_s=8", "eval.num_cpus=0")  # fmt: skip
+    assert summary.final_step == 1200 and client.get_run(summary.mlflow_run_id).info.status == "FINISHED"
+    failures = client.get_metric_history(summary.mlflow_run_id, "eval_failures")
+    assert sorted(m.value for m in failures)[:3] == [1.0, 2.0, 3.0], failures
+    run = client.get_run(summary.mlflow_run_id)
+    errors = [
+        m.tags["raytrn.eval_error"]
+        for m in client.search_logged_models([run.info.experiment_id],
+                                             filter_string=f"source_run_id = '{summary.mlflow_run_id}'")
+        if "raytrn.eval_error" in m.tags
+    ]  # fmt: skip
+    assert any("a broken task: its documents cannot be read" in e for e in errors), errors
+    assert any("died (out of memory, or killed)" in e for e in errors), errors
+    assert any("eval.timeout_s=8" in e for e in errors), errors
+    assert speed > 0.7 * base_speed, (speed, base_speed)  # within this shared 2-core machine's noise

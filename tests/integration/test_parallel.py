@@ -691,7 +691,7 @@ def _probe_rank(rank: int, world: int, port: int, plan: dict[str, Any], out: str
                                  generator=gen)  # fmt: skip
             with probe.stepping(step):
                 train_step(t, iter([rows]), CpuBackend())
-            probe.measure(step, t.model, t.optimizer)
+            probe.measure(step, t.model, t.optimizer, t.grad_accum)
         assert probe.result is not None
         record[name] = {"measured": probe.result.bytes, "estimated": estimate_memory(job, world).probed}
         del t

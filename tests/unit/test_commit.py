@@ -91,6 +91,31 @@ def test_keep_best_keeps_the_lowest_val_loss_checkpoint_beside_the_newest(tmp_pa
     assert RunDir.of(plain).dcp_steps() == [4, 6]
 
 
+def test_a_pinned_checkpoint_outlives_keep_last_until_unpinned_or_lapsed(tmp_path: Path) -> None:
+    """An evaluation off the loop pins the checkpoint it reads (raytrn.checkpoint.pins): retention keeps it; once
+    unpinned (or its pin lapsed: a reader that died) it goes at the next prune. Only raytrn's pin files are read."""
+    from raytrn.checkpoint.manifest import prune
+    from raytrn.checkpoint.pins import pin, pinned, unpin
+
+    j = job(tmp_path, "checkpoint.keep_last=1")
+    run, t = RunDir.of(j), trained(j)
+    save(t, j, 1)
+    pin(run, 1, ttl_s=600)
+    pin(run, 2, ttl_s=-1)  # lapsed
+    (Path(run.pins) / "notes.txt").write_text("not a pin")
+    assert pinned(run) == {1}
+    save(t, j, 2)
+    save(t, j, 3)
+    assert run.dcp_steps() == [1, 3]  # step 1 pinned; 2 went (its pin lapsed)
+    from raytrn.checkpoint.dcp import check_complete
+
+    check_complete(run.dcp_step(1))  # what the pin is for: the reader still finds it whole
+    unpin(run, 1)
+    unpin(run, 1)  # gone already: nothing
+    assert prune(run, keep_last=1) == [1] and run.dcp_steps() == [3]
+    assert (Path(run.pins) / "notes.txt").exists()
+
+
 def test_an_uncommitted_checkpoint_is_never_resumed(tmp_path: Path) -> None:
     """A save that died before its manifest (here: every shard there, only the manifest missing)."""
     j = job(tmp_path, "checkpoint.keep_last=null")

@@ -11,6 +11,7 @@ import pytest
 
 from raytrn.errors import RaytrnError
 from raytrn.tracking import compare as cmp
+from raytrn.tracking import compare_sweeps, runs_cli
 from tests.conftest import _free_port
 
 pytestmark = pytest.mark.unit
@@ -197,7 +198,7 @@ def test_tracking_uri_resolution(tmp_path: Path, monkeypatch) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raytrn")
     sub = parser.add_subparsers(dest="command")
-    cmp.register(sub)
+    runs_cli.register(sub)
     return parser
 
 
@@ -293,6 +294,6 @@ def test_a_trial_stopped_by_asha_shows_the_step_it_was_stopped_at(tmp_path: Path
         history=[[10, 5.1], [20, 4.9]], last={"step": 20.0, "loss": 4.8, "val_loss": 4.9},
     )  # fmt: skip
     end_trial_run(SimpleNamespace(tracking_uri=uri, sched=SimpleNamespace(metric="val_loss")), trial)
-    (row,) = cmp.compare_sweep(tracking_uri=uri, parent=parent).rows
+    (row,) = compare_sweeps.compare_sweep(tracking_uri=uri, parent=parent).rows
     assert row.status == "KILLED" and row.note == "stopped early (ASHA at step 20)"
     assert row.steps == 20 and row.metric == 4.9
