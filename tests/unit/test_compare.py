@@ -187,12 +187,12 @@ def test_plot_without_matplotlib_says_how_to_fix(store: str, tmp_path: Path, mon
 
 def test_tracking_uri_resolution(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert cmp.resolve_tracking_uri(None, str(tmp_path)) == f"sqlite:///{tmp_path}/mlruns/mlflow.db"
+    assert runs_cli.resolve_tracking_uri(None, str(tmp_path)) == f"sqlite:///{tmp_path}/mlruns/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
-    assert cmp.resolve_tracking_uri(None, str(tmp_path)) == "http://127.0.0.1:5000"
-    assert cmp.resolve_tracking_uri("sqlite:///x.db", str(tmp_path)) == f"sqlite:///{tmp_path}/x.db"
-    assert cmp.resolve_tracking_uri("sqlite:////abs/x.db") == "sqlite:////abs/x.db"
-    assert cmp.resolve_tracking_uri("runs", str(tmp_path)) == str(tmp_path / "runs")
+    assert runs_cli.resolve_tracking_uri(None, str(tmp_path)) == "http://127.0.0.1:5000"
+    assert runs_cli.resolve_tracking_uri("sqlite:///x.db", str(tmp_path)) == f"sqlite:///{tmp_path}/x.db"
+    assert runs_cli.resolve_tracking_uri("sqlite:////abs/x.db") == "sqlite:////abs/x.db"
+    assert runs_cli.resolve_tracking_uri("runs", str(tmp_path)) == str(tmp_path / "runs")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -229,6 +229,7 @@ RELATIVE = {
     "checkpoint.storage": "ckpt",
     "neuron.compile_cache": "neuron-cache",
     "tracking.mlflow_uri": "sqlite:///mlruns/mlflow.db",
+    "eval.include_path": "eval-tasks",
 }
 
 
