@@ -536,6 +536,14 @@ class JobSpec(Section):
                 "sharded like the layers they adapt; use data_parallel ddp or fsdp (TP 1): LoRA keeps optimizer "
                 "memory small enough for it"
             )
+        off_loop = [x for x, on in (("eval.tasks", bool(self.eval.tasks)),
+                                    ("tracking.register: best", self.tracking.registers == "best")) if on]  # fmt: skip
+        if off_loop and self.scaling.accelerator in ("neuron-xla", "xla-cpu"):
+            raise ValueError(
+                f"{' and '.join(off_loop)} with scaling.accelerator {self.scaling.accelerator}: the frozen XLA path's "
+                "checkpoints are not the sharded ones an evaluation exports; use register: last (the final model), "
+                "or the neuron (TorchNeuron) backend"
+            )
         if self.model.is_moe:
             self._check_moe()
         elif self.parallel.expert_parallel_size > 1:

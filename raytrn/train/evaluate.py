@@ -105,6 +105,12 @@ def validation_set(job: JobSpec, manifest: Manifest) -> Manifest | None:
         path = path or manifest.validation_path()
         val = load_manifest(path) if path else None
     if val is None:
+        if job.tracking.registers == "best":
+            raise DataError(
+                f"{job.source}: tracking.register: best registers the checkpoint of the lowest val_loss, but there is "
+                "no validation set: prepare the data with --validation-fraction F, set data.validation, or use "
+                "register: last"
+            )
         if job.run.eval_every is not None:
             raise DataError(
                 f"{job.source}: run.eval_every is set but there is no validation set: prepare the data with "

@@ -403,11 +403,26 @@ def test_params_are_redacted_and_versions_recorded(tmp_path):
     assert "hf_abc" not in json.dumps(params) and ":secret@" not in json.dumps(params)
 
 
-def test_register_model_needs_log_model(tmp_path):
+def test_registration_and_evaluation_settings_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="register: last needs log_model"):
         _job(tmp_path, "tracking.register_model=tiny", "tracking.log_model=false")
     with pytest.raises(ConfigError, match="register: best needs registered_model"):
         _job(tmp_path, "tracking.register=best")
+    with pytest.raises(ConfigError, match="frozen XLA path's checkpoints are not the sharded ones"):
+        _job(tmp_path, "tracking.register=best", "tracking.registered_model=x", "scaling.accelerator=xla-cpu")
+    with pytest.raises(ConfigError, match="eval.tasks with scaling.accelerator neuron-xla"):
+        _job(tmp_path, "eval.tasks=[stdlib_next_line]", "scaling.accelerator=neuron-xla")
+    from types import SimpleNamespace
+
+    from raytrn.errors import DataError
+    from raytrn.train.evaluate import validation_set
+
+    best = _job(tmp_path, "tracking.register=best", "tracking.registered_model=x")
+    without = SimpleNamespace(validation_path=lambda: None)  # a training set prepared without a validation split
+    with pytest.raises(
+        DataError, match="register: best registers the checkpoint of the lowest val_loss, but there is no"
+    ):
+        validation_set(best, without)  # type: ignore[arg-type]
     old = _job(tmp_path, "tracking.register_model=tiny")  # the former spelling: the final model, as before
     assert old.tracking.registered_model == "tiny" and old.tracking.registers == "last"
     assert _job(tmp_path).tracking.registers == "none"
