@@ -61,11 +61,13 @@ def process_checkpoint(job: JobSpec, work: Work, uri: str) -> dict[str, Any]:
             mlflow_client(uri).log_model_artifacts(work.model_id, model_dir)
             out["exported"] = True
         if work.evaluate:
-            e = job.eval
-            out["scores"] = run_lm_eval(
-                model_dir, list(e.tasks), include_path=task_dir(job, os.path.join(d, "tasks")), limit=e.limit,
-                batch_size=e.batch_size, device=e.device,
-            )  # fmt: skip
+            e, tasks, before = job.eval, task_dir(job, os.path.join(d, "tasks")), os.getcwd()
+            os.chdir(tasks)  # a task's relative data_files name files beside it (this process is the task's own)
+            try:
+                out["scores"] = run_lm_eval(model_dir, list(e.tasks), include_path=tasks, limit=e.limit,
+                                            batch_size=e.batch_size, device=e.device)  # fmt: skip
+            finally:
+                os.chdir(before)
     return out
 
 

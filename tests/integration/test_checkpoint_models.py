@@ -228,3 +228,24 @@ def test_an_evaluation_that_raises_dies_or_hangs_never_stops_or_slows_training(
     assert any("died (out of memory, or killed)" in e for e in errors), errors
     assert any("eval.timeout_s=8" in e for e in errors), errors
     assert speed > 0.7 * base_speed, (speed, base_speed)  # within this shared 2-core machine's noise
+
+
+def test_eval_include_path_on_s3_is_copied_beside_the_shipped_tasks(s3_bucket, s3_endpoint, tmp_path):
+    """eval.include_path on S3 (a prepared benchmark copy): its files copied for the harness, the shipped tasks
+    named in eval.tasks written beside them; nothing else is fetched."""
+    import boto3
+
+    from raytrn.config import load_job
+    from raytrn.evals.harness import build_task
+    from raytrn.evals.runner import task_dir
+
+    prepared = Path(build_task("stdlib_next_line", str(tmp_path / "prepared"), rows=8))
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    for name in ("stdlib_next_line.yaml", "stdlib_next_line.jsonl"):
+        s3.upload_file(str(prepared / name), s3_bucket, f"bench/sub/{name.replace('stdlib_next_line', 'mine')}")
+    job = load_job("jobs/tiny.yaml", ["data.manifest=unused", f"eval.include_path=s3://{s3_bucket}/bench",
+                                      "eval.tasks=[mine, stdlib_next_line]"], resolve=False)  # fmt: skip
+    out = Path(task_dir(job, str(tmp_path / "tasks")))
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and ".hf_" not in str(p)) == [
+        "stdlib_next_line.jsonl", "stdlib_next_line.yaml", "sub/mine.jsonl", "sub/mine.yaml"]  # fmt: skip
+    assert (out / "sub" / "mine.jsonl").read_bytes() == (prepared / "stdlib_next_line.jsonl").read_bytes()
