@@ -1,8 +1,9 @@
 """Checkpoints kept from retention while something reads them off the training loop (an evaluation's export).
 
 A pin is ``<run>/pins/step_<N>.json`` with the time it lapses: :func:`raytrn.checkpoint.manifest.prune` keeps a
-pinned step (a lapsed pin, of a reader that died, is ignored: the checkpoint goes at the next save). The reader pins
-a step when it queues it and unpins it when done or skipped; only its own pins, by name, are removed.
+pinned step (a lapsed pin, of a reader that died, is ignored: the checkpoint goes at the next save). Rank 0 pins a
+checkpoint as it commits it, when the job evaluates off the loop (before any later save can prune it); the evaluator
+unpins it when its work is done, skipped, or not wanted; only these pin files, by name, are removed.
 """
 
 from __future__ import annotations
@@ -14,10 +15,17 @@ import time
 
 from raytrn import storage
 from raytrn.checkpoint.rundir import RunDir
+from raytrn.config import JobSpec
 
 log = logging.getLogger(__name__)
 
 _PIN = re.compile(r"^step_(\d{8})\.json$")
+
+
+def pin_ttl_s(job: JobSpec) -> float:
+    """How long a checkpoint waits pinned for its evaluation at most: two evaluations' time and an hour (an MLflow
+    outage delays the evaluator's cue)."""
+    return 2 * job.eval.timeout_s + 3600
 
 
 def pin(run: RunDir, step: int, *, ttl_s: float) -> None:

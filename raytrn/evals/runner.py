@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrn.checkpoint.manifest import prune
-from raytrn.checkpoint.pins import pin, unpin
+from raytrn.checkpoint.pins import unpin
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.config import JobSpec
 
@@ -119,16 +119,14 @@ class CheckpointEvaluator:
         self._thread.start()
 
     def committed(self, step: int, pointer: str, model_id: str, val_loss: float | None) -> None:
-        """A checkpoint committed (its LoggedModel ``model_id``): queue what it needs (pinned meanwhile: retention
-        keeps it until its work is done or skipped)."""
+        """A checkpoint committed (its LoggedModel ``model_id``): queue what it needs (rank 0 pinned it as it
+        committed it: retention keeps it until its work is done or skipped)."""
         self.committed_count += 1
         e, register = self.job.eval, self.job.tracking.registers == "best"
         evaluate = bool(e.tasks) and self.committed_count % e.every_n_checkpoints == 0
         best = val_loss is not None and (self.best is None or val_loss < self.best[0])
         if best:
             self.best = (float(val_loss), step)  # type: ignore[arg-type]
-        if (register and best) or evaluate:
-            pin(self.run, step, ttl_s=2 * self.job.eval.timeout_s + 3600)
         with self._cond:
             if register and best:
                 self._put("register", Work(step, pointer, model_id, export=True, evaluate=evaluate))
@@ -136,6 +134,8 @@ class CheckpointEvaluator:
                     self._drop("evaluate")  # (this one evaluates too, when due)
             elif evaluate:
                 self._put("evaluate", Work(step, pointer, model_id, evaluate=True))
+            else:  # nothing to do with it: rank 0's pin goes
+                self._release(step)
             self._cond.notify_all()
 
     def drain(self, timeout_s: float) -> dict[str, int]:

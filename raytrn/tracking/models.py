@@ -230,9 +230,12 @@ class CheckpointModels:
                     self.client.get_registered_model(name)
                 except MlflowException:
                     self.client.create_registered_model(name)
+                # MLflow links a version to a LoggedModel (model_id) only when its files are that model's own; the
+                # run's final export is the run's artifact: the link is then the tag
+                own = source is None
                 created = self.client.create_model_version(
-                    name, source=source or model.artifact_location, run_id=self.run()[0], model_id=model_id,
-                    tags={STEP_TAG: str(step)},
+                    name, source=source or model.artifact_location, run_id=self.run()[0],
+                    model_id=model_id if own else None, tags={STEP_TAG: str(step), "raytrn.model_id": model_id},
                 )  # fmt: skip
                 version = str(created.version)
                 self.client.set_logged_model_tags(model_id, {REGISTERED_TAG: version, REGISTERED_NAME_TAG: name})

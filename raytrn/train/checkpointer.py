@@ -25,6 +25,7 @@ import ray.train
 from raytrn.backends.base import Backend
 from raytrn.checkpoint.finder import resume_point
 from raytrn.checkpoint.manifest import describe as describe_commit
+from raytrn.checkpoint.pins import pin, pin_ttl_s
 from raytrn.checkpoint.progress import META_FILE, Progress, parse_meta
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.checkpoint.store import Saved
@@ -223,6 +224,8 @@ class Checkpointer:
         if self.rank != 0 or saved.write is None:
             ray.train.report(saved.report, checkpoint=None)
             return
+        if self.job.eval.tasks or self.job.tracking.registers == "best":  # the evaluator reads it off the loop: kept
+            pin(RunDir.of(self.job), saved.step, ttl_s=pin_ttl_s(self.job))  # from retention until it is done
         name = RunDir.pointer_name(saved.step)
         with tempfile.TemporaryDirectory(prefix="raytrn-ckpt-") as d:
             saved.write(d)

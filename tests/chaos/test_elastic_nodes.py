@@ -121,10 +121,13 @@ def test_chaos_suite(tiny_dataset, tmp_path):
     assert remove2["restarted_dp"] == 1, remove2
     assert r_remove2["source"] == "storage" and r_remove2["steps_retrained"] <= EVERY, (remove2, r_remove2)
     assert remove2["steps_lost"] <= EVERY and remove2["resumed_from_step"] % EVERY == 0, remove2
+    # (the reason's text can be cut by another process's lines written into the same log, seen in a rehearsal: only
+    # its start, which names the lost nodes, is matched)
     passed_over = re.findall(
-        r"in-memory snapshots: snapshot (\d+): rank\(s\) [\d, ]+ of 3 missing \((.*?)\); trying", log
-    )
-    assert any(int(step) > r_remove2["step"] and "lost" in why for step, why in passed_over), (passed_over, log[-3000:])
+        r"in-memory snapshots: snapshot (\d+): rank\(s\) [\d, ]+ of 3 missing \((?:node\(s\) |their only copies were on "
+        r"lost)", log
+    )  # fmt: skip
+    assert any(int(step) > r_remove2["step"] for step in passed_over), (passed_over, log[-3000:])
     # Every restart resumed from what the board says: a snapshot by its step, or a committed checkpoint.
     resumes = result["resumes"]
     assert len(resumes) == len(restores), (resumes, restores)

@@ -104,6 +104,15 @@ def test_final_model_is_on_s3_in_hf_format_and_registered(outage_run, s3_endpoin
     assert model(input_ids=ids).logits.shape[-1] == 512
     versions = client.search_model_versions("name = 'raytrn-outage-tiny'")
     assert [v.run_id for v in versions] == [summary.mlflow_run_id]
+    # tracking.register: last (register_model's former spelling): the final model, alias candidate, linked by tag to
+    # the last checkpoint's LoggedModel, the run's output model; every checkpoint a LoggedModel, through the outage
+    run = client.get_run(summary.mlflow_run_id)
+    models = {int(m.tags["raytrn.step"]): m for m in client.search_logged_models(
+        [run.info.experiment_id], filter_string=f"source_run_id = '{summary.mlflow_run_id}'")}  # fmt: skip
+    assert sorted(models) == [100, 200, 300]
+    candidate = client.get_model_version_by_alias("raytrn-outage-tiny", "candidate")
+    assert candidate.version == versions[0].version and candidate.tags["raytrn.model_id"] == models[300].model_id
+    assert [o.model_id for o in run.outputs.model_outputs] == [models[300].model_id]
 
 
 def test_runs_compare_against_the_server(outage_run, mlflow_server, tmp_path):

@@ -29,6 +29,7 @@ RELATIVE = {
     "checkpoint.storage": "checkpoints",
     "neuron.compile_cache": "neuron-cache",
     "tracking.mlflow_uri": "sqlite:///mlruns/mlflow.db",
+    "eval.include_path": "eval-tasks",
 }
 
 
@@ -72,6 +73,7 @@ def test_submit_with_every_path_relative(simulator: Simulator, tiny_dataset: Pat
         },  # fmt: skip
         "run": {"max_steps": 2, "log_every": 1, "eval_batches": 1},
         "neuron": {"compile_cache": RELATIVE["neuron.compile_cache"]},
+        "eval": {"include_path": RELATIVE["eval.include_path"]},  # (frozen only: no eval.tasks, nothing evaluated)
     }
     (work / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
     # `raytrn submit` recognises the simulator by the state file under HOME (~/.raytrn/local-cluster.json).
