@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
+from raytrn.config.evals import EvalConfig as EvalConfig  # the eval section: its own module
 from raytrn.config.model import LoraConfig as LoraConfig  # the model section: its own module
 from raytrn.config.model import ModelConfig as ModelConfig
 from raytrn.config.section import Section
@@ -476,33 +477,6 @@ class NeuronConfig(Section):
     cc_flags: str = Field("--model-type transformer", description="NEURON_CC_FLAGS for the Neuron compiler")
     socket_ifname: str = Field(
         "eth0", description="neuron-xla: network interface for collective bootstrap (CCOM_SOCKET_IFNAME)"
-    )
-
-
-class EvalConfig(Section):
-    """The evaluation harness (lm-eval) on committed checkpoints, off the training loop (:mod:`raytrn.evals`)."""
-
-    tasks: list[Annotated[str, Field(min_length=1)]] = Field(
-        default_factory=list,
-        description="lm-eval task names: raytrn's shipped ones (stdlib_next_line) or those of the task YAML files in "
-        "include_path; empty: no evaluation",
-    )
-    include_path: str | None = Field(
-        None,
-        description="a directory (local, shared filesystem or s3://) of lm-eval task YAML files over local "
-        "datasets: a prepared copy of a benchmark; nothing is downloaded from a hub",
-    )
-    every_n_checkpoints: int = Field(1, gt=0, le=10**6, description="evaluate every Nth committed checkpoint")
-    limit: int | None = Field(None, gt=0, le=10**9, description="examples per task (lm-eval's --limit); null: all")
-    batch_size: int = Field(8, gt=0, le=4096, description="lm-eval's batch size")
-    timeout_s: float = Field(
-        1800.0, gt=0, le=10**6, description="an evaluation (export + harness) still running after this is stopped"
-    )
-    num_cpus: float = Field(1.0, ge=0, le=4096, description="CPUs the evaluation task reserves")
-    device: Literal["cpu", "cuda"] = Field(
-        "cpu",
-        description="where lm-eval runs the exported model: cpu (a trn node's host CPUs: the harness has no Neuron "
-        "backend) or cuda (one GPU reserved)",
     )
 
 
