@@ -8,14 +8,15 @@ file and the one before it is tried; CheckpointError when the run has committed 
 - The driver (:func:`latest_checkpoint`) applies it with sizes only (a listing), before any worker starts, to
   say where the run resumes and pin its schedule; for a run without commit manifests (an older raytrn, the
   frozen XLA path) it falls back to Ray Train's newest recorded checkpoint (:func:`newest_pointer`).
-- The workers (:func:`resume_point`, a collective) apply it to the list rank 0 made, with ``checkpoint.verify:
+- The workers (:func:`resume_point`, a collective) apply it to the candidates rank 0 lists, one at a time (only
+  as far as the one resumed: a restart does not read every checkpoint's manifest), with ``checkpoint.verify:
   sha256`` each rank hashing a share of a candidate's files.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -94,9 +95,10 @@ def resume_point(job: JobSpec, *, rank: int, world_size: int, snapshot: int | No
     (a new run, one whose first save never finished, or one older than commit manifests: Ray Train's own
     checkpoint is then the one). A collective: every rank calls it, at the start.
 
-    Rank 0 lists the committed checkpoints whose files are there at their sizes, newest first; with
-    ``checkpoint.verify: sha256`` every rank then hashes a share of each candidate's files, newest first, until
-    one passes (:func:`newest_committed`).
+    Rank 0 lists the committed checkpoints whose files are there at their sizes, newest first, and hands them to
+    every rank one at a time; with ``checkpoint.verify: sha256`` every rank then hashes a share of each candidate's
+    files, until one passes (:func:`newest_committed`). The listing stops at the one resumed: the manifests of
+    older checkpoints are read only when a newer one fails.
 
     ``snapshot``: the step of a state the group restores instead when the newest committed checkpoint is not newer
     (an in-memory snapshot: the same state at the same step, read from memory). Then the storage is listed and that
@@ -108,16 +110,23 @@ def resume_point(job: JobSpec, *, rank: int, world_size: int, snapshot: int | No
 
     run = RunDir.of(job)
     listing: list[Any] = [None, False, False]
+    listed: Iterator[Candidate] = iter(())
     if rank == 0:
-        listed = manifest.candidates(run)  # lazily: behind a newer snapshot only the newest is read
+        listed = manifest.candidates(run)  # lazily: read only as far as the one resumed
         newest = next(listed, None)
-        if newest is not None and snapshot is not None and newest.commit.step <= snapshot:
-            listing = [[newest], True, True]
-        else:
-            listing = [[newest, *listed] if newest is not None else [], manifest.has_commits(run), False]
-    found, any_commits, older = agree.broadcast(listing)
+        older = newest is not None and snapshot is not None and newest.commit.step <= snapshot
+        listing = [newest, newest is not None or manifest.has_commits(run), older]
+    newest, any_commits, older = agree.broadcast(listing)
     if older:
-        return found[0] if found else None
+        return newest  # type: ignore[no-any-return]
+
+    def one_at_a_time() -> Iterator[Candidate]:
+        """Rank 0's candidates on every rank, in step (a broadcast each: every rank iterates as far as the others,
+        since the checks' outcomes are agreed). None at all: CheckpointError below when the run has commits."""
+        candidate = newest
+        while candidate is not None:
+            yield candidate
+            (candidate,) = agree.broadcast([next(listed, None)])
 
     def sha256(candidate: Candidate) -> list[str]:
         names = sorted(candidate.commit.files)[rank::world_size]
@@ -125,4 +134,5 @@ def resume_point(job: JobSpec, *, rank: int, world_size: int, snapshot: int | No
         return [p for problems in agree.gather(mine) for p in problems]
 
     check = sha256 if job.checkpoint.verify == "sha256" else None
-    return newest_committed(run, candidates=found, check=check, has_commits=lambda: any_commits, report=rank == 0)
+    candidates = one_at_a_time()
+    return newest_committed(run, candidates=candidates, check=check, has_commits=lambda: any_commits, report=rank == 0)

@@ -36,11 +36,13 @@ from raytrn.checkpoint import slabs
 
 @dataclass
 class Holding:
-    """What one store holds of one snapshot: the ranks whose files it has, and the manifest when it has it."""
+    """What one store holds of one snapshot: the ranks whose files it has, the manifest when it has it, and whether
+    the snapshot was sealed there (complete: every rank's files and the manifest were kept everywhere)."""
 
     ranks: set[int] = field(default_factory=set)
     manifest: dict[str, Any] | None = None
     nbytes: int = 0
+    sealed: bool = False
 
 
 class SnapshotStore:
@@ -147,6 +149,7 @@ class SnapshotStore:
                 ranks=set(self._files.get(s, {})),
                 manifest=self._manifests.get(s),
                 nbytes=sum(kept.nbytes for kept in self._files.get(s, {}).values()),
+                sealed=s == self._sealed,
             )
             for s in steps
         }
@@ -308,14 +311,27 @@ class Choice:
 
 def newest_restorable(holdings: Mapping[str, Mapping[int, Holding]], alive: Iterable[str]) -> Choice:
     """The newest snapshot whose manifest and every rank's files (0 .. the manifest's ``world_size`` - 1) are on
-    a store of a live node. ``holdings``: each node's :meth:`SnapshotStore.holdings`."""
+    a store of a live node. ``holdings``: each node's :meth:`SnapshotStore.holdings` (a lost node's: when last
+    asked). A lost node's snapshot older than one a live store sealed since is not named: that seal freed it."""
     live = {n: h for n, h in holdings.items() if n in set(alive)}
+    floor = max((s for h in live.values() for s, held in h.items() if held.sealed), default=-1)
     steps = sorted({s for h in holdings.values() for s in h}, reverse=True)
+    steps = [s for s in steps if s >= floor or any(s in h for h in live.values())]
     skipped: list[str] = []
     for step in steps:
         manifest = next((h[step].manifest for h in live.values() if step in h and h[step].manifest), None)
         if manifest is None:
-            skipped.append(f"snapshot {step}: no manifest on a live node (never completed, or only on lost nodes)")
+            # Sealed on a live store: it was complete, so its manifest was kept on nodes that are gone now.
+            lost = sorted(n for n, h in holdings.items() if n not in live and step in h and h[step].manifest)
+            complete = any(h[step].sealed for h in live.values() if step in h)
+            where = (
+                f"{'complete, but ' if complete else ''}its only copies were on lost node(s) {', '.join(lost)}"
+                if lost
+                else "complete, but its only copies were on nodes that no longer answer"
+                if complete
+                else "never completed, or only on lost nodes"
+            )
+            skipped.append(f"snapshot {step}: no manifest on a live node ({where})")
             continue
         world = int(manifest["world_size"])
         have = set().union(*(h[step].ranks for h in live.values() if step in h))

@@ -319,7 +319,8 @@ class TrackingConfig(Section):
         alias="register",
         description="what goes into the MLflow model registry under registered_model, with the alias 'candidate': "
         "'best' the checkpoint with the lowest val_loss (its model exported off the training loop; the alias moves "
-        "when a later checkpoint is better), 'last' the final model, 'none' nothing. null: 'last' when "
+        "when a later checkpoint is better, and not to a version worse than another run's candidate on the same "
+        "validation set), 'last' the final model, 'none' nothing. null: 'last' when "
         "registered_model is set, else 'none'",
     )
     registered_model: str | None = Field(

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 #: Where the newest worker-group restart restored from: ``memory:step_<N>`` (an in-memory snapshot), ``storage:step_<N>``
 #: (a committed checkpoint), ``none:step_0`` (neither yet).
 RESTORE_SOURCE_TAG = "raytrn.restore_source"
+#: Why the newest restart passed over newer in-memory snapshots ("; "-joined reasons; absent when it did not).
+RESTORE_PASSED_OVER_TAG = "raytrn.restore_passed_over"
 
 
 class TrackingActor(ProgressBoard):
@@ -157,14 +159,19 @@ class TrackingActor(ProgressBoard):
         self.world_sizes.append(step, world_size)
         self.logger.set_tags({WORLD_SIZE_TAG: self.world_sizes.tag()})
 
-    def restored(self, source: str | None, step: int, restore_s: float) -> dict[str, Any] | None:
+    def restored(
+        self, source: str | None, step: int, restore_s: float, passed_over: list[str] | None = None
+    ) -> dict[str, Any] | None:
         """A restart's restore, in MLflow: ``restore_s`` and ``steps_retrained`` at the restored step, and the tag
-        ``raytrn.restore_source`` (``storage:step_20``: the newest restart's)."""
-        record = super().restored(source, step, restore_s)
+        ``raytrn.restore_source`` (``storage:step_20``: the newest restart's), with ``raytrn.restore_passed_over``:
+        why it passed over newer in-memory snapshots, if it did."""
+        record = super().restored(source, step, restore_s, passed_over)
         if record is not None:
             metrics = {"restore_s": restore_s, "steps_retrained": float(record["steps_retrained"])}
             self.log_metrics(metrics, step, training=False)
-            self.logger.set_tags({RESTORE_SOURCE_TAG: f"{record['source']}:step_{step}"})
+            tags = {RESTORE_SOURCE_TAG: f"{record['source']}:step_{step}"}
+            tags[RESTORE_PASSED_OVER_TAG] = "; ".join(record.get("passed_over") or ["none"])[:4000]
+            self.logger.set_tags(tags)
         return record
 
     def first_step_done(self, step: int, since_launch_s: float, since_group_start_s: float) -> None:

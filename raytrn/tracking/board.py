@@ -51,11 +51,14 @@ class ProgressBoard:
         """Rank 0 trained ``step`` (between log steps)."""
         self.step_reached = max(self.step_reached, step)
 
-    def restored(self, source: str | None, step: int, restore_s: float) -> dict[str, Any] | None:
+    def restored(
+        self, source: str | None, step: int, restore_s: float, passed_over: list[str] | None = None
+    ) -> dict[str, Any] | None:
         """Rank 0 of a new worker group, before its :meth:`group_started`: it restored step ``step`` from ``source``
         (``memory``: an in-memory snapshot; ``storage``: a committed checkpoint; None: nothing, it starts at ``step``
-        0) in ``restore_s`` seconds. A restart (an earlier group of this job ran) is recorded, with the steps trained again: the highest step
-        reached minus ``step``; the job's first group is not (returns None)."""
+        0) in ``restore_s`` seconds, passing over newer snapshots for the reasons ``passed_over``. A restart (an
+        earlier group of this job ran) is recorded, with the steps trained again: the highest step reached minus
+        ``step``; the job's first group is not (returns None)."""
         if self.groups == 0:
             return None
         record = {
@@ -63,6 +66,7 @@ class ProgressBoard:
             "step": step,
             "restore_s": restore_s,
             "steps_retrained": max(0, self.step_reached - step),
+            **({"passed_over": list(passed_over)} if passed_over else {}),
         }
         self.restores.append(record)
         return record
@@ -208,5 +212,7 @@ def describe_restores(restores: list[dict[str, Any]]) -> str:
     parts = []
     for r in restores:
         where = "from step 0, no checkpoint yet" if r["source"] == "none" else f"from {r['source']} step {r['step']}"
-        parts.append(f"{where} (loaded in {r['restore_s']:.1f} s, {r['steps_retrained']} steps trained again)")
+        skipped = [why.split(":", 1)[0] for why in r.get("passed_over") or []]  # "snapshot 104"
+        newer = f", passed over {', '.join(skipped)} (see the log)" if skipped else ""
+        parts.append(f"{where} (loaded in {r['restore_s']:.1f} s, {r['steps_retrained']} steps trained again{newer})")
     return f"{len(restores)}: " + "; ".join(parts)

@@ -9,7 +9,10 @@ Held by the tracking actor (:mod:`raytrn.tracking.actor`), which tells it of eve
 - **registration** (``tracking.register``): ``best`` registers a checkpoint's exported model (Hugging Face files in
   the LoggedModel's artifacts, written off the training loop: :mod:`raytrn.evals`) when its ``val_loss`` is the
   run's best so far, and points the alias ``candidate`` at it: a later, better checkpoint moves the alias to its own
-  new version; a model is registered once. ``last``: the run's final model, at the end.
+  new version; a model is registered once. Each version is tagged with its ``val_loss`` and the validation set's
+  digest, so runs sharing a registered model (a sweep's trials) move ``candidate`` only to a better version: one
+  whose ``val_loss`` on the same validation set is lower than the candidate's (another validation set: the newest
+  wins, as the losses do not compare). ``last``: the run's final model, at the end.
 - **the run's output model**: the final step's LoggedModel (the run's ``model`` artifact is its export).
 
 Its MLflow calls run on its own thread in order, retried with backoff while the server is unreachable (training
@@ -36,6 +39,9 @@ CHECKPOINT_TAG = "raytrn.checkpoint"
 DELETED_TAG = "raytrn.deleted"
 REGISTERED_TAG = "raytrn.registered_version"
 REGISTERED_NAME_TAG = "raytrn.registered_model"
+#: A registered version's validation loss and the digest of the validation set it was measured on.
+VAL_LOSS_TAG = "raytrn.val_loss"
+VAL_SET_TAG = "raytrn.validation_set"
 MODEL_TYPE = "raytrn-checkpoint"
 #: The alias ``tracking.register`` moves; ``raytrn models promote`` sets others (``champion``).
 CANDIDATE = "candidate"
@@ -233,15 +239,56 @@ class CheckpointModels:
                 # MLflow links a version to a LoggedModel (model_id) only when its files are that model's own; the
                 # run's final export is the run's artifact: the link is then the tag
                 own = source is None
+                tags = {STEP_TAG: str(step), "raytrn.model_id": model_id, **self._validation_tags(step)}
                 created = self.client.create_model_version(
                     name, source=source or model.artifact_location, run_id=self.run()[0],
-                    model_id=model_id if own else None, tags={STEP_TAG: str(step), "raytrn.model_id": model_id},
+                    model_id=model_id if own else None, tags=tags,
                 )  # fmt: skip
                 version = str(created.version)
                 self.client.set_logged_model_tags(model_id, {REGISTERED_TAG: version, REGISTERED_NAME_TAG: name})
             self.registered[model_id] = version
+        better = self._better_candidate(name, version, step)
+        if better is not None:
+            log.info("registered step %d as %s version %s; %s stays: %s", step, name, version, CANDIDATE, better)
+            return
         self.client.set_registered_model_alias(name, CANDIDATE, version)
         log.info("registered step %d as %s version %s (alias %s)", step, name, version, CANDIDATE)
+
+    def _validation_tags(self, step: int) -> dict[str, str]:
+        """A version's ``val_loss`` and the digest of the validation set it was measured on (when known)."""
+        validation = self.datasets.get("validation")
+        if step not in self.val_loss or validation is None:
+            return {}
+        return {VAL_LOSS_TAG: repr(self.val_loss[step]), VAL_SET_TAG: validation.digest}
+
+    def _better_candidate(self, name: str, version: str, step: int) -> str | None:
+        """Why ``candidate`` stays where it is under ``register: best``: the version it names (another run's) has a
+        ``val_loss`` on the same validation set at most this one's. None: move it (no candidate yet, ``last``, no
+        loss to compare, or another validation set)."""
+        from mlflow.exceptions import MlflowException
+
+        ours = self._validation_tags(step)
+        if self.job.tracking.registers != "best" or not ours:
+            return None
+        try:
+            holder = self.client.get_model_version_by_alias(name, CANDIDATE)
+        except MlflowException as e:
+            if is_permanent(e):  # no candidate yet
+                return None
+            raise  # the server unreachable: this registration is tried again, later
+        theirs = holder.tags or {}
+        if str(holder.version) == version or theirs.get(VAL_SET_TAG) != ours[VAL_SET_TAG]:
+            return None
+        try:
+            loss = float(theirs[VAL_LOSS_TAG])
+        except (KeyError, ValueError):
+            return None
+        if loss > self.val_loss[step]:
+            return None
+        return (
+            f"version {holder.version} (run {holder.run_id}) has val_loss {loss:.4f} on the same validation set, "
+            f"this one {self.val_loss[step]:.4f}"
+        )
 
     def _id(self, step: int) -> str:
         if step not in self.ids:

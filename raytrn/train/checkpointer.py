@@ -87,6 +87,8 @@ class Checkpointer:
         #: the progress's) and the load's seconds (what the job's board records for a restart).
         self.restored_from: str | None = None
         self.restore_s = 0.0
+        #: Rank 0: why the newer in-memory snapshots were passed over (none: the newest was used, or none exists).
+        self.passed_over: tuple[str, ...] = ()
 
     # -- start ---------------------------------------------------------------------------------
     def find(self) -> Start:
@@ -94,6 +96,7 @@ class Checkpointer:
         the data feed starts where its counters say while the model builds)."""
         if self.backend.committed_checkpoints:
             snapshot = self.memory.newest() if self.memory is not None else None  # a collective
+            self.passed_over = self.memory.passed_over if self.memory is not None else ()
             # A collective too; behind a snapshot at least as new only the newest checkpoint's manifest is read.
             step = snapshot.step if snapshot is not None else None
             resume = resume_point(self.job, rank=self.rank, world_size=self.world_size, snapshot=step)

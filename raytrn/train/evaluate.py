@@ -22,6 +22,7 @@ from raytrn.data.manifest import Manifest, load_manifest, rows_per_group
 from raytrn.data.order import RankSlice, SampleOrder, iter_rows, plan_epoch
 from raytrn.data.source import block_arrays, slices
 from raytrn.errors import DataError
+from raytrn.train.loss import summed_losses
 from raytrn.train.step import Training, forward
 
 if TYPE_CHECKING:
@@ -65,8 +66,6 @@ class Evaluator:
     def evaluate(self, t: Training, backend: Backend) -> dict[str, float]:
         """``val_loss`` (mean over the trained tokens of the evaluated rows of every rank) and ``val_perplexity``. A
         collective: every rank calls it at the same step."""
-        import torch.nn.functional as F
-
         device = backend.device()
         was_training = t.model.training
         t.model.eval()
@@ -75,16 +74,9 @@ class Evaluator:
         try:
             for batch in self.batches:
                 logits, targets, mask, _ = forward(t, batch.to(device))
-                losses = F.cross_entropy(
-                    logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none"
-                )
-                if mask is None:
-                    loss_sum += losses.sum().double()
-                    count += losses.numel()
-                else:
-                    weights = mask.reshape(-1).to(losses.dtype)
-                    loss_sum += (losses * weights).sum().double()
-                    count += weights.sum().double()
+                summed, tokens = summed_losses(logits, targets, mask)  # (in chunks, as the training step's loss)
+                loss_sum += summed
+                count += tokens
         finally:
             t.model.train(was_training)
         totals = torch.stack([loss_sum, count])

@@ -64,7 +64,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         batches = feed.start(progress, rank)
     metrics = MetricsReporter(
         plan, t, backend, progress, rank=rank, world_size=world_size, local_rank=ctx.get_local_rank(), logger=tracker,
-        restored_from=checkpointer.restored_from, restore_s=checkpointer.restore_s, extra=memory.metrics,
+        restored_from=checkpointer.restored_from, restore_s=checkpointer.restore_s, passed_over=checkpointer.passed_over,
+        extra=memory.metrics,
     )  # fmt: skip
     checkpointer.cost_usd = metrics.cost_usd
     # NaN/inf steps: skipped; too many in a row: a rollback (once per job) or the run stops (raytrn.train.guard)

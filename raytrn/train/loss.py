@@ -7,7 +7,8 @@ NeuronCore. Above :data:`raytrn.config.sizes.LOSS_CHUNK_LOGITS` logits the loss 
 gradient with its loss (softmax minus the one-hot target, in float32, stored in the logits' dtype): the float32
 copies exist for one chunk at a time and backward only scales the stored gradient (the fused cross entropy of
 Liger-Kernel and torchtune's chunked loss, without their kernels). The same maths as autograd's, summed in another
-order. :mod:`raytrn.estimate.memory` counts both.
+order. :mod:`raytrn.estimate.memory` counts both. Validation (:func:`summed_losses`, no gradient) takes the same
+chunks, so an evaluation never needs more memory for its logits than the training step.
 """
 
 from __future__ import annotations
@@ -38,6 +39,27 @@ def masked_loss_sum(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Ten
         return _ChunkedCrossEntropy.apply(flat, flat_targets, weights, rows)
     losses = F.cross_entropy(flat.float(), flat_targets, reduction="none")
     return (losses * weights).sum()
+
+
+@torch.no_grad()
+def summed_losses(
+    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next-token cross entropy (fp32 logits) summed over the targets ``mask`` selects (all without one), and
+    their count, both float64; no gradient. Above the chunk limit a chunk of rows at a time, as training's loss."""
+    flat, flat_targets = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
+    weights = None if mask is None else mask.reshape(-1).to(torch.float32)
+    rows = sizes.loss_chunk_rows(flat.size(0), flat.size(-1)) or max(1, flat.size(0))
+    total = torch.zeros((), dtype=torch.float64, device=logits.device)
+    for start in range(0, flat.size(0), rows):
+        losses = F.cross_entropy(
+            flat[start : start + rows].float(), flat_targets[start : start + rows], reduction="none"
+        )
+        if weights is not None:
+            losses = losses * weights[start : start + rows]
+        total += losses.sum().double()
+    count = weights.sum().double() if weights is not None else torch.tensor(float(flat.size(0)), dtype=torch.float64)
+    return total, count.to(logits.device)
 
 
 def chunk_rows(flat: torch.Tensor) -> int | None:

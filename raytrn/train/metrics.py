@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -62,10 +62,11 @@ class MetricsReporter:
         logger: RemoteLogger | None,
         restored_from: str | None = None,
         restore_s: float = 0.0,
+        passed_over: Sequence[str] = (),
         extra: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         """``restored_from``, ``restore_s``: where the group's state (at ``progress.step``) came from and the load's
-        seconds; rank 0 posts them to the board. ``extra``: more metrics of a log step (another component's: the
+        seconds, and why newer in-memory snapshots were passed over (``passed_over``); rank 0 posts them to the board. ``extra``: more metrics of a log step (another component's: the
         in-memory snapshots' bytes)."""
         job = self.job = plan.job
         self.t, self.progress, self.world_size = t, progress, world_size
@@ -87,7 +88,7 @@ class MetricsReporter:
         self.tokens_per_step = t.grad_accum * job.data.micro_batch_size * job.data.seq_len * t.data_parallel_size
         if self.board is not None:  # the job's board counts the worker groups (and records world_size_history)
             # First: the board counts a restart's steps trained again.
-            self.board.restored.remote(restored_from, progress.step, restore_s)
+            self.board.restored.remote(restored_from, progress.step, restore_s, list(passed_over))
             self.board.group_started.remote(progress.step, world_size)
         self._reached_at = time.monotonic()
         self.efficiency = None

@@ -85,6 +85,8 @@ class MemorySnapshots:
         self.generation = 0
         #: Rank 0: the bytes each node's store held after the last complete snapshot (``memory_checkpoint_bytes``).
         self.held: dict[str, int] = {}
+        #: Rank 0, after :meth:`newest`: why each newer snapshot was passed over (the restart's record keeps them).
+        self.passed_over: tuple[str, ...] = ()
         self._writing: _Writing | None = None
         #: The training's wait for the last completed snapshot: its staging and its completion
         #: (``memory_snapshot_blocked_s``; the write and the copies run beside the next step).
@@ -121,8 +123,10 @@ class MemorySnapshots:
                     ray.get(self.keeper.forget_rollback.remote(int(first)), timeout=120)
                 choice = ray.get(self.keeper.choose.remote(), timeout=60)
             except Exception as e:  # the tier never stops a restart: the durable checkpoint is there
-                log.warning("in-memory snapshots: could not ask the stores (%s); resuming from storage", e)
+                self.passed_over = (f"could not ask the stores ({type(e).__name__}: {e})",)
+                log.warning("in-memory snapshots: %s; resuming from storage", self.passed_over[0])
             else:
+                self.passed_over = choice.skipped
                 for why in choice.skipped:
                     log.warning("in-memory snapshots: %s; trying the one before", why)
                 if choice.step is not None and choice.manifest is not None:

@@ -380,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             resumes=_resumes(trace),
             # Each restart's {source, step, steps_retrained} as the job's board counted it (the run's summary).
             restores=list(outcome["summary"].restores) if "summary" in outcome else [],
+            summary_text=outcome["summary"].render() if "summary" in outcome else "",
             work=str(work),
         )
         if args.reference:

@@ -9,7 +9,8 @@ snapshot's only copies among them). Then the same job and seed on 1 worker, unin
 Asserted: the run reaches ``max_steps`` and ends FINISHED; every step is logged exactly once; every step trained
 on the same rows as the uninterrupted run, and every epoch on each of its rows exactly once; the losses within
 ``LOSS_TOLERANCE`` of the uninterrupted run's at every step. The killed worker, the lost node and each return
-restore from the newest snapshot in memory: at most one step trained again, and of the checkpoint storage only
+restore from the newest snapshot in memory (or the checkpoint, when no complete snapshot is newer): at most one step
+trained again, and from a snapshot, of the checkpoint storage only
 manifests read (the newest checkpoint's, to compare), none of its files (counted in the S3 server's log). After
 the lost node the group restarts at 2 at once (sized from the live cluster, no wait on Ray's 60 s start timeout);
 the returning node is used; the preemption notice loses no step; the S3 outage restarts nothing and the
@@ -98,10 +99,17 @@ def test_chaos_suite(tiny_dataset, tmp_path):
         assert event["scale_up_s"] < RESIZE_INTERVAL_S + 90, event
 
     # A worker killed, a node lost, a node back: from the newest snapshot in memory, at most one step again, no
-    # checkpoint file read.
+    # checkpoint file read. Or from the committed checkpoint when it is as new as any complete snapshot: a node lost
+    # while the snapshot of a checkpoint's step was being made (seen here: the lost node's group was at step 20,
+    # snapshot 20 never completed, checkpoint 20 was committed; snapshot 19 is older).
     for event, restore in ((kill, r_kill), (remove, r_remove), (add, r_add), (add2, r_add2)):
-        assert restore["source"] == "memory" and restore["steps_retrained"] <= 1, (event, restores)
-        assert _no_checkpoint_file_read(event), event
+        assert restore["steps_retrained"] <= 1, (event, restores)
+        if restore["source"] == "memory":
+            assert _no_checkpoint_file_read(event), event
+        else:
+            assert restore["source"] == "storage" and restore["step"] % EVERY == 0, (event, restores)
+            newer = [why for why in restore.get("passed_over", []) if int(why.split()[1].rstrip(":")) > restore["step"]]
+            assert all("no manifest on a live node" in why for why in newer), (event, restore)
     # The old group's last step started, less the step restored: that one step, and the step it had begun (whose
     # snapshot was still being written when the worker died: measured here, 10 started, restored at 8).
     assert kill["steps_lost"] <= 2 and remove["steps_lost"] <= 2, (kill, remove)
@@ -121,13 +129,17 @@ def test_chaos_suite(tiny_dataset, tmp_path):
     assert remove2["restarted_dp"] == 1, remove2
     assert r_remove2["source"] == "storage" and r_remove2["steps_retrained"] <= EVERY, (remove2, r_remove2)
     assert remove2["steps_lost"] <= EVERY and remove2["resumed_from_step"] % EVERY == 0, remove2
-    # (the reason's text can be cut by another process's lines written into the same log, seen in a rehearsal: only
-    # its start, which names the lost nodes, is matched)
-    passed_over = re.findall(
-        r"in-memory snapshots: snapshot (\d+): rank\(s\) [\d, ]+ of 3 missing \((?:node\(s\) |their only copies were on "
-        r"lost)", log
-    )  # fmt: skip
-    assert any(int(step) > r_remove2["step"] for step in passed_over), (passed_over, log[-3000:])
+    # Why, from the restart's record (the log's warning can be cut by another process's lines, seen in CI): a complete
+    # snapshot's rank files, or rank 0's manifest, had their only copies on the lost nodes (which: where rank 0 was).
+    complete_but_lost = (
+        r"snapshot (\d+): (?:rank\(s\) [\d, ]+ of 3 missing \(.*lost|no manifest on a live node \(complete, but)"
+    )
+    passed_over = [
+        int(m.group(1)) for why in r_remove2.get("passed_over", []) if (m := re.match(complete_but_lost, why))
+    ]
+    # (at least as new as the checkpoint restored: the lost one may have been of a checkpoint's step)
+    assert any(step >= r_remove2["step"] for step in passed_over), r_remove2
+    assert "passed over snapshot" in result["summary_text"], result["summary_text"]
     # Every restart resumed from what the board says: a snapshot by its step, or a committed checkpoint.
     resumes = result["resumes"]
     assert len(resumes) == len(restores), (resumes, restores)

@@ -64,8 +64,9 @@ def test_a_snapshot_survives_its_nodes_store_and_restores_exactly_from_the_repli
         ray.kill(stores["b"], no_restart=True)
         _wait_gone(stores["b"])
         none = tier.choose(timeout_s=10)
-        why = "no manifest on a live node (never completed, or only on lost nodes)"
-        assert none.step is None and none.skipped == (f"snapshot 3: {why}", f"snapshot 2: {why}"), none
+        never = "snapshot 3: no manifest on a live node (never completed, or only on lost nodes)"
+        lost = "snapshot 2: no manifest on a live node (its only copies were on lost node(s) a, b)"
+        assert none.step is None and none.skipped == (never, lost), none
     finally:
         tier.shutdown()
     # Every slab is gone, also those of a's store, killed before it could remove them.

@@ -294,3 +294,69 @@ def test_storage_that_cannot_be_listed_fails_the_driver_instead_of_starting_the_
     with pytest.raises(CheckpointError, match="cannot list"):
         latest_checkpoint(j, committed=False)
     assert tidy_pointers(RunDir.of(j)) == []
+
+
+def test_a_restart_reads_the_manifests_only_as_far_as_the_checkpoint_it_resumes(tmp_path: Path, monkeypatch) -> None:
+    """Five committed checkpoints: a restart reads the newest's manifest, not all five (on S3 each is a GET); when
+    the newest fails its hash, the one before it is read next, and no further."""
+    from raytrn.checkpoint import manifest
+
+    j = job(tmp_path, "checkpoint.keep_last=null")
+    t = trained(j)
+    for step in (1, 2, 3, 4, 5):
+        save(t, j, step)
+    reads: list[str] = []
+    real = manifest.read_commit
+    monkeypatch.setattr(manifest, "read_commit", lambda location: reads.append(Path(location).name) or real(location))
+    assert resume_point(j, rank=0, world_size=1).commit.step == 5
+    assert reads == ["step_00000005"]
+    shard = root(j) / "step_00000005" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    reads.clear()
+    assert resume_point(j, rank=0, world_size=1).commit.step == 4
+    assert reads == ["step_00000005", "step_00000004"]
+
+
+def _resume_rank(rank: int, world: int, port: int, tmp: str, out: Any) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from raytrn.checkpoint import manifest
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    reads: list[str] = []
+    real = manifest.read_commit
+    manifest.read_commit = lambda location: reads.append(Path(location).name) or real(location)  # type: ignore[assignment]
+    chosen = resume_point(job(Path(tmp), "checkpoint.keep_last=null"), rank=rank, world_size=world)
+    out[rank] = (chosen.commit.step if chosen else None, reads)
+    dist.destroy_process_group()
+
+
+def test_two_ranks_walk_the_candidates_in_step_to_the_same_checkpoint(tmp_path: Path) -> None:
+    """A collective: rank 0 lists, each rank hashes its share of each candidate's files; the newest fails (a bit
+    flipped in a shard one of them hashes), so both ranks move on to the one before together and agree on it. Only
+    rank 0 reads manifests, as far as that one."""
+    import socket
+    import time
+
+    import torch.multiprocessing as mp
+
+    j, _, _ = _two_saves_the_newest_bit_flipped(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        ctx = mp.start_processes(
+            _resume_rank, args=(2, port, str(tmp_path), out), nprocs=2, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + 120
+        while not ctx.join(timeout=1):
+            assert time.monotonic() < deadline, "the ranks did not agree within 120 s"
+        results = dict(out)
+    assert results == {0: (2, ["step_00000004", "step_00000002"]), 1: (2, [])}

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from raytrn.config import sizes
-from raytrn.train.loss import cross_entropy, masked_loss_sum
+from raytrn.train.loss import cross_entropy, masked_loss_sum, summed_losses
 
 pytestmark = pytest.mark.unit
 
@@ -87,3 +87,32 @@ def test_a_train_step_with_the_loss_in_chunks_trains_like_one_piece(monkeypatch,
     assert chunked_losses == pytest.approx(one_losses, rel=1e-5)
     for a, b in zip(chunked_weights, one_weights, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["all", "masked"])
+def test_validation_sums_the_same_loss_in_chunks_without_a_gradient(monkeypatch, masked) -> None:
+    """Validation's summed loss (no gradient, so the training loss's chunking does not apply to it) takes the same
+    chunks: never a float32 copy of every logit, and the same sum and count as autograd's in one piece."""
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(2, TOKENS, VOCAB, generator=gen) * 3).to(torch.bfloat16)
+    targets = torch.randint(0, VOCAB, (2, TOKENS), generator=gen)
+    mask = torch.rand(2, TOKENS, generator=gen) > 0.3 if masked else None
+    reference = F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1), reduction="none")
+    weights = mask.reshape(-1).double() if mask is not None else torch.ones(2 * TOKENS, dtype=torch.float64)
+    expected = (reference.double() * weights).sum()
+    whole, count = summed_losses(logits, targets, mask)
+    assert (whole.dtype, count.item()) == (torch.float64, weights.sum().item())
+    assert whole.item() == pytest.approx(expected.item(), rel=1e-6)
+
+    monkeypatch.setattr(sizes, "LOSS_CHUNK_LOGITS", 10 * VOCAB)  # chunks of 10 rows
+    widest: list[int] = []
+    real = F.cross_entropy
+
+    def spy(x, *args, **kwargs):
+        widest.append(x.size(0))
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(F, "cross_entropy", spy)
+    chunked, chunk_count = summed_losses(logits, targets, mask)
+    assert max(widest) == 10 and len(widest) == -(-2 * TOKENS // 10), widest  # one float32 chunk at a time
+    assert chunk_count.item() == count.item() and chunked.item() == pytest.approx(whole.item(), rel=1e-6)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -283,6 +284,7 @@ def test_sealing_a_snapshot_frees_the_older_ones_and_refuses_writes_to_them() ->
         store.put_manifest(step, {"step": step, "world_size": 1})
     store.seal(5)
     assert sorted(store.holdings()) == [5, 6]  # 6 is newer than the complete one: kept
+    assert [(s, h.sealed) for s, h in sorted(store.holdings().items())] == [(5, True), (6, False)]
     assert store.read(4, "__0_0.distcp") is None and store.read(5, "__0_0.distcp") == bytes([5]) * 100
     assert store.put(5, 0, {"__0_0.distcp": b""}) == "snapshot 5 is not newer than the complete snapshot 5"
     store.drop(6)
@@ -321,7 +323,21 @@ def test_the_newest_snapshot_on_live_nodes_is_chosen() -> None:
     # n1 lost: rank 0's files live on n2 too, but the manifest only on n1 (it must be replicated like the files).
     lost_n1 = newest_restorable(holdings, ["n2", "n3"])
     assert lost_n1.step is None
-    assert lost_n1.skipped[0].startswith("snapshot 10: no manifest on a live node")
+    assert lost_n1.skipped[0] == "snapshot 10: no manifest on a live node (its only copies were on lost node(s) n1)"
+    # Sealed on a live store (so it was complete), its manifest only on n1: what n1 held when last asked predates it.
+    holdings["n2"][10].sealed = True
+    assert newest_restorable(holdings, ["n2", "n3"]).skipped[0] == (
+        "snapshot 10: no manifest on a live node (complete, but its only copies were on lost node(s) n1)"
+    )
+    del holdings["n1"][10]
+    assert newest_restorable(holdings, ["n2", "n3"]).skipped[0] == (
+        "snapshot 10: no manifest on a live node (complete, but its only copies were on nodes that no longer answer)"
+    )
+    # A snapshot whose manifest no store ever had (rank 0 died before it): never completed.
+    holdings["n2"][10].sealed = False
+    assert newest_restorable(holdings, ["n2", "n3"]).skipped[0] == (
+        "snapshot 10: no manifest on a live node (never completed, or only on lost nodes)"
+    )
 
 
 def test_a_snapshot_whose_only_copy_was_on_a_lost_node_is_skipped_for_the_older_one_saying_why() -> None:
@@ -537,3 +553,17 @@ def test_a_write_that_does_not_end_in_time_stops_the_groups_snapshots(tmp_path, 
     assert not snaps.taking and snaps._writing is None
     messages = [r.getMessage() for r in caplog.records]
     assert any("stop for this worker group: snapshot 5: not written within 0 s" in m for m in messages), messages
+
+
+def test_a_lost_nodes_old_snapshots_are_not_named_once_a_live_store_sealed_a_newer_one() -> None:
+    """What a node lost long ago held when last asked (snapshot 8) is older than what the live stores sealed since
+    (12): freed everywhere, so the restart's reasons do not name it; the live stores' own older snapshots still
+    count."""
+    holdings = {
+        "n0": {8: _holding({0}, 8)},  # lost at an earlier restart
+        "n1": {12: replace(_holding({0}, 12), sealed=True), 13: _holding({0})},
+        "n2": {11: _holding({1}, 11), 12: replace(_holding({1}), sealed=True)},
+    }
+    choice = newest_restorable(holdings, ["n1", "n2"])
+    assert choice.step is None
+    assert [why.split(":")[0] for why in choice.skipped] == ["snapshot 13", "snapshot 12", "snapshot 11"]

@@ -24,6 +24,10 @@ def test_a_restart_records_its_source_step_and_the_steps_trained_again() -> None
     board.update(50, 100, {"loss": 0.9})
     assert board.restored(None, 0, 0.0) == {"source": "none", "step": 0, "restore_s": 0.0, "steps_retrained": 50}
     assert board.snapshot()["restores"] == [record, board.restores[1]]
+    # A restart that passed over newer in-memory snapshots keeps why (the run's summary names them).
+    why = "snapshot 52: rank(s) 1 of 2 missing (their only copies were on lost node(s) n2)"
+    board.group_started(0, 1)
+    assert board.restored("storage", 50, 0.1, [why])["passed_over"] == [why]
 
 
 def test_the_summary_names_each_restart() -> None:
@@ -36,3 +40,9 @@ def test_the_summary_names_each_restart() -> None:
     fresh = {"source": "none", "step": 0, "restore_s": 0.0, "steps_retrained": 3}
     text = Summary(**base, restores=[stored, fresh]).render()
     assert "2: from storage step 20 (loaded in 0.4 s, 8 steps trained again); from step 0, no checkpoint yet (" in text
+    passed = {**stored, "passed_over": ["snapshot 23: rank(s) 0 of 3 missing (…)", "snapshot 22: no manifest (…)"]}
+    text = Summary(**base, restores=[passed]).render()
+    assert (
+        "from storage step 20 (loaded in 0.4 s, 8 steps trained again, passed over snapshot 23, snapshot 22 (see the log))"
+        in text
+    )

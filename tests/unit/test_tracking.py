@@ -138,6 +138,8 @@ def test_tracking_actor_drops_the_steps_a_restarted_group_repeats(tmp_path):
     assert actor.restored("storage", 5, 0.1)["steps_retrained"] == 15
     assert actor.close(30) == 0
     client = MlflowClient(uri)
+    tags = client.get_run(run_id).data.tags
+    assert (tags["raytrn.restore_source"], tags["raytrn.restore_passed_over"]) == ("storage:step_5", "none")
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == [
         (5, 5.0), (10, 10.0), (15, 15.0), (20, 120.0),
     ]  # fmt: skip
