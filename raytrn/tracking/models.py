@@ -107,6 +107,7 @@ class CheckpointModels:
         self.val_loss: dict[int, float] = {}
         self.registered: dict[str, str] = {}  # model id -> version
         self.candidate: int | None = None  # the step this run last registered (points the alias at)
+        self._history: dict[str, dict[int, tuple[int, float]]] = {}  # key -> step -> an earlier invocation's row
         self.failed = 0
         self._recovered = False
         self._ops: deque[tuple[str, Callable[[], None]]] = deque()
@@ -206,12 +207,24 @@ class CheckpointModels:
         out = []
         for key, value in scores.items():
             ref = self.datasets.get(dataset or LINKED.get(key, ""))
-            # the run's own row of this metric, when it was logged: the same row (MLflow keeps one)
-            stamp = self.logger.timestamp_of(key, step) or int(time.time() * 1000)
+            # The run's own row of this metric at this step, when it has one, is linked (MLflow keeps one row): logged
+            # by this invocation (its timestamp), or by an earlier one (a resumed run drops the steps it repeats).
+            stamp = self.logger.timestamp_of(key, step)
+            if stamp is None:
+                stamp, value = self._earlier_row(key, step) or (int(time.time() * 1000), value)
             out.append(Metric(key, value, stamp, step, model_id=model_id, dataset_name=ref.name if ref else None,
                               dataset_digest=ref.digest if ref else None))  # fmt: skip
         if out:
             self.logger.log_metric_objects(out)
+
+    def _earlier_row(self, key: str, step: int) -> tuple[int, float] | None:
+        """The run's row of ``key`` at ``step`` (timestamp, value) that an earlier invocation logged, else None. The
+        metric's history is read once (only a resumed run, linking a step it did not log itself, needs it)."""
+        if key not in self._history:
+            run_id = self.run()[0]
+            assert run_id is not None
+            self._history[key] = {m.step: (m.timestamp, m.value) for m in self.client.get_metric_history(run_id, key)}
+        return self._history[key].get(step)
 
     def _tag(self, step: int, tags: dict[str, str]) -> None:
         self.client.set_logged_model_tags(self._id(step), tags)
