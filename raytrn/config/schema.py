@@ -557,6 +557,13 @@ class JobSpec(Section):
             )
 
     @property
+    def reads_checkpoints_off_loop(self) -> bool:
+        """Whether committed checkpoints are read off the training loop (``eval.tasks``, or ``register: best``'s
+        exports): the driver starts the evaluator (:mod:`raytrn.evals.runner`) and rank 0 pins each checkpoint for
+        it (:mod:`raytrn.checkpoint.pins`); the two must agree, so both ask this."""
+        return bool(self.eval.tasks) or self.tracking.registers == "best"
+
+    @property
     def run_name(self) -> str:
         """The fixed run name, or a new timestamped one (fixed for the job by ``resolve_paths``)."""
         if self.tracking.run_name:

@@ -229,7 +229,7 @@ def start_evaluator(job: JobSpec, tracker: Any, uri: str) -> Any:
 
     from raytrn.runtime import on_this_node
 
-    if not job.eval.tasks and job.tracking.registers != "best":
+    if not job.reads_checkpoints_off_loop:
         return None
     actor = ray.remote(num_cpus=0)(CheckpointEvaluator).options(**on_this_node()).remote(job, tracker, uri)
     ray.get(tracker.set_evaluator.remote(actor), timeout=60)

@@ -227,7 +227,7 @@ class Checkpointer:
         if self.rank != 0 or saved.write is None:
             ray.train.report(saved.report, checkpoint=None)
             return
-        if self.job.eval.tasks or self.job.tracking.registers == "best":  # the evaluator reads it off the loop: kept
+        if self.job.reads_checkpoints_off_loop:  # the evaluator reads it off the loop: kept
             pin(RunDir.of(self.job), saved.step, ttl_s=pin_ttl_s(self.job))  # from retention until it is done
         name = RunDir.pointer_name(saved.step)
         with tempfile.TemporaryDirectory(prefix="raytrn-ckpt-") as d:

@@ -66,8 +66,8 @@ class MetricsReporter:
         extra: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         """``restored_from``, ``restore_s``: where the group's state (at ``progress.step``) came from and the load's
-        seconds, and why newer in-memory snapshots were passed over (``passed_over``); rank 0 posts them to the board. ``extra``: more metrics of a log step (another component's: the
-        in-memory snapshots' bytes)."""
+        seconds, and why newer in-memory snapshots were passed over (``passed_over``); rank 0 posts them to the
+        board. ``extra``: more metrics of a log step (another component's: the in-memory snapshots' bytes)."""
         job = self.job = plan.job
         self.t, self.progress, self.world_size = t, progress, world_size
         self.started_at = plan.started_at
