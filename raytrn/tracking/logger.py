@@ -72,7 +72,7 @@ class AsyncLogger:
         self._cond = threading.Condition()
         self._metrics: deque[tuple[Any, bool]] = deque()  # (mlflow Metric, is a training metric)
         self._tags: dict[str, str] = {}
-        self._stamps: dict[tuple[str, int], int] = {}  # (key, step) -> timestamp, the newest _REMEMBERED
+        self._rows: dict[tuple[str, int], tuple[int, float]] = {}  # (key, step) -> (timestamp, value), newest ones
         self._in_flight = 0
         self._closing = False
         self._down_since: float | None = None
@@ -98,11 +98,11 @@ class AsyncLogger:
         """Queue MLflow ``Metric`` objects as they are (a LoggedModel's: ``model_id``, dataset); not training ones."""
         self._queue(metrics, False)
 
-    def timestamp_of(self, key: str, step: int) -> int | None:
-        """The timestamp this logger gave ``key`` at ``step`` (one of the latest :data:`_REMEMBERED`), or None: a row
-        logged again with it (a LoggedModel's link) is the same row to MLflow."""
+    def row_of(self, key: str, step: int) -> tuple[int, float] | None:
+        """The timestamp and value this logger gave ``key`` at ``step`` (one of the latest :data:`_REMEMBERED`), or
+        None: a row logged again with both (a LoggedModel's link) is the same row to MLflow."""
         with self._cond:
-            return self._stamps.get((key, step))
+            return self._rows.get((key, step))
 
     def _queue(self, metrics: list[Any], training: bool) -> None:
         with self._cond:
@@ -111,9 +111,9 @@ class AsyncLogger:
                 return
             for metric in metrics:
                 self._metrics.append((metric, training))
-                self._stamps[(metric.key, metric.step)] = metric.timestamp
-            while len(self._stamps) > _REMEMBERED:
-                del self._stamps[next(iter(self._stamps))]
+                self._rows.setdefault((metric.key, metric.step), (metric.timestamp, metric.value))
+            while len(self._rows) > _REMEMBERED:
+                del self._rows[next(iter(self._rows))]
             overflow = len(self._metrics) - self._max_buffered
             if overflow > 0:  # a very long outage: keep the newest, say how many were dropped
                 for _ in range(overflow):

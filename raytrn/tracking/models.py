@@ -208,10 +208,11 @@ class CheckpointModels:
         for key, value in scores.items():
             ref = self.datasets.get(dataset or LINKED.get(key, ""))
             # The run's own row of this metric at this step, when it has one, is linked (MLflow keeps one row): logged
-            # by this invocation (its timestamp), or by an earlier one (a resumed run drops the steps it repeats).
-            stamp = self.logger.timestamp_of(key, step)
-            if stamp is None:
-                stamp, value = self._earlier_row(key, step) or (int(time.time() * 1000), value)
+            # by this invocation, or by an earlier one (a restarted group or a resumed run drops the steps it repeats,
+            # and its value of a retrained step differs in the last bits: the run's row is the one kept).
+            stamp, value = (
+                self.logger.row_of(key, step) or self._earlier_row(key, step) or (int(time.time() * 1000), value)
+            )
             out.append(Metric(key, value, stamp, step, model_id=model_id, dataset_name=ref.name if ref else None,
                               dataset_digest=ref.digest if ref else None))  # fmt: skip
         if out:

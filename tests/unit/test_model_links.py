@@ -37,12 +37,14 @@ def test_a_resumed_run_links_the_earlier_invocations_row_not_a_second_one(tmp_pa
     for step in range(4, 8):
         second.log_metrics({"loss": 10.0 - step + 0.001}, step)  # (retrained: the last bits differ)
     second.checkpoint_saved(6, "/ckpt/step_6", None, metrics={"loss": 4.001})
-    second.checkpoint_saved(7, "/ckpt/step_7", None, metrics={"loss": 3.001})
+    # step 7's checkpoint from a group that retrained it after a restart in this invocation: the run kept the first
+    # group's row (3.001); the retrained value differs in the last bits
+    second.checkpoint_saved(7, "/ckpt/step_7", None, metrics={"loss": 3.0015})
     assert second.models is not None and second.models.flush(30) and second.close(30) == 0
 
     history = [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")]
     assert sorted(history) == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 5.0), (6, 4.0), (7, 3.001)]
     models = {m.tags["raytrn.step"]: m for m in client.search_logged_models([experiment])}
     linked = {step: [(x.key, x.value) for x in m.metrics or []] for step, m in models.items()}
-    # step 6's model: the run's row of step 6 (the first invocation's), step 7's: the second's own
+    # step 6's model: the run's row of step 6 (the first invocation's), step 7's: the second invocation's row
     assert linked == {"3": [("loss", 7.0)], "6": [("loss", 4.0)], "7": [("loss", 3.001)]}
