@@ -122,7 +122,6 @@ def bare_main(args: argparse.Namespace) -> None:
 
 def _stock_loop(config: dict[str, Any]) -> None:
     """A minimal Ray Train loop: prepare_model, the dataset shard, the step, report metrics every log_every."""
-    import numpy as np
     import ray.train
     import ray.train.torch
     import torch
@@ -131,28 +130,7 @@ def _stock_loop(config: dict[str, Any]) -> None:
     model, opt, sched = _model_and_optimizer(job)
     model = ray.train.torch.prepare_model(model)
     model.train()
-    mb = bench.micro_batch_size
-
-    def collate(batch: dict[str, Any]) -> torch.Tensor:
-        col = batch["input_ids"]
-        arr = np.stack(col) if col.dtype == object else np.asarray(col)
-        return torch.from_numpy(arr.astype(np.int64, copy=False))
-
-    shard = ray.train.get_dataset_shard("train")
-
-    def batches() -> Any:
-        epoch = 0
-        while True:
-            yield from shard.iter_torch_batches(
-                batch_size=mb,
-                drop_last=True,
-                local_shuffle_buffer_size=8 * mb,
-                local_shuffle_seed=job.run.seed + epoch,
-                collate_fn=collate,
-            )
-            epoch += 1
-
-    it = batches()
+    it = stock_batches(job, bench)
     points, first_step_at = [], None
     for step in range(1, bench.steps + 1):
         loss = _step(model, opt, sched, next(it), job.optim.grad_clip_norm)
@@ -166,6 +144,32 @@ def _stock_loop(config: dict[str, Any]) -> None:
     tps = steady_rate(points, bench.warmup, bench.tokens_per_step(job.data.seq_len))
     with open(config["out"], "w") as f:
         json.dump({"tokens_per_s": tps, "first_step_at": first_step_at, "threads": torch.get_num_threads()}, f)
+
+
+def stock_batches(job: Any, bench: BenchJob) -> Any:
+    """Endless micro-batches of the Ray Data shard ``train``, as a stock Ray Train loop reads them (a local shuffle)."""
+    import numpy as np
+    import ray.train
+    import torch
+
+    mb = bench.micro_batch_size
+
+    def collate(batch: dict[str, Any]) -> torch.Tensor:
+        col = batch["input_ids"]
+        arr = np.stack(col) if col.dtype == object else np.asarray(col)
+        return torch.from_numpy(arr.astype(np.int64, copy=False))
+
+    shard = ray.train.get_dataset_shard("train")
+    epoch = 0
+    while True:
+        yield from shard.iter_torch_batches(
+            batch_size=mb,
+            drop_last=True,
+            local_shuffle_buffer_size=8 * mb,
+            local_shuffle_seed=job.run.seed + epoch,
+            collate_fn=collate,
+        )
+        epoch += 1
 
 
 def stock_main(args: argparse.Namespace) -> None:

@@ -255,6 +255,20 @@ def route_ray_output(name: str, *, verbose: bool = False, directory: str = RAY_L
 
 
 _ray_log_path: str | None = None  # set by route_ray_output, applied by ensure_ray
+_log_file: _PlainFile | None = None  # where Ray's lines go once ensure_ray applied route_ray_output
+
+
+def ray_train_console() -> logging.Handler:
+    """Where Ray Train's controller, run in this process (:func:`raytrn.compat.hosted_trainer`), writes the lines it
+    would print: the run's Ray log (:func:`route_ray_output`) when Ray's lines go there; else stderr, warnings and
+    errors only (raytrn prints its own line for each restart, resize and notice: :mod:`raytrn.train.events`)."""
+    if _log_file is not None:
+        handler: logging.Handler = logging.StreamHandler(_log_file)
+        handler.setFormatter(logging.Formatter("%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"))
+        return handler
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    return handler
 
 
 def _start_routing() -> None:
@@ -269,6 +283,8 @@ def _start_routing() -> None:
     except OSError as e:  # not writable here: Ray's lines stay on the terminal
         print(f"raytrn: Ray's lines stay on the terminal ({path}: {e.strerror or e})", file=sys.stderr, flush=True)
         return
+    global _log_file
+    _log_file = log_file
     route_worker_output(_RayLines(log_file))
     ray_logger = logging.getLogger("ray")
     for handler in ray_logger.handlers:  # Ray's console handler: errors only

@@ -1,7 +1,7 @@
 """A training worker's SIGTERM (a scheduler's stop, ``ray stop`` on its node): flagged the moment it arrives, so the
 loop can checkpoint at the next step and exit once the checkpoint is committed (:mod:`raytrn.train.preemption`).
 
-Installed on every worker at start by raytrn's Ray Train backend config (:mod:`raytrn.backends.ray_torch`); read
+Installed on every worker at start by raytrn's Ray Train backend (:mod:`raytrn.backends.ray_backend`); read
 by the loop every step. A process-level piece with no dependency on training, so the backends can install it.
 """
 

@@ -16,14 +16,12 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import logging
-import os
 import re
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ray.train.backend import Backend as RayBackend
-from ray.train.torch import TorchConfig
 
 from raytrn.backends.base import Backend
 from raytrn.backends.neuron_env import (
@@ -38,9 +36,8 @@ from raytrn.backends.neuron_ray import (
     config_dict,
     plan_worker_envs,
     set_up_workers,
-    shut_down_process_group,
 )
-from raytrn.backends.ray_torch import install_on_workers
+from raytrn.backends.ray_backend import ProcessGroupConfig, init_process_group
 from raytrn.errors import BackendUnavailableError
 
 if TYPE_CHECKING:
@@ -171,15 +168,14 @@ def neuron_memory_metrics(neuron: Any) -> dict[str, float]:
 
 
 @dataclass(kw_only=True)
-class TorchNeuronConfig(TorchConfig):
+class TorchNeuronConfig(ProcessGroupConfig):
     """Ray Train backend config for TorchNeuron: plain fields only, so it pickles to the Ray controller.
 
-    A ``TorchConfig`` so that ``TorchTrainer`` accepts it; ``backend`` is the process group (``neuron``; the
-    tests run the same code on ``gloo``). Its Ray backend is :class:`_TorchNeuronRayBackend`.
+    ``backend`` is the process group (``neuron``; the tests run the same code on ``gloo``). Its Ray backend is
+    :class:`_TorchNeuronRayBackend`.
     """
 
-    backend: str | None = "neuron"
-    init_method: str = "env"
+    backend: str = "neuron"
     #: e.g. trn2.48xlarge; with ``lnc``, the logical NeuronCores per node (64 at LNC=2, 128 at LNC=1).
     instance_type: str
     #: Workers per node: the node's logical NeuronCores.
@@ -256,27 +252,18 @@ class _TorchNeuronRayBackend(RayBackend):
             envs[0]["MASTER_PORT"],
             envs[0]["NEURON_LOGICAL_NC_CONFIG"],
         )
-        worker_group.execute(_init_process_group, backend_config.backend, backend_config.timeout_s)
-
-        install_on_workers(worker_group)
-
-    def on_shutdown(self, worker_group: Any, backend_config: Any) -> None:
-        shut_down_process_group(worker_group, str(backend_config.backend))
+        installed = worker_group.execute(_start_worker, backend_config.backend, backend_config.timeout_s)
+        if not all(installed):
+            logger.warning("SIGTERM handler not installed on %d of %d workers", installed.count(False), len(installed))
 
 
-def _init_process_group(backend: str, timeout_s: float) -> None:
-    """``init_process_group(backend, init_method="env://")`` from the variables just set."""
-    from datetime import timedelta
+def _start_worker(backend: str, timeout_s: float) -> bool:
+    """On a worker's main thread, its environment set: the SIGTERM handler, then the process group
+    (``init_process_group(backend, init_method="env://")``). Returns whether the handler is installed."""
+    from raytrn.sigterm import install_sigterm_handler
 
-    import torch.distributed as dist
-
+    installed = install_sigterm_handler()
     if backend == "neuron":
         import_torch_neuronx()  # a clear error when TorchNeuron is missing; registers the backend
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend,
-            init_method="env://",
-            rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]),
-            timeout=timedelta(seconds=timeout_s),
-        )
+    init_process_group(backend, timeout_s)
+    return installed

@@ -2,8 +2,9 @@
 
 Every data-parallel rank takes its slice of each global batch of the job's one seeded global order
 (:mod:`raytrn.data.order`), streamed by Ray Data's readers (:mod:`raytrn.data.source`); ranks of a tensor-parallel
-group share a data-parallel rank and read the same rows. The first batch is fetched in the background at once (the
-first Ray Data read starts processes: seconds), while the model builds. With ``RAYTRN_SAMPLE_TRACE`` set, every
+group share a data-parallel rank and read the same rows. The first batch is fetched in the background at once, while
+the model builds; until the first step is done the rows are read in this process (a Ray Data read task starts a
+process: seconds), Ray Data's readers after it. With ``RAYTRN_SAMPLE_TRACE`` set, every
 micro-batch's global row ids are written to a trace file (the exactly-once tests read it).
 """
 
@@ -38,6 +39,8 @@ class DataFeed:
         self.row_len = job.data.seq_len + 1
         #: Attention kept inside each document: the rows' segment ids (instruction data) or their EOS (text).
         self.document = attention(job, manifest) == "document"
+        #: Set at the first step: Ray Data's readers take over from reads in this process (raytrn.data.source)
+        self.stepped = threading.Event()
 
     def advance(self, progress: Any) -> None:
         """One optimizer step consumed a global batch: ``progress``'s data position (``epoch``, ``epoch_samples``,
@@ -45,6 +48,7 @@ class DataFeed:
         position = Position(epoch=progress.epoch, samples=progress.epoch_samples)
         position.advance(self.part.global_batch, self.order.num_rows)
         progress.epoch, progress.epoch_samples = position.epoch, position.samples
+        self.stepped.set()
 
     def start(self, progress: Any, rank: int, *, resumed_from: str | None = None) -> StartEarly:
         """:meth:`batches` from where ``progress`` says (epoch, rows consumed, step), the first batch fetched at once
@@ -56,7 +60,7 @@ class DataFeed:
     def batches(self, position: Position, trace: SampleTrace | None = None) -> Iterator[torch.Tensor]:
         """Endless micro-batches of shape [micro_batch_size, seq_len + 1] from ``position`` (epoch, rows)."""
         mb = self.job.data.micro_batch_size
-        for batch in rank_batches(self.manifest, self.order, self.part, position, batch_rows=mb):
+        for batch in rank_batches(self.manifest, self.order, self.part, position, batch_rows=mb, handover=self.stepped):
             if trace is not None:
                 trace.record(batch)
             yield to_torch(batch, document=self.document, eos_id=self.manifest.tokenizer.eos_id)

@@ -16,6 +16,7 @@ consumes ~0.3 MB/s), so a few unreserved readers cost the training nothing measu
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,14 +45,17 @@ def _datasource_base() -> type:
 
 
 class RankDatasource(_datasource_base()):  # type: ignore[misc]
-    """One epoch of one data-parallel rank's rows from position ``start``: a read task per window."""
+    """One epoch of one data-parallel rank's rows from position ``start``: a read task per window (the first
+    ``skip`` windows left out: read already)."""
 
-    def __init__(self, manifest: Manifest, order: SampleOrder, part: RankSlice, epoch: int, start: int = 0) -> None:
+    def __init__(
+        self, manifest: Manifest, order: SampleOrder, part: RankSlice, epoch: int, start: int = 0, skip: int = 0
+    ) -> None:
         super().__init__()
         self._files = ShardFiles.of(manifest.shard_paths())
         self._columns = (manifest.column, *manifest.extra_columns)
         self._order, self._part, self._epoch, self._start = order, part, epoch, start
-        self._windows = epoch_windows(order, part, epoch, start)
+        self._windows = epoch_windows(order, part, epoch, start)[skip:]
         # int32 on disk; Arrow holds the same bytes in memory (a list column: values + offsets), plus the row id.
         self._row_bytes = 4 * (manifest.row_len + 1) + 8
 
@@ -97,16 +101,19 @@ def _read_window(
     yield read_plan(files, columns, plan_window(order, part, epoch, window, start))
 
 
-#: Read tasks in flight at once per worker (each reads one window: a few row groups).
-READ_CONCURRENCY = 2
+#: Read tasks in flight at once per worker (each reads one window: a few row groups, milliseconds of work for
+#: seconds of training; each task in flight is a Ray worker process).
+READ_CONCURRENCY = 1
 
 
-def read_rank_epoch(manifest: Manifest, order: SampleOrder, part: RankSlice, epoch: int, start: int = 0) -> Any:
+def read_rank_epoch(
+    manifest: Manifest, order: SampleOrder, part: RankSlice, epoch: int, start: int = 0, skip: int = 0
+) -> Any:
     """One epoch of ``part``'s rows from ``start`` as an ordered Ray Dataset (``input_ids``, ``row_id``),
-    read by tasks that reserve no CPU (see the module docstring)."""
+    read by tasks that reserve no CPU (see the module docstring); the epoch's first ``skip`` windows left out."""
     import ray.data
 
-    source = RankDatasource(manifest, order, part, epoch, start)
+    source = RankDatasource(manifest, order, part, epoch, start, skip)
     ds = ray.data.read_datasource(
         source,
         num_cpus=0,
@@ -116,6 +123,7 @@ def read_rank_epoch(manifest: Manifest, order: SampleOrder, part: RankSlice, epo
         override_num_blocks=max(1, source.num_tasks),
     )
     ds.context.execution_options.preserve_order = True
+    ds.context.enable_progress_bars = False  # a training worker's: the driver shows its own progress
     return ds
 
 
@@ -146,7 +154,13 @@ class MicroBatch:
 
 
 def rank_batches(
-    manifest: Manifest, order: SampleOrder, part: RankSlice, position: Position, *, batch_rows: int
+    manifest: Manifest,
+    order: SampleOrder,
+    part: RankSlice,
+    position: Position,
+    *,
+    batch_rows: int,
+    handover: threading.Event | None = None,
 ) -> Iterator[MicroBatch]:
     """Endless micro-batches of ``batch_rows`` rows of ``part`` from ``position``, epoch after epoch, through
     Ray Data (a dataset per epoch).
@@ -155,11 +169,29 @@ def rank_batches(
     numpy arrays once; the micro-batches are slices of those. A background thread runs ahead of the consumer by a
     few blocks and across epoch boundaries, so the next epoch's dataset starts while the step still trains on the
     last one's rows. (Asking Ray Data for ``batch_rows`` at a time costs about a millisecond per batch in its
-    iterator: measured, the read path was 0.03x of pyarrow's that way.)"""
+    iterator: measured, the read path was 0.03x of pyarrow's that way.)
+
+    Until ``handover`` is set (the loop's first step is done; None: after the first window) windows are read here,
+    the way a read task reads them: a group's start does not wait for Ray Data to start its task processes (~1 s
+    each, more on a busy node) nor share the CPU with them; Ray Data takes over from the next window on."""
+    columns = (manifest.column, *manifest.extra_columns)
+    files = ShardFiles.of(manifest.shard_paths())
+
+    def here() -> bool:
+        return not (handover.is_set() if handover is not None else True)
 
     def blocks() -> Iterator[MicroBatch]:
+        first = True
         for epoch, start in epochs_from(position):
-            ds = read_rank_epoch(manifest, order, part, epoch, start)
+            windows = epoch_windows(order, part, epoch, start)
+            skip = 0
+            while skip < len(windows) and (first or here()):
+                table = read_plan(files, columns, plan_window(order, part, epoch, windows[skip][0], start))
+                yield block_arrays(table, manifest.column, manifest.row_len, manifest.extra_columns)
+                first, skip = False, skip + 1
+            if skip == len(windows):
+                continue
+            ds = read_rank_epoch(manifest, order, part, epoch, start, skip)
             for table in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2):
                 yield block_arrays(table, manifest.column, manifest.row_len, manifest.extra_columns)
 

@@ -22,6 +22,7 @@ from typing import Any
 from raytrn.compat import metric_objects
 from raytrn.errors import RaytrnError
 from raytrn.runtime import NOT_FORWARDED, forwarded_env, mark_raytrn_logs, on_this_node
+from raytrn.tracking import goodput
 from raytrn.tracking.board import ProgressBoard
 from raytrn.tracking.client import mlflow_client, unreachable
 from raytrn.tracking.logger import AsyncLogger, logged_step_of
@@ -153,11 +154,20 @@ class TrackingActor(ProgressBoard):
     def set_tags(self, tags: dict[str, str]) -> None:
         self.logger.set_tags(tags)
 
-    def group_started(self, step: int, world_size: int) -> None:
+    def log_goodput(self, metrics: dict[str, float], step: int) -> dict[str, float]:
+        """This invocation's goodput ledger (:meth:`raytrn.tracking.goodput.Ledger.metrics`) added to what earlier
+        invocations of the run logged, logged at ``step``: the run's ledger, returned."""
+        earlier = {k: self.last_values[k] for k in goodput.METRICS if k in self.last_values}
+        total = goodput.add(earlier, metrics)
+        self.log_metrics(total, step, training=False)
+        return total
+
+    def group_started(self, step: int, world_size: int) -> int:
         """A worker group started: append ``step:world_size`` to the run's ``world_size_history`` tag."""
-        super().group_started(step, world_size)
+        number = super().group_started(step, world_size)
         self.world_sizes.append(step, world_size)
         self.logger.set_tags({WORLD_SIZE_TAG: self.world_sizes.tag()})
+        return number
 
     def restored(
         self, source: str | None, step: int, restore_s: float, passed_over: list[str] | None = None
@@ -304,7 +314,7 @@ def resolve(future: Any, default: float, timeout_s: float = 60) -> float:
 WORLD_SIZE_TAG = "world_size_history"
 _MAX_HISTORY_CHARS = 4000
 #: Metrics that run over the whole run, so a restarted worker group continues from their last value.
-RUNNING_TOTALS = frozenset({"cost_usd"})
+RUNNING_TOTALS = frozenset({"cost_usd", *goodput.METRICS})
 #: The value a checkpoint tag starts with once its checkpoint was deleted.
 DELETED = "deleted"
 

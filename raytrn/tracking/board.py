@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from raytrn.tracking.goodput import GroupTimes, Ledger
+
 
 class ProgressBoard:
     """Latest metrics of a run (held in a Ray actor with num_cpus=0)."""
@@ -35,10 +37,18 @@ class ProgressBoard:
         self.step_reached = 0
         #: Each worker-group restart's restore: where from, its step, the load's seconds, the steps trained again.
         self.restores: list[dict[str, Any]] = []
+        #: Each worker group's own time, by the group's number (rank 0 posts it: :mod:`raytrn.train.goodput`).
+        self.times: dict[int, GroupTimes] = {}
 
-    def group_started(self, step: int, world_size: int) -> None:
-        """A worker group (re)started at ``step`` with ``world_size`` workers (rank 0 says so, not waiting)."""
+    def group_started(self, step: int, world_size: int) -> int:
+        """A worker group (re)started at ``step`` with ``world_size`` workers (rank 0 says so, not waiting for the
+        answer: the group's number, 1 for the job's first)."""
         self.groups += 1
+        return self.groups
+
+    def goodput(self, times: GroupTimes) -> None:
+        """Rank 0's newest measure of its group's time (:class:`raytrn.train.goodput.GoodputClock`)."""
+        self.times[times.group] = times
 
     def first_step_done(self, step: int, since_launch_s: float, since_group_start_s: float) -> None:
         """The current worker group finished its first step: the job's first group sets the start-up time
@@ -86,6 +96,7 @@ class ProgressBoard:
             "first_step_s": self.first_step_s,
             "stopped": self.stopped,
             "restores": self.restores,
+            "times": [self.times[g] for g in sorted(self.times)],
         }
 
     def stop(self, message: str) -> None:
@@ -184,6 +195,8 @@ class Summary:
     first_step_s: float | None = None
     #: The worker-group restarts' restores (:meth:`ProgressBoard.restored`), in order.
     restores: list[dict[str, Any]] = field(default_factory=list)
+    #: Where this invocation's wall time went (None: not measured).
+    goodput: Ledger | None = None
 
     def render(self) -> str:
         def num(x: float | None, fmt: str) -> str:
@@ -198,6 +211,7 @@ class Summary:
             ("start-up", f"first step done {num(self.first_step_s, '.1f')} s after launch"),
             ("loss", f"{num(self.first_loss, '.4f')} (first logged) -> {num(self.final_loss, '.4f')} (final)"),
             *([("restarts", describe_restores(self.restores))] if self.restores else []),
+            *([("goodput", self.goodput.render())] if self.goodput is not None else []),
             ("checkpoint", self.checkpoint or "none"),
             ("mlflow run", self.mlflow_run_id or "tracking disabled"),
         ]

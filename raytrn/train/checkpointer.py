@@ -190,22 +190,22 @@ class Checkpointer:
         last: bool,
         notice: Any = None,
         scores: dict[str, float] | None = None,
-    ) -> None:
+    ) -> bool:
         """Save when due, or at once on a preemption ``notice`` (every rank got the same one: it was agreed by a
-        collective); after a notice the group trains no further."""
+        collective). True after a notice: the group trains no further (:meth:`stop_after_notice`)."""
         preempted = notice is not None and not last
         durable = self.due(progress.step, last=last) or preempted
         synchronous = last or preempted or not self.job.checkpoint.async_
         memory = self.memory is not None and self.memory.due(progress.step, final=last or preempted, checkpoint=durable)
         if not (durable or memory):
-            return
+            return False
         cost = self.cost_usd()
         if cost is not None:
             progress.cost_usd = cost
         if memory:  # staged before a durable save, written beside it
             self.memory.save(t, progress)  # type: ignore[union-attr]
         if not durable:
-            return
+            return False
         started = time.perf_counter()
         report = {**metrics, **(scores or {}), "step": progress.step, "tokens_seen": progress.tokens_seen}
         # keep_best: the run's checkpoint tags mark what retention deleted (Ray Train keeps every pointer then)
@@ -218,8 +218,7 @@ class Checkpointer:
         if self.logger is not None and not (last or preempted):  # what a periodic save costs the loop: the save
             blocked = {"checkpoint_blocking_s": time.perf_counter() - started}  # time `raytrn estimate` reads back
             self.logger.log_metrics(blocked, progress.step, training=False)
-        if preempted:
-            self._stop(notice, progress.step)
+        return preempted
 
     def _report(self, saved: Saved, deleted: set[int] | None) -> None:
         """Record a complete checkpoint with Ray Train: rank 0 passes the directory ``saved`` fills (the counters,
@@ -240,7 +239,9 @@ class Checkpointer:
                 metrics=logged,
             )  # fmt: skip
 
-    def _stop(self, notice: Any, step: int) -> None:
+    def stop_after_notice(self, notice: Any, step: int) -> None:
+        """After a preemption notice's checkpoint at ``step``: this worker exits if it was sent SIGTERM, else it waits
+        for Ray Train to tear the group down (the steps until the deadline would be trained again: train none)."""
         if self.rank == 0:
             log.warning(
                 "preemption notice (%s): checkpointed step %d; waiting for Ray Train to restart without the node",

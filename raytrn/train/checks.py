@@ -60,8 +60,6 @@ def check_job(job: JobSpec, *, data: bool = True) -> list[str]:
         f"({manifest.kind}{', loss on completions only' if manifest.instruction else ''}), "
         f"tokenizer vocab {manifest.tokenizer.vocab_size:,} (model vocab {job.model.vocab_size:,})"
     )
-    from raytrn.train.evaluate import validation_set  # torch + Ray Data (~3.6 s, measured): validate needs neither
-
     val = validation_set(job, manifest)
     if val is not None:
         lines.append(
@@ -137,3 +135,45 @@ def _check_tokenizer_of(job: JobSpec, manifest: Manifest, where: str) -> None:
 
 
 # -- the parallel layout ---------------------------------------------------------------------------------------------
+
+
+def validation_set(job: JobSpec, manifest: Manifest) -> Manifest | None:
+    """The job's validation set (``data.validation``, else the split prepared with its dataset), checked against the
+    training set and the batch: DataError for another seq_len or tokenizer, or fewer rows than one global batch."""
+    where = f"{job.source}: data.validation"
+    path = job.data.validation
+    if path == "none":
+        val = None
+    else:
+        path = path or manifest.validation_path()
+        val = load_manifest(path) if path else None
+    if val is None:
+        if job.tracking.registers == "best":
+            raise DataError(
+                f"{job.source}: tracking.register: best registers the checkpoint of the lowest val_loss, but there is "
+                "no validation set: prepare the data with --validation-fraction F, set data.validation, or use "
+                "register: last"
+            )
+        if job.run.eval_every is not None:
+            raise DataError(
+                f"{job.source}: run.eval_every is set but there is no validation set: prepare the data with "
+                "--validation-fraction F, or set data.validation to a prepared dataset"
+            )
+        return None
+    if val.seq_len != manifest.seq_len:
+        raise DataError(f"{where}: {val.manifest_path} has seq_len {val.seq_len}, the training set {manifest.seq_len}")
+    if val.tokenizer.sha256 != manifest.tokenizer.sha256:
+        raise DataError(
+            f"{where}: {val.manifest_path} was made with another tokenizer than the training set; prepare both with the "
+            "same --tokenizer"
+        )
+    if val.instruction != manifest.instruction:
+        raise DataError(f"{where}: {val.manifest_path} is {val.kind} data, the training set {manifest.kind}")
+    largest = max(global_batch(job, dp) for dp in set(data_parallel_sizes(job).values()))
+    if val.num_rows < largest:
+        raise DataError(
+            f"{where}: the validation set has {val.num_rows:,} rows, fewer than one global batch ({largest:,} "
+            "sequences): an evaluation needs at least one; prepare a larger validation split or lower "
+            "data.global_batch_size"
+        )
+    return val

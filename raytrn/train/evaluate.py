@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from raytrn.checkpoint.progress import Progress
-from raytrn.config.sizes import data_parallel_sizes, global_batch
+from raytrn.config.sizes import global_batch
 from raytrn.data.batch import attention, to_torch
-from raytrn.data.manifest import Manifest, load_manifest, rows_per_group
+from raytrn.data.manifest import Manifest, rows_per_group
 from raytrn.data.order import RankSlice, SampleOrder, iter_rows, plan_epoch
 from raytrn.data.source import block_arrays, slices
 from raytrn.errors import DataError
@@ -84,48 +84,6 @@ class Evaluator:
             torch.distributed.all_reduce(totals)  # every TP copy counts alike: the ratio is unchanged
         loss = float(totals[0] / totals[1].clamp(min=1))
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 80.0))}
-
-
-def validation_set(job: JobSpec, manifest: Manifest) -> Manifest | None:
-    """The job's validation set (``data.validation``, else the split prepared with its dataset), checked against the
-    training set and the batch: DataError for another seq_len or tokenizer, or fewer rows than one global batch."""
-    where = f"{job.source}: data.validation"
-    path = job.data.validation
-    if path == "none":
-        val = None
-    else:
-        path = path or manifest.validation_path()
-        val = load_manifest(path) if path else None
-    if val is None:
-        if job.tracking.registers == "best":
-            raise DataError(
-                f"{job.source}: tracking.register: best registers the checkpoint of the lowest val_loss, but there is "
-                "no validation set: prepare the data with --validation-fraction F, set data.validation, or use "
-                "register: last"
-            )
-        if job.run.eval_every is not None:
-            raise DataError(
-                f"{job.source}: run.eval_every is set but there is no validation set: prepare the data with "
-                "--validation-fraction F, or set data.validation to a prepared dataset"
-            )
-        return None
-    if val.seq_len != manifest.seq_len:
-        raise DataError(f"{where}: {val.manifest_path} has seq_len {val.seq_len}, the training set {manifest.seq_len}")
-    if val.tokenizer.sha256 != manifest.tokenizer.sha256:
-        raise DataError(
-            f"{where}: {val.manifest_path} was made with another tokenizer than the training set; prepare both with the "
-            "same --tokenizer"
-        )
-    if val.instruction != manifest.instruction:
-        raise DataError(f"{where}: {val.manifest_path} is {val.kind} data, the training set {manifest.kind}")
-    largest = max(global_batch(job, dp) for dp in set(data_parallel_sizes(job).values()))
-    if val.num_rows < largest:
-        raise DataError(
-            f"{where}: the validation set has {val.num_rows:,} rows, fewer than one global batch ({largest:,} "
-            "sequences): an evaluation needs at least one; prepare a larger validation split or lower "
-            "data.global_batch_size"
-        )
-    return val
 
 
 class Evaluation:

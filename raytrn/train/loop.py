@@ -27,6 +27,7 @@ from raytrn.tracking.export import log_final_model
 from raytrn.train.build import build_training, skips_on_device
 from raytrn.train.checkpointer import Checkpointer
 from raytrn.train.evaluate import Evaluation
+from raytrn.train.goodput import GoodputClock
 from raytrn.train.guard import NonFiniteGuard
 from raytrn.train.metrics import MetricsReporter, tracking_logger
 from raytrn.train.plan import WorkerPlan
@@ -74,6 +75,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     )
     evaluation = Evaluation(job, plan.validation, progress, dp=dp, dp_rank=dp_rank, logger=logger)
     watch = PreemptionWatch(world_size)  # a spot notice ends this group at a checkpoint (raytrn.train.preemption)
+    # where the group's time goes (rank 0 posts it to the board: the run's goodput ledger, raytrn.tracking.goodput)
+    clock = GoodputClock(
+        plan.board if rank == 0 else None, world_size=world_size, restore_s=checkpointer.restore_s,
+        start_step=progress.step, restored=metrics.restored, group=metrics.group_number,
+    )  # fmt: skip
     device_batches = backend.wrap_batches(batches)
 
     # -- train ---------------------------------------------------------------------------------------------------
@@ -89,30 +95,38 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 feed.advance(progress)
                 hangs.step_done(progress.step)
                 continue
+            clock.step_started()
             with metrics.measuring(progress.step + 1):  # a worker's memory, once a group (raytrn.train.memory_probe)
                 result = train_step(t, device_batches, backend)
             progress.step += 1
+            clock.stepped(progress.step, result.data_wait_s)
             feed.advance(progress)
             last = progress.step == job.run.max_steps
             saving = checkpointer.due(progress.step, last=last)
             # NaN/inf steps, read where the loop syncs anyway; too many in a row: rollback or stop
             guard.check(result.grad_norm, progress.step, settle=saving or metrics.should_log(progress.step, last=last))
-            with hangs.working():  # the previous in-memory snapshot's write, completed before this step is logged
-                checkpointer.step_ended()
+            with hangs.working(), clock.blocking("checkpoint"):  # the previous in-memory snapshot's write, completed
+                checkpointer.step_ended()  # before this step is logged
             logged = metrics.step_done(result, last=last)
             hangs.step_done(progress.step)
             notice = watch.notice()  # a collective, every step
             with hangs.working():  # evaluation and checkpoints: a longer bound (raytrn.train.watchdog)
-                scores = evaluation.maybe_evaluate(
-                    t, backend, last=last, checkpoint=RunDir.of(job).pointer(progress.step) if saving else None
-                )
+                with clock.blocking("eval"):
+                    scores = evaluation.maybe_evaluate(
+                        t, backend, last=last, checkpoint=RunDir.of(job).pointer(progress.step) if saving else None
+                    )
                 metrics.report(logged, scores)  # a sweep's trial: to Ray Tune (every rank)
-                checkpointer.after_step(t, progress, logged, last=last, notice=notice, scores=scores)
+                with clock.blocking("checkpoint"):
+                    stopping = checkpointer.after_step(t, progress, logged, last=last, notice=notice, scores=scores)
+            clock.iteration_done(final=last or stopping)
+            if stopping:  # a preemption notice: the state is committed; the group trains no further
+                checkpointer.stop_after_notice(notice, progress.step)
     except RunStopped as e:  # every rank, at the same step: no restart can fix it (raytrn.errors.RunStopped)
         stopped = e
     finally:
         TRAINING.clear()
         hangs.close()
+        clock.post()
 
     if stopped is None and progress.step == job.run.max_steps:
         metrics.finish()  # the estimate's errors against this group's actuals

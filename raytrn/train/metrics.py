@@ -86,10 +86,13 @@ class MetricsReporter:
         self.guard: NonFiniteGuard | None = None
         # Tokens per optimizer step over the job: one batch per model replica (data-parallel rank).
         self.tokens_per_step = t.grad_accum * job.data.micro_batch_size * job.data.seq_len * t.data_parallel_size
+        #: The board's answers (futures, rank 0's): this group's restore record and its number among the job's groups
+        self.restored: Any = None
+        self.group_number: Any = None
         if self.board is not None:  # the job's board counts the worker groups (and records world_size_history)
             # First: the board counts a restart's steps trained again.
-            self.board.restored.remote(restored_from, progress.step, restore_s, list(passed_over))
-            self.board.group_started.remote(progress.step, world_size)
+            self.restored = self.board.restored.remote(restored_from, progress.step, restore_s, list(passed_over))
+            self.group_number = self.board.group_started.remote(progress.step, world_size)
         self._reached_at = time.monotonic()
         self.efficiency = None
         if self.logger is not None:  # (steps a restarted group repeats are dropped by the tracking actor)

@@ -1,4 +1,5 @@
-"""The driver: checks the job, fixes the MLflow run, builds the Ray Train ``TorchTrainer`` and runs it."""
+"""The driver: checks the job, fixes the MLflow run, builds the Ray Train trainer and runs it (its controller in this
+process: :func:`raytrn.compat.hosted_trainer`)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ import contextlib
 import importlib
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from raytrn import __version__, storage
 from raytrn.backends import Backend, get_backend
 from raytrn.backends.host_malloc import malloc_env, user_allocator_settings
-from raytrn.checkpoint.dcp import check_resumable
 from raytrn.checkpoint.finder import latest_checkpoint
 from raytrn.checkpoint.lease import acquire
 from raytrn.checkpoint.manifest import tidy_pointers
@@ -21,8 +22,8 @@ from raytrn.checkpoint.rundir import RunDir
 from raytrn.compat import (
     create_data_stats_actor,
     elastic_scaling_policy,
-    trainer_with_scaling_policy,
-    trainer_without_callbacks,
+    hosted_trainer,
+    local_fixed_scaling_policy,
 )
 from raytrn.config import JobSpec
 from raytrn.config.sizes import world_sizes
@@ -32,14 +33,14 @@ from raytrn.errors import RaytrnError, RunStopped
 from raytrn.estimate.job import estimate_params, resolve_auto_interval
 from raytrn.evals.runner import drain_evaluator, start_evaluator
 from raytrn.models import model_stats
-from raytrn.runtime import ensure_ray, git_commit, on_this_node, process_started_at
+from raytrn.runtime import ensure_ray, git_commit, on_this_node, process_started_at, ray_train_console
 from raytrn.tracking.actor import driver_env, start_tracking_actor
 from raytrn.tracking.board import ProgressBoard, ProgressPrinter, Summary
 from raytrn.tracking.mlflow_run import end_run, plan_run
-from raytrn.train.checks import check_data, check_init_from, check_spec
+from raytrn.train.checks import check_data, check_init_from, check_spec, validation_set
 from raytrn.train.elastic import SizeChooser, reachable_nodes
-from raytrn.train.evaluate import validation_set
-from raytrn.train.loop import train_loop_per_worker
+from raytrn.train.entry import train_fn
+from raytrn.train.events import RunEvents, close_ledger
 from raytrn.train.plan import WorkerPlan
 from raytrn.train.schedule import Schedule, resolve_schedule
 
@@ -93,6 +94,8 @@ def _train(
     if latest:
         print(f"raytrn: resuming run '{job.run_name}' from step {start_step} ({latest})", flush=True)
     if meta is not None and isinstance(meta.extra.get("dcp"), str):  # refused here, not on every worker
+        from raytrn.checkpoint.dcp import check_resumable  # torch's DCP (~1.5 s): only a resumed run reads it
+
         check_resumable(job, RunDir.of(job).own_dcp(meta.extra["dcp"]))
     # The learning-rate schedule is pinned by the run's first invocation; said once, here, when it moves or stays.
     schedule, note = resolve_schedule(job, meta.schedule if meta else None, start_step)
@@ -113,13 +116,15 @@ def _train(
     # Only whether MLflow answers (tracking.required: fail now); the run is created by the tracking actor.
     tracked = plan_run(job, tags={**_tags(job), "lr_schedule": schedule.describe()}, extra_params=params)
 
-    # torch's import for the trainer takes seconds and needs no Ray: it runs while Ray starts.
+    # Ray Train's import (the trainer, its controller: ~0.5 s; no torch) needs no Ray: it runs while Ray starts.
     with ThreadPoolExecutor(1, thread_name_prefix="raytrn-prepare") as pool:
-        pool.submit(importlib.import_module, "ray.train.torch")
+        pool.submit(importlib.import_module, "ray.train.v2.api.data_parallel_trainer")
         # As many logical CPUs as the workers take (Ray Data's read tasks reserve none: raytrn.data.source).
         started_locally = ensure_ray(min_cpus=scaling.total_resources.get("CPU", 0))
     if started_locally:
         _check_local_resources(job, backend)
+    else:  # on one machine (a Ray this process started) it lands on the workers' node anyway
+        _pin_data_stats_actor()
     import ray
 
     if not trial:
@@ -134,6 +139,7 @@ def _train(
     evaluator = start_evaluator(job, tracker, tracked.uri) if tracker is not None and tracked is not None else None
     keeper = _memory_keeper(job)
     watch = _RunRefused(tracker)
+    events = RunEvents(job.scaling.max_failures, quiet=trial)  # the controller's decisions: lines, the ledger
     status = "FAILED"
 
     ended: dict[str, str | None] = {}
@@ -159,8 +165,8 @@ def _train(
     try:
         with _stop_on_sigterm(lambda: finish("KILLED", 3.0)):  # Ray SIGKILLs soon after SIGTERM
             trainer = _trainer(
-                job, backend, scaling, manifest, tracked, tracker, board, schedule=schedule, local=started_locally,
-                validation=validation, report_metrics=trial, memory=keeper,
+                job, backend, scaling, manifest, tracked, tracker, board, schedule=schedule,
+                validation=validation, report_metrics=trial, memory=keeper, events=events, local=started_locally,
             )  # fmt: skip
             printer = ProgressPrinter(board, live=live_progress) if not trial else contextlib.nullcontext()
             with printer, watch:
@@ -190,6 +196,8 @@ def _train(
             ray.kill(keeper, no_restart=True)
         if evaluator is not None:  # the last checkpoint's evaluation and the best's registration, bounded
             drain_evaluator(evaluator, tracker, job.eval.timeout_s if status == "FINISHED" else 0.0)
+        # where this invocation's time went (raytrn.tracking.goodput), to MLflow before the run is marked
+        ledger = close_ledger(board, events.ends, started_at=process_started_at(), tracker=tracker)
         run_id = finish(status, job.tracking.flush_timeout_s)
     if run_id and tracker is not None and job.tracking.registers != "none":
         registered = ray.get(tracker.registered.remote(), timeout=60)
@@ -213,6 +221,7 @@ def _train(
         mlflow_ui=tracked.ui_command() if tracked and run_id else None,
         first_step_s=snap.get("first_step_s"),
         restores=snap.get("restores") or [],
+        goodput=ledger,
     )
 
 
@@ -304,29 +313,33 @@ def _trainer(
     board: Any,
     *,
     schedule: Schedule,
-    local: bool = False,
     validation: Any = None,
     report_metrics: bool = False,
     memory: Any = None,
+    events: RunEvents | None = None,
+    local: bool = False,
 ) -> Any:
-    """The Ray Train ``TorchTrainer`` for ``job``, reading the manifest's shards with Ray Data
-    (``local``: on the embedded local Ray this process started, see :func:`_local_trainer_class`)."""
-    import ray.data
-    import ray.train
+    """The Ray Train trainer for ``job``, whose controller runs in this process (:func:`raytrn.compat.hosted_trainer`:
+    no controller actor, placement-group cleaner, dataset manager or preemption-watcher process to start). Every
+    worker streams its own rows of the job's global order with Ray Data (:mod:`raytrn.data.order`): no Ray Train
+    datasets, whose split hands blocks to whichever worker asks first. ``local``: on a Ray this process started (no
+    autoscaler: a fixed-size group asks for no resources)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-    ray.data.DataContext.get_current().enable_progress_bars = False  # the driver shows its own progress
-    _pin_data_stats_actor()
-    trainer_class: Any = _local_trainer_class(TorchTrainer) if local else TorchTrainer
+    policy: Any = None
     if scaling.elasticity_enabled:
-        trainer_class = trainer_with_scaling_policy(trainer_class, _ElasticPolicy(job, backend))
+        policy = _ElasticPolicy(job, backend)
+    elif local:
+        policy = local_fixed_scaling_policy
+    trainer_class = hosted_trainer(
+        DataParallelTrainer, listener=events, console=ray_train_console(), make_policy=policy,
+        health_check_s=HEALTH_CHECK_S,
+    )  # fmt: skip
     return trainer_class(
-        _train_fn(),
+        train_fn,
         train_loop_config=WorkerPlan(
             job=job,
-            # Every worker streams its own rows of the job's global order (raytrn.data.order): no Ray Train datasets,
-            # whose split hands blocks to whichever worker asks first.
             manifest=manifest,
             schedule=schedule,
             validation=validation,  # raytrn.train.evaluate: the same rows every evaluation, at any size
@@ -338,7 +351,7 @@ def _trainer(
             memory=memory,
         ).as_config(),  # Ray Train takes a dict: the plan travels inside one
         scaling_config=scaling,
-        torch_config=backend.ray_backend_config(job),
+        backend_config=backend.ray_backend_config(job),
         # Train V2's RunConfig (mypy sees the V1 class that ray.train names statically; V2 is Ray 2.60's default).
         run_config=RunConfig(  # type: ignore[call-arg]
             name=job.run_name,
@@ -354,28 +367,16 @@ def _trainer(
     )
 
 
+#: How often the controller (in this process) polls its workers: a dead worker is noticed this much later at most,
+#: and a finished group's end (Ray's default: 2 s). A poll is one small actor call per worker.
+HEALTH_CHECK_S = 0.5
+
+
 def _tune_callbacks() -> list[Any]:
     """Ray Tune's bridge from Ray Train's reports (rank 0's metrics) to the trial it runs in."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     return [TuneReportCallback()]
-
-
-#: Ray Train's own callbacks that an embedded local Ray does not need (matched by class name).
-LOCAL_SKIPPED_CALLBACKS = ("PlacementGroupCleanerCallback",)
-
-
-def _local_trainer_class(base: type) -> type:
-    """``TorchTrainer`` without Ray Train's placement-group cleaner, for an embedded local Ray.
-
-    The cleaner is a detached actor (a Python process importing ``ray.train``: ~2.5 CPU-seconds while the
-    workers start, on a 2-core laptop about a second of start-up) that removes the job's placement group if
-    the controller dies. On a Ray this process started, the controller cannot outlive the process: when it
-    ends, Ray and every placement group end with it. On a cluster (``RAY_ADDRESS``) the stock trainer is used, and
-    so in a sweep's trial: the scheduler kills a trial's controller while the sweep's Ray lives on, and without the
-    cleaner the trial's placement group would keep its workers' resources for good.
-    """
-    return trainer_without_callbacks(base, LOCAL_SKIPPED_CALLBACKS)
 
 
 #: The S3 endpoint and region the driver uses reach the workers too (they write sharded checkpoints themselves).
@@ -398,16 +399,21 @@ def _worker_runtime_env(job: JobSpec, backend: Backend) -> dict[str, Any]:
 
 
 def _pin_data_stats_actor() -> None:
-    """Create Ray Data's stats actor here, on the driver's node (the head under ``ray job submit``).
+    """Create Ray Data's stats actor on the driver's node (the head under ``ray job submit``), in a thread: the worker
+    group's start does not wait for it (nor for Ray Data's import, ~0.6 s).
 
     It is detached and pinned to the node of whoever runs a dataset first: a training worker (each reads its
     own rows) would put it on a worker node and keep that node from ever scaling down. (A private Ray Data
     function; without it the actor is created as before.)
     """
-    try:
-        create_data_stats_actor()
-    except Exception as e:  # another Ray version: not worth failing a job over
-        log.warning("Ray Data stats actor not created on the driver's node: %s", e)
+
+    def create() -> None:
+        try:
+            create_data_stats_actor()
+        except Exception as e:  # another Ray version: not worth failing a job over
+            log.warning("Ray Data stats actor not created on the driver's node: %s", e)
+
+    threading.Thread(target=create, name="raytrn-data-stats", daemon=True).start()
 
 
 def _check_local_resources(job: JobSpec, backend: Backend) -> None:
@@ -423,10 +429,6 @@ def _check_local_resources(job: JobSpec, backend: Backend) -> None:
                 f"this local Ray has {have.get(name, 0):g}; lower scaling.min_workers or "
                 f"scaling.resources_per_worker, or run on a cluster (set RAY_ADDRESS or use `ray job submit`)"
             )
-
-
-def _train_fn():
-    return train_loop_per_worker
 
 
 def _scaling(job: JobSpec, backend: Backend) -> Any:
@@ -445,7 +447,7 @@ def _scaling(job: JobSpec, backend: Backend) -> Any:
 
 
 class _ElasticPolicy:
-    """``make_policy`` for :func:`raytrn.compat.trainer_with_scaling_policy`: Ray's elastic policy choosing
+    """``make_policy`` for :func:`raytrn.compat.hosted_trainer`: Ray's elastic policy choosing
     sizes by :class:`raytrn.train.elastic.SizeChooser` (picklable: it travels to the controller actor)."""
 
     def __init__(self, job: JobSpec, backend: Backend) -> None:

@@ -129,19 +129,20 @@ def test_torchneuron_ray_backend_sets_the_env_and_trains_like_one_process(ray_se
     topology's (Ray's core ids kept), the process group forms from env://, and FSDP + compile over 2 workers
     follows one process on the same global batches."""
     from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     from raytrn.backends.cpu import CpuBackend
     from raytrn.backends.neuron import TorchNeuronConfig
+    from raytrn.compat import hosted_trainer
     from raytrn.train.build import build_training
     from raytrn.train.step import read_metrics, train_step
 
     job = _neuron_job()
-    trainer = TorchTrainer(
+    trainer = hosted_trainer(DataParallelTrainer)(  # as raytrn train runs it: the controller in this process
         _neuron_probe,
         train_loop_config={"out": str(tmp_path)},
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1, "neuron_cores": 1}),
-        torch_config=TorchNeuronConfig(backend="gloo", instance_type="trn2.48xlarge", workers_per_node=64),
+        backend_config=TorchNeuronConfig(backend="gloo", instance_type="trn2.48xlarge", workers_per_node=64),
         run_config=RunConfig(name="torchneuron-backend", storage_path=str(tmp_path)),
     )
     trainer.fit()

@@ -1,6 +1,6 @@
-"""Every private Ray / MLflow API raytrn uses still exists in the installed versions (raytrn/compat.py).
+"""Every private Ray / MLflow API raytrn uses still exists in the installed versions (raytrn/compat/).
 
-A failure here names the API that moved: fix raytrn/compat.py (and only it) before upgrading Ray or MLflow.
+A failure here names the API that moved: fix raytrn/compat/ (and only it) before upgrading Ray or MLflow.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def test_private_name_still_exists(what: str) -> None:
     try:
         compat.resolve(spec)
     except (ImportError, AttributeError) as e:
-        pytest.fail(f"{what}: {spec} is gone from the installed Ray/MLflow ({e}); update raytrn/compat.py")
+        pytest.fail(f"{what}: {spec} is gone from the installed Ray/MLflow ({e}); update raytrn/compat/")
 
 
 def test_resolve_names_what_moved() -> None:
@@ -39,17 +39,45 @@ def test_preemption_watcher_switch_is_rays() -> None:
     assert compat.resolve(compat.PRIVATE_NAMES["Ray Train preemption watcher switch"]) == compat.PREEMPTION_WATCHER_ENV
 
 
-def test_trainer_without_callbacks_drops_only_the_named_ones() -> None:
+def test_hosted_trainer_drops_the_cleaner_and_datasets_callbacks_and_adds_its_events() -> None:
+    """Outside an actor the controller runs in the calling process: no placement-group cleaner (the job's placement
+    group goes with its driver), no datasets callback (raytrn passes no datasets); every other stock callback stays,
+    and the events callback that feeds the listener comes last."""
     from ray.train import ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     kwargs = {"scaling_config": ScalingConfig(num_workers=1)}
-    stock = [type(c).__name__ for c in TorchTrainer(lambda: None, **kwargs)._create_default_callbacks()]
-    assert "PlacementGroupCleanerCallback" in stock
-    local = compat.trainer_without_callbacks(TorchTrainer, ("PlacementGroupCleanerCallback",))
-    assert issubclass(local, TorchTrainer)
-    ours = [type(c).__name__ for c in local(lambda: None, **kwargs)._create_default_callbacks()]
-    assert ours == [name for name in stock if name != "PlacementGroupCleanerCallback"]
+    stock = [type(c).__name__ for c in DataParallelTrainer(lambda: None, **kwargs)._create_default_callbacks()]
+    assert {"PlacementGroupCleanerCallback", "DatasetsCallback"} <= set(stock)
+    hosted = compat.hosted_trainer(DataParallelTrainer)
+    assert issubclass(hosted, DataParallelTrainer) and hosted.__name__ == "HostedDataParallelTrainer"
+    ours = [type(c).__name__ for c in hosted(lambda: None, **kwargs)._create_default_callbacks()]
+    assert ours == [n for n in stock if n not in compat.HOSTED_SKIPPED_CALLBACKS] + ["Events"]
+
+
+def test_what_the_hosted_controller_overrides_keeps_its_signature() -> None:
+    """The hosted controller passes these by name: a Ray that renames one breaks it here, not in a job."""
+    import inspect
+
+    from ray.train.v2._internal.execution.controller import TrainController
+    from ray.train.v2._internal.execution.worker_group import WorkerGroup
+    from ray.train.v2._internal.execution.worker_group.worker import RayTrainWorker
+
+    assert list(inspect.signature(WorkerGroup._init_train_context_on_workers).parameters) == [
+        "self", "workers", "sync_actor", "train_context_args",
+    ]  # fmt: skip
+    worker_args = inspect.signature(RayTrainWorker.init_train_context).parameters
+    assert {"train_run_context", "distributed_context", "synchronization_actor", "storage_context",
+            "worker_callbacks", "controller_actor"} <= set(worker_args)  # fmt: skip
+    assert list(inspect.signature(TrainController._execute_failure_decision).parameters) == [
+        "self", "failure_decision", "training_failed_error", "invoke_failure_decision_callbacks",
+    ]  # fmt: skip
+    init = inspect.getsource(TrainController.__init__)
+    assert "_worker_group_callbacks_to_propagate" in init and init.rstrip().endswith("self._start()")
+    assert "_health_check_interval_s" in inspect.getsource(TrainController.__init__)
+    assert "ray.actor.exit_actor()" in inspect.getsource(TrainController.abort)  # why abort_here exists
+    source = inspect.getsource(WorkerGroup._init_train_context_on_workers)
+    assert "controller_actor=ray.get_runtime_context().current_actor" in source
 
 
 def test_metric_objects_have_steps() -> None:
@@ -90,12 +118,12 @@ def test_nothing_else_uses_a_private_ray_or_mlflow_name() -> None:
     ).stdout.split()
     offenders = []
     for rel in out:
-        if rel in ("raytrn/compat.py", "tests/unit/test_compat.py"):
+        if rel.startswith("raytrn/compat/") or rel == "tests/unit/test_compat.py":
             continue
         for n, line in enumerate((REPO / rel).read_text().splitlines(), start=1):
             if pattern.search(line) and not line.lstrip().startswith("#"):
                 offenders.append(f"{rel}:{n}: {line.strip()}")
-    assert not offenders, "private Ray/MLflow APIs outside raytrn/compat.py:\n" + "\n".join(offenders)
+    assert not offenders, "private Ray/MLflow APIs outside raytrn/compat/:\n" + "\n".join(offenders)
 
 
 def test_compat_imports_no_ray_or_mlflow_at_import_time() -> None:

@@ -68,7 +68,7 @@ def test_reachable_nodes_probes_the_raylet_port() -> None:
         listening.close()
 
 
-# --- the Ray internals the policy relies on (raytrn/compat.py) -----------------------------------------------
+# --- the Ray internals the policy relies on (raytrn/compat/) -----------------------------------------------
 
 
 def test_ray_elastic_policy_internals_are_where_the_policy_expects_them() -> None:
@@ -111,27 +111,6 @@ def test_policy_counts_with_the_chooser_and_travels_to_the_controller() -> None:
     assert policy._count_possible_workers(reserved) == 64
     copy = ray.cloudpickle.loads(ray.cloudpickle.dumps(policy))  # the controller is an actor
     assert copy._count_possible_workers(reserved) == 64
-
-
-def test_trainer_hook_replaces_only_the_policy() -> None:
-    calls = []
-
-    class Base:
-        def _initialize_and_run_controller(self, **kwargs):
-            calls.append(kwargs)
-            return "result"
-
-    trainer = compat.trainer_with_scaling_policy(Base, lambda config: ("policy for", config))
-    t = trainer()
-    t.scaling_config = "cfg"
-    assert t._initialize_and_run_controller(scaling_policy="ray's", failure_policy="f") == "result"
-    assert calls == [{"scaling_policy": ("policy for", "cfg"), "failure_policy": "f"}]
-    assert trainer.__name__ == "Base"
-
-    class NoHook:
-        pass
-
-    assert compat.trainer_with_scaling_policy(NoHook, lambda config: None) is NoHook
 
 
 def test_a_running_group_only_grows() -> None:

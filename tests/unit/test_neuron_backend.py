@@ -227,7 +227,6 @@ def test_ray_backend_config_pickles() -> None:
     cfg = NeuronBackend().ray_backend_config(job("llama3-8b-trn2.yaml", "neuron.compile_cache=/fsx/neff"))
     assert cfg.to_dict() == {
         "backend": "neuron",
-        "init_method": "env",
         "timeout_s": 1800,
         "instance_type": "trn2.48xlarge",
         "workers_per_node": 64,
@@ -267,11 +266,13 @@ def test_on_start_sets_env_then_forms_the_process_group(no_ray_get: None) -> Non
     assert sorted(group.applied) == list(range(128))
     assert all(e["MASTER_ADDR"] == "10.0.0.1" and e["MASTER_PORT"] == str(29500 + 125) for e in group.applied.values())
     names = [name for name, _ in group.calls]
-    # Every worker's environment is applied before any worker joins the process group.
-    assert names.index("_init_process_group") > max(i for i, n in enumerate(names) if n == "apply_env")
-    assert names.count("_init_process_group") == 128
+    # Every worker's environment is applied before any worker joins the process group (and installs its handler).
+    assert names.index("_start_worker") > max(i for i, n in enumerate(names) if n == "apply_env")
+    assert names.count("_start_worker") == 128
+    # Nothing is torn down: Ray kills the workers, and a gone peer would block a process group's destroy for 30 s.
+    calls = len(group.calls)
     neuron._TorchNeuronRayBackend().on_shutdown(group, cfg)
-    assert names.count("destroy_process_group") == 0 and [n for n, _ in group.calls][-1] == "destroy_process_group"
+    assert len(group.calls) == calls
 
 
 def test_the_torchneuron_backend_never_kills_processes() -> None:

@@ -178,16 +178,29 @@ def test_the_handler_is_set_only_from_the_main_thread() -> None:
     assert result == [False]
 
 
-def test_ray_keeps_its_torch_backend_where_raytrn_extends_it() -> None:
-    from ray.train.torch import TorchConfig
+def test_raytrns_ray_backend_forms_the_process_group_without_importing_torch_on_the_driver() -> None:
+    """The cpu/cuda backend config is Ray Train's public BackendConfig, so the driver imports no torch; its backend
+    sets each worker up (environment, SIGTERM handler, process group) and tears nothing down (Ray kills the workers)."""
+    import subprocess
+    import sys
+
+    from ray.train.backend import Backend as RayBackend
+    from ray.train.backend import BackendConfig
 
     from raytrn.backends.cpu import CpuBackend
-    from raytrn.backends.ray_torch import RaytrnTorchConfig, _RaytrnTorchBackend
+    from raytrn.backends.ray_backend import ProcessGroupBackend, ProcessGroupConfig
     from raytrn.config import load_job
 
-    assert callable(compat.resolve(compat.PRIVATE_NAMES["Ray Train torch backend"]))
-    assert issubclass(_RaytrnTorchBackend, compat.torch_backend_class())
     job = load_job(Path(__file__).resolve().parents[2] / "jobs" / "tiny.yaml", ["data.manifest=unused"], resolve=False)
     config = CpuBackend().ray_backend_config(job)
-    assert isinstance(config, RaytrnTorchConfig) and isinstance(config, TorchConfig)
-    assert config.backend == "gloo" and config.backend_cls is _RaytrnTorchBackend
+    assert isinstance(config, ProcessGroupConfig) and isinstance(config, BackendConfig)
+    assert config.backend == "gloo" and config.backend_cls is ProcessGroupBackend
+    assert ProcessGroupBackend.on_shutdown is RayBackend.on_shutdown  # nothing: a gone peer would block it 30 s
+    code = (
+        "import sys; from raytrn.backends.cpu import CpuBackend; from raytrn.config import load_job;"
+        f"job = load_job({str(Path(__file__).resolve().parents[2] / 'jobs' / 'tiny.yaml')!r}, ['data.manifest=x'],"
+        " resolve=False); CpuBackend().ray_backend_config(job); import raytrn.train.trainer;"
+        "print(sorted(m for m in ('torch', 'mlflow', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stderr[-2000:]

@@ -51,12 +51,3 @@ def test_local_ray_defaults_keep_the_users_values():
     assert env == {PREEMPTION_WATCHER_ENV: "1"}
 
 
-def test_embedded_local_ray_trainer_drops_only_the_placement_group_cleaner():
-    """On a Ray that `raytrn train` started, Ray Train's placement-group cleaner (a detached actor, one more
-    process at start-up) is left out; every other stock callback stays (raytrn.compat's hook, tested there)."""
-    from ray.train.torch import TorchTrainer
-
-    from raytrn.train.trainer import LOCAL_SKIPPED_CALLBACKS, _local_trainer_class
-
-    assert LOCAL_SKIPPED_CALLBACKS == ("PlacementGroupCleanerCallback",)
-    assert issubclass(_local_trainer_class(TorchTrainer), TorchTrainer)

@@ -417,7 +417,7 @@ def test_registration_and_evaluation_settings_are_checked(tmp_path):
     from types import SimpleNamespace
 
     from raytrn.errors import DataError
-    from raytrn.train.evaluate import validation_set
+    from raytrn.train.checks import validation_set
 
     best = _job(tmp_path, "tracking.register=best", "tracking.registered_model=x")
     without = SimpleNamespace(validation_path=lambda: None)  # a training set prepared without a validation split

@@ -1,10 +1,11 @@
-"""Every use of a private or undocumented Ray, MLflow (or torch DCP) API, in one place.
+"""Every use of a private or undocumented Ray, MLflow (or torch DCP) API, in one place: this package.
 
-Each function says what it stands in for and the public alternative, if there is one.
+Each function says what it stands in for and the public alternative, if there is one. Ray Train's controller,
+run in the driver's process, is :mod:`raytrn.compat.controller` (re-exported here).
 :data:`PRIVATE_NAMES` lists what each relies on; ``tests/unit/test_compat.py`` resolves every entry
 against the installed Ray and MLflow and fails, naming it, when one has moved, so an upgrade that breaks
 raytrn is caught by the unit tests rather than by a job. Nothing else in raytrn (or its tests and
-benchmarks) imports a private Ray or MLflow name.
+benchmarks) imports a private Ray or MLflow name. Importing it imports neither Ray nor MLflow.
 """
 
 from __future__ import annotations
@@ -14,17 +15,27 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-#: The private names this module relies on: ``module`` or ``module:attribute.path``.
+from raytrn.compat import controller
+from raytrn.compat.controller import (
+    HOSTED_SKIPPED_CALLBACKS,
+    ControllerListener,
+    WorkerPlace,
+    hosted_trainer,
+)
+
+#: The private names this package relies on: ``module`` or ``module:attribute.path``.
 PRIVATE_NAMES: dict[str, str] = {
-    "trainer callbacks": "ray.train.v2.api.data_parallel_trainer:DataParallelTrainer._create_default_callbacks",
+    **controller.PRIVATE_NAMES,
     "Ray Data stats actor": "ray.data._internal.stats:get_or_create_stats_actor",
     "Ray Train context logger": "ray.train.v2._internal.execution.context",
     "Ray Train storage logger": "ray.train.v2._internal.execution.storage",
     "Ray Data progress logger": "ray.data._internal.progress",
     "Ray Data executor logger": "ray.data._internal.execution.streaming_executor",
     "Ray Train controller start": "ray.train.v2.api.data_parallel_trainer:DataParallelTrainer._initialize_and_run_controller",
-    "Ray Train torch backend": "ray.train.torch.config:_TorchBackend.on_start",
+    "Ray Train default callbacks": "ray.train.v2.api.data_parallel_trainer:DataParallelTrainer._create_default_callbacks",
     "Ray Train elastic policy": "ray.train.v2._internal.execution.scaling_policy:ElasticScalingPolicy",
+    "Ray Train fixed policy": "ray.train.v2._internal.execution.scaling_policy:FixedScalingPolicy._maybe_send_resource_request",
+    "Ray Train policy start hook": "ray.train.v2._internal.execution.scaling_policy:ScalingPolicy.after_controller_start",
     "Ray Train scaling decisions": "ray.train.v2._internal.execution.scaling_policy:ResizeDecision",
     "Ray Train no-op decision": "ray.train.v2._internal.execution.scaling_policy:NoopDecision",
     "Ray Train elastic policy counting": "ray.train.v2._internal.execution.scaling_policy:ElasticScalingPolicy._count_possible_workers",
@@ -58,56 +69,6 @@ PRIVATE_NAMES: dict[str, str] = {
 #: Ray Train V2's switch for its preemption watcher (an actor polling the nodes). Undocumented environment
 #: variable; no public alternative. An embedded local Ray (one machine, never preempted) turns it off.
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
-
-
-def trainer_without_callbacks(base: type, skipped: tuple[str, ...]) -> type:
-    """``base`` (a ``TorchTrainer``) without Ray Train's default callbacks whose class names are in ``skipped``.
-
-    Overrides ``_create_default_callbacks``, Ray Train V2's private hook; public alternative: none (the
-    ``callbacks`` of ``RunConfig`` only add). A Ray without the hook gets ``base`` unchanged.
-    """
-    if not callable(getattr(base, "_create_default_callbacks", None)):
-        return base
-
-    class Trainer(base):  # type: ignore[misc,valid-type]
-        def _create_default_callbacks(self) -> list[Any]:
-            callbacks = super()._create_default_callbacks()
-            return [c for c in callbacks if type(c).__name__ not in skipped]
-
-    Trainer.__name__ = Trainer.__qualname__ = f"Local{base.__name__}"
-    return Trainer
-
-
-def trainer_with_scaling_policy(base: type, make_policy: Any) -> type:
-    """``base`` (a ``TorchTrainer``) whose controller runs with the scaling policy ``make_policy(scaling_config)``
-    instead of the one Ray picks (for an elastic job, ``ElasticScalingPolicy``).
-
-    Overrides ``DataParallelTrainer._initialize_and_run_controller``, Ray Train V2's private hook (``fit``
-    passes it the policy); public alternative: none (``ScalingConfig`` has no policy field). A Ray without the
-    hook gets ``base`` unchanged, i.e. Ray's own policy.
-    """
-    if not callable(getattr(base, "_initialize_and_run_controller", None)):
-        return base
-
-    class Trainer(base):  # type: ignore[misc,valid-type]
-        def _initialize_and_run_controller(self, **kwargs: Any) -> Any:
-            if "scaling_policy" in kwargs:
-                kwargs["scaling_policy"] = make_policy(self.scaling_config)
-            return super()._initialize_and_run_controller(**kwargs)
-
-    Trainer.__name__ = Trainer.__qualname__ = base.__name__
-    return Trainer
-
-
-def torch_backend_class() -> type:
-    """Ray Train's torch backend (``ray.train.torch.config._TorchBackend``: forms the gloo/nccl process group in
-    ``on_start``), for raytrn's subclass that also sets up its workers (:mod:`raytrn.backends.ray_torch`).
-
-    Public alternative: ``ray.train.backend.Backend`` from scratch, i.e. re-implementing the process group set-up.
-    """
-    from ray.train.torch.config import _TorchBackend
-
-    return _TorchBackend
 
 
 def elastic_scaling_policy(scaling_config: Any, choose: Any, reachable: Callable[[Any], set[str]]) -> Any:
@@ -169,6 +130,31 @@ def elastic_scaling_policy(scaling_config: Any, choose: Any, reachable: Callable
             return reserved
 
     return RaytrnElasticPolicy(scaling_config)
+
+
+def local_fixed_scaling_policy(scaling_config: Any) -> Any:
+    """Ray Train V2's fixed-size scaling policy without its resource requests to the autoscaling coordinator, for a
+    Ray that ``raytrn train`` started on this machine: no autoscaler reads them, and the coordinator is a detached
+    actor (a process, ~1 CPU-second) the first request starts, on the path to the first step.
+
+    Extends the private ``FixedScalingPolicy`` (public alternative: none; every policy sends them).
+    """
+    from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
+
+    class LocalFixedScalingPolicy(FixedScalingPolicy):  # type: ignore[misc]
+        def after_controller_start(self, train_run_context: Any) -> None:
+            pass
+
+        def _maybe_send_resource_request(self) -> None:
+            pass
+
+        async def before_controller_shutdown(self) -> None:
+            pass
+
+        def before_controller_abort(self) -> None:
+            pass
+
+    return LocalFixedScalingPolicy(scaling_config)
 
 
 def preemption_notice() -> Any:
@@ -425,3 +411,11 @@ def resolve(spec: str) -> Any:
             raise AttributeError(f"{spec}: {getattr(obj, '__qualname__', obj)!r} has no attribute {part!r}")
         obj = getattr(obj, part)
     return obj
+
+
+__all__ = [
+    "HOSTED_SKIPPED_CALLBACKS",
+    "ControllerListener",
+    "WorkerPlace",
+    "hosted_trainer",
+]

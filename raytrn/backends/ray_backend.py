@@ -1,0 +1,102 @@
+"""raytrn's Ray Train backend for its torch.distributed accelerators (cpu, cuda; neuron builds on it): before the
+training function runs, each worker gets its torch.distributed environment, forms its process group, and installs
+the SIGTERM handler that turns the signal into a checkpoint (:func:`raytrn.sigterm.install_sigterm_handler`).
+
+Ray Train's public ``Backend`` / ``BackendConfig``, not ``ray.train.torch.TorchConfig``: importing that module
+imports torch (~1 s of the driver's start-up, which needs no torch), and its backend makes four round trips to the
+workers where two do (rank 0's address and a free port, then every worker at once: environment, process group,
+handler). Workers read their ranks from ``ray.train.get_context()``. A group's process group goes with its processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ray.train.backend import Backend as RayBackend
+from ray.train.backend import BackendConfig
+
+from raytrn.backends.neuron_ray import free_ports
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ProcessGroupConfig(BackendConfig):
+    """The process group every worker forms (``backend``: gloo, nccl, neuron) and its collectives' timeout."""
+
+    backend: str = "gloo"
+    timeout_s: int = 1800
+
+    @property
+    def backend_cls(self) -> type:
+        return ProcessGroupBackend
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "timeout_s": self.timeout_s}
+
+
+class ProcessGroupBackend(RayBackend):  # type: ignore[misc]
+    #: As Ray's torch backend: each GPU worker sees its node's GPUs of the group (NCCL's peer access).
+    share_cuda_visible_devices = True
+
+    def on_start(self, worker_group: Any, backend_config: Any) -> None:
+        master_addr, ports = worker_group.execute_single(0, free_ports, 1)
+        installed = worker_group.execute(
+            start_worker, master_addr, ports[0], backend_config.backend, backend_config.timeout_s
+        )
+        if not all(installed):
+            log.warning("SIGTERM handler not installed on %d of %d workers", installed.count(False), len(installed))
+
+    # No ``on_shutdown``: Ray kills the workers right after it, and destroying a process group whose peer is gone
+    # or frozen waits for Ray's process-group shutdown timeout (30 s) before a restarted group can start.
+
+
+def torch_distributed_env(master_addr: str, master_port: int) -> dict[str, str]:
+    """This worker's torch.distributed variables (``torchrun``'s names) from its Ray Train context."""
+    import ray.train
+
+    ctx = ray.train.get_context()
+    return {
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "RANK": str(ctx.get_world_rank()),
+        "WORLD_SIZE": str(ctx.get_world_size()),
+        "LOCAL_RANK": str(ctx.get_local_rank()),
+        "LOCAL_WORLD_SIZE": str(ctx.get_local_world_size()),
+        "NODE_RANK": str(ctx.get_node_rank()),
+    }
+
+
+def start_worker(master_addr: str, master_port: int, backend: str, timeout_s: float) -> bool:
+    """On a worker's main thread: its environment, the SIGTERM handler, then its process group. Returns whether the
+    handler is installed."""
+    from raytrn.sigterm import install_sigterm_handler
+
+    os.environ.update(torch_distributed_env(master_addr, master_port))
+    installed = install_sigterm_handler()
+    init_process_group(backend, timeout_s)
+    return installed
+
+
+def init_process_group(backend: str, timeout_s: float) -> None:
+    """``init_process_group(backend, init_method="env://")`` from the worker's variables (once per process)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if backend == "nccl":  # as Ray's torch backend: the worker's own GPU before NCCL starts
+        import ray.train.torch
+        import torch
+
+        torch.cuda.set_device(ray.train.torch.get_device())
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            init_method="env://",
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timedelta(seconds=timeout_s),
+        )

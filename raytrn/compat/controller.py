@@ -1,0 +1,280 @@
+"""Ray Train V2's controller, run in the calling process instead of an actor of its own (private Ray Train APIs).
+
+Stock ``DataParallelTrainer.fit()`` starts ``TrainController`` as an actor: a new Python process that imports
+``ray.train`` (~2.2 CPU-seconds here) before it asks for a single worker, and, because that actor may die on its
+own, a detached ``PlacementGroupCleaner`` actor to remove the workers' placement group if it does (~1.4
+CPU-seconds). Its ``DatasetsCallback`` starts a ``DatasetManager`` actor per worker group even with no datasets
+(~1.1), and its ``PreemptionCallback`` a ``PreemptionWatcher`` actor per worker group (~1.2): four processes, none
+of which raytrn needs as a process. :func:`hosted_trainer` runs the same controller (its state machine, scaling and
+failure policies, worker group, callbacks) on an event loop in the process that calls ``fit()``:
+
+- the placement group and the worker actors are then owned by that process and go with it (Ray removes a job's
+  placement groups when its driver exits), so the cleaner is left out; inside another actor (a Ray Tune trial,
+  which its scheduler may kill while the sweep lives on) it is kept, and it watches that actor;
+- the preemption watcher is the same class, polling in a thread of this process instead of an actor's;
+- Ray Train's controller log lines go to ``console`` (a ``logging.Handler``) instead of stderr;
+- ``listener`` (a :class:`ControllerListener`) hears the controller's decisions as they are made: the typed seam
+  raytrn's terminal lines and goodput ledger are built on (nothing is parsed back out of a log line).
+
+Public alternative: none (``DataParallelTrainer.fit`` always starts the controller as an actor). Every name used
+here is in :data:`raytrn.compat.PRIVATE_NAMES`, and ``tests/unit/test_compat.py`` runs a hosted controller.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
+
+#: The private names this module relies on (merged into :data:`raytrn.compat.PRIVATE_NAMES`).
+PRIVATE_NAMES: dict[str, str] = {
+    "Ray Train controller": "ray.train.v2._internal.execution.controller:TrainController",
+    "Ray Train controller run loop": "ray.train.v2._internal.execution.controller:TrainController.run",
+    "Ray Train controller start hooks": "ray.train.v2._internal.execution.controller:TrainController._start",
+    "Ray Train controller worker-group class": "ray.train.v2._internal.execution.controller:TrainController.worker_group_cls",
+    "Ray Train controller state": "ray.train.v2._internal.execution.controller.state:AbortedState",
+    "Ray Train resizing state": "ray.train.v2._internal.execution.controller.state:ResizingState",
+    "Ray Train preempting state": "ray.train.v2._internal.execution.controller.state:PreemptingState",
+    "Ray Train worker group": "ray.train.v2._internal.execution.worker_group:WorkerGroup._init_train_context_on_workers",
+    "Ray Train worker-group log paths": "ray.train.v2._internal.execution.worker_group:WorkerGroup._decorate_worker_log_file_paths",
+    "Ray Train worker-group shutdown": "ray.train.v2._internal.execution.worker_group:WorkerGroup.shutdown",
+    "Ray Train worker-group poll status": "ray.train.v2._internal.execution.worker_group:WorkerGroup.get_latest_poll_status",
+    "Ray Train worker-group state": "ray.train.v2._internal.execution.worker_group.state:WorkerGroupState.shutdown",
+    "Ray Train controller callback": "ray.train.v2._internal.execution.callback:ControllerCallback",
+    "Ray Train worker-group callback": "ray.train.v2._internal.execution.callback:WorkerGroupCallback",
+    "Ray Train preemption callback": "ray.train.v2._internal.callbacks.preemption_callback:PreemptionCallback",
+    "Ray Train preemption watcher": "ray.train.v2._internal.execution.preemption:PreemptionWatcher",
+    "Ray Train failure decisions": "ray.train.v2._internal.execution.failure_handling:FailureDecision",
+    "Ray Train failure decision hook": "ray.train.v2._internal.execution.controller:TrainController._execute_failure_decision",
+    "Ray Train preemption error": "ray.train.v2.api.exceptions:PreemptionError",
+    "Ray Train controller console handler": "ray.train.v2._internal.logging.logging:PlainRayHandler",
+}
+
+#: Ray Train's default callbacks a hosted controller leaves out: the placement-group cleaner (see the module's
+#: docstring; kept inside another actor) and the datasets callback (raytrn's workers read their own rows: with no
+#: ``datasets`` it only starts an idle ``DatasetManager`` actor).
+HOSTED_SKIPPED_CALLBACKS = ("PlacementGroupCleanerCallback", "DatasetsCallback")
+
+
+@dataclass(frozen=True)
+class WorkerPlace:
+    """Where one worker of a started group runs."""
+
+    rank: int
+    node_id: str
+    node_ip: str
+    pid: int
+
+
+class ControllerListener(Protocol):
+    """What a hosted controller tells as it decides (called on the controller's thread; keep each call short)."""
+
+    def group_starting(self, num_workers: int) -> None:
+        """A worker group of ``num_workers`` is being started (placement group, actors, process group)."""
+
+    def group_started(self, places: list[WorkerPlace]) -> None:
+        """The group's workers are up and their training function was launched."""
+
+    def failure_decided(
+        self, retry: bool, errors: dict[int, BaseException], error: BaseException, preemption: bool
+    ) -> None:
+        """The group failed (``errors``: its failed ranks' errors, or Ray's about them; empty when the group failed
+        to start or the controller itself did: ``error``): ``retry`` (a new group), else the run fails.
+        ``preemption``: the failure is a preemption notice's deadline (the group checkpointed and waited for it)."""
+
+    def resizing(self, num_workers: int) -> None:
+        """A running group is replaced by one of ``num_workers`` (capacity came back)."""
+
+    def preempting(self, ranks: list[int], deadline_ms: int | None) -> None:
+        """A preemption notice covers ``ranks`` (their nodes are being drained)."""
+
+
+def hosted_trainer(
+    base: type,
+    *,
+    listener: ControllerListener | None = None,
+    console: logging.Handler | None = None,
+    make_policy: Callable[[Any], Any] | None = None,
+    health_check_s: float | None = None,
+    skipped: tuple[str, ...] = HOSTED_SKIPPED_CALLBACKS,
+) -> type:
+    """``base`` (a ``DataParallelTrainer``) whose ``fit()`` runs the controller in this process.
+
+    ``make_policy(scaling_config)``: the scaling policy instead of the one Ray picks; ``health_check_s``: how often
+    the controller polls its workers (Ray's default 2 s; ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` set by the user
+    wins). A ``KeyboardInterrupt`` (Ctrl-C, SIGTERM turned into one) aborts the worker group, then propagates.
+    """
+    import asyncio
+    import os
+
+    import ray
+    from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
+    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+    from ray.train.v2._internal.execution.controller import TrainController
+    from ray.train.v2._internal.execution.controller.state import AbortedState, PreemptingState, ResizingState
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+    from ray.train.v2._internal.execution.preemption import PreemptionWatcher
+    from ray.train.v2._internal.execution.worker_group import WorkerGroup
+    from ray.train.v2._internal.execution.worker_group.state import WorkerGroupState
+    from ray.train.v2._internal.logging.logging import PlainRayHandler
+
+    def in_actor() -> bool:
+        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+    class KilledState(WorkerGroupState):  # type: ignore[misc]
+        """A failed group's state: its actors are killed at once, not first asked to shut down and waited for (up to
+        5 s, ~2 s for a worker whose node is gone: measured), before the next group can start."""
+
+        def shutdown(self) -> None:
+            for worker in self.workers:
+                ray.kill(worker.actor)
+            ray.kill(self.sync_actor)
+            self.placement_group_handle.shutdown()
+
+    class HostedWorkerGroup(WorkerGroup):  # type: ignore[misc]
+        def shutdown(self) -> None:
+            state = self._worker_group_state
+            status = self.get_latest_poll_status() if state is not None else None
+            if state is not None and status is not None and status.errors:
+                self._worker_group_state = KilledState(**{f.name: getattr(state, f.name) for f in fields(state)})
+            super().shutdown()
+
+        def _init_train_context_on_workers(
+            self, workers: list[Any], sync_actor: Any, train_context_args: dict[str, list[Any]]
+        ) -> None:
+            # Stock passes ``ray.get_runtime_context().current_actor`` (the controller actor) for
+            # ``ray.train.get_all_reported_checkpoints``, which raytrn does not use; here there is no such actor.
+            current = ray.get_runtime_context().current_actor if in_actor() else None
+            ray.get(
+                [
+                    worker.actor.init_train_context.remote(
+                        train_run_context=self._train_run_context,
+                        distributed_context=worker.distributed_context,
+                        synchronization_actor=sync_actor,
+                        storage_context=self._storage_context,
+                        worker_callbacks=self._worker_callbacks_to_propagate,
+                        controller_actor=current,
+                        **{arg: values[i] for arg, values in train_context_args.items()},
+                    )
+                    for i, worker in enumerate(workers)
+                ]
+            )
+            self._decorate_worker_log_file_paths(workers)
+
+    class HostedPreemptionCallback(PreemptionCallback):  # type: ignore[misc]
+        """Ray's preemption watcher, polling in a thread of this process (stock: an actor per worker group)."""
+
+        def after_worker_group_start(self, worker_group: Any) -> None:
+            self._stop_watcher()
+            node_to_ranks: dict[str, list[int]] = {}
+            actors: dict[int, Any] = {}
+            for w in worker_group.get_workers():
+                rank = w.distributed_context.world_rank
+                node_to_ranks.setdefault(w.metadata.node_id, []).append(rank)
+                actors[rank] = w.actor
+            watcher: Any = PreemptionWatcher(
+                node_to_ranks=node_to_ranks, poll_interval_s=self._poll_interval_s, worker_actors_by_rank=actors
+            )
+            self._watcher = watcher
+
+        def _stop_watcher(self) -> None:
+            watcher, self._watcher = self._watcher, None
+            if watcher is not None:
+                watcher._stop_event.set()
+
+    class Events(ControllerCallback, WorkerGroupCallback):  # type: ignore[misc]
+        """The controller's decisions, to ``listener``."""
+
+        def before_worker_group_start(self, worker_group_context: Any) -> None:
+            if listener is not None:
+                listener.group_starting(int(worker_group_context.num_workers))
+
+        def after_worker_group_training_start(self, worker_group: Any) -> None:
+            if listener is not None:
+                listener.group_started(
+                    [
+                        WorkerPlace(
+                            w.distributed_context.world_rank, w.metadata.node_id, w.metadata.node_ip, w.metadata.pid
+                        )
+                        for w in worker_group.get_workers()
+                    ]  # fmt: skip
+                )
+
+        def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
+            if listener is None or type(previous_state) is type(current_state):
+                return
+            if isinstance(current_state, ResizingState):
+                decision: Any = current_state.scaling_decision
+                listener.resizing(int(decision.num_workers))
+            elif isinstance(current_state, PreemptingState):
+                info = current_state.preemption_info
+                listener.preempting(sorted(info.preempted_ranks), info.deadline_ms)
+
+    class HostedController(TrainController):  # type: ignore[misc]
+        worker_group_cls = HostedWorkerGroup
+
+        def _start(self) -> None:
+            # The end of TrainController.__init__, which configured Ray Train's logging and picked the callbacks:
+            # adjusted before its first hook runs (the scaling policy's, which logs its resource request).
+            self._worker_group_callbacks_to_propagate = [
+                HostedPreemptionCallback() if isinstance(c, PreemptionCallback) else c
+                for c in self._worker_group_callbacks_to_propagate
+            ]
+            if health_check_s is not None and not os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"):
+                self._health_check_interval_s = health_check_s
+            if console is not None:  # Ray Train's lines to raytrn's handler, not stderr
+                train_logger = logging.getLogger("ray.train")
+                for handler in list(train_logger.handlers):
+                    if isinstance(handler, PlainRayHandler):
+                        train_logger.removeHandler(handler)
+                        for f in handler.filters:  # Ray's level filter (RunConfig's logging level)
+                            console.addFilter(f)
+                        train_logger.addHandler(console)
+            super()._start()
+
+        def _execute_failure_decision(
+            self, failure_decision: Any, training_failed_error: Any, invoke_failure_decision_callbacks: bool = True
+        ) -> Any:
+            if listener is not None and failure_decision != FailureDecision.NOOP:
+                errors = dict(getattr(training_failed_error, "worker_failures", None) or {})
+                preemption = type(training_failed_error).__name__ == "PreemptionError"
+                listener.failure_decided(
+                    failure_decision == FailureDecision.RETRY, errors, training_failed_error, preemption
+                )
+            return super()._execute_failure_decision(
+                failure_decision, training_failed_error, invoke_failure_decision_callbacks
+            )
+
+        def abort_here(self) -> None:
+            """Stock ``abort`` (callbacks, worker group, state), without exiting the process it runs in."""
+            if self.get_state().is_terminal():
+                return
+            self._controller_callback_manager.invoke_best_effort("before_controller_abort")
+            try:
+                if self._worker_group:
+                    self._worker_group.abort()
+                self._set_state(AbortedState())
+            except Exception as e:  # as stock: logged, the abort goes on
+                logging.getLogger(__name__).warning("aborting the worker group: %s", e)
+
+    class Trainer(base):  # type: ignore[misc,valid-type]
+        def _create_default_callbacks(self) -> list[Any]:
+            keep_cleaner = in_actor()  # a Tune trial: its actor may be killed while the sweep's Ray lives on
+            dropped = {n for n in skipped if not (keep_cleaner and n == "PlacementGroupCleanerCallback")}
+            callbacks = [c for c in super()._create_default_callbacks() if type(c).__name__ not in dropped]
+            return [*callbacks, Events()]
+
+        def _initialize_and_run_controller(self, **kwargs: Any) -> Any:
+            if make_policy is not None and "scaling_policy" in kwargs:
+                kwargs["scaling_policy"] = make_policy(self.scaling_config)
+            controller = HostedController(**kwargs)
+            try:
+                asyncio.run(controller.run())
+            except BaseException:  # Ctrl-C, SIGTERM, an error in the loop itself: the workers go first
+                controller.abort_here()
+                raise
+            return controller.get_result()
+
+    Trainer.__name__ = Trainer.__qualname__ = f"Hosted{base.__name__}"
+    return Trainer

@@ -1,0 +1,152 @@
+"""What the driver hears from Ray Train's controller (run in its process: :func:`raytrn.compat.hosted_trainer`), and
+what it does with it: one terminal line per event (what happened, to which rank and node, what raytrn does about
+it), and the record of why each worker group ended that the run's goodput ledger books its gaps by
+(:mod:`raytrn.tracking.goodput`). Ray's own account of the same events (its controller's log lines, a worker's
+traceback) goes to the run's Ray log file (:mod:`raytrn.runtime`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from raytrn.compat import WorkerPlace
+from raytrn.errors import RaytrnError
+from raytrn.tracking.goodput import EndCause, GroupEnd, Ledger, close
+
+log = logging.getLogger(__name__)
+
+Print = Callable[[str], None]
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+class RunEvents:
+    """A :class:`raytrn.compat.ControllerListener` for one run (``max_failures``: the job's ``scaling.max_failures``;
+    ``quiet``: record only, print nothing, as a sweep's trial)."""
+
+    def __init__(self, max_failures: int, *, quiet: bool = False, out: Print = _print) -> None:
+        self.max_failures = max_failures
+        self.out: Print | None = None if quiet else out
+        self._lock = threading.Lock()
+        #: Why each group before the current one ended, with the driver's wall-clock time of the decision.
+        self.ends: list[GroupEnd] = []
+        #: Where the current group's workers run, by rank (the newest ``group_started``).
+        self.places: dict[int, WorkerPlace] = {}
+        self.size = 0
+        self.failures = 0
+        self.groups = 0
+
+    # -- compat.ControllerListener ----------------------------------------------------------------------------
+    def group_starting(self, num_workers: int) -> None:
+        with self._lock:
+            self.size = num_workers
+
+    def group_started(self, places: list[WorkerPlace]) -> None:
+        with self._lock:
+            self.places = {p.rank: p for p in places}
+            self.groups += 1
+
+    def failure_decided(
+        self, retry: bool, errors: dict[int, BaseException], error: BaseException, preemption: bool
+    ) -> None:
+        with self._lock:
+            self.ends.append(GroupEnd(time.time(), EndCause.PREEMPTION if preemption else EndCause.FAILURE))
+            if not preemption:
+                self.failures += 1
+            what = self._what_failed(errors, error) if not preemption else "the preempted node's deadline passed"
+            if retry:
+                count = f"failure {self.failures} of scaling.max_failures={self.max_failures}"
+                then = (
+                    f"restarting the group from the newest state ({count})"
+                    if not preemption
+                    else ("restarting the group without the node from the checkpoint it took")
+                )
+            else:
+                then = f"no restarts left (scaling.max_failures={self.max_failures}): the run fails"
+            self._say(f"{what}; {then}")
+
+    def resizing(self, num_workers: int) -> None:
+        with self._lock:
+            self.ends.append(GroupEnd(time.time(), EndCause.RESIZE))
+            self._say(
+                f"capacity for {num_workers} workers (running {self.size}): restarting the group at {num_workers}"
+            )
+
+    def preempting(self, ranks: list[int], deadline_ms: int | None) -> None:
+        with self._lock:
+            when = (
+                f"its deadline in {max(0.0, deadline_ms / 1000 - time.time()):.0f} s"
+                if deadline_ms
+                else "no deadline given"
+            )
+            self._say(
+                f"preemption notice for {self._ranks(ranks)} ({when}): checkpointing at the next step, then "
+                "restarting without the node"
+            )
+
+    # -- rendering ----------------------------------------------------------------------------------------------
+    def _say(self, line: str) -> None:
+        if self.out is not None:
+            self.out(f"raytrn: {line}")
+
+    def _ranks(self, ranks: list[int]) -> str:
+        nodes = sorted({self.places[r].node_ip for r in ranks if r in self.places})
+        where = f" on {', '.join(nodes)}" if nodes else ""
+        return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}{where}"
+
+    def _what_failed(self, errors: dict[int, BaseException], error: BaseException) -> str:
+        if not errors:
+            return f"the worker group of {self.size} failed ({describe_error(error)})"
+        by_reason: dict[str, list[int]] = {}
+        for rank, e in sorted(errors.items()):
+            by_reason.setdefault(describe_error(e), []).append(rank)
+        return "; ".join(f"{self._ranks(ranks)} failed: {reason}" for reason, ranks in by_reason.items())
+
+
+def describe_error(error: BaseException) -> str:
+    """A failed worker's error in a few words: raytrn's own message, what Ray says happened to the process, or the
+    exception's type and first line (the whole traceback is in the run's Ray log)."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, RaytrnError):
+            return str(e).splitlines()[0]
+        name = type(e).__name__
+        if name in ("ActorDiedError", "RayActorError", "ActorUnavailableError"):
+            text = str(e)
+            if "node" in text.lower() and ("died" in text.lower() or "dead" in text.lower()):
+                return "its node was lost"
+            return "its process died (killed, out of memory, or its node lost)"
+        if name == "WorkerHealthCheckTimeoutError":
+            return "it stopped answering Ray's health checks"
+        nested = getattr(e, "health_check_failure", None) or getattr(e, "cause", None) or e.__cause__
+        if nested is None:
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            return f"{name}: {first}" if first else name
+        e = nested
+    return type(error).__name__
+
+
+def close_ledger(board: Any, ends: list[GroupEnd], *, started_at: float, tracker: Any = None) -> Ledger | None:
+    """The run's goodput ledger, closed now (:func:`raytrn.tracking.goodput.close`: the groups' own times from the
+    ``board``, ``ends`` from :class:`RunEvents`), logged to MLflow through ``tracker`` (added to what an earlier
+    invocation of the run logged). None when the board does not answer (the ledger is not worth failing a run)."""
+    import ray
+
+    try:
+        snap = ray.get(board.snapshot.remote(), timeout=30)
+    except Exception as e:
+        log.warning("goodput ledger: the progress board did not answer (%s)", e)
+        return None
+    ledger = close(started_at, time.time(), list(snap.get("times") or []), ends)
+    if tracker is not None:
+        step = int((snap.get("last") or {}).get("step") or 0)
+        tracker.log_goodput.remote(ledger.metrics(), step)
+    return ledger

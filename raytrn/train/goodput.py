@@ -1,0 +1,156 @@
+"""The loop's goodput component: rank 0 measures where its group's time goes and posts it to the job's board.
+
+Each iteration of the loop (a step and what follows it up to the next) is split into the step (less its wait for
+data), that wait, blocking checkpoint and evaluation time, and the rest (metrics, logging, collectives). A step an
+earlier group of the job had trained is *retrained*; the group's first step beyond a steady step is *warm-up*.
+The board keeps the newest :class:`~raytrn.tracking.goodput.GroupTimes` of each group; the driver books the gaps
+between groups and closes the ledger (:mod:`raytrn.tracking.goodput`). Other ranks measure nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from raytrn.tracking.goodput import GroupTimes
+
+#: Rank 0 posts its group's times at most this often (and when the group stops): a killed rank 0's last second is
+#: booked to the restart that follows, as the work it lost is.
+POST_EVERY_S = 1.0
+
+
+class GoodputClock:
+    """Rank 0's measure of its group's time (``board``: the job's progress board; None on other ranks: a no-op).
+
+    ``restored``: the board's answer to this group's restore (:meth:`~raytrn.tracking.board.ProgressBoard.restored`,
+    a Ray future or the record): the steps up to ``step + steps_retrained`` were trained by an earlier group.
+    ``group``: the board's count of groups once this one started (a future or an int)."""
+
+    def __init__(
+        self, board: Any, *, world_size: int, restore_s: float, start_step: int, restored: Any, group: Any
+    ) -> None:
+        self.board = board
+        self.world_size, self.restore_s, self.start_step = world_size, restore_s, start_step
+        self._restored, self._group = restored, group
+        self._retrained_until: int | None = None
+        self._first_at: float | None = None  # wall clock of the first step's start
+        self._iter_start: float | None = None  # perf_counter of the current iteration's start
+        self._step_end = 0.0
+        self._blocked = 0.0
+        self._last_end_at: float | None = None
+        self.steps = 0
+        self._first: tuple[float, bool] | None = None  # the first step's time less data wait, and retrained?
+        self._rest = {"productive": 0.0, "retrained": 0.0}
+        self._steady_s, self._steady_n = 0.0, 0
+        self.data_wait_s = self.checkpoint_s = self.eval_s = self.other_s = 0.0
+        self._posted_at = 0.0
+
+    def step_started(self) -> None:
+        """A training step begins (the first one opens the group's time; later ones continue an iteration)."""
+        if self.board is None:
+            return
+        now = time.perf_counter()
+        if self._first_at is None:
+            self._first_at = time.time()
+            self._iter_start = now
+        elif self._iter_start is None:
+            self._iter_start = now
+
+    def stepped(self, step: int, data_wait_s: float) -> None:
+        """Step ``step`` was trained (its wait for data included ``data_wait_s``)."""
+        if self.board is None or self._iter_start is None:
+            return
+        self._step_end = time.perf_counter()
+        took = self._step_end - self._iter_start
+        wait = min(max(0.0, data_wait_s), took)
+        self.data_wait_s += wait
+        retrained = step <= self._retrained()
+        if self._first is None:
+            self._first = (took - wait, retrained)
+        else:
+            self._rest["retrained" if retrained else "productive"] += took - wait
+            self._steady_s += took - wait
+            self._steady_n += 1
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def blocking(self, cause: str) -> Iterator[None]:
+        """Time spent inside is ``cause`` (``checkpoint`` or ``eval``), not the loop's other time."""
+        if self.board is None:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - start
+            self._blocked += spent
+            setattr(self, f"{cause}_s", getattr(self, f"{cause}_s") + spent)
+
+    def iteration_done(self, *, final: bool = False) -> None:
+        """The step's iteration ended (after its checkpoint and evaluation); posts when due, or ``final``."""
+        if self.board is None or self._iter_start is None:
+            return
+        end = time.perf_counter()
+        self.other_s += max(0.0, end - self._step_end - self._blocked)
+        self._blocked = 0.0
+        self._iter_start = end  # the next iteration starts where this one ended: the group's time is contiguous
+        self._last_end_at = time.time()
+        if final or end - self._posted_at >= POST_EVERY_S:
+            self.post()
+            self._posted_at = end
+
+    def times(self) -> GroupTimes:
+        """The group's time so far."""
+        rest = dict(self._rest)
+        warmup = 0.0
+        if self._first is not None:
+            first, retrained = self._first
+            typical = self._steady_s / self._steady_n if self._steady_n else first
+            warmup = max(0.0, first - typical)
+            rest["retrained" if retrained else "productive"] += first - warmup
+        return GroupTimes(
+            group=self._group_number(),
+            world_size=self.world_size,
+            restore_s=self.restore_s,
+            first_step_at=self._first_at,
+            last_step_end_at=self._last_end_at,
+            steps=self.steps,
+            productive_s=rest["productive"],
+            retrained_s=rest["retrained"],
+            warmup_s=warmup,
+            data_wait_s=self.data_wait_s,
+            checkpoint_s=self.checkpoint_s,
+            eval_s=self.eval_s,
+            other_s=self.other_s,
+        )
+
+    def post(self) -> None:
+        """Send :meth:`times` to the board (not waited on)."""
+        if self.board is not None and self._first_at is not None:
+            self.board.goodput.remote(self.times())
+
+    def _retrained(self) -> int:
+        if self._retrained_until is None:
+            record = _resolved(self._restored)
+            self._retrained_until = self.start_step + int((record or {}).get("steps_retrained", 0))
+        return self._retrained_until
+
+    def _group_number(self) -> int:
+        if not isinstance(self._group, int):
+            self._group = int(_resolved(self._group) or 0)
+        return self._group
+
+
+def _resolved(value: Any, timeout_s: float = 60) -> Any:
+    """``value``, or what the Ray future ``value`` resolves to (None when it fails: the ledger is best effort)."""
+    import ray
+
+    if not isinstance(value, ray.ObjectRef):
+        return value
+    try:
+        return ray.get(value, timeout=timeout_s)
+    except Exception:
+        return None

@@ -1,0 +1,223 @@
+"""The goodput ledger's arithmetic (raytrn.tracking.goodput), rank 0's clock (raytrn.train.goodput) and the driver's
+event lines (raytrn.train.events): every second of a run booked to one cause, each gap to why its group ended."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrn.errors import RaytrnError
+from raytrn.tracking import goodput
+from raytrn.tracking.goodput import BADPUT, EndCause, GroupEnd, GroupTimes, close
+from raytrn.train import goodput as clock_module
+from raytrn.train.events import RunEvents, describe_error
+
+pytestmark = pytest.mark.unit
+
+
+def _group(n: int, first: float, last: float, *, restore: float = 0.0, **parts: float) -> GroupTimes:
+    """A group whose span ``[first, last]`` is filled by ``parts`` (the rest: productive)."""
+    filled = sum(parts.values())
+    return GroupTimes(
+        group=n, world_size=2, restore_s=restore, first_step_at=first, last_step_end_at=last, steps=10,
+        productive_s=(last - first) - filled, **{f"{k}_s": v for k, v in parts.items()},
+    )  # fmt: skip
+
+
+def test_one_group_books_startup_steps_and_shutdown_and_adds_up() -> None:
+    g = _group(1, 110.0, 150.0, checkpoint=2.0, eval=1.0, data_wait=0.5, warmup=0.8, other=0.7)
+    ledger = close(100.0, 155.0, [g], [])
+    assert ledger.wall_s == 55.0
+    assert ledger.startup == pytest.approx(10.0) and ledger.shutdown == pytest.approx(5.0)
+    assert ledger.productive == pytest.approx(35.0)
+    assert (ledger.checkpoint, ledger.eval, ledger.data_wait, ledger.warmup, ledger.other) == (2.0, 1.0, 0.5, 0.8, 0.7)
+    assert ledger.unaccounted == pytest.approx(0.0, abs=1e-9)
+    assert ledger.goodput == pytest.approx(35.0 / 55.0)
+    assert ledger.events == []
+
+
+def test_a_resumed_first_group_books_its_restore_apart_from_startup() -> None:
+    ledger = close(100.0, 130.0, [_group(1, 112.0, 128.0, restore=1.5)], [])
+    assert ledger.restore == pytest.approx(1.5) and ledger.startup == pytest.approx(10.5)
+    assert ledger.unaccounted == pytest.approx(0.0, abs=1e-9)
+
+
+def test_each_gap_lands_in_the_cause_of_the_group_that_ended_before_it() -> None:
+    groups = [
+        _group(1, 110.0, 140.0),
+        _group(2, 150.0, 170.0, restore=0.4, retrained=3.0),  # after a failure at 141
+        _group(3, 185.0, 200.0),  # after a resize decided at 168, while group 2 still trained
+        _group(4, 230.0, 240.0, restore=1.0),  # after a preemption notice's deadline
+    ]
+    ends = [GroupEnd(141.0, EndCause.FAILURE), GroupEnd(168.0, EndCause.RESIZE), GroupEnd(205.0, EndCause.PREEMPTION)]
+    ledger = close(100.0, 245.0, groups, ends)
+    assert ledger.restart == pytest.approx(10.0 - 0.4)
+    assert ledger.resize == pytest.approx(15.0)
+    assert ledger.preemption == pytest.approx(30.0 - 1.0)
+    assert ledger.restore == pytest.approx(1.4) and ledger.retrained == pytest.approx(3.0)
+    assert ledger.events == ["restart", "resize", "preemption"]
+    assert ledger.unaccounted == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_group_that_never_stepped_is_part_of_the_gap_and_an_unrecorded_end_is_a_failure() -> None:
+    never = GroupTimes(group=2, world_size=2)
+    ledger = close(0.0, 100.0, [_group(1, 10.0, 40.0), never, _group(3, 60.0, 90.0)], [])
+    assert ledger.restart == pytest.approx(20.0) and ledger.events == ["restart"]
+    assert ledger.unaccounted == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_run_that_never_stepped_was_all_startup() -> None:
+    ledger = close(0.0, 12.0, [], [])
+    assert ledger.startup == 12.0 and ledger.goodput == 0.0 and ledger.unaccounted == 0.0
+
+
+def test_missing_time_shows_as_unaccounted_not_as_goodput() -> None:
+    """A group whose posted parts do not fill its span (its rank 0 lost the last post): the difference is visible."""
+    g = GroupTimes(group=1, world_size=1, first_step_at=10.0, last_step_end_at=30.0, steps=5, productive_s=15.0)
+    ledger = close(0.0, 30.0, [g], [])
+    assert ledger.unaccounted == pytest.approx(5.0)
+
+
+def test_metrics_name_every_cause_and_add_across_invocations() -> None:
+    ledger = close(0.0, 50.0, [_group(1, 10.0, 40.0, checkpoint=5.0)], [])
+    metrics = ledger.metrics()
+    assert set(metrics) == set(goodput.METRICS)
+    assert metrics["badput_checkpoint_s"] == 5.0 and metrics["goodput_s"] == 25.0 and metrics["goodput"] == 0.5
+    total = goodput.add(metrics, metrics)  # an earlier invocation logged the same
+    assert total["wall_s"] == 100.0 and total["goodput_s"] == 50.0 and total["goodput"] == 0.5
+    assert total["badput_startup_s"] == 20.0
+    assert goodput.add({}, metrics) == metrics
+    assert ledger.render().startswith("0.50 (25.0 of 50.0 s productive); startup 10.0 s, checkpoint 5.0 s")
+    assert set(BADPUT) | {"productive"} == set(ledger.seconds())
+
+
+# -- rank 0's clock ----------------------------------------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now + 5e8  # another origin: only differences matter
+
+    def advance(self, s: float) -> None:
+        self.now += s
+
+
+class _Board:
+    def __init__(self) -> None:
+        self.posted: list[GroupTimes] = []
+        self.goodput = self
+
+    def remote(self, times: GroupTimes) -> None:
+        self.posted.append(times)
+
+
+def test_the_clock_splits_its_groups_time_and_covers_it_contiguously(monkeypatch) -> None:
+    fake, board = _Clock(), _Board()
+    monkeypatch.setattr(clock_module, "time", fake)
+    c = clock_module.GoodputClock(
+        board, world_size=2, restore_s=0.7, start_step=10, restored={"steps_retrained": 2}, group=3
+    )
+    durations = {11: 3.0, 12: 1.0, 13: 1.0, 14: 1.0}  # step 11: 2 s of warm-up; 11 and 12 were trained before
+    for step, took in durations.items():
+        c.step_started()
+        fake.advance(took)
+        c.stepped(step, data_wait_s=0.25)
+        fake.advance(0.1)  # logging
+        with c.blocking("checkpoint"):
+            fake.advance(0.5 if step == 12 else 0.0)
+        with c.blocking("eval"):
+            fake.advance(0.3 if step == 14 else 0.0)
+        c.iteration_done(final=step == 14)
+    times = board.posted[-1]
+    assert (times.group, times.world_size, times.steps, times.restore_s) == (3, 2, 4, 0.7)
+    steady = 0.75  # a step less its wait
+    assert times.warmup_s == pytest.approx(3.0 - 0.25 - steady)
+    assert times.retrained_s == pytest.approx(2 * steady) and times.productive_s == pytest.approx(2 * steady)
+    assert times.data_wait_s == pytest.approx(1.0) and times.checkpoint_s == pytest.approx(0.5)
+    assert times.eval_s == pytest.approx(0.3) and times.other_s == pytest.approx(0.4)
+    span = times.last_step_end_at - times.first_step_at
+    parts = sum(getattr(times, f"{k}_s") for k in ("productive", "retrained", "warmup", "data_wait", "checkpoint",
+                                                 "eval", "other"))  # fmt: skip
+    assert parts == pytest.approx(span)
+
+
+def test_only_rank_0_measures() -> None:
+    c = clock_module.GoodputClock(None, world_size=2, restore_s=0.0, start_step=0, restored=None, group=1)
+    c.step_started()
+    c.stepped(1, 0.0)
+    with c.blocking("eval"):
+        pass
+    c.iteration_done(final=True)
+    c.post()
+    assert c.steps == 0
+
+
+# -- the driver's lines --------------------------------------------------------------------------------------------
+
+
+class ActorDiedError(Exception):
+    """Named as Ray's (describe_error reads the type's name: no Ray here)."""
+
+
+def test_a_failure_is_one_line_naming_the_rank_its_node_and_what_happens_next() -> None:
+    from raytrn.compat import WorkerPlace
+
+    lines: list[str] = []
+    events = RunEvents(2, out=lines.append)
+    events.group_starting(2)
+    events.group_started([WorkerPlace(0, "n0", "10.0.0.1", 11), WorkerPlace(1, "n1", "10.0.0.2", 12)])
+    died = ActorDiedError("The actor died unexpectedly before finishing this task (SIGKILL)")
+    events.failure_decided(True, {1: died}, RuntimeError("group"), False)
+    assert lines == [
+        "raytrn: rank 1 on 10.0.0.2 failed: its process died (killed, out of memory, or its node lost); restarting "
+        "the group from the newest state (failure 1 of scaling.max_failures=2)"
+    ]
+    events.failure_decided(False, {0: RaytrnError("the loss diverged\nmore"), 1: RaytrnError("the loss diverged")},
+                           RuntimeError("group"), False)  # fmt: skip
+    assert lines[-1] == (
+        "raytrn: ranks 0, 1 on 10.0.0.1, 10.0.0.2 failed: the loss diverged; no restarts left "
+        "(scaling.max_failures=2): the run fails"
+    )
+    assert [e.cause for e in events.ends] == [EndCause.FAILURE, EndCause.FAILURE]
+
+
+def test_resizes_notices_and_failed_starts_are_lines_and_ends_too() -> None:
+    lines: list[str] = []
+    events = RunEvents(3, out=lines.append)
+    events.group_starting(2)
+    events.resizing(3)
+    events.preempting([2], None)
+    events.failure_decided(True, {}, TimeoutError("placement group not ready"), False)
+    events.failure_decided(True, {}, RuntimeError("deadline"), True)
+    assert lines[0] == "raytrn: capacity for 3 workers (running 2): restarting the group at 3"
+    assert lines[1].startswith("raytrn: preemption notice for rank 2 (no deadline given): checkpointing")
+    assert lines[2].startswith("raytrn: the worker group of 2 failed (TimeoutError: placement group not ready); ")
+    assert lines[3] == (
+        "raytrn: the preempted node's deadline passed; restarting the group without the node from the checkpoint it took"
+    )
+    assert [e.cause for e in events.ends] == [EndCause.RESIZE, EndCause.FAILURE, EndCause.PREEMPTION]
+    assert events.failures == 1  # the notice's deadline is not a failure
+
+
+def test_a_trials_events_are_recorded_not_printed() -> None:
+    lines: list[str] = []
+    events = RunEvents(1, quiet=True, out=lines.append)
+    events.resizing(2)
+    assert lines == [] and len(events.ends) == 1
+
+
+def test_describe_error_digs_to_what_happened() -> None:
+    class WorkerHealthCheckFailedError(Exception):
+        def __init__(self, msg: str, failure: Exception) -> None:
+            super().__init__(msg)
+            self.health_check_failure = failure
+
+    nested = WorkerHealthCheckFailedError("A worker health check failed.", ActorDiedError("node died: lost"))
+    assert describe_error(nested) == "its node was lost"
+    assert describe_error(ValueError("bad thing\ntraceback...")) == "ValueError: bad thing"
+    assert describe_error(KeyError()) == "KeyError"
