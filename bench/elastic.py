@@ -23,13 +23,13 @@ from typing import Any
 
 from bench.common import REPO
 
-#: Node loss and return three times, then a killed worker, then a preemption notice. The run goes on training
-#: while a node comes back (15-30 s here): the events took 107-165 of 170 steps in three runs here, the last one
-#: leaving the notice no restart to time; the steps leave room for the slowest of them.
+#: Node loss and return three times, then a killed worker, then a preemption notice, each at an observed step after
+#: the previous one's effect was measured. STEPS is the job's run.max_steps (the schedule's horizon): the harness stops
+#: the run a few steps after its last event (raytrn stop), however many steps the group trained while nodes came back.
 EVENTS = "remove@10,add@+3,remove@+6,add@+3,remove@+6,add@+3,kill@+6,drain@+6"
-STEPS = 240
+STEPS = 2000
 QUICK_EVENTS = "remove@8,add@+3,kill@+5,drain@+5"
-QUICK_STEPS = 110
+QUICK_STEPS = 1000
 #: What each kind of event measures (the row it feeds).
 MEASURE = {"remove": "recovery_s", "kill": "recovery_s", "drain": "recovery_s", "add": "scale_up_s"}
 
@@ -84,8 +84,8 @@ def run(*, quick: bool = False, timeout_s: float = 900) -> dict[str, Any]:
     missing = unmeasured(events, result["events"])
     if missing:
         raise RuntimeError(
-            f"the elastic run of {steps} steps ended before it could measure: {'; '.join(missing)}. "
-            "Give it more steps (bench/elastic.py: STEPS, QUICK_STEPS)"
+            f"the elastic run (run.max_steps {steps}) ended before it could measure: {'; '.join(missing)}. "
+            "Give it a longer horizon (bench/elastic.py: STEPS, QUICK_STEPS)"
         )
 
     def of(kind: str, key: str) -> list[Any]:
@@ -106,5 +106,156 @@ def run(*, quick: bool = False, timeout_s: float = 900) -> dict[str, Any]:
         "notice_steps_lost": of("drain", "steps_lost"),
         "scale_up_s": of("add", "scale_up_s"),
         "scale_up_s_median": _median(of("add", "scale_up_s")),
-        "steps_logged_once": result["steps_logged"] == result["distinct_steps"] == result["max_step"] == steps,
+        "steps_logged_once": result["steps_logged"] == result["distinct_steps"] == result["max_step"],
     }
+
+
+# ---------------------------------------------------------------------------------------------------
+# The baseline: stock Ray Train V2's elastic restart after the same node loss
+
+
+def _stock_elastic_loop(config: dict[str, Any]) -> None:
+    """Bench (b)'s model and step on rows of the job's dataset read with pyarrow (no Ray Data: the baseline is Ray
+    Train's restart, not its data path), a Ray Train checkpoint every 5 steps, each step's end time to a file."""
+    import os
+    import tempfile
+    import time
+
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    from bench.training import _model_and_optimizer, _rows, _step
+
+    job, steps_file = config["job"], config["steps"]
+    model, opt, sched = _model_and_optimizer(job)
+    start = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            state = torch.load(os.path.join(d, "state.pt"), weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+    model = ray.train.torch.prepare_model(model)
+    rows = _rows(config["manifest"])
+    ctx = ray.train.get_context()
+    for step in range(start + 1, config["steps_total"] + 1):
+        i = (step * 8 * ctx.get_world_size() + 8 * ctx.get_world_rank()) % max(1, len(rows) - 8)
+        _step(model, opt, sched, rows[i : i + 8], None)
+        if ctx.get_world_rank() == 0:
+            with open(steps_file, "a") as f:
+                f.write(json.dumps({"step": step, "time": time.time(), "world": ctx.get_world_size()}) + "\n")
+        if step % 5 == 0:
+            with tempfile.TemporaryDirectory() as d:
+                if ctx.get_world_rank() == 0:
+                    inner: Any = model.module if hasattr(model, "module") else model
+                    torch.save({"model": inner.state_dict(), "optimizer": opt.state_dict(), "step": step},
+                               os.path.join(d, "state.pt"))  # fmt: skip
+                ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(d))
+
+
+def stock_main(argv: list[str]) -> None:
+    """A local 3-node Ray; stock ``TorchTrainer``, elastic 1..3 workers (one per node, Ray's defaults otherwise);
+    after step ``--remove-at`` a node holding a worker is removed; writes the seconds to the next step."""
+    import argparse
+    import os
+    import threading
+    import time
+
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from bench.common import TINY_JOB
+    from raytrn.config import load_job
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--manifest", required=True)
+    p.add_argument("--remove-at", type=int, default=10)
+    p.add_argument("--steps", type=int, default=400)
+    args = p.parse_args(argv)
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    job = load_job(TINY_JOB, [f"data.manifest={args.manifest}", "data.seq_len=32", "model.vocab_size=512"])
+    work = Path(args.out).parent
+    steps_file = work / "stock-steps.jsonl"
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    nodes = [cluster.add_node(num_cpus=1, resources={"neuron_cores": 1}) for _ in range(3)]
+    result: dict[str, Any] = {}
+    try:
+        ray.init(address=cluster.address, logging_level="ERROR")
+        cluster.wait_for_nodes(timeout=60)
+        trainer = TorchTrainer(
+            _stock_elastic_loop,
+            train_loop_config={
+                "job": job,
+                "steps": str(steps_file),
+                "steps_total": args.steps,
+                "manifest": args.manifest,
+            },  # fmt: skip
+            scaling_config=ScalingConfig(num_workers=(1, 3), resources_per_worker={"neuron_cores": 1}),
+            run_config=RunConfig(
+                name="bench-stock-elastic",
+                storage_path=str(work / "ckpt"),
+                failure_config=FailureConfig(max_failures=3),
+                checkpoint_config=CheckpointConfig(num_to_keep=2),
+            ),  # fmt: skip
+        )
+        outcome: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: outcome.update(result=trainer.fit()), daemon=True)
+        thread.start()
+
+        def steps() -> list[dict[str, Any]]:
+            if not steps_file.exists():
+                return []
+            return [json.loads(x) for x in steps_file.read_text().splitlines() if x.endswith("}")]
+
+        deadline = time.monotonic() + 600
+        while (
+            thread.is_alive()
+            and time.monotonic() < deadline
+            and not [s for s in steps() if s["step"] >= args.remove_at]
+        ):
+            time.sleep(0.1)
+        removed_at = time.time()
+        cluster.remove_node(nodes[-1], allow_graceful=False)
+        while thread.is_alive() and time.monotonic() < deadline and not [s for s in steps() if s["time"] > removed_at]:
+            time.sleep(0.1)
+        after = [s for s in steps() if s["time"] > removed_at]
+        result = {
+            "node_loss_to_next_step_s": (after[0]["time"] - removed_at) if after else None,
+            "restarted_world": after[0]["world"] if after else None,
+        }
+    finally:
+        Path(args.out).write_text(json.dumps(result))
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def run_stock(*, timeout_s: float = 600) -> dict[str, Any]:
+    """Stock Ray Train V2 on the same local 3-node cluster and node loss: the seconds to its next step."""
+    with tempfile.TemporaryDirectory(prefix="raytrn-bench-stock-elastic-") as tmp:
+        data = Path(tmp) / "data"
+        subprocess.run(
+            [sys.executable, "-m", "raytrn.cli", "data", "prepare", "--input", str(REPO / "tests" / "fixtures" / "corpus"),
+             "--output", str(data), "--seq-len", "32", "--vocab-size", "512"],
+            cwd=REPO, check=True, capture_output=True, timeout=300,
+        )  # fmt: skip
+        out = Path(tmp) / "stock.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.elastic", "stock", "--out", str(out), "--manifest", str(data)],
+            cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
+        )  # fmt: skip
+        if not out.exists():
+            raise RuntimeError(f"the stock elastic run wrote no result:\n{proc.stderr[-2000:]}")
+        result: dict[str, Any] = json.loads(out.read_text())
+    if result.get("node_loss_to_next_step_s") is None:
+        raise RuntimeError(f"stock Ray Train trained no step after the node loss:\n{proc.stderr[-2000:]}")
+    return result
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["stock"]:
+        stock_main(sys.argv[2:])

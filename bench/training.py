@@ -238,11 +238,17 @@ def floor_main(args: argparse.Namespace) -> None:
         with open(out) as f:
             at = json.load(f)["train_fn_at"]
     ray.shutdown()
-    emit({"train_fn_start_s": at - started})
+    emit({"train_fn_start_s": at - started, "train_fn_at": at})
 
 
 def run_floor(timeout_s: float = 180) -> dict[str, Any]:
-    return run_child("training", ["floor"], threads=1, timeout_s=timeout_s)
+    """The cold floor, with the processes started before the train function and their CPU-seconds."""
+    from bench.startup import ProcessSampler
+
+    with ProcessSampler() as sampler:
+        result = run_child("training", ["floor"], threads=1, timeout_s=timeout_s)
+    result["processes"] = sampler.until(result["train_fn_at"])
+    return result
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -323,8 +329,11 @@ def launch_raytrn(bench: BenchJob, workdir: str, *, workers: int = 1, extra: lis
 
 
 def run_raytrn(bench: BenchJob, *, workers: int = 1, timeout_s: float = 300) -> dict[str, Any]:
-    """(c): steady tokens/s from the wall-clock timestamps of the logged steps (MLflow), and the loop's own."""
-    with tempfile.TemporaryDirectory(prefix="raytrn-bench-train-") as tmp:
+    """(c): steady tokens/s from the wall-clock timestamps of the logged steps (MLflow), and the loop's own; the
+    processes started before its first step, with their CPU-seconds; its goodput ledger."""
+    from bench.startup import ProcessSampler
+
+    with tempfile.TemporaryDirectory(prefix="raytrn-bench-train-") as tmp, ProcessSampler() as sampler:
         run = launch_raytrn(bench, tmp, workers=workers)
         rc = run.wait(timeout_s)
         out = run.stdout()
@@ -340,7 +349,12 @@ def run_raytrn(bench: BenchJob, *, workers: int = 1, timeout_s: float = 300) -> 
         step = [v for s, v in metric_values(run.tracking_uri, run_id, "step_time_s") if s > bench.warmup]
         # The loop's own start-up metric: process start (raytrn train) to the end of step 1.
         first_step = [v for _, v in metric_values(run.tracking_uri, run_id, "time_to_first_step_s")]
+        ledger = {k: v[-1][1] for k in ("goodput", "wall_s", "goodput_s", "badput_startup_s", "badput_shutdown_s",
+                                        "badput_checkpoint_s", "badput_data_wait_s", "badput_other_s")
+                  if (v := metric_values(run.tracking_uri, run_id, k))}  # fmt: skip
     return {
+        "processes": sampler.until(run.started_at + first_step[0]) if first_step else [],
+        "ledger": ledger,
         "tokens_per_s": steady_rate(points, bench.warmup, tokens),
         "tokens_per_s_loop_reported": mean(reported),
         "data_wait_fraction": (mean(wait) or 0.0) / step_s if wait and (step_s := mean(step)) else None,
@@ -385,6 +399,7 @@ def overhead_and_scaling(bench: BenchJob, *, rounds: int, scaling: bool, deadlin
         round_start = time.monotonic()
         r: dict[str, Any] = {
             "bare": run_bare(bench),
+            "floor": run_floor(),  # every round: the start-up goals are read against it
             "stock": run_stock(bench),
             "raytrn": run_raytrn(bench),
             "bare_tuned": run_bare(bench, tuned_malloc=True),
@@ -393,13 +408,6 @@ def overhead_and_scaling(bench: BenchJob, *, rounds: int, scaling: bool, deadlin
             r["raytrn_2w"] = run_raytrn(bench, workers=2)
         per_round.append(r)
         last_round_s = time.monotonic() - round_start
-
-    floor: dict[str, Any] = {}
-    if time.monotonic() + 60 < deadline:
-        try:
-            floor = run_floor()
-        except RuntimeError as e:
-            floor = {"error": str(e)[-500:]}
 
     def col(name: str, key: str) -> list[Any]:
         return [r[name].get(key) for r in per_round if name in r]
@@ -447,7 +455,17 @@ def overhead_and_scaling(bench: BenchJob, *, rounds: int, scaling: bool, deadlin
         "spread_raytrn": spread(col("raytrn", "tokens_per_s")),
         "stock_first_step_s": mean(col("stock", "first_step_s")),
         "raytrn_first_step_s": mean(col("raytrn", "first_step_s")),
-        "ray_train_floor_s": floor.get("train_fn_start_s"),
+        "ray_train_floor_s": mean(col("floor", "train_fn_start_s")),
+        "cold_over_floor": mean(
+            [
+                r["raytrn"]["first_step_s"] / r["floor"]["train_fn_start_s"]
+                for r in per_round
+                if r["raytrn"].get("first_step_s") and r["floor"].get("train_fn_start_s")
+            ]
+        ),  # fmt: skip
+        "floor_processes": per_round[-1]["floor"].get("processes", []) if per_round else [],
+        "raytrn_processes": per_round[-1]["raytrn"].get("processes", []) if per_round else [],
+        "raytrn_ledger": per_round[-1]["raytrn"].get("ledger", {}) if per_round else {},
         "threads_seen": {"bare": col("bare", "threads"), "stock": col("stock", "threads")},
         "per_round": per_round,
     }

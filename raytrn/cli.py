@@ -70,6 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_verbose_option(p_train)
     p_train.set_defaults(func=_cmd_train)
 
+    p_stop = sub.add_parser(
+        "stop",
+        help="end a training run early, at its next step, checkpointed (the run ends FINISHED)",
+        description="Ask RUN, training on the Ray cluster in RAY_ADDRESS (or --address, the cluster's HOST:PORT), to "
+        "end at its next step, or at step N: every worker stops at the same step, the run saves its checkpoint, "
+        "evaluates and exports as it would at run.max_steps, and ends FINISHED. Training the same job again resumes "
+        "there (the learning-rate schedule stays the job's).",
+    )
+    p_stop.add_argument("run", metavar="RUN", help="the run's name (tracking.run_name; `raytrn train` prints it)")
+    p_stop.add_argument("--at-step", type=int, metavar="N", help="the step to end at (default: the next one)")
+    p_stop.add_argument("--address", metavar="HOST:PORT", help="the Ray cluster (default: RAY_ADDRESS)")
+    p_stop.set_defaults(func=_cmd_stop)
+
     p_val = sub.add_parser(
         "validate",
         help="check a job spec (and its local dataset) without running anything",
@@ -226,6 +239,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     route_ray_output(job.run_name, verbose=args.verbose)
     summary = run_training(job, live_progress=not args.no_progress, take_over=args.take_over)
     print(summary.render())
+    return 0
+
+
+def _cmd_stop(args: argparse.Namespace) -> int:
+    from raytrn.runtime import connect
+    from raytrn.train.stopping import request_stop
+
+    if args.at_step is not None and args.at_step < 1:
+        raise RaytrnError(f"--at-step {args.at_step}: a step is 1 or more")
+    connect(args.address)
+    answer = request_stop(args.run, args.at_step)
+    when = "at its next step" if answer["stop_at"] < 0 else f"at step {answer['stop_at']}"
+    print(f"raytrn: {args.run} asked to stop {when} (it had trained {answer['step_reached']} steps)")
     return 0
 
 

@@ -59,6 +59,17 @@ def ensure_ray(min_cpus: float = 0) -> bool:
     return True
 
 
+def connect(address: str | None) -> None:
+    """Connect to the running Ray cluster at ``address`` (else RAY_ADDRESS): one clear error when there is none."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise RaytrnError(
+            "no Ray cluster to talk to: set RAY_ADDRESS (the cluster's HOST:PORT, e.g. 10.0.0.5:6379) or pass --address"
+        )
+    os.environ["RAY_ADDRESS"] = address
+    ensure_ray()
+
+
 #: Ray settings for an embedded local Ray (the user's own values win): one machine cannot be preempted, so
 #: Ray Train's preemption watcher (an actor polling the nodes) would only cost start-up time.
 LOCAL_RAY_DEFAULTS = {PREEMPTION_WATCHER_ENV: "0"}
@@ -246,7 +257,8 @@ def route_ray_output(name: str, *, verbose: bool = False, directory: str = RAY_L
     the job's log is where its lines belong. Nor when Ray is connected already (a test's or notebook's Ray):
     ``ensure_ray`` then starts nothing.
     """
-    global _ray_log_path
+    global _ray_log_path, _verbose
+    _verbose = verbose
     if verbose or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
         _ray_log_path = None
         return None
@@ -256,18 +268,20 @@ def route_ray_output(name: str, *, verbose: bool = False, directory: str = RAY_L
 
 _ray_log_path: str | None = None  # set by route_ray_output, applied by ensure_ray
 _log_file: _PlainFile | None = None  # where Ray's lines go once ensure_ray applied route_ray_output
+_verbose = False  # route_ray_output(verbose=True): Ray's lines stay on the terminal
 
 
 def ray_train_console() -> logging.Handler:
     """Where Ray Train's controller, run in this process (:func:`raytrn.compat.hosted_trainer`), writes the lines it
-    would print: the run's Ray log (:func:`route_ray_output`) when Ray's lines go there; else stderr, warnings and
-    errors only (raytrn prints its own line for each restart, resize and notice: :mod:`raytrn.train.events`)."""
+    would print: the run's Ray log (:func:`route_ray_output`) when Ray's lines go there; all of them to stderr with
+    ``--verbose``; else (a Ray job's driver) stderr, warnings and errors only (raytrn prints its own line for each
+    restart, resize and notice: :mod:`raytrn.train.events`)."""
     if _log_file is not None:
         handler: logging.Handler = logging.StreamHandler(_log_file)
         handler.setFormatter(logging.Formatter("%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"))
         return handler
     handler = logging.StreamHandler(sys.stderr)
-    handler.setLevel(logging.WARNING)
+    handler.setLevel(logging.INFO if _verbose else logging.WARNING)
     return handler
 
 

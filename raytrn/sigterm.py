@@ -93,7 +93,23 @@ def _flag_sigterm(signum: int) -> None:
         _exit_timer.name = "raytrn-sigterm-exit"
         _exit_timer.daemon = True
         _exit_timer.start()
-    log.warning("SIGTERM: checkpointing at the next step, then exiting (at the latest in %.0f s)", SIGTERM_GRACE_S)
+    log.log(
+        logging.DEBUG if _QUIET.is_set() else logging.WARNING,
+        "SIGTERM: checkpointing at the next step, then exiting (at the latest in %.0f s)",
+        SIGTERM_GRACE_S,
+    )
+
+
+#: Set in a sweep's trial: a SIGTERM there is the scheduler stopping the trial, which the sweep's own line says.
+_QUIET = threading.Event()
+
+
+def quiet_sigterm(quiet: bool) -> None:
+    """Whether this worker's SIGTERM is said on the driver's terminal (not in a sweep's trial: the sweep says why)."""
+    if quiet:
+        _QUIET.set()
+    else:
+        _QUIET.clear()
 
 
 def _watch_wakeup_fd() -> None:

@@ -111,8 +111,56 @@ def simulator(_simulator_session) -> Simulator:
     return _simulator_session.ensure_up()
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--slowest",
+        type=int,
+        default=0,
+        metavar="N",
+        help="at the end, the N slowest tests (setup, call and teardown together) with their share of the session",
+    )
+
+
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "simulator_down: runs `raytrn cluster down --local` on the shared simulator")
+    config._raytrn_durations = {}  # nodeid -> seconds over its phases (--slowest)
+    config._raytrn_started = __import__("time").monotonic()
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Each phase's seconds, per test (with pytest-xdist, the controller sees every worker's reports)."""
+    durations = getattr(_CONFIG, "_raytrn_durations", None)
+    if durations is not None:
+        durations[report.nodeid] = durations.get(report.nodeid, 0.0) + report.duration
+
+
+_CONFIG = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session) -> None:
+    global _CONFIG
+    _CONFIG = session.config
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """``--slowest N``: the N slowest tests, each with its share of the session's wall time (what CI's time went to:
+    .ci/run prints it for every suite)."""
+    n = config.getoption("--slowest")
+    durations: dict[str, float] = getattr(config, "_raytrn_durations", {})
+    if not n or not durations:
+        return
+    import time
+
+    wall = time.monotonic() - config._raytrn_started
+    tests = sum(durations.values())
+    terminalreporter.section(f"{n} slowest tests (of {len(durations)}: {tests:.0f} s in tests, {wall:.0f} s of wall time)")
+    cumulative = 0.0
+    for nodeid, seconds in sorted(durations.items(), key=lambda kv: -kv[1])[:n]:
+        cumulative += seconds
+        terminalreporter.write_line(
+            f"{seconds:8.1f} s {100 * seconds / tests:5.1f}% (cumulative {100 * cumulative / tests:5.1f}%)  {nodeid}"
+        )
 
 
 def pytest_collection_modifyitems(items) -> None:

@@ -23,7 +23,7 @@ from raytrn.compat import metric_objects
 from raytrn.errors import RaytrnError
 from raytrn.runtime import NOT_FORWARDED, forwarded_env, mark_raytrn_logs, on_this_node
 from raytrn.tracking import goodput
-from raytrn.tracking.board import ProgressBoard
+from raytrn.tracking.board import BOARD_NAMESPACE, ProgressBoard, board_name
 from raytrn.tracking.client import mlflow_client, unreachable
 from raytrn.tracking.logger import AsyncLogger, logged_step_of
 from raytrn.tracking.mlflow_run import TrackedRun, attach, end_run
@@ -427,7 +427,7 @@ def start_tracking_actor(
     ``env``: variables the actor's process needs and may lack (see :func:`driver_env`)."""
     import ray
 
-    options: dict[str, Any] = on_this_node()
+    options: dict[str, Any] = {**on_this_node(), "name": board_name(job.run_name), "namespace": BOARD_NAMESPACE}
     if env:
         options["runtime_env"] = {"env_vars": env}
     return (

@@ -16,6 +16,18 @@ from typing import Any
 
 from raytrn.tracking.goodput import GroupTimes, Ledger
 
+#: The Ray namespace of every run's progress board, so that another driver (``raytrn stop``) finds it by name.
+BOARD_NAMESPACE = "raytrn"
+BOARD_PREFIX = "raytrn-board:"
+
+
+def board_name(run_name: str) -> str:
+    """A Ray actor name for a progress board of ``run_name`` (its tracking actor, with tracking on): unique (the
+    board of the run's previous invocation in the same process may still be going away), found by its prefix."""
+    import uuid
+
+    return f"{BOARD_PREFIX}{run_name}:{uuid.uuid4().hex[:8]}"
+
 
 class ProgressBoard:
     """Latest metrics of a run (held in a Ray actor with num_cpus=0)."""
@@ -39,6 +51,18 @@ class ProgressBoard:
         self.restores: list[dict[str, Any]] = []
         #: Each worker group's own time, by the group's number (rank 0 posts it: :mod:`raytrn.train.goodput`).
         self.times: dict[int, GroupTimes] = {}
+        #: A stop request (:mod:`raytrn.train.stopping`): the step to end at, -1 for the next one; None: none.
+        self.stop_at: int | None = None
+
+    def request_stop(self, at_step: int | None) -> dict[str, Any]:
+        """Ask the run to end at ``at_step`` (None: the next step all ranks agree on). The answer: the highest step
+        trained so far and the step asked (-1: the next)."""
+        self.stop_at = -1 if at_step is None else int(at_step)
+        return {"step_reached": self.step_reached, "stop_at": self.stop_at}
+
+    def stop_request(self) -> int | None:
+        """Rank 0 asks: the stop request (-1: at the next step), or None."""
+        return self.stop_at
 
     def group_started(self, step: int, world_size: int) -> int:
         """A worker group (re)started at ``step`` with ``world_size`` workers (rank 0 says so, not waiting for the
@@ -197,12 +221,19 @@ class Summary:
     restores: list[dict[str, Any]] = field(default_factory=list)
     #: Where this invocation's wall time went (None: not measured).
     goodput: Ledger | None = None
+    #: The job's ``run.max_steps`` (a finished run short of it was stopped early: ``raytrn stop``); None: not said.
+    max_steps: int | None = None
 
     def render(self) -> str:
         def num(x: float | None, fmt: str) -> str:
             return "n/a" if x is None else format(x, fmt)
 
         resumed = f" (resumed at step {self.start_step})" if self.start_step else ""
+        if self.max_steps is not None and self.final_step < self.max_steps:
+            resumed += (
+                f"; stopped early as asked (`raytrn stop`): run.max_steps is {self.max_steps}, train the same job "
+                "again to go on"
+            )
         rows = [
             ("run", self.run_name),
             ("steps", f"{self.final_step - self.start_step} this run, {self.final_step} in total{resumed}"),

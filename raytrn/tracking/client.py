@@ -59,6 +59,9 @@ def mlflow_client(target: str | JobSpec, *, fail_fast: bool = False, create_stor
     from mlflow.tracking import MlflowClient
 
     uri = use_credentials(tracking_uri(target))
+    # MLflow prints "View run ... / View experiment ..." to stdout as a run on a server ends, from whichever process
+    # ends it (the tracking actor: into a Ray job's log); raytrn's summary gives the link once (the user's value wins)
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     if fail_fast and is_http(uri):
         quiet_http_retries()
     if create_store and (db := sqlite_path(uri)):

@@ -20,11 +20,12 @@ from urllib.parse import urlparse
 
 from raytrn.errors import RaytrnError
 from raytrn.tracking.client import mlflow_client, redact_uri, sqlite_path
+from raytrn.tracking.goodput import BADPUT, PRODUCTIVE
 
 DEFAULT_METRICS = ("loss", "tokens_per_s", "usd_per_1m_tokens", "mfu")
 #: Shown first by default when a run of the experiment has them (the held-out loss says more than the training loss).
 VALIDATION_METRICS = ("val_loss",)
-HIGHER_IS_BETTER = frozenset({"tokens_per_s", "mfu", "tokens_per_usd", "tokens_seen"})
+HIGHER_IS_BETTER = frozenset({"tokens_per_s", "mfu", "tokens_per_usd", "tokens_seen", "goodput", "goodput_s"})
 #: ``--estimates``: how far ``raytrn estimate`` was from each run (signed fractions: best is closest to 0).
 ESTIMATE_METRICS = ("estimate_error_tokens_per_s", "estimate_error_memory")
 CLOSEST_TO_ZERO = frozenset(ESTIMATE_METRICS)
@@ -39,6 +40,11 @@ KEY_PARAMS = (
 )
 OPTIONAL_PARAMS = frozenset({"model.lora.rank"})
 PLOT_METRICS = ("loss", "tokens_per_s")
+#: The ledger's metric of each cause (seconds, over the run's invocations).
+CAUSE_METRICS = {PRODUCTIVE: "goodput_s", **{name: f"badput_{name}_s" for name in BADPUT}}
+#: Shown first: the productive fraction and the wall time the causes add up to.
+LEAD_METRICS = ("goodput", "wall_s")
+
 _CONNECT_TIMEOUT_S = 5.0
 
 
@@ -175,10 +181,12 @@ def compare_runs(
     metrics: Sequence[str] | None = None,
     max_runs: int = 20,
     estimates: bool = False,
+    goodput: bool = False,
 ) -> Comparison:
     """Collect the newest ``max_runs`` runs of ``experiment`` matching ``filter_string`` (MLflow syntax,
     e.g. ``params.`optim.lr` = '0.001'``) with the final value of each of ``metrics`` (default: ``val_loss`` when a
-    run has it, then :data:`DEFAULT_METRICS`), and ``estimates``: :data:`ESTIMATE_METRICS` after them."""
+    run has it, then :data:`DEFAULT_METRICS`; ``goodput``: the goodput ledger's, :mod:`raytrn.tracking.compare_goodput`),
+    and ``estimates``: :data:`ESTIMATE_METRICS` after them."""
     from mlflow.exceptions import MlflowException
 
     if max_runs < 1:
@@ -209,7 +217,9 @@ def compare_runs(
             hint = " (dotted names need backticks, e.g. params.`optim.lr` = '0.001')"
         raise RaytrnError(f"--filter {filter_string!r}: {_first_line(e)}{hint}") from None
 
-    if chosen is None:
+    if goodput:
+        chosen = goodput_metrics([run.data.metrics for run in runs])
+    elif chosen is None:
         shown = [m for m in VALIDATION_METRICS if any(m in run.data.metrics for run in runs)]
         chosen = [*shown, *DEFAULT_METRICS]
     if estimates:  # the estimate's errors after whatever else is compared
@@ -234,6 +244,13 @@ def compare_runs(
     return Comparison(
         tracking_uri=tracking_uri, experiment=experiment, filter_string=filter_string, metrics=metrics, rows=rows
     )
+
+
+def goodput_metrics(run_metrics: Sequence[dict[str, float]]) -> list[str]:
+    """The metrics ``--goodput`` compares: ``goodput``, ``wall_s``, then each cause's seconds that some run has (a cause
+    no run lost time to is left out)."""
+    causes = [m for m in CAUSE_METRICS.values() if any(r.get(m, 0.0) > 0 for r in run_metrics)]
+    return [*LEAD_METRICS, *causes]
 
 
 def _first_line(e: Exception) -> str:

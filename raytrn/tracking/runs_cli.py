@@ -11,6 +11,7 @@ from typing import Any
 from raytrn.config import resolve_mlflow_uri as resolve_tracking_uri
 from raytrn.errors import RaytrnError
 from raytrn.tracking.compare import DEFAULT_METRICS, ESTIMATE_METRICS, HIGHER_IS_BETTER, compare_runs, plot
+from raytrn.tracking.compare_goodput import plot_goodput
 from raytrn.tracking.compare_sweeps import compare_sweep, plot_sweep
 from raytrn.tracking.registry import compare_models, promote
 
@@ -49,6 +50,12 @@ def register(subparsers: Any) -> None:
         help=f"also {' and '.join(ESTIMATE_METRICS)}: how far raytrn estimate was from each run (signed fractions "
         "of the estimate; best: closest to 0)",
     )
+    p.add_argument(
+        "--goodput",
+        action="store_true",
+        help="where each run's wall time went instead (its goodput ledger: goodput, the wall time, the seconds of "
+        "each cause); --plot draws a stacked bar per run",
+    )
     p.add_argument("--plot", metavar="OUT.png", help="also write loss and tokens_per_s vs step to this PNG")
     p.add_argument(
         "--tracking-uri",
@@ -79,8 +86,11 @@ def register(subparsers: Any) -> None:
 
 
 def _cmd_runs_compare(args: argparse.Namespace) -> int:
+    if args.goodput and (args.metrics is not None or args.estimates):
+        raise RaytrnError("--goodput compares the runs' goodput ledgers: it takes no --metrics or --estimates")
     if args.models is not None:
-        for flag, value in (("--filter", args.filter_string), ("--metrics", args.metrics), ("--plot", args.plot)):
+        for flag, value in (("--filter", args.filter_string), ("--metrics", args.metrics), ("--plot", args.plot),
+                            ("--goodput", args.goodput)):  # fmt: skip
             if value:
                 raise RaytrnError(f"{flag} does not apply to --models (the checkpoints are ranked by --rank-by)")
         table = compare_models(tracking_uri=resolve_tracking_uri(args.tracking_uri), experiment=args.experiment,
@@ -92,6 +102,7 @@ def _cmd_runs_compare(args: argparse.Namespace) -> int:
             ("--filter", args.filter_string),
             ("--metrics", args.metrics),
             ("--estimates", args.estimates),
+            ("--goodput", args.goodput),
         ):
             if value:
                 raise RaytrnError(f"{flag} does not apply to --sweep/--parent (a sweep is ranked by its own metric)")
@@ -109,10 +120,11 @@ def _cmd_runs_compare(args: argparse.Namespace) -> int:
         metrics=args.metrics.split(",") if args.metrics is not None else None,
         max_runs=args.max_runs,
         estimates=args.estimates,
+        goodput=args.goodput,
     )
     print(comparison.render())
     if args.plot and comparison.rows:
-        print(f"plot: {plot(comparison, args.plot)}")
+        print(f"plot: {plot_goodput(comparison, args.plot) if args.goodput else plot(comparison, args.plot)}")
     return 0
 
 

@@ -22,7 +22,7 @@ from raytrn.config.sizes import data_parallel_rank, data_parallel_size, global_b
 from raytrn.data.feed import DataFeed
 from raytrn.errors import RunStopped
 from raytrn.runtime import worker_logging
-from raytrn.sigterm import TRAINING
+from raytrn.sigterm import TRAINING, quiet_sigterm
 from raytrn.tracking.export import log_final_model
 from raytrn.train.build import build_training, skips_on_device
 from raytrn.train.checkpointer import Checkpointer
@@ -34,6 +34,7 @@ from raytrn.train.plan import WorkerPlan
 from raytrn.train.preemption import PreemptionWatch
 from raytrn.train.snapshots import MemorySnapshots
 from raytrn.train.step import skip_step, train_step
+from raytrn.train.stopping import StopRequests
 from raytrn.train.watchdog import HangWatch, on_hang_exit
 
 
@@ -42,6 +43,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     the run stands to ``run.max_steps``."""
     worker_logging()
     plan = WorkerPlan.from_config(config)
+    quiet_sigterm(plan.report_metrics)  # a sweep's trial: its scheduler's SIGTERM is the sweep's to say
     job, ctx = plan.job, ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     backend = get_backend(job.scaling.accelerator)
@@ -80,6 +82,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         plan.board if rank == 0 else None, world_size=world_size, restore_s=checkpointer.restore_s,
         start_step=progress.step, restored=metrics.restored, group=metrics.group_number,
     )  # fmt: skip
+    stops = StopRequests(plan.board if rank == 0 else None)  # `raytrn stop`: end early, at an agreed step
+    end = job.run.max_steps  # the last step: run.max_steps, or an earlier one a stop request names
     device_batches = backend.wrap_batches(batches)
 
     # -- train ---------------------------------------------------------------------------------------------------
@@ -87,8 +91,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     TRAINING.set()  # from here a SIGTERM is a notice (raytrn.train.preemption)
     stopped: RunStopped | None = None
     try:
-        while progress.step < job.run.max_steps:
-            if guard.skips(progress.step + 1) and progress.step + 1 < job.run.max_steps:  # a rollback's: untrained
+        while progress.step < end:
+            if guard.skips(progress.step + 1) and progress.step + 1 < end:  # a rollback's: untrained
                 skip_step(t, device_batches)
                 guard.skipped_batches += 1
                 progress.step += 1
@@ -101,7 +105,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             progress.step += 1
             clock.stepped(progress.step, result.data_wait_s)
             feed.advance(progress)
-            last = progress.step == job.run.max_steps
+            last = progress.step == end
             saving = checkpointer.due(progress.step, last=last)
             # NaN/inf steps, read where the loop syncs anyway; too many in a row: rollback or stop
             guard.check(result.grad_norm, progress.step, settle=saving or metrics.should_log(progress.step, last=last))
@@ -109,7 +113,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 checkpointer.step_ended()  # before this step is logged
             logged = metrics.step_done(result, last=last)
             hangs.step_done(progress.step)
-            notice = watch.notice()  # a collective, every step
+            notice, stop_at = watch.agree(stops.stop_at(progress.step))  # a collective, every step
+            if 0 < stop_at < end:  # every rank: the same end, from the next step on (its checkpoint, as at the last)
+                end = max(stop_at, progress.step + 1)
             with hangs.working():  # evaluation and checkpoints: a longer bound (raytrn.train.watchdog)
                 with clock.blocking("eval"):
                     scores = evaluation.maybe_evaluate(
@@ -128,7 +134,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         hangs.close()
         clock.post()
 
-    if stopped is None and progress.step == job.run.max_steps:
+    if stopped is None and progress.step == end:
         metrics.finish()  # the estimate's errors against this group's actuals
     metrics.close()
     if stopped is not None:

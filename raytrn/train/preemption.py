@@ -44,17 +44,22 @@ class PreemptionWatch:
     def notice(self) -> Any:
         """The notice (this worker's copy: Ray Train's ``PreemptionInfo``, or :data:`SIGTERM_NOTICE`; True when only
         another rank has one), or None: a collective, every rank calls it once per step."""
+        return self.agree(0)[0]
+
+    def agree(self, stop_at: int) -> tuple[Any, int]:
+        """:meth:`notice`, and the step a stop request asks the run to end at (rank 0's ``stop_at``: 0 for none;
+        :mod:`raytrn.train.stopping`), agreed in the same collective."""
         info = _local_notice()
         if info is None and sigterm_received():
             info = SIGTERM_NOTICE
         if self._world_size == 1:
-            return info
+            return info, stop_at
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([int(info is not None)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return info if info is not None else (True if flag.item() else None)
+        flags = torch.tensor([int(info is not None), stop_at], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        return (info if info is not None else (True if flags[0].item() else None)), int(flags[1].item())
 
 
 def _local_notice() -> Any:

@@ -35,7 +35,7 @@ from raytrn.evals.runner import drain_evaluator, start_evaluator
 from raytrn.models import model_stats
 from raytrn.runtime import ensure_ray, git_commit, on_this_node, process_started_at, ray_train_console
 from raytrn.tracking.actor import driver_env, start_tracking_actor
-from raytrn.tracking.board import ProgressBoard, ProgressPrinter, Summary
+from raytrn.tracking.board import BOARD_NAMESPACE, ProgressBoard, ProgressPrinter, Summary, board_name
 from raytrn.tracking.mlflow_run import end_run, plan_run
 from raytrn.train.checks import check_data, check_init_from, check_spec, validation_set
 from raytrn.train.elastic import SizeChooser, reachable_nodes
@@ -134,7 +134,7 @@ def _train(
     # A Ray this process did not start has another environment: give the actor the driver's MLflow/AWS settings.
     env = None if started_locally else driver_env(os.environ)
     tracker = start_tracking_actor(tracked, job, manifest=manifest, validation=validation, env=env) if tracked else None
-    board = tracker if tracker is not None else ray.remote(num_cpus=0)(ProgressBoard).options(**on_this_node()).remote()
+    board = tracker if tracker is not None else _progress_board(job)
     # eval.tasks, tracking.register: best: committed checkpoints exported and evaluated off the loop (raytrn.evals)
     evaluator = start_evaluator(job, tracker, tracked.uri) if tracker is not None and tracked is not None else None
     keeper = _memory_keeper(job)
@@ -222,7 +222,17 @@ def _train(
         first_step_s=snap.get("first_step_s"),
         restores=snap.get("restores") or [],
         goodput=ledger,
+        max_steps=job.run.max_steps,
     )
+
+
+def _progress_board(job: JobSpec) -> Any:
+    """The job's progress board when tracking is off (with tracking on, the tracking actor is it), on this node,
+    named so that ``raytrn stop`` finds it (:mod:`raytrn.train.stopping`)."""
+    import ray
+
+    named = {"name": board_name(job.run_name), "namespace": BOARD_NAMESPACE}
+    return ray.remote(num_cpus=0)(ProgressBoard).options(**on_this_node(), **named).remote()
 
 
 def memory_tier_may_run(job: JobSpec, *, alive_nodes: int) -> bool:

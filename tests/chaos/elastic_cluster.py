@@ -16,11 +16,16 @@ reads the JSON it writes. Events happen at seeded steps, in order:
 - ``s3down``: the S3 endpoint refuses every connection for ``--outage-s`` seconds (needs ``--s3``), covering
   the next checkpoint.
 
+Events are triggered on observed steps, each once the previous one's effect was measured; ``--steps`` is the job's
+``run.max_steps`` (its schedule's horizon), and the run is asked to stop ``--tail`` steps after its last event
+(``raytrn stop``'s request: :mod:`raytrn.train.stopping`), so how many steps a machine trains while a node comes
+back never decides whether the events fit in the run.
+
 The result has, per event, the seconds until the next new step was logged (recovery) or until a step ran at
-the larger size (scale-up); the steps logged (each exactly once?); the worker groups and what each resumed
-from (committed?); with ``--reference``, an uninterrupted 1-worker run of the same job and seed on the same
-cluster, and whether both trained on the same rows at every step, every epoch's rows exactly once, and how far
-their loss curves are apart.
+the larger size (scale-up); the step the run ended at; the steps logged (each exactly once?); the worker groups and
+what each resumed from (committed?); the run's goodput ledger; with ``--reference``, an uninterrupted 1-worker run
+of the same job and seed on the same cluster, stopped at the same step, and whether both trained on the same rows
+at every step, every epoch's rows exactly once, and how far their loss curves are apart.
 """
 
 from __future__ import annotations
@@ -238,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--events", default="remove@12,add@+3", help="EVENT@STEP (or @+N: N steps after the last)")
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=1000, help="run.max_steps: the schedule's horizon")
+    parser.add_argument("--tail", type=int, default=5, help="steps trained after the last event, then the run stops")
     parser.add_argument("--s3", action="store_true", help="checkpoints on a moto S3 server behind an outage proxy")
     parser.add_argument("--outage-s", type=float, default=10.0)
     parser.add_argument("--reference", action="store_true", help="then an uninterrupted 1-worker run to compare")
@@ -320,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(0.1)
                 new = [(s, ts) for s, ts in _logged_steps(db) if ts > start]
                 event["recovery_s"] = round(new[0][1] - t0, 2) if new else None
+                # from the event to the restarted group's start (its data feed's first trace): at most its gap
+                event["group_start_s"] = round(start - t0, 2) if restarted else None
                 event["resumed_from_step"] = restarted[0][1] if restarted else None
                 event["restarted_dp"] = restarted[0][2] if restarted else None
                 # The sizes of the worker groups Ray Train tried to start after the event: one try, sized from the
@@ -368,9 +376,23 @@ def main(argv: list[str] | None = None) -> int:
                 )
             result["events"].append(event)
             last_step = max(s for s, _ in _logged_steps(db))
+        if thread.is_alive():  # every event measured: the run ends a few steps on, at a step every rank agrees on
+            result["stop_requested_at"] = _stop(job.run_name, last_step + args.tail)
         thread.join(timeout=600)
         steps = [s for s, _ in _logged_steps(db)]
+        ledger = outcome["summary"].goodput if "summary" in outcome else None
         result.update(
+            stopped_at=max(steps, default=0),
+            ledger=(
+                {
+                    "seconds": ledger.seconds(),
+                    "wall_s": ledger.wall_s,
+                    "unaccounted": ledger.unaccounted,
+                    "events": ledger.events,
+                }  # fmt: skip
+                if ledger is not None
+                else None
+            ),
             finished="summary" in outcome,
             error=outcome.get("error"),
             steps_logged=len(steps),
@@ -392,6 +414,22 @@ def main(argv: list[str] | None = None) -> int:
         if s3 is not None:
             s3.stop()
     return 0
+
+
+def _stop(run_name: str, at_step: int, timeout_s: float = 120) -> int:
+    """Ask the run (training in this process's Ray) to end at ``at_step``, once its board answers."""
+    from raytrn.errors import RaytrnError
+    from raytrn.train.stopping import request_stop
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            request_stop(run_name, at_step)
+            return at_step
+        except RaytrnError:  # not started yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _commits(storage_root: str) -> list[dict[str, Any]]:
@@ -450,12 +488,14 @@ def _compare_with_reference(args: Any, work: Path, trace: Path, db: Path) -> dic
     ref_trace, ref_db = work / "trace-ref", work / "mlflow-ref.db"
     os.environ["RAYTRN_SAMPLE_TRACE"] = str(ref_trace)
     job = _job(args, work, str(work / "ckpt-ref"), name="reference", workers=(1, 1), db=ref_db)
+    steps = max((s for s, _ in _logged_steps(db)), default=0)  # where the chaos run stopped
     thread, outcome = _train_in_thread(job)
+    _stop(job.run_name, steps)  # the same schedule (run.max_steps), stopped at the same step
     thread.join(timeout=600)
     chaos, ref = read_trace(trace), read_trace(ref_trace)
     per_epoch = args_steps_per_epoch(args)
     epochs_once = []
-    for e in range(args.steps // per_epoch):
+    for e in range(steps // per_epoch):
         rows = [row for s in range(e * per_epoch + 1, (e + 1) * per_epoch + 1) for row, _ in chaos.get(s, [])]
         epochs_once.append(len(rows) == per_epoch * GLOBAL_BATCH and len(set(rows)) == len(rows))
     losses = {s: v for s, _, v in _logged(db)}
@@ -468,8 +508,8 @@ def _compare_with_reference(args: Any, work: Path, trace: Path, db: Path) -> dic
         "same_rows_every_step": chaos == ref,
         "steps_with_other_rows": [s for s in ref if chaos.get(s) != ref[s]][:10],
         "epochs_exactly_once": epochs_once,
-        "final_loss": losses.get(args.steps),
-        "reference_final_loss": ref_losses.get(args.steps),
+        "final_loss": losses.get(steps),
+        "reference_final_loss": ref_losses.get(steps),
         "max_loss_diff": max((abs(losses[s] - ref_losses[s]) for s in common), default=None),
     }
 

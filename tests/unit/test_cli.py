@@ -107,6 +107,17 @@ def test_usage_errors_exit_2(tmp_path: Path, args: tuple[str, ...], needle: str)
     assert_user_error(result, needle)
 
 
+# --- stop ------------------------------------------------------------------------------------------------------
+
+
+def test_stop_needs_a_cluster_and_a_step_of_one_or_more(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert_user_error(cli("stop", "some-run", cwd=tmp_path), "no Ray cluster to talk to", "RAY_ADDRESS", "--address")
+    assert_user_error(cli("stop", "some-run", "--at-step", "0", cwd=tmp_path), "--at-step 0: a step is 1 or more")
+    help_text = cli("stop", "--help", cwd=tmp_path).stdout
+    assert "ends FINISHED" in help_text and "--at-step" in help_text and "resumes" in help_text
+
+
 # --- validate ---------------------------------------------------------------------------------------------------
 
 

@@ -297,3 +297,43 @@ def test_a_trial_stopped_by_asha_shows_the_step_it_was_stopped_at(tmp_path: Path
     (row,) = compare_sweeps.compare_sweep(tracking_uri=uri, parent=parent).rows
     assert row.status == "KILLED" and row.note == "stopped early (ASHA at step 20)"
     assert row.steps == 20 and row.metric == 4.9
+
+
+def test_goodput_compares_each_runs_ledger_and_plots_it_stacked(tmp_path: Path, capsys) -> None:
+    """--goodput: goodput (higher is better), the wall time, then the seconds of each cause some run lost time to;
+    --plot: a stacked bar per run. A run without a ledger shows dashes; --metrics does not go with it."""
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("ledgers", artifact_location=(tmp_path / "artifacts").as_uri())
+    ledgers = {
+        "clean": {"goodput": 0.8, "wall_s": 100.0, "goodput_s": 80.0, "badput_startup_s": 15.0, "badput_shutdown_s": 5.0,
+                  "badput_restart_s": 0.0},
+        "restarted": {"goodput": 0.5, "wall_s": 120.0, "goodput_s": 60.0, "badput_startup_s": 15.0,
+                      "badput_restart_s": 40.0, "badput_shutdown_s": 5.0},
+        "old": {"loss": 3.0},
+    }  # fmt: skip
+    for i, (name, metrics) in enumerate(ledgers.items()):
+        run_id = client.create_run(exp, run_name=name, start_time=T0 - i * 60_000).info.run_id
+        client.log_batch(run_id, metrics=[Metric(k, v, T0, 10) for k, v in metrics.items()])
+    c = cmp.compare_runs(tracking_uri=uri, experiment="ledgers", goodput=True)
+    assert c.metrics == ["goodput", "wall_s", "goodput_s", "badput_startup_s", "badput_restart_s", "badput_shutdown_s"]
+    table = c.render()
+    assert _line(table, "clean").split()[-6:] == ["0.8*", "100*", "80*", "15*", "0*", "5*"]
+    assert _line(table, "restarted").split()[-6:] == ["0.5", "120", "60", "15*", "40", "5*"]
+    assert _line(table, "old").split()[-6:] == ["-"] * 6
+    out = tmp_path / "goodput.png"
+    argv = ["runs", "compare", "--experiment", "ledgers", "--tracking-uri", uri, "--goodput", "--plot", str(out)]
+    args = _parser().parse_args(argv)
+    assert args.func(args) == 0
+    assert f"plot: {out}" in capsys.readouterr().out and out.read_bytes()[:8] == PNG_MAGIC
+    both = _parser().parse_args([*argv, "--metrics", "loss"])
+    with pytest.raises(RaytrnError, match="--goodput compares the runs' goodput ledgers: it takes no --metrics"):
+        both.func(both)
+    from raytrn.tracking.compare_goodput import plot_goodput
+
+    with pytest.raises(RaytrnError, match="no run of experiment ledgers has a goodput ledger"):
+        plot_goodput(cmp.compare_runs(tracking_uri=uri, experiment="ledgers", filter_string="attributes.run_name = 'old'",
+                                      goodput=True), str(tmp_path / "none.png"))  # fmt: skip

@@ -28,7 +28,9 @@ def _agree(rank: int, world: int, port: int, noticed_at: dict[int, int], out: di
     watch = PreemptionWatch(world)
     seen = []
     for step in range(1, 8):  # noqa: B007 (read by the lambda)
-        seen.append(watch.notice() is not None)
+        # rank 0 hears of a stop request (for step 6) at step 4: every rank learns it in the same collective
+        notice, stop_at = watch.agree(6 if rank == 0 and step >= 4 else 0)
+        seen.append((notice is not None, stop_at))
     out[rank] = seen
     dist.destroy_process_group()
 
@@ -44,7 +46,9 @@ def test_every_rank_agrees_at_the_first_step_any_rank_has_a_notice() -> None:
         deadline = time.monotonic() + 120
         while not ctx.join(timeout=1):
             assert time.monotonic() < deadline, "gloo agreement did not finish"
-        expected = [False, False, True, True, True, True, True]
+        notices = [False, False, True, True, True, True, True]
+        stops = [0, 0, 0, 6, 6, 6, 6]
+        expected = list(zip(notices, stops, strict=True))
         assert dict(out) == {0: expected, 1: expected, 2: expected}
 
 
@@ -204,3 +208,46 @@ def test_raytrns_ray_backend_forms_the_process_group_without_importing_torch_on_
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
+# -- stop requests (raytrn stop) -------------------------------------------------------------------------------------
+
+
+class _Future:
+    pass
+
+
+class _StopBoard:
+    """The board's ``stop_request`` as a future answered on the next look (``ray.wait``/``ray.get`` patched)."""
+
+    def __init__(self, answer: int | None) -> None:
+        self.answer, self.asked = answer, 0
+        self.stop_request = self
+
+    def remote(self) -> _Future:
+        self.asked += 1
+        return _Future()
+
+
+def test_rank_0_asks_the_board_without_waiting_and_names_the_step_to_end_at(monkeypatch) -> None:
+    import ray
+
+    from raytrn.train import stopping
+
+    board = _StopBoard(None)
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout: (refs, []))
+    monkeypatch.setattr(ray, "get", lambda ref: board.answer)
+    clock = [100.0]
+    monkeypatch.setattr(stopping.time, "monotonic", lambda: clock[0])
+    stops = stopping.StopRequests(board)
+    assert stops.stop_at(5) == 0 and board.asked == 1  # asked; the answer is looked at next step
+    assert stops.stop_at(6) == 0 and board.asked == 1  # answered "none"; not asked again within POLL_S
+    clock[0] += stopping.POLL_S
+    board.answer = -1  # `raytrn stop RUN`: the next step
+    assert stops.stop_at(7) == 0 and board.asked == 2
+    assert stops.stop_at(8) == 9  # answered: the step after the one just trained
+    assert stops.stop_at(9) == 10 and board.asked == 2  # a request stands: never asked again
+    late = stopping.StopRequests(board)
+    late._requested = 4  # `--at-step 4` reaching a run already past it: the next step
+    assert late.stop_at(7) == 8
+    assert stopping.StopRequests(None).stop_at(3) == 0  # other ranks learn it in the agreement

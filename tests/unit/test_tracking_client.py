@@ -150,3 +150,16 @@ def test_submit_moves_uri_credentials_off_the_command_line() -> None:
     assert fixed == ["tracking.mlflow_uri=http://127.0.0.1:5999", "run.max_steps=4"]
     assert env == {"MLFLOW_TRACKING_USERNAME": "alice", "MLFLOW_TRACKING_PASSWORD": PASSWORD}
     assert secret_overrides(fixed) == []
+
+
+def test_the_client_keeps_mlflows_run_links_off_stdout(monkeypatch) -> None:
+    """MLflow prints "View run ... / View experiment ..." as a run ends, from whichever process ends it (the tracking
+    actor: a Ray job's log, four times); raytrn's summary gives the link once. The user's own setting wins."""
+    from raytrn.tracking.client import mlflow_client
+
+    monkeypatch.delenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", raising=False)
+    mlflow_client("sqlite:///")
+    assert os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] == "true"
+    monkeypatch.setenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "false")
+    mlflow_client("sqlite:///")
+    assert os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] == "false"
