@@ -159,6 +159,7 @@ def stock_main(argv: list[str]) -> None:
     """A local 3-node Ray; stock ``TorchTrainer``, elastic 1..3 workers (one per node, Ray's defaults otherwise);
     after step ``--remove-at`` a node holding a worker is removed; writes the seconds to the next step."""
     import argparse
+    import logging
     import os
     import threading
     import time
@@ -185,7 +186,7 @@ def stock_main(argv: list[str]) -> None:
     nodes = [cluster.add_node(num_cpus=1, resources={"neuron_cores": 1}) for _ in range(3)]
     result: dict[str, Any] = {}
     try:
-        ray.init(address=cluster.address, logging_level="ERROR")
+        ray.init(address=cluster.address, logging_level=logging.ERROR)
         cluster.wait_for_nodes(timeout=60)
         trainer = TorchTrainer(
             _stock_elastic_loop,
@@ -195,7 +196,8 @@ def stock_main(argv: list[str]) -> None:
                 "steps_total": args.steps,
                 "manifest": args.manifest,
             },  # fmt: skip
-            scaling_config=ScalingConfig(num_workers=(1, 3), resources_per_worker={"neuron_cores": 1}),
+            # elastic 1..3 (V2's ScalingConfig; mypy sees V1's, which ray.train names statically)
+            scaling_config=ScalingConfig(num_workers=(1, 3), resources_per_worker={"neuron_cores": 1}),  # type: ignore[arg-type]
             run_config=RunConfig(
                 name="bench-stock-elastic",
                 storage_path=str(work / "ckpt"),

@@ -104,9 +104,11 @@ def process_table(processes: list[dict[str, Any]]) -> str:
 
 def hold_main(args: argparse.Namespace) -> None:
     """Start a local Ray, print its address, keep it until SIGTERM (then stop it: the processes are this one's)."""
+    import logging
+
     import ray
 
-    ray.init(address="local", num_cpus=args.num_cpus, logging_level="ERROR")
+    ray.init(address="local", num_cpus=args.num_cpus, logging_level=logging.ERROR)
     print(f"ADDRESS {ray.get_runtime_context().gcs_address}", flush=True)
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
     ray.shutdown()

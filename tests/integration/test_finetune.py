@@ -123,8 +123,7 @@ def test_prompt_completion_rows_train_on_completions_only(ray_session, model_dir
                                progress=False)  # fmt: skip
     assert unpacked.num_rows == 240 and (_rows(tmp_path / "pad")["segment_ids"].max(axis=1) == 1).all()
     # A job refuses: a validation split smaller than one global batch; a dataset of another tokenizer than init_from's
-    from raytrn.train.checks import check_data
-    from raytrn.train.checks import validation_set
+    from raytrn.train.checks import check_data, validation_set
 
     big = _job(model_dir, out, tmp_path, "x", f"data.global_batch_size={4 * (val.num_rows + 1)}")
     with pytest.raises(DataError, match="the validation set has .* rows, fewer than one global batch"):
