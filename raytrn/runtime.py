@@ -239,9 +239,6 @@ RAY_LOG_DIR = "logs"
 #: Forwarded lines that stay on the terminal: raytrn's own (its prints, and its log records in workers and
 #: actors, :func:`mark_raytrn_logs`) and a worker killed for memory (the raylet says so).
 USER_LINES = re.compile(r"^raytrn\b|running low on memory|out of memory|OutOfMemoryError", re.IGNORECASE)
-#: Ray Train's decision on a failed worker group: this line and the rest of its batch (the error, its
-#: traceback) stay on the terminal.
-FAILURE_LINE = re.compile(r"\[FailurePolicy\]")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -250,8 +247,8 @@ def route_ray_output(name: str, *, verbose: bool = False, directory: str = RAY_L
     ``<directory>/<name>.log`` (appended; its path printed once), not between raytrn's on the terminal. They are
     the workers' and actors' forwarded output (Ray Train's worker-group start, ranks, Ray Data's notices), the
     raylet's warnings and the driver's ``ray`` logger below ERROR (the token-auth notice). The terminal keeps
-    raytrn's own lines, the errors that need the user (:data:`USER_LINES`, :data:`FAILURE_LINE`) and Ray's
-    driver-side errors. Returns the path; nothing is written before Ray starts (a job refused first leaves none).
+    raytrn's own lines (one per failure, resize or notice: :mod:`raytrn.train.events`), the errors that need the user
+    (:data:`USER_LINES`) and Ray's driver-side errors. Returns the path; nothing is written before Ray starts (a job refused first leaves none).
 
     Nothing changes (None) with ``verbose``, or in a Ray job's driver (``ray job submit``, ``raytrn submit``):
     the job's log is where its lines belong. Nor when Ray is connected already (a test's or notebook's Ray):
@@ -312,13 +309,7 @@ def _start_routing() -> None:
 
 def user_lines(lines: list[str]) -> list[str]:
     """The forwarded ``lines`` (one batch of one process) that stay on the terminal."""
-    kept: list[str] = []
-    for i, line in enumerate(lines):
-        if FAILURE_LINE.search(line):
-            return kept + lines[i:]
-        if USER_LINES.search(line):
-            kept.append(line)
-    return kept
+    return [line for line in lines if USER_LINES.search(line)]
 
 
 class _RayLines:

@@ -154,7 +154,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 
     wall = time.monotonic() - config._raytrn_started
     tests = sum(durations.values())
-    terminalreporter.section(f"{n} slowest tests (of {len(durations)}: {tests:.0f} s in tests, {wall:.0f} s of wall time)")
+    terminalreporter.section(
+        f"{n} slowest tests (of {len(durations)}: {tests:.0f} s in tests, {wall:.0f} s of wall time)"
+    )
     cumulative = 0.0
     for nodeid, seconds in sorted(durations.items(), key=lambda kv: -kv[1])[:n]:
         cumulative += seconds

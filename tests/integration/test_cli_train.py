@@ -87,7 +87,10 @@ def test_cli_train_prints_summary(tiny_dataset: Path, tmp_path: Path) -> None:
     assert run.data.metrics["usd_per_1m_tokens"] > 0 and run.data.metrics["tokens_per_usd"] > 0
     ledger = {k: v for k, v in run.data.metrics.items() if k.startswith(("goodput", "badput_")) or k == "wall_s"}
     assert 0 < ledger["goodput"] < 1 and ledger["wall_s"] < wall_s and ledger["badput_startup_s"] > 0, ledger
-    assert abs(sum(v for k, v in ledger.items() if k.endswith("_s") and k != "wall_s") - ledger["wall_s"]) < 0.02 * ledger["wall_s"]
+    assert (
+        abs(sum(v for k, v in ledger.items() if k.endswith("_s") and k != "wall_s") - ledger["wall_s"])
+        < 0.02 * ledger["wall_s"]
+    )
     assert "mfu" not in run.data.metrics
     # Start-up cost: from the process start to the end of step 1, in the summary and as a metric at step 1.
     shown = re.search(r"start-up\s+first step done (\d+\.\d) s after launch", out)

@@ -49,5 +49,3 @@ def test_local_ray_defaults_keep_the_users_values():
     env = {PREEMPTION_WATCHER_ENV: "1"}
     set_local_ray_defaults(env)
     assert env == {PREEMPTION_WATCHER_ENV: "1"}
-
-
