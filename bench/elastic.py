@@ -1,7 +1,7 @@
 """Elastic recovery on a local 3-node Ray: the tiny job, elastic 1..3 workers (one per node), checkpoint every 5
 steps and no in-memory snapshots (the durable tier alone: bench/memory_tier.py measures the memory tier),
-``scaling.resize_interval_s: 15``, losing nodes (3 times), getting them back (3 times), a SIGKILLed worker
-and a spot interruption notice (``ray drain-node``, 15 s deadline), all in one run (``tests/chaos/elastic_cluster.py``
+``scaling.resize_interval_s`` (the harness's), losing nodes (3 times), getting them back (3 times), a SIGKILLed worker
+and a spot interruption notice (``ray drain-node``, a 10 s deadline), all in one run (``tests/chaos/elastic_cluster.py``
 drives it in a subprocess: the cluster lives and dies with it).
 
 Per event: the seconds from the event to the next step logged by the restarted group (recovery; for the notice,
@@ -95,7 +95,7 @@ def run(*, quick: bool = False, timeout_s: float = 900) -> dict[str, Any]:
         "events": result["events"],
         "steps": steps,
         "checkpoint_every_n_steps": 5,
-        "resize_interval_s": 15,
+        "resize_interval_s": result.get("resize_interval_s"),
         "node_loss_recovery_s": of("remove", "recovery_s"),
         "node_loss_recovery_s_median": _median(of("remove", "recovery_s")),
         "node_loss_steps_lost": of("remove", "steps_lost"),

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
@@ -207,6 +208,17 @@ def relative_paths_error(what: str, found: Mapping[str, str], fix: str) -> Raytr
         f"checkpoints/ and mlruns/ are not uploaded) and what is written there is lost when the job ends:\n  "
         f"{listed}\nUse s3://BUCKET/PREFIX or an absolute path on the cluster's shared filesystem {fix}"
     )
+
+
+def run_started_at() -> float:
+    """When this process's run started (wall clock): the process's start for its first run (``raytrn train``: its
+    imports count), the call's moment for a later one in the same process (a test's, a notebook's)."""
+    global _runs_started
+    _runs_started += 1
+    return process_started_at() if _runs_started == 1 else time.time()
+
+
+_runs_started = 0
 
 
 def process_started_at() -> float:

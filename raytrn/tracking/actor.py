@@ -240,6 +240,9 @@ class TrackingActor(ProgressBoard):
         self.ready()  # MLflow refused the run: raise that
         if status == "FINISHED":
             self.final_model()
+        if self.logger.run_id is None and not unreachable(self.logger.target) and not self.logger.resolve_now():
+            # The server answers but the run could not be made (its checkpoint storage, say): waiting delivers nothing
+            timeout_s = 0.0
         self.close(timeout_s)
         ids = self.ready()  # (a pending run may have been created while flushing)
         # the URI itself, not the logger's redacted one (a client of it would send "***" as the password)

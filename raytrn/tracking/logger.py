@@ -67,6 +67,7 @@ class AsyncLogger:
         self.target = uri  # for another client of the same server (its credentials included): never shown
         self.run_id = run_id
         self._resolve_run = resolve_run
+        self._resolving = threading.Lock()  # the background thread and resolve_now: one run creation at a time
         self._max_buffered = max_buffered
         self._window = batch_window_s
         self._cond = threading.Condition()
@@ -194,16 +195,23 @@ class AsyncLogger:
                     self._cond.wait(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
             attempt += 1
 
+    def resolve_now(self) -> bool:
+        """Try once, now, to get the run (MLflow was unreachable, or its creation failed): whether it exists."""
+        return self.run_id is not None or self._try_resolve()
+
     def _try_resolve(self) -> bool:
         if self._resolve_run is None:
             return False
-        try:
-            self.run_id = self._resolve_run()
-        except Exception as e:
-            log.debug("MLflow run not available yet: %s", e)
-        if self.run_id is not None:
-            log.warning("MLflow reachable: logging into run %s", self.run_id)
-        return self.run_id is not None
+        with self._resolving:
+            if self.run_id is not None:  # the other caller made it meanwhile
+                return True
+            try:
+                self.run_id = self._resolve_run()
+            except Exception as e:
+                log.debug("MLflow run not available yet: %s", e)
+            if self.run_id is not None:
+                log.warning("MLflow reachable: logging into run %s", self.run_id)
+            return self.run_id is not None
 
     def _send_one_batch(self) -> bool:
         """Send one batch; False when MLflow could not be reached (retry later, nothing lost).

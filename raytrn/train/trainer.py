@@ -33,7 +33,7 @@ from raytrn.errors import RaytrnError, RunStopped
 from raytrn.estimate.job import estimate_params, resolve_auto_interval
 from raytrn.evals.runner import drain_evaluator, start_evaluator
 from raytrn.models import model_stats
-from raytrn.runtime import ensure_ray, git_commit, on_this_node, process_started_at, ray_train_console
+from raytrn.runtime import ensure_ray, git_commit, on_this_node, ray_train_console, run_started_at
 from raytrn.tracking.actor import driver_env, start_tracking_actor
 from raytrn.tracking.board import BOARD_NAMESPACE, ProgressBoard, ProgressPrinter, Summary, board_name
 from raytrn.tracking.mlflow_run import end_run, plan_run
@@ -82,6 +82,7 @@ def _train(
     trial: bool,
     params: dict[str, Any],
 ) -> Summary:
+    started_at = run_started_at()  # time_to_first_step_s and the goodput ledger count from here
     meta, latest = latest_checkpoint(job, committed=backend.committed_checkpoints)
     resumed = meta.progress if meta else Progress()
     start_step = resumed.step
@@ -167,6 +168,7 @@ def _train(
             trainer = _trainer(
                 job, backend, scaling, manifest, tracked, tracker, board, schedule=schedule,
                 validation=validation, report_metrics=trial, memory=keeper, events=events, local=started_locally,
+                started_at=started_at,
             )  # fmt: skip
             printer = ProgressPrinter(board, live=live_progress) if not trial else contextlib.nullcontext()
             with printer, watch:
@@ -197,7 +199,7 @@ def _train(
         if evaluator is not None:  # the last checkpoint's evaluation and the best's registration, bounded
             drain_evaluator(evaluator, tracker, job.eval.timeout_s if status == "FINISHED" else 0.0)
         # where this invocation's time went (raytrn.tracking.goodput), to MLflow before the run is marked
-        ledger = close_ledger(board, events.ends, started_at=process_started_at(), tracker=tracker)
+        ledger = close_ledger(board, events.ends, started_at=started_at, tracker=tracker)
         run_id = finish(status, job.tracking.flush_timeout_s)
     if run_id and tracker is not None and job.tracking.registers != "none":
         registered = ray.get(tracker.registered.remote(), timeout=60)
@@ -328,6 +330,7 @@ def _trainer(
     memory: Any = None,
     events: RunEvents | None = None,
     local: bool = False,
+    started_at: float = 0.0,
 ) -> Any:
     """The Ray Train trainer for ``job``, whose controller runs in this process (:func:`raytrn.compat.hosted_trainer`:
     no controller actor, placement-group cleaner, dataset manager or preemption-watcher process to start). Every
@@ -356,7 +359,7 @@ def _trainer(
             board=board,
             tracker=tracker,
             mlflow_uri=tracked.uri if tracked else None,
-            started_at=process_started_at(),
+            started_at=started_at,
             report_metrics=report_metrics,
             memory=memory,
         ).as_config(),  # Ray Train takes a dict: the plan travels inside one

@@ -46,11 +46,12 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = {"num_cpus": 1, "resources": {"neuron_cores": 1}}
-DRAIN_DEADLINE_S = 15
+#: the preemption notice's deadline (``ray drain-node --deadline-remaining-seconds``): room for a step and a save
+DRAIN_DEADLINE_S = 10
 GLOBAL_BATCH = 48
-#: scaling.resize_interval_s of the job: how soon a returning node is used (a shorter check: fewer steps trained
-#: while the harness waits for the group to grow, on a fast machine as on a slow one).
-RESIZE_INTERVAL_S = 8
+#: scaling.resize_interval_s of the job: how soon a returning node is used (a check is one small call: a short one
+#: costs nothing while capacity stays the same).
+RESIZE_INTERVAL_S = 4
 
 
 def _logged(db: Path, key: str = "loss") -> list[tuple[int, float, float]]:
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=1000, help="run.max_steps: the schedule's horizon")
     parser.add_argument("--tail", type=int, default=5, help="steps trained after the last event, then the run stops")
     parser.add_argument("--s3", action="store_true", help="checkpoints on a moto S3 server behind an outage proxy")
-    parser.add_argument("--outage-s", type=float, default=10.0)
+    parser.add_argument("--outage-s", type=float, default=6.0)
     parser.add_argument("--reference", action="store_true", help="then an uninterrupted 1-worker run to compare")
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     args = parser.parse_args(argv)
@@ -383,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         ledger = outcome["summary"].goodput if "summary" in outcome else None
         result.update(
             stopped_at=max(steps, default=0),
+            resize_interval_s=RESIZE_INTERVAL_S,
             ledger=(
                 {
                     "seconds": ledger.seconds(),

@@ -181,15 +181,17 @@ def test_an_evaluation_that_raises_dies_or_hangs_never_stops_or_slows_training(
     ray_session, dataset_with_validation, mlflow_server, tmp_path
 ):
     """Evaluations of a task that raises, kills its process, then hangs past eval.timeout_s: the run finishes
-    (FINISHED, every step), each failure logged once with its reason (the LoggedModel's raytrn.eval_error, the
-    eval_failures count), and the run trains as fast as the same run without evaluations (its median tokens/s)."""
+    (FINISHED, every step; stopped once the three failed), each failure logged once with its reason (the
+    LoggedModel's raytrn.eval_error, the eval_failures count), and the run trains as fast as a run without evaluations
+    (its median tokens/s)."""
     import shutil
     import statistics
 
     from mlflow.tracking import MlflowClient
 
     from raytrn.evals.harness import build_task
-    from raytrn.train.trainer import run_training
+    from raytrn.train.stopping import request_stop
+    from tests.chaos._common import summary_of, train_in_thread, wait_until
 
     tasks = tmp_path / "tasks"
     build_task("stdlib_next_line", str(tasks), rows=16)
@@ -199,22 +201,37 @@ def test_an_evaluation_that_raises_dies_or_hangs_never_stops_or_slows_training(
     (tasks / "stdlib_next_line.yaml").unlink()
     shutil.rmtree(tasks / ".hf_datasets", ignore_errors=True)
 
-    def run(name: str, *extra: str):
+    client = MlflowClient(mlflow_server.url)
+
+    def run(name: str, steps: int, *extra: str, until_failures: int = 0):
+        """A run of ``steps`` (run.max_steps); ``until_failures``: stopped (raytrn stop) once that many evaluations
+        failed, at the next checkpoint step, however many steps the machine trained meanwhile."""
         job = tiny_chaos_job(
             dataset_with_validation, tmp_path / name, mlflow_uri=mlflow_server.url, experiment="raytrn-faults",
             name=f"{name}-{uuid.uuid4().hex[:6]}",
-            extra=("run.max_steps=1200", "checkpoint.every_n_steps=100", "run.log_every=20",
+            extra=(f"run.max_steps={steps}", "checkpoint.every_n_steps=100", "run.log_every=20",
                    "tracking.system_metrics=false", *extra),
         )  # fmt: skip
-        summary = run_training(job, live_progress=False)
-        client = MlflowClient(mlflow_server.url)
+        thread, result = train_in_thread(job)
+        try:
+            if until_failures:
+                run_id = lambda: _run_ids(client, "raytrn-faults", job.run_name)  # noqa: E731
+                failed = lambda: [m.value for r in run_id() for m in client.get_metric_history(r, "eval_failures")]  # noqa: E731
+                wait_until(
+                    lambda: max(failed(), default=0) >= until_failures, 300, f"{until_failures} failed evaluations"
+                )
+                logged = max(m.step for r in run_id() for m in client.get_metric_history(r, "loss"))
+                request_stop(job.run_name, (logged // 100 + 1) * 100)
+        finally:
+            thread.join(timeout=600)
+        summary = summary_of(thread, result)
         speed = [m.value for m in client.get_metric_history(summary.mlflow_run_id, "tokens_per_s") if m.step > 100]
-        return summary, client, statistics.median(speed)
+        return summary, statistics.median(speed)
 
-    base, _, base_speed = run("plain")
-    summary, client, speed = run("faulty", "eval.tasks=[faulty]", f"eval.include_path={tasks}",
-                                 "eval.timeout_s=8", "eval.num_cpus=0")  # fmt: skip
-    assert summary.final_step == 1200 and client.get_run(summary.mlflow_run_id).info.status == "FINISHED"
+    _, base_speed = run("plain", 400)
+    summary, speed = run("faulty", 5000, "eval.tasks=[faulty]", f"eval.include_path={tasks}", "eval.timeout_s=8",
+                         "eval.num_cpus=0", until_failures=3)  # fmt: skip
+    assert summary.final_step % 100 == 0 and client.get_run(summary.mlflow_run_id).info.status == "FINISHED"
     failures = client.get_metric_history(summary.mlflow_run_id, "eval_failures")
     assert sorted(m.value for m in failures)[:3] == [1.0, 2.0, 3.0], failures
     run = client.get_run(summary.mlflow_run_id)
@@ -249,3 +266,11 @@ def test_eval_include_path_on_s3_is_copied_beside_the_shipped_tasks(s3_bucket, s
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and ".hf_" not in str(p)) == [
         "stdlib_next_line.jsonl", "stdlib_next_line.yaml", "sub/mine.jsonl", "sub/mine.yaml"]  # fmt: skip
     assert (out / "sub" / "mine.jsonl").read_bytes() == (prepared / "stdlib_next_line.jsonl").read_bytes()
+
+
+def _run_ids(client, experiment: str, name: str) -> list[str]:
+    """The ids of ``experiment``'s runs named ``name`` (none before the tracking actor made it)."""
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    return [r.info.run_id for r in client.search_runs([exp.experiment_id], f"attributes.run_name = '{name}'")]
