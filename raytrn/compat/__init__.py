@@ -195,19 +195,24 @@ def create_data_stats_actor() -> None:
 
 #: Loggers of Ray Train V2's execution internals that log every report and checkpoint at INFO.
 RAY_TRAIN_CHATTY_MODULES = ("ray.train.v2._internal.execution.context", "ray.train.v2._internal.execution.storage")
-#: Ray Data's loggers for "progress bars disabled" and "execution finished" (internal module names).
-RAY_DATA_CHATTY_LOGGERS = ("ray.data._internal.progress", "ray.data._internal.execution.streaming_executor")
+#: Ray Data's loggers (internal module names) and the level each is raised to: its progress module warns once
+#: per process "Progress bars disabled ..." -- raytrn's own setting in each training worker (five such lines
+#: around the summary of a plain ``ray job submit``) -- and the executor logs "execution finished" at INFO.
+RAY_DATA_CHATTY_LOGGERS = {
+    "ray.data._internal.progress": logging.ERROR,
+    "ray.data._internal.execution.streaming_executor": logging.WARNING,
+}
 
 
 def quiet_ray_train_logs() -> None:
     """Set Ray Train's per-report and Ray Data's per-execution INFO loggers to WARNING (they drown the driver's
-    progress line).
+    progress line), Ray Data's progress-bar notices to ERROR.
 
     Those modules name their loggers by ``__name__`` or ``__file__``; public alternative: none short of
     raising the level of all of ``ray.train``. A Ray without the modules has nothing to quiet.
     """
-    for name in RAY_DATA_CHATTY_LOGGERS:  # every worker streams its own data: "execution started/finished" per epoch
-        logging.getLogger(name).setLevel(logging.WARNING)
+    for name, level in RAY_DATA_CHATTY_LOGGERS.items():  # every worker streams its own data: per-epoch lines
+        logging.getLogger(name).setLevel(level)
     for name in RAY_TRAIN_CHATTY_MODULES:
         try:
             module = importlib.import_module(name)

@@ -100,8 +100,9 @@ class AsyncLogger:
         self._queue(metrics, False)
 
     def row_of(self, key: str, step: int) -> tuple[int, float] | None:
-        """The timestamp and value this logger gave ``key`` at ``step`` (one of the latest :data:`_REMEMBERED`), or
-        None: a row logged again with both (a LoggedModel's link) is the same row to MLflow."""
+        """The timestamp and value this logger gave ``key`` at ``step`` (not yet delivered, or one of the latest
+        :data:`_REMEMBERED` delivered), or None: a row logged again with both (a LoggedModel's link) is the same row
+        to MLflow."""
         with self._cond:
             return self._rows.get((key, step))
 
@@ -113,7 +114,10 @@ class AsyncLogger:
             for metric in metrics:
                 self._metrics.append((metric, training))
                 self._rows.setdefault((metric.key, metric.step), (metric.timestamp, metric.value))
-            while len(self._rows) > _REMEMBERED:
+            # The oldest rows go first, once delivered: every undelivered one stays (an outage's backlog: a
+            # checkpoint committed meanwhile links its step's rows when the server is back; the server does not
+            # have them to read yet).
+            while len(self._rows) > _REMEMBERED + len(self._metrics) + self._in_flight:
                 del self._rows[next(iter(self._rows))]
             overflow = len(self._metrics) - self._max_buffered
             if overflow > 0:  # a very long outage: keep the newest, say how many were dropped

@@ -219,13 +219,17 @@ class CheckpointModels:
             self.logger.log_metric_objects(out)
 
     def _earlier_row(self, key: str, step: int) -> tuple[int, float] | None:
-        """The run's row of ``key`` at ``step`` (timestamp, value) that an earlier invocation logged, else None. The
-        metric's history is read once (only a resumed run, linking a step it did not log itself, needs it)."""
-        if key not in self._history:
+        """The run's row of ``key`` at ``step`` (timestamp, value) on the server: an earlier invocation's, or this
+        one's that the logger no longer remembers; else None. The metric's history is read again only when it lacks
+        the step (a resumed run, linking a step it did not log itself, or a link after a long outage)."""
+        known = self._history.get(key)
+        if known is None or step not in known:
             run_id = self.run()[0]
             assert run_id is not None
-            self._history[key] = {m.step: (m.timestamp, m.value) for m in self.client.get_metric_history(run_id, key)}
-        return self._history[key].get(step)
+            known = self._history[key] = {
+                m.step: (m.timestamp, m.value) for m in self.client.get_metric_history(run_id, key)
+            }
+        return known.get(step)
 
     def _tag(self, step: int, tags: dict[str, str]) -> None:
         self.client.set_logged_model_tags(self._id(step), tags)

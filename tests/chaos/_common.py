@@ -67,12 +67,12 @@ def summary_of(thread: threading.Thread, result: dict[str, Any]) -> Any:
     return result["summary"]
 
 
-def wait_until(predicate: Any, timeout_s: float, what: str) -> None:
+def wait_until(predicate: Any, timeout_s: float, what: str, *, poll_s: float = 0.2) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
             return
-        time.sleep(0.2)
+        time.sleep(poll_s)
     raise TimeoutError(f"{what} not seen after {timeout_s} s")
 
 

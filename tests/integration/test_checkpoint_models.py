@@ -204,8 +204,8 @@ def test_an_evaluation_that_raises_dies_or_hangs_never_stops_or_slows_training(
     client = MlflowClient(mlflow_server.url)
 
     def run(name: str, steps: int, *extra: str, until_failures: int = 0):
-        """A run of ``steps`` (run.max_steps); ``until_failures``: stopped (raytrn stop) once that many evaluations
-        failed, at the next checkpoint step, however many steps the machine trained meanwhile."""
+        """A run of ``steps`` (run.max_steps); ``until_failures``: stopped (raytrn stop) at its next step once that
+        many evaluations failed, however many steps the machine trained meanwhile."""
         job = tiny_chaos_job(
             dataset_with_validation, tmp_path / name, mlflow_uri=mlflow_server.url, experiment="raytrn-faults",
             name=f"{name}-{uuid.uuid4().hex[:6]}",
@@ -220,8 +220,7 @@ def test_an_evaluation_that_raises_dies_or_hangs_never_stops_or_slows_training(
                 wait_until(
                     lambda: max(failed(), default=0) >= until_failures, 300, f"{until_failures} failed evaluations"
                 )
-                logged = max(m.step for r in run_id() for m in client.get_metric_history(r, "loss"))
-                request_stop(job.run_name, (logged // 100 + 1) * 100)
+                request_stop(job.run_name)
         finally:
             thread.join(timeout=600)
         summary = summary_of(thread, result)
@@ -231,7 +230,7 @@ def test_an_evaluation_that_raises_dies_or_hangs_never_stops_or_slows_training(
     _, base_speed = run("plain", 400)
     summary, speed = run("faulty", 5000, "eval.tasks=[faulty]", f"eval.include_path={tasks}", "eval.timeout_s=8",
                          "eval.num_cpus=0", until_failures=3)  # fmt: skip
-    assert summary.final_step % 100 == 0 and client.get_run(summary.mlflow_run_id).info.status == "FINISHED"
+    assert summary.final_step < 5000 and client.get_run(summary.mlflow_run_id).info.status == "FINISHED"
     failures = client.get_metric_history(summary.mlflow_run_id, "eval_failures")
     assert sorted(m.value for m in failures)[:3] == [1.0, 2.0, 3.0], failures
     run = client.get_run(summary.mlflow_run_id)

@@ -68,13 +68,39 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# -- the worker (a spawned process) ------------------------------------------------------------------
+# -- the worker (a forked process) --------------------------------------------------------------------
+
+
+#: What the fork server imports once (see :func:`start_processes`): torch and raytrn's build and step take ~2.5 s
+#: a process, and this file starts ~60 of them.
+PRELOAD = ["torch", "torch.distributed", "raytrn.train.build", "raytrn.train.step", "raytrn.checkpoint.dcp", __name__]
+
+
+def start_processes(fn: Any, world: int, plan: dict[str, Any], out: str) -> None:
+    """``fn(rank, world, port, plan, out)`` on ``world`` processes, forked from a server that imported
+    :data:`PRELOAD` (started at the first call, the same one for the whole file): each is a fresh process, as
+    spawned ones are, without paying the imports. A forked process has the server's environment, not this
+    one's: the plan carries this one's (``_enter``)."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    plan = {**plan, "env": dict(os.environ)}
+    mp.start_processes(fn, args=(world, _free_port(), plan, out), nprocs=world, start_method="forkserver")
+
+
+def _enter(rank: int, world: int, port: int, plan: dict[str, Any]) -> None:
+    """A worker's environment: the test's (``start_processes``) and the process group's rendezvous."""
+    os.environ.clear()
+    os.environ.update(plan["env"])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
 
 
 def _worker(rank: int, world: int, port: int, plan: dict[str, Any], out: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    _enter(rank, world, port, plan)
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -247,12 +273,10 @@ def _same_state(out: Path, saved: str, loaded: str) -> dict[str, Any]:
 
 def run_layout(tmp: Path, world: int, name: str, *overrides: str, **plan: Any) -> dict[str, Any]:
     """Run ``plan`` on ``world`` gloo processes; rank 0's record (loss per step)."""
-    import torch.multiprocessing as mp
-
     out = tmp / "out"
     out.mkdir(exist_ok=True)
     plan = {"name": name, "tmp": str(tmp), "overrides": list(overrides), "steps": 6, **plan}
-    mp.start_processes(_worker, args=(world, _free_port(), plan, str(out)), nprocs=world, start_method="spawn")
+    start_processes(_worker, world, plan, str(out))
     return json.loads((out / f"record-{name}.json").read_text())
 
 
@@ -377,7 +401,7 @@ def test_s3_round_trip_and_hf_export_from_shards(single, tmp_path, s3_bucket, s3
     from raytrn.train.build import build_training
 
     location = f"s3://{s3_bucket}/ckpt/run/dcp/step_00000002"
-    os.environ["AWS_ENDPOINT_URL"] = s3_endpoint  # the spawned workers inherit it (monkeypatch set it here)
+    os.environ["AWS_ENDPOINT_URL"] = s3_endpoint  # the workers get this environment (monkeypatch set it here)
     export = tmp_path / "hf"
     export.mkdir()
     run_layout(
@@ -677,7 +701,7 @@ def _probe_rank(rank: int, world: int, port: int, plan: dict[str, Any], out: str
     from raytrn.train.memory_probe import MemoryProbe
     from raytrn.train.step import train_step
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    _enter(rank, world, port, plan)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     record = {}
@@ -706,7 +730,6 @@ def _probe_rank(rank: int, world: int, port: int, plan: dict[str, Any], out: str
 def test_the_memory_estimate_is_within_15_percent_of_what_2_workers_hold(tmp_path) -> None:
     """``raytrn estimate``'s memory a worker (the state and the tensors saved for backward) within 15% of what the
     run's memory probe measures on 2 gloo workers, for DDP, FSDP 2, TP 2 and LoRA (DDP) at two model sizes."""
-    import torch.multiprocessing as mp
     from transformers import LlamaConfig
 
     runs = {}
@@ -721,8 +744,7 @@ def test_the_memory_estimate_is_within_15_percent_of_what_2_workers_hold(tmp_pat
                 "num_attention_heads", "num_key_value_heads", "vocab_size")), f"model.init_from={hf}",
                 "model.tie_word_embeddings=false", *overrides,
             ]  # fmt: skip
-    mp.start_processes(_probe_rank, args=(2, _free_port(), {"runs": runs}, str(tmp_path)), nprocs=2,
-                       start_method="spawn")  # fmt: skip
+    start_processes(_probe_rank, 2, {"runs": runs}, str(tmp_path))
     record = json.loads((tmp_path / "probe.json").read_text())
     print({name: round(r["measured"] / r["estimated"] - 1, 4) for name, r in record.items()})  # the errors, -s
     assert set(record) == set(runs)

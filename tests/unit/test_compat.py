@@ -107,6 +107,28 @@ def test_quiet_ray_train_logs_raises_their_level() -> None:
         assert logging.getLogger(name).getEffectiveLevel() >= logging.WARNING
 
 
+def test_ray_datas_progress_bar_notice_is_quieted_where_it_is_logged(caplog) -> None:
+    """Ray Data's "Progress bars disabled" warning (a training worker's own setting) comes from the logger
+    quiet_ray_train_logs raises: fails when Ray Data moves the notice to another logger."""
+    import importlib
+
+    from ray.data.context import DataContext
+
+    progress = importlib.import_module("ray.data._internal.progress")
+    assert progress.logger.name in compat.RAY_DATA_CHATTY_LOGGERS
+    ctx = DataContext.get_current().copy()
+    ctx.enable_progress_bars = False
+    from ray.util import debug
+
+    debug._logged.discard("ray_data_progress_manager_disabled")  # log_once: a fresh process's first time
+    logging.getLogger(progress.logger.name).setLevel(logging.NOTSET)
+    with caplog.at_level(logging.WARNING, logger=progress.logger.name):
+        progress.get_progress_manager(ctx, "d", {}, False)
+    assert [r.name for r in caplog.records if "Progress bars disabled" in r.getMessage()] == [progress.logger.name]
+    compat.quiet_ray_train_logs()
+    assert not logging.getLogger(progress.logger.name).isEnabledFor(logging.WARNING)
+
+
 def test_nothing_else_uses_a_private_ray_or_mlflow_name() -> None:
     """Private names (``_internal``, ``_private``, a leading underscore after ray./mlflow.) appear only in compat."""
     pattern = re.compile(
