@@ -12,12 +12,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from raytrn.compat import (
     PREEMPTION_WATCHER_ENV,
     RayPrint,
+    node_logs_dir,
     quiet_ray_train_logs,
     route_worker_output,
     write_worker_lines,
@@ -52,11 +53,13 @@ def ensure_ray(min_cpus: float = 0) -> bool:
                 f"cannot connect to the Ray cluster at RAY_ADDRESS={address!r}: {e}; check the address (and the "
                 "SSH tunnel, e.g. `ray dashboard cluster.yaml`), or unset RAY_ADDRESS to run on a local Ray"
             ) from None
+        _routing_started()
         return False
     # address="local": never attach to a stale cluster by accident; set RAY_ADDRESS to use one.
     set_local_ray_defaults(os.environ)
     cpus = max(os.cpu_count() or 1, math.ceil(min_cpus))
     ray.init(address="local", num_cpus=cpus, logging_level=logging.WARNING)
+    _routing_started()
     return True
 
 
@@ -255,27 +258,44 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def route_ray_output(name: str, *, verbose: bool = False, directory: str = RAY_LOG_DIR) -> str | None:
-    """Once :func:`ensure_ray` starts (or connects to) Ray in this process: Ray's own lines go to
-    ``<directory>/<name>.log`` (appended; its path printed once), not between raytrn's on the terminal. They are
-    the workers' and actors' forwarded output (Ray Train's worker-group start, ranks, Ray Data's notices), the
-    raylet's warnings and the driver's ``ray`` logger below ERROR (the token-auth notice). The terminal keeps
-    raytrn's own lines (one per failure, resize or notice: :mod:`raytrn.train.events`), the errors that need the user
-    (:data:`USER_LINES`) and Ray's driver-side errors. Returns the path; nothing is written before Ray starts (a job refused first leaves none).
+    """Once :func:`ensure_ray` starts (or connects to) Ray in this process: Ray's own lines go to a log file (appended;
+    its path printed once), not between raytrn's on the terminal. They are the workers' and actors' forwarded output
+    (Ray Train's worker-group start, ranks, a failed worker's traceback, a killed one's stack frames, Ray Data's
+    notices), the raylet's warnings and the driver's ``ray`` logger below ERROR (the token-auth notice). The terminal
+    keeps raytrn's own lines (one per failure, resize or notice: :mod:`raytrn.train.events`), the errors that need
+    the user (:data:`USER_LINES`) and Ray's driver-side errors.
 
-    Nothing changes (None) with ``verbose``, or in a Ray job's driver (``ray job submit``, ``raytrn submit``):
-    the job's log is where its lines belong. Nor when Ray is connected already (a test's or notebook's Ray):
-    ``ensure_ray`` then starts nothing.
+    The file: ``<directory>/<name>.log`` (returned); in a Ray job's driver (``ray job submit``, ``raytrn submit``, a
+    sweep's driver), ``raytrn-<name>.log`` in Ray's own log directory of the driver's node, beside the job's driver
+    log (``ray logs`` and the dashboard list it; its path is known once connected: None is returned). Nothing
+    changes with ``verbose`` (None), nor when Ray is connected already (a test's or notebook's Ray): ``ensure_ray``
+    then starts nothing. Nothing is written before Ray starts (a job refused first leaves no file).
     """
     global _ray_log_path, _verbose
     _verbose = verbose
-    if verbose or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+    if verbose:
         _ray_log_path = None
         return None
-    _ray_log_path = os.path.abspath(os.path.join(directory, f"{name}.log"))
-    return _ray_log_path
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        _ray_log_path = _InRayLogs(f"raytrn-{name}.log")
+        return None
+    path = os.path.abspath(os.path.join(directory, f"{name}.log"))
+    _ray_log_path = path
+    return path
 
 
-_ray_log_path: str | None = None  # set by route_ray_output, applied by ensure_ray
+class _InRayLogs:
+    """A file named ``name`` in Ray's log directory of this node (known once connected)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self) -> str | None:
+        logs = node_logs_dir()
+        return None if logs is None else os.path.join(logs, self.name)
+
+
+_ray_log_path: str | _InRayLogs | None = None  # set by route_ray_output, applied by ensure_ray
 _log_file: _PlainFile | None = None  # where Ray's lines go once ensure_ray applied route_ray_output
 _verbose = False  # route_ray_output(verbose=True): Ray's lines stay on the terminal
 
@@ -283,9 +303,9 @@ _verbose = False  # route_ray_output(verbose=True): Ray's lines stay on the term
 def ray_train_console() -> logging.Handler:
     """Where Ray Train's controller, run in this process (:func:`raytrn.compat.hosted_trainer`), writes the lines it
     would print: the run's Ray log (:func:`route_ray_output`) when Ray's lines go there; all of them to stderr with
-    ``--verbose``; else (a Ray job's driver) stderr, warnings and errors only (raytrn prints its own line for each
-    restart, resize and notice: :mod:`raytrn.train.events`)."""
-    if _log_file is not None:
+    ``--verbose``; else (a test's or notebook's Ray) stderr, warnings and errors only (raytrn prints its own line for
+    each restart, resize and notice: :mod:`raytrn.train.events`)."""
+    if _log_file is not None and _log_file.usable:
         handler: logging.Handler = logging.StreamHandler(_log_file)
         handler.setFormatter(logging.Formatter("%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"))
         return handler
@@ -295,18 +315,20 @@ def ray_train_console() -> logging.Handler:
 
 
 def _start_routing() -> None:
-    """Apply :func:`route_ray_output` before ``ray.init`` (once)."""
-    global _ray_log_path
-    path, _ray_log_path = _ray_log_path, None
-    if path is None:
+    """Apply :func:`route_ray_output` before ``ray.init`` (once); :func:`_routing_started` after it."""
+    global _ray_log_path, _log_file
+    where, _ray_log_path = _ray_log_path, None
+    if where is None:
         return
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        log_file = _PlainFile(path)
-    except OSError as e:  # not writable here: Ray's lines stay on the terminal
-        print(f"raytrn: Ray's lines stay on the terminal ({path}: {e.strerror or e})", file=sys.stderr, flush=True)
+    if isinstance(where, str):
+        try:
+            os.makedirs(os.path.dirname(where), exist_ok=True)
+        except OSError as e:  # not writable here: Ray's lines stay on the terminal
+            _unroutable(where, e)
+            return
+    log_file = _PlainFile(where)
+    if isinstance(where, str) and not log_file.open():
         return
-    global _log_file
     _log_file = log_file
     route_worker_output(_RayLines(log_file))
     ray_logger = logging.getLogger("ray")
@@ -316,7 +338,21 @@ def _start_routing() -> None:
     file_handler = logging.StreamHandler(log_file)
     file_handler.setFormatter(logging.Formatter("%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"))
     ray_logger.addHandler(file_handler)
-    print(f"raytrn: Ray's logs: {path}", flush=True)
+    if isinstance(where, str):
+        print(f"raytrn: Ray's logs: {where}", flush=True)
+
+
+def _routing_started() -> None:
+    """After ``ray.init``: a file in Ray's log directory is opened now (its path printed, with how to read it)."""
+    if _log_file is None or _log_file.path is not None:
+        return
+    if _log_file.open():
+        name = os.path.basename(_log_file.path or "")
+        print(f"raytrn: Ray's logs: {_log_file.path} (on the driver's node: `ray logs {name}`)", flush=True)
+
+
+def _unroutable(path: str, e: OSError) -> None:
+    print(f"raytrn: Ray's lines stay on the terminal ({path}: {e.strerror or e})", file=sys.stderr, flush=True)
 
 
 def user_lines(lines: list[str]) -> list[str]:
@@ -326,12 +362,15 @@ def user_lines(lines: list[str]) -> list[str]:
 
 class _RayLines:
     """The handler of :func:`raytrn.compat.route_worker_output`: every batch to the log file, the lines that
-    need the user to Ray's own printer too."""
+    need the user to Ray's own printer too (every line, when the file could not be opened)."""
 
     def __init__(self, log_file: _PlainFile) -> None:
         self.log_file = log_file
 
     def __call__(self, data: dict[str, Any], ignore_prefix: bool, ray_print: RayPrint) -> None:
+        if not self.log_file.usable:
+            ray_print(data, ignore_prefix)
+            return
         try:
             write_worker_lines(data, self.log_file, ignore_prefix)
         except Exception:  # the log file is best effort: never lose the terminal's lines over it
@@ -344,19 +383,59 @@ class _RayLines:
 
 
 class _PlainFile:
-    """An appending, line-buffered text file that drops ANSI colour codes (Ray colours its prefixes)."""
+    """An appending, line-buffered text file that drops ANSI colour codes (Ray colours its prefixes). ``where``: its
+    path, or a function that names it once it can (Ray's log directory, once connected); what is written before
+    it is open waits in memory."""
 
-    def __init__(self, path: str) -> None:
-        self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - open for the process's life
+    def __init__(self, where: str | Callable[[], str | None]) -> None:
+        self._where = where
+        self.path: str | None = None
+        self._file: Any = None
+        self._failed = False
+        self._early: list[str] = []
         self._lock = threading.Lock()
 
-    def write(self, text: str) -> int:
+    @property
+    def usable(self) -> bool:
+        """False once opening it failed (Ray's lines then stay on the terminal)."""
+        return not self._failed
+
+    def open(self) -> bool:
+        """Open it now when its path is known; False (and one line on stderr) when it cannot be."""
         with self._lock:
-            return self._file.write(_ANSI.sub("", text))
+            return self._open()
+
+    def _open(self) -> bool:
+        if self._file is not None or self._failed:
+            return self._file is not None
+        path = self._where if isinstance(self._where, str) else self._where()
+        if path is None:
+            return False
+        try:
+            self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - open for the process's life
+        except OSError as e:
+            self._failed = True
+            _unroutable(path, e)
+            return False
+        self.path = path
+        for text in self._early:
+            self._file.write(text)
+        self._early.clear()
+        return True
+
+    def write(self, text: str) -> int:
+        text = _ANSI.sub("", text)
+        with self._lock:
+            if self._file is None and not self._open():
+                if not self._failed:
+                    self._early.append(text)
+                return len(text)
+            return int(self._file.write(text))
 
     def flush(self) -> None:
         with self._lock:
-            self._file.flush()
+            if self._file is not None:
+                self._file.flush()
 
 
 #: The format of raytrn's log records in Ray workers and actors: the driver keeps ``^raytrn`` lines on the

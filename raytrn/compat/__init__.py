@@ -48,6 +48,8 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Train preemption watcher switch": "ray.train.v2._internal.constants:ENABLE_PREEMPTION_WATCHER_ENV_VAR",
     "Ray driver's printer of worker output": "ray._private.worker:print_to_stdstream",
     "Ray driver's worker-line formatter": "ray._private.worker:print_worker_logs",
+    "Ray's node of this process": "ray._private.worker:_global_node",
+    "Ray's log directory of a node": "ray._private.node:Node.get_logs_dir_path",
     "Ray driver's error listener": "ray._private.worker:listen_error_messages",
     "Ray cluster-config validation": "ray.autoscaler._private.util:validate_config",
     "Ray cluster-config defaults": "ray.autoscaler._private.util:prepare_config",
@@ -252,6 +254,19 @@ def route_worker_output(handler: Callable[[dict[str, Any], bool, RayPrint], None
     print_to_stdstream.raytrn_routed = True  # type: ignore[attr-defined]
     print_to_stdstream.ray_print = ray_print  # type: ignore[attr-defined]
     ray_worker.print_to_stdstream = print_to_stdstream
+
+
+def node_logs_dir() -> str | None:
+    """Ray's log directory on this process's node (``<session>/logs``: what ``ray logs`` and the dashboard's Logs
+    view list), once this process is connected; None before.
+
+    ``ray._private.worker._global_node.get_logs_dir_path()``, as Ray's job supervisor finds it; public
+    alternative: none (the session's directory is not in the runtime context).
+    """
+    import ray._private.worker as ray_worker
+
+    node = getattr(ray_worker, "_global_node", None)
+    return None if node is None else str(node.get_logs_dir_path())
 
 
 def write_worker_lines(data: dict[str, Any], file: Any, ignore_prefix: bool = False) -> None:

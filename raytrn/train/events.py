@@ -30,9 +30,18 @@ class RunEvents:
     """A :class:`raytrn.compat.ControllerListener` for one run (``max_failures``: the job's ``scaling.max_failures``;
     ``quiet``: record only, print nothing, as a sweep's trial)."""
 
-    def __init__(self, max_failures: int, *, quiet: bool = False, out: Print = _print) -> None:
+    def __init__(
+        self,
+        max_failures: int,
+        *,
+        quiet: bool = False,
+        out: Print = _print,
+        alive_nodes: Callable[[], set[str] | None] | None = None,
+    ) -> None:
         self.max_failures = max_failures
         self.out: Print | None = None if quiet else out
+        #: The ids of the cluster's live nodes (None: not known): a failure names the ranks whose node is gone.
+        self.alive_nodes = alive_nodes or _alive_nodes
         self._lock = threading.Lock()
         #: Why each group before the current one ended, with the driver's wall-clock time of the decision.
         self.ends: list[GroupEnd] = []
@@ -101,12 +110,49 @@ class RunEvents:
         return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}{where}"
 
     def _what_failed(self, errors: dict[int, BaseException], error: BaseException) -> str:
-        if not errors:
+        """The ranks on lost nodes first (Ray may not have said so yet: their survivors' collectives fail first),
+        then each reported reason with its ranks."""
+        alive = self.alive_nodes() if self.places else None
+        lost = sorted(r for r, p in self.places.items() if alive is not None and p.node_id not in alive)
+        by_reason: dict[str, list[int]] = {"its node was lost": lost} if lost else {}
+        reasons = {rank: describe_error(e) for rank, e in sorted(errors.items()) if rank not in lost}
+        silent = sorted(set(self.places) - set(errors) - set(lost))
+        if not lost and silent and reasons and set(reasons.values()) == {PEER_LEFT}:
+            # The others' collectives failed because a peer left; the ranks that said nothing are the likely ones
+            by_reason["no word from it (its process or node likely gone)"] = silent
+        for rank, reason in reasons.items():
+            by_reason.setdefault(reason, []).append(rank)
+        if not by_reason:
             return f"the worker group of {self.size} failed ({describe_error(error)})"
-        by_reason: dict[str, list[int]] = {}
-        for rank, e in sorted(errors.items()):
-            by_reason.setdefault(describe_error(e), []).append(rank)
         return "; ".join(f"{self._ranks(ranks)} failed: {reason}" for reason, ranks in by_reason.items())
+
+
+def _alive_nodes() -> set[str] | None:
+    """The ids of the live nodes of the Ray this process is connected to (None when Ray does not answer)."""
+    try:
+        import ray
+
+        return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    except Exception:
+        return None
+
+
+#: What Ray's GCS says of a dead actor (its C++ messages, in the ActorDiedError's text) and raytrn's words for it.
+ACTOR_DEATHS = (
+    ("because its node has died", "its node was lost"),
+    ("because its worker process has died", "its process died (killed, out of memory, or exited)"),
+    ("killed by `ray.kill`", "it was stopped (ray.kill)"),
+)
+
+
+#: A collective's error when a peer's process is gone (gloo's transport; NCCL's and Neuron's words alike).
+PEER_LOST = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "remote process exited or there was a network error",
+    "Broken pipe",
+)
+PEER_LEFT = "a peer left its collective (another worker's process or node went away)"
 
 
 def describe_error(error: BaseException) -> str:
@@ -120,12 +166,14 @@ def describe_error(error: BaseException) -> str:
             return str(e).splitlines()[0]
         name = type(e).__name__
         if name in ("ActorDiedError", "RayActorError", "ActorUnavailableError"):
-            text = str(e)
-            if "node" in text.lower() and ("died" in text.lower() or "dead" in text.lower()):
-                return "its node was lost"
+            for words, said in ACTOR_DEATHS:
+                if words in str(e):
+                    return said
             return "its process died (killed, out of memory, or its node lost)"
         if name == "WorkerHealthCheckTimeoutError":
             return "it stopped answering Ray's health checks"
+        if any(words in str(e) for words in PEER_LOST):
+            return PEER_LEFT
         nested = getattr(e, "health_check_failure", None) or getattr(e, "cause", None) or e.__cause__
         if nested is None:
             first = (str(e).strip().splitlines() or [""])[0][:200]

@@ -186,6 +186,37 @@ def test_a_failure_is_one_line_naming_the_rank_its_node_and_what_happens_next() 
     assert [e.cause for e in events.ends] == [EndCause.FAILURE, EndCause.FAILURE]
 
 
+def test_a_lost_node_is_named_before_its_survivors_collective_errors() -> None:
+    """A node lost under a group of 3: the survivors' gloo all-reduce fails first (Ray has not reported the lost
+    rank's actor yet), so the line names the rank on the node that is gone, then what the others saw."""
+    from raytrn.compat import WorkerPlace
+
+    lines: list[str] = []
+    events = RunEvents(10, out=lines.append, alive_nodes=lambda: {"n0", "n1"})
+    events.group_started([WorkerPlace(r, f"n{r}", f"10.0.0.{r + 1}", 10 + r) for r in range(3)])
+    reset = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:28371: "
+        "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application."
+    )
+    events.failure_decided(True, {0: reset, 1: reset}, RuntimeError("group"), False)
+    assert lines == [
+        "raytrn: rank 2 on 10.0.0.3 failed: its node was lost; ranks 0, 1 on 10.0.0.1, 10.0.0.2 failed: a peer left "
+        "its collective (another worker's process or node went away); restarting the group from the newest state "
+        "(failure 1 of scaling.max_failures=10)"
+    ]
+    # Ray has not marked the node dead yet (or does not answer): the rank that said nothing is the likely one
+    for alive in (lambda: {"n0", "n1", "n2"}, lambda: None):
+        events.alive_nodes = alive
+        events.failure_decided(True, {0: reset, 2: reset}, RuntimeError("group"), False)
+        assert lines[-1].startswith(
+            "raytrn: rank 1 on 10.0.0.2 failed: no word from it (its process or node likely gone); ranks 0, 2 on "
+            "10.0.0.1, 10.0.0.3 failed: a peer left its collective"
+        ), lines[-1]
+    # a rank's own error beside silent ranks: only what was reported
+    events.failure_decided(True, {0: ValueError("bad batch")}, RuntimeError("group"), False)
+    assert lines[-1].startswith("raytrn: rank 0 on 10.0.0.1 failed: ValueError: bad batch; restarting")
+
+
 def test_resizes_notices_and_failed_starts_are_lines_and_ends_too() -> None:
     lines: list[str] = []
     events = RunEvents(3, out=lines.append)
@@ -217,7 +248,18 @@ def test_describe_error_digs_to_what_happened() -> None:
             super().__init__(msg)
             self.health_check_failure = failure
 
-    nested = WorkerHealthCheckFailedError("A worker health check failed.", ActorDiedError("node died: lost"))
+    # Ray's own words (its GCS's messages), and a process's exit whose text names nodes elsewhere (Ray's advice on
+    # out-of-memory kills) is not a lost node
+    node = ActorDiedError("The actor died unexpectedly before finishing this task.\n\tclass_name: RayTrainWorker\n"
+                          "The actor died because its node has died. Node Id: 67487bd7")  # fmt: skip
+    nested = WorkerHealthCheckFailedError("A worker health check failed.", node)
     assert describe_error(nested) == "its node was lost"
+    exited = ActorDiedError(
+        "The actor died unexpectedly before finishing this task.\nThe actor is dead because its worker process has died. "
+        "Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error code 2. "
+        "End of file. Some common causes include: (1) the process was killed by the OOM killer ... check dmesg of the "
+        "OOMing node ... prevent node deaths by resource contention"
+    )
+    assert describe_error(exited) == "its process died (killed, out of memory, or exited)"
     assert describe_error(ValueError("bad thing\ntraceback...")) == "ValueError: bad thing"
     assert describe_error(KeyError()) == "KeyError"

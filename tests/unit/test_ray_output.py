@@ -34,6 +34,7 @@ def _no_routing_left() -> Iterator[None]:
     """Routing asked for here never reaches a later test's ensure_ray."""
     yield
     runtime._ray_log_path = None
+    runtime._log_file = None
 
 
 def test_rays_plumbing_leaves_the_terminal_and_raytrns_lines_stay() -> None:
@@ -90,15 +91,13 @@ def test_marking_is_for_ray_actors_only() -> None:
     assert (list(logging.getLogger("raytrn").handlers), logging.getLogger("raytrn").propagate) == before
 
 
-def test_nothing_is_routed_when_verbose_in_a_ray_job_or_on_a_connected_ray(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_nothing_is_routed_when_verbose_or_on_a_connected_ray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import ray
 
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
     assert runtime.route_ray_output("r", verbose=True, directory=str(tmp_path)) is None
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"runtime_env": {}}')
-    assert runtime.route_ray_output("r", directory=str(tmp_path)) is None
+    assert runtime.route_ray_output("r", verbose=True, directory=str(tmp_path)) is None
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")
     # Routing waits for ensure_ray to start Ray: a connected Ray (or a job refused first) writes nothing.
     assert runtime.route_ray_output("r", directory=str(tmp_path)) == str(tmp_path / "r.log")
@@ -132,6 +131,57 @@ def test_routing_sends_rays_driver_warnings_to_the_file(
         assert "PYTHON worker" not in captured.err + captured.out
         text = Path(path).read_text()
         assert "Token authentication is enabled" in text and "(raylet) 4 PYTHON worker processes" in text
+    finally:
+        for handler, level in levels:
+            handler.setLevel(level)
+
+
+def test_a_ray_jobs_driver_routes_into_rays_log_directory_once_connected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under `ray job submit` / `raytrn submit` the job's log (the user's terminal) gets raytrn's lines too, not a
+    killed worker's traceback and stack frames: those go to raytrn-<run>.log in Ray's log directory of the driver's
+    node, named once connected (what arrives before waits in memory), its path and `ray logs` command printed."""
+    import ray._private.worker as ray_worker
+
+    logs: list[str | None] = [None]  # not connected yet
+    monkeypatch.setattr(runtime, "node_logs_dir", lambda: logs[0])
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"runtime_env": {}}')
+    monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)
+    ray_logger = logging.getLogger("ray")
+    monkeypatch.setattr(ray_logger, "handlers", list(ray_logger.handlers))
+    levels = [(h, h.level) for h in ray_logger.handlers]
+    try:
+        assert runtime.route_ray_output("tiny-1", directory=str(tmp_path / "cwd")) is None
+        runtime._start_routing()
+        logging.getLogger("ray.x").warning("Token authentication is enabled for this Ray cluster.")  # during init
+        assert capsys.readouterr().out == ""
+        logs[0] = str(tmp_path / "session" / "logs")
+        Path(logs[0]).mkdir(parents=True)
+        runtime._routing_started()  # what ensure_ray does after ray.init
+        path = tmp_path / "session" / "logs" / "raytrn-tiny-1.log"
+        assert (
+            capsys.readouterr().out
+            == f"raytrn: Ray's logs: {path} (on the driver's node: `ray logs raytrn-tiny-1.log`)\n"
+        )
+        batch = {"lines": ["Traceback (most recent call last):", "    @ 0x7f ray::core::CoreWorker::Exit()",
+                           "raytrn: WARNING: w"], "pid": 7, "actor_name": "RayTrainWorker", "is_err": True}  # fmt: skip
+        ray_worker.print_to_stdstream(batch, False)
+        captured = capsys.readouterr()
+        assert "ray::core" not in captured.out + captured.err and "raytrn: WARNING: w" in captured.out + captured.err
+        text = path.read_text()
+        assert text.index("Token authentication") < text.index("ray::core::CoreWorker::Exit()")
+        assert not (tmp_path / "cwd").exists()
+        # Ray's log directory not writable: the lines stay on the terminal, one line says why
+        runtime._log_file = None
+        monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)
+        logs[0] = str(tmp_path / "missing")
+        runtime.route_ray_output("tiny-2")
+        runtime._start_routing()
+        runtime._routing_started()
+        assert "raytrn: Ray's lines stay on the terminal" in capsys.readouterr().err
+        ray_worker.print_to_stdstream(batch, False)
+        assert "ray::core" in "".join(capsys.readouterr())
     finally:
         for handler, level in levels:
             handler.setLevel(level)
