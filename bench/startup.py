@@ -34,11 +34,15 @@ class ProcessSampler:
     (Linux counts them from a boot time in whole seconds), so a process counts from when it was first seen."""
 
     interval_s: float = 0.1
+    #: Only the processes descended from this pid (None: every new process on the machine). A test's own (its
+    #: driver subprocess, its local Ray's workers), not another job's that runs on the same machine (CI's pip).
+    root: int | None = None
     started_at: float = field(default_factory=time.time)
     samples: dict[int, dict[str, Any]] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _before: set[int] = field(default_factory=set)
+    _others: set[int] = field(default_factory=set)
 
     def __enter__(self) -> ProcessSampler:
         import psutil
@@ -61,7 +65,10 @@ class ProcessSampler:
             for p in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
                 info = p.info
                 cpu = info.get("cpu_times")
-                if info["pid"] in self._before or cpu is None:
+                if info["pid"] in self._before or info["pid"] in self._others or cpu is None:
+                    continue
+                if self.root is not None and info["pid"] not in self.samples and not _descends(p, self.root):
+                    self._others.add(info["pid"])
                     continue
                 entry = self.samples.setdefault(info["pid"], {"born": now, "name": "", "cpu": []})
                 name = _name(info.get("cmdline") or [])
@@ -82,6 +89,16 @@ class ProcessSampler:
             out.append({"pid": pid, "name": entry["name"], "born_s": round(entry["born"] - self.started_at, 2),
                         "cpu_s": round(before[-1] if before else 0.0, 2)})  # fmt: skip
         return out
+
+
+def _descends(process: Any, root: int) -> bool:
+    """Whether ``process`` (a psutil.Process) is ``root`` or one of its descendants (False once it is gone)."""
+    import psutil
+
+    try:
+        return process.pid == root or any(a.pid == root for a in process.parents())
+    except psutil.Error:
+        return False
 
 
 def _name(cmdline: list[str]) -> str:

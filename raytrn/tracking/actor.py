@@ -222,6 +222,18 @@ class TrackingActor(ProgressBoard):
     def run_id(self) -> str | None:
         return self.logger.run_id
 
+    def upload_here(self, local_dir: str, artifact_path: str, node_id: str) -> bool:
+        """Log ``local_dir`` as the run's ``artifact_path`` from this process when it runs on ``node_id`` (the
+        caller's node: the directory is readable here). This process has the store open; a worker's first call
+        opens it anew (a local sqlite store: ~1.4 s at the end of every run). False, nothing done, on another node or
+        before the run exists: the caller uploads it itself."""
+        import ray
+
+        if self.logger.run_id is None or node_id != ray.get_runtime_context().get_node_id():
+            return False
+        self.logger.client.log_artifacts(self.logger.run_id, local_dir, artifact_path)
+        return True
+
     def flush(self, timeout_s: float) -> bool:
         return self.logger.flush(timeout_s)
 
@@ -367,6 +379,10 @@ class WorldSizeHistory:
         return ",".join(head + self.entries)
 
 
+#: The bound on the tracking actor's upload of a worker's directory (a model's export: gigabytes to S3 at worst).
+UPLOAD_TIMEOUT_S = 3600.0
+
+
 class RemoteLogger:
     """A worker's handle on the :class:`TrackingActor`: sends are fire-and-forget (no waiting on MLflow)."""
 
@@ -419,6 +435,15 @@ class RemoteLogger:
         import ray
 
         return bool(ray.get(self.actor.flush.remote(timeout_s), timeout=timeout_s + 60))
+
+    def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
+        """Upload ``local_dir`` as the run's ``artifact_path``: by the tracking actor when it is on this node (its
+        store is open: :meth:`TrackingActor.upload_here`), else with this process's own client."""
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        if not ray.get(self.actor.upload_here.remote(local_dir, artifact_path, node), timeout=UPLOAD_TIMEOUT_S):
+            self.client.log_artifacts(self.run_id, local_dir, artifact_path)
 
 
 def start_tracking_actor(

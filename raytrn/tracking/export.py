@@ -37,7 +37,7 @@ def log_final_model(
             export_hf(job, export(), d if writing else None, specs)
             if writing:
                 save_tokenizer(load_manifest(job.data.manifest, check_files=False), d)
-                logger.client.log_artifacts(logger.run_id, d, "model")
+                logger.log_artifacts(d, "model")  # by the tracking actor when it is on this node
         except Exception as e:  # tracking never fails a finished training
             log.warning("could not log the final model to MLflow: %s", e)
 

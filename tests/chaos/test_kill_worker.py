@@ -113,13 +113,11 @@ def test_killed_worker_resumes_and_history_has_each_step_once(ray_session, tiny_
     client = MlflowClient(job.tracking.mlflow_uri)
     thread, result = train_in_thread(job)
     try:
-        # Past the checkpoint at 20 (on disk, then a few steps more for Ray to register it): the steps
-        # after the restored checkpoint were logged once already and are trained again.
-        ckpt = tmp_path / "ckpt" / name / "checkpoint_00000020"
+        # Past a checkpoint (20, or a later one on a fast machine: keep_last 2 may have deleted 20 already; on
+        # disk, then a few steps more for Ray to register it): the steps after the restored checkpoint were logged
+        # once already and are trained again.
         _wait_for_step(client, name, 28)
-        deadline = time.monotonic() + 60
-        while not ckpt.is_dir() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: list((tmp_path / "ckpt" / name).glob("checkpoint_0*")), 60, "a checkpoint on disk")
         time.sleep(2)
         _kill_train_worker()
         # The restarted group trains (its start-up metric is logged at its first step): then the run ends at the

@@ -38,7 +38,7 @@ def test_on_a_running_ray_raytrn_reaches_its_first_step_before_stock_ray_train_r
     from mlflow.tracking import MlflowClient
 
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    with ProcessSampler() as stock_processes:
+    with ProcessSampler(root=os.getpid()) as stock_processes:
         stock = subprocess.run(
             [sys.executable, "-m", "bench.startup", "floor"], cwd=REPO, env=env, capture_output=True, text=True,
             timeout=300,
@@ -53,7 +53,7 @@ def test_on_a_running_ray_raytrn_reaches_its_first_step_before_stock_ray_train_r
         "scaling.max_workers=1", f"checkpoint.storage={tmp_path / 'ckpt'}", f"tracking.mlflow_uri={uri}",
         "tracking.experiment=startup", "tracking.log_model=false", "run.max_steps=3", "run.log_every=1",
     ]  # fmt: skip
-    with ProcessSampler() as ours:
+    with ProcessSampler(root=os.getpid()) as ours:
         proc = subprocess.run(
             [sys.executable, "-m", "raytrn.cli", "train", str(REPO / "jobs" / "tiny.yaml"), "--no-progress",
              *(a for kv in sets for a in ("--set", kv))],

@@ -420,3 +420,42 @@ def test_a_qwen3_moe_run_resumed_equals_the_uninterrupted_one(ray_session, tiny_
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     for k, moments in a["optim"]["state"].items():
         assert torch.equal(moments["exp_avg"], b["optim"]["state"][k]["exp_avg"]), k
+
+
+def test_a_workers_directory_is_uploaded_by_the_tracking_actor_on_its_node_else_by_the_worker(ray_session, tmp_path):
+    """The final model's upload: the tracking actor, whose store is open, uploads a directory of its own node (a
+    worker's first call to a local store opens it anew: ~1.4 s at the end of every run); for a directory on another
+    node it does nothing, and the worker's own client uploads it."""
+    import ray
+    from mlflow.tracking import MlflowClient
+
+    from raytrn.tracking.actor import RemoteLogger, TrackingActor
+
+    uri = mlflow_store(tmp_path / "mlflow.db")
+    client = MlflowClient(uri)
+    run_id = made = client.create_run(client.create_experiment("uploads")).info.run_id
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("{}")
+    actor = ray.remote(num_cpus=0)(TrackingActor).remote(uri, run_id)
+    try:
+        elsewhere = "f" * 56  # another node's id: not this actor's
+        assert ray.get(actor.upload_here.remote(str(tmp_path / "out"), "model", elsewhere), timeout=60) is False
+        assert client.list_artifacts(run_id) == []
+        RemoteLogger(actor, uri).log_artifacts(str(tmp_path / "out"), "model")  # this node: the actor's upload
+        assert [a.path for a in client.list_artifacts(run_id, "model")] == ["model/config.json"]
+    finally:
+        ray.kill(actor)
+
+    class OtherNode:  # an actor on another node: says it did nothing (as upload_here does there)
+        class _Method:
+            def __init__(self, value: Any) -> None:
+                self.value = value
+
+            def remote(self, *args: Any) -> Any:
+                return ray.put(self.value)
+
+        upload_here = _Method(False)
+        run_id = _Method(made)
+
+    RemoteLogger(OtherNode(), uri).log_artifacts(str(tmp_path / "out"), "again")  # the worker's own client
+    assert [a.path for a in client.list_artifacts(run_id, "again")] == ["again/config.json"]
