@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Mapping
+
 from raytrn import storage
-from raytrn.backends import get_backend
+from raytrn.backends import Backend, get_backend
 from raytrn.config import JobSpec
 from raytrn.config.layout import check_parallel as check_parallel  # re-exported: validate's callers import it here
 from raytrn.config.sizes import (
@@ -15,7 +19,7 @@ from raytrn.config.sizes import (
 )
 from raytrn.data.manifest import Manifest, load_manifest
 from raytrn.data.verify import verify_dataset
-from raytrn.errors import BackendUnavailableError, DataError
+from raytrn.errors import BackendUnavailableError, DataError, RaytrnError
 from raytrn.models import model_stats
 from raytrn.models.hf import check_config
 
@@ -177,3 +181,45 @@ def validation_set(job: JobSpec, manifest: Manifest) -> Manifest | None:
             "data.global_batch_size"
         )
     return val
+
+
+#: Resources a local Ray finds by itself (``ray.init`` counts the CPUs and GPUs, sizes the memory).
+_DETECTED = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+#: Where Ray looks for ``neuron-ls``: without it a local Ray has no ``neuron_cores``
+#: (ray/_private/accelerators/neuron.py, NeuronAcceleratorManager.get_current_node_num_accelerators).
+NEURON_TOOLS = "/opt/aws/neuron/bin"
+
+
+def embedded_ray_lacks(
+    job: JobSpec, backend: Backend, *, environ: Mapping[str, str] = os.environ, neuron_tools: str = NEURON_TOOLS
+) -> dict[str, float]:
+    """The workers' resources that a local Ray started here would surely have none of, known before starting it
+    (``{name: 0}``): ``neuron_cores`` without the Neuron tools Ray detects them with, any custom resource (raytrn
+    starts a local Ray with none). Empty when ``RAY_OVERRIDE_RESOURCES`` says otherwise; the rest is checked once the
+    Ray is up (:func:`check_local_resources` with ``ray.cluster_resources()``)."""
+    if environ.get("RAY_OVERRIDE_RESOURCES"):
+        return {}
+    lacks = {}
+    for name, amount in backend.worker_resources(job).items():
+        if amount <= 0 or name in _DETECTED:
+            continue
+        if name == "neuron_cores" and sys.platform.startswith("linux") and os.path.isdir(neuron_tools):
+            continue
+        lacks[name] = 0.0
+    return lacks
+
+
+def check_local_resources(
+    job: JobSpec, backend: Backend, have: Mapping[str, float], *, only: Mapping[str, float] | None = None
+) -> None:
+    """On a local Ray nothing can scale up: refuse a job whose ``scaling.min_workers`` need more of a resource than
+    ``have`` holds (a resource it does not name: none), rather than wait forever for it. ``only``: check just the
+    resources it names."""
+    for name, amount in backend.worker_resources(job).items():
+        need = amount * job.scaling.min_workers
+        if amount > 0 and (only is None or name in only) and have.get(name, 0) < need:
+            raise RaytrnError(
+                f"{job.source}: scaling needs {need:g} '{name}' ({job.scaling.min_workers} workers x {amount:g}) but "
+                f"this local Ray has {have.get(name, 0):g}; lower scaling.min_workers or "
+                f"scaling.resources_per_worker, or run on a cluster (set RAY_ADDRESS or use `ray job submit`)"
+            )

@@ -37,7 +37,14 @@ from raytrn.runtime import ensure_ray, git_commit, on_this_node, ray_train_conso
 from raytrn.tracking.actor import driver_env, start_tracking_actor
 from raytrn.tracking.board import BOARD_NAMESPACE, ProgressBoard, ProgressPrinter, Summary, board_name
 from raytrn.tracking.mlflow_run import end_run, plan_run
-from raytrn.train.checks import check_data, check_init_from, check_spec, validation_set
+from raytrn.train.checks import (
+    check_data,
+    check_init_from,
+    check_local_resources,
+    check_spec,
+    embedded_ray_lacks,
+    validation_set,
+)
 from raytrn.train.elastic import SizeChooser, reachable_nodes
 from raytrn.train.entry import train_fn
 from raytrn.train.events import RunEvents, close_ledger
@@ -117,16 +124,20 @@ def _train(
     # Only whether MLflow answers (tracking.required: fail now); the run is created by the tracking actor.
     tracked = plan_run(job, tags={**_tags(job), "lr_schedule": schedule.describe()}, extra_params=params)
 
+    import ray
+
+    if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):  # a local Ray to start: what it will lack, now
+        lacks = embedded_ray_lacks(job, backend)
+        check_local_resources(job, backend, lacks, only=lacks)
     # Ray Train's import (the trainer, its controller: ~0.5 s; no torch) needs no Ray: it runs while Ray starts.
     with ThreadPoolExecutor(1, thread_name_prefix="raytrn-prepare") as pool:
         pool.submit(importlib.import_module, "ray.train.v2.api.data_parallel_trainer")
         # As many logical CPUs as the workers take (Ray Data's read tasks reserve none: raytrn.data.source).
         started_locally = ensure_ray(min_cpus=scaling.total_resources.get("CPU", 0))
-    if started_locally:
-        _check_local_resources(job, backend)
+    if started_locally:  # on an embedded local Ray nothing can scale up: fail now rather than wait forever
+        check_local_resources(job, backend, ray.cluster_resources())
     else:  # on one machine (a Ray this process started) it lands on the workers' node anyway
         _pin_data_stats_actor()
-    import ray
 
     if not trial:
         print(f"raytrn: {job.run_name}: {job.model.family} {stats.describe()}", flush=True)
@@ -427,21 +438,6 @@ def _pin_data_stats_actor() -> None:
             log.warning("Ray Data stats actor not created on the driver's node: %s", e)
 
     threading.Thread(target=create, name="raytrn-data-stats", daemon=True).start()
-
-
-def _check_local_resources(job: JobSpec, backend: Backend) -> None:
-    """On an embedded local Ray nothing can scale up: fail now rather than wait forever for resources."""
-    import ray
-
-    have = ray.cluster_resources()
-    for name, amount in backend.worker_resources(job).items():
-        need = amount * job.scaling.min_workers
-        if amount > 0 and have.get(name, 0) < need:
-            raise RaytrnError(
-                f"{job.source}: scaling needs {need:g} '{name}' ({job.scaling.min_workers} workers x {amount:g}) but "
-                f"this local Ray has {have.get(name, 0):g}; lower scaling.min_workers or "
-                f"scaling.resources_per_worker, or run on a cluster (set RAY_ADDRESS or use `ray job submit`)"
-            )
 
 
 def _scaling(job: JobSpec, backend: Backend) -> Any:

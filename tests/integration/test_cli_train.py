@@ -124,12 +124,14 @@ def test_cli_train_verbose_shows_rays_lines(tiny_dataset: Path, tmp_path: Path) 
 
 
 def test_cli_train_unsatisfiable_resources_on_local_ray(tiny_dataset: Path, tmp_path: Path) -> None:
-    """A local Ray cannot grow: asking for NeuronCores it lacks fails at once, exit 2, nothing tracked."""
+    """A local Ray cannot grow: asking for NeuronCores it would lack (no Neuron tools here) fails before it starts,
+    exit 2, nothing tracked."""
     proc = _train(tiny_dataset, tmp_path, "scaling.resources_per_worker={neuron_cores: 1}", timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("raytrn: error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr
     assert "needs 2 'neuron_cores' (2 workers x 1) but this local Ray has 0" in errors[0]
+    assert "Ray's logs:" not in proc.stdout  # no Ray was started (raytrn names its log file once it is up)
     assert not (tmp_path / "checkpoints").exists()
     assert not (tmp_path / "mlruns").exists()  # the tracking actor that creates the run never started
 

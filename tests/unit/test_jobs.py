@@ -200,3 +200,32 @@ def test_qwen3_moe_jobs() -> None:
     assert any("active a token" in line for line in lines), lines
     with pytest.raises(ConfigError, match="needs model.moe_capacity_factor"):
         load_job(JOBS / "qwen3-30b-a3b-trn2.yaml", ["model.moe_capacity_factor=null"], base_dir="/base")
+
+
+def test_a_local_ray_is_not_started_for_a_resource_it_would_surely_lack(tmp_path: Path) -> None:
+    """`raytrn train` on a machine without the Neuron tools (or with a custom resource raytrn never gives a local
+    Ray) refuses the job before starting Ray, with the line it gave after: nothing started first."""
+    from raytrn.backends import get_backend
+    from raytrn.errors import RaytrnError
+    from raytrn.train.checks import check_local_resources, embedded_ray_lacks
+
+    repo = Path(__file__).resolve().parents[2]
+    neuron = load_job(repo / "jobs" / "tiny.yaml", ["scaling.resources_per_worker={neuron_cores: 1}"])
+    backend = get_backend(neuron.scaling.accelerator)
+    missing = str(tmp_path / "no-neuron-tools")
+    lacks = embedded_ray_lacks(neuron, backend, environ={}, neuron_tools=missing)
+    assert lacks == {"neuron_cores": 0.0}
+    with pytest.raises(RaytrnError, match=r"needs 2 'neuron_cores' \(2 workers x 1\) but this local Ray has 0;"):
+        check_local_resources(neuron, backend, lacks, only=lacks)
+    # With the Neuron tools Ray counts the cores itself (checked once it is up); RAY_OVERRIDE_RESOURCES decides too.
+    assert embedded_ray_lacks(neuron, backend, environ={}, neuron_tools=str(tmp_path)) == {}
+    overridden = {"RAY_OVERRIDE_RESOURCES": '{"neuron_cores": 2}'}
+    assert embedded_ray_lacks(neuron, backend, environ=overridden, neuron_tools=missing) == {}
+    custom = load_job(repo / "jobs" / "tiny.yaml", ["scaling.resources_per_worker={CPU: 1, trn_slot: 1}"])
+    assert embedded_ray_lacks(custom, backend, environ={}, neuron_tools=missing) == {"trn_slot": 0.0}
+    # The CPUs are Ray's to count: never refused before it starts; once up, what it has decides.
+    cpu = load_job(repo / "jobs" / "tiny.yaml")
+    assert embedded_ray_lacks(cpu, backend, environ={}, neuron_tools=missing) == {}
+    check_local_resources(cpu, backend, {"CPU": 2.0})
+    with pytest.raises(RaytrnError, match=r"needs 2 'CPU' .* but this local Ray has 1;"):
+        check_local_resources(cpu, backend, {"CPU": 1.0})
