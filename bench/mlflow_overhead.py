@@ -22,35 +22,33 @@ from bench.common import BenchJob, add_job_args, emit, job_from_args, load_bench
 
 
 class _Board:
-    """Stands in for the driver's ProgressBoard actor: ``board.update.remote(step, ...)`` records the time."""
+    """Stands in for the driver's ProgressBoard actor: the real board, called in this process. ``board.x.remote(...)``
+    runs its method and returns a Ray object of the answer (what an actor's call gives the worker); ``update``, which
+    the loop does not wait for, records the step's time and returns nothing."""
 
     def __init__(self) -> None:
+        from raytrn.tracking.board import ProgressBoard
+
         self.points: list[tuple[int, float]] = []
-        self.update = self
-        self.group_started = self.first_step_done = self.stop = self.rolled_back = _Ignored()
-        self.rolled_back_steps = _Returns([])  # no non-finite rollback in this job (raytrn.train.guard)
+        self._board = ProgressBoard()
 
-    def remote(self, step: int, max_steps: int, metrics: dict[str, float]) -> None:
-        self.points.append((step, time.perf_counter()))
+    def __getattr__(self, name: str) -> _Call:
+        return _Call(self, name)
 
 
-class _Returns:
-    """A board call whose answer the worker waits for (``ray.get``): a Ray object holding ``value``."""
+class _Call:
+    def __init__(self, board: _Board, name: str) -> None:
+        self.board, self.method = board, getattr(board._board, name)
+        self.name = name
 
-    def __init__(self, value: object) -> None:
-        self.value = value
-
-    def remote(self, *args: object) -> Any:
+    def remote(self, *args: Any) -> Any:
         import ray
 
-        return ray.put(self.value)
-
-
-class _Ignored:
-    """The board's other calls (worker groups, start-up time): not measured here."""
-
-    def remote(self, *args: object) -> None:
-        pass
+        if self.name == "update":
+            self.board.points.append((args[0], time.perf_counter()))
+            self.method(*args)
+            return None
+        return ray.put(self.method(*args))
 
 
 def _plan(pairs: int, log_every: list[int]) -> list[tuple[bool, int]]:
