@@ -63,6 +63,13 @@ def ensure_ray(min_cpus: float = 0) -> bool:
     return True
 
 
+def starts_local_ray() -> bool:
+    """Whether :func:`ensure_ray` would start an embedded local Ray: not connected yet, and no ``RAY_ADDRESS``."""
+    import ray
+
+    return not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+
+
 def connect(address: str | None) -> None:
     """Connect to the running Ray cluster at ``address`` (else RAY_ADDRESS): one clear error when there is none."""
     address = address or os.environ.get("RAY_ADDRESS")

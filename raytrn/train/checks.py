@@ -209,15 +209,13 @@ def embedded_ray_lacks(
     return lacks
 
 
-def check_local_resources(
-    job: JobSpec, backend: Backend, have: Mapping[str, float], *, only: Mapping[str, float] | None = None
-) -> None:
+def check_local_resources(job: JobSpec, backend: Backend, have: Mapping[str, float], *, partial: bool = False) -> None:
     """On a local Ray nothing can scale up: refuse a job whose ``scaling.min_workers`` need more of a resource than
-    ``have`` holds (a resource it does not name: none), rather than wait forever for it. ``only``: check just the
-    resources it names."""
+    ``have`` holds (a resource it does not name: none), rather than wait forever for it. ``partial``: ``have`` names
+    only what is known (:func:`embedded_ray_lacks`); the resources it does not name are not checked."""
     for name, amount in backend.worker_resources(job).items():
         need = amount * job.scaling.min_workers
-        if amount > 0 and (only is None or name in only) and have.get(name, 0) < need:
+        if amount > 0 and (name in have or not partial) and have.get(name, 0) < need:
             raise RaytrnError(
                 f"{job.source}: scaling needs {need:g} '{name}' ({job.scaling.min_workers} workers x {amount:g}) but "
                 f"this local Ray has {have.get(name, 0):g}; lower scaling.min_workers or "

@@ -33,7 +33,7 @@ from raytrn.errors import RaytrnError, RunStopped
 from raytrn.estimate.job import estimate_params, resolve_auto_interval
 from raytrn.evals.runner import drain_evaluator, start_evaluator
 from raytrn.models import model_stats
-from raytrn.runtime import ensure_ray, git_commit, on_this_node, ray_train_console, run_started_at
+from raytrn.runtime import ensure_ray, git_commit, on_this_node, ray_train_console, run_started_at, starts_local_ray
 from raytrn.tracking.actor import driver_env, start_tracking_actor
 from raytrn.tracking.board import BOARD_NAMESPACE, ProgressBoard, ProgressPrinter, Summary, board_name
 from raytrn.tracking.mlflow_run import end_run, plan_run
@@ -124,16 +124,15 @@ def _train(
     # Only whether MLflow answers (tracking.required: fail now); the run is created by the tracking actor.
     tracked = plan_run(job, tags={**_tags(job), "lr_schedule": schedule.describe()}, extra_params=params)
 
-    import ray
-
-    if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):  # a local Ray to start: what it will lack, now
-        lacks = embedded_ray_lacks(job, backend)
-        check_local_resources(job, backend, lacks, only=lacks)
+    if starts_local_ray():  # what the local Ray about to start will surely lack: refused before it starts
+        check_local_resources(job, backend, embedded_ray_lacks(job, backend), partial=True)
     # Ray Train's import (the trainer, its controller: ~0.5 s; no torch) needs no Ray: it runs while Ray starts.
     with ThreadPoolExecutor(1, thread_name_prefix="raytrn-prepare") as pool:
         pool.submit(importlib.import_module, "ray.train.v2.api.data_parallel_trainer")
         # As many logical CPUs as the workers take (Ray Data's read tasks reserve none: raytrn.data.source).
         started_locally = ensure_ray(min_cpus=scaling.total_resources.get("CPU", 0))
+    import ray
+
     if started_locally:  # on an embedded local Ray nothing can scale up: fail now rather than wait forever
         check_local_resources(job, backend, ray.cluster_resources())
     else:  # on one machine (a Ray this process started) it lands on the workers' node anyway
