@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 
 from raytrn import storage
+from raytrn.checkpoint import plain
 from raytrn.checkpoint.inplace import InPlaceReader
 from raytrn.errors import CheckpointError
 from raytrn.models import build_model
@@ -404,7 +405,7 @@ def load_state(
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = training_state(model, optimizer, scheduler) if state is None else state
-    dcp.load(state, storage_reader=reader, no_dist=_no_dist())
+    plain.load(state, reader, no_dist=_no_dist())
     set_state_dict(
         model,
         optimizer,

@@ -28,9 +28,12 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
+
+from raytrn.checkpoint.plain import PlainLoadPlanner, UnsafeItem, read_metadata_pickle, refused
+from raytrn.errors import CheckpointError
 
 #: A zip local file header: signature, versions, flags, method, times, crc, sizes, then name and extra lengths.
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
@@ -170,6 +173,35 @@ class InPlaceReader(FileSystemReader):
         answer: its subclasses give the bytes)."""
         return None
 
+    #: The error that refused a pickle of this checkpoint (:mod:`raytrn.checkpoint.plain`): DCP's load reports it as
+    #: one rank's failure among its own; :func:`raytrn.checkpoint.plain.load` raises it alone.
+    refusal: CheckpointError | None = None
+
+    @property
+    def where(self) -> str:
+        """The checkpoint, as its errors name it."""
+        return str(self.path)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's ``.metadata``, read as DCP's records only (:func:`raytrn.checkpoint.plain.read_metadata_pickle`)."""
+        if self.refusal is not None:  # (DCP falls back to a rank's own metadata when the global one fails: not here)
+            raise self.refusal
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+            try:
+                metadata = read_metadata_pickle(stream, self.where)
+            except CheckpointError as e:
+                self.refusal = e
+                raise
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"checkpoint {self.where}: {name} holds a {type(metadata).__name__}, not DCP's "
+                                  "metadata; resume from another checkpoint (or delete this one)")  # fmt: skip
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
     def release(self, name: str) -> None:
         """Done with file ``name``: what :meth:`buffer` holds for it can go."""
 
@@ -184,6 +216,9 @@ class InPlaceReader(FileSystemReader):
         }
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
+        if not isinstance(planner, PlainLoadPlanner) and any(r.type == LoadItemType.BYTE_IO for r in plan.items):
+            raise TypeError("raytrn's checkpoint readers hand non-tensor items only to a PlainLoadPlanner: load "
+                            "through raytrn.checkpoint.plain.load")  # fmt: skip
         per_file: dict[str, list[Any]] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
@@ -194,6 +229,9 @@ class InPlaceReader(FileSystemReader):
                 view = None
                 if rest:
                     super().read_data(replace(plan, items=rest), planner)
+            except UnsafeItem as e:
+                self.refusal = refused(e, self.where, name)
+                raise self.refusal from None
             finally:
                 self.release(name)
         done: Future[None] = Future()

@@ -280,6 +280,10 @@ class _MemoryReader(InPlaceReader):
     def buffer(self, name: str) -> memoryview:
         return memoryview(self.fs._read(name))  # type: ignore[attr-defined]  # the file DCP's fallback reads too
 
+    @property
+    def where(self) -> str:
+        return "in-memory snapshot"
+
 
 class Snapshotter:
     """One rank's repeated snapshots of one training (:mod:`raytrn.train.snapshots`): the state dict

@@ -19,9 +19,9 @@ from raytrn.data.manifest import load_manifest
 def export_checkpoint(job: JobSpec, step: int, out_dir: str) -> None:
     """Write the model of the committed checkpoint of ``step`` into ``out_dir`` (created) as a Hugging Face model;
     CheckpointError when that checkpoint is not (or no longer) complete."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+    from raytrn.checkpoint import plain
     from raytrn.checkpoint.dcp import check_complete, state_dict_options, storage_reader
     from raytrn.models import build_model
     from raytrn.models.hf import load_weights
@@ -37,7 +37,7 @@ def export_checkpoint(job: JobSpec, step: int, out_dir: str) -> None:
     state = {"model": get_model_state_dict(model, options=options)}
     location = RunDir.of(job).dcp_step(step)
     check_complete(location)  # one clear error for a checkpoint retention deleted or a save never finished
-    dcp.load(state, storage_reader=storage_reader(location), no_dist=True)
+    plain.load(state, storage_reader(location), no_dist=True)
     set_model_state_dict(model, state["model"], options=options)
     os.makedirs(out_dir, exist_ok=True)
     specs = {name: (v.dtype, tuple(v.shape)) for name, v in model.state_dict().items()}

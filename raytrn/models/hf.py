@@ -127,6 +127,8 @@ def load_weights(model: torch.nn.Module, location: str, *, tied: bool, source: s
                 f"{tuple(value.shape)}"
             )
     no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    # (safetensors: tensors and a JSON header, no pickle to refuse; raytrn's DCP checkpoints load through
+    # raytrn.checkpoint.plain)
     dcp.load(wanted, storage_reader=reader, no_dist=no_dist)  # the experts' views fill their stacked tensors
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
     return len(wanted)
