@@ -4,6 +4,7 @@ keeping Ray's own lines off the terminal (:func:`route_ray_output`).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -237,6 +238,27 @@ def process_started_at() -> float:
     import psutil
 
     return float(psutil.Process().create_time())
+
+
+def ray_job_submission_id() -> str | None:
+    """The Ray job id when running under `ray job submit` (Ray puts it in the job config's metadata)."""
+    if os.environ.get("RAY_JOB_SUBMISSION_ID"):
+        return os.environ["RAY_JOB_SUBMISSION_ID"]
+    try:
+        config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}"))
+    except json.JSONDecodeError:
+        return None
+    return (config.get("metadata") or {}).get("job_submission_id")
+
+
+def trial_id() -> str:
+    """The Ray Tune trial this process runs (a sweep's trial), or "" outside one."""
+    try:
+        from ray import tune
+
+        return str(tune.get_context().get_trial_id() or "")
+    except Exception:  # not in a trial
+        return ""
 
 
 def on_this_node() -> dict[str, Any]:

@@ -197,7 +197,7 @@ class InPlaceReader(FileSystemReader):
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"checkpoint {self.where}: {name} holds a {type(metadata).__name__}, not DCP's "
                                   "metadata; resume from another checkpoint (or delete this one)")  # fmt: skip
-        if getattr(metadata, "storage_meta", None) is None:
+        if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

@@ -71,7 +71,7 @@ class MetadataUnpickler(pickle.Unpickler):
         raise UnsafeItem(".metadata", f"it names {module}.{name}")
 
 
-def read_metadata_pickle(stream: IO[bytes], where: str) -> Any:
+def read_metadata_pickle(stream: IO[bytes] | io.IOBase, where: str) -> Any:
     """DCP's metadata from ``stream`` (the ``.metadata`` of the checkpoint at ``where``); CheckpointError when it
     names anything but DCP's records."""
     try:

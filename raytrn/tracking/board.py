@@ -21,6 +21,16 @@ BOARD_NAMESPACE = "raytrn"
 BOARD_PREFIX = "raytrn-board:"
 
 
+@dataclass(frozen=True)
+class StopOrder:
+    """What the board tells rank 0 about ending the run (:mod:`raytrn.train.stopping`): ``at_step`` a stop request's
+    step (-1: the next one; None: none), ``abort`` why the run must stop at once, FAILED, saving nothing (its lease was
+    taken over by another job: :class:`raytrn.checkpoint.lease.LeaseLost`), or None."""
+
+    at_step: int | None = None
+    abort: str | None = None
+
+
 def board_name(run_name: str) -> str:
     """A Ray actor name for a progress board of ``run_name`` (its tracking actor, with tracking on): unique (the
     board of the run's previous invocation in the same process may still be going away), found by its prefix."""
@@ -53,6 +63,8 @@ class ProgressBoard:
         self.times: dict[int, GroupTimes] = {}
         #: A stop request (:mod:`raytrn.train.stopping`): the step to end at, -1 for the next one; None: none.
         self.stop_at: int | None = None
+        #: Why the run must stop at once (its lease was taken over), or None.
+        self.abort: str | None = None
 
     def request_stop(self, at_step: int | None) -> dict[str, Any]:
         """Ask the run to end at ``at_step`` (None: the next step all ranks agree on). The answer: the highest step
@@ -60,9 +72,15 @@ class ProgressBoard:
         self.stop_at = -1 if at_step is None else int(at_step)
         return {"step_reached": self.step_reached, "stop_at": self.stop_at}
 
-    def stop_request(self) -> int | None:
-        """Rank 0 asks: the stop request (-1: at the next step), or None."""
-        return self.stop_at
+    def stop_request(self) -> StopOrder:
+        """Rank 0 asks: the stop request (-1: at the next step) and whether the run must stop at once."""
+        return StopOrder(self.stop_at, self.abort)
+
+    def lease_lost(self, message: str) -> None:
+        """The driver found the run's lease taken over by another job: the workers stop at their next step, FAILED
+        with ``message``, and save nothing."""
+        self.abort = message
+        self.stop(message)
 
     def group_started(self, step: int, world_size: int) -> int:
         """A worker group (re)started at ``step`` with ``world_size`` workers (rank 0 says so, not waiting for the

@@ -17,6 +17,7 @@ from typing import Any
 import ray.train
 
 from raytrn.backends import get_backend
+from raytrn.checkpoint.lease import LeaseLost
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.config.sizes import data_parallel_rank, data_parallel_size, global_batch
 from raytrn.data.feed import DataFeed
@@ -111,9 +112,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             guard.check(result.grad_norm, progress.step, settle=saving or metrics.should_log(progress.step, last=last))
             with hangs.working(), clock.blocking("checkpoint"):  # the previous in-memory snapshot's write, completed
                 checkpointer.step_ended()  # before this step is logged
+            notice, stop_at, abort = watch.agree(stops.stop_at(progress.step), stops.abort is not None)  # every step
+            if abort:  # every rank, before this step is logged or saved: the run is another job's now (lease taken)
+                raise LeaseLost(stops.abort or "this job's lease on the run was taken over by another job")
             logged = metrics.step_done(result, last=last)
             hangs.step_done(progress.step)
-            notice, stop_at = watch.agree(stops.stop_at(progress.step))  # a collective, every step
             if 0 < stop_at < end:  # every rank: the same end, from the next step on (its checkpoint, as at the last)
                 end = max(stop_at, progress.step + 1)
             with hangs.working():  # evaluation and checkpoints: a longer bound (raytrn.train.watchdog)

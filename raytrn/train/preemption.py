@@ -46,20 +46,22 @@ class PreemptionWatch:
         another rank has one), or None: a collective, every rank calls it once per step."""
         return self.agree(0)[0]
 
-    def agree(self, stop_at: int) -> tuple[Any, int]:
-        """:meth:`notice`, and the step a stop request asks the run to end at (rank 0's ``stop_at``: 0 for none;
-        :mod:`raytrn.train.stopping`), agreed in the same collective."""
+    def agree(self, stop_at: int, abort: bool = False) -> tuple[Any, int, bool]:
+        """:meth:`notice`, the step a stop request asks the run to end at (rank 0's ``stop_at``: 0 for none;
+        :mod:`raytrn.train.stopping`), and whether the run must stop at once (rank 0's ``abort``: its lease was taken
+        over), agreed in the same collective."""
         info = _local_notice()
         if info is None and sigterm_received():
             info = SIGTERM_NOTICE
         if self._world_size == 1:
-            return info, stop_at
+            return info, stop_at, abort
         import torch
         import torch.distributed as dist
 
-        flags = torch.tensor([int(info is not None), stop_at], dtype=torch.int64)
+        flags = torch.tensor([int(info is not None), stop_at, int(abort)], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-        return (info if info is not None else (True if flags[0].item() else None)), int(flags[1].item())
+        notice = info if info is not None else (True if flags[0].item() else None)
+        return notice, int(flags[1].item()), bool(flags[2].item())
 
 
 def _local_notice() -> Any:

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from raytrn.errors import RaytrnError
-from raytrn.tracking.board import BOARD_NAMESPACE, BOARD_PREFIX
+from raytrn.tracking.board import BOARD_NAMESPACE, BOARD_PREFIX, StopOrder
 
 #: Rank 0 asks the board at most this often.
 POLL_S = 1.0
@@ -29,6 +29,8 @@ class StopRequests:
         self._pending: Any = None
         self._asked_at = 0.0
         self._requested: int | None = None  # the board's answer: -1 "at the next step", else a step
+        #: The board's word that the run must stop at once (its lease was taken over), or None.
+        self.abort: str | None = None
 
     def stop_at(self, step: int) -> int:
         """The step the run was asked to end at, as of the step ``step`` just trained (0: no request)."""
@@ -46,13 +48,15 @@ class StopRequests:
             if not ready:
                 return
             try:
-                answer = ray.get(self._pending)
+                answer: StopOrder | None = ray.get(self._pending)
             except Exception:  # the board is best effort here: ask again later
                 answer = None
             self._pending = None
             if answer is not None:
-                self._requested = int(answer)
-        if self._requested is None and time.monotonic() - self._asked_at >= POLL_S:
+                if answer.at_step is not None:
+                    self._requested = int(answer.at_step)
+                self.abort = answer.abort
+        if self.abort is None and time.monotonic() - self._asked_at >= POLL_S:
             self._pending = self.board.stop_request.remote()
             self._asked_at = time.monotonic()
 

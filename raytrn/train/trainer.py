@@ -15,7 +15,7 @@ from raytrn import __version__, storage
 from raytrn.backends import Backend, get_backend
 from raytrn.backends.host_malloc import malloc_env, user_allocator_settings
 from raytrn.checkpoint.finder import latest_checkpoint
-from raytrn.checkpoint.lease import acquire
+from raytrn.checkpoint.lease import Lease, acquire
 from raytrn.checkpoint.manifest import tidy_pointers
 from raytrn.checkpoint.progress import Progress
 from raytrn.checkpoint.rundir import RunDir
@@ -33,7 +33,16 @@ from raytrn.errors import RaytrnError, RunStopped
 from raytrn.estimate.job import estimate_params, resolve_auto_interval
 from raytrn.evals.runner import drain_evaluator, start_evaluator
 from raytrn.models import model_stats
-from raytrn.runtime import ensure_ray, git_commit, on_this_node, ray_train_console, run_started_at, starts_local_ray
+from raytrn.runtime import (
+    ensure_ray,
+    git_commit,
+    on_this_node,
+    ray_job_submission_id,
+    ray_train_console,
+    run_started_at,
+    starts_local_ray,
+    trial_id,
+)
 from raytrn.tracking.actor import driver_env, start_tracking_actor
 from raytrn.tracking.board import BOARD_NAMESPACE, ProgressBoard, ProgressPrinter, Summary, board_name
 from raytrn.tracking.mlflow_run import end_run, plan_run
@@ -70,11 +79,12 @@ def run_training(job: JobSpec, *, live_progress: bool = True, trial: bool = Fals
     manifest = check_data(job)
 
     validation = validation_set(job, manifest)
-    if trial:  # a sweep's trial: its run is named by the sweep, whose directory is the sweep driver's own
-        return _train(job, backend, manifest, validation, live_progress=live_progress, trial=trial, params=auto_params)
-    lease = acquire(RunDir.of(job), take_over=take_over, job=os.environ.get("RAY_JOB_SUBMISSION_ID", ""))
+    # A sweep's trial has a run of its own (named by the sweep); an earlier attempt of the same trial is over.
+    holder = f"trial {trial_id()}" if trial else (ray_job_submission_id() or "")
+    lease = acquire(RunDir.of(job), take_over=take_over, job=holder, replaces_job=trial)
     try:
-        return _train(job, backend, manifest, validation, live_progress=live_progress, trial=trial, params=auto_params)
+        return _train(job, backend, manifest, validation, live_progress=live_progress, trial=trial,
+                      params=auto_params, lease=lease)  # fmt: skip
     finally:
         lease.release()
 
@@ -88,6 +98,7 @@ def _train(
     live_progress: bool,
     trial: bool,
     params: dict[str, Any],
+    lease: Lease | None = None,
 ) -> Summary:
     started_at = run_started_at()  # time_to_first_step_s and the goodput ledger count from here
     meta, latest = latest_checkpoint(job, committed=backend.committed_checkpoints)
@@ -146,6 +157,8 @@ def _train(
     env = None if started_locally else driver_env(os.environ)
     tracker = start_tracking_actor(tracked, job, manifest=manifest, validation=validation, env=env) if tracked else None
     board = tracker if tracker is not None else _progress_board(job)
+    if lease is not None:  # taken over by another job: the workers stop at their next step, FAILED, saving nothing
+        lease.watch(lambda lost: board.lease_lost.remote(str(lost)))
     # eval.tasks, tracking.register: best: committed checkpoints exported and evaluated off the loop (raytrn.evals)
     evaluator = start_evaluator(job, tracker, tracked.uri) if tracker is not None and tracked is not None else None
     keeper = _memory_keeper(job)
@@ -497,7 +510,7 @@ def _tags(job: JobSpec) -> dict[str, str]:
     }
     if job.scaling.instance_type:
         tags["instance_type"] = job.scaling.instance_type
-    submission_id = _ray_job_submission_id()
+    submission_id = ray_job_submission_id()
     if submission_id:
         tags["ray.job_submission_id"] = submission_id
     return tags
@@ -553,19 +566,6 @@ def _stop_on_sigterm(on_stop: Any) -> Any:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _ray_job_submission_id() -> str | None:
-    """The Ray job id when running under `ray job submit` (Ray puts it in the job config's metadata)."""
-    import json
-
-    if os.environ.get("RAY_JOB_SUBMISSION_ID"):
-        return os.environ["RAY_JOB_SUBMISSION_ID"]
-    try:
-        config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}"))
-    except json.JSONDecodeError:
-        return None
-    return (config.get("metadata") or {}).get("job_submission_id")
 
 
 def _mean_rate(first: dict[str, Any], last: dict[str, Any]) -> float | None:

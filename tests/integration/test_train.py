@@ -366,6 +366,54 @@ def test_a_diverging_run_rolls_back_once_then_stops_failed_with_every_checkpoint
         assert tensors and all(bool(torch.isfinite(v).all()) for v in tensors), step_dir
 
 
+def test_a_run_whose_lease_is_taken_over_stops_failed_naming_the_new_holder(
+    ray_session, tiny_dataset, tmp_path, monkeypatch
+):
+    """Issue 46: a job whose lease another job took over (``--take-over`` of a lease gone stale while this driver was
+    frozen or cut off) learns it at its next heartbeat; its workers stop at their next step, before it is logged or
+    saved, and the run ends FAILED naming the new holder, whose lease it leaves alone."""
+    import threading
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    from raytrn.checkpoint import lease as leases
+    from raytrn.checkpoint.rundir import RunDir
+    from raytrn.errors import RunStopped
+
+    monkeypatch.setattr(leases, "HEARTBEAT_S", 0.5)
+    job = _job(tiny_dataset, tmp_path, "run.max_steps=100000", "checkpoint.every_n_steps=5", "run.log_every=1")
+    run = RunDir.of(job)
+    taken: dict[str, Any] = {}
+
+    def take_over() -> None:  # once the run has committed a checkpoint: as a second job with --take-over would
+        committed = Path(run.dcp_step(5)) / "commit.json"
+        deadline = time.monotonic() + 240
+        while not committed.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        monkeypatch.setattr(leases, "STALE_AFTER_S", 0.0)  # (the driver's last heartbeat: "stale" from here on)
+        taken["lease"] = leases.acquire(run, take_over=True, job="raysubmit_second")
+
+    taker = threading.Thread(target=take_over, daemon=True)
+    taker.start()
+    try:
+        with pytest.raises(RunStopped) as stop:
+            run_training(job, live_progress=False)
+        taker.join(timeout=10)
+        message = str(stop.value)
+        assert "lease was taken over by another job" in message and "job raysubmit_second" in message, message
+        assert "stops without saving (FAILED)" in message
+        assert json.loads(Path(run.lease).read_text())["token"] == taken["lease"].holder.token  # left alone
+        client = MlflowClient(job.tracking.mlflow_uri)
+        (found,) = client.search_runs(
+            [client.get_experiment_by_name("raytrn-tests").experiment_id], f"tags.mlflow.runName = '{job.run_name}'"
+        )
+        assert found.info.status == "FAILED"
+    finally:
+        if "lease" in taken:
+            taken["lease"].release()
+
+
 def _leaves(obj):
     if isinstance(obj, dict):
         for v in obj.values():

@@ -11,6 +11,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from raytrn import compat, sigterm
+from raytrn.tracking.board import StopOrder
 from raytrn.train import preemption
 from raytrn.train.preemption import PreemptionWatch, describe
 
@@ -28,9 +29,10 @@ def _agree(rank: int, world: int, port: int, noticed_at: dict[int, int], out: di
     watch = PreemptionWatch(world)
     seen = []
     for step in range(1, 8):  # noqa: B007 (read by the lambda)
-        # rank 0 hears of a stop request (for step 6) at step 4: every rank learns it in the same collective
-        notice, stop_at = watch.agree(6 if rank == 0 and step >= 4 else 0)
-        seen.append((notice is not None, stop_at))
+        # rank 0 hears of a stop request (for step 6) at step 4, and that the run's lease was taken over at step 6:
+        # every rank learns each in the same collective
+        notice, stop_at, abort = watch.agree(6 if rank == 0 and step >= 4 else 0, rank == 0 and step >= 6)
+        seen.append((notice is not None, stop_at, abort))
     out[rank] = seen
     dist.destroy_process_group()
 
@@ -48,7 +50,8 @@ def test_every_rank_agrees_at_the_first_step_any_rank_has_a_notice() -> None:
             assert time.monotonic() < deadline, "gloo agreement did not finish"
         notices = [False, False, True, True, True, True, True]
         stops = [0, 0, 0, 6, 6, 6, 6]
-        expected = list(zip(notices, stops, strict=True))
+        aborts = [False] * 5 + [True, True]
+        expected = list(zip(notices, stops, aborts, strict=True))
         assert dict(out) == {0: expected, 1: expected, 2: expected}
 
 
@@ -220,7 +223,7 @@ class _Future:
 class _StopBoard:
     """The board's ``stop_request`` as a future answered on the next look (``ray.wait``/``ray.get`` patched)."""
 
-    def __init__(self, answer: int | None) -> None:
+    def __init__(self, answer: StopOrder) -> None:
         self.answer, self.asked = answer, 0
         self.stop_request = self
 
@@ -234,7 +237,7 @@ def test_rank_0_asks_the_board_without_waiting_and_names_the_step_to_end_at(monk
 
     from raytrn.train import stopping
 
-    board = _StopBoard(None)
+    board = _StopBoard(StopOrder())
     monkeypatch.setattr(ray, "wait", lambda refs, timeout: (refs, []))
     monkeypatch.setattr(ray, "get", lambda ref: board.answer)
     clock = [100.0]
@@ -243,10 +246,16 @@ def test_rank_0_asks_the_board_without_waiting_and_names_the_step_to_end_at(monk
     assert stops.stop_at(5) == 0 and board.asked == 1  # asked; the answer is looked at next step
     assert stops.stop_at(6) == 0 and board.asked == 1  # answered "none"; not asked again within POLL_S
     clock[0] += stopping.POLL_S
-    board.answer = -1  # `raytrn stop RUN`: the next step
+    board.answer = StopOrder(at_step=-1)  # `raytrn stop RUN`: the next step
     assert stops.stop_at(7) == 0 and board.asked == 2
     assert stops.stop_at(8) == 9  # answered: the step after the one just trained
-    assert stops.stop_at(9) == 10 and board.asked == 2  # a request stands: never asked again
+    assert stops.stop_at(9) == 10 and board.asked == 2  # a request stands; asked again after POLL_S (an abort?)
+    clock[0] += stopping.POLL_S
+    board.answer = StopOrder(at_step=-1, abort="its lease was taken over")  # the driver lost the run's lease
+    assert stops.stop_at(10) == 11 and stops.abort is None and board.asked == 3
+    assert stops.stop_at(11) == 12 and stops.abort == "its lease was taken over"
+    clock[0] += stopping.POLL_S
+    assert stops.stop_at(12) == 13 and board.asked == 3  # an abort stands: never asked again
     late = stopping.StopRequests(board)
     late._requested = 4  # `--at-step 4` reaching a run already past it: the next step
     assert late.stop_at(7) == 8
