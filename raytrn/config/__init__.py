@@ -25,6 +25,7 @@ from raytrn.config.load import (
     safe_load_yaml,
     set_value,
     yaml_syntax_error,
+    yaml_value,
 )
 from raytrn.config.paths import (
     PATH_FIELDS,
@@ -89,6 +90,7 @@ __all__ = [
     "resolve_mlflow_uri",
     "resolve_paths",
     "safe_load_yaml",
+    "yaml_value",
     "set_value",
     "yaml_syntax_error",
 ]

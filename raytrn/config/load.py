@@ -180,11 +180,72 @@ def read_config_text(path: str, *, what: str, examples: str) -> str:
         raise ConfigError(f"{path}: cannot read {what}: {e.__class__.__name__}: {e}") from None
 
 
+#: An integer in a config file with more digits than this is a mistake (the largest setting, a seed, has 20).
+MAX_INT_DIGITS = 100
+
+
+class YamlValueError(yaml.YAMLError):
+    """A value YAML can spell but no config file means: a duplicate key, an integer of :data:`MAX_INT_DIGITS`+ digits."""
+
+    def __init__(self, problem: str, mark: Any) -> None:
+        super().__init__(problem)
+        self.problem, self.problem_mark = problem, mark
+
+
+class Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (the last would silently win; keys a merge
+    ``<<`` brings in may be overridden, as YAML intends) and integers of more than :data:`MAX_INT_DIGITS` digits
+    (Python refuses to read 4,300+ at all), each as a :class:`YamlValueError` at its line and column."""
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        digits = sum(c.isalnum() for c in str(node.value))  # (hex, octal and binary too)
+        if digits > MAX_INT_DIGITS:
+            raise YamlValueError(f"an integer of {digits:,} digits; no setting takes more than {MAX_INT_DIGITS}",
+                                 node.start_mark)  # fmt: skip
+        return int(super().construct_yaml_int(node))
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = self.construct_object(key_node)
+            try:
+                first = seen.setdefault(key, key_node.start_mark)
+            except TypeError:  # unhashable: the base class says so
+                continue
+            if first is not key_node.start_mark:
+                raise YamlValueError(
+                    f"key {key!r} given twice in one mapping (first at line {first.line + 1}); the last one would "
+                    "silently win: keep one",
+                    key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+Loader.add_constructor("tag:yaml.org,2002:int", Loader.construct_yaml_int)
+
+
+def yaml_value(text: str, where: str) -> Any:
+    """One value as ``--set`` (or a sweep's ``--grid``) reads it: YAML, else the text itself; a duplicate key or a
+    huge integer in it is a ConfigError naming ``where``."""
+    try:
+        return yaml.load(text, Loader=Loader) if text.strip() else None  # noqa: S506 (Loader is a SafeLoader)
+    except YamlValueError as e:
+        raise ConfigError(f"{where}: {e.problem}") from None
+    except (yaml.YAMLError, RecursionError):
+        return text
+
+
 def safe_load_yaml(text: str, where: str, *, documents: bool = False) -> Any:
     """``yaml.safe_load`` (or ``safe_load_all`` as a list) with bounded work: a syntax error, nesting too
-    deep for the parser, or aliases that expand to more than :data:`MAX_SPEC_VALUES` values is one ConfigError."""
+    deep for the parser, aliases that expand to more than :data:`MAX_SPEC_VALUES` values, a key given twice or an
+    integer of thousands of digits (:class:`Loader`) is one ConfigError."""
     try:
-        data = [d for d in yaml.safe_load_all(text) if d is not None] if documents else yaml.safe_load(text)
+        if documents:
+            data = [d for d in yaml.load_all(text, Loader=Loader) if d is not None]  # noqa: S506 (a SafeLoader)
+        else:
+            data = yaml.load(text, Loader=Loader)  # noqa: S506 (Loader is a SafeLoader)
     except yaml.YAMLError as e:
         raise yaml_syntax_error(where, e) from None
     except RecursionError:
@@ -220,6 +281,8 @@ def yaml_syntax_error(path: str, e: yaml.YAMLError) -> ConfigError:
     mark = getattr(e, "problem_mark", None)
     where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
     problem = getattr(e, "problem", None) or str(e)
+    if isinstance(e, YamlValueError):
+        return ConfigError(f"{where}: {problem}")
     return ConfigError(f"{where}: YAML syntax error: {problem}")
 
 
@@ -231,10 +294,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> set[str]:
         key = key.strip()
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. --set optim.lr=3e-4")
-        try:
-            parsed = yaml.safe_load(value) if value.strip() else None
-        except (yaml.YAMLError, RecursionError):
-            parsed = value
+        parsed = yaml_value(value, f"--set {key}")
         check_size(parsed, f"--set {key}")
         set_value(raw, key, parsed, where=f"--set {item!r}")
         done.add(key)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-from raytrn.config import check_size, field_annotation
+from raytrn.config import check_size, field_annotation, yaml_value
 from raytrn.errors import ConfigError
 
 Kind = Literal["grid", "choice", "loguniform", "uniform"]
@@ -87,7 +87,7 @@ def parse_flag(kind: Kind, text: str) -> Dimension:
     list values) or ``FIELD=LOW:HIGH`` (loguniform, uniform) into a Dimension; ConfigError naming the flag."""
     key, sep, rest = text.partition("=")
     key = key.strip()
-    flag = f"--{kind} {text!r}"
+    flag = f"--{kind} {reprlib.repr(text)}"
     if not sep or not key or any(not part for part in key.split(".")):
         example = "optim.lr=1e-4,3e-4" if kind in ("grid", "choice") else "optim.lr=1e-5:1e-2"
         raise ConfigError(f"{flag}: expected FIELD=VALUES with a dotted job-spec field, e.g. --{kind} {example}")
@@ -104,10 +104,7 @@ def _parse_values(text: str, flag: str) -> list[Any]:
     if not text:
         raise ConfigError(f"{flag}: no values; give at least one, e.g. --grid optim.lr=1e-4,3e-4")
     if text.startswith("["):  # the whole list as YAML (for values that are lists themselves)
-        try:
-            values = yaml.safe_load(text)
-        except (yaml.YAMLError, RecursionError):
-            raise ConfigError(f"{flag}: not a YAML list: {reprlib.repr(text)}") from None
+        values = yaml_value(text, flag)
         if not isinstance(values, list):
             raise ConfigError(f"{flag}: not a YAML list: {reprlib.repr(text)}")
         return values
@@ -115,10 +112,7 @@ def _parse_values(text: str, flag: str) -> list[Any]:
     for part in text.split(","):
         if not part.strip():
             raise ConfigError(f"{flag}: an empty value between commas")
-        try:
-            out.append(yaml.safe_load(part.strip()))  # as --set reads a value
-        except (yaml.YAMLError, RecursionError):
-            out.append(part.strip())
+        out.append(yaml_value(part.strip(), flag))  # as --set reads a value
     return out
 
 
@@ -134,10 +128,7 @@ def _number(value: Any) -> Any:
 
 
 def _parse_number(text: str, flag: str) -> float:
-    try:
-        value = _number(yaml.safe_load(text.strip()))
-    except (yaml.YAMLError, RecursionError):
-        value = text
+    value = _number(yaml_value(text.strip(), flag))
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ConfigError(f"{flag}: {text.strip()!r} is not a finite number")
     return float(value)

@@ -47,6 +47,7 @@ from raytrn.data.prepare.writer import (
 from raytrn.errors import DataError
 from raytrn.storage import remove_inside
 
+MAX_SEQ_LEN = 1 << 22  # = the job schema's bound on data.seq_len (raytrn.config.schema)
 MAX_SHARD_SIZE_MB = 8192.0  # a shard's list offsets are int32: at most 2**31 token ids
 
 
@@ -62,8 +63,14 @@ def _check_args(
         )
     if not 0 <= fraction <= 0.5:
         raise DataError(f"--validation-fraction must be in [0, 0.5], got {fraction:g}")
-    if seq_len <= 0:
-        raise DataError(f"--seq-len must be a positive number of tokens, got {seq_len}")
+    if not 0 < seq_len <= MAX_SEQ_LEN:
+        raise DataError(
+            f"--seq-len must be a number of tokens in 1..{MAX_SEQ_LEN:,} (a job's data.seq_len allows no more), got "
+            f"{seq_len:,}"
+            if seq_len.bit_length() < 64
+            else f"--seq-len must be in 1..{MAX_SEQ_LEN:,}: got an integer "
+            f"of {int(seq_len.bit_length() * 0.30103) + 1:,} digits"
+        )
     if tokenizer is not None and vocab_size is not None:
         raise DataError("give either --tokenizer FILE (use it) or --vocab-size V (train one), not both")
     if tokenizer is None and vocab_size is None:

@@ -17,6 +17,7 @@ from raytrn.errors import DataError
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>")
 SPECIAL_TOKENS = ["<|endoftext|>"]
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+MAX_VOCAB_SIZE = 1 << 24  # = the job schema's bound on model.vocab_size (raytrn.config.model)
 
 
 def train_tokenizer(documents: Iterable[str], vocab_size: int, *, show_progress: bool = False) -> Tokenizer:
@@ -38,7 +39,18 @@ def train_tokenizer(documents: Iterable[str], vocab_size: int, *, show_progress:
 
 
 def check_vocab_size(vocab_size: int) -> None:
-    """A byte-level BPE needs room for 256 byte tokens plus the special tokens."""
+    """A byte-level BPE needs room for 256 byte tokens plus the special tokens, and no model takes more than
+    :data:`MAX_VOCAB_SIZE` (the job schema's bound on ``model.vocab_size``)."""
+    if vocab_size > MAX_VOCAB_SIZE:
+        size = (
+            f"{vocab_size:,}"
+            if vocab_size.bit_length() < 64
+            else f"an integer of {int(vocab_size.bit_length() * 0.30103) + 1:,} digits"
+        )
+        raise DataError(
+            f"--vocab-size {size} is too large: a job's model.vocab_size takes at most {MAX_VOCAB_SIZE:,} (large LLM "
+            "vocabularies are 32k-262k); try --vocab-size 4096"
+        )
     if vocab_size < MIN_VOCAB_SIZE:
         raise DataError(
             f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least {MIN_VOCAB_SIZE} "

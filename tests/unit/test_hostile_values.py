@@ -1,0 +1,122 @@
+"""Values YAML can spell but no config means (issue 46, item 9): integers of thousands of digits anywhere a number
+is read (job files, ``--set``, a sweep's ``--grid`` and ``--uniform``, cluster files), a key given twice in one
+mapping (the last one silently won), and ``data prepare``'s ``--vocab-size`` and ``--seq-len`` out of the job
+schema's range: each one line naming where, exit 2, before anything starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raytrn.config import load_job, safe_load_yaml, yaml_value
+from raytrn.errors import ConfigError, DataError
+from raytrn.sweep.space import parse_flag
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+HUGE = "9" * 5000
+
+
+def test_a_huge_integer_in_a_job_file_is_refused_at_its_line(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    text = (REPO / "jobs" / "tiny.yaml").read_text().replace("  every_n_steps: 50", f"  every_n_steps: {HUGE}")
+    job.write_text(text)
+    line = next(i for i, row in enumerate(text.splitlines(), 1) if row.startswith("  every_n_steps:"))
+    with pytest.raises(ConfigError) as e:
+        load_job(job, resolve=False)
+    assert str(e.value) == f"{job}:{line}:18: an integer of 5,000 digits; no setting takes more than 100"
+
+
+@pytest.mark.parametrize("value", [HUGE, f"-{HUGE}", f"0x{'f' * 5000}", f"[1, {HUGE}]", f"{{a: {HUGE}}}"])
+def test_a_huge_integer_in_a_set_value_is_one_line(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"^--set run.max_steps: an integer of [\d,]+ digits; no setting takes"):
+        load_job(REPO / "jobs" / "tiny.yaml", [f"run.max_steps={value}"], resolve=False)
+
+
+def test_sweep_grids_and_ranges_refuse_huge_integers_in_one_short_line() -> None:
+    for kind, text in (("grid", f"optim.lr=1,{HUGE}"), ("choice", f"optim.lr=[1, {HUGE}]"),
+                       ("uniform", f"optim.lr=1:{HUGE}"), ("loguniform", f"optim.lr={HUGE}:1")):  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            parse_flag(kind, text)  # type: ignore[arg-type]
+        message = str(e.value)
+        assert f"--{kind} " in message and "an integer of 5,000 digits" in message and len(message) < 200, message
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text((REPO / "jobs" / "tiny.yaml").read_text().replace("  lr: 3.0e-3\n", "  lr: 3.0e-3\n  lr: 1.0\n"))
+    with pytest.raises(ConfigError, match=r"job\.yaml:15:3: key 'lr' given twice in one mapping \(first at line 14\); "
+                       "the last one would silently win: keep one"):  # fmt: skip
+        load_job(job, resolve=False)
+    # a whole section twice (the first `run:` is in tiny.yaml already)
+    job.write_text((REPO / "jobs" / "tiny.yaml").read_text() + "run:\n  seed: 1\n")
+    with pytest.raises(ConfigError, match="key 'run' given twice"):
+        load_job(job, resolve=False)
+    with pytest.raises(ConfigError, match=r"^--set x: key 'a' given twice"):
+        yaml_value("{a: 1, a: 2}", "--set x")
+
+
+def test_merge_keys_may_be_overridden_as_yaml_intends() -> None:
+    text = "base: &b {lr: 1, warmup: 2}\nrun:\n  <<: *b\n  lr: 3\n"
+    assert safe_load_yaml(text, "x.yaml")["run"] == {"lr": 3, "warmup": 2}
+    assert yaml_value("[1, 2, 12345678901234567890]", "--set x") == [1, 2, 12345678901234567890]
+
+
+def test_cluster_files_refuse_duplicates_and_huge_integers(tmp_path: Path) -> None:
+    from raytrn.cluster.common import load_yaml_documents
+
+    for text, expect in (
+        ("cluster_name: a\ncluster_name: b\n", "key 'cluster_name' given twice"),
+        (f"cluster_name: a\nmax_workers: {HUGE}\n", "an integer of 5,000 digits"),
+    ):
+        path = tmp_path / "cluster.yaml"
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=expect):
+            load_yaml_documents(str(path), what="cluster file")
+
+
+@pytest.mark.parametrize(
+    ("flags", "expect"),
+    [
+        (["--vocab-size", "99999999999", "--seq-len", "16"], "--vocab-size 99,999,999,999 is too large"),
+        (["--vocab-size", "300", "--seq-len", "100000000"], r"--seq-len must be a number of tokens in 1\.\.4,194,304"),
+        (["--vocab-size", "300", "--seq-len", "0"], r"--seq-len must be a number of tokens in 1\.\."),
+    ],
+)
+def test_data_prepare_checks_its_ranges_before_anything_starts(tmp_path: Path, flags: list[str], expect: str) -> None:
+    """Before: the tokenizer library panicked (a Rust backtrace) for a vocabulary of 10^11, and a seq_len of 10^20
+    reached numpy ("Maximum allowed dimension exceeded") after Ray had started."""
+    (tmp_path / "in.txt").write_text("hello world\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "raytrn.cli", "data", "prepare", "--input", str(tmp_path / "in.txt"), "--output",
+         str(tmp_path / "out"), *flags],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("raytrn: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr and "panicked" not in proc.stderr, proc.stderr
+    import re
+
+    assert re.search(expect, errors[0]), errors[0]
+    assert "Ray" not in proc.stdout + proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_the_range_checks_agree_with_the_job_schema() -> None:
+    from raytrn.config.model import ModelConfig
+    from raytrn.config.schema import DataConfig
+    from raytrn.data.prepare.command import MAX_SEQ_LEN, _check_args
+    from raytrn.data.prepare.tokenizer import MAX_VOCAB_SIZE, check_vocab_size
+
+    def bound(model: type, name: str) -> int:
+        return next(m.le for m in model.model_fields[name].metadata if getattr(m, "le", None) is not None)
+
+    assert MAX_SEQ_LEN == bound(DataConfig, "seq_len") and MAX_VOCAB_SIZE == bound(ModelConfig, "vocab_size")
+    check_vocab_size(MAX_VOCAB_SIZE)
+    with pytest.raises(DataError, match="too large"):
+        check_vocab_size(MAX_VOCAB_SIZE + 1)
+    with pytest.raises(DataError, match="an integer of 5,000 digits"):
+        _check_args(10**4999, None, 300, 64.0, "text", 0.0)
