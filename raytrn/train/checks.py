@@ -19,6 +19,7 @@ from raytrn.config.sizes import (
 )
 from raytrn.data.manifest import Manifest, load_manifest
 from raytrn.data.verify import verify_dataset
+from raytrn.data.vocab import differences, same_encoding
 from raytrn.errors import BackendUnavailableError, DataError, RaytrnError
 from raytrn.models import model_stats
 from raytrn.models.hf import check_config
@@ -124,17 +125,18 @@ def check_data(job: JobSpec) -> Manifest:
 
 def _check_tokenizer_of(job: JobSpec, manifest: Manifest, where: str) -> None:
     """A dataset for a model from ``model.init_from`` must be tokenized with that model's tokenizer (when the
-    checkpoint has one): the same ``tokenizer.json``."""
-    import hashlib
-
+    checkpoint has one): one that gives the same ids (:mod:`raytrn.data.vocab`: the vocabulary, merges, added
+    tokens, normalizer and pre-tokenizer; not the file's bytes)."""
     theirs = storage.read_text(storage.join(str(job.model.init_from), "tokenizer.json"))
     if theirs is None:
         return  # a checkpoint without its tokenizer: only the vocabulary size is checked (above)
-    if hashlib.sha256(theirs.encode()).hexdigest() != manifest.tokenizer.sha256:
+    ours = storage.read_text(manifest.tokenizer_path) or ""
+    if not same_encoding(ours, theirs):
         raise DataError(
             f"{where}: the dataset was tokenized with another tokenizer than model.init_from's "
-            f"({job.model.init_from}/tokenizer.json): its token ids would mean other words to the model; prepare it "
-            f"with `raytrn data prepare --tokenizer {job.model.init_from}`"
+            f"({job.model.init_from}/tokenizer.json; they differ in {', '.join(differences(ours, theirs))}): its token "
+            f"ids would mean other words to the model; prepare it with `raytrn data prepare --tokenizer "
+            f"{job.model.init_from}`"
         )
 
 
@@ -166,7 +168,9 @@ def validation_set(job: JobSpec, manifest: Manifest) -> Manifest | None:
         return None
     if val.seq_len != manifest.seq_len:
         raise DataError(f"{where}: {val.manifest_path} has seq_len {val.seq_len}, the training set {manifest.seq_len}")
-    if val.tokenizer.sha256 != manifest.tokenizer.sha256:
+    if val.tokenizer.sha256 != manifest.tokenizer.sha256 and not same_encoding(
+        storage.read_text(val.tokenizer_path) or "", storage.read_text(manifest.tokenizer_path) or ""
+    ):
         raise DataError(
             f"{where}: {val.manifest_path} was made with another tokenizer than the training set; prepare both with the "
             "same --tokenizer"
