@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from raytrn import __version__
@@ -22,6 +23,7 @@ from raytrn.estimate.cli import register as register_estimate
 from raytrn.runtime import check_paths_for_ray_job, route_ray_output
 from raytrn.submit import register as register_submit
 from raytrn.sweep.cli import register as register_sweep
+from raytrn.tracking.last_run import record_last_run
 from raytrn.tracking.runs_cli import register as register_runs
 from raytrn.tracking.runs_cli import register_models
 from raytrn.tracking.server import register as register_mlflow
@@ -239,6 +241,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     route_ray_output(job.run_name, verbose=args.verbose)
     summary = run_training(job, live_progress=not args.no_progress, take_over=args.take_over)
     print(summary.render())
+    if summary.mlflow_run_id and job.tracking.mlflow_uri:  # `raytrn runs compare`'s default experiment here
+        record_last_run(job.tracking.mlflow_uri, job.tracking.experiment, summary.mlflow_run_id)
     return 0
 
 
@@ -316,16 +320,21 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """The ``raytrn`` command (the console script's and ``python -m raytrn``'s entry): its exit code."""
     try:
-        return args.func(args)
+        args = build_parser().parse_args(argv)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not as Python's "Exception ignored" at exit
+        return code
     except RaytrnError as e:
         print(f"raytrn: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("raytrn: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `raytrn ... | head`: the reader has what it wanted; end quietly, as `git log | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -216,7 +216,7 @@ class Loader(yaml.SafeLoader):
                 continue
             if first is not key_node.start_mark:
                 raise YamlValueError(
-                    f"key {key!r} given twice in one mapping (first at line {first.line + 1}); the last one would "
+                    f"key {key!r} given twice in one mapping (first at line {getattr(first, 'line', 0) + 1}); the last one would "
                     "silently win: keep one",
                     key_node.start_mark,
                 )

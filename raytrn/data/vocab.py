@@ -30,7 +30,7 @@ def encoding_of(text: str) -> dict[str, Any] | None:
     parts["added_tokens"] = sorted(
         (int(t.get("id", -1)), str(t.get("content", ""))) for t in added if isinstance(t, dict)
     )
-    model = dict(parts["model"])
+    model = dict(data["model"])
     merges = model.get("merges")
     if isinstance(merges, list):  # "a b" (older files) and ["a", "b"] (newer) are the same merge
         model["merges"] = [" ".join(m) if isinstance(m, list) else m for m in merges]

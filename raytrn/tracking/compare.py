@@ -8,6 +8,7 @@ An experiment without runs (or none matching the filter) is not an error: the ta
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import socket
@@ -69,6 +70,10 @@ class Comparison:
     filter_string: str
     metrics: list[str]
     rows: list[RunRow] = field(default_factory=list)
+    experiment_id: str | None = None
+    #: ``--metrics`` that no run has (shown with dashes, and said after the table), and the metrics the runs have.
+    missing: list[str] = field(default_factory=list)
+    logged: list[str] = field(default_factory=list)
 
     def empty_message(self) -> str:
         if self.filter_string:
@@ -111,7 +116,8 @@ class Comparison:
 
         legend = ", ".join(f"{m} {_better(m)}" for m in self.metrics)
         title = f"experiment {self.experiment} ({len(self.rows)} run{'s' if len(self.rows) != 1 else ''})"
-        return "\n".join([title, fmt(header), *(fmt(row) for row in lines), f"* best ({legend} is better)"])
+        note = [f"no run has {', '.join(self.missing)} ({_their_metrics(self.logged)})"] if self.missing else []
+        return "\n".join([title, fmt(header), *(fmt(row) for row in lines), f"* best ({legend} is better)", *note])
 
 
 def higher_is_better(metric: str) -> bool:
@@ -195,15 +201,7 @@ def compare_runs(
     if chosen is not None and not chosen:
         raise RaytrnError("--metrics: give at least one metric name, e.g. --metrics loss,tokens_per_s")
     client = _client(tracking_uri)
-    try:
-        exp = client.get_experiment_by_name(experiment)
-        if exp is None:
-            names = sorted(e.name for e in client.search_experiments())
-            raise RaytrnError(
-                f"no experiment named {experiment} at {redact_uri(tracking_uri)}; experiments there: {', '.join(names) or '(none)'}"
-            )
-    except MlflowException as e:
-        raise RaytrnError(f"cannot read MLflow at {redact_uri(tracking_uri)}: {_first_line(e)}") from None
+    exp = find_experiment(client, experiment, tracking_uri)
     try:
         runs = client.search_runs(
             [exp.experiment_id],
@@ -217,6 +215,14 @@ def compare_runs(
             hint = " (dotted names need backticks, e.g. params.`optim.lr` = '0.001')"
         raise RaytrnError(f"--filter {filter_string!r}: {_first_line(e)}{hint}") from None
 
+    logged = sorted({m for run in runs for m in run.data.metrics})
+    missing = [] if goodput or chosen is None or not runs else [m for m in chosen if m not in logged]
+    if missing and len(missing) == len(chosen or ()):  # nothing to compare: a typo, most likely
+        near = next((c[0] for m in missing if (c := difflib.get_close_matches(m, logged, n=1))), None)
+        hint = f" (did you mean {near}?)" if near else ""
+        which = "that metric" if len(missing) == 1 else "these metrics"
+        whose = f"run of experiment {experiment}" + (" matching the filter" if filter_string else "")
+        raise RaytrnError(f"--metrics {','.join(missing)}: no {whose} has {which}{hint}; {_their_metrics(logged)}")
     if goodput:
         chosen = goodput_metrics([run.data.metrics for run in runs])
     elif chosen is None:
@@ -241,9 +247,70 @@ def compare_runs(
                 metrics={m: float(data.metrics[m]) for m in metrics if m in data.metrics},
             )
         )
-    return Comparison(
-        tracking_uri=tracking_uri, experiment=experiment, filter_string=filter_string, metrics=metrics, rows=rows
-    )
+    return Comparison(tracking_uri=tracking_uri, experiment=experiment, filter_string=filter_string, metrics=metrics,
+                      rows=rows, experiment_id=str(exp.experiment_id), missing=missing, logged=logged)  # fmt: skip
+
+
+def _their_metrics(logged: Sequence[str], shown: int = 12) -> str:
+    more = f", ... ({len(logged)} in all)" if len(logged) > shown else ""
+    return f"their metrics: {', '.join(logged[:shown]) or '(none)'}{more}"
+
+
+def find_experiment(client: Any, name: str, tracking_uri: str) -> Any:
+    """The experiment ``name``; a RaytrnError naming those there are when it does not exist."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            names = sorted(e.name for e in client.search_experiments())
+            raise RaytrnError(
+                f"no experiment named {name} at {redact_uri(tracking_uri)}; experiments there: "
+                f"{', '.join(names) or '(none)'} (--experiment NAME)"
+            )
+    except MlflowException as e:
+        raise RaytrnError(f"cannot read MLflow at {redact_uri(tracking_uri)}: {_first_line(e)}") from None
+    return exp
+
+
+def find_run(
+    client: Any,
+    run_id: str,
+    *,
+    flag: str,
+    experiment_ids: Sequence[str],
+    where: str,
+    filter_string: str = "",
+    hint: str = "the runs' table shows their ids",
+) -> Any:
+    """The run ``run_id`` names: a whole id, or its first characters as raytrn's tables print them (8), unique among
+    the runs of ``experiment_ids`` matching ``filter_string`` (``where`` says which those are). A RaytrnError
+    when no run, or more than one, has an id starting so."""
+    from mlflow.exceptions import MlflowException
+
+    prefix = run_id.strip().lower()
+    try:
+        if len(prefix) == 32:  # a whole id (MLflow's are 32 hex digits): wherever the run is
+            try:
+                return client.get_run(prefix)
+            except MlflowException:
+                pass
+        found, token = [], None
+        while True:
+            page = client.search_runs(list(experiment_ids), filter_string=filter_string, max_results=1000,
+                                      page_token=token)  # fmt: skip
+            found += [r for r in page if r.info.run_id.startswith(prefix)]
+            token = page.token
+            if not token:
+                break
+    except MlflowException as e:
+        raise RaytrnError(f"{flag} {run_id}: cannot search the runs: {_first_line(e)}") from None
+    if not prefix or not found:
+        raise RaytrnError(f"{flag} {run_id}: no {where} has an id starting {run_id} ({hint})")
+    if len(found) > 1:
+        some = ", ".join(f"{r.info.run_id[:12]} ({r.info.run_name or '-'})" for r in found[:4])
+        raise RaytrnError(f"{flag} {run_id}: {len(found)} runs' ids start with it: {some}; give more of the id")
+    return found[0]
 
 
 def goodput_metrics(run_metrics: Sequence[dict[str, float]]) -> list[str]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from raytrn.errors import RaytrnError
 from raytrn.tracking.client import redact_uri
-from raytrn.tracking.compare import _client, _first_line, _fmt_value, _save_png
+from raytrn.tracking.compare import _client, _first_line, _fmt_value, _save_png, find_run
 from raytrn.tracking.logger import LOGGED_STEP_TAG
 
 
@@ -95,11 +95,11 @@ def compare_sweep(*, tracking_uri: str, sweep: str | None = None, parent: str | 
 
     client = _client(tracking_uri)
     try:
-        if parent is not None:
-            try:
-                run = client.get_run(parent)
-            except MlflowException:
-                raise RaytrnError(f"--parent {parent}: no such run at {redact_uri(tracking_uri)}") from None
+        if parent is not None:  # a whole id, or its first characters among the sweeps' parent runs
+            experiments = [e.experiment_id for e in client.search_experiments()]
+            run = find_run(client, parent, flag="--parent", experiment_ids=experiments, where="sweep's parent run",
+                           filter_string="tags.`raytrn.kind` = 'sweep'",
+                           hint="--sweep NAME takes a sweep by its name")  # fmt: skip
             if run.data.tags.get("raytrn.kind") != "sweep":
                 raise RaytrnError(f"--parent {parent}: run {run.info.run_name} is not a raytrn sweep's parent run")
         else:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,7 @@ from raytrn.compat import dataset_input
 from raytrn.config import JobSpec
 from raytrn.errors import ConfigError
 from raytrn.tracking.client import mlflow_client, redact, redact_uri, split_credentials, sqlite_path, unreachable
+from raytrn.tracking.links import ui_command
 from raytrn.tracking.models import DatasetRef
 
 log = logging.getLogger(__name__)
@@ -48,13 +48,9 @@ class TrackedRun:
         return self.run_id is None
 
     def ui_command(self) -> str:
-        if self.uri.startswith("sqlite:"):
-            exe = os.path.join(os.path.dirname(sys.executable), "mlflow")  # the venv's, even if not activated
-            mlflow = exe if os.path.exists(exe) else "mlflow"
-            return f"{mlflow} ui --backend-store-uri {self.uri} --port 5000   # then open http://127.0.0.1:5000"
-        return (
-            f"open {split_credentials(self.uri)[0].rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
-        )
+        """The summary's ``mlflow ui`` line: the run's own page in the MLflow UI (and, for a local store, the
+        ``mlflow ui`` command that serves it)."""
+        return ui_command(self.uri, self.experiment_id, self.run_id)
 
 
 def plan_run(

@@ -15,7 +15,7 @@ from typing import Any
 
 from raytrn.errors import RaytrnError
 from raytrn.tracking.client import redact_uri
-from raytrn.tracking.compare import _client, _first_line, _fmt_value, higher_is_better
+from raytrn.tracking.compare import _client, _first_line, _fmt_value, find_experiment, find_run, higher_is_better
 from raytrn.tracking.models import DELETED_TAG, REGISTERED_NAME_TAG, REGISTERED_TAG, STEP_TAG
 
 #: Columns shown beside the ranking metric, when some model has them (lm-eval scores are added after these).
@@ -83,12 +83,15 @@ def compare_models(
     from mlflow.exceptions import MlflowException
 
     client = _client(tracking_uri)
+    exp = find_experiment(client, experiment, tracking_uri)
+    experiment_ids = [exp.experiment_id]
+    if run_id:  # a whole id, or its first characters (the tables print 8)
+        run = find_run(client, run_id, flag="--models", experiment_ids=experiment_ids,
+                       where=f"run of experiment {experiment}")  # fmt: skip
+        run_id, experiment_ids = run.info.run_id, [run.info.experiment_id]
     try:
-        exp = client.get_experiment_by_name(experiment)
-        if exp is None:
-            raise RaytrnError(f"no experiment named {experiment} at {redact_uri(tracking_uri)}")
         filter_string = f"source_run_id = '{run_id}'" if run_id else None
-        models = list(client.search_logged_models([exp.experiment_id], filter_string=filter_string,
+        models = list(client.search_logged_models(experiment_ids, filter_string=filter_string,
                                                   max_results=max_models))  # fmt: skip
     except MlflowException as e:
         raise RaytrnError(f"cannot read MLflow at {redact_uri(tracking_uri)}: {_first_line(e)}") from None
@@ -125,18 +128,23 @@ def promote(*, tracking_uri: str, name: str, version: str, alias: str) -> str:
     from mlflow.exceptions import MlflowException
 
     client = _client(tracking_uri)
-    try:
-        versions = sorted((v.version for v in client.search_model_versions(f"name = '{name}'")), key=int)
+    try:  # a version is a str from a server, an int from a local store: compared as str here
+        found = client.search_model_versions(f"name = '{name}'")
+        versions = sorted({str(v.version) for v in found}, key=int)
     except MlflowException as e:
         raise RaytrnError(f"cannot read the model registry at {redact_uri(tracking_uri)}: {_first_line(e)}") from None
     if not versions:
         raise RaytrnError(f"no registered model {name!r} at {redact_uri(tracking_uri)} (tracking.registered_model)")
+    version = str(int(version)) if version.isdigit() else version
     if version not in versions:
         raise RaytrnError(f"{name!r} has no version {version}; its versions: {', '.join(versions)}")
     try:
-        before = client.get_model_version_by_alias(name, alias).version
+        before: str | None = str(client.get_model_version_by_alias(name, alias).version)
     except MlflowException:
         before = None
-    client.set_registered_model_alias(name, alias, version)
+    try:
+        client.set_registered_model_alias(name, alias, version)
+    except MlflowException as e:
+        raise RaytrnError(f"--alias {alias!r}: MLflow refused it: {_first_line(e)}") from None
     was = f" (was version {before})" if before and before != version else ""
     return f"{name} version {version} is now {alias!r}{was}"

@@ -13,6 +13,8 @@ from raytrn.errors import RaytrnError
 from raytrn.tracking.compare import DEFAULT_METRICS, ESTIMATE_METRICS, HIGHER_IS_BETTER, compare_runs, plot
 from raytrn.tracking.compare_goodput import plot_goodput
 from raytrn.tracking.compare_sweeps import compare_sweep, plot_sweep
+from raytrn.tracking.last_run import last_experiment
+from raytrn.tracking.links import ui_command
 from raytrn.tracking.registry import compare_models, promote
 
 
@@ -30,7 +32,12 @@ def register(subparsers: Any) -> None:
         "lower-is-better). An experiment "
         "without runs prints a message and exits 0.",
     )
-    p.add_argument("--experiment", default="raytrn", metavar="NAME", help="MLflow experiment (default raytrn)")
+    p.add_argument(
+        "--experiment",
+        metavar="NAME",
+        help="MLflow experiment (default: the one the last `raytrn train` in this directory logged to, at the same "
+        "tracking URI; else raytrn)",
+    )
     p.add_argument(
         "--filter",
         dest="filter_string",
@@ -70,14 +77,19 @@ def register(subparsers: Any) -> None:
         help="the trials of this sweep (raytrn sweep), ranked by its metric, its varied fields as columns; --plot "
         "draws the metric of every trial against step and the final metric against each varied field",
     )
-    which.add_argument("--parent", metavar="RUN_ID", help="the same, for the sweep whose parent run this is")
+    which.add_argument(
+        "--parent",
+        metavar="RUN_ID",
+        help="the same, for the sweep whose parent run this is (its id, or the id's first characters)",
+    )
     which.add_argument(
         "--models",
         nargs="?",
         const="",
         metavar="RUN_ID",
-        help="the checkpoints (MLflow LoggedModels, one a committed checkpoint) of this run, or of every run of the "
-        "experiment, ranked by --rank-by: step, run, kept or deleted, registered version and aliases, metrics",
+        help="the checkpoints (MLflow LoggedModels, one a committed checkpoint) of this run (its id, or the first "
+        "characters of it that the tables print), or of every run of the experiment, ranked by --rank-by: step, run, "
+        "kept or deleted, registered version and aliases, metrics",
     )
     p.add_argument("--rank-by", default="val_loss", metavar="METRIC",
                    help="with --models: the metric to rank by (default val_loss; an lm-eval score such as "
@@ -86,6 +98,8 @@ def register(subparsers: Any) -> None:
 
 
 def _cmd_runs_compare(args: argparse.Namespace) -> int:
+    uri = resolve_tracking_uri(args.tracking_uri)
+    experiment = args.experiment or last_experiment(uri) or "raytrn"
     if args.goodput and (args.metrics is not None or args.estimates):
         raise RaytrnError("--goodput compares the runs' goodput ledgers: it takes no --metrics or --estimates")
     if args.models is not None:
@@ -93,8 +107,8 @@ def _cmd_runs_compare(args: argparse.Namespace) -> int:
                             ("--goodput", args.goodput)):  # fmt: skip
             if value:
                 raise RaytrnError(f"{flag} does not apply to --models (the checkpoints are ranked by --rank-by)")
-        table = compare_models(tracking_uri=resolve_tracking_uri(args.tracking_uri), experiment=args.experiment,
-                               run_id=args.models or None, metric=args.rank_by)  # fmt: skip
+        table = compare_models(tracking_uri=uri, experiment=experiment, run_id=args.models or None,
+                               metric=args.rank_by)  # fmt: skip
         print(table.render())
         return 0
     if args.sweep or args.parent:
@@ -106,16 +120,14 @@ def _cmd_runs_compare(args: argparse.Namespace) -> int:
         ):
             if value:
                 raise RaytrnError(f"{flag} does not apply to --sweep/--parent (a sweep is ranked by its own metric)")
-        sweep = compare_sweep(
-            tracking_uri=resolve_tracking_uri(args.tracking_uri), sweep=args.sweep, parent=args.parent
-        )
+        sweep = compare_sweep(tracking_uri=uri, sweep=args.sweep, parent=args.parent)
         print(sweep.render())
         if args.plot and sweep.rows:
             print(f"plot: {plot_sweep(sweep, args.plot)}")
         return 0
     comparison = compare_runs(
-        tracking_uri=resolve_tracking_uri(args.tracking_uri),
-        experiment=args.experiment,
+        tracking_uri=uri,
+        experiment=experiment,
         filter_string=args.filter_string,
         metrics=args.metrics.split(",") if args.metrics is not None else None,
         max_runs=args.max_runs,
@@ -125,6 +137,8 @@ def _cmd_runs_compare(args: argparse.Namespace) -> int:
     print(comparison.render())
     if args.plot and comparison.rows:
         print(f"plot: {plot_goodput(comparison, args.plot) if args.goodput else plot(comparison, args.plot)}")
+    if comparison.rows:  # the experiment's runs in the MLflow UI's training view
+        print(f"mlflow ui: {ui_command(uri, comparison.experiment_id)}")
     return 0
 
 

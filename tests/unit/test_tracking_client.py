@@ -140,7 +140,7 @@ def test_the_run_marker_and_the_summary_never_hold_the_password() -> None:
 
     assert marker_uri(URI_WITH_PASSWORD) == "http://127.0.0.1:5999"
     run = TrackedRun(uri=URI_WITH_PASSWORD, run_id="r1", experiment_id="3", resumed=False, tags={}, params={})
-    assert run.ui_command() == "open http://127.0.0.1:5999/#/experiments/3/runs/r1"
+    assert run.ui_command() == "open http://127.0.0.1:5999/#/experiments/3/runs/r1?workflowType=machine_learning"
 
 
 def test_submit_moves_uri_credentials_off_the_command_line() -> None:
