@@ -260,6 +260,13 @@ def _cmd_stop(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    from raytrn import storage
+
+    with storage.quick_checks():  # an unreachable S3 endpoint: one line in ~10 s, not a minute of retries
+        return _validate(args)
+
+
+def _validate(args: argparse.Namespace) -> int:
     from raytrn.train.checks import check_job
 
     raw, sweep = read_job_file(args.job)

@@ -50,7 +50,7 @@ def read_config(location: str) -> dict[str, Any]:
     try:
         text = storage.read_text(path)
     except OSError as e:
-        raise ConfigError(f"model.init_from: cannot read {path}: {e}") from None
+        raise ConfigError(f"model.init_from: cannot read {path}: {storage.short_error(e)}") from None
     if text is None:
         kind = "directory" if _exists(location) else "path"
         raise ConfigError(

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from raytrn.config.hf_config import merge_config
-from raytrn.config.paths import path_field, resolve_paths
+from raytrn.config.paths import PATH_FIELDS, path_field, resolve_paths, uri_problem
 from raytrn.config.schema import JobSpec
 from raytrn.errors import ConfigError
 
@@ -53,6 +53,7 @@ def load_job(
     for key, value in (values or {}).items():
         set_value(raw, key, value, where=(labels or {}).get(key, f"--set {key}"))
         overridden.add(key)
+    _check_uris(raw, path, overridden, labels)  # before init_from's config.json is looked for there
     raw = _with_init_from(raw, base_dir or os.getcwd(), source=path)
     job = parse_job(raw, source=path, overridden=overridden, labels=labels)
     return resolve_paths(job, base_dir or os.getcwd()) if resolve else job
@@ -310,6 +311,7 @@ def parse_job(
 ) -> JobSpec:
     """Validate a raw mapping into a JobSpec, turning pydantic errors into one ConfigError."""
     check_size(raw, source)
+    _check_uris(raw, source, overridden, labels)
     lines = []
     if "source" in raw:  # not a YAML field: it would be silently replaced by the file name
         lines.append(_describe_error({"loc": ("source",), "type": "extra_forbidden", "msg": ""}, raw, overridden))
@@ -321,6 +323,23 @@ def parse_job(
         head = f"{source}: " if len(lines) == 1 else f"{source}: {len(lines)} problems:\n  "
         raise ConfigError(head + "\n  ".join(lines))
     return job
+
+
+def _check_uris(
+    raw: dict[str, Any], source: str, overridden: set[str] | frozenset[str], labels: dict[str, str] | None
+) -> None:
+    """ConfigError for the first path field holding a malformed storage URI (``s3:/bucket``, ``s3://``, an invalid
+    bucket name): refused here, by every command, not when a worker first reads it."""
+    for field in PATH_FIELDS:
+        section = raw.get(field.section)
+        value = section.get(field.name) if isinstance(section, dict) else None
+        if field.kind != "path" or not isinstance(value, str) or not field.names_path(value):
+            continue
+        if problem := uri_problem(value):
+            where = field.key
+            if _is_overridden(field.key, overridden):
+                where = (labels or {}).get(field.key, f"--set {field.key}")
+            raise ConfigError(f"{source}: {where}: {problem}")
 
 
 # ---------------------------------------------------------------------------------------------------

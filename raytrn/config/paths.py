@@ -12,6 +12,7 @@ import os
 import re
 from dataclasses import dataclass
 from typing import Literal
+from urllib.parse import urlparse
 
 from raytrn.config.schema import JobSpec
 
@@ -75,6 +76,37 @@ PATH_FIELDS: tuple[PathField, ...] = (
     PathField("tracking.mlflow_uri", kind="mlflow_uri"),
     PathField("eval.include_path"),
 )
+
+
+#: An S3 bucket name (AWS's rules for general purpose buckets): 3-63 lowercase letters, digits, dots and hyphens,
+#: starting and ending with a letter or digit.
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_IPV4 = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
+
+
+def uri_problem(value: str) -> str | None:
+    """What is wrong with ``value`` as a storage location (a local path or ``s3://BUCKET/PREFIX``), or None: a
+    malformed S3 URI (``s3:/bucket``, ``s3://``, ``S3://``) or an invalid bucket name."""
+    scheme, sep, rest = value.partition(":")
+    if not sep or "/" in scheme or "\\" in scheme or len(scheme) < 2:  # a local path (C:\ is one too)
+        return None
+    if scheme.lower() == "s3" and not value.startswith("s3://"):
+        return f"{value!r} is not an S3 URI: write s3://BUCKET/PREFIX (lowercase s3, two slashes)"
+    if scheme == "file":
+        return None
+    if not value.startswith(f"{scheme}://"):
+        return None  # "name:with-colon" is a local file name
+    if scheme != "s3":
+        return None  # another filesystem pyarrow may know (raytrn's own files are local or on S3)
+    bucket = urlparse(value).netloc
+    if not bucket:
+        return f"{value!r} names no bucket: write s3://BUCKET/PREFIX"
+    if not _BUCKET.match(bucket) or ".." in bucket or _IPV4.match(bucket) or bucket.startswith("xn--"):
+        return (
+            f"{value!r}: {bucket!r} is not a valid S3 bucket name (3-63 characters: lowercase letters, digits, dots "
+            "and hyphens, starting and ending with a letter or digit)"
+        )
+    return None
 
 
 def path_field(key: str) -> PathField:

@@ -53,7 +53,7 @@ def _kind(path: str) -> str:
         fs, inner = storage.filesystem(path)
         kind = fs.get_file_info(inner).type
     except OSError as e:  # unreachable endpoint, no credentials, no such bucket
-        raise DataError(f"{path}: cannot read the dataset location: {e}") from None
+        raise DataError(f"{path}: cannot read the dataset location: {storage.short_error(e)}") from None
     return {pafs.FileType.File: "file", pafs.FileType.Directory: "dir"}.get(kind, "none")
 
 

@@ -75,10 +75,10 @@ def run_training(job: JobSpec, *, live_progress: bool = True, trial: bool = Fals
     if auto_line:
         print(f"raytrn: {auto_line}", flush=True)
     backend.check(job)
-    check_init_from(job)
-    manifest = check_data(job)
-
-    validation = validation_set(job, manifest)
+    with storage.quick_checks():  # the checks' reads: an unreachable S3 endpoint is one line in seconds
+        check_init_from(job)
+        manifest = check_data(job)
+        validation = validation_set(job, manifest)
     # A sweep's trial has a run of its own (named by the sweep); an earlier attempt of the same trial is over.
     holder = f"trial {trial_id()}" if trial else (ray_job_submission_id() or "")
     lease = acquire(RunDir.of(job), take_over=take_over, job=holder, replaces_job=trial)

@@ -120,3 +120,65 @@ def test_the_range_checks_agree_with_the_job_schema() -> None:
         check_vocab_size(MAX_VOCAB_SIZE + 1)
     with pytest.raises(DataError, match="an integer of 5,000 digits"):
         _check_args(10**4999, None, 300, 64.0, "text", 0.0)
+
+
+# -- item 13: storage URIs -------------------------------------------------------------------------------------------
+
+BAD_URIS = {
+    "s3:/bucket/x": "is not an S3 URI: write s3://BUCKET/PREFIX",
+    "S3://bucket/x": "is not an S3 URI",
+    "s3://": "names no bucket",
+    "s3:///x": "names no bucket",
+    "s3://Bad_Bucket/x": "'Bad_Bucket' is not a valid S3 bucket name",
+    "s3://ab/x": "'ab' is not a valid S3 bucket name",
+    "s3://a..b/x": "is not a valid S3 bucket name",
+    "s3://192.168.1.1/x": "is not a valid S3 bucket name",
+    "s3://bucket-/x": "is not a valid S3 bucket name",
+}
+STORAGE_FIELDS = ("checkpoint.storage", "data.manifest", "data.validation", "model.init_from",
+                  "neuron.compile_cache", "eval.include_path")  # fmt: skip
+
+
+@pytest.mark.parametrize("field", STORAGE_FIELDS)
+def test_every_storage_field_refuses_a_malformed_s3_uri(field: str) -> None:
+    from raytrn.config.paths import PATH_FIELDS
+
+    assert {f.key for f in PATH_FIELDS if f.kind == "path"} == set(STORAGE_FIELDS)  # every one is tried here
+    for value, expect in BAD_URIS.items():
+        with pytest.raises(ConfigError) as e:
+            load_job(REPO / "jobs" / "tiny.yaml", [f"{field}={value}"], resolve=False)
+        assert str(e.value).startswith(f"{REPO / 'jobs' / 'tiny.yaml'}: --set {field}: ") and expect in str(e.value)
+    for fine in ("s3://my-bucket.v2/x", "s3://abc", "/tmp/a:b", "relative/dir", "file:///tmp/x"):
+        load_job(REPO / "jobs" / "tiny.yaml", [f"checkpoint.storage={fine}"], resolve=False)
+
+
+def test_a_job_file_with_a_malformed_s3_uri_is_refused_by_validate(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text((REPO / "jobs" / "tiny.yaml").read_text().replace("storage: checkpoints", "storage: s3:/b/c"))
+    proc = subprocess.run([sys.executable, "-m", "raytrn", "validate", str(job), "--no-data"], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"raytrn: error: {job}: checkpoint.storage: 's3:/b/c' is not an S3 URI: write s3://BUCKET/PREFIX (lowercase "
+        "s3, two slashes)"
+    ), proc.stderr
+
+
+def test_validate_answers_in_seconds_when_the_s3_endpoint_is_unreachable() -> None:
+    """The SFT jobs' placeholder bucket on an endpoint nothing listens on: one line, not ~55 s of retries and AWS's
+    raw text (the checks' reads use few attempts and short timeouts: raytrn.storage.quick_checks)."""
+    import os
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "x",
+           "AWS_SECRET_ACCESS_KEY": "x", "AWS_REGION": "us-east-1"}  # fmt: skip
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "raytrn", "validate", "jobs/qwen3-0.6b-sft-trn2.yaml"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO, env=env)  # fmt: skip
+    assert time.monotonic() - started < 10, proc.stderr
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("raytrn: error: model.init_from: cannot read s3://my-raytrn-bucket/")
+    assert f"cannot reach the S3 endpoint http://127.0.0.1:{port}" in proc.stderr and "curlCode" not in proc.stderr
