@@ -87,6 +87,11 @@ class Commit:
             raise ValueError(f"bad field ({e})") from None
 
 
+class RetentionSkipped(CheckpointError):
+    """Retention deleted nothing: a listing or a read it needs to know what to keep failed (the next save tries
+    again)."""
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A committed checkpoint: where it is and its manifest."""
@@ -184,14 +189,20 @@ def prune(run: RunDir, *, keep_last: int | None, keep_best: bool = False) -> lis
     ``keep_best`` the one of the lowest ``val_loss`` too (:func:`best_step`), those pinned (:mod:`raytrn.checkpoint.pins`:
     an evaluation reads them), and anything newer than the newest
     committed one (a save in flight); delete older committed ones and uncommitted leftovers older than the newest
-    committed one. Only raytrn's ``step_<N>`` directories, strictly inside ``run.dcp``. Returns the steps deleted."""
-    steps = run.dcp_steps()
-    committed = [s for s in steps if is_committed(run.dcp_step(s))]
-    if not committed:
-        return []
-    keep = set(committed if keep_last is None else committed[-keep_last:])
-    keep |= pinned(run) if keep_last is not None else set()  # an evaluation off the loop is reading them
-    best = best_step(run, committed) if keep_best and keep_last is not None else None
+    committed one. Only raytrn's ``step_<N>`` directories, strictly inside ``run.dcp``. Returns the steps deleted.
+
+    What to keep is settled before anything is deleted: when a listing or a read it needs fails, nothing is deleted
+    this time (:class:`RetentionSkipped`; a checkpoint that could not be read may be one to keep)."""
+    try:
+        steps = run.dcp_steps()
+        committed = [s for s in steps if is_committed(run.dcp_step(s))]
+        if not committed:
+            return []
+        keep = set(committed if keep_last is None else committed[-keep_last:])
+        keep |= pinned(run) if keep_last is not None else set()  # an evaluation off the loop is reading them
+        best = best_step(run, committed) if keep_best and keep_last is not None else None
+    except (OSError, CheckpointError) as e:
+        raise RetentionSkipped(f"checkpoint retention under {run.dcp} deleted nothing this time: {e}") from None
     if best is not None:
         keep.add(best)
     deleted = []
@@ -205,16 +216,27 @@ def prune(run: RunDir, *, keep_last: int | None, keep_best: bool = False) -> lis
 
 def best_step(run: RunDir, committed: list[int]) -> int | None:
     """Of the ``committed`` steps, the one whose manifest records the lowest ``val_loss`` (the earliest of equal
-    ones); None when none records one. A manifest that cannot be read is passed over (retention never fails)."""
+    ones); None when none records one. A manifest that is not a commit manifest (no resume takes its checkpoint
+    either) records none; CheckpointError when one cannot be read: it may be the best."""
     best: tuple[float, int] | None = None
     for step in committed:
+        location = run.dcp_step(step)
         try:
-            commit = read_commit(run.dcp_step(step))
-        except (OSError, ValueError):
+            commit = read_commit(location)
+        except ValueError:
             continue
+        except OSError as e:
+            raise CheckpointError(
+                f"checkpoint.keep_best: cannot read {storage.join(location, COMMIT_FILE)} ({_first_line(e)}), so the "
+                "best checkpoint is not known"
+            ) from None
         if commit is not None and commit.val_loss is not None and (best is None or commit.val_loss < best[0]):
             best = (commit.val_loss, step)
     return best[1] if best else None
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def clear_staging(run: RunDir, step: int) -> None:

@@ -14,12 +14,13 @@ import re
 import time
 
 from raytrn import storage
-from raytrn.checkpoint.rundir import RunDir
+from raytrn.checkpoint.rundir import STEP_NUMBER, RunDir
 from raytrn.config import JobSpec
+from raytrn.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
-_PIN = re.compile(r"^step_(\d{8})\.json$")
+_PIN = re.compile(rf"^step_{STEP_NUMBER}\.json$")
 
 
 def pin_ttl_s(job: JobSpec) -> float:
@@ -43,26 +44,40 @@ def unpin(run: RunDir, step: int) -> None:
 
 
 def pinned(run: RunDir) -> set[int]:
-    """The steps pinned now (lapsed and unreadable pins are not)."""
+    """The steps pinned now (lapsed pins and files that are not pins are not). CheckpointError when the pins cannot
+    be listed or one cannot be read: retention must then keep everything (a pin it missed would lose a checkpoint
+    an evaluation is reading)."""
     fs, root = storage.filesystem(run.pins)
     from pyarrow import fs as pafs
 
     try:
         infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
-    except OSError:
-        return set()
+    except OSError as e:
+        raise _unreadable(run.pins, e) from None
     out, now = set(), time.time()
     for info in infos:
         name = info.path.rsplit("/", 1)[-1]
         match = _PIN.match(name)
         if not match:
             continue
+        path = storage.join(run.pins, name)
         try:
-            if json.loads(storage.read_text(storage.join(run.pins, name)) or "{}").get("until", 0) > now:
+            text = storage.read_text(path)
+        except OSError as e:
+            raise _unreadable(path, e) from None
+        try:
+            if json.loads(text or "{}").get("until", 0) > now:
                 out.add(int(match.group(1)))
-        except (OSError, ValueError):
+        except (ValueError, AttributeError):  # not a pin raytrn wrote
             continue
     return out
+
+
+def _unreadable(path: str, error: OSError) -> CheckpointError:
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return CheckpointError(
+        f"cannot read the checkpoint pins ({path}: {first}), so which checkpoints are pinned is not known"
+    )
 
 
 def _path(run: RunDir, step: int) -> str:

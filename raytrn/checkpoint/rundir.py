@@ -35,10 +35,19 @@ NXD_DIR = "nxd"
 MLFLOW_MARKER = "raytrn-mlflow.json"
 #: The lease of the job that trains the run.
 LEASE_FILE = "raytrn-lease.json"
+#: A step as raytrn writes it in a name (:func:`step_digits`): 8 digits, zero-padded, below 10^8; the step's own
+#: digits above. Only these: another spelling of a step (``step_000000020``) would be a second name for it.
+STEP_NUMBER = r"(\d{8}|[1-9]\d{8,})"
 #: ``dcp/step_<N>``: raytrn's sharded checkpoint directories.
-STEP_DIR = re.compile(r"^step_(\d{8})$")
+STEP_DIR = re.compile(rf"^step_{STEP_NUMBER}$")
 #: ``checkpoint_<N>``: Ray Train's checkpoint directories (raytrn names them by step).
-POINTER_DIR = re.compile(r"^checkpoint_(\d{8})$")
+POINTER_DIR = re.compile(rf"^checkpoint_{STEP_NUMBER}$")
+
+
+def step_digits(step: int) -> str:
+    """``step`` as it appears in every name raytrn gives by step: 8 digits, zero-padded (``00000020``), as runs
+    have always been named, and as many as it takes from 10^8 on (``100000000``); listings order them by number."""
+    return f"{step:08d}"
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,7 @@ class RunDir:
 
     @staticmethod
     def step_name(step: int) -> str:
-        return f"step_{step:08d}"
+        return f"step_{step_digits(step)}"
 
     def dcp_step(self, step: int) -> str:
         """The sharded checkpoint of ``step`` (``<run>/dcp/step_<N>``): staging until committed."""
@@ -94,7 +103,7 @@ class RunDir:
     @staticmethod
     def pointer_name(step: int) -> str:
         """The name raytrn gives Ray Train's checkpoint directory of ``step`` (``checkpoint_dir_name``)."""
-        return f"checkpoint_{step:08d}"
+        return f"checkpoint_{step_digits(step)}"
 
     def pointer(self, step: int) -> str:
         """Ray Train's checkpoint directory of ``step`` (``<run>/checkpoint_<N>``)."""

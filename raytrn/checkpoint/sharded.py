@@ -62,6 +62,9 @@ class DcpCheckpoints(Checkpoints):
         self.consecutive_failures = 0
         #: The steps retention deleted (rank 0): the run's checkpoint tags mark them.
         self.deleted: set[int] = set()
+        #: Rounds of retention that deleted nothing because a listing or read failed (rank 0), this worker group
+        #: (the ``checkpoint_retention_skipped`` metric).
+        self.retention_skipped = 0
 
     def save(
         self, t: TrainState, progress: Progress, schedule: PinnedSchedule, report: dict[str, Any], *, final: bool
@@ -173,7 +176,11 @@ class DcpCheckpoints(Checkpoints):
         spec = self.job.checkpoint
         try:
             deleted = manifest.prune(self.run, keep_last=spec.keep_last, keep_best=spec.keep_best)
-        except (OSError, CheckpointError) as e:  # retention never fails training
+        except manifest.RetentionSkipped as e:  # retention never fails training
+            self.retention_skipped += 1
+            log.warning("%s. The next save tries again; check that the checkpoint storage is reachable and readable", e)
+            return
+        except (OSError, CheckpointError) as e:
             log.warning("could not delete old checkpoints under %s: %s", self.run.dcp, e)
             return
         self.deleted.update(deleted)

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from raytrn.checkpoint.manifest import prune
+from raytrn.checkpoint.manifest import RetentionSkipped, prune
 from raytrn.checkpoint.pins import unpin
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.config import JobSpec
@@ -208,7 +208,9 @@ class CheckpointEvaluator:
         c = self.job.checkpoint
         try:
             prune(self.run, keep_last=c.keep_last, keep_best=c.keep_best)
-        except Exception as e:  # retention never fails anything; rank 0's next save prunes again
+        except RetentionSkipped as e:  # retention never fails anything; rank 0's next save prunes again
+            log.warning("after an evaluation: %s", e)
+        except Exception as e:
             log.debug("retention after an evaluation: %s", e)
 
 

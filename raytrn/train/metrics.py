@@ -165,6 +165,8 @@ class MetricsReporter:
             "epoch": float(progress.epoch),
             # saves skipped because the storage failed, this worker group (0 while every save commits)
             "checkpoint_failures": float(getattr(self.t.checkpoints, "failed", 0)),
+            # rounds of checkpoint retention that deleted nothing because a listing or read failed (rank 0)
+            "checkpoint_retention_skipped": float(getattr(self.t.checkpoints, "retention_skipped", 0)),
             # steps whose loss or grad norm was NaN/inf, their updates skipped, this worker group
             "nonfinite_steps": float(self.guard.total if self.guard is not None else 0),
             "skipped_batches": float(self.guard.skipped_batches if self.guard is not None else 0),

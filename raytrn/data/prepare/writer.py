@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,15 +14,23 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raytrn.data.instruct import MASK_COLUMN, SEGMENT_COLUMN
-from raytrn.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, load_manifest, rows_per_group
+from raytrn.data.manifest import (
+    MANIFEST_NAME,
+    TOKENIZER_CONFIG_NAME,
+    Manifest,
+    ShardInfo,
+    load_manifest,
+    rows_per_group,
+)
 from raytrn.data.verify import file_sha256
 from raytrn.errors import DataError
 from raytrn.storage import remove_inside
 
 # --- output directory state ------------------------------------------------------------------------------
 #
-# raytrn deletes only what it wrote: the files a readable manifest lists (shards, tokenizer), the manifest
-# itself, its staging directories and its replacement journal. A dataset is built in a staging directory
+# raytrn deletes only what it wrote: the files a readable manifest lists (shards, tokenizer), each only while it is
+# the regular file the manifest records (:func:`dataset_files_written`), the manifest itself, its staging
+# directories and its replacement journal. A dataset is built in a staging directory
 # *inside* the output directory (same filesystem: works for mount points, keeps the directory itself, its
 # permissions, symlinks to it and a shell's current directory), then moved into place file by file, the
 # manifest last. While files move, a journal names the old and new files so an interrupted replacement can be
@@ -41,6 +50,8 @@ class Output:
     ours: frozenset[str] = frozenset()  # top-level names raytrn wrote and may replace or delete
     foreign: tuple[str, ...] = ()  # top-level names raytrn did not write
     problem: str = ""  # why a manifest.json there is not a dataset raytrn can read
+    # ``'name: why'`` for each name a manifest lists that is not what raytrn wrote there (it is in ``foreign``)
+    unlike: tuple[str, ...] = ()
 
 
 def inspect_output(output: str) -> Output:
@@ -61,7 +72,8 @@ def inspect_output(output: str) -> Output:
             manifest = load_manifest(output, check_files=False)
         except DataError as e:
             return Output(path=real, state="foreign", foreign=tuple(rest), problem=str(e))
-        ours = {MANIFEST_NAME, *dataset_files(manifest)} | staging
+        listed, unlike = dataset_files_written(real, manifest)
+        ours = {MANIFEST_NAME, *listed} | staging
         if JOURNAL_NAME in rest:
             ours |= _journal_names(real)
         return Output(
@@ -70,6 +82,7 @@ def inspect_output(output: str) -> Output:
             manifest=manifest,
             ours=frozenset(ours),
             foreign=tuple(n for n in rest if n not in ours),
+            unlike=tuple(why for name, why in unlike.items() if name not in ours),
         )
     if JOURNAL_NAME in rest:
         ours = _journal_names(real) | staging
@@ -91,6 +104,54 @@ def dataset_files(manifest: Manifest) -> list[str]:
         except DataError:
             pass
     return sorted(set(names))
+
+
+def dataset_files_written(directory: str, manifest: Manifest) -> tuple[set[str], dict[str, str]]:
+    """The files of ``manifest`` and its validation split (:func:`dataset_files`) that are what raytrn wrote in
+    ``directory``, so raytrn may replace or delete them: each a regular file (not a symlink) at the top of the
+    directory, of the size the manifest records (shards), of its sha256 (the tokenizer), of the name raytrn gives it
+    (the tokenizer's config) or a manifest raytrn can read (the validation split's); or nothing there yet. Also
+    ``{name: 'name: why'}`` for each name there that is something else: whatever the manifest says, it is never
+    deleted."""
+    claimed: set[str] = set()
+    unlike: dict[str, str] = {}
+
+    def claim(where: Manifest, name: str, what: str, wrote: Callable[[str], str]) -> None:
+        """``wrote(path)``: '' when the regular file at ``path`` is what raytrn wrote, else why it is not."""
+        if not _is_plain_name(name):
+            return  # raytrn writes nothing deeper than the top: the name's first component stays foreign
+        path = os.path.join(directory, name)
+        why = ""
+        if os.path.lexists(path):
+            why = "a symlink" if os.path.islink(path) else "a directory" if os.path.isdir(path) else ""
+            why = why or ("not a regular file" if not os.path.isfile(path) else wrote(path))
+        if why:
+            unlike.setdefault(name, f"{name}: {where.name} names it as {what}, but it is {why}")
+        claimed.add(name)
+
+    def sized(size: int) -> Callable[[str], str]:
+        return lambda path: "" if _size(path) == size else f"{_size(path):,} bytes, not the {size:,} it records"
+
+    def files(m: Manifest) -> None:
+        tok = m.tokenizer
+        claim(m, tok.file, "its tokenizer", lambda p: "" if file_sha256(p) == tok.sha256 else "of another sha256")
+        if tok.config_file:
+            other = "" if tok.config_file == TOKENIZER_CONFIG_NAME else f"not the {TOKENIZER_CONFIG_NAME} raytrn writes"
+            claim(m, tok.config_file, "its tokenizer's config", lambda _: other)
+        for shard in m.shards:
+            claim(m, shard.path, "a shard", sized(shard.bytes))
+
+    files(manifest)
+    name = manifest.validation.get("manifest")
+    if isinstance(name, str) and _is_plain_name(name):
+        try:
+            split = load_manifest(os.path.join(directory, name), check_files=False)
+        except DataError:
+            claim(manifest, name, "its validation split", lambda _: "not a manifest raytrn can read")
+        else:
+            claim(manifest, name, "its validation split", lambda _: "")
+            files(split)
+    return claimed - set(unlike), unlike
 
 
 def _journal_names(directory: str) -> set[str]:
@@ -157,9 +218,10 @@ def check_output(out: Output, output: str, fingerprint: str, max_rows: int, over
     else:
         what = f"an interrupted replacement of a dataset ({JOURNAL_NAME})"
     if out.foreign:
+        unlike = "".join(f"; {u}" for u in out.unlike[:3])
         raise DataError(
-            f"--output {output}: holds {what} and also files raytrn did not write ({shown(out.foreign)}); raytrn "
-            "never deletes those: move them out, or choose an empty or new directory for --output"
+            f"--output {output}: holds {what} and also files raytrn did not write ({shown(out.foreign)}){unlike}; "
+            "raytrn never deletes those: move them out, or choose an empty or new directory for --output"
         )
     if overwrite:
         return None
