@@ -44,10 +44,12 @@ data_dir="${MLFLOW_DATA_DIR:-$HOME/mlflow}"
 mkdir -p "$data_dir" || die "MLFLOW_DATA_DIR=$data_dir: cannot create it"
 data_dir="$(cd "$data_dir" && pwd)"  # absolute: the ini and the sqlite URIs need absolute paths
 backend="${MLFLOW_BACKEND_STORE_URI:-sqlite:///$data_dir/mlflow.db}"
+# What is shown of it: the password masked whatever it holds (it runs to the last "@": "/", "#", "?" too).
+shown_backend="$(printf '%s' "$backend" | sed -E 's#(://[^/:[:space:]]*):.*@#\1:***@#')"
 case "$backend" in
   sqlite:////*|postgresql://*|postgresql+*://*|mysql://*|mysql+*://*|mssql+*://*) ;;
-  sqlite:///*) die "MLFLOW_BACKEND_STORE_URI=$backend: use an absolute path, sqlite:////ABS/PATH/mlflow.db" ;;
-  *) die "MLFLOW_BACKEND_STORE_URI=$backend: not a database URI (sqlite:////ABS/PATH/mlflow.db or postgresql://USER@HOST:5432/DB)" ;;
+  sqlite:///*) die "MLFLOW_BACKEND_STORE_URI=$shown_backend: use an absolute path, sqlite:////ABS/PATH/mlflow.db" ;;
+  *) die "MLFLOW_BACKEND_STORE_URI=$shown_backend: not a database URI (sqlite:////ABS/PATH/mlflow.db or postgresql://USER@HOST:5432/DB)" ;;
 esac
 artifacts="${MLFLOW_ARTIFACTS_DESTINATION:-$data_dir/artifacts}"
 case "$artifacts" in
@@ -66,7 +68,6 @@ case "$backend" in
   *://*:*@*) export MLFLOW_BACKEND_STORE_URI="$backend" ;;
   *) cmd+=(--backend-store-uri "$backend") ;;
 esac
-shown_backend="$(printf '%s' "$backend" | sed -E 's#(://[^/@:]*):[^/]*@#\1:***@#')"
 cmd+=(--artifacts-destination "$artifacts" --host "$host" --port "$port" --workers "$workers")
 # Beyond loopback and private addresses (a wildcard, a public address, a host name) only with basic auth.
 case "$host" in
@@ -92,6 +93,7 @@ cmd+=("${extra[@]}")
 
 if [ "$dry_run" = 1 ]; then
   printf '%q ' "${cmd[@]}"; echo
+  echo "mlflow/serve.sh: store $shown_backend" >&2
   exit 0
 fi
 # Fail early and clearly when the port is taken (connect check; no listener -> connection refused).

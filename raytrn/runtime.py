@@ -131,28 +131,60 @@ MLFLOW_SERVER_SECRETS: frozenset[str] = frozenset(
         "MLFLOW_BACKEND_STORE_URI",
     }
 )
-# The AWS ones name files on this machine, meaningless on the cluster (which uses its instance role instead);
-# RAYTRN_LOCAL_CLUSTER marks the processes of a local simulator (raytrn.cluster.local.MARKER_ENV), which only it
-# may carry.
-NOT_FORWARDED: frozenset[str] = (
-    frozenset({"AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "RAYTRN_LOCAL_CLUSTER"})
-    | MLFLOW_SERVER_SECRETS
+# AWS_PROFILE names a profile of this machine's AWS files, meaningless on the cluster (which uses its instance role
+# instead); RAYTRN_LOCAL_CLUSTER marks the processes of a local simulator (raytrn.cluster.local.MARKER_ENV), which
+# only it may carry.
+NOT_FORWARDED: frozenset[str] = frozenset({"AWS_PROFILE", "RAYTRN_LOCAL_CLUSTER"}) | MLFLOW_SERVER_SECRETS
+#: Variables that name a file of the machine they are set on (AWS's config, credentials and web-identity token
+#: files, CA bundle; MLflow's client certificates): a laptop's path, which the cluster does not have. Left out, with
+#: any other forwarded variable whose value is a path that exists here (:func:`unforwarded_paths`).
+LAPTOP_PATH_VARS: frozenset[str] = frozenset(
+    {
+        "AWS_CONFIG_FILE",
+        "AWS_SHARED_CREDENTIALS_FILE",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_CA_BUNDLE",
+        "MLFLOW_TRACKING_CLIENT_CERT_PATH",
+        "MLFLOW_TRACKING_SERVER_CERT_PATH",
+    }
 )
 
 
-def forwarded_env(environ: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The variables of ``environ`` passed to the job (MLflow, AWS, HF token), plus ``extra`` (wins).
+def forwarded_env(
+    environ: Mapping[str, str], extra: Mapping[str, str] | None = None, *, same_machine: bool = False
+) -> dict[str, str]:
+    """The variables of ``environ`` passed to the job (MLflow, AWS, HF token), plus ``extra`` (wins: ``--env``).
 
-    ``raytrn submit`` puts them in the job's runtime env, which the cluster's dashboard shows to whoever can
-    reach it; the tracking actor gets them too (:func:`raytrn.tracking.actor.driver_env`).
+    Paths of this machine (:func:`unforwarded_paths`) are left out unless the job runs on ``same_machine`` (the
+    local simulator shares this filesystem). ``raytrn submit`` puts them in the job's runtime env, which the
+    cluster's dashboard shows to whoever can reach it; the tracking actor gets them too
+    (:func:`raytrn.tracking.actor.driver_env`).
     """
-    env = {
-        k: v
-        for k, v in environ.items()
-        if (k.startswith(FORWARDED_ENV_PREFIXES) or k in FORWARDED_ENV_NAMES) and k not in NOT_FORWARDED
-    }
+    env = {k: v for k, v in environ.items() if _forwardable(k) and (same_machine or not _laptop_path(k, v))}
     env.update(extra or {})
     return env
+
+
+def unforwarded_paths(
+    environ: Mapping[str, str], extra: Mapping[str, str] | None = None, *, same_machine: bool = False
+) -> list[str]:
+    """The variables :func:`forwarded_env` leaves out because they name a path of this machine: one of
+    :data:`LAPTOP_PATH_VARS`, or a value that is an absolute path existing here (the cluster's own paths, such as
+    a shared filesystem's, do not exist here and are forwarded). Given in ``extra``, a variable is forwarded."""
+    if same_machine:
+        return []
+    return sorted(k for k, v in environ.items() if _forwardable(k) and k not in (extra or {}) and _laptop_path(k, v))
+
+
+def _forwardable(key: str) -> bool:
+    return (key.startswith(FORWARDED_ENV_PREFIXES) or key in FORWARDED_ENV_NAMES) and key not in NOT_FORWARDED
+
+
+def _laptop_path(key: str, value: str) -> bool:
+    if key in LAPTOP_PATH_VARS:
+        return True
+    path = os.path.expanduser(value.strip())
+    return os.path.isabs(path) and os.path.exists(path)
 
 
 def git_commit(path: str | os.PathLike[str]) -> str | None:

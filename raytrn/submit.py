@@ -27,8 +27,8 @@ from raytrn.cli_args import add_set_option
 from raytrn.cluster.local import running
 from raytrn.config import absolute_overrides, load_job, relative_local_paths, resolve_paths
 from raytrn.errors import RaytrnError
-from raytrn.runtime import forwarded_env, git_commit, relative_paths_error
-from raytrn.tracking.client import is_secret_key, redact_uri, split_credentials
+from raytrn.runtime import forwarded_env, git_commit, relative_paths_error, unforwarded_paths
+from raytrn.tracking.client import basic_auth, is_http, is_secret_key, redact_uri, split_credentials
 
 # Never uploaded with the working dir: environments, local datasets and results, caches, git history.
 # gitignore syntax, relative to the working dir: a leading "/" anchors at its top, so "/data" skips the
@@ -63,16 +63,22 @@ def runtime_env(working_dir: str | os.PathLike[str], env_vars: Mapping[str, str]
 
 def move_uri_credentials(overrides: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     """``tracking.mlflow_uri=http://user:pw@host`` -> the URI without them, and MLflow's own variables for the
-    job's environment: the command line (shown on the dashboard, in ``ray job list``) never carries a password."""
+    job's environment: the command line (shown on the dashboard, in ``ray job list``) never carries a password.
+    A database's URI (``postgresql://user:pw@db/mlflow``) cannot lose its password: it goes whole, as
+    ``MLFLOW_TRACKING_URI``, and the override becomes ``null`` (the job then reads that variable)."""
     out, env = [], {}
     for kv in overrides:
         key, _, value = kv.partition("=")
         if key == "tracking.mlflow_uri":
             clean, user, password = split_credentials(value)
-            if user:
-                env["MLFLOW_TRACKING_USERNAME"] = user
-            if password is not None:
-                env["MLFLOW_TRACKING_PASSWORD"] = password
+            if password is not None and not is_http(value):
+                env["MLFLOW_TRACKING_URI"] = value
+                clean = "null"
+            else:
+                if user:
+                    env["MLFLOW_TRACKING_USERNAME"] = user
+                if password is not None:
+                    env["MLFLOW_TRACKING_PASSWORD"] = password
             kv = f"{key}={clean}"
         out.append(kv)
     return out, env
@@ -164,11 +170,19 @@ def normalize_address(address: str | None, environ: Mapping[str, str] | None = N
         )
     if address.startswith("ray://"):
         raise RaytrnError(
-            f"--address {address}: that is a Ray Client address; jobs go to the dashboard, http://HEAD:8265"
+            f"--address {redact_uri(address)}: that is a Ray Client address; jobs go to the dashboard, http://HEAD:8265"
         )
     if "://" not in address:
         address = f"http://{address}"
     return address.rstrip("/")
+
+
+def dashboard_address(address: str | None, environ: Mapping[str, str] | None = None) -> tuple[str, dict[str, str]]:
+    """:func:`normalize_address`, with a ``user:password@`` written in it split off as basic-auth headers (a proxy
+    in front of the dashboard; the Ray token, when there is one, is sent instead): the URL raytrn prints and
+    hands to Ray's client never holds the password."""
+    clean, user, password = split_credentials(normalize_address(address, environ))
+    return clean, basic_auth(user or "", password or "") if user or password is not None else {}
 
 
 def check_reachable(
@@ -232,17 +246,19 @@ def submit(
     print(f"raytrn: {check_fits(raw)}", flush=True)
     wd = Path(working_dir).resolve()
     job_file = job_file_in(job_path, wd)
-    address = normalize_address(address)
+    address, basic = dashboard_address(address)
     local = _local_cluster(address)
     fixed = [*overrides, *frozen_overrides(raw, job, local=local is not None, address=address, base_dir=base_dir)]
     if command is not None:  # a sweep names its trials' runs itself
         fixed = [kv for kv in fixed if not kv.startswith("tracking.run_name=")]
     fixed, credentials = move_uri_credentials(fixed)
     env = {**credentials, **(env or {})}
+    if "MLFLOW_TRACKING_URI" in credentials:  # --set's URI wins over --env's, as over $MLFLOW_TRACKING_URI
+        env["MLFLOW_TRACKING_URI"] = credentials["MLFLOW_TRACKING_URI"]
     for warning in secret_overrides(fixed):
         print(f"raytrn: WARNING: {warning}", file=sys.stderr)
     token = resolve_token(token, address=address)
-    headers = auth_headers(token)
+    headers = auth_headers(token) or basic
     check_reachable(address, headers)
 
     from ray.job_submission import JobSubmissionClient
@@ -254,11 +270,18 @@ def submit(
     # MLflow run with RAY_JOB_SUBMISSION_ID.
     # RAY_JOB_STOP_WAIT_TIME_S: after `ray job stop`'s SIGTERM the driver marks its MLflow run KILLED and
     # flushes; Ray's default 3 s before SIGKILL is short for a remote tracking server.
+    same_machine = local is not None  # the local simulator shares this filesystem
     job_env = {
         "RAY_JOB_STOP_WAIT_TIME_S": "15",
-        **forwarded_env(os.environ, env),
+        **forwarded_env(os.environ, env, same_machine=same_machine),
         "RAY_JOB_SUBMISSION_ID": submission_id,
     }
+    if left := unforwarded_paths(os.environ, env, same_machine=same_machine):
+        print(
+            f"raytrn: not forwarded to the cluster: {', '.join(left)} (paths on this machine, which the cluster does "
+            "not have); to forward one anyway: --env NAME=VALUE",
+            file=sys.stderr,
+        )
     job_id = client.submit_job(
         entrypoint=entrypoint(job_file, fixed, command, take_over=take_over),
         submission_id=submission_id,
@@ -405,8 +428,8 @@ def _token_arg(args: argparse.Namespace) -> str | None:
 
 def _client(args: argparse.Namespace) -> tuple[Any, str]:
     """A job-submission client for ``--address`` (checked reachable, with the token), and that address."""
-    address = normalize_address(args.address)
-    headers = auth_headers(resolve_token(_token_arg(args), address=address))
+    address, basic = dashboard_address(args.address)
+    headers = auth_headers(resolve_token(_token_arg(args), address=address)) or basic
     check_reachable(address, headers, outcome="nothing was done")
     from ray.job_submission import JobSubmissionClient
 

@@ -38,8 +38,9 @@ from raytrn.cluster.common import (
     stack_warnings,
 )
 from raytrn.cluster.kuberay import validate_kuberay_documents
+from raytrn.cluster.shell import ray_starts
 from raytrn.errors import ConfigError
-from raytrn.tracking.server import is_private_host
+from raytrn.tracking.server import is_private_host, is_wildcard_host
 
 #: Ports (first, last) that must never be reachable from the internet (Ray has no authorization beyond the token).
 SENSITIVE_PORTS = {
@@ -343,27 +344,50 @@ def _check_security_group(config: dict[str, Any]) -> list[str]:
 
 
 _DASHBOARD_HOST = re.compile(r"--dashboard-host[=\s]+['\"]?([^\s'\"]+)")
+_RAY_START = re.compile(r"\bray\s+start\b")
 
 
 def _command_problems(config: dict[str, Any], notes: list[str]) -> list[str]:
-    """The head's ``ray start``: a dashboard on every interface without token auth is an error (anyone who
-    reaches it runs code), with auth a note; auth off alone is a note (the dashboard on loopback)."""
-    head_cmds = " ".join(c for c in as_list(config.get("head_start_ray_commands")) if isinstance(c, str))
-    if "ray start" not in head_cmds:
-        return []
-    auth = "RAY_AUTH_MODE=token" in head_cmds
-    hosts = [h for h in _DASHBOARD_HOST.findall(head_cmds) if not is_private_host(h)]
-    if hosts and not auth:
+    """The head's ``ray start``: a dashboard beyond loopback and private addresses (a wildcard however spelled,
+    :func:`~raytrn.tracking.server.is_wildcard_host`; a public address) without token auth is an error (anyone
+    who reaches it runs code), with auth a note; auth off alone is a note (the dashboard on loopback).
+
+    Token auth is on when ``ray start`` itself gets ``RAY_AUTH_MODE=token`` from its command
+    (``RAY_AUTH_MODE=token ray start ...``, or ``export RAY_AUTH_MODE=token`` before it; read as the shell reads
+    it, :mod:`raytrn.cluster.shell`), not when the text appears (``echo RAY_AUTH_MODE=token``). A ``ray start``
+    raytrn cannot follow (``eval '...'``) with a ``--dashboard-host`` counts as auth off (the host read as text)."""
+    problems: list[str] = []
+    starts: list[tuple[bool, list[str]]] = []  # (token auth, dashboard hosts) of each `ray start`
+    for i, cmd in enumerate(as_list(config.get("head_start_ray_commands"))):
+        if not isinstance(cmd, str):
+            continue
+        try:
+            found = ray_starts(cmd)
+        except ValueError as e:
+            problems.append(
+                f"head_start_ray_commands[{i}]: not a shell command the shell can run ({e}); fix its quotes"
+            )
+            continue
+        starts += [(s.env.get("RAY_AUTH_MODE") == "token", s.option("--dashboard-host")) for s in found]
+        if not found and _RAY_START.search(cmd) and (hosts := _DASHBOARD_HOST.findall(cmd)):
+            starts.append((False, hosts))  # a `ray start` not followed ($(...), eval): auth unseen
+    if not starts:
+        return problems
+    auth = all(on for on, _ in starts)
+    exposed = [h for on, hosts in starts for h in hosts if not is_private_host(h)]
+    if unprotected := [h for on, hosts in starts for h in hosts if not on and not is_private_host(h)]:
         return [
-            f"head_start_ray_commands: the dashboard listens on {hosts[0]} (beyond loopback and private addresses) "
+            *problems,
+            f"head_start_ray_commands: the dashboard listens on {unprotected[0]} (beyond loopback and private addresses) "
             "with Ray token authentication off: anyone who reaches port 8265 can run code on the cluster. Use "
-            "--dashboard-host=127.0.0.1 and `ray dashboard CLUSTER.yaml`, and start Ray with RAY_AUTH_MODE=token"
+            "--dashboard-host=127.0.0.1 and `ray dashboard CLUSTER.yaml`, and start Ray with RAY_AUTH_MODE=token",
         ]
-    if hosts:
+    if exposed:
+        where = "all interfaces" if is_wildcard_host(exposed[0]) else "beyond loopback and private addresses"
         notes.append(
-            f"head_start_ray_commands: the dashboard listens on {hosts[0]} (all interfaces); prefer 127.0.0.1 and "
+            f"head_start_ray_commands: the dashboard listens on {exposed[0]} ({where}); prefer 127.0.0.1 and "
             "`ray dashboard CLUSTER.yaml`"
         )
     if not auth:
         notes.append("head_start_ray_commands: Ray token authentication is off (no RAY_AUTH_MODE=token)")
-    return []
+    return problems

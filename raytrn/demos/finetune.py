@@ -29,7 +29,7 @@ from pathlib import Path
 
 from raytrn.config import resolve_mlflow_uri
 from raytrn.errors import ConfigError, RaytrnError
-from raytrn.tracking.client import mlflow_client
+from raytrn.tracking.client import mlflow_client, redact_uri
 
 MODEL_DIR = Path("data/demo-model")
 DATA_DIR = Path("data/stdlib-sft")
@@ -73,7 +73,7 @@ def demo_model(tracking_uri: str, out: Path = MODEL_DIR) -> Path:
         print(f"demo-finetune: the model of run {run.info.run_name} ({run.info.run_id[:8]}) -> {out}", flush=True)
         return out
     raise ConfigError(
-        f"no finished run of the raytrn-demo experiment with a logged model at {tracking_uri}: run `make demo` first"
+        f"no finished run of the raytrn-demo experiment with a logged model at {redact_uri(tracking_uri)}: run `make demo` first"
     )
 
 

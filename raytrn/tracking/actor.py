@@ -479,8 +479,9 @@ def driver_env(environ: Mapping[str, str]) -> dict[str, str]:
     reads and writes the run's ``raytrn-mlflow.json`` next to the checkpoints and talks to MLflow for the
     driver. A Ray the driver did not start was started with another environment (a shell's ``ray start``, a
     test's session cluster), so its processes do not have the driver's. The actor runs on the driver's
-    node, so file-naming settings (``AWS_PROFILE``) are kept, unlike what :func:`raytrn.runtime.forwarded_env` gives a submitted job."""
-    return forwarded_env(environ, {k: environ[k] for k in NOT_FORWARDED if k in environ})
+    node, so file-naming settings (``AWS_PROFILE``, paths of this machine) are kept, unlike what
+    :func:`raytrn.runtime.forwarded_env` gives a submitted job."""
+    return forwarded_env(environ, {k: environ[k] for k in NOT_FORWARDED if k in environ}, same_machine=True)
 
 
 BACKGROUND_NICENESS = 10

@@ -21,7 +21,7 @@ import socket
 import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 from raytrn.config import JobSpec
 from raytrn.errors import ConfigError
@@ -70,24 +70,24 @@ def mlflow_client(target: str | JobSpec, *, fail_fast: bool = False, create_stor
 
 
 def split_credentials(uri: str) -> tuple[str, str | None, str | None]:
-    """``http(s)://user:password@host...`` -> (the URI without them, user, password); others as they are. A
-    password may hold ``@`` or ``:`` (the host follows the last ``@``)."""
-    if not is_http(uri):
+    """``scheme://user:password@host...`` (any scheme) -> (the URI without them, user, password); a URI without
+    credentials as it is. The password runs to the URI's last ``@`` (:data:`_CREDENTIALS`): it may hold ``@``,
+    ``:``, ``/``, ``#`` or ``?`` unencoded. The one reading of credentials that :func:`redact_uri` masks too."""
+    scheme_end = uri.find("://")
+    m = _CREDENTIALS.match(uri, scheme_end + 3) if scheme_end > 0 else None
+    if m is None or any(c.isspace() for c in uri[:scheme_end]):
         return uri, None, None
-    parts = urlsplit(uri)
-    if parts.username is None and parts.password is None:
-        return uri, None, None
-    host = parts.netloc.rpartition("@")[2]
-    clean = urlunsplit(parts._replace(netloc=host))
-    user = unquote(parts.username) if parts.username is not None else None
-    password = unquote(parts.password) if parts.password is not None else None
-    return clean, user, password
+    clean = uri[: m.start()] + uri[m.end() :]
+    password = m.group("password")
+    return clean, unquote(m.group("user")), unquote(password) if password is not None else None
 
 
 def use_credentials(uri: str) -> str:
     """The URI MLflow's client is given: credentials written into an http(s) URI move to MLflow's own variables
     (``MLFLOW_TRACKING_USERNAME`` / ``_PASSWORD``, this process), where its client sends them as basic auth and
     no log line, error or file ever shows them (MLflow would otherwise fail on the URI)."""
+    if not is_http(uri):  # a database's URI keeps its credentials: they are its driver's
+        return uri
     clean, user, password = split_credentials(uri)
     if user:
         os.environ["MLFLOW_TRACKING_USERNAME"] = user
@@ -103,10 +103,15 @@ def auth_header(uri: str) -> dict[str, str]:
     user = user or os.environ.get("MLFLOW_TRACKING_USERNAME")
     password = password if password is not None else os.environ.get("MLFLOW_TRACKING_PASSWORD")
     if user and password is not None:
-        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+        return basic_auth(user, password)
     if token := os.environ.get("MLFLOW_TRACKING_TOKEN"):
         return {"Authorization": f"Bearer {token}"}
     return {}
+
+
+def basic_auth(user: str, password: str) -> dict[str, str]:
+    """The Authorization header of HTTP basic auth."""
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
 
 
 def quiet_http_retries(timeout_s: int = FAIL_FAST_TIMEOUT_S) -> None:
@@ -117,7 +122,7 @@ def quiet_http_retries(timeout_s: int = FAIL_FAST_TIMEOUT_S) -> None:
 
 
 def is_http(uri: str) -> bool:
-    return uri.startswith(("http://", "https://"))
+    return uri.lower().startswith(("http://", "https://"))
 
 
 def sqlite_path(uri: str) -> str | None:
@@ -157,8 +162,13 @@ def unreachable(uri: str, timeout_s: float = 3.0) -> str | None:
 
 _SECRET_WORDS = frozenset({"secret", "password", "passwd", "pwd", "credential", "credentials", "apikey"})
 _SECRET_PARTS = ("secret", "password", "api_key", "apikey", "access_key", "private_key", "auth_token")
-# The password runs to the last "@" before the path: it may hold "@" itself.
-_URI_PASSWORD = re.compile(r"(?<=://)([^/@:\s]*):([^/\s]*)@")
+#: Credentials in a URI, from just after its ``://``: a user (no ``:`` or ``/``; it may hold ``@``), then
+#: optionally ``:`` and a password running to the last ``@`` before whitespace, whatever it holds (``/``, ``#``,
+#: ``?``, ``@`` unencoded: the user meant the host after the last ``@``). Any scheme: ``http``, ``HTTP``,
+#: ``postgresql``, ``mysql+pymysql``. A path holding ``@`` after a ``host:port`` reads as credentials too: masking
+#: too much is safe, too little is not.
+_CREDENTIALS = re.compile(r"(?P<user>[^\s:/]*)(?::(?P<password>\S*))?@")
+_AFTER_SCHEME = re.compile(r"(?<=://)")
 
 
 def is_secret_key(key: str) -> bool:
@@ -174,8 +184,18 @@ def is_secret_key(key: str) -> bool:
 
 
 def redact_uri(text: str) -> str:
-    """``scheme://user:pass@host`` -> ``scheme://user:***@host``."""
-    return _URI_PASSWORD.sub(lambda m: f"{m.group(1)}:***@", text)
+    """``text`` with the password of every URI in it masked: ``scheme://user:pass@host`` ->
+    ``scheme://user:***@host`` (what :func:`split_credentials` reads as the password)."""
+    out, done = [], 0
+    for start in (m.end() for m in _AFTER_SCHEME.finditer(text)):
+        if start < done:
+            continue
+        m = _CREDENTIALS.match(text, start)
+        if m is None or m.group("password") is None:
+            continue
+        out.append(text[done : m.start("password")] + "***")
+        done = m.end("password")
+    return "".join(out) + text[done:]
 
 
 def redact(key: str, value: Any) -> str:

@@ -77,7 +77,7 @@ def check_backend_store_uri(uri: str, base_dir: str = ".") -> str:
     m = _SCHEME.match(uri)
     if not m:
         raise ConfigError(
-            f"--backend-store-uri {uri!r}: not a database URI. Use sqlite:///PATH/mlflow.db (local) or "
+            f"--backend-store-uri {redact_uri(uri)!r}: not a database URI. Use sqlite:///PATH/mlflow.db (local) or "
             "postgresql://USER@HOST:5432/mlflow (team server)"
         )
     dialect = m.group(1).lower().split("+", 1)[0]
@@ -88,11 +88,11 @@ def check_backend_store_uri(uri: str, base_dir: str = ".") -> str:
             else ""
         )
         raise ConfigError(
-            f"--backend-store-uri {uri!r}: unsupported scheme '{m.group(1)}'{hint}. "
+            f"--backend-store-uri {redact_uri(uri)!r}: unsupported scheme '{m.group(1)}'{hint}. "
             f"Use one of {', '.join(s + '://' for s in BACKEND_SCHEMES)}, e.g. sqlite:///PATH/mlflow.db"
         )
     if dialect == "sqlite" and not uri.startswith("sqlite:///"):
-        raise ConfigError(f"--backend-store-uri {uri!r}: a sqlite URI is sqlite:///PATH (three slashes)")
+        raise ConfigError(f"--backend-store-uri {redact_uri(uri)!r}: a sqlite URI is sqlite:///PATH (three slashes)")
     return resolve_mlflow_uri(uri, base_dir) if dialect == "sqlite" else uri
 
 
@@ -114,24 +114,55 @@ def check_artifacts_destination(dest: str, base_dir: str = ".") -> str:
 
 def client_url(host: str, port: int) -> str:
     """The tracking URI to give clients: a wildcard bind address is replaced by this host's name."""
-    if host in ("0.0.0.0", "::", ""):
+    host = host.strip()
+    if is_wildcard_host(host):
         host = socket.gethostname()
+    host = host.removeprefix("[").removesuffix("]")
     if ":" in host:  # IPv6 literal
         host = f"[{host}]"
     return f"http://{host}:{port}"
 
 
+#: What the C library reads as an IPv4 address besides dotted quads (``inet_aton``: ``0``, ``0x0``, ``0.0``,
+#: ``0177.1``), and a server bound to such a host listens on it.
+_INET_ATON = re.compile(r"[0-9a-fA-FxX.]+")
+
+
+def listen_address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address a server told to listen on ``host`` binds, in any spelling the socket layer takes
+    (``[::]``, ``0:0:0:0:0:0:0:0``, ``0``, ``0x0``, an IPv6 zone), an IPv4-mapped IPv6 address as its IPv4
+    (``::ffff:0.0.0.0`` is 0.0.0.0); None for a host name."""
+    text = host.strip().removeprefix("[").removesuffix("]").partition("%")[0]
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        if not _INET_ATON.fullmatch(text):
+            return None
+        try:
+            ip = ipaddress.IPv4Address(socket.inet_aton(text))
+        except OSError:
+            return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def is_wildcard_host(host: str) -> bool:
+    """Whether listening on ``host`` means every interface: 0.0.0.0 or ``::`` however spelled (``::ffff:0.0.0.0``,
+    ``[::]``, ``0``, ``0x0``...), or empty."""
+    ip = listen_address(host)
+    return not host.strip() or (ip is not None and ip.is_unspecified)
+
+
 def is_private_host(host: str) -> bool:
     """Whether listening on ``host`` stays off the internet: this machine (127.0.0.0/8, ::1, localhost) or one
     of its private-network addresses (10/8, 172.16/12, 192.168/16, fc00::/7: a VPC, whose security group then
-    decides). Not a wildcard (0.0.0.0, ::: every interface), a public address or a host name."""
-    if host == "localhost":
+    decides), however spelled (:func:`listen_address`). Not a wildcard (:func:`is_wildcard_host`: every
+    interface), a public address or a host name."""
+    if host.strip() == "localhost":
         return True
-    try:
-        ip = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:  # a host name: it may resolve to any interface
-        return False
-    return not ip.is_unspecified and (ip.is_loopback or ip.is_private)
+    ip = listen_address(host)
+    return ip is not None and not ip.is_unspecified and (ip.is_loopback or ip.is_private)
 
 
 def render_auth_ini(database_uri: str, default_permission: str = "READ") -> str:
