@@ -17,7 +17,7 @@ from raytrn.cli_args import add_set_option, add_verbose_option
 from raytrn.cluster.capacity import check_job_fits
 from raytrn.cluster.cli import register as register_cluster
 from raytrn.cluster.validate import validate_cluster_file
-from raytrn.config import load_job, read_job_file, resolve_paths
+from raytrn.config import JobSpec, load_job, read_job_file, resolve_paths
 from raytrn.errors import RaytrnError
 from raytrn.estimate.cli import register as register_estimate
 from raytrn.runtime import check_paths_for_ray_job, route_ray_output
@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_cluster(sub)
 
     register_submit(sub)
-    register_estimate(sub)
+    register_estimate(sub, check_job=_check_job_without_data)
 
     register_sweep(sub)
 
@@ -275,7 +275,7 @@ def _validate(args: argparse.Namespace) -> int:
     if sweep is not None:
         lines.append(f"sweep: a search space over this job: `raytrn sweep {args.job} --dry-run` checks every trial")
     if args.cluster:
-        validate_cluster_file(args.cluster)
+        validate_cluster_file(args.cluster, template=True)  # what the job needs of it; placeholders: noted
         lines += check_job_fits(job, get_backend(job.scaling.accelerator).worker_resources(job), args.cluster)
         from raytrn.estimate.job import check_fits
 
@@ -284,6 +284,13 @@ def _validate(args: argparse.Namespace) -> int:
         print(line)
     print(f"{args.job}: OK")
     return 0
+
+
+def _check_job_without_data(job: JobSpec) -> list[str]:
+    """``raytrn validate --no-data``'s checks: ``raytrn estimate`` runs them first."""
+    from raytrn.train.checks import check_job
+
+    return check_job(job, data=False)
 
 
 def _cmd_precheck(args: argparse.Namespace) -> int:

@@ -25,6 +25,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "(required fields, neuron_cores vs the pod's Neuron and EFA requests). Starts nothing.",
     )
     p_val.add_argument("file", metavar="FILE", help="cluster/*.yaml or cluster/kuberay/*.yaml")
+    p_val.add_argument(
+        "--template",
+        action="store_true",
+        help="check FILE as a template: REPLACE_ME placeholders are listed, not refused (the shipped files are ones)",
+    )
     p_val.set_defaults(func=cmd_validate)
 
     for name, doc in (
@@ -60,7 +65,7 @@ def _local(name: str) -> Any:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Print the notes and ``FILE: OK``; a problem raises ConfigError (the main CLI exits 2)."""
-    for line in validate_cluster_file(args.file):
+    for line in validate_cluster_file(args.file, template=args.template):
         print(line)
     print(f"{args.file}: OK")
     return 0

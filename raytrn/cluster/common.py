@@ -124,25 +124,47 @@ def expected_neuron_cores(spec: InstanceSpec, commands: list[str]) -> tuple[int,
     return spec.cores(lnc), (lnc or spec.default_lnc)
 
 
-def placeholder_notes(config: Any, *, before: str) -> list[str]:
-    """A note naming each distinct ``REPLACE_ME`` value still in ``config`` and where it first occurs."""
-    found: dict[str, list[str]] = {}
-    for where, value in _placeholders(config, ""):
+def placeholder_places(text: str) -> list[tuple[str, int, str]]:
+    """``(key path, line, value)`` of every place in a YAML file's text whose value still holds ``REPLACE_ME``: each
+    place once, however many times YAML aliases repeat it (the node tree, not the expanded values), in file order."""
+    import yaml
+
+    out: list[tuple[str, int, str]] = []
+    seen: set[int] = set()
+
+    def walk(node: Any, path: str) -> None:
+        if id(node) in seen:  # an alias of a node already visited: the same place in the file
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                name = str(key.value) if isinstance(key, yaml.ScalarNode) else "?"
+                walk(value, f"{path}.{name}" if path else name)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, value in enumerate(node.value):
+                walk(value, f"{path}[{i}]")
+        elif isinstance(node, yaml.ScalarNode) and PLACEHOLDER in str(node.value):
+            value = str(node.value)
+            line = node.start_mark.line + 1
+            if node.style in ("|", ">"):  # a block: its text starts on the line after the indicator
+                line += 1 + value[: value.index(PLACEHOLDER)].count("\n")
+            out.append((path, line, value))
+
+    try:
+        for i, doc in enumerate(yaml.compose_all(text, Loader=yaml.SafeLoader)):
+            walk(doc, f"[{i}]" if i else "")
+    except yaml.YAMLError:  # (the file was parsed already: its errors were reported there)
+        return out
+    return sorted(out, key=lambda place: place[1])
+
+
+def placeholder_text(places: list[tuple[str, int, str]]) -> str:
+    """``REPLACE_ME_SUBNET (line 40: provider.subnet_id; 2 more places)`` for each distinct placeholder token."""
+    found: dict[str, list[tuple[str, int]]] = {}
+    for path, line, value in places:
         for token in re.findall(rf"[^\s\"']*{PLACEHOLDER}[^\s\"']*", value):
-            found.setdefault(token, []).append(where)
-    if not found:
-        return []
-    shown = "; ".join(
-        f"{token} (at {paths[0]}{f' and {len(paths) - 1} more' if len(paths) > 1 else ''})"
-        for token, paths in found.items()
+            found.setdefault(token, []).append((path, line))
+    return "; ".join(
+        f"{token} (line {where[0][1]}: {where[0][0]}{f'; {len(where) - 1} more place(s)' if len(where) > 1 else ''})"
+        for token, where in found.items()
     )
-    return [f"fill these placeholders before {before}: {shown}"]
-
-
-def _placeholders(node: Any, path: str) -> list[tuple[str, str]]:
-    """``(path, value)`` of every string that still contains the placeholder."""
-    if isinstance(node, dict):
-        return [p for k, v in node.items() for p in _placeholders(v, f"{path}.{k}" if path else str(k))]
-    if isinstance(node, list):
-        return [p for i, v in enumerate(node) for p in _placeholders(v, f"{path}[{i}]")]
-    return [(path, node)] if isinstance(node, str) and PLACEHOLDER in node else []

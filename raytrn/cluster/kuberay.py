@@ -19,7 +19,6 @@ from raytrn.cluster.common import (
     expected_neuron_cores,
     load_yaml_documents,
     mapping_at,
-    placeholder_notes,
     raise_problems,
     stack_warnings,
 )
@@ -54,7 +53,6 @@ def validate_kuberay_documents(docs: list[Any], *, source: str) -> list[str]:
             notes.append(f"{where or 'document'}: kind {kind!r} is not checked (only RayCluster / RayJob)")
             continue
         problems += _check_document(doc, f"{where}." if where else "", notes)
-    notes += placeholder_notes(docs if multi else docs[0], before="`kubectl apply`")
     raise_problems(source, problems)
     return notes
 

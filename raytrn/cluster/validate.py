@@ -28,17 +28,20 @@ from typing import Any
 
 from raytrn.backends.neuron_env import INSTANCES
 from raytrn.cluster.common import (
+    PLACEHOLDER,
     as_list,
     expected_neuron_cores,
     image_warnings,
     load_yaml_documents,
     mapping_at,
-    placeholder_notes,
+    placeholder_places,
+    placeholder_text,
     raise_problems,
     stack_warnings,
 )
 from raytrn.cluster.kuberay import validate_kuberay_documents
 from raytrn.cluster.shell import ray_starts
+from raytrn.config import read_config_text
 from raytrn.errors import ConfigError
 from raytrn.tracking.server import is_private_host, is_wildcard_host
 
@@ -87,14 +90,30 @@ def ray_schema_path() -> str:
     return os.path.join(os.path.dirname(spec.origin), "autoscaler", "ray-schema.json")
 
 
-def validate_cluster_file(path: str) -> list[str]:
-    """Validate a cluster-launcher YAML or a KubeRay manifest; return info notes, raise ConfigError."""
+def validate_cluster_file(path: str, *, template: bool = False) -> list[str]:
+    """Validate a cluster-launcher YAML or a KubeRay manifest; return info notes, raise ConfigError.
+
+    ``REPLACE_ME`` placeholders still in the file (counted once per place in it, not per YAML alias expansion) fail
+    it: it cannot be launched yet. ``template``: the file is a template (the shipped ones are): they are a note."""
+    text = read_config_text(path, what="cluster file", examples="cluster/")
     docs = load_yaml_documents(path, what="cluster file")
-    if any(isinstance(d, dict) and "kind" in d for d in docs):
-        return validate_kuberay_documents(docs, source=path)
-    if len(docs) != 1:
+    kuberay = any(isinstance(d, dict) and "kind" in d for d in docs)
+    if kuberay:
+        notes = validate_kuberay_documents(docs, source=path)
+    elif len(docs) != 1:
         raise ConfigError(f"{path}: a cluster-launcher config is one YAML document, found {len(docs)}")
-    return validate_cluster_config(docs[0], source=path)
+    else:
+        notes = validate_cluster_config(docs[0], source=path)
+    places = placeholder_places(text)
+    if places:
+        before = "`kubectl apply`" if kuberay else "`ray up`"
+        what = f"{len(places)} place(s) still hold {PLACEHOLDER}: {placeholder_text(places)}"
+        if not template:
+            raise ConfigError(
+                f"{path}: {what}; fill them before {before} (or check the file as a template: --template)"
+            )
+        notes.append(f"template: fill these before {before}: {what}")
+    return notes
 
 
 def validate_cluster_config(config: Any, *, source: str = "<cluster>") -> list[str]:
@@ -112,7 +131,6 @@ def validate_cluster_config(config: Any, *, source: str = "<cluster>") -> list[s
                 problems += _check_trn_node_type(config, name, node_type, notes)
     problems += _check_security_group(config)
     problems += _command_problems(config, notes)
-    notes += placeholder_notes(config, before="`ray up`")
     raise_problems(source, problems)
     return notes
 

@@ -1,25 +1,36 @@
 """``raytrn estimate JOB [--cluster FILE] [--set k=v ...] [--json]``: memory, speed, time, cost and the checkpoint
-interval of a job, offline (:mod:`raytrn.estimate.job`). Exit 0 when it fits (or its device's memory is unknown),
-1 when it does not, 2 for a bad job or option."""
+interval of a job, offline (:mod:`raytrn.estimate.job`), after ``raytrn validate --no-data``'s checks of the job.
+Exit 0 when it fits or is tight (or its device's memory is unknown), 1 when it does not fit (``raytrn submit``
+refuses it), 2 for a bad job or option."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-from typing import Any
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from raytrn.cli_args import add_set_option
 
+if TYPE_CHECKING:
+    from raytrn.config import JobSpec
 
-def register(subparsers: Any) -> None:
+
+def register(subparsers: Any, *, check_job: Callable[[JobSpec], list[str]]) -> None:
+    """The ``estimate`` command. ``check_job``: ``raytrn validate --no-data``'s checks of a job (its info lines, or
+    a RaytrnError), run first; :mod:`raytrn.cli` passes :func:`raytrn.train.checks.check_job` (the training package
+    imports this one: importing it here would be a cycle)."""
     p = subparsers.add_parser(
         "estimate",
         help="memory a worker, tokens/s, time and cost to max_steps, and the checkpoint interval, before renting",
-        description="Estimate, from the job spec alone (offline): each worker's device memory by layout against its "
-        "device (and, when it does not fit, the smallest changes that make it fit), tokens/s a node at an MFU "
-        "(measured figures raytrn ships, else an assumption, each named), time and on-demand/spot cost to "
+        description="Estimate, from the job spec alone (offline; after the checks of `raytrn validate --no-data`): "
+        "each worker's device memory by layout against its device, with a verdict (fits: within the 90% planned "
+        "for; tight: within the device; does not fit) and the smallest changes that make it fit, tokens/s a node at "
+        "an MFU (measured figures raytrn ships, else an assumption, each named), time and on-demand/spot cost to "
         "run.max_steps with the expected interruptions, and the Young/Daly checkpoint interval. Exit 1 when the "
-        "job does not fit its devices.",
+        "job does not fit its devices (raytrn submit refuses it).",
     )
     p.add_argument("job", metavar="JOB.yaml")
     add_set_option(p)
@@ -40,10 +51,10 @@ def register(subparsers: Any) -> None:
         help="do not read the MFU and restart times of the experiment's finished runs from MLflow",
     )
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
-    p.set_defaults(func=_cmd_estimate)
+    p.set_defaults(func=functools.partial(_cmd_estimate, check_job=check_job))
 
 
-def _cmd_estimate(args: argparse.Namespace) -> int:
+def _cmd_estimate(args: argparse.Namespace, *, check_job: Callable[[JobSpec], list[str]]) -> int:
     from raytrn.config import load_job
     from raytrn.errors import ConfigError
     from raytrn.estimate.failures import DEFAULT_RATE, FailureRate
@@ -57,6 +68,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ConfigError(f"--mfu {args.mfu}: a fraction of the peak, in (0, 1]")
     job = load_job(args.job, args.overrides, resolve=False)
+    for line in check_job(job):  # what `raytrn validate --no-data` refuses is refused here with the same line
+        if line.startswith("warning: "):
+            print(f"raytrn: {line}", file=sys.stderr)
     instance_type = None
     if args.cluster:
         instance_type = _cluster_instance_type(args.cluster, job)
@@ -77,7 +91,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         save_s=Measured(args.save_s, "--save-s") if args.save_s is not None else None,
     )
     print(json.dumps(estimate.as_dict(), indent=2) if args.json else estimate.render())
-    return 1 if estimate.fits is False else 0
+    return 1 if estimate.memory_verdict == "does not fit" else 0  # tight: submit takes it, and says so
 
 
 def _cluster_instance_type(path: str, job: Any) -> str | None:
@@ -86,7 +100,7 @@ def _cluster_instance_type(path: str, job: Any) -> str | None:
     from raytrn.cluster.validate import validate_cluster_file
     from raytrn.errors import ConfigError
 
-    validate_cluster_file(path)
+    validate_cluster_file(path, template=True)  # what the job needs of it; placeholders: noted
     types = sorted({g.instance_type for g in load_capacity(path).groups if g.instance_type})
     if job.scaling.instance_type in types or not types:
         return str(job.scaling.instance_type) if job.scaling.instance_type else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import pickle
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,9 @@ def test_shipped_cluster_files_validate(path: Path) -> None:
         except ConfigError as e:  # not ours to fix here; say so instead of failing
             pytest.skip(f"{LOCAL_SIM} (fake_multinode simulator config) does not pass: {e}")
         return
-    notes = validate_cluster_file(str(path))
+    notes = validate_cluster_file(str(path), template=True)  # a template: its REPLACE_ME values are noted
     assert any("neuron_cores" in n for n in notes)
+    assert [n for n in notes if n.startswith("template: fill these before `ray up`")], notes
 
 
 DLAMI = {
@@ -71,7 +73,7 @@ def test_each_shipped_file_activates_its_familys_venv() -> None:
     assert "source /opt/aws_neuronx_venv_torch_neuronx_2_14_0/bin/activate" in TRN2.read_text()
     assert "source /opt/aws_neuronx_venv_pytorch_2_9_nxd_training/bin/activate" in TRN1.read_text()
     for path in (TRN1, TRN2):
-        assert not [n for n in validate_cluster_file(str(path)) if n.startswith("warning:")]
+        assert not [n for n in validate_cluster_file(str(path), template=True) if n.startswith("warning:")]
 
 
 @pytest.mark.parametrize(
@@ -388,11 +390,31 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def test_cli_validate_prints_notes_and_ok(capsys: pytest.CaptureFixture[str]) -> None:
-    args = _parser().parse_args(["cluster", "validate", str(TRN1)])
+    args = _parser().parse_args(["cluster", "validate", str(TRN1), "--template"])
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "trn1_32xl: trn1.32xlarge, neuron_cores 32" in out
     assert out.rstrip().endswith(f"{TRN1}: OK")
+
+
+def test_placeholders_fail_a_file_to_launch_and_are_counted_once_per_place(tmp_path: Path) -> None:
+    """Issue 46, item 14: a file with REPLACE_ME values left cannot be launched (exit 2, naming them), unless checked
+    as a template; each place in the file counts once, however many times YAML aliases repeat it (the shipped
+    files share one node_config between node types through an anchor)."""
+    args = _parser().parse_args(["cluster", "validate", str(TRN1)])
+    with pytest.raises(ConfigError) as e:
+        args.func(args)
+    message = str(e.value)
+    assert message.startswith(f"{TRN1}: ") and "still hold REPLACE_ME" in message and "--template" in message
+    text = TRN1.read_text()
+    in_file = sum(line.split("#")[0].count("REPLACE_ME") for line in text.splitlines())
+    assert f": {in_file} place(s) still hold REPLACE_ME" in message, (in_file, message)
+    expanded = json.dumps(load(TRN1)).count("REPLACE_ME")  # the values, YAML's aliases expanded
+    assert expanded > in_file  # (the file repeats its subnet and security group by alias)
+    # filled in: launchable
+    path = tmp_path / "c.yaml"
+    path.write_text(text.replace("REPLACE_ME", "filled"))
+    assert not [n for n in validate_cluster_file(str(path)) if "REPLACE_ME" in n]
 
 
 def test_cli_validate_raises_config_error(tmp_path: Path) -> None:

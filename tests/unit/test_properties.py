@@ -131,7 +131,7 @@ def _imports_done(tmp_path_factory: pytest.TempPathFactory) -> None:
         except BackendUnavailableError:  # a backend this installation lacks (without raytrn.xla: trn1)
             pass
     for path in LAUNCHER + KUBERAY:
-        validate_cluster_file(str(path))
+        validate_cluster_file(str(path), template=True)
 
 
 # -- the job spec ---------------------------------------------------------------------------------------
