@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from raytrn import storage
+from raytrn import jsonfile, storage
 from raytrn.checkpoint.rundir import LEASE_FILE, RunDir
 from raytrn.errors import RaytrnError, RunStopped
 
@@ -93,7 +93,7 @@ class Holder:
     @classmethod
     def parse(cls, text: str) -> Holder | None:
         try:
-            data = json.loads(text)
+            data = jsonfile.loads(text)
             return cls(
                 host=str(data["host"]),
                 pid=int(data["pid"]),

@@ -27,7 +27,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from raytrn import storage
+from raytrn import jsonfile, storage
 from raytrn.checkpoint.pins import pinned
 from raytrn.checkpoint.progress import Progress, read_meta
 from raytrn.checkpoint.rundir import RunDir
@@ -63,7 +63,7 @@ class Commit:
     @classmethod
     def from_json(cls, text: str) -> Commit:
         """Parse a manifest; ValueError naming what is wrong with it."""
-        data = json.loads(text)
+        data = jsonfile.loads(text)
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"not a {FORMAT} manifest")
         files = data.get("files")

@@ -13,7 +13,7 @@ import logging
 import re
 import time
 
-from raytrn import storage
+from raytrn import jsonfile, storage
 from raytrn.checkpoint.rundir import STEP_NUMBER, RunDir
 from raytrn.config import JobSpec
 from raytrn.errors import CheckpointError
@@ -66,7 +66,7 @@ def pinned(run: RunDir) -> set[int]:
         except OSError as e:
             raise _unreadable(path, e) from None
         try:
-            if json.loads(text or "{}").get("until", 0) > now:
+            if jsonfile.loads(text or "{}").get("until", 0) > now:
                 out.add(int(match.group(1)))
         except (ValueError, AttributeError):  # not a pin raytrn wrote
             continue

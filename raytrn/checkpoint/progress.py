@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from raytrn import storage
+from raytrn import jsonfile, storage
 from raytrn.errors import CheckpointError
 
 META_FILE = "meta.json"
@@ -73,7 +73,7 @@ def read_local_meta(directory: str) -> Meta:
 
 def parse_meta(text: str) -> Meta:
     """The counters, schedule and other keys (such as where shards are) of a ``meta.json`` text."""
-    data = json.loads(text)
+    data = jsonfile.loads(text)
     if not isinstance(data, dict):
         raise ValueError(f"{META_FILE} holds {type(data).__name__}, not an object")
     fields = set(Progress.__dataclass_fields__)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from raytrn import jsonfile
 from raytrn.backends.neuron_env import INSTANCES
 from raytrn.cluster.common import (
     as_list,
@@ -217,7 +218,7 @@ def ray_resources(start_params: Any) -> dict[str, Any]:
         if not isinstance(value, str):
             break
         try:
-            value = json.loads(value)
+            value = jsonfile.loads(value)
         except json.JSONDecodeError:
             return {}
     return value if isinstance(value, dict) else {}

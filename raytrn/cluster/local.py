@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from raytrn import jsonfile
 from raytrn.errors import RaytrnError
 from raytrn.tracking.server import build_server_command, start, stop
 
@@ -467,7 +468,7 @@ def _wait_dashboard(url: str, *, deadline: float, token_path: str | None = None)
 
 def _load_state(state: Path) -> LocalCluster | None:
     try:
-        return LocalCluster.from_json(json.loads(state.read_text()))
+        return LocalCluster.from_json(jsonfile.loads(state.read_text()))
     except FileNotFoundError:
         return None
     except (ValueError, TypeError) as e:

@@ -9,10 +9,10 @@ read: ``rope_theta`` + ``rope_scaling`` (transformers 4) and ``rope_parameters``
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
+from raytrn import jsonfile
 from raytrn.config.presets import PRESETS
 from raytrn.errors import ConfigError
 
@@ -58,7 +58,7 @@ def read_config(location: str) -> dict[str, Any]:
             "init_from is a Hugging Face checkpoint directory: config.json and *.safetensors"
         )
     try:
-        data = json.loads(text)
+        data = jsonfile.loads(text)
     except ValueError as e:  # JSONDecodeError, or an integer of over 4,300 digits
         raise ConfigError(f"model.init_from: {path} is not JSON ({e})") from None
     if not isinstance(data, dict):

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from raytrn import jsonfile
 from raytrn.errors import DataError
 
 FORMATS = ("text", "prompt-completion", "chat")
@@ -52,7 +53,7 @@ def parse_line(raw: bytes, fmt: str, *, where: str) -> Any:
     if not line.strip():
         return None
     try:
-        obj = json.loads(line)
+        obj = jsonfile.loads(line)
     except json.JSONDecodeError as e:
         raise BadLine(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):

@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from raytrn import storage
+from raytrn import jsonfile, storage
 from raytrn.errors import DataError
 
 FORMAT = "raytrn.packed/v1"
@@ -403,7 +403,7 @@ def load_manifest(path: str, *, check_files: bool = True) -> Manifest:
             f"{mpath}: {size:,} bytes is not a manifest (raytrn's are kilobytes; at most {MAX_MANIFEST_BYTES >> 20} MiB)"
         )
     try:
-        data = json.loads(_read_text(mpath))
+        data = jsonfile.loads(_read_text(mpath))
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits
         raise DataError(f"{mpath}: not valid JSON ({e}); {_RECREATE_HINT}") from None
     except RecursionError:

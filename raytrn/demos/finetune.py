@@ -27,6 +27,7 @@ import sysconfig
 import time
 from pathlib import Path
 
+from raytrn import jsonfile
 from raytrn.config import resolve_mlflow_uri
 from raytrn.errors import ConfigError, RaytrnError
 from raytrn.tracking.client import mlflow_client, redact_uri
@@ -51,7 +52,11 @@ def demo_model(tracking_uri: str, out: Path = MODEL_DIR) -> Path:
         if not any(a.path == "model" for a in client.list_artifacts(run.info.run_id)):
             continue
         stamp = out / STAMP
-        previous = json.loads(stamp.read_text()) if stamp.exists() else None
+        try:
+            previous = jsonfile.loads(stamp.read_text()) if stamp.exists() else None
+        except ValueError:  # not a stamp this demo wrote
+            previous = None
+        previous = previous if isinstance(previous, dict) else None
         if previous and previous.get("run_id") == run.info.run_id:
             return out
         if out.exists():

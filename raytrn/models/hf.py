@@ -13,12 +13,11 @@ raytrn's decoder in any layout. (Its ``config.json`` as raytrn's model section: 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from raytrn import storage
+from raytrn import jsonfile, storage
 from raytrn.config.hf_config import CONFIG_FILE
 from raytrn.config.hf_config import check_config as check_config  # re-exported: raytrn.train.checks imports it here
 from raytrn.errors import CheckpointError
@@ -75,8 +74,11 @@ def safetensors_files(directory: str) -> list[str]:
         )
     index = os.path.join(directory, INDEX_FILE)
     if os.path.exists(index):
-        with open(index) as f:
-            wanted = set(json.load(f).get("weight_map", {}).values())
+        try:
+            with open(index) as f:
+                wanted = set(jsonfile.load(f).get("weight_map", {}).values())
+        except (ValueError, AttributeError, TypeError) as e:
+            raise CheckpointError(f"model.init_from: {index} is not a safetensors index ({e})") from None
         missing = sorted(wanted - set(names))
         if missing:
             raise CheckpointError(f"model.init_from: {index} names {', '.join(missing)}, not in {directory}")

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from raytrn import storage
+from raytrn import jsonfile, storage
 from raytrn.config import RUN_NAME, JobSpec, check_field_value, load_job, read_job_file
 from raytrn.data.manifest import load_manifest
 from raytrn.errors import ConfigError, RaytrnError
@@ -154,7 +154,7 @@ class SweepState:
         if text is None:
             return None
         try:
-            raw = json.loads(text)
+            raw = jsonfile.loads(text)
             trials = [TrialState(**t) for t in raw.pop("trials")]
             return cls(**raw, trials=trials)
         except (ValueError, TypeError, KeyError) as e:

@@ -12,6 +12,7 @@ import json
 import os
 from typing import Any
 
+from raytrn import jsonfile
 from raytrn.tracking.client import split_credentials
 
 RECORD = os.path.join("mlruns", "raytrn-last-run.json")
@@ -35,7 +36,7 @@ def last_experiment(tracking_uri: str, directory: str = ".") -> str | None:
     """The experiment of the last run trained in ``directory`` against ``tracking_uri`` (None: none recorded)."""
     try:
         with open(os.path.join(directory, RECORD)) as fh:
-            data: Any = json.load(fh)
+            data: Any = jsonfile.load(fh)
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or data.get("tracking_uri") != split_credentials(tracking_uri)[0]:

@@ -19,7 +19,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from raytrn import storage
+from raytrn import jsonfile, storage
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.compat import dataset_input
 from raytrn.config import JobSpec
@@ -205,7 +205,7 @@ def _read_marker(marker: str) -> dict[str, Any]:
     if not text:
         return {}
     try:
-        data = json.loads(text)
+        data = jsonfile.loads(text)
     except ValueError:
         return {}
     return data if isinstance(data, dict) else {}

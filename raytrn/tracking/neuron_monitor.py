@@ -9,7 +9,6 @@ cannot read and never raises, so a monitoring hiccup never stops training.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import shutil
@@ -17,6 +16,8 @@ import subprocess
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
+
+from raytrn import jsonfile
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ def iter_reports(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
         if not line:
             continue
         try:
-            doc = json.loads(line)
+            doc = jsonfile.loads(line)
         except ValueError:
             log.debug("neuron-monitor: skipping malformed line %.80r", line)
             continue

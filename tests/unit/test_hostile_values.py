@@ -182,3 +182,73 @@ def test_validate_answers_in_seconds_when_the_s3_endpoint_is_unreachable() -> No
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("raytrn: error: model.init_from: cannot read s3://my-raytrn-bucket/")
     assert f"cannot reach the S3 endpoint http://127.0.0.1:{port}" in proc.stderr and "curlCode" not in proc.stderr
+
+
+# -- JSON nested too deep (or holding a huge integer) in every file raytrn reads ----------------------------------------
+
+DEEP = "[" * 100_000
+HUGE_JSON = '{"a": ' + "9" * 5000 + "}"
+
+
+@pytest.mark.parametrize("text", [DEEP, HUGE_JSON], ids=["deep", "huge-int"])
+def test_every_json_reader_answers_a_hostile_file_in_its_own_words(tmp_path: Path, text: str) -> None:
+    """Before: a RecursionError (or, for the JSONL readers, a ValueError that is not a JSONDecodeError) escaped
+    every reader but the dataset manifest's: a traceback, or a crash of what read it."""
+    from raytrn.checkpoint.lease import Holder
+    from raytrn.checkpoint.manifest import Commit
+    from raytrn.checkpoint.pins import pinned
+    from raytrn.checkpoint.progress import parse_meta
+    from raytrn.checkpoint.rundir import RunDir
+    from raytrn.cluster.kuberay import ray_resources
+    from raytrn.cluster.local import _load_state
+    from raytrn.config.hf_config import read_config
+    from raytrn.data.instruct import parse_line
+    from raytrn.data.manifest import load_manifest
+    from raytrn.data.prepare.inputs import iter_documents
+    from raytrn.data.prepare.tokenizer import load_tokenizer_config
+    from raytrn.data.prepare.writer import _journal_names
+    from raytrn.errors import RaytrnError
+    from raytrn.sweep.plan import SweepState
+    from raytrn.tracking.mlflow_run import _read_marker
+
+    def file(name: str) -> Path:
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return path
+
+    # refused, one line, each reader's own error
+    for call in (
+        lambda: load_manifest(str(file("data/manifest.json").parent)),
+        lambda: read_config(str(file("model/config.json").parent)),
+        lambda: SweepState.load(str(file("sweep/sweep.json").parent)),
+        lambda: _load_state(file("local/state.json")),
+        lambda: list(iter_documents(str(file("in/a.jsonl")), "jsonl")),
+        lambda: parse_line(text.encode(), "chat", where="x.jsonl:1"),
+    ):
+        with pytest.raises(RaytrnError) as e:
+            call()
+        assert "\n" not in str(e.value), str(e.value)
+    # a tokenizer directory whose tokenizer_config.json is hostile
+    from tokenizers import Tokenizer, models
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text(Tokenizer(models.BPE()).to_str())
+    (tok / "tokenizer_config.json").write_text(text)
+    with pytest.raises(RaytrnError) as e:
+        load_tokenizer_config(str(tok))
+    assert "tokenizer_config.json is not JSON" in str(e.value) and "\n" not in str(e.value)
+    # not ours: a ValueError the caller already turns into its message, or passed over
+    for call in (lambda: Commit.from_json(text), lambda: parse_meta(text)):
+        with pytest.raises(ValueError):
+            call()
+    assert Holder.parse(text) is None
+    assert _read_marker(str(file("run/raytrn-run.json"))) == {}
+    assert ray_resources(text) == {}
+    journal = file("out/.raytrn-replacing.json")
+    assert _journal_names(str(journal.parent)) == set()
+    pins = tmp_path / "ckpt" / "r" / "pins"
+    pins.mkdir(parents=True)
+    (pins / "step_00000005.json").write_text(text)
+    assert pinned(RunDir(str(tmp_path / "ckpt"), "r")) == set()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from raytrn import jsonfile
 from raytrn.data.manifest import FORMAT
 from raytrn.errors import DataError
 
@@ -146,7 +147,7 @@ def _iter_jsonl(path: str) -> Iterator[str]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = jsonfile.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(
                     f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); "

@@ -4,13 +4,13 @@ or a Hugging Face tokenizer directory with its tokenizer_config.json), and the E
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from raytrn import jsonfile
 from raytrn.data.manifest import TOKENIZER_CONFIG_NAME, TOKENIZER_NAME
 from raytrn.errors import DataError
 
@@ -94,7 +94,7 @@ def load_tokenizer_config(path: str | None) -> tuple[dict[str, Any] | None, byte
     with open(file, "rb") as f:
         raw = f.read()
     try:
-        config = json.loads(raw)
+        config = jsonfile.loads(raw)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, or an integer of over 4,300 digits
         raise DataError(f"--tokenizer {path}: {TOKENIZER_CONFIG_NAME} is not JSON ({e})") from None
     if not isinstance(config, dict):

@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from raytrn import jsonfile
 from raytrn.data.instruct import MASK_COLUMN, SEGMENT_COLUMN
 from raytrn.data.manifest import (
     MANIFEST_NAME,
@@ -160,7 +161,7 @@ def _journal_names(directory: str) -> set[str]:
     without sizes (not raytrn's, or one edited by hand) names nothing: its names stay foreign, never deleted."""
     try:
         with open(os.path.join(directory, JOURNAL_NAME), encoding="utf-8") as f:
-            data = json.load(f)
+            data = jsonfile.load(f)
         entries = [*data.get("old", {}).items(), *data.get("new", {}).items()]
     except (OSError, ValueError, AttributeError, TypeError):
         return set()
