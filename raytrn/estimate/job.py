@@ -18,7 +18,7 @@ from raytrn.estimate.devices import GIB, Device, worker_device
 from raytrn.estimate.failures import DEFAULT_RATE, FailureRate, lost_fraction, young_daly_interval_s
 from raytrn.estimate.history import History
 from raytrn.estimate.memory import USABLE, MemoryEstimate, estimate_memory
-from raytrn.estimate.reference import ASSUMED_MFU, MFU, RESTART_S, Measured
+from raytrn.estimate.reference import ASSUMED_MFU, MFU, RESTART_S, Measured, carried_over_to_moe
 from raytrn.models import model_stats
 from raytrn.tracking.cost import usd_per_hour
 
@@ -73,6 +73,30 @@ class JobEstimate:
             return None
         return int(self.device.memory_bytes * USABLE) - self.memory.total
 
+    @property
+    def memory_verdict(self) -> str | None:
+        """``fits``: at most the :data:`USABLE` share of the device planned for; ``tight``: above it but not above
+        the device (``raytrn submit`` takes it and says so); ``does not fit``: above the device (refused). None: the
+        device's memory is unknown."""
+        device = self.device.memory_bytes
+        if device is None:
+            return None
+        if self.memory.total <= device * USABLE:
+            return "fits"
+        return "tight" if self.memory.total <= device else "does not fit"
+
+    def describe_verdict(self) -> str:
+        """The verdict with its arithmetic, one line."""
+        device, total = self.device.memory_bytes, self.memory.total / GIB
+        if device is None:
+            return "memory: not checked (the device's memory is unknown)"
+        usable = f"the {USABLE:.0%} of {device / GIB:,.1f} GiB planned for ({device * USABLE / GIB:,.1f} GiB)"
+        return {
+            "fits": f"memory: fits ({total:,.2f} GiB a worker, within {usable})",
+            "tight": f"memory: tight ({total:,.2f} GiB a worker: over {usable}, within the device: try it)",
+            "does not fit": f"memory: does not fit ({total:,.2f} GiB a worker, the device has {device / GIB:,.1f} GiB)",
+        }[self.memory_verdict or ""]
+
     def cost(self, price: float | None) -> float | None:
         if price is None or self.hours is None:
             return None
@@ -80,8 +104,8 @@ class JobEstimate:
 
     def summary(self) -> str:
         """One line: fits or not, $/hour, ETA."""
-        fit = {True: "fits", False: "DOES NOT FIT", None: "memory not checked"}[self.fits]
-        if self.fits is False and self.device.memory_bytes and self.memory.total <= self.device.memory_bytes:
+        fit = self.memory_verdict or "memory not checked"
+        if fit == "tight":
             fit = f"tight: {-(self.margin_bytes or 0) / GIB:,.2f} GiB over the {USABLE:.0%} planned for"
         parts = [f"estimate: {fit} ({self.memory.total / GIB:,.1f} GiB a worker"]
         if self.device.memory_bytes:
@@ -110,6 +134,7 @@ class JobEstimate:
             },  # fmt: skip
             "memory": {**self.memory.as_dict(), "notes": self.memory.notes},
             "fits": self.fits,
+            "memory_verdict": self.memory_verdict,
             "margin_bytes": self.margin_bytes,
             "fixes": [{"set": list(f.overrides), "total_bytes": f.memory.total} for f in self.fixes],
             "flops_per_token": self.flops_per_token,
@@ -143,9 +168,12 @@ class JobEstimate:
                 else f"; margin {self.margin_bytes / gib:,.2f} GiB of {USABLE:.0%} usable"
             )  # fmt: skip
         )
-        if self.fits is False:
-            lines.append("does not fit; changes that make it fit (smallest first):" if self.fixes else
-                         "does not fit, and no change of TP, FSDP, checkpointing or micro-batch makes it fit")  # fmt: skip
+        lines.append(self.describe_verdict())
+        if self.fits is False:  # tight or does not fit: the changes that bring it within the share planned for
+            within = f"within {USABLE:.0%}"
+            what = "changes that make it fit" if self.memory_verdict == "does not fit" else "changes that bring it"
+            lines.append(f"{what} {within} (smallest first):" if self.fixes else
+                         f"no change of TP, FSDP, checkpointing or micro-batch brings it {within}")  # fmt: skip
             lines += [f"  {f.describe()}" for f in self.fixes]
         if self.tokens_per_s_per_node is not None and self.mfu is not None:
             lines.append(
@@ -215,7 +243,10 @@ def estimate_job(
     out.usd_per_hour = usd_per_hour(itype, override=job.tracking.usd_per_hour)
     out.spot_usd_per_hour = spot_usd_per_hour or job.tracking.spot_usd_per_hour
     if device.peak_flops:
-        out.mfu = mfu or history.mfu or MFU.get(device_family(device, itype), ASSUMED_MFU)
+        shipped = MFU.get(device_family(device, itype))  # measured on dense models: labelled for a MoE one
+        if shipped is not None and job.model.is_moe:
+            shipped = carried_over_to_moe(shipped, job.model.family)
+        out.mfu = mfu or history.mfu or shipped or ASSUMED_MFU
         per_worker = device.peak_flops * out.mfu.value / out.flops_per_token
         out.tokens_per_s_per_node = per_worker * (world // nodes)
         tokens = job.run.max_steps * global_batch(job, data_parallel_size(job, world)) * job.data.seq_len
@@ -302,7 +333,7 @@ def check_fits(job: JobSpec, *, instance_type: str | None = None) -> str:
 
     est = estimate_job(job, instance_type=instance_type)
     device = est.device.memory_bytes
-    if job.scaling.accelerator != "cpu" and device is not None and est.memory.total > device:
+    if job.scaling.accelerator != "cpu" and device is not None and est.memory_verdict == "does not fit":
         fixes = "; ".join(f.describe() for f in est.fixes) or "none of TP, FSDP, checkpointing or micro-batch"
         raise ConfigError(
             f"{job.source}: a worker needs {est.memory.describe()} but its device ({est.device.name}) has "
@@ -359,6 +390,7 @@ def estimate_params(job: JobSpec) -> dict[str, Any]:
         "estimate.memory_bytes": est.memory.total,
         "estimate.device_memory_bytes": est.device.memory_bytes,
         "estimate.fits": est.fits,
+        "estimate.memory_verdict": est.memory_verdict,
     }
     if est.tokens_per_s_per_node is not None and est.mfu is not None:
         out.update({

@@ -78,7 +78,8 @@ class MemoryEstimate:
     @property
     def probed(self) -> int:
         """What :mod:`raytrn.train.memory_probe` measures on a worker without a device allocator (cpu): the state
-        held (one gradient per trainable parameter) and the tensors saved for backward (activations, logits)."""
+        held (one gradient per trainable parameter), the tensors saved for backward (activations, the loss's) and
+        the logits the step holds."""
         return self.parameters + self.gradients + self.optimizer + self.activations + self.logits
 
     def as_dict(self) -> dict[str, int]:

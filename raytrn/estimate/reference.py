@@ -29,6 +29,15 @@ MFU: dict[str, Measured] = {
     "trn2": Measured(0.234, "trn1's published 8B MFU carried over (no trn2 figure published: extrapolated)"),
     "H100": Measured(0.537, "bench/GPU.md: raytrn's step, Llama 3.2 1B, seq 2048, one H100 (datasheet peak)"),
 }
+
+
+def carried_over_to_moe(mfu: Measured, family: str) -> Measured:
+    """A figure of :data:`MFU` (each measured on a dense model) used for a MoE model, labelled so: a MoE step's
+    routing, token exchange and smaller expert matmuls are not what was measured."""
+    return Measured(mfu.value, f"{mfu.source}; a dense model's MFU carried over to this MoE model ({family}): "
+                               "none measured on one, pass --mfu")  # fmt: skip
+
+
 #: Used when nothing above applies, shown as an assumption.
 ASSUMED_MFU = Measured(0.30, "assumed (no measurement for this model and device): set --mfu")
 

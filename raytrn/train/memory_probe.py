@@ -7,8 +7,10 @@ Measured once per worker group, at its second step (AdamW's state exists by then
   estimate's total less the runtime's share (the allocator does not see the runtime);
 - elsewhere (cpu): the state the worker holds, counted exactly (its local parameters, one gradient per trainable
   parameter, AdamW's moments) plus the tensors the step's forward saves for backward (each storage once, the
-  parameters' excluded; one micro-batch's), compared with :attr:`MemoryEstimate.probed`. Not measured under
-  ``torch.compile`` or activation checkpointing, whose saved tensors autograd's hooks do not see.
+  parameters' excluded; one micro-batch's) and the model's output, the logits (held by the step through backward,
+  saved for it by nothing: without them the tiny job measured 24% short), compared with
+  :attr:`MemoryEstimate.probed`. Not measured under ``torch.compile`` or activation checkpointing, whose saved
+  tensors autograd's hooks do not see.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ class MemoryProbe:
     @contextmanager
     def stepping(self, step: int) -> Iterator[None]:
         """Around the train step ``step``: at the probe's step on a cpu worker, the storages its forward passes
-        save for backward are recorded (kept until :meth:`measure`)."""
+        save for backward, and the logits they return, are recorded (kept until :meth:`measure`)."""
         if step != self.at or self.allocator:
             yield
             return
@@ -92,8 +94,20 @@ class MemoryProbe:
                 saved.setdefault(storage.data_ptr(), storage)
             return x
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            yield
+        def output(module: torch.nn.Module, args: Any, out: Any) -> None:
+            # The model's logits: the step holds them until its backward is done, yet nothing saves them for it
+            # (the loss keeps its log-softmax, the head its input). Every module's output passes here: a tuple of
+            # the model's (raytrn.models.decoder.CausalLMOutput, under DDP or FSDP too) has them.
+            logits = getattr(out, "logits", None)
+            if isinstance(logits, torch.Tensor):
+                pack(logits)
+
+        hook = torch.nn.modules.module.register_module_forward_hook(output)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+                yield
+        finally:
+            hook.remove()
 
     def measure(self, step: int, model: torch.nn.Module, optimizer: Any, grad_accum: int) -> MeasuredMemory | None:
         """After the train step ``step`` (of ``grad_accum`` micro-batches): at the probe's step, the measurement (the
