@@ -26,6 +26,7 @@ from raytrn.compat import (
 )
 from raytrn.config import relative_local_paths
 from raytrn.errors import RaytrnError
+from raytrn.uris import redact_uri
 
 if TYPE_CHECKING:
     from raytrn.config import JobSpec
@@ -51,7 +52,7 @@ def ensure_ray(min_cpus: float = 0) -> bool:
             ray.init(address=address, logging_level=logging.WARNING)
         except (ConnectionError, TimeoutError, ValueError) as e:
             raise RaytrnError(
-                f"cannot connect to the Ray cluster at RAY_ADDRESS={address!r}: {e}; check the address (and the "
+                f"cannot connect to the Ray cluster at RAY_ADDRESS={redact_uri(address)!r}: {e}; check the address (and the "
                 "SSH tunnel, e.g. `ray dashboard cluster.yaml`), or unset RAY_ADDRESS to run on a local Ray"
             ) from None
         _routing_started()
@@ -97,22 +98,24 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Fail fast with a clear message: ray.init retries an unreachable GCS for minutes."""
     import socket
 
-    if address.startswith(("http://", "https://")):
+    if address.lower().startswith(("http://", "https://")):
         raise RaytrnError(
-            f"RAY_ADDRESS={address!r} is a dashboard (job submission) URL, not a cluster address; submit the job "
-            f"with `ray job submit --address {address} --working-dir . -- raytrn train JOB.yaml`, or unset "
+            f"RAY_ADDRESS={redact_uri(address)!r} is a dashboard (job submission) URL, not a cluster address; submit the job "
+            f"with `ray job submit --address {redact_uri(address)} --working-dir . -- raytrn train JOB.yaml`, or unset "
             "RAY_ADDRESS to run on a local Ray"
         )
     if address == "auto" or "://" in address:
         return
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise RaytrnError(f"RAY_ADDRESS={address!r}: expected HOST:PORT of the Ray head (GCS), e.g. 10.0.0.5:6379")
+        raise RaytrnError(
+            f"RAY_ADDRESS={redact_uri(address)!r}: expected HOST:PORT of the Ray head (GCS), e.g. 10.0.0.5:6379"
+        )
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as e:
         raise RaytrnError(
-            f"cannot reach the Ray cluster at RAY_ADDRESS={address!r} ({e}); check the address, or unset RAY_ADDRESS "
+            f"cannot reach the Ray cluster at RAY_ADDRESS={redact_uri(address)!r} ({e}); check the address, or unset RAY_ADDRESS "
             "to run on a local Ray"
         ) from None
 

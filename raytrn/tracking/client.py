@@ -21,10 +21,11 @@ import socket
 import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 from raytrn.config import JobSpec
 from raytrn.errors import ConfigError
+from raytrn.uris import redact_uri, split_credentials
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -67,19 +68,6 @@ def mlflow_client(target: str | JobSpec, *, fail_fast: bool = False, create_stor
     if create_store and (db := sqlite_path(uri)):
         os.makedirs(os.path.dirname(db) or ".", exist_ok=True)
     return MlflowClient(uri)
-
-
-def split_credentials(uri: str) -> tuple[str, str | None, str | None]:
-    """``scheme://user:password@host...`` (any scheme) -> (the URI without them, user, password); a URI without
-    credentials as it is. The password runs to the URI's last ``@`` (:data:`_CREDENTIALS`): it may hold ``@``,
-    ``:``, ``/``, ``#`` or ``?`` unencoded. The one reading of credentials that :func:`redact_uri` masks too."""
-    scheme_end = uri.find("://")
-    m = _CREDENTIALS.match(uri, scheme_end + 3) if scheme_end > 0 else None
-    if m is None or any(c.isspace() for c in uri[:scheme_end]):
-        return uri, None, None
-    clean = uri[: m.start()] + uri[m.end() :]
-    password = m.group("password")
-    return clean, unquote(m.group("user")), unquote(password) if password is not None else None
 
 
 def use_credentials(uri: str) -> str:
@@ -162,13 +150,6 @@ def unreachable(uri: str, timeout_s: float = 3.0) -> str | None:
 
 _SECRET_WORDS = frozenset({"secret", "password", "passwd", "pwd", "credential", "credentials", "apikey"})
 _SECRET_PARTS = ("secret", "password", "api_key", "apikey", "access_key", "private_key", "auth_token")
-#: Credentials in a URI, from just after its ``://``: a user (no ``:`` or ``/``; it may hold ``@``), then
-#: optionally ``:`` and a password running to the last ``@`` before whitespace, whatever it holds (``/``, ``#``,
-#: ``?``, ``@`` unencoded: the user meant the host after the last ``@``). Any scheme: ``http``, ``HTTP``,
-#: ``postgresql``, ``mysql+pymysql``. A path holding ``@`` after a ``host:port`` reads as credentials too: masking
-#: too much is safe, too little is not.
-_CREDENTIALS = re.compile(r"(?P<user>[^\s:/]*)(?::(?P<password>\S*))?@")
-_AFTER_SCHEME = re.compile(r"(?<=://)")
 
 
 def is_secret_key(key: str) -> bool:
@@ -181,21 +162,6 @@ def is_secret_key(key: str) -> bool:
     # "token" names a credential as a name's last word (HF_TOKEN, auth.token), not in "flops_per_token".
     token = words[-1] == "token" and (len(words) < 2 or words[-2] != "per")
     return token or bool(set(words) & _SECRET_WORDS) or any(part in name for part in _SECRET_PARTS)
-
-
-def redact_uri(text: str) -> str:
-    """``text`` with the password of every URI in it masked: ``scheme://user:pass@host`` ->
-    ``scheme://user:***@host`` (what :func:`split_credentials` reads as the password)."""
-    out, done = [], 0
-    for start in (m.end() for m in _AFTER_SCHEME.finditer(text)):
-        if start < done:
-            continue
-        m = _CREDENTIALS.match(text, start)
-        if m is None or m.group("password") is None:
-            continue
-        out.append(text[done : m.start("password")] + "***")
-        done = m.end("password")
-    return "".join(out) + text[done:]
 
 
 def redact(key: str, value: Any) -> str:

@@ -82,7 +82,7 @@ def test_raytrn_submit_leaves_them_out_with_one_note(
     monkeypatch.chdir(job_dir)
     for key, value in _environ(tmp_path).items():
         monkeypatch.setenv(key, value)
-    sets = ["data.manifest=/fsx/data", "checkpoint.storage=s3://b/ckpt"]
+    sets = ["data.manifest=/fsx/data", "checkpoint.storage=s3://bkt/ckpt"]
     sub.submit("tiny.yaml", address=f"http://127.0.0.1:{dashboard}", overrides=sets, follow=False, token="t",
                env={"MLFLOW_TRACKING_SERVER_CERT_PATH": "/etc/ssl/cluster-ca.pem"})  # fmt: skip
     (posted,) = [body for path, _, body in _Dashboard.seen if path == "/api/jobs/" and body]

@@ -199,7 +199,7 @@ def test_check_the_shipped_trn2_jobs() -> None:
         (["scaling.workers_per_node=32"], "does not match the 64 NeuronCores of trn2.48xlarge"),
         (["neuron.lnc=1"], "does not match the 128 NeuronCores of trn2.48xlarge at neuron.lnc=1"),
         (["scaling.instance_type=trn3.48xlarge"], "Trainium3 instance types are not yet known"),
-        (["neuron.compile_cache=s3://b/c"], "an s3:// cache is the XLA path's"),
+        (["neuron.compile_cache=s3://bkt/c"], "an s3:// cache is the XLA path's"),
         (["scaling.workers_per_node=null"], "scaling.accelerator='neuron' needs scaling.workers_per_node (one worker "
          "per NeuronCore): set e.g. scaling.instance_type: trn2.48xlarge and scaling.workers_per_node: 64"),
         (["neuron.lnc=2", "neuron.cc_flags='--lnc 1'"], "logical NeuronCore config to 1 but neuron.lnc=2"),

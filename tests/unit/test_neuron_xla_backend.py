@@ -115,7 +115,7 @@ def test_check_refuses_trn2_and_trn3() -> None:
 
 def test_ray_backend_config_carries_plain_fields() -> None:
     spec = job(
-        "neuron.compile_cache=s3://b/cache",
+        "neuron.compile_cache=s3://bkt/cache",
         "neuron.socket_ifname=ens5",
         "neuron.cc_flags='--model-type transformer'",
         "parallel.tensor_parallel_size=8",
@@ -130,7 +130,7 @@ def test_ray_backend_config_carries_plain_fields() -> None:
         "workers_per_node": 32,
         "lnc": None,
         "tensor_parallel_size": 8,
-        "compile_cache": "s3://b/cache",
+        "compile_cache": "s3://bkt/cache",
         "socket_ifname": "ens5",
         "stochastic_rounding": True,
         "cc_flags": "--model-type transformer",

@@ -131,7 +131,7 @@ def test_unreachable_address_fails_before_submitting(monkeypatch: pytest.MonkeyP
     with pytest.raises(
         RaytrnError, match=rf"cannot reach the Ray dashboard at http://127.0.0.1:{port}.*nothing was submitted"
     ):
-        paths = ["data.manifest=/data/stdlib", "checkpoint.storage=s3://b/ckpt"]
+        paths = ["data.manifest=/data/stdlib", "checkpoint.storage=s3://bkt/ckpt"]
         sub.submit("jobs/tiny.yaml", address=f"127.0.0.1:{port}", overrides=paths, follow=False, token="")
 
 
@@ -205,7 +205,7 @@ def test_a_remote_cluster_refuses_relative_local_paths() -> None:
     assert "data.manifest: data/stdlib\n  checkpoint.storage: checkpoints\n" in msg
     assert "s3://BUCKET/PREFIX or an absolute path on the cluster's shared filesystem" in msg
     assert msg.endswith("nothing was submitted")
-    raw, job = _jobs("data.manifest=/fsx/data", "checkpoint.storage=s3://b/ckpt", "tracking.run_name=r1")
+    raw, job = _jobs("data.manifest=/fsx/data", "checkpoint.storage=s3://bkt/ckpt", "tracking.run_name=r1")
     assert sub.frozen_overrides(raw, job, local=False, address="http://h:8265") == []
 
 
@@ -304,7 +304,7 @@ def test_a_driver_in_a_ray_job_refuses_relative_paths(tmp_path: Path) -> None:
     assert "data.manifest: data/stdlib" in msg and "checkpoint.storage: checkpoints" in msg
     assert "tracking.mlflow_uri: null with no MLFLOW_TRACKING_URI here" in msg
     check_paths_for_ray_job(raw, {})  # not in a Ray job: `raytrn train` resolves them where it runs
-    ok, _ = _jobs("data.manifest=/fsx/d", "checkpoint.storage=s3://b/c")
+    ok, _ = _jobs("data.manifest=/fsx/d", "checkpoint.storage=s3://bkt/c")
     check_paths_for_ray_job(ok, {**in_job, "MLFLOW_TRACKING_URI": "http://head:5000"})
 
 

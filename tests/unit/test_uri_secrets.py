@@ -155,7 +155,7 @@ def test_raytrn_submit_sends_the_dashboard_no_password_on_its_command_line(
 ) -> None:
     shutil.copy(REPO / "jobs" / "tiny.yaml", tmp_path / "tiny.yaml")
     monkeypatch.chdir(tmp_path)
-    sets = ["data.manifest=/fsx/data", "checkpoint.storage=s3://b/ckpt", f"tracking.mlflow_uri={uri}"]
+    sets = ["data.manifest=/fsx/data", "checkpoint.storage=s3://bkt/ckpt", f"tracking.mlflow_uri={uri}"]
     sub.submit("tiny.yaml", address=f"http://127.0.0.1:{dashboard}", overrides=sets, follow=False, token="t")
     (posted,) = [body for path, _, body in _Dashboard.seen if path == "/api/jobs/" and body]
     assert not _leaks(posted["entrypoint"], password), posted["entrypoint"]
@@ -208,3 +208,20 @@ def test_serve_sh_masks_a_database_password_whatever_it_holds(tmp_path: Path) ->
     assert "p/ss" not in proc.stdout + proc.stderr and "w?rd" not in proc.stdout + proc.stderr
     proc = serve_sh({"MLFLOW_DATA_DIR": str(tmp_path), "MLFLOW_BACKEND_STORE_URI": "http://u:p/ss@h:5000"}, "--dry-run")
     assert proc.returncode == 2 and "not a database URI" in proc.stderr and "p/ss" not in proc.stderr
+
+
+def test_a_ray_address_with_a_password_is_masked_in_every_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    """runtime's RAY_ADDRESS messages (a dashboard URL given as the cluster address, an unreachable head) mask it as
+    every other raytrn message does (raytrn.uris, below runtime and tracking alike)."""
+    import socket
+
+    from raytrn import runtime
+    from raytrn.errors import RaytrnError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for address in (f"http://admin:s3cr/t#x@127.0.0.1:{port}", f"HTTPS://admin:s3cr/t#x@127.0.0.1:{port}"):
+        with pytest.raises(RaytrnError) as e:
+            runtime._check_reachable(address, timeout_s=1.0)
+        assert "s3cr" not in str(e.value) and "admin:***@" in str(e.value), str(e.value)
