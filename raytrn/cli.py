@@ -13,7 +13,7 @@ import sys
 
 from raytrn import __version__
 from raytrn.backends import get_backend
-from raytrn.cli_args import add_set_option, add_verbose_option
+from raytrn.cli_args import add_set_option, add_verbose_option, integer, number
 from raytrn.cluster.capacity import check_job_fits
 from raytrn.cluster.cli import register as register_cluster
 from raytrn.cluster.validate import validate_cluster_file
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "there (the learning-rate schedule stays the job's).",
     )
     p_stop.add_argument("run", metavar="RUN", help="the run's name (tracking.run_name; `raytrn train` prints it)")
-    p_stop.add_argument("--at-step", type=int, metavar="N", help="the step to end at (default: the next one)")
+    p_stop.add_argument("--at-step", type=integer, metavar="N", help="the step to end at (default: the next one)")
     p_stop.add_argument("--address", metavar="HOST:PORT", help="the Ray cluster (default: RAY_ADDRESS)")
     p_stop.set_defaults(func=_cmd_stop)
 
@@ -116,8 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_pre.add_argument("job", metavar="JOB.yaml")
     add_set_option(p_pre)
-    p_pre.add_argument("--steps", type=int, default=None, metavar="K", help="steps to run (default: 2 log intervals)")
-    p_pre.add_argument("--warmup", type=int, default=3, metavar="W", help="steps allowed to compile (default 3)")
+    p_pre.add_argument(
+        "--steps", type=integer, default=None, metavar="K", help="steps to run (default: 2 log intervals)"
+    )
+    p_pre.add_argument("--warmup", type=integer, default=3, metavar="W", help="steps allowed to compile (default 3)")
     p_pre.add_argument(
         "--small", action="store_true", help="shrink the model's depth/width (same vocab, seq_len and micro-batch)"
     )
@@ -128,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_pre.add_argument(
         "--max-memory-gb",
-        type=float,
+        type=number,
         metavar="GB",
         help="allow the step this much memory (default: what the machine has available; refused above it)",
     )
@@ -179,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a directory (searched recursively for .txt/.md/.rst/.py/.jsonl/.parquet) or a glob; repeatable",
     )
     p_prep.add_argument("--output", required=True, metavar="PATH", help="output directory for shards + manifest.json")
-    p_prep.add_argument("--seq-len", type=int, required=True, metavar="N", help="tokens per training sequence")
+    p_prep.add_argument("--seq-len", type=integer, required=True, metavar="N", help="tokens per training sequence")
     tok = p_prep.add_mutually_exclusive_group(required=True)
     tok.add_argument(
         "--tokenizer",
@@ -187,9 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="an existing tokenizer: a Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json with its "
         "special tokens and chat template; the model's own, for fine-tuning) or a tokenizers JSON file",
     )
-    tok.add_argument("--vocab-size", type=int, metavar="V", help="train a byte-level BPE of this size on the input")
+    tok.add_argument("--vocab-size", type=integer, metavar="V", help="train a byte-level BPE of this size on the input")
     p_prep.add_argument(
-        "--shard-size-mb", type=float, default=64.0, metavar="MB", help="upper bound on a shard's token payload"
+        "--shard-size-mb", type=number, default=64.0, metavar="MB", help="upper bound on a shard's token payload"
     )
     p_prep.add_argument(
         "--overwrite", action="store_true", help="replace an output directory that holds a different dataset"
@@ -212,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_prep.add_argument(
         "--validation-fraction",
-        type=float,
+        type=number,
         default=0.0,
         metavar="F",
         help="put this fraction of the documents (examples) in a validation split (validation.json next to the "

@@ -4,6 +4,8 @@ register subcommands, like :mod:`raytrn.submit`, need not import :mod:`raytrn.cl
 from __future__ import annotations
 
 import argparse
+import math
+import reprlib
 
 
 def add_set_option(p: argparse.ArgumentParser) -> None:
@@ -26,3 +28,37 @@ def add_verbose_option(p: argparse.ArgumentParser) -> None:
         help="also print Ray's own lines (worker-group start, ranks, raylet warnings); by default they go to "
         "logs/<run>.log, whose path is printed",
     )
+
+
+#: A number on a command line with more digits than this is a mistake (the largest option, a step, has 13).
+MAX_DIGITS = 30
+
+
+def _shown(text: str) -> str:
+    return reprlib.repr(text)
+
+
+def integer(text: str) -> int:
+    """``type=`` for an integer option: argparse's own ``int``, but a number of thousands of digits is one short
+    line (``argument --workers: an integer of 5,000 digits``), not the whole number echoed back."""
+    digits = sum(c.isdigit() for c in text)
+    if digits > MAX_DIGITS:
+        raise argparse.ArgumentTypeError(f"an integer of {digits:,} digits ({_shown(text)}); no option takes that")
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {_shown(text)}") from None
+
+
+def number(text: str) -> float:
+    """``type=`` for a number option: finite, of a sane length (see :func:`integer`)."""
+    digits = sum(c.isdigit() for c in text)
+    if digits > MAX_DIGITS:
+        raise argparse.ArgumentTypeError(f"a number of {digits:,} digits ({_shown(text)}); no option takes that")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {_shown(text)}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a finite number: {_shown(text)}")
+    return value

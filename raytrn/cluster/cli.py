@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from raytrn.cli_args import integer
 from raytrn.cluster import local
 from raytrn.cluster.validate import validate_cluster_file
 
@@ -43,14 +44,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         p.add_argument("--state-file", metavar="PATH", help="where the started processes are recorded")
         if name == "up":
             p.add_argument("--config", metavar="FILE", help="simulator config (default cluster/local-sim.yaml)")
-            p.add_argument("--port", type=int, help="GCS port (default 6379)")
-            p.add_argument("--dashboard-port", type=int, help="dashboard / job API port (default 8265)")
+            p.add_argument("--port", type=integer, help="GCS port (default 6379)")
+            p.add_argument("--dashboard-port", type=integer, help="dashboard / job API port (default 8265)")
             p.add_argument(
                 "--auth",
                 choices=["token", "disabled"],
                 help="Ray token auth (default token: generated on first use, ~/.raytrn/local-cluster.token, 0600)",
             )
-            p.add_argument("--mlflow-port", type=int, help="the head's MLflow server port (default 5000)")
+            p.add_argument("--mlflow-port", type=integer, help="the head's MLflow server port (default 5000)")
             p.add_argument("--no-mlflow", action="store_true", help="do not run an MLflow server on the head")
         p.set_defaults(func=_local(name))
     return p_cluster

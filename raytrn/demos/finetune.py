@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from raytrn import jsonfile
+from raytrn.cli_args import integer
 from raytrn.config import resolve_mlflow_uri
 from raytrn.errors import ConfigError, RaytrnError
 from raytrn.tracking.client import mlflow_client, redact_uri
@@ -120,7 +121,7 @@ def _run(*args: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m raytrn.demos.finetune", description=__doc__.splitlines()[0])
     parser.add_argument("--tracking-uri", default=None, help="where make demo logged (default: as raytrn train)")
-    parser.add_argument("--steps", type=int, default=60, help="steps of each fine-tune")
+    parser.add_argument("--steps", type=integer, default=60, help="steps of each fine-tune")
     args = parser.parse_args(argv)
     uri = resolve_mlflow_uri(args.tracking_uri)
     try:

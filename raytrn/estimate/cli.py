@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from raytrn.cli_args import add_set_option
+from raytrn.cli_args import add_set_option, integer, number
 
 if TYPE_CHECKING:
     from raytrn.config import JobSpec
@@ -35,16 +35,18 @@ def register(subparsers: Any, *, check_job: Callable[[JobSpec], list[str]]) -> N
     p.add_argument("job", metavar="JOB.yaml")
     add_set_option(p)
     p.add_argument("--cluster", metavar="FILE", help="a cluster file (cluster/*.yaml): its worker instance type")
-    p.add_argument("--workers", type=int, metavar="N", help="world size to estimate at (default: the job's largest)")
+    p.add_argument(
+        "--workers", type=integer, metavar="N", help="world size to estimate at (default: the job's largest)"
+    )
     p.add_argument(
         "--node-mtbf-hours",
-        type=float,
+        type=number,
         metavar="H",
         help="mean hours between failures of one node (default: the Llama 3 report's, ~6,300 h)",
     )
-    p.add_argument("--mfu", type=float, metavar="F", help="model FLOPs utilisation to assume (0-1)")
-    p.add_argument("--spot-usd-per-hour", type=float, metavar="USD", help="spot price of one node-hour")
-    p.add_argument("--save-s", type=float, metavar="S", help="measured blocking checkpoint save, seconds")
+    p.add_argument("--mfu", type=number, metavar="F", help="model FLOPs utilisation to assume (0-1)")
+    p.add_argument("--spot-usd-per-hour", type=number, metavar="USD", help="spot price of one node-hour")
+    p.add_argument("--save-s", type=number, metavar="S", help="measured blocking checkpoint save, seconds")
     p.add_argument(
         "--no-history",
         action="store_true",

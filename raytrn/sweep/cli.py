@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrn.backends import get_backend
-from raytrn.cli_args import add_set_option, add_verbose_option
+from raytrn.cli_args import add_set_option, add_verbose_option, integer, number
 from raytrn.config import load_job
 from raytrn.errors import ConfigError, RaytrnError
 from raytrn.runtime import ensure_ray, route_ray_output
@@ -57,9 +57,9 @@ def register(subparsers: Any) -> None:
     ):
         space.add_argument(f"--{kind}", action="append", default=[], metavar=example, help=f"{text}; repeatable")
     space.add_argument(
-        "--samples", type=int, metavar="N", help="trials per grid point, each drawing its random fields (default 1)"
+        "--samples", type=integer, metavar="N", help="trials per grid point, each drawing its random fields (default 1)"
     )
-    space.add_argument("--seed", type=int, metavar="S", help="seed of the random draws (default 0)")
+    space.add_argument("--seed", type=integer, metavar="S", help="seed of the random draws (default 0)")
     add_set_option(p)
     sched = p.add_argument_group("scheduling")
     sched.add_argument(
@@ -71,14 +71,14 @@ def register(subparsers: Any) -> None:
     )  # fmt: skip
     sched.add_argument("--mode", choices=("min", "max"), help="default: max for throughput metrics, else min")
     sched.add_argument(
-        "--grace-steps", type=int, metavar="N", help="asha: steps every trial gets before it can be stopped"
+        "--grace-steps", type=integer, metavar="N", help="asha: steps every trial gets before it can be stopped"
     )
     sched.add_argument(
-        "--reduction-factor", type=float, metavar="RF", help="asha: keep the best 1/RF at each rung (default 2)"
+        "--reduction-factor", type=number, metavar="RF", help="asha: keep the best 1/RF at each rung (default 2)"
     )
     sched.add_argument(
         "--max-concurrent",
-        type=int,
+        type=integer,
         metavar="N",
         help="trials at once (default: as many as the cluster holds at their min_workers; on an autoscaling cluster "
         "give --cluster)",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from raytrn.cli_args import integer
 from raytrn.config import resolve_mlflow_uri as resolve_tracking_uri
 from raytrn.errors import RaytrnError
 from raytrn.tracking.compare import DEFAULT_METRICS, ESTIMATE_METRICS, HIGHER_IS_BETTER, compare_runs, plot
@@ -69,7 +70,7 @@ def register(subparsers: Any) -> None:
         metavar="URI",
         help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///mlruns/mlflow.db)",
     )
-    p.add_argument("--max-runs", type=int, default=20, metavar="N", help="newest N runs (default 20)")
+    p.add_argument("--max-runs", type=integer, default=20, metavar="N", help="newest N runs (default 20)")
     which = p.add_mutually_exclusive_group()
     which.add_argument(
         "--sweep",

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from raytrn.cli_args import integer
 from raytrn.config import resolve_mlflow_uri
 from raytrn.errors import ConfigError
 from raytrn.tracking.client import redact_uri
@@ -387,8 +388,8 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST}: this machine only)"
     )
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    p.add_argument("--workers", type=int, default=1, metavar="N", help="server worker processes (default 1)")
+    p.add_argument("--port", type=integer, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--workers", type=integer, default=1, metavar="N", help="server worker processes (default 1)")
     p.add_argument(
         "--auth",
         action="store_true",

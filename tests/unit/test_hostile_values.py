@@ -252,3 +252,25 @@ def test_every_json_reader_answers_a_hostile_file_in_its_own_words(tmp_path: Pat
     pins.mkdir(parents=True)
     (pins / "step_00000005.json").write_text(text)
     assert pinned(RunDir(str(tmp_path / "ckpt"), "r")) == set()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["estimate", "jobs/tiny.yaml", "--workers", HUGE],
+        ["estimate", "jobs/tiny.yaml", "--mfu", HUGE],
+        ["estimate", "jobs/tiny.yaml", "--node-mtbf-hours", "nan"],
+        ["sweep", "jobs/tiny.yaml", "--grid", "optim.lr=1e-4,3e-4", "--samples", HUGE, "--dry-run"],
+        ["stop", "some-run", "--at-step", HUGE],
+        ["data", "prepare", "--input", "x", "--output", "y", "--vocab-size", HUGE, "--seq-len", "16"],
+    ],
+    ids=["estimate-workers", "estimate-mfu", "estimate-nan", "sweep-samples", "stop-at-step", "prepare-vocab"],
+)
+def test_a_number_option_of_thousands_of_digits_is_one_short_line(args: list[str]) -> None:
+    """argparse echoed the whole 5,000-digit value back; a number option now says how long it is (exit 2)."""
+    proc = subprocess.run([sys.executable, "-m", "raytrn", *args], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-500:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr and len(last) < 200, last
+    assert "digits" in last or "not a finite number" in last, last
