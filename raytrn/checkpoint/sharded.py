@@ -42,6 +42,8 @@ class DcpCheckpoints(Checkpoints):
     A save that fails (storage unavailable past the retries of :mod:`raytrn.storage`) is left uncommitted and
     training goes on, unless it is the last one or a preemption's: those raise."""
 
+    manifests = True
+
     def __init__(self, job: JobSpec, *, rank: int, plain_layout: bool, layout: dict[str, Any] | None = None) -> None:
         self.job, self.rank = job, rank
         self.run = RunDir.of(job)
@@ -56,15 +58,9 @@ class DcpCheckpoints(Checkpoints):
         # with the step's collectives on the default group. Created by every rank at the same point.
         self._group = dist.new_group(backend="gloo") if self.asynchronous and self.distributed else None
         self._pending: tuple[Any, Any, Saved, Commit] | None = None
-        #: Saves that failed and were skipped (uncommitted), this worker group (the ``checkpoint_failures`` metric),
-        #: and how many of them in a row (``checkpoint.max_consecutive_failures`` stops the job).
-        self.failed = 0
+        super().__init__()  # failed saves (skipped, uncommitted), steps retention deleted (rank 0), skipped rounds
+        #: How many saves failed in a row (``checkpoint.max_consecutive_failures`` stops the job).
         self.consecutive_failures = 0
-        #: The steps retention deleted (rank 0): the run's checkpoint tags mark them.
-        self.deleted: set[int] = set()
-        #: Rounds of retention that deleted nothing because a listing or read failed (rank 0), this worker group
-        #: (the ``checkpoint_retention_skipped`` metric).
-        self.retention_skipped = 0
 
     def save(
         self, t: TrainState, progress: Progress, schedule: PinnedSchedule, report: dict[str, Any], *, final: bool

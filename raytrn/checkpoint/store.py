@@ -24,6 +24,8 @@ from raytrn.checkpoint.progress import Progress
 if TYPE_CHECKING:
     import torch
 
+    from raytrn.checkpoint.manifest import Candidate
+
 
 class TrainState(Protocol):
     """What a checkpoint holds of a worker's training (:class:`raytrn.train.step.Training` is one)."""
@@ -51,7 +53,24 @@ class Saved:
 
 
 class Checkpoints:
-    """Writes and reads a worker's training state."""
+    """Writes and reads a worker's training state: the one object of its format that the loop saves, resumes and
+    counts through (:class:`raytrn.train.checkpointer.Checkpointer`).
+
+    A format with commit manifests (``manifests``: the sharded one) resumes the committed checkpoint
+    :func:`raytrn.checkpoint.finder.resume_point` chose (:meth:`load_committed`); every format resumes a checkpoint
+    directory Ray Train recorded (:meth:`load`): the XLA formats' own, and for the sharded format the run
+    directories of an older raytrn (a ``meta.json`` naming its shards, or a single-file ``state.pt``), found by the
+    same rule the driver uses (:func:`raytrn.checkpoint.finder.newest_pointer`)."""
+
+    #: Whether checkpoints are committed by a manifest (``dcp/step_<N>/commit.json``) and found by it.
+    manifests: bool = False
+
+    def __init__(self) -> None:
+        #: Steps retention deleted (``checkpoint.keep_best``: the run's checkpoint tags mark them).
+        self.deleted: set[int] = set()
+        #: Saves that failed, and retention rounds that deleted nothing because a read failed (the loop's metrics).
+        self.failed = 0
+        self.retention_skipped = 0
 
     def save(
         self, t: TrainState, progress: Progress, schedule: PinnedSchedule, report: dict[str, Any], *, final: bool
@@ -60,5 +79,9 @@ class Checkpoints:
         raise NotImplementedError
 
     def load(self, directory: str, t: TrainState) -> Progress:
-        """Restore the checkpoint Ray handed back (its directory, downloaded) into ``t``; its counters."""
+        """Restore the checkpoint Ray recorded (its directory, downloaded) into ``t``; its counters."""
         raise NotImplementedError
+
+    def load_committed(self, candidate: Candidate, t: TrainState) -> Progress:
+        """Restore the committed checkpoint ``candidate`` into ``t`` (formats with :attr:`manifests`); its counters."""
+        raise NotImplementedError(f"{type(self).__name__} has no committed checkpoints")

@@ -22,8 +22,10 @@ from typing import Any
 
 import ray.train
 
+from raytrn import storage
 from raytrn.backends.base import Backend
-from raytrn.checkpoint.finder import resume_point
+from raytrn.checkpoint import agree
+from raytrn.checkpoint.finder import newest_pointer, resume_point
 from raytrn.checkpoint.manifest import describe as describe_commit
 from raytrn.checkpoint.pins import pin, pin_ttl_s
 from raytrn.checkpoint.progress import META_FILE, Progress, parse_meta
@@ -45,7 +47,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class Start:
     """Where a worker group starts: the counters (a copy the loop moves on), and the checkpoint they come from (the
-    committed ``resume``, or Ray Train's ``checkpoint`` for the XLA formats; neither for a new run)."""
+    committed ``resume``; or a checkpoint Ray Train recorded, ``checkpoint``: its Ray ``Checkpoint`` for the XLA
+    formats, its location for an older raytrn's run directory; neither for a new run)."""
 
     progress: Progress
     resume: Any = None
@@ -104,13 +107,28 @@ class Checkpointer:
                 start = Start(progress=replace(snapshot.progress), resume=resume, snapshot=snapshot)
             elif resume is not None:
                 start = Start(progress=replace(resume.commit.progress), resume=resume)
-            else:
-                start = Start(progress=Progress())
+            else:  # no committed checkpoint: an older raytrn's run directory, as the driver finds it, or a new run
+                start = self._recorded_start()
             if self.memory is not None:
                 self.memory.starting_at(start.progress.step)
             return start
         checkpoint = ray.train.get_checkpoint()  # the frozen XLA path's formats: Ray Train's latest
         return Start(progress=_resume_progress(checkpoint), checkpoint=checkpoint)
+
+    def _recorded_start(self) -> Start:
+        """Where a run without committed checkpoints starts: the newest checkpoint directory Ray Train recorded with
+        a readable ``meta.json`` (an older raytrn's: its shards named there, or a single-file ``state.pt``), by the
+        rule the driver announced it with (:func:`raytrn.checkpoint.finder.newest_pointer`); a new run otherwise.
+        Rank 0 reads it, every rank gets its answer (a collective)."""
+        found: list[Any] = [None, None]
+        if self.rank == 0:
+            found = list(newest_pointer(RunDir.of(self.job)))
+        meta, location = agree.broadcast(found)
+        if meta is None or location is None:
+            return Start(progress=Progress())
+        if self.rank == 0:
+            log.info("no committed checkpoint: resuming Ray Train's recorded checkpoint %s", location)
+        return Start(progress=replace(meta.progress), checkpoint=str(location))
 
     def restore(self, t: Training, start: Start) -> bool:
         """Load ``start``'s state into ``t`` (and ``model.init_from``'s weights for a new run; under LoRA for every
@@ -151,13 +169,17 @@ class Checkpointer:
                 log.info("resumed from the in-memory snapshot of step %d (no read from storage)", start.snapshot.step)
             return replace(from_memory)
         if start.resume is not None:
-            loaded: Progress = t.checkpoints.load_committed(start.resume, t)  # type: ignore[attr-defined]
+            loaded = t.checkpoints.load_committed(start.resume, t)
             if self.rank == 0:
                 log.info("resumed from %s", describe_commit(start.resume))
             return loaded
         if start.checkpoint is None:
             return None
-        with start.checkpoint.as_directory() as d:
+        checkpoint = start.checkpoint
+        if isinstance(checkpoint, str):  # a recorded checkpoint directory (local, or on S3: downloaded)
+            fs, path = storage.filesystem(checkpoint)
+            checkpoint = ray.train.Checkpoint(path, filesystem=fs)
+        with checkpoint.as_directory() as d:
             return t.checkpoints.load(d, t)
 
     def _load_init_from(self, t: Training) -> None:
@@ -209,7 +231,7 @@ class Checkpointer:
         started = time.perf_counter()
         report = {**metrics, **(scores or {}), "step": progress.step, "tokens_seen": progress.tokens_seen}
         # keep_best: the run's checkpoint tags mark what retention deleted (Ray Train keeps every pointer then)
-        deleted = getattr(t.checkpoints, "deleted", None) if self.job.checkpoint.keep_best else None
+        deleted = t.checkpoints.deleted if self.job.checkpoint.keep_best else None
         # Synchronous at the end and on a notice: the checkpoint must exist before the group goes.
         for saved in t.checkpoints.save(t, progress, self.schedule, report, final=last or preempted):
             self._report(saved, deleted)  # every worker (Ray Train counts the reports)

@@ -31,6 +31,7 @@ class StateFileCheckpoints(Checkpoints):
     """Rank 0 writes the whole state as ``state.pt`` (the frozen XLA path: replicas are identical)."""
 
     def __init__(self, to_cpu: Callable[[Any], Any]) -> None:
+        super().__init__()
         self.to_cpu = to_cpu
 
     def save(
@@ -67,6 +68,7 @@ class NxdCheckpoints(Checkpoints):
     its shards; rank 0 the scheduler and raytrn's counters as NxD's user content)."""
 
     def __init__(self, job: JobSpec) -> None:
+        super().__init__()
         self.job = job
         self.directory = RunDir.of(job).nxd
 
