@@ -44,6 +44,7 @@ def child_main(args: argparse.Namespace) -> None:
 
     from bench.checkpoint import _training_state
     from raytrn.checkpoint import dcp, memfiles, memory
+    from raytrn.checkpoint.messages import render
     from raytrn.checkpoint.rundir import RunDir
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
@@ -65,7 +66,7 @@ def child_main(args: argparse.Namespace) -> None:
             snapshot = snapshotter.write(snapshotter.stage(), process_group=None)
             nbytes = sum(len(b) for b in snapshot.values())
             reason = memory.publish(stores, "peer", 1, 0, snapshot, replicas=0, timeout_s=600)
-            assert reason is None, reason
+            assert not reason, render(reason)
             del snapshot, snapshotter  # (its staging and file buffers: a restore is measured, not memory held)
             disk = os.path.join(tmp, "disk")
             dcp.save(dcp.training_state(model, opt, sched), disk)

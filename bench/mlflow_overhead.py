@@ -19,36 +19,22 @@ import time
 from typing import Any
 
 from bench.common import BenchJob, add_job_args, emit, job_from_args, load_bench_job, mean, run_child
+from raytrn.tracking.board import ProgressBoard
+from raytrn.tracking.roles import BoardClients
 
 
-class _Board:
-    """Stands in for the driver's ProgressBoard actor: the real board, called in this process. ``board.x.remote(...)``
-    runs its method and returns a Ray object of the answer (what an actor's call gives the worker); ``update``, which
-    the loop does not wait for, records the step's time and returns nothing."""
+class _Board(ProgressBoard):
+    """Stands in for the driver's ProgressBoard actor: the real board, in this process (its clients,
+    :meth:`BoardClients.of`, call it directly); ``update``, which the loop does not wait for, also records when the
+    step was posted."""
 
     def __init__(self) -> None:
-        from raytrn.tracking.board import ProgressBoard
-
+        super().__init__()
         self.points: list[tuple[int, float]] = []
-        self._board = ProgressBoard()
 
-    def __getattr__(self, name: str) -> _Call:
-        return _Call(self, name)
-
-
-class _Call:
-    def __init__(self, board: _Board, name: str) -> None:
-        self.board, self.method = board, getattr(board._board, name)
-        self.name = name
-
-    def remote(self, *args: Any) -> Any:
-        import ray
-
-        if self.name == "update":
-            self.board.points.append((args[0], time.perf_counter()))
-            self.method(*args)
-            return None
-        return ray.put(self.method(*args))
+    def update(self, step: int, max_steps: int, metrics: dict[str, float]) -> None:
+        self.points.append((step, time.perf_counter()))
+        super().update(step, max_steps, metrics)
 
 
 def _plan(pairs: int, log_every: list[int]) -> list[tuple[bool, int]]:
@@ -103,7 +89,7 @@ def _segments(config: dict[str, Any]) -> None:
             job=seg_job,
             manifest=config["manifest"],
             schedule=Schedule.from_job(seg_job),
-            board=board,
+            board=BoardClients.of(board),
             mlflow_uri=config["mlflow_uri"] if on else None,
             tracker=config["tracker"] if on else None,
         )

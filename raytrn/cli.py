@@ -256,8 +256,8 @@ def _cmd_stop(args: argparse.Namespace) -> int:
         raise RaytrnError(f"--at-step {args.at_step}: a step is 1 or more")
     connect(args.address)
     answer = request_stop(args.run, args.at_step)
-    when = "at its next step" if answer["stop_at"] < 0 else f"at step {answer['stop_at']}"
-    print(f"raytrn: {args.run} asked to stop {when} (it had trained {answer['step_reached']} steps)")
+    when = "at its next step" if answer.stop_at < 0 else f"at step {answer.stop_at}"
+    print(f"raytrn: {args.run} asked to stop {when} (it had trained {answer.step_reached} steps)")
     return 0
 
 

@@ -20,11 +20,13 @@ import shlex
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
 from raytrn.cli_args import add_set_option
 from raytrn.cluster.local import running
+from raytrn.compat import JobRequestError, job_client
 from raytrn.config import absolute_overrides, load_job, relative_local_paths, resolve_paths
 from raytrn.errors import RaytrnError
 from raytrn.runtime import forwarded_env, git_commit, relative_paths_error, unforwarded_paths
@@ -261,9 +263,7 @@ def submit(
     headers = auth_headers(token) or basic
     check_reachable(address, headers)
 
-    from ray.job_submission import JobSubmissionClient
-
-    client = JobSubmissionClient(address, headers=headers)
+    client = job_client(address, headers)
     run_name = name or job.run_name
     submission_id = submission_id or f"raytrn-{run_name}-{uuid.uuid4().hex[:6]}"
     # Ray hands the driver its submission id only inside RAY_JOB_CONFIG_JSON_ENV_VAR; the trainer tags the
@@ -431,17 +431,15 @@ def _client(args: argparse.Namespace) -> tuple[Any, str]:
     address, basic = dashboard_address(args.address)
     headers = auth_headers(resolve_token(_token_arg(args), address=address)) or basic
     check_reachable(address, headers, outcome="nothing was done")
-    from ray.job_submission import JobSubmissionClient
-
-    return JobSubmissionClient(address, headers=headers), address
+    return job_client(address, headers), address
 
 
 def _on_job(address: str, job_id: str, call: Any) -> Any:
     """``call()`` on a job of the cluster; an id the cluster does not know is one clear RaytrnError."""
     try:
         return call()
-    except RuntimeError as e:  # the job SDK's "Request failed with status code 404: Job ... does not exist."
-        if "404" not in str(e) and "does not exist" not in str(e):
+    except JobRequestError as e:  # the dashboard's 404: "Job ... does not exist."
+        if e.status_code != HTTPStatus.NOT_FOUND:
             raise
         raise RaytrnError(
             f"no job {job_id!r} on the cluster at {address}; `raytrn jobs list --address {address}` shows its jobs"

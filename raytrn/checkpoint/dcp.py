@@ -213,14 +213,15 @@ class _ArrowReader(InPlaceReader):
 
     def __init__(self, fs: pafs.FileSystem, path: str) -> None:
         super().__init__(path)
-        self.fs = ArrowFileSystem(fs)  # type: ignore[assignment]  # DCP's own FsspecWriter does the same
+        self.arrow = ArrowFileSystem(fs)
+        self.fs = self.arrow  # type: ignore[assignment]  # (torch types it as its local one; FsspecWriter does the same)
         self.path = path
 
     def buffer(self, name: str) -> memoryview:
-        return memoryview(self.fs.read_whole(self.fs.concat_path(self.path, name), keep=True))  # type: ignore[attr-defined]
+        return memoryview(self.arrow.read_whole(str(self.arrow.concat_path(self.path, name)), keep=True))
 
     def release(self, name: str) -> None:
-        self.fs.forget(self.fs.concat_path(self.path, name))  # type: ignore[attr-defined]
+        self.arrow.forget(str(self.arrow.concat_path(self.path, name)))
 
 
 class _LocalReader(InPlaceReader):

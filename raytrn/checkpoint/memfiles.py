@@ -18,7 +18,7 @@ import pickle
 import threading
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -148,6 +148,11 @@ class _MemoryWriter(FileSystemWriter):
         self._layout: _Layout | None = None  # the last write's, once it is complete
         self.repeats = 0  # writes into the previous write's layout (a test's and a profile's count)
 
+    @property
+    def memfs(self) -> MemoryFileSystem:
+        """The filesystem this write goes into (``fs``, which torch types as its local one)."""
+        return cast(MemoryFileSystem, self.fs)
+
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """DCP's staging (the copy the step waits for): ``state_dict`` with every tensor (a DTensor's shard) copied
         into this writer's host-memory buffers, allocated at the first snapshot and again only when the state's
@@ -175,7 +180,7 @@ class _MemoryWriter(FileSystemWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)
         if self._layout is not None:  # (rank 0) the pickled metadata, the same for a write into the same layout
-            self._layout.metadata = self.fs.files[".metadata"]  # type: ignore[attr-defined]
+            self._layout.metadata = self.memfs.files[".metadata"]
 
     def repeat(self, staged: dict[str, Any], *, process_group: Any) -> bool:
         """Write ``staged`` into the previous write's layout, without DCP's planning and collectives, when every
@@ -197,7 +202,7 @@ class _MemoryWriter(FileSystemWriter):
             return False
         self._write(layout.plan, items)
         if layout.metadata is not None:
-            self.fs.keep(".metadata", layout.metadata)  # type: ignore[attr-defined]
+            self.memfs.keep(".metadata", layout.metadata)
         self.repeats += 1
         return True
 
@@ -213,7 +218,7 @@ class _MemoryWriter(FileSystemWriter):
         for item, data, offset in zip(plan.items, items, offsets, strict=False):
             self._file[offset : offset + data.numel()].copy_(data)
             results.append(WriteResult(item.index, data.numel(), dcp_storage_info(name, offset, data.numel())))
-        self.fs.keep(name, memoryview(self._file.numpy().data))  # type: ignore[attr-defined]
+        self.memfs.keep(name, memoryview(self._file.numpy().data))
         return results
 
     def _item(self, item: Any, planner: SavePlanner) -> torch.Tensor:
@@ -275,10 +280,11 @@ class _MemoryReader(InPlaceReader):
 
     def __init__(self, fs: MemoryFileSystem) -> None:
         super().__init__(_ROOT)
-        self.fs = fs  # type: ignore[assignment]
+        self.memory = fs
+        self.fs = fs  # type: ignore[assignment]  # (torch types it as its local one)
 
     def buffer(self, name: str) -> memoryview:
-        return memoryview(self.fs._read(name))  # type: ignore[attr-defined]  # the file DCP's fallback reads too
+        return memoryview(self.memory._read(name))  # the file DCP's fallback reads too
 
     @property
     def where(self) -> str:

@@ -30,6 +30,16 @@ from typing import Any
 import numpy as np
 
 from raytrn.checkpoint import slabs
+from raytrn.checkpoint.messages import (
+    ObjectLocation,
+    Passed,
+    PassedOver,
+    Refusal,
+    Refusals,
+    Refused,
+    SlabLocation,
+    error_text,
+)
 
 # -- one node's store ----------------------------------------------------------------------------------------
 
@@ -48,7 +58,7 @@ class Holding:
 class SnapshotStore:
     """One node's snapshots of one run: its own ranks' files and the copies it keeps for other nodes.
 
-    Bounded: :meth:`put` refuses (returns the reason) what would take it past ``capacity_bytes`` after freeing
+    Bounded: :meth:`put` refuses (returns the :class:`Refusal`) what would take it past ``capacity_bytes`` after freeing
     snapshots older than the newest complete one; it never holds more. :meth:`seal` marks a snapshot complete
     (every rank's files everywhere they belong, as the caller checked) and frees everything older.
 
@@ -63,9 +73,10 @@ class SnapshotStore:
         self._sealed: int | None = None
         self._generation = 0  # the newest worker group's (rewind)
 
-    def _stale(self, generation: int) -> str | None:
+    def _stale(self, generation: int, step: int, rank: int | None = None) -> Refusal | None:
+        """A refusal when ``generation`` is older than the newest worker group's (``rank`` None: the manifest)."""
         if generation < self._generation:
-            return f"from an older worker group (generation {generation}; the stores are at {self._generation})"
+            return Refusal(Refused.STALE, step, rank, generation=generation, current=self._generation)
         return None
 
     @staticmethod
@@ -79,7 +90,7 @@ class SnapshotStore:
     def nbytes(self) -> int:
         return sum(kept.nbytes for ranks in self._files.values() for kept in ranks.values())
 
-    def put(self, step: int, rank: int, files: Mapping[str, bytes], generation: int = 0) -> str | None:
+    def put(self, step: int, rank: int, files: Mapping[str, bytes], generation: int = 0) -> Refusal | None:
         """Keep ``rank``'s files of snapshot ``step``; None when kept, else why not (nothing is kept then). The bound
         counts everything held: the complete snapshot and the one being made (room for two, per node)."""
         sizes = {name: len(b) for name, b in files.items()}
@@ -88,32 +99,29 @@ class SnapshotStore:
         self._files.setdefault(step, {})[rank] = Kept(sizes, dict(files))
         return None
 
-    def _refused(self, step: int, rank: int, sizes: Mapping[str, int], generation: int) -> str | None:
+    def _refused(self, step: int, rank: int, sizes: Mapping[str, int], generation: int) -> Refusal | None:
         """Why ``rank``'s files of snapshot ``step`` (of ``sizes``) cannot be kept; None: they can."""
-        if stale := self._stale(generation):
-            return f"rank {rank}'s snapshot {step} refused: {stale}"
+        if stale := self._stale(generation, step, rank):
+            return stale
         if self._sealed is not None and step <= self._sealed:
-            return f"snapshot {step} is not newer than the complete snapshot {self._sealed}"
+            return Refusal(Refused.NOT_NEWER, step, rank, sealed=self._sealed)
         size = sum(sizes.values())
         previous = self._files.get(step, {}).get(rank)
         held = self.nbytes - (previous.nbytes if previous is not None else 0)
         if held + size > self.capacity_bytes:
-            return (
-                f"rank {rank}'s snapshot {step} needs {size / 2**20:.1f} MiB; this node's store holds "
-                f"{held / 2**20:.1f} of {self.capacity_bytes / 2**20:.1f} MiB"
-            )
+            return Refusal(Refused.NO_ROOM, step, rank, nbytes=size, held=held, capacity=self.capacity_bytes)
         return None
 
-    def put_manifest(self, step: int, manifest: dict[str, Any], generation: int = 0) -> str | None:
-        if stale := self._stale(generation):
-            return f"snapshot {step}'s manifest refused: {stale}"
+    def put_manifest(self, step: int, manifest: dict[str, Any], generation: int = 0) -> Refusal | None:
+        if stale := self._stale(generation, step):
+            return stale
         self._manifests[step] = dict(manifest)
         return None
 
     def seal(self, step: int, generation: int = 0) -> int | None:
         """Snapshot ``step`` is complete: everything older is freed. Returns the bytes this store holds then (None:
         refused, from an older worker group)."""
-        if self._stale(generation):
+        if self._stale(generation, step):
             return None
         self._sealed = sealed = step if self._sealed is None else max(self._sealed, step)
         self._forget(lambda s: s < sealed)
@@ -138,7 +146,7 @@ class SnapshotStore:
     def drop(self, step: int, generation: int = 0) -> None:
         """Free snapshot ``step`` (one that will never complete: a rank failed to write it). A sealed one is kept: it
         was complete when sealed, and the seal freed every older one (only a rewind forgets it)."""
-        if self._stale(generation) or step == self._sealed:
+        if self._stale(generation, step) or step == self._sealed:
             return
         self._forget(lambda s: s == step)
 
@@ -206,7 +214,7 @@ class RayStore(SnapshotStore):
 
     def put(  # type: ignore[override]
         self, step: int, rank: int, files: Any, generation: int, sizes: Mapping[str, int]
-    ) -> str | None:
+    ) -> Refusal | None:
         """``files``: ``[{name: ref}]``, the rank's objects (in a list: Ray hands the references, not the values);
         ``sizes``: their bytes, checked against the bound before any is pulled here."""
         import ray
@@ -218,12 +226,12 @@ class RayStore(SnapshotStore):
         try:  # in place on this node; one transfer per file from another
             arrays = ray.get([refs[n] for n in names], timeout=PUBLISH_TIMEOUT_S)
         except Exception as e:  # the rank's node gone mid-copy, or too slow: this snapshot fails here
-            return f"rank {rank}'s snapshot {step}: its files did not arrive ({type(e).__name__})"
+            return Refusal(Refused.NOT_ARRIVED, step, rank, error=type(e).__name__)
         own = {n: ray.put(a) for n, a in zip(names, arrays, strict=True)}
         self._files.setdefault(step, {})[rank] = Kept(dict(sizes), own)
         return None
 
-    def lease(self, step: int, rank: int, sizes: Mapping[str, int], generation: int) -> tuple[str | None, Any]:
+    def lease(self, step: int, rank: int, sizes: Mapping[str, int], generation: int) -> tuple[Refusal | None, Any]:
         """A same-node rank's first call: (why its files of snapshot ``step`` cannot be kept, None) when they cannot;
         (None, a :class:`slabs.Lease` to copy them into), or (None, None) when this store has no slab for them
         (no shared memory here, or no room: the rank sends them as objects, :meth:`put`)."""
@@ -231,10 +239,10 @@ class RayStore(SnapshotStore):
             return reason, None
         return None, self._slabs.lease(step, rank, sizes) if self._slabs is not None else None
 
-    def put_slab(self, step: int, rank: int, lease: slabs.Lease, generation: int) -> str | None:
+    def put_slab(self, step: int, rank: int, lease: slabs.Lease, generation: int) -> Refusal | None:
         """The rank copied its files into ``lease``: keep them (None), or why not (its slab is freed then)."""
         if self._slabs is None or not self._slabs.holds(lease, step, rank):  # freed, or re-leased by a newer group
-            return f"rank {rank}'s snapshot {step}: its slab was freed before its files were kept"
+            return Refusal(Refused.SLAB_FREED, step, rank)
         if reason := self._refused(step, rank, lease.sizes, generation):
             self._slabs.release(lambda s, r: (s, r) == (step, rank))  # (its slab: holds() said so)
             return reason
@@ -251,26 +259,27 @@ class RayStore(SnapshotStore):
         if self._slabs is not None and generation == self._generation:  # a new worker group: the free slabs go
             self._slabs.trim()
 
-    def locate(self, step: int, name: str) -> list[Any] | None:
-        """``[ref]`` of file ``name`` of snapshot ``step`` (a uint8 array), or ``["slab", path, offset, size]`` when
-        it is in a slab (read it in place on this node, or :meth:`export` it); None when this store has not got it."""
+    def locate(self, step: int, name: str) -> SlabLocation | ObjectLocation | None:
+        """Where file ``name`` of snapshot ``step`` is: an object (a uint8 array), or a slab (read it in place on this
+        node, or :meth:`export` it); None when this store has not got it."""
         kept = self._holder(step, name)
         if kept is None:
             return None
         if isinstance(kept.payload, slabs.Lease):
-            return ["slab", kept.payload.path, kept.payload.offsets[name], kept.sizes[name]]
-        return [kept.payload[name]]
+            return SlabLocation(kept.payload.path, kept.payload.offsets[name], kept.sizes[name])
+        return ObjectLocation(kept.payload[name])
 
-    def export(self, step: int, name: str) -> list[Any] | None:
-        """``[ref]`` of file ``name`` of snapshot ``step`` as an object (for a reader on another node), None when this
-        store has not got it."""
+    def export(self, step: int, name: str) -> ObjectLocation | None:
+        """File ``name`` of snapshot ``step`` as an object (for a reader on another node), None when this store has
+        not got it."""
         import ray
 
-        found = self.locate(step, name)
-        if found is None or found[0] != "slab":
-            return found
-        view = slabs.read_slab(*found[1:])
-        return [ray.put(np.frombuffer(view, dtype=np.uint8))]
+        match self.locate(step, name):
+            case SlabLocation(path, offset, size):
+                view = slabs.read_slab(path, offset, size)
+                return ObjectLocation(ray.put(np.frombuffer(view, dtype=np.uint8)))
+            case found:
+                return found
 
     def close(self) -> None:
         """Remove this store's slabs (the run is over)."""
@@ -305,7 +314,7 @@ class Choice:
 
     step: int | None
     manifest: dict[str, Any] | None
-    skipped: tuple[str, ...]
+    skipped: tuple[PassedOver, ...]
     alive: tuple[str, ...] = ()  # the nodes whose stores answered (MemoryTier.choose)
 
 
@@ -317,21 +326,14 @@ def newest_restorable(holdings: Mapping[str, Mapping[int, Holding]], alive: Iter
     floor = max((s for h in live.values() for s, held in h.items() if held.sealed), default=-1)
     steps = sorted({s for h in holdings.values() for s in h}, reverse=True)
     steps = [s for s in steps if s >= floor or any(s in h for h in live.values())]
-    skipped: list[str] = []
+    skipped: list[PassedOver] = []
     for step in steps:
         manifest = next((h[step].manifest for h in live.values() if step in h and h[step].manifest), None)
         if manifest is None:
             # Sealed on a live store: it was complete, so its manifest was kept on nodes that are gone now.
             lost = sorted(n for n, h in holdings.items() if n not in live and step in h and h[step].manifest)
             complete = any(h[step].sealed for h in live.values() if step in h)
-            where = (
-                f"{'complete, but ' if complete else ''}its only copies were on lost node(s) {', '.join(lost)}"
-                if lost
-                else "complete, but its only copies were on nodes that no longer answer"
-                if complete
-                else "never completed, or only on lost nodes"
-            )
-            skipped.append(f"snapshot {step}: no manifest on a live node ({where})")
+            skipped.append(PassedOver(step, Passed.NO_MANIFEST, complete=complete, lost_nodes=tuple(lost)))
             continue
         world = int(manifest["world_size"])
         have = set().union(*(h[step].ranks for h in live.values() if step in h))
@@ -342,14 +344,10 @@ def newest_restorable(holdings: Mapping[str, Mapping[int, Holding]], alive: Iter
             )
             # The group's nodes whose stores no longer answer (their holdings were last asked before this snapshot).
             gone = sorted(set(manifest.get("nodes") or holdings) - set(live))
-            where = (
-                f" (their only copies were on lost node(s) {', '.join(lost)})"
-                if lost
-                else f" (node(s) {', '.join(gone)} no longer answer: lost, with the copies they held)"
-                if gone
-                else ""
-            )
-            skipped.append(f"snapshot {step}: rank(s) {', '.join(map(str, missing))} of {world} missing{where}")
+            skipped.append(
+                PassedOver(step, Passed.RANKS_MISSING, lost_nodes=tuple(lost), gone_nodes=tuple(gone),
+                           missing=tuple(missing), world_size=world)
+            )  # fmt: skip
             continue
         return Choice(step, manifest, tuple(skipped))
     return Choice(None, None, tuple(skipped))
@@ -462,10 +460,10 @@ def publish(
     stores: Mapping[str, Any], node: str, step: int, rank: int, files: Mapping[str, bytes] | None, *, replicas: int,
     manifest: dict[str, Any] | None = None, generation: int = 0, timeout_s: float = PUBLISH_TIMEOUT_S,
     writer: slabs.SlabWriter | None = None,
-) -> str | None:  # fmt: skip
+) -> Refusals:  # fmt: skip
     """A rank's side: put its ``files`` of snapshot ``step`` (and rank 0 the ``manifest``, once every rank's files
     are kept; ``files`` None then) on its node's store and on the ``replicas`` next nodes of the ring, as worker
-    group ``generation``. None once every one kept them; else why not (then the snapshot must not be used: the
+    group ``generation``. Empty once every one kept them; else why not (then the snapshot must not be used: the
     caller drops it). Its node's store gets them in a slab (copied by ``writer``, which keeps the rank's slabs
     mapped) when it has one; the other stores (and that one when it has none) as objects."""
     import ray
@@ -473,14 +471,14 @@ def publish(
     targets = [node, *replica_nodes(stores.keys(), node, replicas)]
     missing = [t for t in targets if t not in stores]
     if missing:
-        return f"no memory store on node(s) {', '.join(missing)}"
+        return (Refusal(Refused.NO_STORE, step, rank, nodes=tuple(missing)),)
     puts = []
     try:
         if files is not None:
             sizes = {name: len(b) for name, b in files.items()}
             reason, lease = ray.get(stores[node].lease.remote(step, rank, sizes, generation), timeout=timeout_s)
             if reason:
-                return reason
+                return (reason,)
             as_objects = targets
             if lease is not None:  # this node's copy: into the store's slab, no object
                 try:
@@ -496,15 +494,14 @@ def publish(
         if manifest is not None:
             puts += [stores[t].put_manifest.remote(step, manifest, generation) for t in targets]
     except Exception as e:
-        return f"snapshot {step}: rank {rank}'s copies failed ({type(e).__name__}: {e})"
+        return (Refusal(Refused.COPIES_FAILED, step, rank, error=error_text(e)),)
     try:
         ready, pending = ray.wait(puts, num_returns=len(puts), timeout=timeout_s)
         if pending:
-            return f"snapshot {step}: rank {rank}'s copies not kept within {timeout_s:.0f} s"
-        reasons = [r for r in ray.get(ready) if r]
+            return (Refusal(Refused.COPIES_LATE, step, rank, timeout_s=timeout_s),)
+        return tuple(r for r in ray.get(ready) if r is not None)
     except Exception as e:  # a store's node gone mid-copy, the object store full: this snapshot fails, not the step
-        return f"snapshot {step}: rank {rank}'s copies failed ({type(e).__name__}: {e})"
-    return "; ".join(reasons) or None
+        return (Refusal(Refused.COPIES_FAILED, step, rank, error=error_text(e)),)
 
 
 def fetcher(
@@ -519,14 +516,13 @@ def fetcher(
         for at, handle in stores.items():
             try:
                 found = ray.get(handle.locate.remote(step, name), timeout=timeout_s)
-                if found is not None and found[0] == "slab":
+                if isinstance(found, SlabLocation):
                     if at == node:
                         with contextlib.suppress(OSError):  # (else sent as an object, below)
-                            return slabs.read_slab(*found[1:])
+                            return slabs.read_slab(found.path, found.offset, found.size)
                     found = ray.get(handle.export.remote(step, name), timeout=timeout_s)
-                if found is None:
-                    continue
-                return memoryview(ray.get(found[0], timeout=timeout_s))
+                if isinstance(found, ObjectLocation):
+                    return memoryview(ray.get(found.ref, timeout=timeout_s))
             except Exception:  # that node is gone (or the copy lost): another copy
                 continue
         raise FileNotFoundError(name)

@@ -10,10 +10,11 @@ benchmarks) imports a private Ray or MLflow name. Importing it imports neither R
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from raytrn.compat import controller
 from raytrn.compat.controller import (
@@ -56,6 +57,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray AWS network interfaces": "ray.autoscaler._private.aws.config:_configure_from_network_interfaces",
     "Ray fake multinode provider": "ray.autoscaler._private.fake_multi_node.node_provider:FakeMultiNodeProvider",
     "Ray node parameters": "ray._private.parameter:RayParams",
+    "Ray job SDK error hook": "ray.dashboard.modules.dashboard_sdk:SubmissionClient._raise_error",
     "MLflow run metrics with steps": "mlflow.entities.run_data:RunData",  # ._metric_objs, set per instance
     "MLflow dataset entity": "mlflow.data.dataset:Dataset._to_mlflow_entity",
     "MLflow dataset context tag": "mlflow.utils.mlflow_tags:MLFLOW_DATASET_CONTEXT",
@@ -171,6 +173,37 @@ def preemption_notice() -> Any:
     from ray.train.v2._internal.execution.context import get_train_context
 
     return get_train_context().preemption_context.preemption_info
+
+
+class JobRequestError(RuntimeError):
+    """A request of Ray's job SDK that the dashboard answered with an error: its HTTP ``status_code`` and body
+    (``text``); its message is the SDK's own."""
+
+    def __init__(self, status_code: int, text: str) -> None:
+        super().__init__(f"Request failed with status code {status_code}: {text}.")
+        self.status_code, self.text = status_code, text
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.status_code, self.text))
+
+
+@functools.cache
+def job_client_class() -> type:
+    """``ray.job_submission.JobSubmissionClient`` whose failed requests raise :class:`JobRequestError`, the status
+    code kept. The SDK's ``SubmissionClient._raise_error`` raises a RuntimeError that carries the code only in its
+    message; public alternative: none (the Jobs REST API itself, by hand)."""
+    from ray.job_submission import JobSubmissionClient
+
+    class Client(JobSubmissionClient):
+        def _raise_error(self, r: Any) -> NoReturn:
+            raise JobRequestError(int(r.status_code), str(r.text))
+
+    return Client
+
+
+def job_client(address: str, headers: dict[str, str]) -> Any:
+    """A job-submission client of the dashboard at ``address`` (:func:`job_client_class`)."""
+    return job_client_class()(address, headers=headers)
 
 
 def draining_nodes() -> set[str]:

@@ -33,7 +33,7 @@ from raytrn.runtime import mark_raytrn_logs
 from raytrn.sweep.plan import BEST_FILE, DONE, TRAINING_METRICS, VALIDATION_METRICS, Scheduler, SweepState, TrialState
 from raytrn.sweep.space import format_value, label
 from raytrn.tracking.client import mlflow_client, redact_uri, unreachable
-from raytrn.tracking.compare_sweeps import SweepComparison, TrialRow, compare_sweep
+from raytrn.tracking.compare_sweeps import Ending, SweepComparison, TrialRow, compare_sweep
 from raytrn.tracking.mlflow_run import ensure_experiment, param_text
 from raytrn.train.trainer import run_storage, run_training
 
@@ -568,14 +568,14 @@ def table_of(state: SweepState) -> Any:
     )
     for t in state.trials:
         cmp.histories[t.run_name] = [(int(a), float(b)) for a, b in t.history]
-        note = (
-            "stopped early" if t.status == "stopped" else (f"failed: {t.reason}"[:90] if t.status == "failed" else "")
-        )
+        ending = {"stopped": Ending.STOPPED_EARLY, "failed": Ending.FAILED}.get(t.status, Ending.RAN)
+        detail = str(t.reason)[: 90 - len("failed: ")] if ending is Ending.FAILED else ""
         cmp.rows.append(
             TrialRow(
                 tag=t.tag, run_id=t.run_id or t.run_name, status=t.status.upper(),
                 steps=int(t.last["step"]) if "step" in t.last else None,
-                values={f: format_value(t.values.get(f)) for f in fields}, metric=t.value(s.metric), note=note,
+                values={f: format_value(t.values.get(f)) for f in fields}, metric=t.value(s.metric),
+                ending=ending, detail=detail,
             )
         )  # fmt: skip
     return cmp

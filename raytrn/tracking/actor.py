@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from raytrn.checkpoint.messages import PassedOver, render
 from raytrn.compat import metric_objects
 from raytrn.errors import RaytrnError
 from raytrn.runtime import NOT_FORWARDED, forwarded_env, mark_raytrn_logs, on_this_node
 from raytrn.tracking import goodput
-from raytrn.tracking.board import BOARD_NAMESPACE, ProgressBoard, board_name
+from raytrn.tracking.board import BOARD_NAMESPACE, ProgressBoard, RestoreRecord, board_name
 from raytrn.tracking.client import mlflow_client, unreachable
 from raytrn.tracking.logger import AsyncLogger, logged_step_of
 from raytrn.tracking.mlflow_run import TrackedRun, attach, end_run
@@ -170,17 +171,17 @@ class TrackingActor(ProgressBoard):
         return number
 
     def restored(
-        self, source: str | None, step: int, restore_s: float, passed_over: list[str] | None = None
-    ) -> dict[str, Any] | None:
+        self, source: str | None, step: int, restore_s: float, passed_over: Sequence[PassedOver] = ()
+    ) -> RestoreRecord | None:
         """A restart's restore, in MLflow: ``restore_s`` and ``steps_retrained`` at the restored step, and the tag
         ``raytrn.restore_source`` (``storage:step_20``: the newest restart's), with ``raytrn.restore_passed_over``:
         why it passed over newer in-memory snapshots, if it did."""
         record = super().restored(source, step, restore_s, passed_over)
         if record is not None:
-            metrics = {"restore_s": restore_s, "steps_retrained": float(record["steps_retrained"])}
+            metrics = {"restore_s": restore_s, "steps_retrained": float(record.steps_retrained)}
             self.log_metrics(metrics, step, training=False)
-            tags = {RESTORE_SOURCE_TAG: f"{record['source']}:step_{step}"}
-            tags[RESTORE_PASSED_OVER_TAG] = "; ".join(record.get("passed_over") or ["none"])[:4000]
+            tags = {RESTORE_SOURCE_TAG: f"{record.source}:step_{step}"}
+            tags[RESTORE_PASSED_OVER_TAG] = ("; ".join(render(p) for p in record.passed_over) or "none")[:4000]
             self.logger.set_tags(tags)
         return record
 

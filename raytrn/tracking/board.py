@@ -3,7 +3,8 @@
 Rank 0 posts metrics to the board; the driver polls it (:class:`ProgressPrinter`). The board is the job's
 tracking actor (:class:`~raytrn.tracking.actor.TrackingActor` extends :class:`ProgressBoard`: one process,
 not two), or a board actor of its own when tracking is off. It outlives worker-group restarts (the driver
-owns it), so progress and the final :class:`Summary` span the whole job.
+owns it), so progress and the final :class:`Summary` span the whole job. Its answers are the frozen dataclasses
+below; nobody calls it through a raw actor handle: :mod:`raytrn.tracking.roles` has a typed client per role.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from raytrn.checkpoint.messages import PassedOver, render
+from raytrn.errors import RunStopped
 from raytrn.tracking.goodput import GroupTimes, Ledger
 
 #: The Ray namespace of every run's progress board, so that another driver (``raytrn stop``) finds it by name.
@@ -29,6 +33,51 @@ class StopOrder:
 
     at_step: int | None = None
     abort: str | None = None
+
+
+@dataclass(frozen=True)
+class StopAsked:
+    """The board's answer to ``raytrn stop``: the highest step trained so far and the step asked (-1: the next)."""
+
+    step_reached: int
+    stop_at: int
+
+
+@dataclass(frozen=True)
+class RestoreRecord:
+    """A worker-group restart's restore: where from (``memory``, ``storage``, ``none``), its step, the load's
+    seconds, the steps trained again, and the newer in-memory snapshots it passed over, with why (if any)."""
+
+    source: str
+    step: int
+    restore_s: float
+    steps_retrained: int
+    passed_over: tuple[PassedOver, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        """As JSON holds it (``passed_over``: :meth:`PassedOver.record` each, only when not empty)."""
+        out: dict[str, Any] = {k: getattr(self, k) for k in ("source", "step", "restore_s", "steps_retrained")}
+        return {**out, "passed_over": [p.record() for p in self.passed_over]} if self.passed_over else out
+
+
+@dataclass(frozen=True)
+class BoardSnapshot:
+    """What the driver reads from the board once the workers returned: the first and last logged entries (a log
+    step's metrics with ``step``, ``max_steps``, ``time``), the start-up time, why the workers stopped the run (the
+    very :class:`~raytrn.errors.RunStopped` they raised, subclass kept), each restart's restore and each worker
+    group's own time (by group number)."""
+
+    first: dict[str, Any] | None = None
+    last: dict[str, Any] | None = None
+    first_step_s: float | None = None
+    stopped: RunStopped | None = None
+    restores: tuple[RestoreRecord, ...] = ()
+    times: tuple[GroupTimes, ...] = ()
+
+    def raise_if_stopped(self) -> None:
+        """Raise the workers' RunStopped (its own subclass: ``CheckpointsFailing``, ``LeaseLost``), if they stopped."""
+        if self.stopped is not None:
+            raise self.stopped
 
 
 def board_name(run_name: str) -> str:
@@ -50,15 +99,15 @@ class ProgressBoard:
         self.recent: list[dict[str, Any]] = []
         self.first_step_s: float | None = None
         self.groups = 0
-        #: Why the workers stopped the run (:class:`raytrn.errors.RunStopped`): the driver ends it FAILED with it.
-        self.stopped: str | None = None
-        #: The steps a non-finite rollback skips (``[first, last]`` each; :mod:`raytrn.train.guard`), this job's.
-        self.rollbacks: list[list[int]] = []
+        #: Why the workers stopped the run (:class:`raytrn.errors.RunStopped`): the driver raises it, FAILED.
+        self.stopped: RunStopped | None = None
+        #: The steps a non-finite rollback skips (``(first, last)`` each; :mod:`raytrn.train.guard`), this job's.
+        self.rollbacks: list[tuple[int, int]] = []
         #: The highest step a worker group of this job is known to have trained (rank 0 posts it at log steps,
         #: and between them at most every :data:`raytrn.train.metrics.REACHED_EVERY_S`).
         self.step_reached = 0
         #: Each worker-group restart's restore: where from, its step, the load's seconds, the steps trained again.
-        self.restores: list[dict[str, Any]] = []
+        self.restores: list[RestoreRecord] = []
         #: Each worker group's own time, by the group's number (rank 0 posts it: :mod:`raytrn.train.goodput`).
         self.times: dict[int, GroupTimes] = {}
         #: A stop request (:mod:`raytrn.train.stopping`): the step to end at, -1 for the next one; None: none.
@@ -66,21 +115,21 @@ class ProgressBoard:
         #: Why the run must stop at once (its lease was taken over), or None.
         self.abort: str | None = None
 
-    def request_stop(self, at_step: int | None) -> dict[str, Any]:
-        """Ask the run to end at ``at_step`` (None: the next step all ranks agree on). The answer: the highest step
-        trained so far and the step asked (-1: the next)."""
+    def request_stop(self, at_step: int | None) -> StopAsked:
+        """Ask the run to end at ``at_step`` (None: the next step all ranks agree on)."""
         self.stop_at = -1 if at_step is None else int(at_step)
-        return {"step_reached": self.step_reached, "stop_at": self.stop_at}
+        return StopAsked(step_reached=self.step_reached, stop_at=self.stop_at)
 
     def stop_request(self) -> StopOrder:
         """Rank 0 asks: the stop request (-1: at the next step) and whether the run must stop at once."""
         return StopOrder(self.stop_at, self.abort)
 
-    def lease_lost(self, message: str) -> None:
-        """The driver found the run's lease taken over by another job: the workers stop at their next step, FAILED
-        with ``message``, and save nothing."""
-        self.abort = message
-        self.stop(message)
+    def lease_lost(self, lost: RunStopped) -> None:
+        """The driver found the run's lease taken over by another job (``lost``: a
+        :class:`raytrn.checkpoint.lease.LeaseLost`): the workers stop at their next step, FAILED with it, and save
+        nothing."""
+        self.abort = str(lost)
+        self.stop(lost)
 
     def group_started(self, step: int, world_size: int) -> int:
         """A worker group (re)started at ``step`` with ``world_size`` workers (rank 0 says so, not waiting for the
@@ -104,8 +153,8 @@ class ProgressBoard:
         self.step_reached = max(self.step_reached, step)
 
     def restored(
-        self, source: str | None, step: int, restore_s: float, passed_over: list[str] | None = None
-    ) -> dict[str, Any] | None:
+        self, source: str | None, step: int, restore_s: float, passed_over: Sequence[PassedOver] = ()
+    ) -> RestoreRecord | None:
         """Rank 0 of a new worker group, before its :meth:`group_started`: it restored step ``step`` from ``source``
         (``memory``: an in-memory snapshot; ``storage``: a committed checkpoint; None: nothing, it starts at ``step``
         0) in ``restore_s`` seconds, passing over newer snapshots for the reasons ``passed_over``. A restart (an
@@ -113,13 +162,13 @@ class ProgressBoard:
         ``step``; the job's first group is not (returns None)."""
         if self.groups == 0:
             return None
-        record = {
-            "source": source or "none",
-            "step": step,
-            "restore_s": restore_s,
-            "steps_retrained": max(0, self.step_reached - step),
-            **({"passed_over": list(passed_over)} if passed_over else {}),
-        }
+        record = RestoreRecord(
+            source=source or "none",
+            step=step,
+            restore_s=restore_s,
+            steps_retrained=max(0, self.step_reached - step),
+            passed_over=tuple(passed_over or ()),
+        )
         self.restores.append(record)
         return record
 
@@ -131,31 +180,31 @@ class ProgressBoard:
         self.last = entry
         self.recent = [*self.recent[-(self._KEEP - 1) :], entry]
 
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "first": self.first,
-            "last": self.last,
-            "first_step_s": self.first_step_s,
-            "stopped": self.stopped,
-            "restores": self.restores,
-            "times": [self.times[g] for g in sorted(self.times)],
-        }
+    def snapshot(self) -> BoardSnapshot:
+        return BoardSnapshot(
+            first=self.first,
+            last=self.last,
+            first_step_s=self.first_step_s,
+            stopped=self.stopped,
+            restores=tuple(self.restores),
+            times=tuple(self.times[g] for g in sorted(self.times)),
+        )
 
-    def stop(self, message: str) -> None:
-        """Every rank, as the run stops (the first message stays: every rank sends the same one)."""
+    def stop(self, error: RunStopped) -> None:
+        """Every rank, as the run stops (the first error stays: every rank raised the same one)."""
         if self.stopped is None:
-            self.stopped = message
+            self.stopped = error
 
-    def rolled_back(self, first: int, last: int) -> list[list[int]]:
+    def rolled_back(self, first: int, last: int) -> list[tuple[int, int]]:
         """Every rank, before its group fails for a non-finite rollback: steps ``first``-``last`` are skipped from
         now on (recorded once, whichever rank comes first). The job's rollbacks."""
-        if [first, last] not in self.rollbacks:
-            self.rollbacks.append([first, last])
-        return self.rollbacks
+        if (first, last) not in self.rollbacks:
+            self.rollbacks.append((first, last))
+        return list(self.rollbacks)
 
-    def rolled_back_steps(self) -> list[list[int]]:
+    def rolled_back_steps(self) -> list[tuple[int, int]]:
         """The job's rollbacks so far (a restarted group reads them as it starts)."""
-        return self.rollbacks
+        return list(self.rollbacks)
 
     def since(self, step: int) -> list[dict[str, Any]]:
         """Entries logged after ``step``, oldest first."""
@@ -178,10 +227,11 @@ def _duration(seconds: float) -> str:
 
 
 class ProgressPrinter:
-    """Polls the board from a background thread and prints one line per new step."""
+    """Polls the board from a background thread and prints one line per new step (``since``: the board's entries
+    logged after a step, :meth:`raytrn.tracking.roles.BoardReader.since`)."""
 
-    def __init__(self, board: Any, *, live: bool, interval_s: float = 0.5) -> None:
-        self._board = board
+    def __init__(self, since: Callable[[int], list[dict[str, Any]]], *, live: bool, interval_s: float = 0.5) -> None:
+        self._since = since
         self._live = live and sys.stdout.isatty()
         self._interval = interval_s
         self._stop = threading.Event()
@@ -204,10 +254,8 @@ class ProgressPrinter:
             self._poll()
 
     def _poll(self) -> None:
-        import ray
-
         try:
-            entries = ray.get(self._board.since.remote(self._shown), timeout=10)
+            entries = self._since(self._shown)
         except Exception:  # the board is best effort: never fail a run over a progress line
             return
         if not entries:
@@ -236,7 +284,7 @@ class Summary:
     mlflow_ui: str | None
     first_step_s: float | None = None
     #: The worker-group restarts' restores (:meth:`ProgressBoard.restored`), in order.
-    restores: list[dict[str, Any]] = field(default_factory=list)
+    restores: list[RestoreRecord] = field(default_factory=list)
     #: Where this invocation's wall time went (None: not measured).
     goodput: Ledger | None = None
     #: The job's ``run.max_steps`` (a finished run short of it was stopped early: ``raytrn stop``); None: not said.
@@ -270,12 +318,12 @@ class Summary:
         return "\n".join(["== raytrn: training finished =="] + [f"{k:<{width}}  {v}" for k, v in rows])
 
 
-def describe_restores(restores: list[dict[str, Any]]) -> str:
+def describe_restores(restores: Sequence[RestoreRecord]) -> str:
     """``2: from storage step 20 (loaded in 0.4 s, 8 steps trained again); from step 0, no checkpoint yet (…)``."""
     parts = []
     for r in restores:
-        where = "from step 0, no checkpoint yet" if r["source"] == "none" else f"from {r['source']} step {r['step']}"
-        skipped = [why.split(":", 1)[0] for why in r.get("passed_over") or []]  # "snapshot 104"
+        where = "from step 0, no checkpoint yet" if r.source == "none" else f"from {r.source} step {r.step}"
+        skipped = [f"snapshot {p.step}" if p.step is not None else render(p) for p in r.passed_over]
         newer = f", passed over {', '.join(skipped)} (see the log)" if skipped else ""
-        parts.append(f"{where} (loaded in {r['restore_s']:.1f} s, {r['steps_retrained']} steps trained again{newer})")
+        parts.append(f"{where} (loaded in {r.restore_s:.1f} s, {r.steps_retrained} steps trained again{newer})")
     return f"{len(restores)}: " + "; ".join(parts)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from raytrn.errors import RaytrnError
@@ -15,9 +16,18 @@ from raytrn.tracking.compare import _client, _first_line, _fmt_value, _save_png,
 from raytrn.tracking.logger import LOGGED_STEP_TAG
 
 
+class Ending(Enum):
+    """How a trial ended, as the sweep decided it (its run's MLflow status is :attr:`TrialRow.status`)."""
+
+    RAN = "ran"  # to its end, or still running
+    STOPPED_EARLY = "stopped early"  # by the scheduler (ASHA)
+    FAILED = "failed"
+
+
 @dataclass(kw_only=True)
 class TrialRow:
-    """One trial of a sweep: its varied values, how it ended, how far it got, and its final metric."""
+    """One trial of a sweep: its varied values, how it ended (``ending``, with its ``detail``: the scheduler's
+    decision, the error), how far it got, and its final metric."""
 
     tag: str
     run_id: str
@@ -25,7 +35,19 @@ class TrialRow:
     steps: int | None
     values: dict[str, str]
     metric: float | None
-    note: str = ""
+    ending: Ending = Ending.RAN
+    detail: str = ""
+
+    @property
+    def note(self) -> str:
+        """The table's note: ``stopped early (ASHA at step 20)``, ``failed: …``, or nothing."""
+        match self.ending:
+            case Ending.STOPPED_EARLY:
+                return "stopped early" + (f" ({self.detail})" if self.detail else "")
+            case Ending.FAILED:
+                return f"failed: {self.detail}"
+            case Ending.RAN:
+                return ""
 
 
 @dataclass(kw_only=True)
@@ -133,7 +155,7 @@ def compare_sweep(*, tracking_uri: str, sweep: str | None = None, parent: str | 
             history = sorted((m.step, m.value) for m in client.get_metric_history(child.info.run_id, metric))
             trained = client.get_metric_history(child.info.run_id, "loss")
             steps = _steps_reached(trained, history, child.data.tags.get(LOGGED_STEP_TAG))
-            stopped = child.data.tags.get("raytrn.stopped_early")
+            ending, detail = _ending(child.data.tags.get("raytrn.stopped_early"), child.data.tags.get("raytrn.error"))
             cmp.histories[child.info.run_id] = history
             cmp.rows.append(
                 TrialRow(
@@ -143,7 +165,8 @@ def compare_sweep(*, tracking_uri: str, sweep: str | None = None, parent: str | 
                     steps=steps,
                     values={f: _fmt_param(child.data.params.get(f)) for f in fields},
                     metric=history[-1][1] if history else None,
-                    note=_note(stopped, child.data.tags.get("raytrn.error")),
+                    ending=ending,
+                    detail=detail,
                 )
             )
     except MlflowException as e:
@@ -161,12 +184,14 @@ def _steps_reached(trained: Sequence[Any], history: Sequence[tuple[int, float]],
     return max(steps, default=None)
 
 
-def _note(stopped: str | None, error: str | None) -> str:
+def _ending(stopped: str | None, error: str | None) -> tuple[Ending, str]:
+    """How a trial's run ended, from its tags: stopped early (the tag is the scheduler's reason: its decision is
+    what comes before the first colon), failed (the error's first line), or ran."""
     if stopped:
-        return "stopped early" + (f" ({stopped.split(':', 1)[0]})" if ":" in stopped else "")
+        return Ending.STOPPED_EARLY, stopped.split(":", 1)[0] if ":" in stopped else ""
     if error:
-        return f"failed: {error.splitlines()[0][:80]}"
-    return ""
+        return Ending.FAILED, error.splitlines()[0][:80]
+    return Ending.RAN, ""
 
 
 def _quoted(text: str) -> str:
@@ -219,7 +244,7 @@ def plot_sweep(cmp: SweepComparison, path: str) -> str:
                 continue
             xs.append(r.values.get(f, "-"))
             ys.append(r.metric)
-            stopped.append("stopped" in r.note)
+            stopped.append(r.ending is Ending.STOPPED_EARLY)
         numbers = _as_numbers(xs)
         x = numbers if numbers is not None else xs
         for mark, pick in (("o", False), ("x", True)):

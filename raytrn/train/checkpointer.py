@@ -27,6 +27,7 @@ from raytrn.backends.base import Backend
 from raytrn.checkpoint import agree
 from raytrn.checkpoint.finder import newest_pointer, resume_point
 from raytrn.checkpoint.manifest import describe as describe_commit
+from raytrn.checkpoint.messages import PassedOver
 from raytrn.checkpoint.pins import pin, pin_ttl_s
 from raytrn.checkpoint.progress import META_FILE, Progress, parse_meta
 from raytrn.checkpoint.rundir import RunDir
@@ -91,7 +92,7 @@ class Checkpointer:
         self.restored_from: str | None = None
         self.restore_s = 0.0
         #: Rank 0: why the newer in-memory snapshots were passed over (none: the newest was used, or none exists).
-        self.passed_over: tuple[str, ...] = ()
+        self.passed_over: tuple[PassedOver, ...] = ()
 
     # -- start ---------------------------------------------------------------------------------
     def find(self) -> Start:

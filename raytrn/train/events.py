@@ -16,6 +16,7 @@ from typing import Any
 from raytrn.compat import WorkerPlace
 from raytrn.errors import RaytrnError
 from raytrn.tracking.goodput import EndCause, GroupEnd, Ledger, close
+from raytrn.tracking.roles import BoardReader
 
 log = logging.getLogger(__name__)
 
@@ -182,19 +183,17 @@ def describe_error(error: BaseException) -> str:
     return type(error).__name__
 
 
-def close_ledger(board: Any, ends: list[GroupEnd], *, started_at: float, tracker: Any = None) -> Ledger | None:
+def close_ledger(board: BoardReader, ends: list[GroupEnd], *, started_at: float, tracker: Any = None) -> Ledger | None:
     """The run's goodput ledger, closed now (:func:`raytrn.tracking.goodput.close`: the groups' own times from the
     ``board``, ``ends`` from :class:`RunEvents`), logged to MLflow through ``tracker`` (added to what an earlier
     invocation of the run logged). None when the board does not answer (the ledger is not worth failing a run)."""
-    import ray
-
     try:
-        snap = ray.get(board.snapshot.remote(), timeout=30)
+        snap = board.snapshot()
     except Exception as e:
         log.warning("goodput ledger: the progress board did not answer (%s)", e)
         return None
-    ledger = close(started_at, time.time(), list(snap.get("times") or []), ends)
+    ledger = close(started_at, time.time(), list(snap.times), ends)
     if tracker is not None:
-        step = int((snap.get("last") or {}).get("step") or 0)
+        step = int((snap.last or {}).get("step") or 0)
         tracker.log_goodput.remote(ledger.metrics(), step)
     return ledger

@@ -12,9 +12,14 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TypeVar
 
+from raytrn.pending import Pending
+from raytrn.tracking.board import RestoreRecord
 from raytrn.tracking.goodput import GroupTimes
+from raytrn.tracking.roles import ProgressPosts
+
+T = TypeVar("T")
 
 #: Rank 0 posts its group's times at most this often (and when the group stops): a killed rank 0's last second is
 #: booked to the restart that follows, as the work it lost is.
@@ -22,14 +27,21 @@ POST_EVERY_S = 1.0
 
 
 class GoodputClock:
-    """Rank 0's measure of its group's time (``board``: the job's progress board; None on other ranks: a no-op).
+    """Rank 0's measure of its group's time (``board``: the job's progress posts; None on other ranks: a no-op).
 
-    ``restored``: the board's answer to this group's restore (:meth:`~raytrn.tracking.board.ProgressBoard.restored`,
-    a Ray future or the record): the steps up to ``step + steps_retrained`` were trained by an earlier group.
-    ``group``: the board's count of groups once this one started (a future or an int)."""
+    ``restored``: the board's answer to this group's restore (:meth:`raytrn.tracking.roles.RestartLedger.restored`):
+    the steps up to ``step + steps_retrained`` were trained by an earlier group. ``group``: the board's count of
+    groups once this one started (an answer to come, or the number)."""
 
     def __init__(
-        self, board: Any, *, world_size: int, restore_s: float, start_step: int, restored: Any, group: Any
+        self,
+        board: ProgressPosts | None,
+        *,
+        world_size: int,
+        restore_s: float,
+        start_step: int,
+        restored: Pending[RestoreRecord | None] | None,
+        group: Pending[int] | int | None,
     ) -> None:
         self.board = board
         self.world_size, self.restore_s, self.start_step = world_size, restore_s, start_step
@@ -130,12 +142,12 @@ class GoodputClock:
     def post(self) -> None:
         """Send :meth:`times` to the board (not waited on)."""
         if self.board is not None and self._first_at is not None:
-            self.board.goodput.remote(self.times())
+            self.board.goodput(self.times())
 
     def _retrained(self) -> int:
         if self._retrained_until is None:
             record = _resolved(self._restored)
-            self._retrained_until = self.start_step + int((record or {}).get("steps_retrained", 0))
+            self._retrained_until = self.start_step + (record.steps_retrained if record is not None else 0)
         return self._retrained_until
 
     def _group_number(self) -> int:
@@ -144,13 +156,11 @@ class GoodputClock:
         return self._group
 
 
-def _resolved(value: Any, timeout_s: float = 60) -> Any:
-    """``value``, or what the Ray future ``value`` resolves to (None when it fails: the ledger is best effort)."""
-    import ray
-
-    if not isinstance(value, ray.ObjectRef):
-        return value
+def _resolved(answer: Pending[T | None] | None, timeout_s: float = 60) -> T | None:
+    """What ``answer`` resolves to (None when there is none or it fails: the ledger is best effort)."""
+    if answer is None:
+        return None
     try:
-        return ray.get(value, timeout=timeout_s)
+        return answer.result(timeout_s)
     except Exception:
         return None

@@ -31,6 +31,7 @@ from raytrn.errors import RaytrnError, RunStopped
 
 if TYPE_CHECKING:
     from raytrn.config import JobSpec
+    from raytrn.tracking.roles import RollbackRegistry
 
 
 class NonFiniteError(RaytrnError):
@@ -41,7 +42,7 @@ class NonFiniteGuard:
     """Counts the steps whose gradient norm (the same on every rank: it is taken over the reduced gradients) or
     loss is not finite, on every rank alike, and says which steps a rollback skips.
 
-    ``rollbacks``: this job's earlier rollbacks (``[first, last]`` steps each); ``record_rollback(first, last)``
+    ``rollbacks``: this job's earlier rollbacks (``(first, last)`` steps each); ``record_rollback(first, last)``
     records a new one where the next worker group finds it (returns once it is recorded)."""
 
     def __init__(
@@ -65,22 +66,19 @@ class NonFiniteGuard:
         self._unread: list[tuple[int, torch.Tensor]] = []  # (step, grad norm) not read on the host yet
 
     @classmethod
-    def on_board(cls, job: JobSpec, board: Any, *, enabled: bool, deferred: bool = False) -> NonFiniteGuard:
-        """The guard of a worker: the job's earlier rollbacks from its progress board (a Ray actor), new ones
-        recorded there."""
-        if board is None or not enabled:
+    def on_board(
+        cls, job: JobSpec, registry: RollbackRegistry | None, *, enabled: bool, deferred: bool = False
+    ) -> NonFiniteGuard:
+        """The guard of a worker: the job's earlier rollbacks from its progress board's registry, new ones recorded
+        there (each waited for)."""
+        if registry is None or not enabled:
             return cls(job, enabled=enabled, deferred=deferred)
-        import ray
-
-        def record(first: int, last: int) -> None:
-            ray.get(board.rolled_back.remote(first, last), timeout=60)
-
         return cls(
             job,
             enabled=enabled,
             deferred=deferred,
-            rollbacks=ray.get(board.rolled_back_steps.remote(), timeout=60),
-            record_rollback=record,
+            rollbacks=registry.rollbacks(),
+            record_rollback=registry.rolled_back,
         )
 
     def skips(self, step: int) -> bool:

@@ -25,6 +25,7 @@ from raytrn.errors import RunStopped
 from raytrn.runtime import worker_logging
 from raytrn.sigterm import TRAINING, quiet_sigterm
 from raytrn.tracking.export import log_final_model
+from raytrn.tracking.roles import StopMailbox
 from raytrn.train.build import build_training, skips_on_device
 from raytrn.train.checkpointer import Checkpointer
 from raytrn.train.evaluate import Evaluation
@@ -55,7 +56,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # -- start: where the run stands (a collective), the data feed from there while the model builds -------------
     # In-memory snapshots (a collective); only where checkpoints are DCP's (not the frozen XLA path's formats)
     keeper = plan.memory if backend.committed_checkpoints else None
-    memory = MemorySnapshots(job, keeper, rank=rank, world_size=world_size, board=plan.board)
+    board = plan.board  # the job's progress board, by role (raytrn.tracking.roles): rank 0 posts progress
+    rollbacks, mailbox = (board.rollbacks, board.stops) if board is not None else (None, None)
+    memory = MemorySnapshots(job, keeper, rank=rank, world_size=world_size, rollbacks=rollbacks)
     checkpointer = Checkpointer(
         job, backend, plan.schedule, rank=rank, world_size=world_size, logger=logger, memory=memory
     )
@@ -74,16 +77,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     checkpointer.cost_usd = metrics.cost_usd
     # NaN/inf steps: skipped; too many in a row: a rollback (once per job) or the run stops (raytrn.train.guard)
     guard = metrics.guard = NonFiniteGuard.on_board(
-        job, plan.board, enabled=backend.skips_nonfinite_steps, deferred=skips_on_device(t.optimizer)
+        job, rollbacks, enabled=backend.skips_nonfinite_steps, deferred=skips_on_device(t.optimizer)
     )
     evaluation = Evaluation(job, plan.validation, progress, dp=dp, dp_rank=dp_rank, logger=logger)
     watch = PreemptionWatch(world_size)  # a spot notice ends this group at a checkpoint (raytrn.train.preemption)
     # where the group's time goes (rank 0 posts it to the board: the run's goodput ledger, raytrn.tracking.goodput)
     clock = GoodputClock(
-        plan.board if rank == 0 else None, world_size=world_size, restore_s=checkpointer.restore_s,
+        board.progress if board and rank == 0 else None, world_size=world_size, restore_s=checkpointer.restore_s,
         start_step=progress.step, restored=metrics.restored, group=metrics.group_number,
     )  # fmt: skip
-    stops = StopRequests(plan.board if rank == 0 else None)  # `raytrn stop`: end early, at an agreed step
+    stops = StopRequests(mailbox if rank == 0 else None)  # `raytrn stop`: end early, at an agreed step
     end = job.run.max_steps  # the last step: run.max_steps, or an earlier one a stop request names
     device_batches = backend.wrap_batches(batches)
 
@@ -141,7 +144,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         metrics.finish()  # the estimate's errors against this group's actuals
     metrics.close()
     if stopped is not None:
-        stop_run(plan.board, stopped)  # the driver ends the run FAILED with it; nothing is exported
+        stop_run(mailbox, stopped)  # the driver ends the run FAILED with it; nothing is exported
         return
     if job.tracking.log_model and tracker is not None and t.export is not None:
         if logger is not None:
@@ -149,8 +152,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         log_final_model(job, t.model, t.export, logger)  # every rank: a sharded model's tensors are gathered
 
 
-def stop_run(board: Any, stop: RunStopped) -> None:
+def stop_run(stops: StopMailbox | None, stop: RunStopped) -> None:
     """Record why the run stops on the job's progress board (every rank: any one's record suffices), for the
-    driver to end the run FAILED with it once the workers returned."""
-    if board is not None:
-        ray.get(board.stop.remote(str(stop)), timeout=60)
+    driver to raise it (its own type: ``CheckpointsFailing``, ``LeaseLost``), FAILED, once the workers returned."""
+    if stops is not None:
+        stops.stop(stop)

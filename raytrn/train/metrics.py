@@ -20,12 +20,15 @@ import ray.train
 import torch
 
 from raytrn.backends import Backend, host_malloc
+from raytrn.checkpoint.messages import PassedOver
 from raytrn.checkpoint.progress import Progress
 from raytrn.config import JobSpec
 from raytrn.estimate.job import estimate_errors
 from raytrn.models import model_stats
+from raytrn.pending import Pending
 from raytrn.runtime import process_started_at
 from raytrn.tracking.actor import RemoteLogger, resolve
+from raytrn.tracking.board import RestoreRecord
 from raytrn.tracking.cost import CostTracker, mfu, peak_flops_per_worker, usd_per_hour
 from raytrn.tracking.system import SystemSampler
 from raytrn.train.guard import NonFiniteGuard
@@ -62,7 +65,7 @@ class MetricsReporter:
         logger: RemoteLogger | None,
         restored_from: str | None = None,
         restore_s: float = 0.0,
-        passed_over: Sequence[str] = (),
+        passed_over: Sequence[PassedOver] = (),
         extra: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         """``restored_from``, ``restore_s``: where the group's state (at ``progress.step``) came from and the load's
@@ -73,7 +76,8 @@ class MetricsReporter:
         self.started_at = plan.started_at
         #: Rank 0 logs to MLflow (``logger``) and posts to the board; every node's first worker samples the node.
         self.logger = logger if rank == 0 else None
-        self.board = plan.board if rank == 0 else None
+        board = plan.board if rank == 0 else None
+        self.board = board.progress if board is not None else None
         self.report_to_tune = plan.report_metrics
         self.extra = extra
         self.sampler = None
@@ -86,13 +90,13 @@ class MetricsReporter:
         self.guard: NonFiniteGuard | None = None
         # Tokens per optimizer step over the job: one batch per model replica (data-parallel rank).
         self.tokens_per_step = t.grad_accum * job.data.micro_batch_size * job.data.seq_len * t.data_parallel_size
-        #: The board's answers (futures, rank 0's): this group's restore record and its number among the job's groups
-        self.restored: Any = None
-        self.group_number: Any = None
-        if self.board is not None:  # the job's board counts the worker groups (and records world_size_history)
+        #: The board's answers (rank 0's, looked at later): this group's restore record and its number in the job
+        self.restored: Pending[RestoreRecord | None] | None = None
+        self.group_number: Pending[int] | None = None
+        if board is not None:  # the job's board counts the worker groups (and records world_size_history)
             # First: the board counts a restart's steps trained again.
-            self.restored = self.board.restored.remote(restored_from, progress.step, restore_s, list(passed_over))
-            self.group_number = self.board.group_started.remote(progress.step, world_size)
+            self.restored = board.restarts.restored(restored_from, progress.step, restore_s, passed_over)
+            self.group_number = board.restarts.group_started(progress.step, world_size)
         self._reached_at = time.monotonic()
         self.efficiency = None
         if self.logger is not None:  # (steps a restarted group repeats are dropped by the tracking actor)
@@ -134,7 +138,7 @@ class MetricsReporter:
             if self.board is not None:  # the board names it: time_to_first_step_s, or restart_to_first_step_s
                 now = time.time()
                 since_launch = now - (self.started_at or now)
-                self.board.first_step_done.remote(progress.step, since_launch, now - self.group_started_at)
+                self.board.first_step_done(progress.step, since_launch, now - self.group_started_at)
         trained = result.trained_tokens if result.trained_tokens is not None else self.tokens_per_step  # masked
         progress.tokens_seen += trained
         self._tokens += trained
@@ -144,7 +148,7 @@ class MetricsReporter:
         step = progress.step
         if not self.should_log(step, last=last):
             if self.board is not None and time.monotonic() - self._reached_at >= REACHED_EVERY_S:
-                self.board.reached.remote(step)
+                self.board.reached(step)
                 self._reached_at = time.monotonic()
             return {}
         # Loss all-reduced over workers, then read: a host-device sync, after the step's graph.
@@ -164,9 +168,9 @@ class MetricsReporter:
             "world_size": float(self.world_size),
             "epoch": float(progress.epoch),
             # saves skipped because the storage failed, this worker group (0 while every save commits)
-            "checkpoint_failures": float(getattr(self.t.checkpoints, "failed", 0)),
+            "checkpoint_failures": float(self.t.checkpoints.failed),
             # rounds of checkpoint retention that deleted nothing because a listing or read failed (rank 0)
-            "checkpoint_retention_skipped": float(getattr(self.t.checkpoints, "retention_skipped", 0)),
+            "checkpoint_retention_skipped": float(self.t.checkpoints.retention_skipped),
             # steps whose loss or grad norm was NaN/inf, their updates skipped, this worker group
             "nonfinite_steps": float(self.guard.total if self.guard is not None else 0),
             "skipped_batches": float(self.guard.skipped_batches if self.guard is not None else 0),
@@ -180,7 +184,7 @@ class MetricsReporter:
         if self.logger is not None and step > progress.last_logged_step:
             self.logger.log_metrics(metrics, step)
         if self.board is not None:
-            self.board.update.remote(step, self.job.run.max_steps, metrics)
+            self.board.update(step, self.job.run.max_steps, metrics)
         progress.last_logged_step = max(progress.last_logged_step, step)
         self._reset_window()
         return metrics

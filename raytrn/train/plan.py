@@ -12,6 +12,7 @@ from typing import Any
 
 from raytrn.config import JobSpec
 from raytrn.data.manifest import Manifest
+from raytrn.tracking.roles import BoardClients
 from raytrn.train.schedule import Schedule
 
 #: Ray Train hands the training function a dict (its ``train_loop_config``): the plan is its one entry.
@@ -29,8 +30,8 @@ class WorkerPlan:
     schedule: Schedule
     #: The validation set (:mod:`raytrn.train.evaluate`): the same rows every evaluation, at any size. None: no eval.
     validation: Manifest | None = None
-    #: The job's progress board (a Ray actor handle; the tracking actor when tracking is on).
-    board: Any = None
+    #: The job's progress board by role (its Ray actor: the tracking actor when tracking is on).
+    board: BoardClients | None = None
     #: The job's tracking actor (a Ray actor handle) and its MLflow URI; None when tracking is off.
     tracker: Any = None
     mlflow_uri: str | None = None

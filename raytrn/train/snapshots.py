@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
-import re
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -31,9 +30,11 @@ import torch.distributed as dist
 from raytrn.checkpoint import agree
 from raytrn.checkpoint.memfiles import Snapshotter, load_from_memory
 from raytrn.checkpoint.memory import fetcher, publish
+from raytrn.checkpoint.messages import Passed, PassedOver, Refusal, Refusals, Refused, error_text, render
 from raytrn.checkpoint.progress import Progress
 from raytrn.checkpoint.slabs import SlabWriter
 from raytrn.config import JobSpec
+from raytrn.tracking.roles import RollbackRegistry
 from raytrn.tracking.system import node_label
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,18 @@ class _Writing:
     started: float
     generation: int = 0  # the worker group's (MemorySnapshots.generation), sent with every change to the stores
     done: threading.Event = field(default_factory=threading.Event)
-    reason: str | None = None  # why this snapshot is not complete: the threads' agreement (set by the thread only)
+    reason: Refusals = ()  # why this snapshot is not complete: the threads' agreement (set by the thread only)
     held: dict[str, int] = field(default_factory=dict)  # rank 0: what each store holds once it is sealed
     staged_s: float = 0.0  # how long the step waited for its staging (and the agreement that every rank staged)
+
+
+@dataclass(frozen=True)
+class Rewound:
+    """Rank 0's answer to a new worker group's rewind of the stores (broadcast): the group's ``generation``, or why
+    the stores were not rewound (``refused``; the group then takes no snapshots)."""
+
+    generation: int = 0
+    refused: Refusal | None = None
 
 
 class SnapshotUnreadable(RuntimeError):
@@ -69,14 +79,16 @@ class SnapshotUnreadable(RuntimeError):
 class MemorySnapshots:
     """One rank's side of the memory tier (a no-op when it is off for this group)."""
 
-    def __init__(self, job: JobSpec, keeper: Any, *, rank: int, world_size: int, board: Any = None) -> None:
+    def __init__(
+        self, job: JobSpec, keeper: Any, *, rank: int, world_size: int, rollbacks: RollbackRegistry | None = None
+    ) -> None:
         import ray
 
         self.job, self.keeper, self.rank, self.world_size = job, keeper, rank, world_size
-        self.board = board  # the job's progress board: its rollbacks (raytrn.train.guard)
+        self.rollbacks = rollbacks  # the job's progress board's rollbacks (raytrn.train.guard)
         self.every = job.checkpoint.memory_every_n_steps
         self.stores: dict[str, Any] = {}
-        self._warned: set[str] = set()
+        self._warned: set[tuple[Refused, ...]] = set()  # the kinds of failure warned about (once each)
         #: Whether a restart may resume from a snapshot (the tier is on for the job: a group on one node still
         #: restores what a larger one snapshotted), and whether this group takes snapshots.
         self.restorable = keeper is not None and self.every != 0
@@ -86,7 +98,7 @@ class MemorySnapshots:
         #: Rank 0: the bytes each node's store held after the last complete snapshot (``memory_checkpoint_bytes``).
         self.held: dict[str, int] = {}
         #: Rank 0, after :meth:`newest`: why each newer snapshot was passed over (the restart's record keeps them).
-        self.passed_over: tuple[str, ...] = ()
+        self.passed_over: tuple[PassedOver, ...] = ()
         self._writing: _Writing | None = None
         #: The training's wait for the last completed snapshot: its staging and its completion
         #: (``memory_snapshot_blocked_s``; the write and the copies run beside the next step).
@@ -118,17 +130,17 @@ class MemorySnapshots:
         answer: list[Any] = [None]
         if self.rank == 0 and self.keeper is not None:
             try:
-                rollbacks = ray.get(self.board.rolled_back_steps.remote(), timeout=60) if self.board else []
+                rollbacks = self.rollbacks.rollbacks() if self.rollbacks is not None else []
                 for first, _ in rollbacks:  # no snapshot of a rollback's diverging steps is ever used (once each)
                     ray.get(self.keeper.forget_rollback.remote(int(first)), timeout=120)
                 choice = ray.get(self.keeper.choose.remote(), timeout=60)
             except Exception as e:  # the tier never stops a restart: the durable checkpoint is there
-                self.passed_over = (f"could not ask the stores ({type(e).__name__}: {e})",)
-                log.warning("in-memory snapshots: %s; resuming from storage", self.passed_over[0])
+                self.passed_over = (PassedOver(None, Passed.UNASKED, error=error_text(e)),)
+                log.warning("in-memory snapshots: %s; resuming from storage", render(self.passed_over[0]))
             else:
                 self.passed_over = choice.skipped
-                for why in choice.skipped:
-                    log.warning("in-memory snapshots: %s; trying the one before", why)
+                for skipped in choice.skipped:
+                    log.warning("in-memory snapshots: %s; trying the one before", render(skipped))
                 if choice.step is not None and choice.manifest is not None:
                     m = choice.manifest
                     progress = Progress.from_dict(m["progress"])
@@ -144,21 +156,21 @@ class MemorySnapshots:
         still sends (rank 0 asks, before the first step; every rank gets the group's generation)."""
         import ray
 
-        answer: list[Any] = [None]
+        answer = Rewound()
         if self.rank == 0 and self.keeper is not None:
             try:
                 generation, late = ray.get(self.keeper.rewind.remote(step), timeout=120)
             except Exception as e:  # training does not wait on the tier: this group takes no snapshots (below)
-                answer = [f"could not rewind the stores to step {step} ({type(e).__name__}: {e})"]
+                answer = Rewound(refused=Refusal(Refused.NOT_REWOUND, step, error=error_text(e)))
             else:
-                answer = [generation]
+                answer = Rewound(int(generation))
                 if late:
                     log.warning("in-memory snapshots: the stores on %s did not answer the rewind", ", ".join(late))
-        (answer,) = agree.broadcast(answer)
-        if isinstance(answer, int):
-            self.generation = answer
+        (answer,) = agree.broadcast([answer])
+        if answer.refused is None:
+            self.generation = answer.generation
         elif self.taking:  # the stores would refuse this group's snapshots (or keep newer ones it would mix with)
-            self._stop(str(answer))
+            self._stop((answer.refused,))
 
     def load(self, t: Any, snapshot: Snapshot) -> Progress:
         """Restore ``snapshot`` into ``t`` (a collective: every rank reads the files holding its shards from the
@@ -226,13 +238,13 @@ class MemorySnapshots:
             return
         started = time.perf_counter()
         writing = _Writing(replace(progress), started, self.generation)  # (as of this step: the loop moves on)
-        failed: str | None = None
+        failed: Refusals = ()
         try:
             if self._snapshotter is None:  # (the group's training: built once, before its first snapshot)
                 self._snapshotter = Snapshotter(t.model, t.optimizer, t.scheduler)
             staged = self._snapshotter.stage()
         except Exception as e:  # host memory: no rank's thread may start this snapshot's collectives
-            failed = f"snapshot {progress.step}: not staged on rank {self.rank} ({type(e).__name__}: {e})"
+            failed = (Refusal(Refused.NOT_STAGED, progress.step, self.rank, error=error_text(e)),)
         if any(why := agree.gather(failed)):  # a collective: whether every rank's write can go on
             self._stop(next(w for w in why if w))
             return
@@ -258,20 +270,20 @@ class MemorySnapshots:
                     generation=writing.generation, writer=self._slabs,
                 )  # fmt: skip
             except Exception as e:  # a failed write or copy fails this snapshot, never the step
-                writing.reason = f"snapshot {step}: not written ({type(e).__name__}: {e})"
+                writing.reason = (Refusal(Refused.NOT_WRITTEN, step, self.rank, error=error_text(e)),)
             try:
                 reasons = agree.gather(writing.reason, group=self._group)  # every rank's copies kept?
                 if self.rank == 0 and not any(reasons):
                     reasons = [self._seal(writing)]
-                (writing.reason,) = agree.broadcast([next((r for r in reasons if r), None)], group=self._group)
+                (writing.reason,) = agree.broadcast([next((r for r in reasons if r), ())], group=self._group)
             except Exception as e:  # a rank gone mid-agreement: the restart decides
-                writing.reason = writing.reason or f"snapshot {step}: not agreed ({type(e).__name__}: {e})"
+                writing.reason = writing.reason or (Refusal(Refused.NOT_AGREED, step, error=error_text(e)),)
             del staged  # (its buffers are the writer's; nothing of this snapshot is held while the thread waits)
             writing.done.set()
 
-    def _seal(self, writing: _Writing) -> str | None:
+    def _seal(self, writing: _Writing) -> Refusals:
         """Rank 0, once every rank's copies are kept: the manifest on the ring's stores, then the seal, which frees
-        the older snapshots (stores of nodes no longer in the group too: theirs are older). None when both are done,
+        the older snapshots (stores of nodes no longer in the group too: theirs are older). Empty when both are done,
         else why not."""
         progress, gen = writing.progress, writing.generation
         manifest = {
@@ -284,20 +296,20 @@ class MemorySnapshots:
         reason = publish(
             self.ring, self.node, progress.step, 0, None, replicas=replicas, manifest=manifest, generation=gen
         )
-        if reason is not None:
+        if reason:
             return reason
         held = _answers(
             {node: handle.seal.remote(progress.step, gen) for node, handle in self.ring.items()}, timeout_s=60
         )
         if held is None or None in held.values():  # (None: refused, a newer group started)
-            return f"snapshot {progress.step}: a store did not answer the seal"
+            return (Refusal(Refused.SEAL_UNANSWERED, progress.step),)
         writing.held = held
         for node, handle in self.stores.items():
             if node not in self.ring:
                 handle.seal.remote(progress.step, gen)
-        return None
+        return ()
 
-    def _stop(self, why: str) -> None:
+    def _stop(self, why: Refusals) -> None:
         """No more snapshots in this worker group (every rank): a background write on its group never ended (another
         write there would mix with its collectives), or the stores were not rewound for the group (they would refuse
         its snapshots). Restores, the newest complete snapshot and the durable checkpoints are unaffected."""
@@ -305,7 +317,7 @@ class MemorySnapshots:
         if self.rank == 0:
             log.warning(
                 "in-memory snapshots stop for this worker group: %s; the newest complete snapshot and the durable "
-                "checkpoints stay, and the group's next restart takes snapshots again", why,
+                "checkpoints stay, and the group's next restart takes snapshots again", render(why),
             )  # fmt: skip
 
     def _complete(self, stuck: bool, timeout_s: float) -> bool:
@@ -317,8 +329,8 @@ class MemorySnapshots:
         if writing is None:
             return False
         progress = writing.progress
-        late = f"snapshot {progress.step}: not written within {timeout_s:.0f} s"
-        reasons = agree.gather(late if stuck else writing.reason)  # (a thread still going may change its reason)
+        late = (Refusal(Refused.WRITE_LATE, progress.step, self.rank, timeout_s=timeout_s),)
+        reasons: list[Refusals] = agree.gather(late if stuck else writing.reason)  # (a thread may change its reason)
         if not any(reasons):
             if self.rank == 0:
                 self.held = writing.held
@@ -327,17 +339,17 @@ class MemorySnapshots:
                 )
             return True
         why = next(r for r in reasons if r)
-        if late in reasons:  # (a thread still going may yet seal it: then complete and usable, so not dropped)
-            self._stop(why)
+        if any(r.kind is Refused.WRITE_LATE for rs in reasons for r in rs):  # a thread still going: it may yet seal
+            self._stop(why)  # it (then complete and usable, so not dropped)
             return False
         for handle in self.ring.values():
             handle.drop.remote(progress.step, writing.generation)
-        kind = re.sub(r"\d+(\.\d+)?", "N", why)  # one warning per kind of failure, not per step
+        kind = tuple(r.kind for r in why)  # one warning per kind of failure, not per step
         if self.rank == 0 and kind not in self._warned:
             self._warned.add(kind)
             log.warning(
                 "in-memory snapshot of step %d skipped: %s; training goes on (the same failure again is not "
-                "warned about; checkpoint_failures counts durable saves only)", progress.step, why,
+                "warned about; checkpoint_failures counts durable saves only)", progress.step, render(why),
             )  # fmt: skip
         return False
 

@@ -12,21 +12,23 @@ steps a machine trains meanwhile.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from raytrn.errors import RaytrnError
-from raytrn.tracking.board import BOARD_NAMESPACE, BOARD_PREFIX, StopOrder
+from raytrn.pending import Pending
+from raytrn.tracking.board import BOARD_NAMESPACE, BOARD_PREFIX, StopAsked, StopOrder
+from raytrn.tracking.roles import StopMailbox, StopMailboxClient
 
 #: Rank 0 asks the board at most this often.
 POLL_S = 1.0
 
 
 class StopRequests:
-    """Rank 0's view of the run's stop request (``board``: None on other ranks, which learn it in the agreement)."""
+    """Rank 0's view of the run's stop request (``board``: the job's stop mailbox; None on other ranks, which learn
+    it in the agreement)."""
 
-    def __init__(self, board: Any) -> None:
+    def __init__(self, board: StopMailbox | None) -> None:
         self.board = board
-        self._pending: Any = None
+        self._pending: Pending[StopOrder] | None = None
         self._asked_at = 0.0
         self._requested: int | None = None  # the board's answer: -1 "at the next step", else a step
         #: The board's word that the run must stop at once (its lease was taken over), or None.
@@ -41,14 +43,12 @@ class StopRequests:
         return step + 1 if self._requested <= step else self._requested
 
     def _poll(self) -> None:
-        import ray
-
+        assert self.board is not None
         if self._pending is not None:
-            ready, _ = ray.wait([self._pending], timeout=0)
-            if not ready:
+            if not self._pending.done():
                 return
             try:
-                answer: StopOrder | None = ray.get(self._pending)
+                answer: StopOrder | None = self._pending.result()
             except Exception:  # the board is best effort here: ask again later
                 answer = None
             self._pending = None
@@ -57,11 +57,11 @@ class StopRequests:
                     self._requested = int(answer.at_step)
                 self.abort = answer.abort
         if self.abort is None and time.monotonic() - self._asked_at >= POLL_S:
-            self._pending = self.board.stop_request.remote()
+            self._pending = self.board.order()
             self._asked_at = time.monotonic()
 
 
-def request_stop(run_name: str, at_step: int | None = None, *, timeout_s: float = 30) -> dict[str, Any]:
+def request_stop(run_name: str, at_step: int | None = None, *, timeout_s: float = 30) -> StopAsked:
     """Ask ``run_name``, training on the Ray this process is connected to, to end at step ``at_step`` (None: the next
     step every rank can agree on). Returns the board's answer (the step it reached, the step asked); RaytrnError when
     no such run trains there."""
@@ -73,7 +73,7 @@ def request_stop(run_name: str, at_step: int | None = None, *, timeout_s: float 
     for name in sorted(n for n in names if n.startswith(prefix)):
         try:
             board = ray.get_actor(name, namespace=BOARD_NAMESPACE)
-            return dict(ray.get(board.request_stop.remote(at_step), timeout=timeout_s))
+            return StopMailboxClient(board).request(at_step, timeout_s=timeout_s)
         except (ValueError, ray.exceptions.RayActorError):  # a previous invocation's, going away
             continue
     raise RaytrnError(

@@ -29,7 +29,7 @@ from raytrn.config import JobSpec
 from raytrn.config.sizes import world_sizes
 from raytrn.data.manifest import Manifest
 from raytrn.data.order import SAMPLE_TRACE_ENV
-from raytrn.errors import RaytrnError, RunStopped
+from raytrn.errors import RaytrnError
 from raytrn.estimate.job import estimate_params, resolve_auto_interval
 from raytrn.evals.runner import drain_evaluator, start_evaluator
 from raytrn.models import model_stats
@@ -46,6 +46,7 @@ from raytrn.runtime import (
 from raytrn.tracking.actor import driver_env, start_tracking_actor
 from raytrn.tracking.board import BOARD_NAMESPACE, ProgressBoard, ProgressPrinter, Summary, board_name
 from raytrn.tracking.mlflow_run import end_run, plan_run
+from raytrn.tracking.roles import BoardClients
 from raytrn.train.checks import (
     check_data,
     check_init_from,
@@ -156,9 +157,9 @@ def _train(
     # A Ray this process did not start has another environment: give the actor the driver's MLflow/AWS settings.
     env = None if started_locally else driver_env(os.environ)
     tracker = start_tracking_actor(tracked, job, manifest=manifest, validation=validation, env=env) if tracked else None
-    board = tracker if tracker is not None else _progress_board(job)
+    board = BoardClients.of(tracker if tracker is not None else _progress_board(job))
     if lease is not None:  # taken over by another job: the workers stop at their next step, FAILED, saving nothing
-        lease.watch(lambda lost: board.lease_lost.remote(str(lost)))
+        lease.watch(board.stops.lease_lost)
     # eval.tasks, tracking.register: best: committed checkpoints exported and evaluated off the loop (raytrn.evals)
     evaluator = start_evaluator(job, tracker, tracked.uri) if tracker is not None and tracked is not None else None
     keeper = _memory_keeper(job)
@@ -193,16 +194,13 @@ def _train(
                 validation=validation, report_metrics=trial, memory=keeper, events=events, local=started_locally,
                 started_at=started_at,
             )  # fmt: skip
-            printer = ProgressPrinter(board, live=live_progress) if not trial else contextlib.nullcontext()
+            printer = ProgressPrinter(board.reader.since, live=live_progress) if not trial else contextlib.nullcontext()
             with printer, watch:
                 result = trainer.fit()
         if backend.committed_checkpoints:
             tidy_pointers(RunDir.of(job))
         watch.raise_if_refused()  # fit was aborted because MLflow refused the run
-        snapshot: Any = ray.get(board.snapshot.remote(), timeout=30)  # type: ignore[attr-defined,union-attr]
-        stopped = snapshot["stopped"]
-        if stopped:  # the workers stopped the run (raytrn.errors.RunStopped): it ends FAILED with their reason
-            raise RunStopped(stopped)
+        board.reader.snapshot().raise_if_stopped()  # the workers' RunStopped (its own subclass): FAILED with it
         status = "FINISHED"
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C or SIGTERM; Ray turns an interrupted wait into SystemExit
         if watch.error is not None:
@@ -222,15 +220,15 @@ def _train(
         if evaluator is not None:  # the last checkpoint's evaluation and the best's registration, bounded
             drain_evaluator(evaluator, tracker, job.eval.timeout_s if status == "FINISHED" else 0.0)
         # where this invocation's time went (raytrn.tracking.goodput), to MLflow before the run is marked
-        ledger = close_ledger(board, events.ends, started_at=started_at, tracker=tracker)
+        ledger = close_ledger(board.reader, events.ends, started_at=started_at, tracker=tracker)
         run_id = finish(status, job.tracking.flush_timeout_s)
     if run_id and tracker is not None and job.tracking.registers != "none":
         registered = ray.get(tracker.registered.remote(), timeout=60)
         name = job.tracking.registered_model
         print(f"raytrn: registered as {name!r}: version(s) {', '.join(registered.values()) or 'none'}", flush=True)
 
-    snap: Any = ray.get(board.snapshot.remote(), timeout=30)  # type: ignore[attr-defined,union-attr]
-    first, last = snap["first"] or {}, snap["last"] or {}
+    snap = board.reader.snapshot()
+    first, last = snap.first or {}, snap.last or {}
     final_step = last.get("step", start_step)
     tokens = int(last.get("tokens_seen", resumed.tokens_seen)) - resumed.tokens_seen
     return Summary(
@@ -244,8 +242,8 @@ def _train(
         checkpoint=result.checkpoint.path if result.checkpoint else None,
         mlflow_run_id=run_id,
         mlflow_ui=tracked.ui_command() if tracked and run_id else None,
-        first_step_s=snap.get("first_step_s"),
-        restores=snap.get("restores") or [],
+        first_step_s=snap.first_step_s,
+        restores=list(snap.restores),
         goodput=ledger,
         max_steps=job.run.max_steps,
     )
@@ -345,7 +343,7 @@ def _trainer(
     manifest: Any,
     tracked: Any,
     tracker: Any,
-    board: Any,
+    board: BoardClients,
     *,
     schedule: Schedule,
     validation: Any = None,

@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             groups=[{"start": round(t, 2), "first_step": s, "dp": d} for t, s, d in _trace_groups(trace)],
             resumes=_resumes(trace),
             # Each restart's {source, step, steps_retrained} as the job's board counted it (the run's summary).
-            restores=list(outcome["summary"].restores) if "summary" in outcome else [],
+            restores=[r.as_dict() for r in outcome["summary"].restores] if "summary" in outcome else [],
             summary_text=outcome["summary"].render() if "summary" in outcome else "",
             work=str(work),
         )

@@ -161,7 +161,7 @@ def test_killed_worker_resumes_and_history_has_each_step_once(ray_session, tiny_
     assert (retrained.step, retrained.value) == (restored, killed_last - restored)
     [restore_s] = client.get_metric_history(summary.mlflow_run_id, "restore_s")
     assert restore_s.step == restored and 0 < restore_s.value < 60
-    assert [(r["source"], r["step"], r["steps_retrained"]) for r in summary.restores] == [
+    assert [(r.source, r.step, r.steps_retrained) for r in summary.restores] == [
         ("storage", restored, killed_last - restored)
     ]
     # The cost keeps running through the restart (it never falls back toward 0).
@@ -203,7 +203,7 @@ def test_killed_worker_resumes_from_its_in_memory_snapshot_losing_at_most_one_st
     assert run.info.status == "FINISHED"
     steps = [m.step for m in client.get_metric_history(summary.mlflow_run_id, "loss")]
     assert steps == list(range(1, summary.final_step + 1)), steps
-    [(source, restored, retrained)] = [(r["source"], r["step"], r["steps_retrained"]) for r in summary.restores]
+    [(source, restored, retrained)] = [(r.source, r.step, r.steps_retrained) for r in summary.restores]
     # Step 12 is logged before its snapshot is out: the kill may come between (restored 11, one step again).
     assert source == "memory" and restored >= 11 and retrained <= 1, summary.restores
     assert run.data.tags["raytrn.restore_source"] == f"memory:step_{restored}"

@@ -13,6 +13,7 @@ import torch
 from raytrn.backends.cpu import CpuBackend
 from raytrn.checkpoint import memfiles, memory, slabs
 from raytrn.checkpoint.memory import MemoryTier, publish
+from raytrn.checkpoint.messages import ObjectLocation, Passed, PassedOver, Refused, SlabLocation
 from raytrn.train.build import build_training
 from tests.unit.test_dcp import job, trained
 from tests.unit.test_memory_tier import snapshot_files
@@ -30,14 +31,15 @@ def test_a_snapshot_survives_its_nodes_store_and_restores_exactly_from_the_repli
     try:
         stores = tier.ensure(["a", "b", "c"], pin=False)
         manifest = {"step": 2, "world_size": 1}
-        assert publish(stores, "a", 2, 0, files, replicas=1, manifest=manifest) is None
+        assert publish(stores, "a", 2, 0, files, replicas=1, manifest=manifest) == ()
         held = tier.holdings()
         assert held["a"][2].ranks == {0} and held["b"][2].ranks == {0} and 2 not in held["c"]  # ring: a -> b
         assert held["b"][2].manifest == manifest and held["a"][2].nbytes == sum(len(b) for b in files.values())
         # The rank's own node keeps them in a slab (shared memory), the ring's next one as its own objects.
         in_a = ray.get(stores["a"].locate.remote(2, "__0_0.raw"))
-        assert in_a[0] == "slab" and Path(in_a[1]).name.startswith(f"raytrn-snapshot-{tier.token}-"), in_a
-        assert isinstance(ray.get(stores["b"].locate.remote(2, "__0_0.raw"))[0], ray.ObjectRef)
+        assert isinstance(in_a, SlabLocation) and Path(in_a.path).name.startswith(f"raytrn-snapshot-{tier.token}-")
+        in_b = ray.get(stores["b"].locate.remote(2, "__0_0.raw"))
+        assert isinstance(in_b, ObjectLocation) and isinstance(in_b.ref, ray.ObjectRef), in_b
         for node in ("a", None):  # read in place on a's node; from another node, a's slab is sent as an object
             fresh = build_training(j, CpuBackend(), world_size=1)
             fetch = memory.fetcher({"a": stores["a"]}, 2, node=node)
@@ -48,8 +50,8 @@ def test_a_snapshot_survives_its_nodes_store_and_restores_exactly_from_the_repli
         # A worker group starting at step 2 numbers itself: what the one before it still sends is refused.
         assert tier.rewind(2) == (1, [])
         late = publish(stores, "a", 3, 0, files, replicas=1, generation=0)
-        assert late is not None and "refused: from an older worker group (generation 0" in late, late
-        assert publish(stores, "a", 3, 0, files, replicas=1, generation=1) is None
+        assert late and {r.kind for r in late} == {Refused.STALE} and late[0].generation == 0, late
+        assert publish(stores, "a", 3, 0, files, replicas=1, generation=1) == ()
 
         ray.kill(stores["a"], no_restart=True)  # node a is lost with its store
         _wait_gone(stores["a"])
@@ -64,8 +66,8 @@ def test_a_snapshot_survives_its_nodes_store_and_restores_exactly_from_the_repli
         ray.kill(stores["b"], no_restart=True)
         _wait_gone(stores["b"])
         none = tier.choose(timeout_s=10)
-        never = "snapshot 3: no manifest on a live node (never completed, or only on lost nodes)"
-        lost = "snapshot 2: no manifest on a live node (its only copies were on lost node(s) a, b)"
+        never = PassedOver(3, Passed.NO_MANIFEST)
+        lost = PassedOver(2, Passed.NO_MANIFEST, lost_nodes=("a", "b"))
         assert none.step is None and none.skipped == (never, lost), none
     finally:
         tier.shutdown()
@@ -93,8 +95,8 @@ def test_a_snapshot_that_does_not_fit_is_refused_saying_how_much_it_needed(ray_s
     try:
         node = ray.get_runtime_context().get_node_id()
         stores = tier.ensure([node])  # pinned to this (real) node
-        reason = publish(stores, node, 1, 0, files, replicas=1)
-        assert reason is not None and reason.startswith(f"rank 0's snapshot 1 needs {size / 2**20:.1f} MiB"), reason
+        [reason] = publish(stores, node, 1, 0, files, replicas=1)
+        assert reason.kind is Refused.NO_ROOM and (reason.nbytes, reason.capacity) == (size, size // 2), reason
         assert tier.holdings()[node] == {}
     finally:
         tier.shutdown()

@@ -295,7 +295,8 @@ def test_a_trial_stopped_by_asha_shows_the_step_it_was_stopped_at(tmp_path: Path
     )  # fmt: skip
     end_trial_run(SimpleNamespace(tracking_uri=uri, sched=SimpleNamespace(metric="val_loss")), trial)
     (row,) = compare_sweeps.compare_sweep(tracking_uri=uri, parent=parent).rows
-    assert row.status == "KILLED" and row.note == "stopped early (ASHA at step 20)"
+    stopped = (compare_sweeps.Ending.STOPPED_EARLY, "ASHA at step 20")
+    assert row.status == "KILLED" and (row.ending, row.detail) == stopped
     assert row.steps == 20 and row.metric == 4.9
 
 
@@ -337,3 +338,39 @@ def test_goodput_compares_each_runs_ledger_and_plots_it_stacked(tmp_path: Path, 
     with pytest.raises(RaytrnError, match="no run of experiment ledgers has a goodput ledger"):
         plot_goodput(cmp.compare_runs(tracking_uri=uri, experiment="ledgers", filter_string="attributes.run_name = 'old'",
                                       goodput=True), str(tmp_path / "none.png"))  # fmt: skip
+
+
+def _row(tag: str, ending: compare_sweeps.Ending, detail: str = "", metric: float = 1.0) -> compare_sweeps.TrialRow:
+    return compare_sweeps.TrialRow(tag=tag, run_id=tag, status="FINISHED", steps=10, values={"lr": "0.1"},
+                                   metric=metric, ending=ending, detail=detail)  # fmt: skip
+
+
+def test_a_trials_note_is_rendered_from_how_it_ended() -> None:
+    Ending = compare_sweeps.Ending
+    assert _row("a", Ending.STOPPED_EARLY, "ASHA at step 20").note == "stopped early (ASHA at step 20)"
+    assert _row("a", Ending.STOPPED_EARLY).note == "stopped early"
+    assert _row("a", Ending.FAILED, "worker died").note == "failed: worker died"
+    assert _row("a", Ending.RAN).note == ""
+    stopped = compare_sweeps._ending("ASHA at step 20: val_loss 4.9 was not ...", None)
+    assert stopped == (Ending.STOPPED_EARLY, "ASHA at step 20")
+    assert compare_sweeps._ending(None, "OSError: gone\ntraceback") == (Ending.FAILED, "OSError: gone")
+    assert compare_sweeps._ending(None, None) == (Ending.RAN, "")
+
+
+def test_the_plot_marks_only_trials_the_sweep_stopped_early(tmp_path: Path, monkeypatch) -> None:
+    """It read "stopped" in the note: a failed trial whose error said "stopped" was drawn as stopped early."""
+    from matplotlib.axes import Axes
+
+    Ending = compare_sweeps.Ending
+    sweep = compare_sweeps.SweepComparison(name="s", parent_run_id=None, metric="loss", mode="min", fields=["lr"])
+    sweep.rows = [_row("t1", Ending.FAILED, "the worker stopped responding"), _row("t2", Ending.STOPPED_EARLY)]
+    drawn: dict[str, int] = {}
+    scatter = Axes.scatter
+
+    def counted(self: Axes, x, y, *args, label: str = "", **kwargs):  # type: ignore[no-untyped-def]
+        drawn[label] = len(x)
+        return scatter(self, x, y, *args, label=label, **kwargs)
+
+    monkeypatch.setattr(Axes, "scatter", counted)
+    compare_sweeps.plot_sweep(sweep, str(tmp_path / "s.png"))
+    assert drawn == {"ran to the end": 1, "stopped early": 1}

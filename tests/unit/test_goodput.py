@@ -6,8 +6,11 @@ from __future__ import annotations
 import pytest
 
 from raytrn.errors import RaytrnError
+from raytrn.pending import Ready
 from raytrn.tracking import goodput
+from raytrn.tracking.board import RestoreRecord
 from raytrn.tracking.goodput import BADPUT, EndCause, GroupEnd, GroupTimes, close
+from raytrn.tracking.roles import ProgressPosts
 from raytrn.train import goodput as clock_module
 from raytrn.train.events import RunEvents, describe_error
 
@@ -108,19 +111,35 @@ class _Clock:
 
 
 class _Board:
+    """The board's progress posts (raytrn.tracking.roles.ProgressPosts): the group's times kept."""
+
     def __init__(self) -> None:
         self.posted: list[GroupTimes] = []
-        self.goodput = self
 
-    def remote(self, times: GroupTimes) -> None:
+    def update(self, step: int, max_steps: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def reached(self, step: int) -> None:
+        pass
+
+    def first_step_done(self, step: int, since_launch_s: float, since_group_start_s: float) -> None:
+        pass
+
+    def goodput(self, times: GroupTimes) -> None:
         self.posted.append(times)
 
 
 def test_the_clock_splits_its_groups_time_and_covers_it_contiguously(monkeypatch) -> None:
     fake, board = _Clock(), _Board()
+    assert isinstance(board, ProgressPosts)  # the stand-in has the role's methods
     monkeypatch.setattr(clock_module, "time", fake)
     c = clock_module.GoodputClock(
-        board, world_size=2, restore_s=0.7, start_step=10, restored={"steps_retrained": 2}, group=3
+        board,
+        world_size=2,
+        restore_s=0.7,
+        start_step=10,
+        group=3,
+        restored=Ready(RestoreRecord(source="storage", step=10, restore_s=0.7, steps_retrained=2)),
     )
     durations = {11: 3.0, 12: 1.0, 13: 1.0, 14: 1.0}  # step 11: 2 s of warm-up; 11 and 12 were trained before
     for step, took in durations.items():

@@ -13,6 +13,7 @@ import torch
 from raytrn.backends.cpu import CpuBackend
 from raytrn.errors import RunStopped
 from raytrn.tracking.board import ProgressBoard
+from raytrn.tracking.roles import BoardClients
 from raytrn.train.build import build_training, skips_on_device
 from raytrn.train.guard import NonFiniteError, NonFiniteGuard
 from raytrn.train.step import skip_step, train_step
@@ -96,13 +97,14 @@ def test_on_nonfinite_fail_stops_the_run_at_the_limit(tmp_path: Path) -> None:
 
 
 def test_the_board_keeps_the_jobs_rollbacks_and_the_first_stop_reason() -> None:
-    board = ProgressBoard()
-    assert board.snapshot()["stopped"] is None and board.rolled_back_steps() == []
-    board.rolled_back(4, 5)
-    assert board.rolled_back(4, 5) == [[4, 5]]  # every rank records it: once
-    board.stop("first")
-    board.stop("second")
-    assert board.snapshot()["stopped"] == "first"
+    board = BoardClients.of(ProgressBoard())  # its clients, calling it in this process
+    assert board.reader.snapshot().stopped is None and board.rollbacks.rollbacks() == []
+    board.rollbacks.rolled_back(4, 5)
+    assert board.rollbacks.rolled_back(4, 5) == [(4, 5)]  # every rank records it: once
+    first = RunStopped("first")
+    board.stops.stop(first)
+    board.stops.stop(RunStopped("second"))
+    assert board.reader.snapshot().stopped is first
 
 
 def test_a_skipped_step_draws_its_batches_and_moves_the_schedule_on(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from raytrn.backends.cpu import CpuBackend
 from raytrn.checkpoint import dcp, memfiles
 from raytrn.checkpoint.memory import Holding, SnapshotStore, newest_restorable, replica_nodes
+from raytrn.checkpoint.messages import Passed, PassedOver, Refusal, Refused
 from raytrn.errors import CheckpointError
 from raytrn.train.build import build_training
 from raytrn.train.step import train_step
@@ -270,7 +271,7 @@ def test_the_store_refuses_what_does_not_fit_saying_how_much_and_never_holds_mor
     assert store.put(1, 0, {"__0_0.distcp": b"x" * 2**20}) is None
     assert store.put(1, 1, {"__1_0.distcp": b"y" * 2**20}) is None
     reason = store.put(1, 2, {"__2_0.distcp": b"z" * (2 * 2**20)})
-    assert reason == "rank 2's snapshot 1 needs 2.0 MiB; this node's store holds 2.0 of 3.0 MiB"
+    assert reason == Refusal(Refused.NO_ROOM, 1, 2, nbytes=2 * 2**20, held=2 * 2**20, capacity=3 * 2**20)
     assert store.nbytes == 2 * 2**20 and store.holdings()[1].ranks == {0, 1}
     # A rank's second write of the same snapshot replaces its first (counted once).
     assert store.put(1, 1, {"__1_0.distcp": b"w" * 2**20}) is None
@@ -286,7 +287,7 @@ def test_sealing_a_snapshot_frees_the_older_ones_and_refuses_writes_to_them() ->
     assert sorted(store.holdings()) == [5, 6]  # 6 is newer than the complete one: kept
     assert [(s, h.sealed) for s, h in sorted(store.holdings().items())] == [(5, True), (6, False)]
     assert store.read(4, "__0_0.distcp") is None and store.read(5, "__0_0.distcp") == bytes([5]) * 100
-    assert store.put(5, 0, {"__0_0.distcp": b""}) == "snapshot 5 is not newer than the complete snapshot 5"
+    assert store.put(5, 0, {"__0_0.distcp": b""}) == Refusal(Refused.NOT_NEWER, 5, 0, sealed=5)
     store.drop(6)
     assert sorted(store.holdings()) == [5] and store.nbytes == 100
     assert store.read(5, "no-such-file") is None
@@ -323,21 +324,16 @@ def test_the_newest_snapshot_on_live_nodes_is_chosen() -> None:
     # n1 lost: rank 0's files live on n2 too, but the manifest only on n1 (it must be replicated like the files).
     lost_n1 = newest_restorable(holdings, ["n2", "n3"])
     assert lost_n1.step is None
-    assert lost_n1.skipped[0] == "snapshot 10: no manifest on a live node (its only copies were on lost node(s) n1)"
+    assert lost_n1.skipped[0] == PassedOver(10, Passed.NO_MANIFEST, lost_nodes=("n1",))
     # Sealed on a live store (so it was complete), its manifest only on n1: what n1 held when last asked predates it.
     holdings["n2"][10].sealed = True
-    assert newest_restorable(holdings, ["n2", "n3"]).skipped[0] == (
-        "snapshot 10: no manifest on a live node (complete, but its only copies were on lost node(s) n1)"
-    )
+    complete = PassedOver(10, Passed.NO_MANIFEST, complete=True, lost_nodes=("n1",))
+    assert newest_restorable(holdings, ["n2", "n3"]).skipped[0] == complete
     del holdings["n1"][10]
-    assert newest_restorable(holdings, ["n2", "n3"]).skipped[0] == (
-        "snapshot 10: no manifest on a live node (complete, but its only copies were on nodes that no longer answer)"
-    )
+    assert newest_restorable(holdings, ["n2", "n3"]).skipped[0] == PassedOver(10, Passed.NO_MANIFEST, complete=True)
     # A snapshot whose manifest no store ever had (rank 0 died before it): never completed.
     holdings["n2"][10].sealed = False
-    assert newest_restorable(holdings, ["n2", "n3"]).skipped[0] == (
-        "snapshot 10: no manifest on a live node (never completed, or only on lost nodes)"
-    )
+    assert newest_restorable(holdings, ["n2", "n3"]).skipped[0] == PassedOver(10, Passed.NO_MANIFEST)
 
 
 def test_a_snapshot_whose_only_copy_was_on_a_lost_node_is_skipped_for_the_older_one_saying_why() -> None:
@@ -348,7 +344,8 @@ def test_a_snapshot_whose_only_copy_was_on_a_lost_node_is_skipped_for_the_older_
     }
     choice = newest_restorable(holdings, ["n2", "n3"])
     assert choice.step == 9
-    assert choice.skipped == ("snapshot 10: rank(s) 0 of 3 missing (their only copies were on lost node(s) n1)",)
+    lost = PassedOver(10, Passed.RANKS_MISSING, lost_nodes=("n1",), gone_nodes=("n1",), missing=(0,), world_size=3)
+    assert choice.skipped == (lost,)
     # What n1 held was last asked before snapshot 10 was made (at the previous restart): n1 is named all the same,
     # from the manifest's nodes (the group that made it), not n0, lost long before.
     holdings["n1"] = {9: _holding({0}, 9)}
@@ -356,15 +353,15 @@ def test_a_snapshot_whose_only_copy_was_on_a_lost_node_is_skipped_for_the_older_
     for h in holdings.values():
         if 10 in h and h[10].manifest:
             h[10].manifest["nodes"] = ["n1", "n2", "n3"]
-    assert newest_restorable(holdings, ["n2", "n3"]).skipped == (
-        "snapshot 10: rank(s) 0 of 3 missing (node(s) n1 no longer answer: lost, with the copies they held)",
-    )
+    gone = PassedOver(10, Passed.RANKS_MISSING, gone_nodes=("n1",), missing=(0,), world_size=3)
+    assert newest_restorable(holdings, ["n2", "n3"]).skipped == (gone,)
 
 
 def test_a_snapshot_missing_one_ranks_shard_is_never_used() -> None:
     holdings = {"n1": {7: _holding({0, 2}, 7)}, "n2": {7: _holding({0, 2}, 7)}}
     choice = newest_restorable(holdings, ["n1", "n2"])
-    assert choice.step is None and choice.skipped == ("snapshot 7: rank(s) 1 of 3 missing",)
+    missing = PassedOver(7, Passed.RANKS_MISSING, missing=(1,), world_size=3)
+    assert choice.step is None and choice.skipped == (missing,)
     assert newest_restorable({}, []).step is None
 
 
@@ -390,9 +387,9 @@ def test_once_a_newer_worker_group_started_an_older_ones_late_sends_are_refused(
     store.rewind(7, generation=2)  # the next group starts at step 7
     assert store.holdings() == {}
     assert store.put(8, 0, {"__0_0.distcp": b"new"}, generation=2) is None
-    late = "from an older worker group (generation 1; the stores are at 2)"
-    assert store.put(8, 0, {"__0_0.distcp": b"old"}, generation=1) == f"rank 0's snapshot 8 refused: {late}"
-    assert store.put_manifest(8, {"step": 8, "world_size": 3}, generation=1) == f"snapshot 8's manifest refused: {late}"
+    late = Refusal(Refused.STALE, 8, 0, generation=1, current=2)
+    assert store.put(8, 0, {"__0_0.distcp": b"old"}, generation=1) == late
+    assert store.put_manifest(8, {"step": 8, "world_size": 3}, generation=1) == replace(late, rank=None)
     store.drop(8, generation=1)
     assert store.seal(9, generation=1) is None  # refused: would free the new group's 8
     assert store.read(8, "__0_0.distcp") == b"new" and store.holdings()[8].manifest is None
@@ -511,7 +508,7 @@ def test_a_snapshot_is_written_by_the_ranks_thread_and_the_step_waits_only_for_i
         assert writing is not None and writing.done.wait(60)  # written beside the step
         assert snaps.written() is False
     assert sorted(snaps._snapshotter.writer.fs.files) == [".metadata", "__0_0.raw"]  # type: ignore[union-attr]
-    assert writing.reason == "no memory store on node(s) n"
+    assert writing.reason == (Refusal(Refused.NO_STORE, 3, 0, nodes=("n",)),)
     assert 0 < writing.staged_s <= snaps.blocked_s < 60
     [warning] = [r.getMessage() for r in caplog.records if r.name == "raytrn.train.snapshots"]
     assert warning.startswith("in-memory snapshot of step 3 skipped: no memory store on node(s) n; training goes on")
@@ -547,7 +544,7 @@ def test_a_write_that_does_not_end_in_time_stops_the_groups_snapshots(tmp_path, 
     writing = snaps._writing = _Writing(Progress(step=5), 0.0)  # its thread never sets done
     with caplog.at_level("WARNING", logger="raytrn.train.snapshots"):
         assert snaps.written(timeout_s=0.05) is False
-    writing.reason = None  # the thread's late answer changes nothing
+    writing.reason = ()  # the thread's late answer changes nothing
     writing.done.set()
     assert snaps.written() is False and not snaps.due(6, final=False)
     assert not snaps.taking and snaps._writing is None
@@ -566,4 +563,4 @@ def test_a_lost_nodes_old_snapshots_are_not_named_once_a_live_store_sealed_a_new
     }
     choice = newest_restorable(holdings, ["n1", "n2"])
     assert choice.step is None
-    assert [why.split(":")[0] for why in choice.skipped] == ["snapshot 13", "snapshot 12", "snapshot 11"]
+    assert [p.step for p in choice.skipped] == [13, 12, 11]

@@ -11,7 +11,9 @@ import pytest
 import torch.multiprocessing as mp
 
 from raytrn import compat, sigterm
-from raytrn.tracking.board import StopOrder
+from raytrn.errors import RunStopped
+from raytrn.tracking.board import StopAsked, StopOrder
+from raytrn.tracking.roles import StopMailbox
 from raytrn.train import preemption
 from raytrn.train.preemption import PreemptionWatch, describe
 
@@ -216,30 +218,44 @@ def test_raytrns_ray_backend_forms_the_process_group_without_importing_torch_on_
 # -- stop requests (raytrn stop) -------------------------------------------------------------------------------------
 
 
-class _Future:
-    pass
+class _Later:
+    """The board's answer to rank 0's look at the stop order, there on the next look (the board's answer then)."""
+
+    def __init__(self, board: _StopBoard) -> None:
+        self.board = board
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout_s: float | None = None) -> StopOrder:
+        return self.board.answer
 
 
 class _StopBoard:
-    """The board's ``stop_request`` as a future answered on the next look (``ray.wait``/``ray.get`` patched)."""
+    """The job's stop mailbox (raytrn.tracking.roles.StopMailbox) as rank 0 sees it: only its ``order`` is asked."""
 
     def __init__(self, answer: StopOrder) -> None:
         self.answer, self.asked = answer, 0
-        self.stop_request = self
 
-    def remote(self) -> _Future:
+    def order(self) -> _Later:
         self.asked += 1
-        return _Future()
+        return _Later(self)
+
+    def request(self, at_step: int | None, *, timeout_s: float = 30) -> StopAsked:
+        raise AssertionError("raytrn stop's, not rank 0's")
+
+    def lease_lost(self, lost: RunStopped) -> None:
+        raise AssertionError("the driver's, not rank 0's")
+
+    def stop(self, error: RunStopped) -> None:
+        raise AssertionError("every rank's, as the run stops")
 
 
 def test_rank_0_asks_the_board_without_waiting_and_names_the_step_to_end_at(monkeypatch) -> None:
-    import ray
-
     from raytrn.train import stopping
 
     board = _StopBoard(StopOrder())
-    monkeypatch.setattr(ray, "wait", lambda refs, timeout: (refs, []))
-    monkeypatch.setattr(ray, "get", lambda ref: board.answer)
+    assert isinstance(board, StopMailbox)  # the stand-in has the role's methods
     clock = [100.0]
     monkeypatch.setattr(stopping.time, "monotonic", lambda: clock[0])
     stops = stopping.StopRequests(board)

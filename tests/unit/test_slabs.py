@@ -12,6 +12,7 @@ import pytest
 
 from raytrn.checkpoint import slabs
 from raytrn.checkpoint.memory import RayStore
+from raytrn.checkpoint.messages import Refusal, Refused, SlabLocation
 
 pytestmark = pytest.mark.unit
 
@@ -142,7 +143,7 @@ def test_a_store_keeps_a_ranks_files_in_its_slab_and_frees_it_with_the_snapshot(
     worker group is refused and its slab freed."""
     store, writer = _store(tmp_path), slabs.SlabWriter()
 
-    def snapshot(step: int, generation: int = 0) -> str | None:
+    def snapshot(step: int, generation: int = 0) -> Refusal | None:
         files = _files(step)
         reason, lease = store.lease(step, 0, _sizes(files), generation)
         assert reason is None and lease is not None
@@ -150,8 +151,9 @@ def test_a_store_keeps_a_ranks_files_in_its_slab_and_frees_it_with_the_snapshot(
         return store.put_slab(step, 0, lease, generation)
 
     assert snapshot(1) is None and store.seal(1) == sum(_sizes(_files(1)).values())
-    tag, path, offset, size = store.locate(1, "__0_0.raw")  # type: ignore[misc]
-    assert tag == "slab" and bytes(slabs.read_slab(path, offset, size)) == _files(1)["__0_0.raw"]
+    where = store.locate(1, "__0_0.raw")
+    assert isinstance(where, SlabLocation) and where.size == len(_files(1)["__0_0.raw"])
+    assert bytes(slabs.read_slab(where.path, where.offset, where.size)) == _files(1)["__0_0.raw"]
     assert snapshot(2) is None and store.seal(2) is not None
     assert store.locate(1, "__0_0.raw") is None and snapshot(3) is None  # 1's slab, freed by the seal of 2, reused
     assert len(store._slabs._sizes) == 2  # type: ignore[union-attr]
@@ -161,15 +163,17 @@ def test_a_store_keeps_a_ranks_files_in_its_slab_and_frees_it_with_the_snapshot(
     reason, lease = store.lease(3, 0, _sizes(_files(3)), 1)
     assert reason is None and lease is not None
     store.rewind(2, generation=2)
-    assert store.put_slab(3, 0, lease, 1) == "rank 0's snapshot 3: its slab was freed before its files were kept"
+    assert store.put_slab(3, 0, lease, 1) == Refusal(Refused.SLAB_FREED, 3, 0)
     assert len(store._slabs._busy) == 1  # type: ignore[union-attr]
     # A late put naming a slab that is no longer leased for that step and rank: refused, the current lease kept.
     reason, newer = store.lease(3, 0, _sizes(_files(3)), 2)
     assert reason is None and newer is not None
-    assert store.put_slab(3, 0, slabs.Lease("/elsewhere", newer.offsets, newer.sizes), 2) is not None
+    assert store.put_slab(3, 0, slabs.Lease("/elsewhere", newer.offsets, newer.sizes), 2) == Refusal(
+        Refused.SLAB_FREED, 3, 0
+    )
     assert store._slabs.holds(newer, 3, 0)  # type: ignore[union-attr]
     reason, _ = store.lease(3, 0, _sizes(_files(3)), 1)
-    assert reason == "rank 0's snapshot 3 refused: from an older worker group (generation 1; the stores are at 2)"
+    assert reason == Refusal(Refused.STALE, 3, 0, generation=1, current=2)
     assert snapshot(3, generation=2) is None
     store.drop(3, generation=2)
     assert len(store._slabs._busy) == 1 and len(store._slabs._sizes) == 2  # type: ignore[union-attr]
@@ -177,7 +181,7 @@ def test_a_store_keeps_a_ranks_files_in_its_slab_and_frees_it_with_the_snapshot(
     (tmp_path / "small").mkdir()
     small = _store(tmp_path / "small", capacity=100)
     reason, lease = small.lease(1, 0, _sizes(_files(1)), 0)
-    assert lease is None and reason is not None and reason.startswith("rank 0's snapshot 1 needs"), reason
+    assert lease is None and reason is not None and reason.kind is Refused.NO_ROOM and reason.capacity == 100
     writer.close()
     store.close()
     assert [p for p in tmp_path.iterdir() if p.is_file()] == []

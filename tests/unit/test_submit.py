@@ -11,6 +11,7 @@ import pathspec
 import pytest
 
 from raytrn import submit as sub
+from raytrn.compat import JobRequestError
 from raytrn.errors import RaytrnError
 from raytrn.runtime import forwarded_env
 from tests.conftest import REPO, _free_port
@@ -125,7 +126,7 @@ def test_unreachable_address_fails_before_submitting(monkeypatch: pytest.MonkeyP
     def no_client(*a, **k):
         raise AssertionError("a client was created for an unreachable cluster")
 
-    monkeypatch.setattr("ray.job_submission.JobSubmissionClient", no_client)
+    monkeypatch.setattr(sub, "job_client", no_client)
     monkeypatch.chdir(REPO)
     port = _free_port()  # nothing listens there
     with pytest.raises(
@@ -310,16 +311,51 @@ def test_a_driver_in_a_ray_job_refuses_relative_paths(tmp_path: Path) -> None:
 
 def test_unknown_job_ids_are_one_clear_error() -> None:
     def missing() -> None:
-        raise RuntimeError("Request failed with status code 404: Job nope does not exist.")
+        raise JobRequestError(404, "Job nope does not exist")
 
     with pytest.raises(RaytrnError, match=r"^no job 'nope' on the cluster at http://h:8265; `raytrn jobs list"):
         sub._on_job("http://h:8265", "nope", missing)
 
     def broken() -> None:
-        raise RuntimeError("Request failed with status code 500: boom")
+        raise JobRequestError(500, "boom")
 
-    with pytest.raises(RuntimeError, match="500"):  # anything else is not the user's mistake
+    with pytest.raises(JobRequestError, match="500"):  # anything else is not the user's mistake
         sub._on_job("http://h:8265", "x", broken)
+
+
+def test_only_the_dashboards_404_means_no_such_job() -> None:
+    """It read "404" or "does not exist" in the message: a server error naming a job id with 404 in it, or saying
+    some file "does not exist", was reported as an unknown job. Now the status code, from the error."""
+
+    def server_error() -> None:
+        raise JobRequestError(500, "job raysubmit_4041: runtime_env working_dir does not exist on the head node")
+
+    with pytest.raises(JobRequestError) as e:
+        sub._on_job("http://h:8265", "raysubmit_4041", server_error)
+    assert e.value.status_code == 500
+
+    def other() -> None:
+        raise RuntimeError("Job 404 does not exist")  # not the SDK's answer: never read as one
+
+    with pytest.raises(RuntimeError, match="Job 404"):
+        sub._on_job("http://h:8265", "404", other)
+
+
+def test_the_job_clients_failed_requests_keep_their_status_code() -> None:
+    """The SDK's error hook (a private name, resolved by test_compat) raises the typed error; it pickles as it is."""
+    import pickle
+    from types import SimpleNamespace
+
+    from raytrn import compat
+
+    cls = compat.job_client_class()
+    client = cls.__new__(cls)  # (no dashboard: only the hook is called)
+    with pytest.raises(JobRequestError) as e:
+        client._raise_error(SimpleNamespace(status_code=404, text="Job x does not exist"))
+    assert (e.value.status_code, e.value.text) == (404, "Job x does not exist")
+    assert str(e.value) == "Request failed with status code 404: Job x does not exist."  # the SDK's own message
+    again = pickle.loads(pickle.dumps(e.value))
+    assert isinstance(again, RuntimeError) and (again.status_code, str(again)) == (404, str(e.value))
 
 
 def test_the_local_simulators_token_is_found_by_address(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -135,7 +135,7 @@ def test_tracking_actor_drops_the_steps_a_restarted_group_repeats(tmp_path):
     # restart from step 5 trains 15 steps again.
     assert actor.step_reached == 20 and actor.restored("storage", 5, 0.1) is None  # (the first group: no restart)
     actor.group_started(5, 1)
-    assert actor.restored("storage", 5, 0.1)["steps_retrained"] == 15
+    assert actor.restored("storage", 5, 0.1).steps_retrained == 15
     assert actor.close(30) == 0
     client = MlflowClient(uri)
     tags = client.get_run(run_id).data.tags
