@@ -36,8 +36,7 @@ from raytrn.config import JobSpec
 from raytrn.models.hf import load_weights
 from raytrn.sigterm import sigterm_received
 from raytrn.tracking.models import LINKED
-from raytrn.train.preemption import describe as describe_notice
-from raytrn.train.preemption import exit_after_sigterm, wait_for_teardown
+from raytrn.train.preemption import Notice, exit_after_sigterm, wait_for_teardown
 from raytrn.train.schedule import Schedule
 from raytrn.train.snapshots import MemorySnapshots
 from raytrn.train.step import Training
@@ -211,7 +210,7 @@ class Checkpointer:
         metrics: dict[str, Any],
         *,
         last: bool,
-        notice: Any = None,
+        notice: Notice | None = None,
         scores: dict[str, float] | None = None,
     ) -> bool:
         """Save when due, or at once on a preemption ``notice`` (every rank got the same one: it was agreed by a
@@ -262,13 +261,13 @@ class Checkpointer:
                 metrics=logged,
             )  # fmt: skip
 
-    def stop_after_notice(self, notice: Any, step: int) -> None:
+    def stop_after_notice(self, notice: Notice, step: int) -> None:
         """After a preemption notice's checkpoint at ``step``: this worker exits if it was sent SIGTERM, else it waits
         for Ray Train to tear the group down (the steps until the deadline would be trained again: train none)."""
         if self.rank == 0:
             log.warning(
                 "preemption notice (%s): checkpointed step %d; waiting for Ray Train to restart without the node",
-                describe_notice(notice),
+                notice.describe(),
                 step,
             )
         if sigterm_received():  # this worker was told to go: it does, now that its state is committed

@@ -115,9 +115,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             guard.check(result.grad_norm, progress.step, settle=saving or metrics.should_log(progress.step, last=last))
             with hangs.working(), clock.blocking("checkpoint"):  # the previous in-memory snapshot's write, completed
                 checkpointer.step_ended()  # before this step is logged
-            notice, stop_at, abort = watch.agree(stops.stop_at(progress.step), stops.abort is not None)  # every step
-            if abort:  # every rank, before this step is logged or saved: the run is another job's now (lease taken)
+            agreed = watch.agree(stops.stop_at(progress.step), stops.abort is not None)  # a collective, every step
+            if agreed.abort:  # every rank, before this step is logged or saved: the run is another job's now
                 raise LeaseLost(stops.abort or "this job's lease on the run was taken over by another job")
+            notice, stop_at = agreed.notice, agreed.stop_at
             logged = metrics.step_done(result, last=last)
             hangs.step_done(progress.step)
             if 0 < stop_at < end:  # every rank: the same end, from the next step on (its checkpoint, as at the last)
@@ -131,7 +132,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 with clock.blocking("checkpoint"):
                     stopping = checkpointer.after_step(t, progress, logged, last=last, notice=notice, scores=scores)
             clock.iteration_done(final=last or stopping)
-            if stopping:  # a preemption notice: the state is committed; the group trains no further
+            if stopping and notice is not None:  # a preemption notice: the state is committed; no more training
                 checkpointer.stop_after_notice(notice, progress.step)
     except RunStopped as e:  # every rank, at the same step: no restart can fix it (raytrn.errors.RunStopped)
         stopped = e

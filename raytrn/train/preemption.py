@@ -17,6 +17,8 @@ import logging
 import os
 import signal
 import time
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from raytrn.compat import preemption_notice
@@ -24,8 +26,51 @@ from raytrn.sigterm import sigterm_received
 
 log = logging.getLogger(__name__)
 
-#: What a worker's copy of the notice is when it got a SIGTERM (no ``PreemptionInfo`` comes with one).
-SIGTERM_NOTICE = "SIGTERM"
+
+class NoticeFrom(Enum):
+    """Where a worker's preemption notice came from."""
+
+    RAY = "ray"  # this worker's copy of Ray Train's notice (a ``ray.train.PreemptionInfo``)
+    SIGTERM = "sigterm"  # a SIGTERM to this worker (no details come with one)
+    PEER = "peer"  # another rank had one: agreed in the step's collective
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A preemption notice as a rank knows it: where from, and Ray Train's details (``info``) when it has them."""
+
+    source: NoticeFrom
+    info: Any = None
+
+    def describe(self) -> str:
+        """``node n1, ranks [1], deadline in 25 s`` (what is known), ``SIGTERM to this worker`` or ``another rank's
+        node``."""
+        if self.source is NoticeFrom.SIGTERM:
+            return "SIGTERM to this worker"
+        if self.source is NoticeFrom.PEER:
+            return "another rank's node"
+        info, parts = self.info, []
+        nodes = getattr(info, "preempted_node_ids", None)
+        ranks = getattr(info, "preempted_ranks", None)
+        if nodes:
+            parts.append(f"node {', '.join(sorted(map(str, nodes)))}")
+        if ranks:
+            parts.append(f"ranks {sorted(ranks)}")
+        deadline_ms = getattr(info, "deadline_ms", None)
+        if deadline_ms:
+            parts.append(f"deadline in {max(0.0, deadline_ms / 1000 - time.time()):.0f} s")
+        return ", ".join(parts) or "no details"
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank agreed at a step (one collective): the preemption notice (None: none), the step a stop
+    request ends the run at (0: none; :mod:`raytrn.train.stopping`), and whether the run stops at once (its lease
+    was taken over)."""
+
+    notice: Notice | None = None
+    stop_at: int = 0
+    abort: bool = False
 
 
 class PreemptionWatch:
@@ -41,27 +86,31 @@ class PreemptionWatch:
             # at the same point: the start of the loop).
             self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
-    def notice(self) -> Any:
-        """The notice (this worker's copy: Ray Train's ``PreemptionInfo``, or :data:`SIGTERM_NOTICE`; True when only
-        another rank has one), or None: a collective, every rank calls it once per step."""
-        return self.agree(0)[0]
+    def notice(self) -> Notice | None:
+        """The notice every rank agrees on (a collective, every rank calls it once per step), or None."""
+        return self.agree(0).notice
 
-    def agree(self, stop_at: int, abort: bool = False) -> tuple[Any, int, bool]:
-        """:meth:`notice`, the step a stop request asks the run to end at (rank 0's ``stop_at``: 0 for none;
-        :mod:`raytrn.train.stopping`), and whether the run must stop at once (rank 0's ``abort``: its lease was taken
-        over), agreed in the same collective."""
-        info = _local_notice()
-        if info is None and sigterm_received():
-            info = SIGTERM_NOTICE
+    def agree(self, stop_at: int, abort: bool = False) -> Agreement:
+        """:meth:`notice`, the step a stop request asks the run to end at (rank 0's ``stop_at``: 0 for none), and
+        whether the run must stop at once (rank 0's ``abort``), agreed in the same collective."""
+        mine = own_notice()
         if self._world_size == 1:
-            return info, stop_at, abort
+            return Agreement(mine, stop_at, abort)
         import torch
         import torch.distributed as dist
 
-        flags = torch.tensor([int(info is not None), stop_at, int(abort)], dtype=torch.int64)
+        flags = torch.tensor([int(mine is not None), stop_at, int(abort)], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-        notice = info if info is not None else (True if flags[0].item() else None)
-        return notice, int(flags[1].item()), bool(flags[2].item())
+        notice = mine if mine is not None else (Notice(NoticeFrom.PEER) if flags[0].item() else None)
+        return Agreement(notice, int(flags[1].item()), bool(flags[2].item()))
+
+
+def own_notice() -> Notice | None:
+    """This worker's own notice: Ray Train's copy, else a SIGTERM it received, else None."""
+    info = _local_notice()
+    if info is not None:
+        return Notice(NoticeFrom.RAY, info)
+    return Notice(NoticeFrom.SIGTERM) if sigterm_received() else None
 
 
 def _local_notice() -> Any:
@@ -69,25 +118,6 @@ def _local_notice() -> Any:
         return preemption_notice()
     except (ImportError, AttributeError, RuntimeError):  # not inside a Ray Train V2 worker
         return None
-
-
-def describe(info: Any) -> str:
-    """``node n1 (ranks [1]), deadline in 25 s`` from a ``ray.train.PreemptionInfo`` (or what is known)."""
-    if info is True or info is None:
-        return "another rank's node"
-    if info == SIGTERM_NOTICE:
-        return "SIGTERM to this worker"
-    parts = []
-    nodes = getattr(info, "preempted_node_ids", None)
-    ranks = getattr(info, "preempted_ranks", None)
-    if nodes:
-        parts.append(f"node {', '.join(sorted(map(str, nodes)))}")
-    if ranks:
-        parts.append(f"ranks {sorted(ranks)}")
-    deadline_ms = getattr(info, "deadline_ms", None)
-    if deadline_ms:
-        parts.append(f"deadline in {max(0.0, deadline_ms / 1000 - time.time()):.0f} s")
-    return ", ".join(parts) or "no details"
 
 
 def wait_for_teardown(max_wait_s: float = 24 * 3600) -> None:

@@ -15,7 +15,7 @@ from raytrn.errors import RunStopped
 from raytrn.tracking.board import StopAsked, StopOrder
 from raytrn.tracking.roles import StopMailbox
 from raytrn.train import preemption
-from raytrn.train.preemption import PreemptionWatch, describe
+from raytrn.train.preemption import Notice, NoticeFrom, PreemptionWatch
 
 pytestmark = pytest.mark.unit
 
@@ -33,8 +33,14 @@ def _agree(rank: int, world: int, port: int, noticed_at: dict[int, int], out: di
     for step in range(1, 8):  # noqa: B007 (read by the lambda)
         # rank 0 hears of a stop request (for step 6) at step 4, and that the run's lease was taken over at step 6:
         # every rank learns each in the same collective
-        notice, stop_at, abort = watch.agree(6 if rank == 0 and step >= 4 else 0, rank == 0 and step >= 6)
-        seen.append((notice is not None, stop_at, abort))
+        agreed = watch.agree(6 if rank == 0 and step >= 4 else 0, rank == 0 and step >= 6)
+        # its own copy where it had one (Ray's details kept), else "another rank's"
+        own = step >= noticed_at.get(rank, 10**9)
+        source = NoticeFrom.RAY if own else NoticeFrom.PEER
+        assert agreed.notice is None or (
+            agreed.notice.source is source and agreed.notice.info == ("notice" if own else None)
+        )
+        seen.append((agreed.notice is not None, agreed.stop_at, agreed.abort))
     out[rank] = seen
     dist.destroy_process_group()
 
@@ -66,8 +72,10 @@ def test_describe_names_nodes_ranks_and_deadline() -> None:
     from ray.train import PreemptionInfo
 
     info = PreemptionInfo(deadline_ms=int((time.time() + 25.4) * 1000), preempted_node_to_ranks={"n2": [2, 3]})
-    assert describe(info) in ("node n2, ranks [2, 3], deadline in 25 s", "node n2, ranks [2, 3], deadline in 24 s")
-    assert describe(True) == "another rank's node"
+    shown = Notice(NoticeFrom.RAY, info).describe()
+    assert shown in ("node n2, ranks [2, 3], deadline in 25 s", "node n2, ranks [2, 3], deadline in 24 s")
+    assert Notice(NoticeFrom.PEER).describe() == "another rank's node"
+    assert Notice(NoticeFrom.RAY, object()).describe() == "no details"
 
 
 def test_ray_keeps_the_notice_where_raytrn_reads_it() -> None:
@@ -103,8 +111,8 @@ def test_sigterm_while_training_is_a_notice_not_an_exit(sigterm_handler) -> None
     time.sleep(0.1)  # Python runs the handler between bytecodes of the main thread
     assert sigterm.sigterm_received() and sigterm_handler == []  # the old handler (an exit) was not called
     watch = PreemptionWatch(1)
-    assert watch.notice() == preemption.SIGTERM_NOTICE
-    assert describe(preemption.SIGTERM_NOTICE) == "SIGTERM to this worker"
+    assert watch.notice() == Notice(NoticeFrom.SIGTERM)
+    assert Notice(NoticeFrom.SIGTERM).describe() == "SIGTERM to this worker"
 
 
 _MAIN_THREAD_IN_C = """
