@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from raytrn import jsonfile
+from raytrn.config import families
 from raytrn.config.presets import PRESETS
 from raytrn.errors import ConfigError
 
@@ -36,7 +37,7 @@ FIELDS = {
     "router_aux_loss_coef": "router_aux_loss_coef",
 }
 #: The ``model_type`` values of config.json raytrn's decoder implements: its ``model.family`` values.
-FAMILIES = ("llama", "qwen3", "qwen3_moe")
+FAMILIES = tuple(families.FAMILIES)
 #: The keys of Llama 3.x's ``llama3`` RoPE scaling (transformers' ``_compute_llama3_parameters``).
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 

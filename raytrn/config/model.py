@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from raytrn.config.families import FAMILIES, Family
 from raytrn.config.hf_config import rope_scaling
 from raytrn.config.presets import PRESETS
 from raytrn.config.section import Section
@@ -34,7 +35,7 @@ class ModelConfig(Section):
     config.json fills the sizes (the required ones too); explicit fields win over a preset and must match
     init_from."""
 
-    family: Literal["llama", "qwen3", "qwen3_moe"] = Field(
+    family: Family = Field(
         "llama",
         description="model family: llama (Llama 2, 3, 3.x), qwen3 (Qwen3 dense: queries and keys RMS-normed per "
         "head, head_dim of its own) or qwen3_moe (Qwen3-MoE: Qwen3's attention, routed experts as every MLP); a "
@@ -168,7 +169,7 @@ class ModelConfig(Section):
     @model_validator(mode="after")
     def _check_experts(self) -> ModelConfig:
         moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
-        if self.family == "qwen3_moe":
+        if self.is_moe:
             missing = [f"model.{name}" for name in moe if getattr(self, name) is None]
             if missing:
                 raise ValueError(f"a qwen3_moe model needs {', '.join(missing)} (or a preset: tiny-qwen3-moe, ...)")
@@ -185,7 +186,7 @@ class ModelConfig(Section):
 
     @property
     def is_moe(self) -> bool:
-        return self.family == "qwen3_moe"
+        return FAMILIES[self.family].moe
 
     @property
     def expert_sizes(self) -> tuple[int, int, int]:
@@ -198,7 +199,7 @@ class ModelConfig(Section):
     @property
     def qk_norm(self) -> bool:
         """Queries and keys RMS-normed per head (the Qwen3 families)."""
-        return self.family in ("qwen3", "qwen3_moe")
+        return FAMILIES[self.family].qk_norm
 
     @property
     def kv_heads(self) -> int:

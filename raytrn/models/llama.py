@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from raytrn.config.families import FAMILIES
+
 if TYPE_CHECKING:
     import torch
 
@@ -20,7 +22,7 @@ if TYPE_CHECKING:
 
 
 #: ``model.family`` -> the Hugging Face architecture of its export.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+ARCHITECTURES = {name: spec.architecture for name, spec in FAMILIES.items()}
 
 
 def hf_config(cfg: ModelConfig):
