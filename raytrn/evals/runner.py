@@ -30,6 +30,7 @@ from raytrn.checkpoint.manifest import RetentionSkipped, prune
 from raytrn.checkpoint.pins import unpin
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.config import JobSpec
+from raytrn.tracking.tracker_client import TrackerClient
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class CheckpointEvaluator:
     def __init__(self, job: JobSpec, tracker: Any, uri: str) -> None:
         import ray
 
-        self.job, self.tracker, self.uri = job, tracker, uri
+        self.job, self.tracker, self.uri = job, TrackerClient(tracker), uri
         self.run = RunDir.of(job)
         resources: dict[str, Any] = {"num_cpus": job.eval.num_cpus, "max_retries": 0}
         if job.eval.device == "cuda":
@@ -163,7 +164,7 @@ class CheckpointEvaluator:
         self._release(dropped.step)
         self.skipped += 1
         log.info("evaluation of step %d skipped: a newer checkpoint came first", dropped.step)
-        self.tracker.log_metrics.remote({"eval_skipped": float(self.skipped)}, dropped.step, False)
+        self.tracker.log_metrics({"eval_skipped": float(self.skipped)}, dropped.step, training=False)
 
     def _work(self) -> None:
         import ray
@@ -184,15 +185,15 @@ class CheckpointEvaluator:
                     raise TimeoutError(f"still running after eval.timeout_s={self.job.eval.timeout_s:g} s: stopped")
                 result = ray.get(ref)
                 self.done += 1
-                told = self.tracker.checkpoint_evaluated.remote(work.step, result["scores"], result["exported"])
+                told = self.tracker.checkpoint_evaluated(work.step, result["scores"], result["exported"])
             except Exception as e:  # its own failure, never training's
                 self.failures += 1
                 reason = _reason(e)
                 log.warning("evaluation of the checkpoint of step %d failed: %s", work.step, reason)
                 log.debug("%s", e)
-                told = self.tracker.checkpoint_eval_failed.remote(work.step, reason, self.failures)
+                told = self.tracker.checkpoint_eval_failed(work.step, reason, self.failures)
             try:  # received before the work counts as done (the driver ends the run after a drain)
-                ray.get(told, timeout=60)
+                told.result(timeout_s=60)
             except Exception as e:
                 log.warning("tracking actor: %s", e)
             self._release(work.step)
@@ -234,7 +235,7 @@ def start_evaluator(job: JobSpec, tracker: Any, uri: str) -> Any:
     if not job.reads_checkpoints_off_loop:
         return None
     actor = ray.remote(num_cpus=0)(CheckpointEvaluator).options(**on_this_node()).remote(job, tracker, uri)
-    ray.get(tracker.set_evaluator.remote(actor), timeout=60)
+    TrackerClient(tracker).set_evaluator(actor)
     return actor
 
 
@@ -244,7 +245,7 @@ def drain_evaluator(evaluator: Any, tracker: Any, timeout_s: float) -> None:
     import ray
 
     try:
-        ray.get(tracker.flush_models.remote(60.0), timeout=120)
+        TrackerClient(tracker).flush_models(60.0)
         done = ray.get(evaluator.drain.remote(timeout_s), timeout=3 * timeout_s + 120)
         if done["done"] or done["failed"] or done["skipped"]:
             print(f"raytrn: checkpoint evaluations: {done['done']} done, {done['failed']} failed, "

@@ -17,6 +17,7 @@ from raytrn.compat import WorkerPlace
 from raytrn.errors import RaytrnError
 from raytrn.tracking.goodput import EndCause, GroupEnd, Ledger, close
 from raytrn.tracking.roles import BoardReader
+from raytrn.tracking.tracker_client import TrackerClient
 
 log = logging.getLogger(__name__)
 
@@ -195,5 +196,5 @@ def close_ledger(board: BoardReader, ends: list[GroupEnd], *, started_at: float,
     ledger = close(started_at, time.time(), list(snap.times), ends)
     if tracker is not None:
         step = int((snap.last or {}).get("step") or 0)
-        tracker.log_goodput.remote(ledger.metrics(), step)
+        TrackerClient(tracker).log_goodput(ledger.metrics(), step)
     return ledger

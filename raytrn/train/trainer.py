@@ -33,6 +33,7 @@ from raytrn.errors import RaytrnError
 from raytrn.estimate.job import estimate_params, resolve_auto_interval
 from raytrn.evals.runner import drain_evaluator, start_evaluator
 from raytrn.models import model_stats
+from raytrn.pending import Pending
 from raytrn.runtime import (
     ensure_ray,
     git_commit,
@@ -47,6 +48,7 @@ from raytrn.tracking.actor import driver_env, start_tracking_actor
 from raytrn.tracking.board import BOARD_NAMESPACE, ProgressBoard, ProgressPrinter, Summary, board_name
 from raytrn.tracking.mlflow_run import end_run, plan_run
 from raytrn.tracking.roles import BoardClients
+from raytrn.tracking.tracker_client import TrackerClient
 from raytrn.train.checks import (
     check_data,
     check_init_from,
@@ -175,9 +177,9 @@ def _train(
             return ended["run_id"]
         if tracker is not None and tracked is not None:
             try:  # the actor marks the run: it has the store open (see TrackingActor.finish)
-                ids = ray.get(tracker.finish.remote(status, flush_timeout_s), timeout=flush_timeout_s + 30)
-                tracked.run_id, tracked.experiment_id = ids["run_id"], ids["experiment_id"]
-                ended["run_id"] = ids["run_id"]
+                ids = TrackerClient(tracker).finish(status, flush_timeout_s)
+                tracked.run_id, tracked.experiment_id = ids.run_id, ids.experiment_id
+                ended["run_id"] = ids.run_id
                 return ended["run_id"]
             except RaytrnError:  # MLflow refused the run: there is none to mark
                 ended["run_id"] = None
@@ -223,7 +225,7 @@ def _train(
         ledger = close_ledger(board.reader, events.ends, started_at=started_at, tracker=tracker)
         run_id = finish(status, job.tracking.flush_timeout_s)
     if run_id and tracker is not None and job.tracking.registers != "none":
-        registered = ray.get(tracker.registered.remote(), timeout=60)
+        registered = TrackerClient(tracker).registered()
         name = job.tracking.registered_model
         print(f"raytrn: registered as {name!r}: version(s) {', '.join(registered.values()) or 'none'}", flush=True)
 
@@ -301,17 +303,15 @@ class _RunRefused:
         # Ray Train aborts on SIGINT only when fit() runs in the main thread; elsewhere fit() runs to its end.
         self._can_stop = threading.current_thread() is threading.main_thread()
         if tracker is not None:
-            ready = tracker.ready.remote()
+            ready = TrackerClient(tracker).ready()
             threading.Thread(target=self._wait, args=(ready,), name="raytrn-mlflow-run", daemon=True).start()
 
-    def _wait(self, ready: Any) -> None:
+    def _wait(self, ready: Pending[Any]) -> None:
         import _thread
         import signal
 
-        import ray
-
         try:
-            ray.get(ready)
+            ready.result()
         except RaytrnError as e:  # Ray's RayTaskError(ConfigError): the original is its cause
             cause = getattr(e, "cause", None)
             with self._lock:
