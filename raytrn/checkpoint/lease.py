@@ -20,8 +20,8 @@ Taking over is atomic: locally the taker holds ``raytrn-lease.json.takeover`` (c
 checks that the lease is still the stale one it read and replaces it; on S3 the replacement is a put ``If-Match``
 the stale lease's ETag. Of several jobs taking over one stale lease, one wins; the others are refused.
 
-A holder whose lease was taken over (it was frozen or cut off for longer than :data:`STALE_AFTER_S`) learns it at its
-next heartbeat (:meth:`Lease.watch`): its run stops at the next step, FAILED, naming the new holder, and writes
+A holder whose lease was taken over (it was frozen or cut off for longer than :data:`STALE_AFTER_S`) learns it within
+:data:`CHECK_S` (it reads its lease between heartbeats; :meth:`Lease.watch`): its run stops at the next step, FAILED, naming the new holder, and writes
 nothing more (:class:`LeaseLost`).
 """
 
@@ -49,6 +49,9 @@ __all__ = ["LEASE_FILE", "Lease", "LeaseError", "LeaseLost", "acquire"]
 #: How often the holder renews its lease, and how long after the last renewal it is stale (by the store's clock).
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 180.0
+#: How often the holder reads its lease between heartbeats, to learn of a take-over (a read: a stat and a small file
+#: locally, one GET on S3): a job whose lease was taken over trains on (never logs or saves) at most this long.
+CHECK_S = 5.0
 #: A take-over's lock older than this (by the store's clock) was left by a taker that died while taking over.
 TAKEOVER_LOCK_STALE_S = 60.0
 
@@ -155,9 +158,14 @@ class Lease:
             on_lost(lost)
 
     def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
+        renewed = time.monotonic()
+        while not self._stop.wait(min(CHECK_S, HEARTBEAT_S)):
             try:
-                self.renew()
+                if time.monotonic() - renewed >= HEARTBEAT_S:
+                    self.renew()
+                    renewed = time.monotonic()
+                else:
+                    self.check()
             except LeaseLost as e:
                 log.error("%s", e)
                 with self._lock:
@@ -187,6 +195,12 @@ class Lease:
                     raise self._taken_over(current)
                 _local_replace(self.path, holder)
         self.holder = holder
+
+    def check(self) -> None:
+        """LeaseLost naming the new holder when the lease is no longer this driver's (a read, no write)."""
+        current = Holder.parse(_read(self.path) or "")
+        if current is None or current.token != self.holder.token:
+            raise self._taken_over(current)
 
     def _taken_over(self, by: Holder | None) -> LeaseLost:
         who = f"by another job ({by.describe()})" if by is not None else "(the lease is gone or unreadable)"

@@ -145,11 +145,13 @@ def test_a_lease_taken_over_is_neither_renewed_nor_released_by_its_old_holder(tm
     assert json.loads(path.read_text())["token"] == "new-holder"
 
 
-def test_a_holder_whose_lease_was_taken_over_is_told_at_its_next_heartbeat(
+def test_a_holder_whose_lease_was_taken_over_is_told_between_heartbeats(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What the driver does with it (the workers stop at their next step, FAILED): tests/integration/test_train.py."""
-    monkeypatch.setattr(leases, "HEARTBEAT_S", 0.05)
+    """It reads its lease every CHECK_S between heartbeats (here none is due: HEARTBEAT_S is an hour). What the driver
+    does with it (the workers stop at their next step, FAILED): tests/integration/test_train.py."""
+    monkeypatch.setattr(leases, "CHECK_S", 0.05)
+    monkeypatch.setattr(leases, "HEARTBEAT_S", 3600.0)
     run = RunDir(str(tmp_path), "r1")
     held = acquire(run)
     told: list[LeaseLost] = []
