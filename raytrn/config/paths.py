@@ -87,17 +87,11 @@ _IPV4 = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
 def uri_problem(value: str) -> str | None:
     """What is wrong with ``value`` as a storage location (a local path or ``s3://BUCKET/PREFIX``), or None: a
     malformed S3 URI (``s3:/bucket``, ``s3://``, ``S3://``) or an invalid bucket name."""
-    scheme, sep, rest = value.partition(":")
-    if not sep or "/" in scheme or "\\" in scheme or len(scheme) < 2:  # a local path (C:\ is one too)
-        return None
-    if scheme.lower() == "s3" and not value.startswith("s3://"):
+    scheme, sep, _ = value.partition(":")
+    if sep and scheme.lower() == "s3" and not value.startswith("s3://"):
         return f"{value!r} is not an S3 URI: write s3://BUCKET/PREFIX (lowercase s3, two slashes)"
-    if scheme == "file":
+    if not value.startswith("s3://"):  # a local path, or another filesystem pyarrow may know
         return None
-    if not value.startswith(f"{scheme}://"):
-        return None  # "name:with-colon" is a local file name
-    if scheme != "s3":
-        return None  # another filesystem pyarrow may know (raytrn's own files are local or on S3)
     bucket = urlparse(value).netloc
     if not bucket:
         return f"{value!r} names no bucket: write s3://BUCKET/PREFIX"
