@@ -129,10 +129,11 @@ class Ledger:
 
 def close(started_at: float, ended_at: float, groups: list[GroupTimes], ends: list[GroupEnd]) -> Ledger:
     """The ledger of a run from ``started_at`` to ``ended_at`` (the driver's process start and the end of its run),
-    from its groups' own times (in order; a group that never stepped is part of the gap around it) and the
+    from its groups' own times (a group that never stepped is part of the gap around it) and the
     driver's record of why each group before the last ended (``ends``, in order)."""
     out = Ledger(wall_s=max(0.0, ended_at - started_at))
-    stepped = sorted((g for g in groups if g.first_step_at is not None), key=lambda g: g.group)
+    # in the order they trained (by their first step's time: a group number the board could not give is 0)
+    stepped = sorted((g for g in groups if g.first_step_at is not None), key=lambda g: g.first_step_at or 0.0)
     for g in stepped:
         for name in ("productive", "retrained", "warmup", "data_wait", "checkpoint", "eval", "other"):
             setattr(out, name, getattr(out, name) + getattr(g, f"{name}_s"))

@@ -58,6 +58,7 @@ class GoodputClock:
         self._steady_s, self._steady_n = 0.0, 0
         self.data_wait_s = self.checkpoint_s = self.eval_s = self.other_s = 0.0
         self._posted_at = 0.0
+        self._done: GroupTimes | None = None  # the group's time up to its last completed iteration
 
     def step_started(self) -> None:
         """A training step begins (the first one opens the group's time; later ones continue an iteration)."""
@@ -110,6 +111,7 @@ class GoodputClock:
         self._blocked = 0.0
         self._iter_start = end  # the next iteration starts where this one ended: the group's time is contiguous
         self._last_end_at = time.time()
+        self._done = self.times()
         if final or end - self._posted_at >= POST_EVERY_S:
             self.post()
             self._posted_at = end
@@ -140,9 +142,12 @@ class GoodputClock:
         )
 
     def post(self) -> None:
-        """Send :meth:`times` to the board (not waited on)."""
-        if self.board is not None and self._first_at is not None:
-            self.board.goodput(self.times())
+        """Send the group's time up to its last completed iteration to the board (not waited on). An iteration cut
+        short (a lost peer's collective error, a stop raised mid-iteration) is left out: its step and blocking time
+        lie after the posted ``last_step_end_at``, in the gap the driver books to what ended the group; posting them
+        too would book those seconds twice."""
+        if self.board is not None and self._done is not None:
+            self.board.goodput(self._done)
 
     def _retrained(self) -> int:
         if self._retrained_until is None:

@@ -165,6 +165,37 @@ def test_the_clock_splits_its_groups_time_and_covers_it_contiguously(monkeypatch
     assert parts == pytest.approx(span)
 
 
+def test_an_iteration_cut_short_is_left_to_the_gap_not_booked_twice(monkeypatch) -> None:
+    """A peer's node is lost: rank 0's step trained, then its snapshot write waits and fails. The posted time ends at
+    the last completed iteration, with every part inside it (CI saw -3.2 s unaccounted when the cut iteration's
+    step and checkpoint time were posted with the earlier end)."""
+    fake, board = _Clock(), _Board()
+    monkeypatch.setattr(clock_module, "time", fake)
+    c = clock_module.GoodputClock(board, world_size=3, restore_s=0.0, start_step=0, restored=None, group=2)
+    for step in (1, 2):
+        c.step_started()
+        fake.advance(1.0)
+        c.stepped(step, data_wait_s=0.0)
+        c.iteration_done()
+        fake.advance(1.0)  # past POST_EVERY_S: each completed iteration posts
+    c.step_started()
+    fake.advance(1.0)
+    c.stepped(3, data_wait_s=0.0)
+    with pytest.raises(RuntimeError), c.blocking("checkpoint"):
+        fake.advance(3.2)
+        raise RuntimeError("Connection closed by peer")
+    c.post()  # the loop's `finally`
+    times = board.posted[-1]
+    assert times.steps == 2 and times.checkpoint_s == 0.0
+    span = times.last_step_end_at - times.first_step_at
+    parts = sum(getattr(times, f"{k}_s") for k in ("productive", "retrained", "warmup", "data_wait", "checkpoint",
+                                                 "eval", "other"))  # fmt: skip
+    assert parts == pytest.approx(span)
+    # the ledger: the group's cut iteration lands in the restart that followed, and every second once
+    ledger = close(times.first_step_at - 5, times.last_step_end_at + 10, [times], [])
+    assert ledger.unaccounted == pytest.approx(0.0)
+
+
 def test_only_rank_0_measures() -> None:
     c = clock_module.GoodputClock(None, world_size=2, restore_s=0.0, start_step=0, restored=None, group=1)
     c.step_started()
