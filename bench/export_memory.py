@@ -30,7 +30,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
     from raytrn.config import load_job
     from raytrn.models import build_model
-    from raytrn.models.llama import save_hf
+    from raytrn.models.export import save_hf
     from raytrn.train.parallelize import parallelize
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -36,7 +36,7 @@ def _job(**model: Any) -> Any:
 
 def _write_checkpoint(directory: str) -> int:
     from raytrn.models import build_model
-    from raytrn.models.llama import save_hf
+    from raytrn.models.export import save_hf
 
     job = _job(dtype="bfloat16")
     save_hf(job.model, build_model(job.model, seed=1).state_dict(), directory)

@@ -22,6 +22,9 @@ os.environ["AWS_SECRET_ACCESS_KEY"] = "testing"
 os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
 os.environ.pop("AWS_PROFILE", None)
 os.environ.pop("MLFLOW_TRACKING_URI", None)
+# Every worker group of every test compares its step-end collectives across its ranks before issuing each one: a
+# collective issued on some ranks only fails the test on every rank, naming its phase (raytrn.train.protocol).
+os.environ["RAYTRN_CHECK_COLLECTIVES"] = "1"
 
 
 @pytest.fixture(scope="session")

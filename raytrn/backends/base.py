@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from raytrn.checkpoint.resume import ResumeFormat
     from raytrn.config import JobSpec
 
 log = logging.getLogger(__name__)
@@ -37,13 +38,21 @@ class Backend:
     fused_optim: bool = False
     #: ``run.tune_malloc`` defaults to on: the step's tensors are allocated and freed in host memory.
     tune_malloc: bool = False
-    #: Checkpoints carry a commit manifest and resume from the newest committed one (:mod:`raytrn.checkpoint.manifest`);
-    #: False: from Ray Train's latest registered checkpoint (the frozen XLA paths' single-file and NxD formats).
-    committed_checkpoints: bool = True
+    #: Each worker group measures a worker's memory once, against the estimate (:mod:`raytrn.train.memory_probe`).
+    #: False on the frozen XLA path: no new features there.
+    probes_memory: bool = True
     #: A step whose gradient norm is not finite skips its optimizer update, decided by one host read of the norm
     #: (:func:`raytrn.train.build.clip_and_step`). False on the frozen XLA paths: the read would cut the step's
     #: lazy graph in two.
     skips_nonfinite_steps: bool = True
+
+    # -- driver and worker -----------------------------------------------------------------------
+    def resume_format(self) -> ResumeFormat:
+        """How this backend's checkpoints resume, for the driver and the workers alike
+        (:mod:`raytrn.checkpoint.resume`): commit manifests and the in-memory tier; the frozen XLA path overrides it."""
+        from raytrn.checkpoint.resume import CommittedResume  # pyarrow (~0.5 s): the CLI imports backends, not this
+
+        return CommittedResume()
 
     # -- driver side ---------------------------------------------------------------------------
     def worker_resources(self, job: JobSpec) -> dict[str, float]:

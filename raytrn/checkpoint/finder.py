@@ -6,11 +6,13 @@ file and the one before it is tried; CheckpointError when the run has committed 
 (nothing is silently started over); None when it has none.
 
 - The driver (:func:`latest_checkpoint`) applies it with sizes only (a listing), before any worker starts, to
-  say where the run resumes and pin its schedule; for a run without commit manifests (an older raytrn, the
-  frozen XLA path) it falls back to Ray Train's newest recorded checkpoint (:func:`newest_pointer`).
+  say where the run resumes and pin its schedule; for a run without commit manifests (an older raytrn) it falls
+  back to Ray Train's newest recorded checkpoint (:func:`newest_pointer`, the frozen XLA path's only rule).
 - The workers (:func:`resume_point`, a collective) apply it to the candidates rank 0 lists, one at a time (only
   as far as the one resumed: a restart does not read every checkpoint's manifest), with ``checkpoint.verify:
   sha256`` each rank hashing a share of a candidate's files.
+
+Which of these a backend's checkpoints use, and what the workers do with the answer: :mod:`raytrn.checkpoint.resume`.
 """
 
 from __future__ import annotations
@@ -62,17 +64,16 @@ def newest_committed(
     return None
 
 
-def latest_checkpoint(job: JobSpec, *, committed: bool = True) -> tuple[Meta | None, str | None]:
+def latest_checkpoint(job: JobSpec) -> tuple[Meta | None, str | None]:
     """The driver's answer: what the checkpoint this run resumes from says (counters, schedule) and where it is,
     or (None, None). The newest committed one whose files are there (the workers check their bytes too), else, for
-    a run without commit manifests (``committed=False``: the frozen XLA path), Ray Train's newest recorded one."""
+    a run without commit manifests (an older raytrn's), Ray Train's newest recorded one."""
     run = RunDir.of(job)
-    if committed:
-        found = newest_committed(run)
-        if found is not None:
-            c = found.commit
-            meta = Meta(progress=replace(c.progress), schedule=c.schedule, extra={"dcp": found.location})
-            return meta, found.location
+    found = newest_committed(run)
+    if found is not None:
+        c = found.commit
+        meta = Meta(progress=replace(c.progress), schedule=c.schedule, extra={"dcp": found.location})
+        return meta, found.location
     return newest_pointer(run)
 
 

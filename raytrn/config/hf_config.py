@@ -1,6 +1,9 @@
-"""A Hugging Face Llama, Qwen3 or Qwen3-MoE checkpoint's ``config.json`` as raytrn's ``model`` section (``model.init_from``).
+"""A Hugging Face checkpoint's ``config.json`` as raytrn's ``model`` section (``model.init_from``), for every family
+of the registry (:data:`raytrn.config.families.FAMILIES`: its ``plain``, ``defaults`` and ``aliases`` say how a
+family's ``config.json`` differs). The other direction, the export's ``config.json``, is the family's Hugging Face
+adapter (``raytrn/models/<family>/hf.py``); this one stays in the config layer, which loads a job without the models.
 
-``config.json`` (``model_type``: one of :data:`FAMILIES`) gives the family and the sizes; a job may omit them, and
+``config.json`` (``model_type``: a family's name) gives the family and the sizes; a job may omit them, and
 any it gives (or its preset gives) must match, else one error naming the field. RoPE: the default, or Llama 3.x's ``llama3`` scaling
 (honoured by :class:`raytrn.models.decoder.RotaryEmbedding`); any other type is refused. Both spellings are
 read: ``rope_theta`` + ``rope_scaling`` (transformers 4) and ``rope_parameters`` (5). The weights are
@@ -13,7 +16,7 @@ import math
 from typing import Any
 
 from raytrn import jsonfile
-from raytrn.config import families
+from raytrn.config.families import FAMILIES
 from raytrn.config.presets import PRESETS
 from raytrn.errors import ConfigError
 
@@ -36,8 +39,8 @@ FIELDS = {
     "moe_intermediate_size": "moe_intermediate_size",
     "router_aux_loss_coef": "router_aux_loss_coef",
 }
-#: The ``model_type`` values of config.json raytrn's decoder implements: its ``model.family`` values.
-FAMILIES = tuple(families.FAMILIES)
+#: config.json keys raytrn's decoder implements at one value only, in every family (a family adds its own: ``plain``).
+PLAIN: tuple[tuple[str, Any], ...] = (("attention_bias", False), ("use_sliding_window", False))
 #: The keys of Llama 3.x's ``llama3`` RoPE scaling (transformers' ``_compute_llama3_parameters``).
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -80,18 +83,17 @@ def _exists(location: str) -> bool:
 
 
 def model_fields(config: dict[str, Any], *, where: str) -> dict[str, Any]:
-    """raytrn ``model`` fields from a Llama or Qwen3 ``config.json``; ConfigError for another architecture, or a
-    variant (attention biases, sliding windows, a RoPE) raytrn's decoder does not implement."""
+    """raytrn ``model`` fields from a ``config.json`` of a registered family; ConfigError for another architecture,
+    or a variant (attention biases, sliding windows, a RoPE) raytrn's decoder does not implement."""
     model_type = config.get("model_type")
-    if model_type not in FAMILIES:
+    spec = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if spec is None:
+        published = ", ".join(s.checkpoints for s in FAMILIES.values())
         raise ConfigError(
             f"{where}: model_type is {model_type!r}; raytrn's decoder implements {', '.join(map(repr, FAMILIES))} "
-            "(Llama 2, 3, 3.1, 3.2, Qwen3 dense, Qwen3-MoE, and their fine-tunes); other architectures are not supported"
+            f"({published}, and their fine-tunes); other architectures are not supported"
         )
-    variants: list[tuple[str, Any]] = [("attention_bias", False), ("use_sliding_window", False)]
-    if model_type == "qwen3_moe":  # every layer sparse, as in every published Qwen3-MoE
-        variants += [("decoder_sparse_step", 1), ("mlp_only_layers", [])]
-    for key, plain in variants:
+    for key, plain in PLAIN + spec.plain:
         if config.get(key, plain) != plain:
             raise ConfigError(
                 f"{where}: config.json has {key}: {config[key]!r}; raytrn's decoder implements {key}: "
@@ -99,10 +101,12 @@ def model_fields(config: dict[str, Any], *, where: str) -> dict[str, Any]:
             )
     fields: dict[str, Any] = {"family": model_type}  # first: another family is named as such
     fields.update({ours: config[theirs] for theirs, ours in FIELDS.items() if config.get(theirs) is not None})
-    if model_type == "qwen3_moe":
-        fields["norm_topk_prob"] = bool(config.get("norm_topk_prob", False))  # Qwen3MoeConfig's default
-        if config.get("num_experts") is None and config.get("num_local_experts") is not None:
-            fields["num_experts"] = config["num_local_experts"]  # transformers 5's name for it
+    for key, default in spec.defaults:
+        value = config.get(key)
+        fields[key] = default if value is None else type(default)(value)
+    for other, key in spec.aliases:
+        if config.get(key) is None and config.get(other) is not None:
+            fields[FIELDS.get(key, key)] = config[other]
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                            "vocab_size") if k not in config]  # fmt: skip
     if missing:
@@ -143,7 +147,7 @@ def merge_config(model: dict[str, Any], location: str, *, where: str) -> dict[st
     if given.get("preset") is not None:
         preset = PRESETS.get(str(given["preset"]))
         if preset is not None:
-            given = {"family": "llama", **preset, **given}  # (a Llama preset names no family)
+            given = {**preset, **given}
     theirs = model_fields(read_config(location), where=f"{where}: model.init_from {location}")
     for name, value in theirs.items():
         if name in given and given[name] is not None and not _same(given[name], value):

@@ -1,5 +1,6 @@
-"""The job spec's ``model`` section: the decoder's family and sizes (filled by a preset, :mod:`raytrn.config.presets`,
-or by ``init_from``'s config.json, :mod:`raytrn.config.hf_config`), its dtype and precision, and LoRA.
+"""The job spec's ``model`` section: the decoder's family (a row of :mod:`raytrn.config.families`) and sizes (filled
+by a preset, :mod:`raytrn.config.presets`, or by ``init_from``'s config.json, :mod:`raytrn.config.hf_config`), its
+dtype and precision, and LoRA.
 
 Re-exported by :mod:`raytrn.config.schema` with the other sections.
 """
@@ -10,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from raytrn.config.families import FAMILIES, Family
+from raytrn.config.families import FAMILIES, Family, moe_families
 from raytrn.config.hf_config import rope_scaling
 from raytrn.config.presets import PRESETS
 from raytrn.config.section import Section
@@ -30,23 +31,23 @@ class LoraConfig(Section):
     )
 
 
+def _listed(names: list[str]) -> str:
+    """``a, b or c``."""
+    return "".join(names) if len(names) < 2 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 class ModelConfig(Section):
-    """A decoder of a supported family (HF ``LlamaConfig``, ``Qwen3Config``, ``Qwen3MoeConfig``). ``preset`` or ``init_from``'s
-    config.json fills the sizes (the required ones too); explicit fields win over a preset and must match
-    init_from."""
+    """A decoder of one of the model families (``family``), sized as its Hugging Face config.json is. ``preset`` or
+    ``init_from``'s config.json fills the sizes (the required ones too); explicit fields win over a preset and must
+    match init_from."""
 
     family: Family = Field(
         "llama",
-        description="model family: llama (Llama 2, 3, 3.x), qwen3 (Qwen3 dense: queries and keys RMS-normed per "
-        "head, head_dim of its own) or qwen3_moe (Qwen3-MoE: Qwen3's attention, routed experts as every MLP); a "
-        "preset or init_from's config.json sets it",
+        description="model family: "
+        + _listed([f"{name} ({spec.summary})" for name, spec in FAMILIES.items()])
+        + "; a preset or init_from's config.json sets it",
     )
-    preset: str | None = Field(
-        None,
-        description="named size (raytrn.config.presets): tiny, llama3.2-1b, llama3.1-8b, llama3-8b, tiny-qwen3, "
-        "qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, qwen3-32b, tiny-qwen3-moe, qwen3-30b-a3b, "
-        "qwen3-235b-a22b",
-    )
+    preset: str | None = Field(None, description=f"named size (raytrn.config.presets): {', '.join(PRESETS)}")
     hidden_size: int = Field(..., gt=0, le=1 << 18, description="model width")
     intermediate_size: int = Field(..., gt=0, le=1 << 20, description="MLP width")
     num_layers: int = Field(..., gt=0, le=4096, description="decoder layers")
@@ -92,8 +93,9 @@ class ModelConfig(Section):
     )
     init_from: str | None = Field(
         None,
-        description="a Hugging Face Llama, Qwen3 or Qwen3-MoE checkpoint directory (local or s3://): config.json + *.safetensors; its "
-        "config gives the family and the sizes (any the job gives must match) and its weights the starting point",
+        description="a Hugging Face checkpoint directory of one of the families (local or s3://): config.json + "
+        "*.safetensors; its config gives the family and the sizes (any the job gives must match) and its weights the "
+        "starting point",
     )
     lora: LoraConfig | None = Field(
         None, description="train low-rank adapters only (needs init_from): rank, alpha, dropout, targets"
@@ -112,7 +114,7 @@ class ModelConfig(Section):
             name = data["preset"]
             if not isinstance(name, str) or name not in PRESETS:
                 raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-            family = PRESETS[name].get("family", "llama")
+            family = PRESETS[name]["family"]
             if data.get("family") is not None and data["family"] != family:
                 raise ValueError(
                     f"family {data['family']!r} but preset {name!r} is a {family} model; drop family (the preset "
@@ -172,7 +174,11 @@ class ModelConfig(Section):
         if self.is_moe:
             missing = [f"model.{name}" for name in moe if getattr(self, name) is None]
             if missing:
-                raise ValueError(f"a qwen3_moe model needs {', '.join(missing)} (or a preset: tiny-qwen3-moe, ...)")
+                preset = next((name for name, p in PRESETS.items() if p["family"] == self.family), None)
+                raise ValueError(
+                    f"a {self.family} model needs {', '.join(missing)}"
+                    + (f" (or a preset: {preset}, ...)" if preset else "")
+                )
             if self.num_experts_per_tok > self.num_experts:  # type: ignore[operator]
                 raise ValueError(
                     f"num_experts_per_tok ({self.num_experts_per_tok}) is more than num_experts ({self.num_experts}): "
@@ -181,11 +187,13 @@ class ModelConfig(Section):
         else:
             given = [f"model.{name}" for name in (*moe, "moe_capacity_factor") if getattr(self, name) is not None]
             if given:
-                raise ValueError(f"{', '.join(given)}: only a qwen3_moe model has experts (family is {self.family!r})")
+                experts = _listed(moe_families())
+                raise ValueError(f"{', '.join(given)}: only a {experts} model has experts (family is {self.family!r})")
         return self
 
     @property
     def is_moe(self) -> bool:
+        """Routed experts as every MLP (the family's registry row says)."""
         return FAMILIES[self.family].moe
 
     @property
@@ -195,11 +203,6 @@ class ModelConfig(Section):
         if not self.is_moe or None in sizes:
             raise ValueError(f"model.family {self.family!r} has no experts")
         return sizes  # type: ignore[return-value]
-
-    @property
-    def qk_norm(self) -> bool:
-        """Queries and keys RMS-normed per head (the Qwen3 families)."""
-        return FAMILIES[self.family].qk_norm
 
     @property
     def kv_heads(self) -> int:

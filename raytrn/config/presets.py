@@ -1,17 +1,22 @@
-"""Model presets: named sizes of the Llama and Qwen3 families (``model.preset``), as data.
+"""Model presets: named sizes of the registered families (``model.preset``), as data.
 
-A preset fills the ``model`` section's sizes (explicit fields win); with ``model.init_from`` its values are
-checked against the checkpoint's ``config.json`` (:mod:`raytrn.config.hf_config`).
+A preset names its family (a row of :data:`raytrn.config.families.FAMILIES`) and fills the ``model`` section's sizes
+(explicit fields win); with ``model.init_from`` its values are checked against the checkpoint's ``config.json``
+(:mod:`raytrn.config.hf_config`). Every family has a ``tiny*`` preset to build and test with
+(``tests/unit/test_families.py``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from raytrn.config.families import FAMILIES
+
 # Published architecture hyper-parameters (HF config.json of each model family member).
 PRESETS: dict[str, dict[str, Any]] = {
     # Small enough to train on two CPU cores in about a minute.
     "tiny": dict(
+        family="llama",
         hidden_size=128,
         intermediate_size=384,
         num_layers=2,
@@ -23,6 +28,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     # Llama 3.2 1B.
     "llama3.2-1b": dict(
+        family="llama",
         hidden_size=2048,
         intermediate_size=8192,
         num_layers=16,
@@ -43,6 +49,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     # Llama 3.1 8B: Llama 3 8B's sizes, a 128k context with RoPE scaling (its config.json).
     "llama3.1-8b": dict(
+        family="llama",
         hidden_size=4096,
         intermediate_size=14336,
         num_layers=32,
@@ -61,6 +68,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     # Llama 3 8B.
     "llama3-8b": dict(
+        family="llama",
         hidden_size=4096,
         intermediate_size=14336,
         num_layers=32,
@@ -128,3 +136,5 @@ PRESETS.update({
     "qwen3-30b-a3b": _qwen3_moe(2048, 6144, 48, 32, 768),
     "qwen3-235b-a22b": _qwen3_moe(4096, 12288, 94, 64, 1536),
 })  # fmt: skip
+
+assert all(p["family"] in FAMILIES for p in PRESETS.values()), "every preset names a registered family"

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from raytrn.config.evals import EvalConfig as EvalConfig  # the eval section: its own module
+from raytrn.config.families import moe_families
 from raytrn.config.model import LoraConfig as LoraConfig  # the model section: its own module
 from raytrn.config.model import ModelConfig as ModelConfig
 from raytrn.config.section import Section
@@ -525,7 +526,7 @@ class JobSpec(Section):
             raise ValueError(
                 f"parallel.expert_parallel_size {self.parallel.expert_parallel_size} with model.family "
                 f"{self.model.family}: a dense model has no experts to spread; remove it (or use model.family: "
-                "qwen3_moe)"
+                f"{' or '.join(moe_families())})"
             )
         return self
 
@@ -552,7 +553,7 @@ class JobSpec(Section):
             )
         if self.scaling.accelerator == "neuron" and self.model.moe_capacity_factor is None:
             raise ValueError(
-                "model.family qwen3_moe on scaling.accelerator neuron needs model.moe_capacity_factor (e.g. 1.25): "
+                f"model.family {self.model.family} on scaling.accelerator neuron needs model.moe_capacity_factor (e.g. 1.25): "
                 "the dropless dispatch's shapes follow the routing, and on Neuron every new shape is a new compile"
             )
 

@@ -19,8 +19,8 @@ Pure arithmetic (no torch): ``raytrn estimate`` answers in well under a second o
   a large vocabulary's loss runs in chunks (:mod:`raytrn.train.loss`): the logits and their gradient only.
 - **runtime**: what the device's runtime and allocator take before the model (an assumption, named as such).
 
-The copies per layer are counted tensor by tensor from :mod:`raytrn.models.decoder`; ``tests/unit/test_estimate.py``
-pins them against measured steps.
+What a layer holds and keeps is its family's (``raytrn/models/<family>/estimate.py``, counted tensor by tensor from
+:mod:`raytrn.models.decoder`); ``tests/unit/test_estimate.py`` pins them against measured steps.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from raytrn.config.sizes import loss_chunk_rows
 from raytrn.models import model_stats
+from raytrn.models.registry import model_spec
 
 if TYPE_CHECKING:
     from raytrn.config import JobSpec, ModelConfig
@@ -104,13 +105,10 @@ class _Split:
 
 def _split(m: ModelConfig, seq_len: int) -> _Split:
     total = model_stats(m, seq_len).num_params
-    h, layers, head_dim = m.hidden_size, m.num_layers, m.head_size
-    norms = layers * (2 * h + (2 * head_dim if m.qk_norm else 0)) + h
-    experts = router = 0
-    if m.is_moe:
-        count, _top_k, width = m.expert_sizes
-        experts = layers * count * 3 * h * width
-        router = layers * count * h
+    h, layers = m.hidden_size, m.num_layers
+    layer = model_spec(m.family).layer_params(m)
+    norms = layers * layer.norms + h  # + the final norm
+    experts, router = layers * layer.experts, layers * layer.router
     replicated = norms + router
     embedding_and_head = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
     block = (total - embedding_and_head - h) // layers
@@ -197,28 +195,19 @@ def activation_bytes(job: JobSpec, tokens: int, width: int) -> int:
     """What the decoder layers keep for backward at ``tokens`` tokens a micro-batch (see the module)."""
     m, p = job.model, job.parallel
     tp = p.tensor_parallel_size
-    h, q, kv = m.hidden_size, m.num_attention_heads * m.head_size, m.kv_heads * m.head_size
+    h = m.hidden_size
     # Per token, per layer, as decoder.DecoderLayer saves them: the residual input and both norms' inputs and
-    # outputs (4 h), q/k/v and q/k after RoPE, SDPA's output and o_proj's input (4 q + 3 kv, split over TP).
+    # outputs (4 h); attention's and the MLP's tensors are the family's.
     hidden = 4 * h // tp if p.sequence_parallel else 4 * h  # NxD sequence parallel splits them along the sequence
-    attention = hidden + (4 * q + 3 * kv) // tp
-    if m.qk_norm:  # Qwen3's per-head query and key norms: their inputs and outputs
-        attention += 2 * (q + kv) // tp
-    if m.is_moe:
-        count, top_k, width_e = m.expert_sizes
-        factor = job.model.moe_capacity_factor or 1.0
-        # the two softmaxes over the router's logits (routing, load-balancing loss), the block's flattened input and
-        # output, and each routed copy of the token: its row, gate and up, SiLU, their product, the expert's output
-        mlp = 2 * count + 2 * h + int(factor * top_k * (2 * h + 4 * width_e))
-    else:
-        mlp = 4 * m.intermediate_size // tp  # gate, up, SiLU(gate), their product
+    layer = model_spec(m.family).layer_activations(m, tp)
+    attention, mlp = hidden + layer.attention, layer.mlp
     if m.lora is not None:
         # Frozen layers keep no input for a weight gradient: measured (tests/unit/test_estimate.py) on adapters of
         # attention, 4 h + f a token less (the normed inputs and projections' copies, the down projection's input);
         # adapted MLPs keep theirs.
         mlp_adapted = any(t in m.lora.targets for t in ("gate_proj", "up_proj", "down_proj"))
         attention -= 2 * h if mlp_adapted else 4 * h
-        mlp -= 0 if mlp_adapted or m.is_moe else m.intermediate_size // tp
+        mlp -= 0 if mlp_adapted else layer.frozen_mlp
     per_layer = tokens * (attention + mlp) * width
     if job.scaling.accelerator == "xla-cpu":  # XLA on CPU materialises the scores, softmax, gradient (trn1: flash)
         seq = job.data.seq_len

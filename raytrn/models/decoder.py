@@ -11,7 +11,7 @@ else: no KV cache, no padding masks (raytrn's rows are packed, unpadded and caus
 Compatibility is by construction and tested (``tests/unit/test_model.py``):
 
 - parameter names are HF's (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``...), so
-  checkpoints, ``adamw_param_groups`` and the Hugging Face export (:func:`raytrn.models.llama.save_hf`) see
+  checkpoints, ``adamw_param_groups`` and the Hugging Face export (:func:`raytrn.models.export.save_hf`) see
   the same state dict;
 - the same seed gives the same weights as HF's (same module creation order, then HF's ``_init_weights``
   pass: normal(0, 0.02) for linear and embedding weights, children before parents), so golden losses hold;

@@ -1,4 +1,4 @@
-"""Starting from a Hugging Face Llama checkpoint (``model.init_from``): its safetensors weights loaded into
+"""Starting from a Hugging Face checkpoint (``model.init_from``): its safetensors weights loaded into
 raytrn's decoder in any layout. (Its ``config.json`` as raytrn's model section: :mod:`raytrn.config.hf_config`.)
 
 - **Weights.** After the model is laid out (DDP, FSDP2, tensor parallel), every rank loads through DCP's
@@ -21,6 +21,7 @@ from raytrn import jsonfile, storage
 from raytrn.config.hf_config import CONFIG_FILE
 from raytrn.config.hf_config import check_config as check_config  # re-exported: raytrn.train.checks imports it here
 from raytrn.errors import CheckpointError
+from raytrn.models.export import hub_tensors, split_stacked
 
 if TYPE_CHECKING:
     import torch
@@ -137,18 +138,14 @@ def load_weights(model: torch.nn.Module, location: str, *, tied: bool, source: s
 
 
 def _is_stacked(name: str) -> bool:
-    from raytrn.models.llama import split_stacked
-
     return split_stacked(name)[1] is not None
 
 
 def _expert_views(name: str, value: Any, *, source: str) -> dict[str, Any]:
-    """The per-expert checkpoint names of stacked-experts tensor ``name`` (:func:`raytrn.models.llama.hub_tensors`)
+    """The per-expert checkpoint names of stacked-experts tensor ``name`` (:func:`raytrn.models.export.hub_tensors`)
     for the experts this rank holds, each a view into ``value`` (a tensor, or a DTensor sharded on the experts, as
     FSDP2 shards it): loading into the views loads the stacked tensor."""
     from torch.distributed.tensor import DTensor
-
-    from raytrn.models.llama import hub_tensors
 
     first, local = 0, value
     if isinstance(value, DTensor):

@@ -14,7 +14,7 @@ Two dispatches of the same routing:
   assignment nothing is dropped and the result is the dropless one.
 
 **Expert parallelism** (``parallel.expert_parallel_size``): the layer's experts are spread over a group of ranks,
-each holding a block of them; :mod:`raytrn.train.expert_parallel` sets :attr:`Experts.exchange`, and both dispatches
+each holding a block of them; :mod:`raytrn.models.expert_parallel` sets :attr:`Experts.exchange`, and both dispatches
 send each assignment's row to the rank of its expert and its result back (an all-to-all each way). The model
 code only calls :class:`Exchange`; the collectives live there.
 
@@ -46,7 +46,7 @@ class RouterStats(NamedTuple):
 
 class Exchange(Protocol):
     """Moves rows between the ``size`` ranks an expert-parallel group spreads a layer's experts over (rank ``r``
-    holds experts ``r * E / size`` to ``(r + 1) * E / size - 1``): :class:`raytrn.train.expert_parallel.AllToAll`."""
+    holds experts ``r * E / size`` to ``(r + 1) * E / size - 1``): :class:`raytrn.models.expert_parallel.AllToAll`."""
 
     size: int
 

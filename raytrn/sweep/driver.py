@@ -25,7 +25,6 @@ import yaml
 
 from raytrn import storage
 from raytrn.backends import get_backend
-from raytrn.checkpoint.finder import latest_checkpoint
 from raytrn.cluster.capacity import load_capacity
 from raytrn.config import JobSpec, apply_overrides, read_job_mapping, set_value
 from raytrn.errors import ConfigError, RaytrnError
@@ -187,7 +186,7 @@ def run_trial(config: dict[str, Any], jobs: dict[int, JobSpec] | None = None) ->
     assert jobs is not None
     mark_raytrn_logs()
     job = jobs[int(config["trial"])]
-    meta, _ = latest_checkpoint(job, committed=get_backend(job.scaling.accelerator).committed_checkpoints)
+    meta, _ = get_backend(job.scaling.accelerator).resume_format().latest(job)
     if meta is not None and meta.progress.step >= job.run.max_steps:  # done before a driver died unaware of it
         from ray import tune
 

@@ -17,7 +17,7 @@ import torch
 from raytrn import storage
 from raytrn.config import JobSpec
 from raytrn.data.manifest import load_manifest
-from raytrn.models.llama import save_hf
+from raytrn.models.export import save_hf
 from raytrn.models.lora import adapted_weights, export_specs, merged_items, save_adapter
 
 log = logging.getLogger(__name__)

@@ -1,11 +1,11 @@
 """The loop's checkpoint component: where a worker group starts from, and when and how it saves.
 
-- :meth:`Checkpointer.find` (a collective, before anything is built): the newest complete in-memory snapshot when
-  it is at least as new as every committed checkpoint (none of whose files is then read), else the newest committed
-  checkpoint whose files check out (:func:`raytrn.checkpoint.finder.resume_point`), or, for the frozen XLA path's
-  formats, Ray Train's latest; its counters tell the data feed where to start.
-- :meth:`Checkpointer.restore`: that state into the built training (or ``model.init_from``'s weights for a new run,
-  and under LoRA for every start).
+- :meth:`Checkpointer.find` (a collective, before anything is built): where the group starts, by the backend's
+  resume format (:mod:`raytrn.checkpoint.resume`: an in-memory snapshot or the newest committed checkpoint whose
+  files check out; for the frozen XLA path's formats Ray Train's latest); its counters tell the data feed where to
+  start.
+- :meth:`Checkpointer.restore`: that state into the built training, by the same format (or ``model.init_from``'s
+  weights for a new run, and under LoRA for every start).
 - :meth:`Checkpointer.after_step`: its own cadence (``checkpoint.every_n_steps``, the last step) and a preemption
   notice or SIGTERM (a synchronous save at the same step on every rank, then the group trains no further); every
   complete checkpoint is reported to Ray Train and tagged on the run.
@@ -17,19 +17,15 @@ import logging
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from typing import Any
 
 import ray.train
 
-from raytrn import storage
 from raytrn.backends.base import Backend
-from raytrn.checkpoint import agree
-from raytrn.checkpoint.finder import newest_pointer, resume_point
-from raytrn.checkpoint.manifest import describe as describe_commit
 from raytrn.checkpoint.messages import PassedOver
 from raytrn.checkpoint.pins import pin, pin_ttl_s
-from raytrn.checkpoint.progress import META_FILE, Progress, parse_meta
+from raytrn.checkpoint.progress import Progress
+from raytrn.checkpoint.resume import Start
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.checkpoint.store import Saved
 from raytrn.config import JobSpec
@@ -42,25 +38,6 @@ from raytrn.train.snapshots import MemorySnapshots
 from raytrn.train.step import Training
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Start:
-    """Where a worker group starts: the counters (a copy the loop moves on), and the checkpoint they come from (the
-    committed ``resume``; or a checkpoint Ray Train recorded, ``checkpoint``: its Ray ``Checkpoint`` for the XLA
-    formats, its location for an older raytrn's run directory; neither for a new run)."""
-
-    progress: Progress
-    resume: Any = None
-    checkpoint: Any = None
-    #: An in-memory snapshot newer than ``resume`` (:class:`raytrn.train.snapshots.Snapshot`): it wins.
-    snapshot: Any = None
-
-    @property
-    def location(self) -> str | None:
-        if self.snapshot is not None:
-            return f"memory:step_{self.snapshot.step}"  # as the run's raytrn.restore_source tag says it
-        return self.resume.location if self.resume is not None else None
 
 
 class Checkpointer:
@@ -79,6 +56,8 @@ class Checkpointer:
         memory: MemorySnapshots | None = None,
     ) -> None:
         self.job, self.backend, self.schedule = job, backend, schedule
+        #: How this backend's checkpoints are found and restored (:mod:`raytrn.checkpoint.resume`).
+        self.resume = backend.resume_format()
         #: The in-memory tier's side of this rank (None or disabled: durable checkpoints only).
         self.memory = memory if memory is not None and memory.restorable else None
         self.rank, self.world_size = rank, world_size
@@ -95,47 +74,18 @@ class Checkpointer:
 
     # -- start ---------------------------------------------------------------------------------
     def find(self) -> Start:
-        """The checkpoint this group resumes from (a collective: every rank, at the start, before the model builds:
-        the data feed starts where its counters say while the model builds)."""
-        if self.backend.committed_checkpoints:
-            snapshot = self.memory.newest() if self.memory is not None else None  # a collective
-            self.passed_over = self.memory.passed_over if self.memory is not None else ()
-            # A collective too; behind a snapshot at least as new only the newest checkpoint's manifest is read.
-            step = snapshot.step if snapshot is not None else None
-            resume = resume_point(self.job, rank=self.rank, world_size=self.world_size, snapshot=step)
-            if snapshot is not None and (resume is None or snapshot.step >= resume.commit.step):  # (memory is faster)
-                start = Start(progress=replace(snapshot.progress), resume=resume, snapshot=snapshot)
-            elif resume is not None:
-                start = Start(progress=replace(resume.commit.progress), resume=resume)
-            else:  # no committed checkpoint: an older raytrn's run directory, as the driver finds it, or a new run
-                start = self._recorded_start()
-            if self.memory is not None:
-                self.memory.starting_at(start.progress.step)
-            return start
-        checkpoint = ray.train.get_checkpoint()  # the frozen XLA path's formats: Ray Train's latest
-        return Start(progress=_resume_progress(checkpoint), checkpoint=checkpoint)
-
-    def _recorded_start(self) -> Start:
-        """Where a run without committed checkpoints starts: the newest checkpoint directory Ray Train recorded with
-        a readable ``meta.json`` (an older raytrn's: its shards named there, or a single-file ``state.pt``), by the
-        rule the driver announced it with (:func:`raytrn.checkpoint.finder.newest_pointer`); a new run otherwise.
-        Rank 0 reads it, every rank gets its answer (a collective)."""
-        found: list[Any] = [None, None]
-        if self.rank == 0:
-            found = list(newest_pointer(RunDir.of(self.job)))
-        meta, location = agree.broadcast(found)
-        if meta is None or location is None:
-            return Start(progress=Progress())
-        if self.rank == 0:
-            log.info("no committed checkpoint: resuming Ray Train's recorded checkpoint %s", location)
-        return Start(progress=replace(meta.progress), checkpoint=str(location))
+        """The checkpoint this group resumes from, by the backend's resume format (a collective: every rank, at the
+        start, before the model builds: the data feed starts where its counters say while the model builds)."""
+        start = self.resume.find(self.job, rank=self.rank, world_size=self.world_size, memory=self.memory)
+        self.passed_over = self.memory.passed_over if self.memory is not None else ()
+        return start
 
     def restore(self, t: Training, start: Start) -> bool:
         """Load ``start``'s state into ``t`` (and ``model.init_from``'s weights for a new run; under LoRA for every
         start: checkpoints hold the adapters only). Returns True when the saved state's data position differs from
         what :meth:`find` read (the feed must start again from ``start.progress``)."""
         started = time.perf_counter()
-        loaded = self._load(t, start)
+        loaded = self.resume.load(t, start, memory=self.memory, rank=self.rank)
         self.restore_s = time.perf_counter() - started
         if loaded is not None:
             self.restored_from = "memory" if start.snapshot is not None else "storage"
@@ -161,26 +111,6 @@ class Checkpointer:
         progress.step, progress.tokens_seen, progress.cost_usd = loaded.step, loaded.tokens_seen, loaded.cost_usd
         progress.last_logged_step = max(progress.last_logged_step, loaded.last_logged_step)
         return moved
-
-    def _load(self, t: Training, start: Start) -> Progress | None:
-        if start.snapshot is not None and self.memory is not None:
-            from_memory = self.memory.load(t, start.snapshot)
-            if self.rank == 0:
-                log.info("resumed from the in-memory snapshot of step %d (no read from storage)", start.snapshot.step)
-            return replace(from_memory)
-        if start.resume is not None:
-            loaded = t.checkpoints.load_committed(start.resume, t)
-            if self.rank == 0:
-                log.info("resumed from %s", describe_commit(start.resume))
-            return loaded
-        if start.checkpoint is None:
-            return None
-        checkpoint = start.checkpoint
-        if isinstance(checkpoint, str):  # a recorded checkpoint directory (local, or on S3: downloaded)
-            fs, path = storage.filesystem(checkpoint)
-            checkpoint = ray.train.Checkpoint(path, filesystem=fs)
-        with checkpoint.as_directory() as d:
-            return t.checkpoints.load(d, t)
 
     def _load_init_from(self, t: Training) -> None:
         """``model.init_from``'s weights into the laid-out model (every rank reads the slices it holds)."""
@@ -212,16 +142,18 @@ class Checkpointer:
         last: bool,
         notice: Notice | None = None,
         scores: dict[str, float] | None = None,
+        cost_usd: Callable[[], float | None] | None = None,
     ) -> bool:
         """Save when due, or at once on a preemption ``notice`` (every rank got the same one: it was agreed by a
-        collective). True after a notice: the group trains no further (:meth:`stop_after_notice`)."""
+        collective). True after a notice: the group trains no further (:meth:`stop_after_notice`). ``cost_usd``: the
+        run's cost so far, stored with the checkpoint (rank 0's; default: the one the checkpointer was built with)."""
         preempted = notice is not None and not last
         durable = self.due(progress.step, last=last) or preempted
         synchronous = last or preempted or not self.job.checkpoint.async_
         memory = self.memory is not None and self.memory.due(progress.step, final=last or preempted, checkpoint=durable)
         if not (durable or memory):
             return False
-        cost = self.cost_usd()
+        cost = (cost_usd or self.cost_usd)()
         if cost is not None:
             progress.cost_usd = cost
         if memory:  # staged before a durable save, written beside it
@@ -273,19 +205,6 @@ class Checkpointer:
         if sigterm_received():  # this worker was told to go: it does, now that its state is committed
             exit_after_sigterm(self.logger, self.job.tracking.flush_timeout_s, step)
         wait_for_teardown()  # the steps until the deadline would be trained again: train none
-
-
-def _resume_progress(checkpoint: Any) -> Progress:
-    """The counters of Ray's checkpoint from its ``meta.json`` (cheap: no model state): the step, and where
-    in the data the next step starts (epoch, rows consumed)."""
-    if checkpoint is None:
-        return Progress()
-    try:
-        with checkpoint.filesystem.open_input_stream(f"{checkpoint.path}/{META_FILE}") as f:
-            return parse_meta(f.read().decode()).progress
-    except (OSError, ValueError) as e:  # the full state still restores the counters
-        log.warning("checkpoint %s: no readable %s (%s)", checkpoint.path, META_FILE, e)
-        return Progress()
 
 
 def _retention(job: JobSpec) -> int | None:

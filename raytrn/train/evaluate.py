@@ -11,11 +11,12 @@ random numbers and does not touch the training data's position, so it never chan
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from raytrn.checkpoint.progress import Progress
+from raytrn.checkpoint.rundir import RunDir
 from raytrn.config.sizes import global_batch
 from raytrn.data.batch import attention, to_torch
 from raytrn.data.manifest import Manifest, rows_per_group
@@ -28,6 +29,7 @@ from raytrn.train.step import Training, forward
 if TYPE_CHECKING:
     from raytrn.backends.base import Backend
     from raytrn.config import JobSpec
+    from raytrn.train.protocol import StepEnd
 
 
 class Evaluator:
@@ -89,13 +91,26 @@ class Evaluator:
 class Evaluation:
     """The loop's evaluation component: every ``run.eval_every`` steps and at the last, the validation loss (every
     rank: a collective; forward only, no random numbers, no data moved), the run's best so far, and rank 0's MLflow
-    metrics and best-checkpoint tags. Without a validation set it never evaluates."""
+    metrics and best-checkpoint tags. Without a validation set it never evaluates. The ``eval`` phase of the step
+    protocol (:mod:`raytrn.train.protocol`) when built with the training it evaluates (``t``, ``backend``)."""
+
+    phase: ClassVar[str] = "eval"
+    long: ClassVar[bool] = True
+    blocking: ClassVar[str | None] = "eval"
 
     def __init__(
-        self, job: JobSpec, validation: Manifest | None, progress: Progress, *, dp: int, dp_rank: int, logger: Any
-    ) -> None:
-        self.job, self.progress, self.logger = job, progress, logger
+        self, job: JobSpec, validation: Manifest | None, progress: Progress, *, dp: int, dp_rank: int, logger: Any,
+        t: Training | None = None, backend: Backend | None = None,
+    ) -> None:  # fmt: skip
+        self.job, self.progress, self.logger, self.t, self.backend = job, progress, logger, t, backend
         self.evaluator = Evaluator(job, validation, dp=dp, dp_rank=dp_rank) if validation is not None else None
+
+    def step_ended(self, end: StepEnd) -> None:
+        """The ``eval`` phase: the scores of an eval step (``end.scores``); the best-checkpoint tag names the
+        checkpoint this step writes, if it writes one."""
+        assert self.t is not None and self.backend is not None, "built without the training it evaluates"
+        checkpoint = RunDir.of(self.job).pointer(end.step) if end.saving else None
+        end.scores = self.maybe_evaluate(self.t, self.backend, last=end.last, checkpoint=checkpoint)
 
     def should_evaluate(self, step: int, *, last: bool) -> bool:
         every = self.job.run.eval_every

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -32,6 +32,7 @@ from raytrn.errors import RaytrnError, RunStopped
 if TYPE_CHECKING:
     from raytrn.config import JobSpec
     from raytrn.tracking.roles import RollbackRegistry
+    from raytrn.train.protocol import StepEnd
 
 
 class NonFiniteError(RaytrnError):
@@ -43,7 +44,12 @@ class NonFiniteGuard:
     loss is not finite, on every rank alike, and says which steps a rollback skips.
 
     ``rollbacks``: this job's earlier rollbacks (``(first, last)`` steps each); ``record_rollback(first, last)``
-    records a new one where the next worker group finds it (returns once it is recorded)."""
+    records a new one where the next worker group finds it (returns once it is recorded). The ``guard`` phase of
+    the step protocol (:mod:`raytrn.train.protocol`), and a source of the log steps' metrics."""
+
+    phase: ClassVar[str] = "guard"
+    long: ClassVar[bool] = False
+    blocking: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -84,6 +90,15 @@ class NonFiniteGuard:
     def skips(self, step: int) -> bool:
         """Whether step ``step``'s global batch is skipped: a rollback recorded it as one that diverged the run."""
         return any(first <= step <= last for first, last in self.rollbacks)
+
+    def step_ended(self, end: StepEnd) -> None:
+        """The step's gradient norm counted; read where the loop syncs anyway (a checkpoint or log step)."""
+        self.check(end.result.grad_norm, end.step, settle=end.saving or end.logging)
+
+    def metrics(self) -> dict[str, float]:
+        """A log step's: steps whose loss or grad norm was NaN/inf (their updates skipped) and global batches drawn
+        and not trained (a rollback's), this worker group."""
+        return {"nonfinite_steps": float(self.total), "skipped_batches": float(self.skipped_batches)}
 
     def check(self, grad_norm: torch.Tensor, step: int, *, settle: bool = True) -> None:
         """After step ``step``: count it (``deferred``: its gradient norm joins the unread ones, read and counted in

@@ -1,13 +1,15 @@
 """The per-worker training loop that Ray Train runs on every worker.
 
 It reads like the recipe: find where the run stands, start the data feed there, build, restore, then train until
-``run.max_steps``. Each component decides its own cadence: the metrics reporter (:mod:`raytrn.train.metrics`) its
-log steps, the evaluation (:mod:`raytrn.train.evaluate`) its eval steps, the checkpointer
-(:mod:`raytrn.train.checkpointer`) its checkpoint steps and what a preemption notice means. The loop has no backend
-or rank ``if``. The host-device syncs: the metrics' loss read at log steps (where the non-finite guard reads the
-steps' gradient norms too), the evaluation, the checkpoints, and the preemption agreement (one tiny all-reduce of a
-host flag per step); on XLA backends each one is a potential recompile. Skipping a non-finite step's update reads
-one flag per step unless the optimizer skips it on the device (:func:`raytrn.train.build.clip_and_step`).
+``run.max_steps``. What happens when a step ends is the step protocol's (:mod:`raytrn.train.protocol`): the
+components :func:`raytrn.train.components.build_components` builds and registers run in one documented order of
+phases (guard, snapshot, agreement, metrics, watchdog, eval, report, checkpoint), each deciding its own cadence (the
+metrics their log steps, the evaluation its eval steps, the checkpointer its checkpoint steps and what a preemption
+notice means). The loop has no backend or rank ``if``. The host-device syncs: the metrics' loss read at log steps
+(where the non-finite guard reads the steps' gradient norms too), the evaluation, the checkpoints, and the
+preemption agreement (one tiny all-reduce of a host flag per step); on XLA backends each one is a potential
+recompile. Skipping a non-finite step's update reads one flag per step unless the optimizer skips it on the device
+(:func:`raytrn.train.build.clip_and_step`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from typing import Any
 import ray.train
 
 from raytrn.backends import get_backend
-from raytrn.checkpoint.lease import LeaseLost
-from raytrn.checkpoint.rundir import RunDir
 from raytrn.config.sizes import data_parallel_rank, data_parallel_size, global_batch
 from raytrn.data.feed import DataFeed
 from raytrn.errors import RunStopped
@@ -26,18 +26,14 @@ from raytrn.runtime import worker_logging
 from raytrn.sigterm import TRAINING, quiet_sigterm
 from raytrn.tracking.export import log_final_model
 from raytrn.tracking.roles import StopMailbox
-from raytrn.train.build import build_training, skips_on_device
+from raytrn.train.build import build_training
 from raytrn.train.checkpointer import Checkpointer
-from raytrn.train.evaluate import Evaluation
-from raytrn.train.goodput import GoodputClock
-from raytrn.train.guard import NonFiniteGuard
-from raytrn.train.metrics import MetricsReporter, tracking_logger
+from raytrn.train.components import build_components
+from raytrn.train.metrics import tracking_logger
 from raytrn.train.plan import WorkerPlan
-from raytrn.train.preemption import PreemptionWatch
+from raytrn.train.protocol import StepEnd
 from raytrn.train.snapshots import MemorySnapshots
 from raytrn.train.step import skip_step, train_step
-from raytrn.train.stopping import StopRequests
-from raytrn.train.watchdog import HangWatch, on_hang_exit
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -55,7 +51,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     # -- start: where the run stands (a collective), the data feed from there while the model builds -------------
     # In-memory snapshots (a collective); only where checkpoints are DCP's (not the frozen XLA path's formats)
-    keeper = plan.memory if backend.committed_checkpoints else None
+    keeper = plan.memory if backend.resume_format().memory_tier else None
     board = plan.board  # the job's progress board, by role (raytrn.tracking.roles): rank 0 posts progress
     rollbacks, mailbox = (board.rollbacks, board.stops) if board is not None else (None, None)
     memory = MemorySnapshots(job, keeper, rank=rank, world_size=world_size, rollbacks=rollbacks)
@@ -69,29 +65,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     t = build_training(job, backend, world_size=world_size, schedule=plan.schedule, rank=rank)
     if checkpointer.restore(t, start):  # the saved state's data position wins over its manifest's
         batches = feed.start(progress, rank)
-    metrics = MetricsReporter(
-        plan, t, backend, progress, rank=rank, world_size=world_size, local_rank=ctx.get_local_rank(), logger=tracker,
-        restored_from=checkpointer.restored_from, restore_s=checkpointer.restore_s, passed_over=checkpointer.passed_over,
-        extra=memory.metrics,
+    # every per-step concern, in the step protocol's order (raytrn.train.components, raytrn.train.protocol)
+    parts = build_components(
+        plan, t, backend, progress, checkpointer, memory, rank=rank, world_size=world_size,
+        local_rank=ctx.get_local_rank(), tracker=tracker,
     )  # fmt: skip
-    checkpointer.cost_usd = metrics.cost_usd
-    # NaN/inf steps: skipped; too many in a row: a rollback (once per job) or the run stops (raytrn.train.guard)
-    guard = metrics.guard = NonFiniteGuard.on_board(
-        job, rollbacks, enabled=backend.skips_nonfinite_steps, deferred=skips_on_device(t.optimizer)
-    )
-    evaluation = Evaluation(job, plan.validation, progress, dp=dp, dp_rank=dp_rank, logger=logger)
-    watch = PreemptionWatch(world_size)  # a spot notice ends this group at a checkpoint (raytrn.train.preemption)
-    # where the group's time goes (rank 0 posts it to the board: the run's goodput ledger, raytrn.tracking.goodput)
-    clock = GoodputClock(
-        board.progress if board and rank == 0 else None, world_size=world_size, restore_s=checkpointer.restore_s,
-        start_step=progress.step, restored=metrics.restored, group=metrics.group_number,
-    )  # fmt: skip
-    stops = StopRequests(mailbox if rank == 0 else None)  # `raytrn stop`: end early, at an agreed step
+    metrics, guard, clock = parts.metrics, parts.guard, parts.clock
     end = job.run.max_steps  # the last step: run.max_steps, or an earlier one a stop request names
     device_batches = backend.wrap_batches(batches)
 
     # -- train ---------------------------------------------------------------------------------------------------
-    hangs = HangWatch(on_hang_exit(job, rank, tracker), timeout_s=job.run.hang_timeout_s)  # no step: stacks, exit
     TRAINING.set()  # from here a SIGTERM is a notice (raytrn.train.preemption)
     stopped: RunStopped | None = None
     try:
@@ -101,7 +84,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 guard.skipped_batches += 1
                 progress.step += 1
                 feed.advance(progress)
-                hangs.step_done(progress.step)
+                parts.hangs.step_done(progress.step)
                 continue
             clock.step_started()
             with metrics.measuring(progress.step + 1):  # a worker's memory, once a group (raytrn.train.memory_probe)
@@ -110,40 +93,26 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             clock.stepped(progress.step, result.data_wait_s)
             feed.advance(progress)
             last = progress.step == end
-            saving = checkpointer.due(progress.step, last=last)
-            # NaN/inf steps, read where the loop syncs anyway; too many in a row: rollback or stop
-            guard.check(result.grad_norm, progress.step, settle=saving or metrics.should_log(progress.step, last=last))
-            with hangs.working(), clock.blocking("checkpoint"):  # the previous in-memory snapshot's write, completed
-                checkpointer.step_ended()  # before this step is logged
-            agreed = watch.agree(stops.stop_at(progress.step), stops.abort is not None)  # a collective, every step
-            if agreed.abort:  # every rank, before this step is logged or saved: the run is another job's now
-                raise LeaseLost(stops.abort or "this job's lease on the run was taken over by another job")
-            notice, stop_at = agreed.notice, agreed.stop_at
-            logged = metrics.step_done(result, last=last)
-            hangs.step_done(progress.step)
-            if 0 < stop_at < end:  # every rank: the same end, from the next step on (its checkpoint, as at the last)
-                end = max(stop_at, progress.step + 1)
-            with hangs.working():  # evaluation and checkpoints: a longer bound (raytrn.train.watchdog)
-                with clock.blocking("eval"):
-                    scores = evaluation.maybe_evaluate(
-                        t, backend, last=last, checkpoint=RunDir.of(job).pointer(progress.step) if saving else None
-                    )
-                metrics.report(logged, scores)  # a sweep's trial: to Ray Tune (every rank)
-                with clock.blocking("checkpoint"):
-                    stopping = checkpointer.after_step(t, progress, logged, last=last, notice=notice, scores=scores)
-            clock.iteration_done(final=last or stopping)
-            if stopping and notice is not None:  # a preemption notice: the state is committed; no more training
-                checkpointer.stop_after_notice(notice, progress.step)
+            step = parts.steps.step_ended(
+                StepEnd(
+                    progress.step, last=last, saving=checkpointer.due(progress.step, last=last),
+                    logging=metrics.should_log(progress.step, last=last), result=result,
+                )
+            )  # fmt: skip
+            if 0 < step.stop_at < end:  # every rank: the same end from the next step on (its checkpoint as the last's)
+                end = max(step.stop_at, progress.step + 1)
+            clock.iteration_done(final=last or step.stopping)
+            if step.stopping and step.notice is not None:  # a preemption notice: the state is committed; train no more
+                checkpointer.stop_after_notice(step.notice, progress.step)
     except RunStopped as e:  # every rank, at the same step: no restart can fix it (raytrn.errors.RunStopped)
         stopped = e
     finally:
         TRAINING.clear()
-        hangs.close()
+        parts.close()
         clock.post()
 
     if stopped is None and progress.step == end:
         metrics.finish()  # the estimate's errors against this group's actuals
-    metrics.close()
     if stopped is not None:
         stop_run(mailbox, stopped)  # the driver ends the run FAILED with it; nothing is exported
         return

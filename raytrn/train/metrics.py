@@ -9,31 +9,26 @@ system metrics.
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, ClassVar
 
 import ray
 import ray.train
 import torch
 
-from raytrn.backends import Backend, host_malloc
-from raytrn.checkpoint.messages import PassedOver
 from raytrn.checkpoint.progress import Progress
 from raytrn.config import JobSpec
 from raytrn.estimate.job import estimate_errors
 from raytrn.models import model_stats
-from raytrn.pending import Pending
 from raytrn.runtime import process_started_at
 from raytrn.tracking.actor import RemoteLogger, resolve
-from raytrn.tracking.board import RestoreRecord
 from raytrn.tracking.cost import CostTracker, mfu, peak_flops_per_worker, usd_per_hour
-from raytrn.tracking.system import SystemSampler
-from raytrn.train.guard import NonFiniteGuard
+from raytrn.tracking.roles import ProgressPosts
 from raytrn.train.memory_probe import MemoryProbe
 from raytrn.train.plan import WorkerPlan
+from raytrn.train.protocol import MetricSource, StepEnd
 from raytrn.train.step import StepResult, Training, read_metrics
 from raytrn.train.stragglers import Stragglers
 
@@ -50,66 +45,43 @@ def tracking_logger(plan: WorkerPlan) -> RemoteLogger | None:
 
 
 class MetricsReporter:
-    """Decides the log steps and sends each one's metrics; ``progress`` is the loop's (its step and tokens)."""
+    """Decides the log steps and sends each one's metrics; ``progress`` is the loop's (its step and tokens). The
+    ``metrics`` phase of the step protocol (:mod:`raytrn.train.protocol`).
+
+    Built by :func:`raytrn.train.components.build_components`, which starts its collaborators: ``logger`` and
+    ``posts`` (rank 0's MLflow handle and the board's progress posts; None elsewhere), ``efficiency`` (rank 0's cost
+    and MFU), ``probe`` (a worker's memory, measured once per group: a collective at its second step), ``sources``
+    (other components' metrics of a log step: the checkpoints', the guard's, the in-memory snapshots')."""
+
+    phase: ClassVar[str] = "metrics"
+    long: ClassVar[bool] = False
+    blocking: ClassVar[str | None] = None
 
     def __init__(
         self,
         plan: WorkerPlan,
         t: Training,
-        backend: Backend,
         progress: Progress,
         *,
         rank: int,
         world_size: int,
-        local_rank: int,
         logger: RemoteLogger | None,
-        restored_from: str | None = None,
-        restore_s: float = 0.0,
-        passed_over: Sequence[PassedOver] = (),
-        extra: Callable[[], dict[str, float]] | None = None,
+        posts: ProgressPosts | None,
+        efficiency: Efficiency | None,
+        probe: MemoryProbe,
+        sources: Sequence[MetricSource] = (),
     ) -> None:
-        """``restored_from``, ``restore_s``: where the group's state (at ``progress.step``) came from and the load's
-        seconds, and why newer in-memory snapshots were passed over (``passed_over``); rank 0 posts them to the
-        board. ``extra``: more metrics of a log step (another component's: the in-memory snapshots' bytes)."""
         job = self.job = plan.job
         self.t, self.progress, self.world_size = t, progress, world_size
         self.started_at = plan.started_at
-        #: Rank 0 logs to MLflow (``logger``) and posts to the board; every node's first worker samples the node.
-        self.logger = logger if rank == 0 else None
-        board = plan.board if rank == 0 else None
-        self.board = board.progress if board is not None else None
-        self.report_to_tune = plan.report_metrics
-        self.extra = extra
-        self.sampler = None
-        if logger is not None and local_rank == 0 and job.tracking.system_metrics:
-            node = ray.get_runtime_context().get_node_id()
-            interval = job.tracking.system_metrics_interval_s
-            self.sampler = SystemSampler.start(logger, node, interval, device_memory=backend.device_memory)
+        self.logger, self.board, self.efficiency, self.probe = logger, posts, efficiency, probe
+        self.sources = tuple(sources)
         self.group_started_at = process_started_at()
-        #: Counts the skipped non-finite steps (the ``nonfinite_steps`` metric); the loop sets it.
-        self.guard: NonFiniteGuard | None = None
         # Tokens per optimizer step over the job: one batch per model replica (data-parallel rank).
         self.tokens_per_step = t.grad_accum * job.data.micro_batch_size * job.data.seq_len * t.data_parallel_size
-        #: The board's answers (rank 0's, looked at later): this group's restore record and its number in the job
-        self.restored: Pending[RestoreRecord | None] | None = None
-        self.group_number: Pending[int] | None = None
-        if board is not None:  # the job's board counts the worker groups (and records world_size_history)
-            # First: the board counts a restart's steps trained again.
-            self.restored = board.restarts.restored(restored_from, progress.step, restore_s, passed_over)
-            self.group_number = board.restarts.group_started(progress.step, world_size)
         self._reached_at = time.monotonic()
-        self.efficiency = None
-        if self.logger is not None:  # (steps a restarted group repeats are dropped by the tracking actor)
-            self.logger.set_tags({"worker.malloc": host_malloc.describe(os.environ)})  # as the workers run
-        if rank == 0:  # the run's cost so far: the checkpoint's, or what was logged since (a restart lost steps)
-            logged = self.logger.last_value("cost_usd") if self.logger else None
-            self.efficiency = Efficiency(
-                job, world_size, spent_usd=progress.cost_usd, logged_usd=logged, started_at=self.group_started_at
-            )
         # Each rank's own time per step (data wait + forward), gathered at log steps: who is slow
         self.stragglers = Stragglers(world_size, rank)
-        #: A worker's memory, measured once per group (a collective at its second step): set against the estimate
-        self.probe = MemoryProbe(job, backend, start_step=progress.step, enabled=backend.committed_checkpoints)
         self._first_step = True
         #: Tokens and seconds of the group's log windows after its first (compiles, warm-up), and of the first
         self._steady_tokens, self._steady_s = 0, 0.0
@@ -126,6 +98,10 @@ class MetricsReporter:
     def measuring(self, step: int) -> AbstractContextManager[None]:
         """Around the train step ``step`` (every rank): the memory probe's, at its step."""
         return self.probe.stepping(step)
+
+    def step_ended(self, end: StepEnd) -> None:
+        """The ``metrics`` phase: count the step; at a log step, its metrics (``end.logged``)."""
+        end.logged = self.step_done(end.result, last=end.last)
 
     def step_done(self, result: StepResult, *, last: bool) -> dict[str, Any]:
         """Count the step just trained (``progress.step`` already moved); on a log step, its metrics (else {})."""
@@ -167,20 +143,13 @@ class MetricsReporter:
             "tokens_seen": float(progress.tokens_seen),
             "world_size": float(self.world_size),
             "epoch": float(progress.epoch),
-            # saves skipped because the storage failed, this worker group (0 while every save commits)
-            "checkpoint_failures": float(self.t.checkpoints.failed),
-            # rounds of checkpoint retention that deleted nothing because a listing or read failed (rank 0)
-            "checkpoint_retention_skipped": float(self.t.checkpoints.retention_skipped),
-            # steps whose loss or grad norm was NaN/inf, their updates skipped, this worker group
-            "nonfinite_steps": float(self.guard.total if self.guard is not None else 0),
-            "skipped_batches": float(self.guard.skipped_batches if self.guard is not None else 0),
             # the slowest and fastest rank's own time per step (data wait + forward), and the slowest's rank
             **self.stragglers.metrics(self._own / self._steps, (self._window_first, step)),
         }
         if self.efficiency is not None:
             metrics.update(self.efficiency.metrics(metrics["tokens_per_s"], progress.tokens_seen))
-        if self.extra is not None:
-            metrics.update(self.extra())
+        for source in self.sources:  # other components' (raytrn.train.protocol.MetricSource)
+            metrics.update(source.metrics())
         if self.logger is not None and step > progress.last_logged_step:
             self.logger.log_metrics(metrics, step)
         if self.board is not None:
@@ -188,11 +157,6 @@ class MetricsReporter:
         progress.last_logged_step = max(progress.last_logged_step, step)
         self._reset_window()
         return metrics
-
-    def report(self, metrics: dict[str, Any], scores: dict[str, float]) -> None:
-        """A sweep's trial: Ray Tune judges it on the log and eval steps' metrics (every rank reports)."""
-        if self.report_to_tune and (metrics or scores):
-            ray.train.report({**metrics, **scores, "step": self.progress.step}, checkpoint=None)
 
     def finish(self) -> None:
         """The run's last step (rank 0 logs): how far ``raytrn estimate``'s tokens/s and memory a worker were from
@@ -212,9 +176,21 @@ class MetricsReporter:
         """The run's cost up to now (rank 0; None elsewhere): what a checkpoint stores."""
         return self.efficiency.cost_usd() if self.efficiency is not None else None
 
-    def close(self) -> None:
-        if self.sampler is not None:
-            self.sampler.close()
+
+class TuneReport:
+    """The ``report`` phase of a sweep's trial: Ray Tune judges it on the log and eval steps' metrics (every rank
+    reports, through Ray Train)."""
+
+    phase: ClassVar[str] = "report"
+    long: ClassVar[bool] = True
+    blocking: ClassVar[str | None] = None
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+
+    def step_ended(self, end: StepEnd) -> None:
+        if end.logged or end.scores:
+            ray.train.report({**end.logged, **end.scores, "step": self.progress.step}, checkpoint=None)
 
 
 class Efficiency:

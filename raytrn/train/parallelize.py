@@ -1,11 +1,12 @@
-"""Parallelism applied to the single-device model, in one place: tensor parallel, activation checkpointing,
-``torch.compile``, then FSDP2 or DDP (torchtitan's order).
+"""Parallelism applied to the single-device model, in one place: expert and tensor parallel (the family's plans),
+activation checkpointing, ``torch.compile``, then FSDP2 or DDP (torchtitan's order).
 
 The model code (:mod:`raytrn.models.decoder`) knows nothing of this. With ``parallel.tensor_parallel_size``
 > 1 the workers form a ``(dp, tp)`` :class:`~torch.distributed.device_mesh.DeviceMesh` (consecutive ranks
-form a TP group, all on one node) and DTensor's ``parallelize_module`` shards each decoder block Megatron
-style: q/k/v and gate/up column-wise, o and down row-wise, the embedding by vocabulary rows and the head by
-vocabulary columns (logits gathered), norms replicated. ``parallel.data_parallel: fsdp`` then shards every
+form a TP group, all on one node) and the model's family lays each decoder block out by its plan
+(``raytrn/models/<family>/parallelize.py``: Megatron style, q/k/v and gate/up column-wise, o and down row-wise, the
+embedding by vocabulary rows and the head by vocabulary columns, norms replicated); a MoE family's experts are
+spread by its expert parallelism first. ``parallel.data_parallel: fsdp`` then shards every
 block and the root with ``fully_shard`` over the ``dp`` dimension; ``ddp`` wraps the model in
 ``DistributedDataParallel`` (TP 1 only). The same code runs on cpu (gloo) and cuda (nccl); a ``neuron``
 device is one more device type.
@@ -23,6 +24,8 @@ import torch
 from torch import nn
 
 from raytrn.backends.neuron_env import check_tp_groups
+from raytrn.models.parallel import decoder_layers
+from raytrn.models.registry import model_spec
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -88,21 +91,22 @@ def parallelize(
 
         check_tp_placement(tp)
         mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    family = model_spec(job.model.family)
     experts_mesh = None
-    if mesh is not None and job.model.is_moe and (tp > 1 or p.expert_parallel_size > 1):
-        from raytrn.train.expert_parallel import apply_expert_parallel, expert_mesh
+    if mesh is not None and family.expert_parallel is not None and (tp > 1 or p.expert_parallel_size > 1):
+        from raytrn.models.expert_parallel import expert_mesh
 
         experts_mesh = expert_mesh(
             device.type, world_size, tensor_parallel_size=tp, expert_parallel_size=p.expert_parallel_size
         )
-        apply_expert_parallel(model, experts_mesh)
+        family.expert_parallel(model, experts_mesh)
     if mesh is not None and tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], tie_word_embeddings=job.model.tie_word_embeddings)
+        family.tensor_parallel(model, mesh["tp"], job.model.tie_word_embeddings)
     if p.activation_checkpointing != "none":
         apply_activation_checkpointing(model, p.activation_checkpointing)
     if compile is not None:  # per block under FSDP (torchtitan); the whole model in place otherwise (keys unchanged)
         if p.data_parallel == "fsdp":
-            for layer in _layers(model):
+            for layer in decoder_layers(model):
                 if experts_mesh is not None and hasattr(layer.mlp, "experts"):
                     _compile_around_experts(layer, compile)
                 else:
@@ -137,66 +141,6 @@ def _compile_around_experts(layer: nn.Module, compile: dict[str, Any]) -> None:
                 part.compile(**compile)
 
 
-def _layers(model: nn.Module) -> list[nn.Module]:
-    return list(model.model.layers)  # type: ignore[union-attr,arg-type]
-
-
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, tie_word_embeddings: bool) -> None:
-    """Megatron-style TP over ``tp_mesh``; activations stay replicated between blocks (no sequence parallel)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    decoder: Any = model.model
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Replicate()),  # logits gathered: the loss is the usual one
-        },
-    )
-    attention = {
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(),
-    }
-    dense_mlp = {
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(),
-    }
-    for layer in decoder.layers:
-        # A MoE layer's MLP (router and experts) is laid out by raytrn.train.expert_parallel: replicated over TP.
-        parallelize_module(layer, tp_mesh, attention if hasattr(layer.mlp, "experts") else {**attention, **dense_mlp})
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            _replicate(norm, tp_mesh)
-        if getattr(layer.self_attn, "qk_norm", False):  # Qwen3: over each head of this rank's heads [b, s, heads, d]
-            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-                _replicate(norm, tp_mesh, sharded_dim=2)
-    _replicate(decoder.norm, tp_mesh)
-    if tie_word_embeddings:  # each module got its own copy of the shared matrix: share it again (both Shard(0))
-        model.lm_head.weight = decoder.embed_tokens.weight  # type: ignore[union-attr]
-
-
-def _replicate(module: nn.Module, mesh: DeviceMesh, *, sharded_dim: int | None = None) -> None:
-    """Parameters as replicated DTensors (so every parameter lives on the same mesh, as FSDP and the grad norm
-    need), taking and returning plain tensors: the activations around it are replicated already, or, with
-    ``sharded_dim``, split along that dimension over the TP ranks (Qwen3's query and key norms see only this rank's
-    heads: as DTensors their weights' gradients are summed over the TP group, not left each rank's part)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-
-    placement = Replicate() if sharded_dim is None else Shard(sharded_dim)
-
-    def to_dtensor(_mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-        return tuple(DTensor.from_local(x, mesh, [placement], run_check=False) for x in inputs)
-
-    def to_local(_mod: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
-        return output.to_local()
-
-    distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)  # type: ignore[arg-type]
-
-
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     """Recompute each decoder block's activations in backward. ``full``: keep only the block's input;
     ``selective``: also keep the matmul and attention outputs (recompute only the cheap pointwise ops).
@@ -224,7 +168,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
             return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
         context_fn = partial(create_selective_checkpoint_contexts, policy)
-    for layer in _layers(model):
+    for layer in decoder_layers(model):
         forward = layer.forward
         kwargs: dict[str, Any] = {"use_reentrant": False}
         if context_fn is not None:
@@ -248,14 +192,14 @@ def apply_fsdp(
     experts_mesh: DeviceMesh | None = None,
 ) -> None:
     """``fully_shard`` every decoder block, then the root (embedding, final norm, head). With ``experts_mesh``
-    (:mod:`raytrn.train.expert_parallel`) each block's experts first, over its ``dp_mod_ep`` ranks, their gradients
+    (:mod:`raytrn.models.expert_parallel`) each block's experts first, over its ``dp_mod_ep`` ranks, their gradients
     divided by the whole data-parallel size (each EP rank's already sums its EP peers' tokens)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {}
     if mixed_precision is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
-    layers = _layers(model)
+    layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         # The last block's parameters are needed at once by backward: no point resharding them (torchtitan).
         reshard = reshard_after_forward and i < len(layers) - 1

@@ -14,9 +14,7 @@ from typing import Any
 from raytrn import __version__, storage
 from raytrn.backends import Backend, get_backend
 from raytrn.backends.host_malloc import malloc_env, user_allocator_settings
-from raytrn.checkpoint.finder import latest_checkpoint
 from raytrn.checkpoint.lease import Lease, acquire
-from raytrn.checkpoint.manifest import tidy_pointers
 from raytrn.checkpoint.progress import Progress
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.compat import (
@@ -104,7 +102,8 @@ def _train(
     lease: Lease | None = None,
 ) -> Summary:
     started_at = run_started_at()  # time_to_first_step_s and the goodput ledger count from here
-    meta, latest = latest_checkpoint(job, committed=backend.committed_checkpoints)
+    resume = backend.resume_format()  # how this backend's checkpoints resume (raytrn.checkpoint.resume)
+    meta, latest = resume.latest(job)
     resumed = meta.progress if meta else Progress()
     start_step = resumed.step
     if start_step >= job.run.max_steps:
@@ -164,7 +163,7 @@ def _train(
         lease.watch(board.stops.lease_lost)
     # eval.tasks, tracking.register: best: committed checkpoints exported and evaluated off the loop (raytrn.evals)
     evaluator = start_evaluator(job, tracker, tracked.uri) if tracker is not None and tracked is not None else None
-    keeper = _memory_keeper(job)
+    keeper = _memory_keeper(job) if resume.memory_tier else None  # (not the frozen XLA path's formats)
     watch = _RunRefused(tracker)
     events = RunEvents(job.scaling.max_failures, quiet=trial)  # the controller's decisions: lines, the ledger
     status = "FAILED"
@@ -199,8 +198,7 @@ def _train(
             printer = ProgressPrinter(board.reader.since, live=live_progress) if not trial else contextlib.nullcontext()
             with printer, watch:
                 result = trainer.fit()
-        if backend.committed_checkpoints:
-            tidy_pointers(RunDir.of(job))
+        resume.tidy(job)  # what Ray Train left that the format no longer needs
         watch.raise_if_refused()  # fit was aborted because MLflow refused the run
         board.reader.snapshot().raise_if_stopped()  # the workers' RunStopped (its own subclass): FAILED with it
         status = "FINISHED"
@@ -391,7 +389,7 @@ def _trainer(
             name=job.run_name,
             **_run_storage(job),
             failure_config=FailureConfig(max_failures=job.scaling.max_failures),
-            # keep_best: Ray keeps every pointer (small meta.json files; tidied after the run by tidy_pointers)
+            # keep_best: Ray keeps every pointer (small meta.json files; tidied after the run: resume.tidy)
             checkpoint_config=CheckpointConfig(
                 num_to_keep=None if job.checkpoint.keep_best else job.checkpoint.keep_last
             ),

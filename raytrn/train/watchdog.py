@@ -22,13 +22,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from raytrn import storage
 from raytrn.checkpoint.rundir import RunDir
 
 if TYPE_CHECKING:
     from raytrn.config import JobSpec
+    from raytrn.train.protocol import StepEnd
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,12 @@ class HangWatch:
     """Watches one worker's steps from a daemon thread; ``on_hang(step, waited_s, stacks)`` runs once, on a hang.
 
     ``timeout_s``: fixed (``run.hang_timeout_s``), else 10x the median of the recent step times, at least
-    :data:`MIN_TIMEOUT_S`; within :meth:`working` (an evaluation, a checkpoint), :data:`WORK_FACTOR` times that."""
+    :data:`MIN_TIMEOUT_S`; within :meth:`working` (an evaluation, a checkpoint), :data:`WORK_FACTOR` times that.
+    The ``watchdog`` phase of the step protocol (:mod:`raytrn.train.protocol`): a step's end after its metrics."""
+
+    phase: ClassVar[str] = "watchdog"
+    long: ClassVar[bool] = False
+    blocking: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -73,6 +79,9 @@ class HangWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(poll_s,), name="raytrn-hang-watch", daemon=True)
         self._thread.start()
+
+    def step_ended(self, end: StepEnd) -> None:
+        self.step_done(end.step)
 
     def step_done(self, step: int) -> None:
         now = time.monotonic()

@@ -33,6 +33,7 @@ from raytrn.train.precheck import (
 from raytrn.train.step import read_metrics, train_step
 from raytrn.xla.checkpoints import StateFileCheckpoints
 from raytrn.xla.nxd import check_parallel
+from raytrn.xla.resume import RecordedResume
 
 if TYPE_CHECKING:
     import torch
@@ -60,8 +61,12 @@ class XlaBackend(Backend):
     """torch-xla on a PJRT device; subclasses say which device and how workers are wired."""
 
     name = "xla"
-    committed_checkpoints = False  # state.pt / NxD checkpoints, resumed through Ray Train (frozen path)
+    probes_memory = False  # frozen path: no new features
     skips_nonfinite_steps = False  # a host read of the grad norm mid-step would split the lazy graph (frozen path)
+
+    def resume_format(self) -> RecordedResume:
+        """``state.pt`` / NxD checkpoints, resumed through Ray Train's latest (:mod:`raytrn.xla.resume`)."""
+        return RecordedResume()
 
     def precheck(self, job: JobSpec, **kwargs: Any) -> Any:
         """``raytrn precheck``'s step run for this path: on torch-xla's CPU device (:func:`precheck_xla`)."""

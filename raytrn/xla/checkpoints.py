@@ -6,9 +6,8 @@
   directory (:meth:`raytrn.checkpoint.rundir.RunDir.nxd`).
 - :class:`NoCheckpoints`: ``neuron_parallel_compile``'s trial run, whose outputs are invalid.
 
-Ray Train records each as a ``meta.json`` pointer; the driver finds the newest through
-:func:`raytrn.checkpoint.finder.latest_checkpoint` (``committed=False``: these backends'
-``committed_checkpoints``).
+Ray Train records each as a ``meta.json`` pointer; how a run resumes from them (the driver's answer, the workers'):
+:class:`raytrn.xla.resume.RecordedResume`, these backends' resume format.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from raytrn.config.layout import refuse_nxd_only
 from raytrn.config.sizes import data_parallel_size, world_sizes
 from raytrn.errors import BackendError, BackendUnavailableError, ConfigError
-from raytrn.models.llama import hf_config
+from raytrn.models.export import hf_config
 from raytrn.train.optim import adamw_param_groups
 
 if TYPE_CHECKING:

@@ -98,12 +98,14 @@ def _stop_at_next_checkpoint(client: MlflowClient, name: str, every: int) -> int
 
 def _stop_once_restarted(client: MlflowClient, name: str) -> None:
     """Once the restarted group trains (its start-up metric is logged at its first step), ask the run to end at its
-    next step."""
+    next step, or at the step after the last one logged if that is later: a group restored from an older state
+    (under load the newest snapshot can be a few steps behind what was logged) stops past what is in MLflow."""
     from raytrn.train.stopping import request_stop
 
     run_id = _run_id(client, name)
     wait_until(lambda: client.get_metric_history(run_id, "restart_to_first_step_s"), 240, "the restarted group")
-    request_stop(name)
+    logged = max(m.step for m in client.get_metric_history(run_id, "loss"))
+    request_stop(name, logged + 1)
 
 
 def test_killed_worker_resumes_and_history_has_each_step_once(ray_session, tiny_dataset, tmp_path):

@@ -190,7 +190,7 @@ def _run_plan(rank: int, world: int, plan: dict[str, Any], out: Path) -> None:
             Path(plan["snapshot"]).mkdir(exist_ok=True)
             (Path(plan["snapshot"]) / file_name).write_bytes(bytes(data))
     if plan.get("export"):
-        from raytrn.models.llama import save_hf
+        from raytrn.models.export import save_hf
 
         specs = {n: (v.dtype, tuple(v.shape)) for n, v in getattr(t.model, "module", t.model).state_dict().items()}
         save_hf(job.model, t.export(), plan["export"] if rank == 0 else None, specs=specs)

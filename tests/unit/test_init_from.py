@@ -165,7 +165,7 @@ def test_train_export_and_transformers_reads_the_trained_weights(tmp_path: Path)
     from transformers import AutoModelForCausalLM
 
     from raytrn.backends.cpu import CpuBackend
-    from raytrn.models.llama import save_hf
+    from raytrn.models.export import save_hf
     from raytrn.train.build import build_training
     from raytrn.train.step import train_step
 

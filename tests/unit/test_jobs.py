@@ -23,7 +23,7 @@ def _base(tmp: Path) -> str:
     """A directory standing for where the jobs run: with the demo model's config.json (what `make demo` exports and
     `make demo-finetune` copies to data/demo-model), which jobs/finetune-tiny.yaml reads its sizes from."""
     from raytrn.config import ModelConfig
-    from raytrn.models.llama import hf_config
+    from raytrn.models.export import hf_config
 
     model = tmp / "data" / "demo-model"
     model.mkdir(parents=True, exist_ok=True)

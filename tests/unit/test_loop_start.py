@@ -1,4 +1,5 @@
-"""The loop's start-up helpers: the first batch fetched in the background, progress read from meta.json."""
+"""The loop's start-up helper: the first batch fetched in the background (the frozen XLA path's progress read from
+meta.json: ``test_xla_resume.py``)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,7 @@ import threading
 
 import pytest
 
-from raytrn.checkpoint.progress import Progress, write_meta
 from raytrn.data.feed import StartEarly
-from raytrn.train.checkpointer import _resume_progress
 
 
 def test_first_item_is_fetched_before_it_is_asked_for() -> None:
@@ -68,22 +67,3 @@ def test_errors_reach_the_caller(where: str) -> None:
 
 def test_empty_stream_stops() -> None:
     assert list(StartEarly(lambda: iter(()))) == []
-
-
-def test_resume_progress_from_meta_json(tmp_path) -> None:
-    from ray.train import Checkpoint
-
-    assert _resume_progress(None) == Progress()
-    saved = Progress(step=30, tokens_seen=960, epoch=2, epoch_samples=96, last_logged_step=30)
-    write_meta(str(tmp_path), saved, sharded="s3://b/nxd")
-    # A resumed run continues the pass over the data where it stopped: same epoch, same sample.
-    assert _resume_progress(Checkpoint.from_directory(str(tmp_path))) == saved
-
-
-def test_resume_progress_without_meta_json_starts_at_the_beginning(tmp_path) -> None:
-    from ray.train import Checkpoint
-
-    (tmp_path / "meta.json").write_text("{not json")
-    assert _resume_progress(Checkpoint.from_directory(str(tmp_path))) == Progress()
-    (tmp_path / "meta.json").unlink()
-    assert _resume_progress(Checkpoint.from_directory(str(tmp_path))) == Progress()

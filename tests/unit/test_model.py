@@ -170,7 +170,7 @@ def test_same_model_as_hf(family: str, changes: dict[str, Any]) -> None:
     logits and gradients. Golden losses and checkpoints rely on it."""
     from transformers import LlamaForCausalLM, Qwen3ForCausalLM
 
-    from raytrn.models.llama import hf_config
+    from raytrn.models.export import hf_config
 
     cfg = tiny(**changes) if family == "llama" else qwen3(**changes)
     ours = build_model(cfg, seed=3)
@@ -203,7 +203,7 @@ def test_export_loads_in_transformers(tmp_path, changes: dict[str, Any]) -> None
     """save_hf writes a checkpoint transformers' AutoModelForCausalLM loads into the same model."""
     from transformers import AutoModelForCausalLM
 
-    from raytrn.models.llama import save_hf
+    from raytrn.models.export import save_hf
 
     cfg = tiny(vocab_size=512, **changes)
     model = build_model(cfg, seed=4).eval()
@@ -252,7 +252,7 @@ def test_qwen3_preset_counts_equal_transformers() -> None:
     """The preset's parameter count is what transformers counts for the same config (built on the meta device)."""
     from transformers import Qwen3ForCausalLM
 
-    from raytrn.models.llama import hf_config
+    from raytrn.models.export import hf_config
 
     cfg = ModelConfig(preset="qwen3-0.6b")
     with torch.device("meta"):
@@ -267,7 +267,7 @@ def test_qwen3_export_loads_in_transformers(tmp_path) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from raytrn.models.llama import save_hf
+    from raytrn.models.export import save_hf
 
     cfg = qwen3(tie_word_embeddings=True)
     model = build_model(cfg, seed=4).eval()

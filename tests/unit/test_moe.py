@@ -51,7 +51,7 @@ def _hf(cfg: ModelConfig, experts: str = "eager"):
     ``grouped_mm``, the same sums in another order)."""
     from transformers import Qwen3MoeForCausalLM
 
-    from raytrn.models.llama import hf_config
+    from raytrn.models.export import hf_config
 
     torch.manual_seed(3)
     hf = Qwen3MoeForCausalLM(hf_config(cfg))
@@ -146,7 +146,7 @@ def test_presets_have_the_published_sizes_and_count_active_parameters(preset: st
     and FLOPs per token from the active parameters only."""
     from transformers import Qwen3MoeForCausalLM
 
-    from raytrn.models.llama import hf_config
+    from raytrn.models.export import hf_config
 
     cfg = ModelConfig(preset=preset)
     stats = model_stats(cfg, seq_len=4096)
@@ -286,7 +286,7 @@ def test_export_writes_the_published_per_expert_tensors_and_loads_in_transformer
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from raytrn.models.llama import save_hf
+    from raytrn.models.export import save_hf
 
     cfg = moe(num_experts=4)
     model = build_model(cfg, seed=4).eval()

@@ -1,4 +1,6 @@
-"""Expert parallelism (``parallel.expert_parallel_size``): a Qwen3-MoE layer's experts spread over EP ranks.
+"""Expert parallelism (``parallel.expert_parallel_size``): a MoE layer's experts spread over EP ranks (a MoE family's
+``expert_parallel``, e.g. :func:`raytrn.models.qwen3_moe.parallelize.expert_parallel`; :mod:`raytrn.train.parallelize`
+builds the experts' mesh, :func:`expert_mesh`, and calls it).
 
 The layout (torchtitan's, on a device mesh of its own, ``(dp_mod_ep, ep, tp)``):
 

@@ -1,0 +1,18 @@
+"""Llama's decoder: the shared one (:mod:`raytrn.models.decoder`) as it is, at the ``model`` section's sizes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from raytrn.models.build import decoder_sizes
+
+if TYPE_CHECKING:
+    from raytrn.config import ModelConfig
+    from raytrn.models.decoder import Decoder
+
+
+def build_decoder(cfg: ModelConfig) -> Decoder:
+    """Llama's decoder, not yet initialised (:func:`raytrn.models.build_model` does it)."""
+    from raytrn.models.decoder import Decoder  # torch (~1.9 s): the estimate reads this family without it
+
+    return Decoder(**decoder_sizes(cfg))
