@@ -150,14 +150,16 @@ class Checkpointer:
         preempted = notice is not None and not last
         durable = self.due(progress.step, last=last) or preempted
         synchronous = last or preempted or not self.job.checkpoint.async_
-        memory = self.memory is not None and self.memory.due(progress.step, final=last or preempted, checkpoint=durable)
-        if not (durable or memory):
+        memory = self.memory  # the in-memory tier, when it snapshots this step
+        if memory is not None and not memory.due(progress.step, final=last or preempted, checkpoint=durable):
+            memory = None
+        if not durable and memory is None:
             return False
         cost = (cost_usd or self.cost_usd)()
         if cost is not None:
             progress.cost_usd = cost
-        if memory:  # staged before a durable save, written beside it
-            self.memory.save(t, progress)  # type: ignore[union-attr]
+        if memory is not None:  # staged before a durable save, written beside it
+            memory.save(t, progress)
         if not durable:
             return False
         started = time.perf_counter()
@@ -167,8 +169,8 @@ class Checkpointer:
         # Synchronous at the end and on a notice: the checkpoint must exist before the group goes.
         for saved in t.checkpoints.save(t, progress, self.schedule, report, final=last or preempted):
             self._report(saved, deleted)  # every worker (Ray Train counts the reports)
-        if memory and synchronous:  # the same step's snapshot, written beside the save: complete too, now (a restart
-            self.memory.written()  # type: ignore[union-attr]  # from here reads the state from memory, not storage)
+        if memory is not None and synchronous:  # the same step's snapshot, written beside the save: complete too, now
+            memory.written()  # (a restart from here reads the state from memory, not storage)
         if self.logger is not None and not (last or preempted):  # what a periodic save costs the loop: the save
             blocked = {"checkpoint_blocking_s": time.perf_counter() - started}  # time `raytrn estimate` reads back
             self.logger.log_metrics(blocked, progress.step, training=False)

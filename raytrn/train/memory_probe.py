@@ -68,7 +68,7 @@ class MemoryProbe:
         self.allocator = backend.peak_memory_bytes() is not None
         why = None
         if not enabled:
-            why = "this backend's checkpoints are the frozen XLA path's"
+            why = "this backend does not measure it (the frozen XLA path: no new features)"
         elif not self.allocator and job.run.compile:
             why = "torch.compile: its saved tensors are not seen by autograd's hooks"
         elif not self.allocator and job.parallel.activation_checkpointing != "none":
