@@ -3,6 +3,7 @@ same way and the caller never handles an untyped ``ObjectRef``."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
@@ -50,3 +51,15 @@ class RayPending(Generic[T]):
         import ray
 
         return ray.get(self.ref, timeout=timeout_s)  # type: ignore[no-any-return]
+
+
+def wait_all(pendings: Sequence[Pending[Any]], timeout_s: float | None) -> list[bool]:
+    """Waits up to ``timeout_s`` in all for every one of ``pendings`` (the Ray calls' answers in one ``ray.wait``:
+    calls made together are waited for together, never one after another); whether each is done then."""
+    refs = [p.ref for p in pendings if isinstance(p, RayPending)]
+    ready: set[Any] = set()
+    if refs:
+        import ray
+
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
+    return [p.ref in ready if isinstance(p, RayPending) else p.done() for p in pendings]

@@ -14,7 +14,8 @@ A snapshot is what a durable DCP checkpoint is (:mod:`raytrn.checkpoint.dcp`: ev
 
 - :class:`RayStore`, :class:`MemoryTier`, :func:`publish`, :func:`fetcher`: on Ray, a node's store (its files
   in the node's object store), the keeper of the run's stores (one per node, pinned there), a rank's copies to its
-  node and the ring's next ones, and the reads back (each file read in place).
+  node and the ring's next ones, and the reads back (each file read in place). Every call of these actors goes
+  through their typed clients (:mod:`raytrn.checkpoint.memory_clients`).
 
 The loop's side (every N steps, in the background; the restore choice against the durable commit):
 :mod:`raytrn.train.snapshots`; the two tiers: docs/elasticity.md.
@@ -24,13 +25,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from raytrn.checkpoint import slabs
+from raytrn.checkpoint.memory_clients import KeeperClient, Leased, NodeStore, StoreClient
 from raytrn.checkpoint.messages import (
+    Choice,
+    Holding,
     ObjectLocation,
     Passed,
     PassedOver,
@@ -38,21 +42,12 @@ from raytrn.checkpoint.messages import (
     Refusals,
     Refused,
     SlabLocation,
+    StoresRewound,
     error_text,
 )
+from raytrn.pending import Pending, wait_all
 
 # -- one node's store ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class Holding:
-    """What one store holds of one snapshot: the ranks whose files it has, the manifest when it has it, and whether
-    the snapshot was sealed there (complete: every rank's files and the manifest were kept everywhere)."""
-
-    ranks: set[int] = field(default_factory=set)
-    manifest: dict[str, Any] | None = None
-    nbytes: int = 0
-    sealed: bool = False
 
 
 class SnapshotStore:
@@ -231,13 +226,13 @@ class RayStore(SnapshotStore):
         self._files.setdefault(step, {})[rank] = Kept(dict(sizes), own)
         return None
 
-    def lease(self, step: int, rank: int, sizes: Mapping[str, int], generation: int) -> tuple[Refusal | None, Any]:
-        """A same-node rank's first call: (why its files of snapshot ``step`` cannot be kept, None) when they cannot;
-        (None, a :class:`slabs.Lease` to copy them into), or (None, None) when this store has no slab for them
-        (no shared memory here, or no room: the rank sends them as objects, :meth:`put`)."""
+    def lease(self, step: int, rank: int, sizes: Mapping[str, int], generation: int) -> Leased:
+        """A same-node rank's first call: why its files of snapshot ``step`` cannot be kept (``refused``), or a
+        :class:`slabs.Lease` to copy them into, or neither when this store has no slab for them (no shared memory
+        here, or no room: the rank sends them as objects, :meth:`put`)."""
         if reason := self._refused(step, rank, sizes, generation):
-            return reason, None
-        return None, self._slabs.lease(step, rank, sizes) if self._slabs is not None else None
+            return Leased(refused=reason)
+        return Leased(lease=self._slabs.lease(step, rank, sizes) if self._slabs is not None else None)
 
     def put_slab(self, step: int, rank: int, lease: slabs.Lease, generation: int) -> Refusal | None:
         """The rank copied its files into ``lease``: keep them (None), or why not (its slab is freed then)."""
@@ -308,16 +303,6 @@ def replica_nodes(nodes: Iterable[str], node: str, replicas: int) -> list[str]:
     return others[: max(0, replicas)]
 
 
-@dataclass(frozen=True)
-class Choice:
-    """The snapshot a restart can use (``step`` None: none), and why each newer one was passed over."""
-
-    step: int | None
-    manifest: dict[str, Any] | None
-    skipped: tuple[PassedOver, ...]
-    alive: tuple[str, ...] = ()  # the nodes whose stores answered (MemoryTier.choose)
-
-
 def newest_restorable(holdings: Mapping[str, Mapping[int, Holding]], alive: Iterable[str]) -> Choice:
     """The newest snapshot whose manifest and every rank's files (0 .. the manifest's ``world_size`` - 1) are on
     a store of a live node. ``holdings``: each node's :meth:`SnapshotStore.holdings` (a lost node's: when last
@@ -373,41 +358,41 @@ class MemoryTier:
         self.capacity_bytes = capacity_bytes
         #: Names this tier's slabs (:mod:`raytrn.checkpoint.slabs`), so that :meth:`shutdown` removes all of them.
         self.token = uuid.uuid4().hex[:12]
-        self.handles: dict[str, Any] = {}
+        self.stores: dict[str, StoreClient] = {}
         self._seen: dict[str, dict[int, Holding]] = {}  # each store's last answer: why a lost one's snapshot is gone
         self._rolled_back: set[int] = set()
         self._answered: set[str] = set()  # the stores that answered the last holdings()
         #: Numbers the rewinds (each worker group's start): the stores refuse an older group's late sends.
         self.generation = 0
 
-    def ensure(self, nodes: Iterable[str], *, pin: bool = True) -> dict[str, Any]:
-        """A store on each of ``nodes`` (Ray node ids; ``pin=False``: any labels, all on this node, for tests)."""
+    def ensure(self, nodes: Iterable[str], *, pin: bool = True) -> dict[str, NodeStore]:
+        """A store on each of ``nodes`` (Ray node ids; ``pin=False``: any labels, all on this node, for tests):
+        every store the run has, by node."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         actor = ray.remote(RayStore)
         for node in nodes:
-            if node in self.handles:
+            if node in self.stores:
                 continue
             options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
             if pin:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
-            self.handles[node] = actor.options(**options).remote(  # type: ignore[attr-defined]
-                self.capacity_bytes, self.token
-            )
-        return dict(self.handles)
+            handle = actor.options(**options).remote(self.capacity_bytes, self.token)  # type: ignore[attr-defined]
+            self.stores[node] = StoreClient(handle)
+        return dict(self.stores)
 
     def holdings(self, timeout_s: float = 10.0) -> dict[str, dict[int, Holding]]:
         """Each answering store's holdings; a store that does not answer in time (its node lost) is left out."""
         import ray
 
-        refs = {node: h.holdings.remote() for node, h in self.handles.items()}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        asked = {node: store.holdings() for node, store in self.stores.items()}
+        done = wait_all(list(asked.values()), timeout_s)
         out: dict[str, dict[int, Holding]] = {}
-        for node, ref in refs.items():
-            if ref in ready:
+        for (node, answer), answered in zip(asked.items(), done, strict=True):
+            if answered:
                 try:
-                    out[node] = ray.get(ref)
+                    out[node] = answer.result()
                 except ray.exceptions.RayActorError:  # its node (or the actor) is gone
                     continue
         self._seen.update(out)
@@ -420,19 +405,17 @@ class MemoryTier:
         alive = tuple(sorted(self.holdings(timeout_s)))
         return replace(newest_restorable(self._seen, alive), alive=alive)
 
-    def rewind(self, step: int, timeout_s: float = 60.0) -> tuple[int, list[str]]:
+    def rewind(self, step: int, timeout_s: float = 60.0) -> StoresRewound:
         """Every store forgets its snapshots newer than ``step`` (:meth:`SnapshotStore.rewind`) and from now on
         refuses what older worker groups send; waits for the stores that answered the last :meth:`holdings` (a lost
         node's would hang until Ray marks it dead). Returns the new generation (what the group starting at ``step``
         sends with its changes) and the nodes whose store did not answer in time."""
-        import ray
-
         self.generation += 1
-        refs = {node: h.rewind.remote(step, self.generation) for node, h in self.handles.items()}
-        awaited = [ref for node, ref in refs.items() if node in self._answered]
-        ready, _ = ray.wait(awaited, num_returns=len(awaited), timeout=timeout_s)
-        late = sorted(node for node, ref in refs.items() if node in self._answered and ref not in ready)
-        return self.generation, late
+        rewinds = {node: store.rewind(step, self.generation) for node, store in self.stores.items()}
+        awaited: dict[str, Pending[None]] = {n: r for n, r in rewinds.items() if n in self._answered}
+        done = wait_all(list(awaited.values()), timeout_s)
+        late = sorted(node for node, answered in zip(awaited, done, strict=True) if not answered)
+        return StoresRewound(self.generation, tuple(late))
 
     def forget_rollback(self, first: int) -> None:
         """A rollback of the steps from ``first`` on (:mod:`raytrn.train.guard`): the snapshots of those steps are
@@ -445,20 +428,18 @@ class MemoryTier:
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Every store removes its slabs and goes; what a store that did not answer left on this node is removed
         here (on a lost node's machine, the next store started there removes it: :func:`slabs.sweep`)."""
-        import ray
-
-        closing = [h.close.remote() for h in self.handles.values()]
+        closing = [store.close() for store in self.stores.values()]
         with contextlib.suppress(Exception):
-            ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
-        for handle in self.handles.values():
-            ray.kill(handle, no_restart=True)
-        self.handles.clear()
+            wait_all(closing, timeout_s)
+        for store in self.stores.values():
+            store.kill()
+        self.stores.clear()
         slabs.sweep(token=self.token)
 
 
 def publish(
-    stores: Mapping[str, Any], node: str, step: int, rank: int, files: Mapping[str, bytes] | None, *, replicas: int,
-    manifest: dict[str, Any] | None = None, generation: int = 0, timeout_s: float = PUBLISH_TIMEOUT_S,
+    stores: Mapping[str, NodeStore], node: str, step: int, rank: int, files: Mapping[str, bytes] | None, *,
+    replicas: int, manifest: dict[str, Any] | None = None, generation: int = 0, timeout_s: float = PUBLISH_TIMEOUT_S,
     writer: slabs.SlabWriter | None = None,
 ) -> Refusals:  # fmt: skip
     """A rank's side: put its ``files`` of snapshot ``step`` (and rank 0 the ``manifest``, once every rank's files
@@ -472,13 +453,14 @@ def publish(
     missing = [t for t in targets if t not in stores]
     if missing:
         return (Refusal(Refused.NO_STORE, step, rank, nodes=tuple(missing)),)
-    puts = []
+    puts: list[Pending[Refusal | None]] = []
     try:
         if files is not None:
             sizes = {name: len(b) for name, b in files.items()}
-            reason, lease = ray.get(stores[node].lease.remote(step, rank, sizes, generation), timeout=timeout_s)
-            if reason:
-                return (reason,)
+            leased = stores[node].lease(step, rank, sizes, generation).result(timeout_s)
+            if leased.refused is not None:
+                return (leased.refused,)
+            lease = leased.lease
             as_objects = targets
             if lease is not None:  # this node's copy: into the store's slab, no object
                 try:
@@ -486,26 +468,25 @@ def publish(
                 except OSError:  # (the slab cannot be mapped here: as objects, and the next seal frees it)
                     lease = None
                 else:
-                    puts.append(stores[node].put_slab.remote(step, rank, lease, generation))
+                    puts.append(stores[node].put_slab(step, rank, lease, generation))
                     as_objects = targets[1:]
             if as_objects:  # each file once in the object store, read in place by every one of them
                 refs = {name: ray.put(np.frombuffer(b, dtype=np.uint8)) for name, b in files.items()}
-                puts += [stores[t].put.remote(step, rank, [refs], generation, sizes) for t in as_objects]
+                puts += [stores[t].put(step, rank, refs, generation, sizes) for t in as_objects]
         if manifest is not None:
-            puts += [stores[t].put_manifest.remote(step, manifest, generation) for t in targets]
+            puts += [stores[t].put_manifest(step, manifest, generation) for t in targets]
     except Exception as e:
         return (Refusal(Refused.COPIES_FAILED, step, rank, error=error_text(e)),)
     try:
-        ready, pending = ray.wait(puts, num_returns=len(puts), timeout=timeout_s)
-        if pending:
+        if not all(wait_all(puts, timeout_s)):
             return (Refusal(Refused.COPIES_LATE, step, rank, timeout_s=timeout_s),)
-        return tuple(r for r in ray.get(ready) if r is not None)
+        return tuple(r for r in (put.result() for put in puts) if r is not None)
     except Exception as e:  # a store's node gone mid-copy, the object store full: this snapshot fails, not the step
         return (Refusal(Refused.COPIES_FAILED, step, rank, error=error_text(e)),)
 
 
 def fetcher(
-    stores: Mapping[str, Any], step: int, timeout_s: float = PUBLISH_TIMEOUT_S, *, node: str | None = None
+    stores: Mapping[str, NodeStore], step: int, timeout_s: float = PUBLISH_TIMEOUT_S, *, node: str | None = None
 ) -> Callable[[str], bytes | memoryview]:
     """``fetch(name)`` for :func:`load_from_memory`: the file from the first store that has it (this node's
     first, when the caller puts it first), read in place (a read-only view): from the object store, or from the
@@ -513,14 +494,14 @@ def fetcher(
     import ray
 
     def fetch(name: str) -> memoryview:
-        for at, handle in stores.items():
+        for at, store in stores.items():
             try:
-                found = ray.get(handle.locate.remote(step, name), timeout=timeout_s)
+                found = store.locate(step, name).result(timeout_s)
                 if isinstance(found, SlabLocation):
                     if at == node:
                         with contextlib.suppress(OSError):  # (else sent as an object, below)
                             return slabs.read_slab(found.path, found.offset, found.size)
-                    found = ray.get(handle.export.remote(step, name), timeout=timeout_s)
+                    found = store.export(step, name).result(timeout_s)
                 if isinstance(found, ObjectLocation):
                     return memoryview(ray.get(found.ref, timeout=timeout_s))
             except Exception:  # that node is gone (or the copy lost): another copy
@@ -530,7 +511,7 @@ def fetcher(
     return fetch
 
 
-def start_keeper(run: str, capacity_bytes: int | None) -> Any:
+def start_keeper(run: str, capacity_bytes: int | None) -> KeeperClient:
     """The driver's :class:`MemoryTier` as a zero-CPU actor on the driver's node: it creates (and so owns) every
     node's store, which then lives as long as the run's driver, across worker groups; the workers ask it for the
     stores and for the choice at a restart."""
@@ -539,4 +520,4 @@ def start_keeper(run: str, capacity_bytes: int | None) -> Any:
     from raytrn.runtime import on_this_node
 
     keeper = ray.remote(MemoryTier).options(num_cpus=0, max_restarts=0, **on_this_node())  # type: ignore[attr-defined]
-    return keeper.remote(run, capacity_bytes=capacity_bytes)
+    return KeeperClient(keeper.remote(run, capacity_bytes=capacity_bytes))

@@ -5,6 +5,8 @@
 - :class:`PassedOver` (its kind a :class:`Passed`): why a restart passed over a newer snapshot; the restart's record
   on the job's board carries :meth:`PassedOver.record` (JSON-compatible fields).
 - :class:`SlabLocation`, :class:`ObjectLocation`: where a store holds a file (:meth:`RayStore.locate`).
+- :class:`Holding`, :class:`Choice`, :class:`StoresRewound`: a store's holdings, the keeper's choice at a restart,
+  its answer to a rewind (the actors' typed clients return them: :mod:`raytrn.checkpoint.memory_clients`).
 
 Each is rendered to English once, by :func:`render`, where it is shown (a log line, the board's record).
 """
@@ -12,7 +14,7 @@ Each is rendered to English once, by :func:`render`, where it is shown (a log li
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -111,6 +113,36 @@ class ObjectLocation:
     """A file as an object in Ray's object store (a uint8 array): ``ref``, its ObjectRef."""
 
     ref: Any
+
+
+@dataclass
+class Holding:
+    """What one store holds of one snapshot: the ranks whose files it has, the manifest when it has it, and whether
+    the snapshot was sealed there (complete: every rank's files and the manifest were kept everywhere)."""
+
+    ranks: set[int] = field(default_factory=set)
+    manifest: dict[str, Any] | None = None
+    nbytes: int = 0
+    sealed: bool = False
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The snapshot a restart can use (``step`` None: none), and why each newer one was passed over."""
+
+    step: int | None
+    manifest: dict[str, Any] | None
+    skipped: tuple[PassedOver, ...]
+    alive: tuple[str, ...] = ()  # the nodes whose stores answered (MemoryTier.choose)
+
+
+@dataclass(frozen=True)
+class StoresRewound:
+    """The keeper's answer to a rewind (:meth:`MemoryTier.rewind`): the new worker group's ``generation`` (sent with
+    each of its changes to the stores) and the nodes whose store did not answer in time (``late``)."""
+
+    generation: int
+    late: tuple[str, ...] = ()
 
 
 def _mib(n: int) -> str:

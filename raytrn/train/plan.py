@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from raytrn.checkpoint.memory_clients import SnapshotKeeper
 from raytrn.config import JobSpec
 from raytrn.data.manifest import Manifest
 from raytrn.tracking.roles import BoardClients
@@ -39,9 +40,9 @@ class WorkerPlan:
     started_at: float | None = None
     #: In a sweep's trial (:mod:`raytrn.sweep`): the metrics of every log and eval step go to Ray Tune.
     report_metrics: bool = False
-    #: The run's in-memory snapshot keeper (:func:`raytrn.checkpoint.memory.start_keeper`; a Ray actor handle);
+    #: The run's in-memory snapshot keeper (:func:`raytrn.checkpoint.memory.start_keeper`: its typed client);
     #: None when the memory tier is off (``checkpoint.memory_every_n_steps``).
-    memory: Any = None
+    memory: SnapshotKeeper | None = None
 
     def as_config(self) -> dict[str, WorkerPlan]:
         """The ``train_loop_config`` Ray Train passes to every worker (it must be a dict)."""

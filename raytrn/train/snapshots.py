@@ -23,21 +23,25 @@ import queue
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from raytrn.checkpoint import agree
 from raytrn.checkpoint.memfiles import Snapshotter, load_from_memory
 from raytrn.checkpoint.memory import fetcher, publish
+from raytrn.checkpoint.memory_clients import NodeStore, SnapshotKeeper
 from raytrn.checkpoint.messages import Passed, PassedOver, Refusal, Refusals, Refused, error_text, render
 from raytrn.checkpoint.progress import Progress
 from raytrn.checkpoint.slabs import SlabWriter
 from raytrn.config import JobSpec
+from raytrn.pending import Pending, wait_all
 from raytrn.tracking.roles import RollbackRegistry
 from raytrn.tracking.system import node_label
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -80,14 +84,20 @@ class MemorySnapshots:
     """One rank's side of the memory tier (a no-op when it is off for this group)."""
 
     def __init__(
-        self, job: JobSpec, keeper: Any, *, rank: int, world_size: int, rollbacks: RollbackRegistry | None = None
+        self,
+        job: JobSpec,
+        keeper: SnapshotKeeper | None,
+        *,
+        rank: int,
+        world_size: int,
+        rollbacks: RollbackRegistry | None = None,
     ) -> None:
         import ray
 
         self.job, self.keeper, self.rank, self.world_size = job, keeper, rank, world_size
         self.rollbacks = rollbacks  # the job's progress board's rollbacks (raytrn.train.guard)
         self.every = job.checkpoint.memory_every_n_steps
-        self.stores: dict[str, Any] = {}
+        self.stores: dict[str, NodeStore] = {}
         self._warned: set[tuple[Refused, ...]] = set()  # the kinds of failure warned about (once each)
         #: Whether a restart may resume from a snapshot (the tier is on for the job: a group on one node still
         #: restores what a larger one snapshotted), and whether this group takes snapshots.
@@ -117,23 +127,22 @@ class MemorySnapshots:
         # The background writes' collectives get a gloo group of their own, created by every rank at this point.
         distributed = self.taking and dist.is_available() and dist.is_initialized()
         self._group = dist.new_group(backend="gloo") if distributed else None
-        self.stores = ray.get(keeper.ensure.remote(sorted(set(nodes))), timeout=120)  # every store the run has
+        assert keeper is not None
+        self.stores = keeper.ensure(sorted(set(nodes)), timeout_s=120)  # every store the run has
         #: Where this group's snapshots go: the ring over the group's own nodes (never a lost node's store).
-        self.ring = {n: self.stores[n] for n in set(nodes)}
+        self.ring: dict[str, NodeStore] = {n: self.stores[n] for n in set(nodes)}
 
     # -- start -----------------------------------------------------------------------------------------------
     def newest(self) -> Snapshot | None:
         """The newest complete snapshot on live nodes (a collective: rank 0 asks the keeper, every rank gets its
         answer). Its skipped newer snapshots are warned about once, by rank 0."""
-        import ray
-
         answer: list[Any] = [None]
         if self.rank == 0 and self.keeper is not None:
             try:
                 rollbacks = self.rollbacks.rollbacks() if self.rollbacks is not None else []
                 for first, _ in rollbacks:  # no snapshot of a rollback's diverging steps is ever used (once each)
-                    ray.get(self.keeper.forget_rollback.remote(int(first)), timeout=120)
-                choice = ray.get(self.keeper.choose.remote(), timeout=60)
+                    self.keeper.forget_rollback(int(first), timeout_s=120)
+                choice = self.keeper.choose(timeout_s=60)
             except Exception as e:  # the tier never stops a restart: the durable checkpoint is there
                 self.passed_over = (PassedOver(None, Passed.UNASKED, error=error_text(e)),)
                 log.warning("in-memory snapshots: %s; resuming from storage", render(self.passed_over[0]))
@@ -154,18 +163,18 @@ class MemorySnapshots:
         """The group starts at ``step`` (from a snapshot, a checkpoint, or 0; a collective): the stores forget
         newer snapshots, so the ones this group makes replace them, and from now on refuse what an older group
         still sends (rank 0 asks, before the first step; every rank gets the group's generation)."""
-        import ray
-
         answer = Rewound()
         if self.rank == 0 and self.keeper is not None:
             try:
-                generation, late = ray.get(self.keeper.rewind.remote(step), timeout=120)
+                rewound = self.keeper.rewind(step, timeout_s=120)
             except Exception as e:  # training does not wait on the tier: this group takes no snapshots (below)
                 answer = Rewound(refused=Refusal(Refused.NOT_REWOUND, step, error=error_text(e)))
             else:
-                answer = Rewound(int(generation))
-                if late:
-                    log.warning("in-memory snapshots: the stores on %s did not answer the rewind", ", ".join(late))
+                answer = Rewound(int(rewound.generation))
+                if rewound.late:
+                    log.warning(
+                        "in-memory snapshots: the stores on %s did not answer the rewind", ", ".join(rewound.late)
+                    )
         (answer,) = agree.broadcast([answer])
         if answer.refused is None:
             self.generation = answer.generation
@@ -176,8 +185,6 @@ class MemorySnapshots:
         """Restore ``snapshot`` into ``t`` (a collective: every rank reads the files holding its shards from the
         stores that answered the choice, its own node's first). When any rank cannot, the snapshot is forgotten and
         the group fails at once (:class:`SnapshotUnreadable`): its restart resumes from the checkpoint."""
-        import ray
-
         live = {n: h for n, h in self.stores.items() if n in snapshot.nodes}
         ordered = dict(sorted(live.items(), key=lambda item: item[0] != self.node))  # this node's first
         error: Exception | None = None
@@ -189,7 +196,7 @@ class MemorySnapshots:
             return snapshot.progress
         if self.rank == 0 and self.keeper is not None:
             with contextlib.suppress(Exception):
-                ray.get(self.keeper.rewind.remote(snapshot.step - 1), timeout=120)
+                self.keeper.rewind(snapshot.step - 1, timeout_s=120)
         raise SnapshotUnreadable(
             f"the in-memory snapshot of step {snapshot.step} could not be read ({error or 'on another rank'}); it is "
             "forgotten and the group restarts from the newest checkpoint"
@@ -298,15 +305,13 @@ class MemorySnapshots:
         )
         if reason:
             return reason
-        held = _answers(
-            {node: handle.seal.remote(progress.step, gen) for node, handle in self.ring.items()}, timeout_s=60
-        )
+        held = _answers({node: store.seal(progress.step, gen) for node, store in self.ring.items()}, timeout_s=60)
         if held is None or None in held.values():  # (None: refused, a newer group started)
             return (Refusal(Refused.SEAL_UNANSWERED, progress.step),)
-        writing.held = held
-        for node, handle in self.stores.items():
-            if node not in self.ring:
-                handle.seal.remote(progress.step, gen)
+        writing.held = {node: nbytes for node, nbytes in held.items() if nbytes is not None}
+        for node, store in self.stores.items():
+            if node not in self.ring:  # (not waited for)
+                store.seal(progress.step, gen)
         return ()
 
     def _stop(self, why: Refusals) -> None:
@@ -342,8 +347,8 @@ class MemorySnapshots:
         if any(r.kind is Refused.WRITE_LATE for rs in reasons for r in rs):  # a thread still going: it may yet seal
             self._stop(why)  # it (then complete and usable, so not dropped)
             return False
-        for handle in self.ring.values():
-            handle.drop.remote(progress.step, writing.generation)
+        for store in self.ring.values():
+            store.drop(progress.step, writing.generation)
         kind = tuple(r.kind for r in why)  # one warning per kind of failure, not per step
         if self.rank == 0 and kind not in self._warned:
             self._warned.add(kind)
@@ -354,14 +359,12 @@ class MemorySnapshots:
         return False
 
 
-def _answers(refs: dict[str, Any], *, timeout_s: float) -> dict[str, Any] | None:
-    """Each ref's value by key; None when one does not come in time or fails (its store's node is gone)."""
-    import ray
-
-    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-    if len(ready) < len(refs):
+def _answers(pending: dict[str, Pending[T]], *, timeout_s: float) -> dict[str, T] | None:
+    """Each answer by key (waited for together); None when one does not come in time or fails (its store's node is
+    gone)."""
+    if not all(wait_all(list(pending.values()), timeout_s)):
         return None
     try:
-        return dict(zip(refs, ray.get(list(refs.values())), strict=True))
+        return {key: answer.result() for key, answer in pending.items()}
     except Exception:
         return None

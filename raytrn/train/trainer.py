@@ -15,6 +15,7 @@ from raytrn import __version__, storage
 from raytrn.backends import Backend, get_backend
 from raytrn.backends.host_malloc import malloc_env, user_allocator_settings
 from raytrn.checkpoint.lease import Lease, acquire
+from raytrn.checkpoint.memory_clients import KeeperClient
 from raytrn.checkpoint.progress import Progress
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.compat import (
@@ -215,8 +216,8 @@ def _train(
     finally:
         if keeper is not None:  # its stores (it owns them) go with it: the snapshots' memory is freed
             with contextlib.suppress(Exception):  # their slabs first (a store that does not answer: its node's next
-                ray.get(keeper.shutdown.remote(), timeout=60)  # store removes them, raytrn.checkpoint.slabs.sweep)
-            ray.kill(keeper, no_restart=True)
+                keeper.shutdown(timeout_s=60)  # store removes them, raytrn.checkpoint.slabs.sweep)
+            keeper.kill()
         if evaluator is not None:  # the last checkpoint's evaluation and the best's registration, bounded
             drain_evaluator(evaluator, tracker, job.eval.timeout_s if status == "FINISHED" else 0.0)
         # where this invocation's time went (raytrn.tracking.goodput), to MLflow before the run is marked
@@ -268,7 +269,7 @@ def memory_tier_may_run(job: JobSpec, *, alive_nodes: int) -> bool:
     return every > 0
 
 
-def _memory_keeper(job: JobSpec) -> Any:
+def _memory_keeper(job: JobSpec) -> KeeperClient | None:
     """The run's in-memory snapshot keeper when the tier may be on (:func:`memory_tier_may_run`); else None."""
     import ray
 
@@ -346,7 +347,7 @@ def _trainer(
     schedule: Schedule,
     validation: Any = None,
     report_metrics: bool = False,
-    memory: Any = None,
+    memory: KeeperClient | None = None,
     events: RunEvents | None = None,
     local: bool = False,
     started_at: float = 0.0,

@@ -13,7 +13,8 @@ import torch
 from raytrn.backends.cpu import CpuBackend
 from raytrn.checkpoint import memfiles, memory, slabs
 from raytrn.checkpoint.memory import MemoryTier, publish
-from raytrn.checkpoint.messages import ObjectLocation, Passed, PassedOver, Refused, SlabLocation
+from raytrn.checkpoint.memory_clients import StoreClient
+from raytrn.checkpoint.messages import ObjectLocation, Passed, PassedOver, Refused, SlabLocation, StoresRewound
 from raytrn.train.build import build_training
 from tests.unit.test_dcp import job, trained
 from tests.unit.test_memory_tier import snapshot_files
@@ -36,9 +37,9 @@ def test_a_snapshot_survives_its_nodes_store_and_restores_exactly_from_the_repli
         assert held["a"][2].ranks == {0} and held["b"][2].ranks == {0} and 2 not in held["c"]  # ring: a -> b
         assert held["b"][2].manifest == manifest and held["a"][2].nbytes == sum(len(b) for b in files.values())
         # The rank's own node keeps them in a slab (shared memory), the ring's next one as its own objects.
-        in_a = ray.get(stores["a"].locate.remote(2, "__0_0.raw"))
+        in_a = stores["a"].locate(2, "__0_0.raw").result()
         assert isinstance(in_a, SlabLocation) and Path(in_a.path).name.startswith(f"raytrn-snapshot-{tier.token}-")
-        in_b = ray.get(stores["b"].locate.remote(2, "__0_0.raw"))
+        in_b = stores["b"].locate(2, "__0_0.raw").result()
         assert isinstance(in_b, ObjectLocation) and isinstance(in_b.ref, ray.ObjectRef), in_b
         for node in ("a", None):  # read in place on a's node; from another node, a's slab is sent as an object
             fresh = build_training(j, CpuBackend(), world_size=1)
@@ -48,13 +49,13 @@ def test_a_snapshot_survives_its_nodes_store_and_restores_exactly_from_the_repli
             for (name, a), b in zip(t.model.named_parameters(), fresh.model.parameters(), strict=True):
                 assert torch.equal(a, b), (node, name)
         # A worker group starting at step 2 numbers itself: what the one before it still sends is refused.
-        assert tier.rewind(2) == (1, [])
+        assert tier.rewind(2) == StoresRewound(1)
         late = publish(stores, "a", 3, 0, files, replicas=1, generation=0)
         assert late and {r.kind for r in late} == {Refused.STALE} and late[0].generation == 0, late
         assert publish(stores, "a", 3, 0, files, replicas=1, generation=1) == ()
 
-        ray.kill(stores["a"], no_restart=True)  # node a is lost with its store
-        _wait_gone(stores["a"])
+        tier.stores["a"].kill()  # node a is lost with its store
+        _wait_gone(tier.stores["a"])
         choice = tier.choose(timeout_s=10)  # (3 never completed: no manifest)
         assert choice.step == 2 and choice.manifest == manifest, choice
         fresh = build_training(j, CpuBackend(), world_size=1)
@@ -63,8 +64,8 @@ def test_a_snapshot_survives_its_nodes_store_and_restores_exactly_from_the_repli
         for (name, a), b in zip(t.model.named_parameters(), fresh.model.parameters(), strict=True):
             assert torch.equal(a, b), name
         # Every store is gone with the lost node's: nothing to restore from, and the reason is given.
-        ray.kill(stores["b"], no_restart=True)
-        _wait_gone(stores["b"])
+        tier.stores["b"].kill()
+        _wait_gone(tier.stores["b"])
         none = tier.choose(timeout_s=10)
         never = PassedOver(3, Passed.NO_MANIFEST)
         lost = PassedOver(2, Passed.NO_MANIFEST, lost_nodes=("a", "b"))
@@ -75,13 +76,13 @@ def test_a_snapshot_survives_its_nodes_store_and_restores_exactly_from_the_repli
     assert not list(slabs.SHM_DIR.glob(f"raytrn-snapshot-{tier.token}-*"))
 
 
-def _wait_gone(actor, timeout_s: float = 30) -> None:
-    """Until a killed actor no longer answers (ray.kill returns before it is dead)."""
+def _wait_gone(store: StoreClient, timeout_s: float = 30) -> None:
+    """Until a killed store no longer answers (ray.kill returns before it is dead)."""
     import ray
 
     with pytest.raises(ray.exceptions.RayActorError):
         for _ in range(int(timeout_s * 10)):
-            ray.get(actor.holdings.remote(), timeout=timeout_s)
+            store.holdings().result(timeout_s)
             time.sleep(0.1)
 
 

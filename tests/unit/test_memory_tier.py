@@ -22,6 +22,7 @@ from raytrn.checkpoint.messages import Passed, PassedOver, Refusal, Refused
 from raytrn.errors import CheckpointError
 from raytrn.train.build import build_training
 from raytrn.train.step import train_step
+from tests.unit.memory_stand_ins import StandInKeeper
 from tests.unit.test_dcp import job, trained
 
 pytestmark = pytest.mark.unit
@@ -437,14 +438,8 @@ def test_a_group_whose_stores_could_not_be_rewound_takes_no_snapshots(tmp_path, 
     """The stores would refuse (or mix with) a group they were not rewound for: it stops taking snapshots at once,
     with one warning, rather than paying for snapshots that are all refused."""
 
-    class Unreachable:  # the keeper actor gone: its method call raises, as Ray's does
-        class rewind:  # noqa: N801
-            @staticmethod
-            def remote(step: int) -> Any:
-                raise ConnectionError("keeper gone")
-
     snaps = _taking(tmp_path)
-    snaps.keeper = Unreachable()
+    snaps.keeper = StandInKeeper(error=ConnectionError("keeper gone"))  # the keeper actor gone: its call raises
     with caplog.at_level("WARNING", logger="raytrn.train.snapshots"):
         snaps.starting_at(7)
     assert not snaps.taking

@@ -12,6 +12,7 @@ import pytest
 
 from raytrn.checkpoint import slabs
 from raytrn.checkpoint.memory import RayStore
+from raytrn.checkpoint.memory_clients import Leased
 from raytrn.checkpoint.messages import Refusal, Refused, SlabLocation
 
 pytestmark = pytest.mark.unit
@@ -121,11 +122,12 @@ def test_a_lease_leaves_the_room_ray_may_need_and_a_new_group_trims_the_free_sla
     assert list(tmp_path.iterdir()) == []
     store = _store(tmp_path)
     for rank in (0, 1):
-        reason, lease = store.lease(1, rank, {"a": 100}, 0)
-        assert reason is None and lease is not None and store.put_slab(1, rank, lease, 0) is None
+        leased = store.lease(1, rank, {"a": 100}, 0)
+        assert leased.refused is None and leased.lease is not None
+        assert store.put_slab(1, rank, leased.lease, 0) is None
     store.seal(1)
-    reason, lease = store.lease(2, 5, {"a": 100}, 0)  # rank 5 (another group's numbering) on this node
-    assert reason is None and lease is not None
+    leased = store.lease(2, 5, {"a": 100}, 0)  # rank 5 (another group's numbering) on this node
+    assert leased.refused is None and leased.lease is not None
     store.rewind(1, generation=1)  # a new group from step 1: 2's slab is free, then removed
     assert len(list(tmp_path.iterdir())) == 2 and store._slabs.nbytes == 2 * 128  # type: ignore[union-attr]
     store.close()
@@ -145,10 +147,10 @@ def test_a_store_keeps_a_ranks_files_in_its_slab_and_frees_it_with_the_snapshot(
 
     def snapshot(step: int, generation: int = 0) -> Refusal | None:
         files = _files(step)
-        reason, lease = store.lease(step, 0, _sizes(files), generation)
-        assert reason is None and lease is not None
-        writer.write(lease, files)
-        return store.put_slab(step, 0, lease, generation)
+        leased = store.lease(step, 0, _sizes(files), generation)
+        assert leased.refused is None and leased.lease is not None
+        writer.write(leased.lease, files)
+        return store.put_slab(step, 0, leased.lease, generation)
 
     assert snapshot(1) is None and store.seal(1) == sum(_sizes(_files(1)).values())
     where = store.locate(1, "__0_0.raw")
@@ -160,28 +162,30 @@ def test_a_store_keeps_a_ranks_files_in_its_slab_and_frees_it_with_the_snapshot(
     store.rewind(2, generation=1)  # 3 forgotten: its slab free
     assert len(store._slabs._busy) == 1  # type: ignore[union-attr]  # only the complete snapshot's
     # A lease of the older group, then the rewind (its slab is freed), then its put: refused.
-    reason, lease = store.lease(3, 0, _sizes(_files(3)), 1)
-    assert reason is None and lease is not None
+    lease = store.lease(3, 0, _sizes(_files(3)), 1).lease
+    assert lease is not None
     store.rewind(2, generation=2)
     assert store.put_slab(3, 0, lease, 1) == Refusal(Refused.SLAB_FREED, 3, 0)
     assert len(store._slabs._busy) == 1  # type: ignore[union-attr]
     # A late put naming a slab that is no longer leased for that step and rank: refused, the current lease kept.
-    reason, newer = store.lease(3, 0, _sizes(_files(3)), 2)
-    assert reason is None and newer is not None
+    newer = store.lease(3, 0, _sizes(_files(3)), 2).lease
+    assert newer is not None
     assert store.put_slab(3, 0, slabs.Lease("/elsewhere", newer.offsets, newer.sizes), 2) == Refusal(
         Refused.SLAB_FREED, 3, 0
     )
     assert store._slabs.holds(newer, 3, 0)  # type: ignore[union-attr]
-    reason, _ = store.lease(3, 0, _sizes(_files(3)), 1)
-    assert reason == Refusal(Refused.STALE, 3, 0, generation=1, current=2)
+    assert store.lease(3, 0, _sizes(_files(3)), 1) == Leased(
+        refused=Refusal(Refused.STALE, 3, 0, generation=1, current=2)
+    )
     assert snapshot(3, generation=2) is None
     store.drop(3, generation=2)
     assert len(store._slabs._busy) == 1 and len(store._slabs._sizes) == 2  # type: ignore[union-attr]
     # Over the bound: refused at the lease, before anything is copied.
     (tmp_path / "small").mkdir()
     small = _store(tmp_path / "small", capacity=100)
-    reason, lease = small.lease(1, 0, _sizes(_files(1)), 0)
-    assert lease is None and reason is not None and reason.kind is Refused.NO_ROOM and reason.capacity == 100
+    reason = small.lease(1, 0, _sizes(_files(1)), 0)
+    assert reason.lease is None and reason.refused is not None
+    assert reason.refused.kind is Refused.NO_ROOM and reason.refused.capacity == 100
     writer.close()
     store.close()
     assert [p for p in tmp_path.iterdir() if p.is_file()] == []

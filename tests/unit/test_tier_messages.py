@@ -21,9 +21,11 @@ from raytrn.checkpoint.messages import (
     Refusal,
     Refused,
     SlabLocation,
+    StoresRewound,
     render,
 )
 from raytrn.checkpoint.progress import Progress
+from tests.unit.memory_stand_ins import StandInKeeper, StandInStore
 from tests.unit.test_memory_tier import _taking
 
 pytestmark = pytest.mark.unit
@@ -135,46 +137,31 @@ def test_a_stuck_thread_on_any_rank_stops_the_groups_snapshots_by_its_kind(tmp_p
     from raytrn.train import snapshots
 
     snaps = _taking(tmp_path)
-    dropped: list[int] = []
-
-    class Store:
-        class drop:  # noqa: N801
-            @staticmethod
-            def remote(step: int, generation: int) -> None:
-                dropped.append(step)
-
-    snaps.ring = {"n": Store()}
+    store = StandInStore()
+    snaps.ring = {"n": store}
     late = Refusal(Refused.WRITE_LATE, 5, 1, timeout_s=300.0)
     monkeypatch.setattr(snapshots.agree, "gather", lambda value, **_: [value, (late,)])
     with caplog.at_level(logging.WARNING, logger="raytrn.train.snapshots"):
         assert not _complete(snaps, 5)
-    assert not snaps.taking and dropped == []
+    assert not snaps.taking and store.dropped == []
     [warning] = _warnings(caplog)
     assert "stop for this worker group: snapshot 5: not written within 300 s" in warning
     # Any other refusal on another rank: the snapshot is dropped, the group goes on.
     snaps = _taking(tmp_path)
-    snaps.ring = {"n": Store()}
+    store = StandInStore()
+    snaps.ring = {"n": store}
     other = Refusal(Refused.COPIES_LATE, 6, 1, timeout_s=60.0)
     monkeypatch.setattr(snapshots.agree, "gather", lambda value, **_: [value, (other,)])
-    assert not _complete(snaps, 6) and snaps.taking and dropped == [6]
+    assert not _complete(snaps, 6) and snaps.taking and store.dropped == [6]
 
 
-def test_the_rewind_answer_carries_the_generation_or_the_refusal(tmp_path: Path, monkeypatch) -> None:
-    import ray
-
+def test_the_rewind_answer_carries_the_generation_or_the_refusal(tmp_path: Path) -> None:
     from raytrn.train.snapshots import Rewound
 
-    class Keeper:
-        class rewind:  # noqa: N801
-            @staticmethod
-            def remote(step: int) -> Any:
-                return (3, [])
-
     snaps = _taking(tmp_path)
-    snaps.keeper = Keeper()
-    monkeypatch.setattr(ray, "get", lambda value, **_: value)
+    snaps.keeper = keeper = StandInKeeper(StoresRewound(3))
     snaps.starting_at(7)
-    assert snaps.generation == 3 and snaps.taking
+    assert snaps.generation == 3 and snaps.taking and keeper.rewinds == [7]
     refused = Rewound(refused=Refusal(Refused.NOT_REWOUND, 7, error="ConnectionError: x"))
     assert refused.generation == 0 and refused.refused is not None and refused.refused.kind is Refused.NOT_REWOUND
 
@@ -191,31 +178,19 @@ def test_a_reader_reads_a_slab_in_place_on_its_node_and_an_object_elsewhere(tmp_
 
     slab = tmp_path / "slab"
     slab.write_bytes(b"..slab-bytes..")
-    exported: list[str] = []
 
-    def handle(found: Any) -> Any:
-        class Handle:
-            class locate:  # noqa: N801
-                @staticmethod
-                def remote(step: int, name: str) -> Any:
-                    return found
+    def store(found: Any) -> StandInStore:
+        return StandInStore(found, exported=ObjectLocation(np.frombuffer(b"exported", dtype=np.uint8)))
 
-            class export:  # noqa: N801
-                @staticmethod
-                def remote(step: int, name: str) -> Any:
-                    exported.append(name)
-                    return ObjectLocation(np.frombuffer(b"exported", dtype=np.uint8))
-
-        return Handle()
-
-    monkeypatch.setattr(ray, "get", lambda value, **_: value)
+    monkeypatch.setattr(ray, "get", lambda value, **_: value)  # (an object's ref: the array itself here)
     at_slab = SlabLocation(str(slab), 2, 10)
-    assert bytes(fetcher({"me": handle(at_slab)}, 1, node="me")("f")) == b"slab-bytes" and exported == []
-    assert bytes(fetcher({"other": handle(at_slab)}, 1, node="me")("f")) == b"exported" and exported == ["f"]
+    mine, other = store(at_slab), store(at_slab)
+    assert bytes(fetcher({"me": mine}, 1, node="me")("f")) == b"slab-bytes" and mine.exports == []
+    assert bytes(fetcher({"other": other}, 1, node="me")("f")) == b"exported" and other.exports == ["f"]
     as_object = ObjectLocation(np.frombuffer(b"object", dtype=np.uint8))
-    assert bytes(fetcher({"a": handle(None), "b": handle(as_object)}, 1, node="me")("f")) == b"object"
+    assert bytes(fetcher({"a": store(None), "b": store(as_object)}, 1, node="me")("f")) == b"object"
     with pytest.raises(FileNotFoundError):
-        fetcher({"a": handle(None)}, 1, node="me")("f")
+        fetcher({"a": store(None)}, 1, node="me")("f")
 
 
 def test_a_store_locates_an_object_file_as_an_object() -> None:
