@@ -1,12 +1,12 @@
-"""The ``parallel`` section's rules for the torch.distributed layouts (DDP, FSDP2, tensor and expert parallelism,
-activation checkpointing) at every world size a job can take: pure (no torch), so ``raytrn validate`` and
+"""The ``parallel`` section's rules for the torch.distributed layouts (DDP, FSDP2, HSDP, tensor and expert
+parallelism, activation checkpointing) at every world size a job can take: pure (no torch), so ``raytrn validate`` and
 ``raytrn estimate`` check a job on a laptop. The frozen XLA path has its own (:mod:`raytrn.xla.nxd`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from raytrn.config.sizes import world_sizes
+from raytrn.config.sizes import hsdp_shard_size, world_sizes
 from raytrn.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -32,8 +32,44 @@ def check_parallel(job: JobSpec) -> list[str]:
             f"{f', workers_per_node={step}' if step else ''}); every world size must hold whole tensor-parallel "
             f"groups: make min_workers, max_workers{' and workers_per_node' if step else ''} multiples of {tp}"
         )
+    _check_hsdp(job, sizes)
     _check_expert_parallel(job, sizes)
     return _describe_layout(job, sizes)
+
+
+def _check_hsdp(job: JobSpec, sizes: list[int]) -> None:
+    """hsdp's shard groups: a size (``parallel.hsdp_shard_size``, else one node), whole tensor-parallel groups, a
+    divisor of every world size (the groups replicate), and with expert parallelism whole EP groups (the experts'
+    all-to-all stays inside a shard group)."""
+    p, where = job.parallel, job.source
+    if p.data_parallel != "hsdp":
+        return
+    tp, ep = p.tensor_parallel_size, p.expert_parallel_size
+    shard = hsdp_shard_size(job)
+    if shard is None:
+        raise ConfigError(
+            f"{where}: parallel.data_parallel: hsdp needs the size of its shard groups: set parallel.hsdp_shard_size "
+            "(workers FSDP shards over; the groups replicate), or scaling.workers_per_node (the default: one node)"
+        )
+    named = f"parallel.hsdp_shard_size {shard}" if p.hsdp_shard_size else f"scaling.workers_per_node {shard}"
+    if shard % tp:
+        raise ConfigError(
+            f"{where}: {named} (hsdp's shard group) is not a multiple of parallel.tensor_parallel_size {tp}: a shard "
+            f"group holds whole tensor-parallel groups; use a multiple of {tp}"
+        )
+    bad = [n for n in sizes if n % shard]
+    if bad:
+        raise ConfigError(
+            f"{where}: {', '.join(map(str, bad))} worker(s) (a world size the job can take) is not a multiple of "
+            f"{named} (hsdp's shard group): the workers form whole shard groups that replicate; make "
+            f"scaling.min_workers and max_workers multiples of {shard}, or change the shard size"
+        )
+    if ep > 1 and (shard // tp) % ep:
+        raise ConfigError(
+            f"{where}: parallel.expert_parallel_size {ep} does not divide the {shard // tp} data-parallel ranks of "
+            f"hsdp's shard group ({named} / TP {tp}): under hsdp an expert-parallel group lies inside one shard "
+            f"group; make the shard size a multiple of TP x EP = {tp * ep}"
+        )
 
 
 def _check_expert_parallel(job: JobSpec, sizes: list[int]) -> None:
@@ -133,8 +169,11 @@ def _describe_layout(job: JobSpec, sizes: list[int]) -> list[str]:
     p = job.parallel
     if p.data_parallel == "ddp" and p.tensor_parallel_size == 1 and p.activation_checkpointing == "none":
         return []
-    tp = p.tensor_parallel_size
+    tp, shard = p.tensor_parallel_size, hsdp_shard_size(job)
     parts = [f"{p.data_parallel} over {'/'.join(str(n // tp) for n in sizes)} data-parallel rank(s)"]
+    if shard:
+        replicas = "/".join(str(n // shard) for n in sizes)
+        parts[0] += f" (sharded over {shard // tp} in each of {replicas} replicated group(s) of {shard} workers)"
     if tp > 1:
         parts.append(f"tensor parallel {tp} (DTensor)")
     if p.expert_parallel_size > 1:

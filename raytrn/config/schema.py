@@ -1,6 +1,7 @@
 """The job spec's schema: one pydantic model per section (model, data, optim, scaling, checkpoint, tracking,
 run, parallel, neuron), typed and range-checked, every field described. The model section (its families, presets
-and Hugging Face checkpoints) is :mod:`raytrn.config.model`'s.
+and Hugging Face checkpoints) is :mod:`raytrn.config.model`'s, the parallel and neuron sections
+:mod:`raytrn.config.parallel`'s.
 
 Every section has ``extra="forbid"``; reading a YAML file into a :class:`JobSpec` is :mod:`raytrn.config.load`'s,
 and ``docs/job-spec.md`` is rendered from these classes by :mod:`raytrn.config.reference`.
@@ -19,6 +20,8 @@ from raytrn.config.evals import EvalConfig as EvalConfig  # the eval section: it
 from raytrn.config.families import moe_families
 from raytrn.config.model import LoraConfig as LoraConfig  # the model section: its own module
 from raytrn.config.model import ModelConfig as ModelConfig
+from raytrn.config.parallel import NeuronConfig as NeuronConfig  # the parallel and neuron sections: their own module
+from raytrn.config.parallel import ParallelConfig as ParallelConfig
 from raytrn.config.section import Section
 from raytrn.errors import ConfigError
 
@@ -423,65 +426,6 @@ class RunConfig(Section):
     )
 
 
-class ParallelConfig(Section):
-    """How a model replica is laid out over workers. Defaults: plain data parallelism (DDP)."""
-
-    data_parallel: Literal["ddp", "fsdp"] = Field(
-        "ddp",
-        description="ddp: every worker holds the whole model; fsdp: parameters, gradients and optimizer state "
-        "sharded over the data-parallel ranks (FSDP2 fully_shard per decoder block and at the root)",
-    )
-    tensor_parallel_size: int = Field(
-        1, gt=0, le=4096, description="workers (consecutive ranks, one node) one model replica is split over"
-    )
-    expert_parallel_size: int = Field(
-        1,
-        gt=0,
-        le=4096,
-        description="qwen3_moe: data-parallel ranks a layer's experts are spread over (each holds num_experts / EP "
-        "of them; tokens reach their experts by all-to-all). Taken from the data-parallel ranks: workers / TP must "
-        "be a multiple of it. Needs data_parallel: fsdp",
-    )
-    activation_checkpointing: Literal["none", "full", "selective"] = Field(
-        "none",
-        description="recompute activations in backward: full (each decoder block keeps only its input), "
-        "selective (also keeps matmul and attention outputs); true/false mean full/none",
-    )
-    reshard_after_forward: bool = Field(
-        True, description="fsdp: free gathered parameters after each block's forward (less memory, more traffic)"
-    )
-    zero1: bool = Field(False, description="neuron XLA path: shard optimizer state over data-parallel ranks (NxD)")
-    sequence_parallel: bool = Field(
-        False, description="neuron XLA path: shard norm activations along the sequence (TP>1, NxD)"
-    )
-
-    @field_validator("activation_checkpointing", mode="before")
-    @classmethod
-    def _bool_means_full(cls, value: Any) -> Any:
-        return {True: "full", False: "none"}.get(value, value) if isinstance(value, bool) else value
-
-
-class NeuronConfig(Section):
-    """Trainium-only settings; ignored (with a warning) on other accelerators."""
-
-    compile_cache: str | None = Field(
-        None,
-        description="neuron: TorchNeuron's NEFF cache directory, local or shared (per-host subdirs); neuron-xla: "
-        "NEURON_COMPILE_CACHE_URL, s3://bucket/prefix or a local/shared path",
-    )
-    lnc: Literal[1, 2] | None = Field(
-        None,
-        description="trn2 logical NeuronCore config, 1 or 2 (default 2: 64 workers per trn2.48xlarge); trn1 has none",
-    )
-    stochastic_rounding: bool = Field(
-        True, description="neuron-xla: NEURON_RT_STOCHASTIC_ROUNDING_EN for bf16 parameters (TorchNeuron: use autocast)"
-    )
-    cc_flags: str = Field("--model-type transformer", description="NEURON_CC_FLAGS for the Neuron compiler")
-    socket_ifname: str = Field(
-        "eth0", description="neuron-xla: network interface for collective bootstrap (CCOM_SOCKET_IFNAME)"
-    )
-
-
 class JobSpec(Section):
     """A whole training job."""
 
@@ -541,10 +485,10 @@ class JobSpec(Section):
                 f"parallel.expert_parallel_size {ep} does not divide model.num_experts ({experts}): every rank of an "
                 f"expert-parallel group holds the same number of experts; use a divisor of {experts}"
             )
-        if ep > 1 and self.parallel.data_parallel != "fsdp":
+        if ep > 1 and self.parallel.data_parallel == "ddp":
             raise ValueError(
-                f"parallel.expert_parallel_size {ep} needs parallel.data_parallel: fsdp (DDP would replicate the "
-                "experts EP spreads, and reduce their gradients over the wrong ranks); set data_parallel: fsdp"
+                f"parallel.expert_parallel_size {ep} needs parallel.data_parallel: fsdp or hsdp (DDP would replicate "
+                "the experts EP spreads, and reduce their gradients over the wrong ranks); set data_parallel: fsdp"
             )
         if ep > 1 and self.model.lora is not None:
             raise ValueError(

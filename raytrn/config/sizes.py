@@ -71,13 +71,41 @@ def world_sizes(job: JobSpec) -> list[int]:
 def size_unit(job: JobSpec) -> int:
     """What every elastic size is a multiple of: whole nodes (``workers_per_node``, which whole TP groups, and with
     expert parallelism whole ``TP x EP`` blocks, must divide: checked by ``raytrn.config.layout``), else whole
-    tensor-parallel groups (with expert parallelism whole blocks of ``TP x EP`` consecutive ranks)."""
+    tensor-parallel groups (with expert parallelism whole blocks of ``TP x EP`` consecutive ranks); under hsdp also
+    whole shard groups."""
     p = job.parallel
-    return job.scaling.workers_per_node or p.tensor_parallel_size * p.expert_parallel_size
+    unit = job.scaling.workers_per_node or p.tensor_parallel_size * p.expert_parallel_size
+    shard = hsdp_shard_size(job)
+    return math.lcm(unit, shard) if shard else unit
+
+
+def hsdp_shard_size(job: JobSpec) -> int | None:
+    """Workers in one HSDP shard group (``parallel.hsdp_shard_size``, else one node: ``scaling.workers_per_node``);
+    None unless ``data_parallel`` is hsdp, or when neither is set (refused by :mod:`raytrn.config.layout`)."""
+    p = job.parallel
+    if p.data_parallel != "hsdp":
+        return None
+    return p.hsdp_shard_size or job.scaling.workers_per_node
+
+
+def shard_size(job: JobSpec, world_size: int) -> int:
+    """The data-parallel ranks a parameter (and its gradient and optimizer state) is sharded over at ``world_size``
+    workers: every one under fsdp, a shard group's (``hsdp_shard_size / TP``) under hsdp, 1 under ddp or on one
+    worker."""
+    p = job.parallel
+    if world_size <= 1 or p.data_parallel == "ddp":
+        return 1
+    group = hsdp_shard_size(job) or world_size
+    return max(1, min(group, world_size) // p.tensor_parallel_size)
 
 
 def _unit_reason(job: JobSpec) -> str:
     wpn, tp, ep = job.scaling.workers_per_node, job.parallel.tensor_parallel_size, job.parallel.expert_parallel_size
+    shard = hsdp_shard_size(job)
+    if shard and shard != wpn:
+        return f"a multiple of {size_unit(job)}: whole hsdp shard groups of {shard} workers" + (
+            f" on whole nodes (scaling.workers_per_node={wpn})" if wpn else ""
+        )
     if wpn:
         return f"a multiple of {wpn}: whole nodes (scaling.workers_per_node={wpn})"
     if ep > 1:

@@ -273,18 +273,18 @@ def estimate_job(
 
 
 def fixes(job: JobSpec, world: int, device: Device, *, limit: int = 3) -> list[Fix]:
-    """The smallest changes (one, else two, of: FSDP, full activation checkpointing, a larger TP, a smaller
-    micro-batch) after which a worker's memory fits ``device``; fewest changes first, then least memory."""
+    """The smallest changes (one, else two, of: FSDP (from DDP or HSDP), full activation checkpointing, a larger TP, a
+    smaller micro-batch) after which a worker's memory fits ``device``; fewest changes first, then least memory."""
     p, d = job.parallel, job.data
     single: list[tuple[str, ...]] = []
-    if p.data_parallel != "fsdp":
-        single.append(("parallel.data_parallel=fsdp",))
+    if p.data_parallel != "fsdp":  # from hsdp: shard over every data-parallel rank, not a group's
+        single.append(("parallel.data_parallel=fsdp", *(("parallel.hsdp_shard_size=null",) * bool(p.hsdp_shard_size))))
     if p.activation_checkpointing != "full":
         single.append(("parallel.activation_checkpointing=full",))
     tp = p.tensor_parallel_size
     for bigger in (tp * 2, tp * 4, tp * 8):
         if world % bigger == 0 and (not job.scaling.workers_per_node or job.scaling.workers_per_node % bigger == 0):
-            fsdp = () if p.data_parallel == "fsdp" else ("parallel.data_parallel=fsdp",)  # TP needs it
+            fsdp = () if p.data_parallel != "ddp" else ("parallel.data_parallel=fsdp",)  # TP needs it (or hsdp)
             single.append((f"parallel.tensor_parallel_size={bigger}", *fsdp))
     mb = d.micro_batch_size
     while mb > 1:

@@ -4,11 +4,12 @@ Pure arithmetic (no torch): ``raytrn estimate`` answers in well under a second o
 
 - **state**: parameters (``model.dtype``), gradients (the same dtype, trainable parameters only) and AdamW's two
   moments (the parameters' dtype, trainable only). DDP holds all of it on every worker (and a second copy of the
-  gradients in its buckets); FSDP shards it over the data-parallel ranks; tensor parallelism splits attention, the
-  dense MLP, the embedding and the head over the TP group first; a MoE model's experts are split over the
-  data-parallel ranks only (expert parallelism or FSDP: replicated over TP). LoRA: the frozen base has parameters
-  only; the adapters train.
-- **gathered**: FSDP's transient full blocks (the one computing and the one prefetched), in the compute dtype.
+  gradients in its buckets); FSDP shards it over the data-parallel ranks, HSDP over a shard group's only (the
+  groups replicate); tensor parallelism splits attention, the dense MLP, the embedding and the head over the TP
+  group first; a MoE model's experts are split over the data-parallel ranks only (expert parallelism or FSDP:
+  replicated over TP). LoRA: the frozen base has parameters only; the adapters train.
+- **gathered**: FSDP's (and HSDP's) transient full blocks (the one computing and the one prefetched), in the compute
+  dtype.
 - **activations**: what the decoder layers keep for backward at ``micro_batch_size x seq_len`` tokens: every layer's
   saved tensors, or with activation checkpointing each layer's input plus one layer's tensors recomputed (selective:
   the matmul outputs kept too). Attention is a fused kernel (SDPA; NKI flash attention on trn1): no ``seq x seq``
@@ -28,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from raytrn.config.sizes import loss_chunk_rows
+from raytrn.config.sizes import loss_chunk_rows, shard_size
 from raytrn.models import model_stats
 from raytrn.models.registry import model_spec
 
@@ -139,17 +140,18 @@ def estimate_memory(job: JobSpec, world_size: int) -> MemoryEstimate:
     width = _width(m.dtype)
     compute = 2 if m.autocast == "bfloat16" else width
     split = _split(m, d.seq_len)
-    fsdp = p.data_parallel == "fsdp" and world_size > 1
-    shard_tp, shard_dp = (tp, dp) if fsdp else (tp, 1)
-    held = split.tp_split // shard_tp // shard_dp + split.experts // shard_dp + split.replicated // shard_dp
-    notes = [f"{p.data_parallel}" + (f" over {dp} data-parallel ranks" if fsdp else " (whole model a worker)")]
+    fsdp = p.data_parallel != "ddp" and world_size > 1  # fsdp or hsdp: FSDP2 holds the state, gathers blocks
+    shard_dp = shard_size(job, world_size)  # hsdp: a shard group's data-parallel ranks only
+    held = split.tp_split // tp // shard_dp + split.experts // shard_dp + split.replicated // shard_dp
+    over = f" over {dp} data-parallel ranks" if shard_dp == dp else f" over {shard_dp} of {dp} data-parallel ranks"
+    notes = [f"{p.data_parallel}" + (over if fsdp else " (whole model a worker)")]
     if tp > 1:
         notes.append(f"TP {tp}")
     if p.expert_parallel_size > 1:
-        notes.append(f"experts over EP {p.expert_parallel_size} x FSDP {dp // p.expert_parallel_size}")
+        notes.append(f"experts over EP {p.expert_parallel_size} x FSDP {shard_dp // p.expert_parallel_size}")
     trainable = held
     if m.lora is not None:
-        trainable = lora_params(m) // (shard_dp if fsdp else 1)
+        trainable = lora_params(m) // shard_dp
         notes.append(f"LoRA rank {m.lora.rank}: {lora_params(m):,} trainable parameters")
     xla = acc in ("neuron-xla", "xla-cpu")
     ddp_buckets = not fsdp and not xla and world_size > 1  # DDP's buckets copy the gradients; NxD reduces in place
@@ -164,7 +166,7 @@ def estimate_memory(job: JobSpec, world_size: int) -> MemoryEstimate:
     gathered = 2 * gathered_block * compute if fsdp else 0
     tokens = d.micro_batch_size * d.seq_len
     return MemoryEstimate(
-        parameters=held * width + (lora_params(m) // (shard_dp if fsdp else 1) * width if m.lora else 0),
+        parameters=held * width + (lora_params(m) // shard_dp * width if m.lora else 0),
         gradients=gradients,
         gradient_buckets=gradients if ddp_buckets else 0,
         optimizer=optimizer,

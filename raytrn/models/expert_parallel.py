@@ -16,6 +16,9 @@ The layout (torchtitan's, on a device mesh of its own, ``(dp_mod_ep, ep, tp)``):
   everything else over all data-parallel ranks as before. An expert's gradient on its EP rank already sums every
   EP peer's tokens, so FSDP divides the experts' reduce-scatter by the whole data-parallel size, not by
   ``dp_mod_ep``: the same mean over the global batch as every other parameter.
+- **HSDP** splits ``dp_mod_ep`` as the model's mesh splits ``dp``: ``(dp_replicate, dp_shard_mod_ep, ep, tp)``,
+  every EP group inside one shard group (EP divides its data-parallel ranks), the experts sharded over
+  ``dp_shard_mod_ep`` and replicated over ``dp_replicate`` (their gradients divided as under FSDP).
 - Checkpoints (DCP) hold the stacked experts as one tensor of global shape: a checkpoint written at one EP size
   loads at any other (:mod:`raytrn.checkpoint.dcp`).
 """
@@ -52,14 +55,31 @@ class AllToAll:
 
 
 def expert_mesh(
-    device_type: str, world_size: int, *, tensor_parallel_size: int, expert_parallel_size: int
+    device_type: str,
+    world_size: int,
+    *,
+    tensor_parallel_size: int,
+    expert_parallel_size: int,
+    shard_size: int | None = None,
 ) -> DeviceMesh:
     """The experts' mesh ``(dp_mod_ep, ep, tp)``: consecutive ranks form TP groups (as the model's ``(dp, tp)``
-    mesh), ranks ``tp`` apart form an EP group. A collective: every rank calls it."""
+    mesh), ranks ``tp`` apart form an EP group. Under HSDP (``shard_size`` workers a shard group, a multiple of
+    ``TP x EP``) ``(dp_replicate, dp_shard_mod_ep, ep, tp)``. A collective: every rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
 
     tp, ep = tensor_parallel_size, expert_parallel_size
-    return init_device_mesh(device_type, (world_size // (tp * ep), ep, tp), mesh_dim_names=("dp_mod_ep", "ep", "tp"))
+    if shard_size is None:
+        shape: tuple[int, ...] = (world_size // (tp * ep), ep, tp)
+        return init_device_mesh(device_type, shape, mesh_dim_names=("dp_mod_ep", "ep", "tp"))
+    shape = (world_size // shard_size, shard_size // (tp * ep), ep, tp)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard_mod_ep", "ep", "tp"))
+
+
+def experts_fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """What ``fully_shard`` takes of :func:`expert_mesh`'s mesh for the experts: the data-parallel ranks holding the
+    same experts, ``dp_mod_ep`` (FSDP), or ``(dp_replicate, dp_shard_mod_ep)`` (HSDP)."""
+    names = mesh.mesh_dim_names or ()
+    return mesh["dp_replicate", "dp_shard_mod_ep"] if "dp_replicate" in names else mesh["dp_mod_ep"]
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:

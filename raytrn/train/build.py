@@ -20,7 +20,7 @@ from raytrn.backends.base import Backend
 from raytrn.checkpoint.sharded import DcpCheckpoints
 from raytrn.checkpoint.store import Checkpoints
 from raytrn.config import JobSpec
-from raytrn.config.sizes import data_parallel_size
+from raytrn.config.sizes import data_parallel_size, hsdp_shard_size
 from raytrn.models import build_model
 from raytrn.models.lora import apply_lora
 from raytrn.train.loss import cross_entropy
@@ -70,7 +70,6 @@ def build_native(
     par = (layout or native_layout(backend))(model, job, world_size=world_size, compile=compile_)
     optimizer = build_adamw(par.model, job, fused=backend.fused_optim and job.optim.fused)
     params = [p for p in par.model.parameters() if p.requires_grad]
-    fsdp = par.data_parallel == "fsdp"
     return Training(
         model=par.model,
         optimizer=optimizer,
@@ -78,7 +77,7 @@ def build_native(
         grad_accum=job.data.grad_accum_for(data_parallel_size(job, world_size)),
         # compiled, the fp32 upcast fuses into the loss
         loss_fn=torch.compile(cross_entropy, **compile_) if compile_ is not None else cross_entropy,
-        autocast_dtype=None if fsdp else backend.autocast_dtype(job),  # FSDP: its MixedPrecisionPolicy
+        autocast_dtype=None if par.sharded else backend.autocast_dtype(job),  # FSDP: its MixedPrecisionPolicy
         no_sync=par.no_sync,
         clip_and_step=clip_and_step(backend, optimizer, params, job.optim.grad_clip_norm),
         checkpoints=(checkpoints or sharded_checkpoints)(job, par, rank=rank),
@@ -111,7 +110,10 @@ def sharded_checkpoints(job: JobSpec, par: Parallelized, *, rank: int) -> Checkp
     layout: dict[str, Any] = {"data_parallel": par.data_parallel, "tensor_parallel_size": tp}
     if job.parallel.expert_parallel_size > 1:  # recorded (a checkpoint loads at any EP size)
         layout["expert_parallel_size"] = job.parallel.expert_parallel_size
-    return DcpCheckpoints(job, rank=rank, plain_layout=tp == 1 and par.data_parallel != "fsdp", layout=layout)
+    shard = hsdp_shard_size(job)
+    if par.data_parallel == "hsdp" and shard:  # recorded too: DCP reshards hsdp <-> fsdp <-> ddp
+        layout["hsdp_shard_size"] = shard
+    return DcpCheckpoints(job, rank=rank, plain_layout=tp == 1 and not par.sharded, layout=layout)
 
 
 def clip_and_step(

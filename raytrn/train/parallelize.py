@@ -7,9 +7,12 @@ form a TP group, all on one node) and the model's family lays each decoder block
 (``raytrn/models/<family>/parallelize.py``: Megatron style, q/k/v and gate/up column-wise, o and down row-wise, the
 embedding by vocabulary rows and the head by vocabulary columns, norms replicated); a MoE family's experts are
 spread by its expert parallelism first. ``parallel.data_parallel: fsdp`` then shards every
-block and the root with ``fully_shard`` over the ``dp`` dimension; ``ddp`` wraps the model in
-``DistributedDataParallel`` (TP 1 only). The same code runs on cpu (gloo) and cuda (nccl); a ``neuron``
-device is one more device type.
+block and the root with ``fully_shard`` over the ``dp`` dimension; ``hsdp`` splits that dimension in two,
+``(dp_replicate, dp_shard, tp)`` (torchtitan's), and ``fully_shard`` over the 2-D ``(dp_replicate, dp_shard)`` mesh
+shards within a shard group of consecutive ranks (``parallel.hsdp_shard_size`` workers, one node by default) and
+replicates across the groups; ``ddp`` wraps the model in ``DistributedDataParallel`` (TP 1 only). The data-parallel
+rank (the batch a worker reads) is ``rank // TP`` in every layout. The same code runs on cpu (gloo) and cuda
+(nccl); a ``neuron`` device is one more device type.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ import torch
 from torch import nn
 
 from raytrn.backends.neuron_env import check_tp_groups
+from raytrn.config.sizes import hsdp_shard_size
+from raytrn.errors import ConfigError
+from raytrn.models.expert_parallel import expert_mesh, experts_fsdp_mesh
 from raytrn.models.parallel import decoder_layers
 from raytrn.models.registry import model_spec
 
@@ -42,16 +48,21 @@ class Parallelized:
     model: nn.Module
     #: None without a device mesh (one process, or DDP).
     mesh: DeviceMesh | None
-    data_parallel: str  # "ddp" | "fsdp" | "none" (one replica)
+    data_parallel: str  # "ddp" | "fsdp" | "hsdp" | "none" (one replica)
     tensor_parallel_size: int
+
+    @property
+    def sharded(self) -> bool:
+        """Whether FSDP2 holds the parameters (fsdp or hsdp): its mixed precision policy, its ``no_sync``."""
+        return self.data_parallel in ("fsdp", "hsdp")
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         """Around every micro-batch but the last of a step: gradients accumulate locally, with no collective."""
         model = self.model
         if self.data_parallel == "ddp":
             return model.no_sync()  # type: ignore[operator,no-any-return]
-        if self.data_parallel == "fsdp":
-            return _fsdp_no_sync(model)
+        if self.sharded:
+            return _fsdp_no_sync(model)  # under hsdp neither the reduce-scatter nor the all-reduce
         return contextlib.nullcontext()
 
     def full_state_items(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -85,19 +96,27 @@ def parallelize(
     p = job.parallel
     tp = p.tensor_parallel_size
     distributed = world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+    sharded = p.data_parallel in ("fsdp", "hsdp")
+    shard = hsdp_shard_size(job) if distributed else None
+    if distributed and p.data_parallel == "hsdp" and (shard is None or world_size % shard or shard % tp):
+        raise ConfigError(  # raytrn validate says why (raytrn.config.layout); here for a job built without it
+            f"{job.source}: parallel.data_parallel: hsdp at {world_size} workers needs a shard size (parallel."
+            f"hsdp_shard_size, else scaling.workers_per_node: {shard}) that divides the workers and is a multiple "
+            f"of TP {tp}; raytrn validate names the fix"
+        )
     mesh = None
-    if distributed and (tp > 1 or p.data_parallel == "fsdp"):
-        from torch.distributed.device_mesh import init_device_mesh
-
+    if distributed and (tp > 1 or sharded):
         check_tp_placement(tp)
-        mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        mesh = device_mesh(device.type, world_size, tensor_parallel_size=tp, shard_size=shard)
     family = model_spec(job.model.family)
     experts_mesh = None
     if mesh is not None and family.expert_parallel is not None and (tp > 1 or p.expert_parallel_size > 1):
-        from raytrn.models.expert_parallel import expert_mesh
-
         experts_mesh = expert_mesh(
-            device.type, world_size, tensor_parallel_size=tp, expert_parallel_size=p.expert_parallel_size
+            device.type,
+            world_size,
+            tensor_parallel_size=tp,
+            expert_parallel_size=p.expert_parallel_size,
+            shard_size=shard,
         )
         family.expert_parallel(model, experts_mesh)
     if mesh is not None and tp > 1:
@@ -105,7 +124,7 @@ def parallelize(
     if p.activation_checkpointing != "none":
         apply_activation_checkpointing(model, p.activation_checkpointing)
     if compile is not None:  # per block under FSDP (torchtitan); the whole model in place otherwise (keys unchanged)
-        if p.data_parallel == "fsdp":
+        if sharded:
             for layer in decoder_layers(model):
                 if experts_mesh is not None and hasattr(layer.mlp, "experts"):
                     _compile_around_experts(layer, compile)
@@ -115,16 +134,35 @@ def parallelize(
             model.compile(**compile)
     if not distributed:
         return Parallelized(model=model, mesh=None, data_parallel="none", tensor_parallel_size=1)
-    if p.data_parallel == "fsdp":
+    if sharded:
         assert mesh is not None
-        apply_fsdp(model, mesh["dp"], p.reshard_after_forward, mixed_precision, experts_mesh=experts_mesh)
-        return Parallelized(model=model, mesh=mesh, data_parallel="fsdp", tensor_parallel_size=tp)
+        apply_fsdp(model, data_parallel_mesh(mesh), p.reshard_after_forward, mixed_precision, experts_mesh=experts_mesh)
+        return Parallelized(model=model, mesh=mesh, data_parallel=p.data_parallel, tensor_parallel_size=tp)
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" and device.index is not None else None
     return Parallelized(
         model=DistributedDataParallel(model, device_ids=ids), mesh=None, data_parallel="ddp", tensor_parallel_size=1
     )
+
+
+def device_mesh(device_type: str, world_size: int, *, tensor_parallel_size: int, shard_size: int | None) -> DeviceMesh:
+    """The workers' mesh over consecutive ranks: ``(dp, tp)``, or under hsdp (``shard_size`` workers a shard group)
+    ``(dp_replicate, dp_shard, tp)``. A collective: every rank calls it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp = tensor_parallel_size
+    if shard_size is None:
+        return init_device_mesh(device_type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    shape = (world_size // shard_size, shard_size // tp, tp)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """What ``fully_shard`` takes of :func:`device_mesh`'s mesh: ``dp`` (FSDP), or the 2-D ``(dp_replicate,
+    dp_shard)`` (HSDP: FSDP2 replicates over the first dimension and shards over the second)."""
+    names = mesh.mesh_dim_names or ()
+    return mesh["dp_replicate", "dp_shard"] if "dp_replicate" in names else mesh["dp"]
 
 
 def _compile_around_experts(layer: nn.Module, compile: dict[str, Any]) -> None:
@@ -191,8 +229,9 @@ def apply_fsdp(
     *,
     experts_mesh: DeviceMesh | None = None,
 ) -> None:
-    """``fully_shard`` every decoder block, then the root (embedding, final norm, head). With ``experts_mesh``
-    (:mod:`raytrn.models.expert_parallel`) each block's experts first, over its ``dp_mod_ep`` ranks, their gradients
+    """``fully_shard`` every decoder block, then the root (embedding, final norm, head), over ``dp_mesh`` (1-D: FSDP;
+    2-D: HSDP). With ``experts_mesh`` (:mod:`raytrn.models.expert_parallel`) each block's experts first, over its
+    ``dp_mod_ep`` ranks (HSDP: sharded over ``dp_shard_mod_ep``, replicated over ``dp_replicate``), their gradients
     divided by the whole data-parallel size (each EP rank's already sums its EP peers' tokens)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -205,11 +244,13 @@ def apply_fsdp(
         reshard = reshard_after_forward and i < len(layers) - 1
         experts: Any = getattr(layer.mlp, "experts", None)
         if experts_mesh is not None and experts is not None:
-            fully_shard(experts, mesh=experts_mesh["dp_mod_ep"], reshard_after_forward=reshard, **kwargs)
+            experts_dp = experts_fsdp_mesh(experts_mesh)
+            fully_shard(experts, mesh=experts_dp, reshard_after_forward=reshard, **kwargs)
             experts.set_gradient_divide_factor(float(dp_mesh.size()))
-            if experts_mesh["dp_mod_ep"].size() > 1:
-                # Sum, then divide: gloo (and Neuron) have no PREMUL_SUM. Not on one rank: FSDP (torch 2.13) divides
-                # there by the factor and again after (tests/integration/test_parallel.py compares the gradients).
+            if experts_dp.size(experts_dp.ndim - 1) > 1:
+                # Sum, then divide: gloo (and Neuron) have no PREMUL_SUM. Not when the reduce-scatter (the last
+                # dimension) is over one rank: FSDP (torch 2.13) divides there by the factor and again after
+                # (tests/integration/test_parallel.py compares the gradients).
                 experts.set_force_sum_reduction_for_comms(True)
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kwargs)

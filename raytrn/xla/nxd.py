@@ -137,11 +137,11 @@ def _check_accelerator(job: JobSpec) -> None:
     acc, p = job.scaling.accelerator, job.parallel
     where = job.source
     if acc == "neuron-xla":
-        if p.data_parallel == "fsdp":
+        if p.data_parallel != "ddp":  # fsdp, hsdp
             raise ConfigError(
-                f"{where}: parallel.data_parallel=fsdp is not available on scaling.accelerator: neuron-xla (the "
-                "XLA path, frozen): there tensor parallelism and ZeRO-1 are neuronx-distributed's. Use "
-                "data_parallel: ddp with parallel.zero1: true to shard the optimizer state"
+                f"{where}: parallel.data_parallel={p.data_parallel} is not available on scaling.accelerator: "
+                "neuron-xla (the XLA path, frozen): there tensor parallelism and ZeRO-1 are neuronx-distributed's. "
+                "Use data_parallel: ddp with parallel.zero1: true to shard the optimizer state"
             )
         if p.activation_checkpointing == "selective":
             raise ConfigError(
@@ -154,7 +154,7 @@ def _check_accelerator(job: JobSpec) -> None:
         asked = [
             name
             for name, on in (
-                ("parallel.data_parallel=fsdp", p.data_parallel == "fsdp"),
+                (f"parallel.data_parallel={p.data_parallel}", p.data_parallel != "ddp"),
                 (f"parallel.tensor_parallel_size={p.tensor_parallel_size}", p.tensor_parallel_size > 1),
                 (
                     f"parallel.activation_checkpointing={p.activation_checkpointing}",
