@@ -52,7 +52,6 @@ class Checkpointer:
         rank: int,
         world_size: int,
         logger: Any = None,
-        cost_usd: Callable[[], float | None] = lambda: None,
         memory: MemorySnapshots | None = None,
     ) -> None:
         self.job, self.backend, self.schedule = job, backend, schedule
@@ -63,8 +62,6 @@ class Checkpointer:
         self.rank, self.world_size = rank, world_size
         #: Rank 0's tracking handle (checkpoint tags); None elsewhere or without tracking.
         self.logger = logger
-        #: The run's cost so far, stored with each checkpoint (rank 0's; None elsewhere).
-        self.cost_usd = cost_usd
         #: After :meth:`restore`: where this group's state came from (``storage``, or None: a new run; its step is
         #: the progress's) and the load's seconds (what the job's board records for a restart).
         self.restored_from: str | None = None
@@ -142,11 +139,11 @@ class Checkpointer:
         last: bool,
         notice: Notice | None = None,
         scores: dict[str, float] | None = None,
-        cost_usd: Callable[[], float | None] | None = None,
+        cost_usd: Callable[[], float | None],
     ) -> bool:
         """Save when due, or at once on a preemption ``notice`` (every rank got the same one: it was agreed by a
         collective). True after a notice: the group trains no further (:meth:`stop_after_notice`). ``cost_usd``: the
-        run's cost so far, stored with the checkpoint (rank 0's; default: the one the checkpointer was built with)."""
+        run's cost so far, stored with the checkpoint (rank 0's; None elsewhere)."""
         preempted = notice is not None and not last
         durable = self.due(progress.step, last=last) or preempted
         synchronous = last or preempted or not self.job.checkpoint.async_
@@ -155,7 +152,7 @@ class Checkpointer:
             memory = None
         if not durable and memory is None:
             return False
-        cost = (cost_usd or self.cost_usd)()
+        cost = cost_usd()
         if cost is not None:
             progress.cost_usd = cost
         if memory is not None:  # staged before a durable save, written beside it

@@ -185,7 +185,6 @@ def build_components(
         posts, world_size=world_size, restore_s=checkpointer.restore_s, start_step=progress.step, restored=restored,
         group=group,
     )  # fmt: skip
-    cost = efficiency.cost_usd if efficiency is not None else _no_cost
     steps = StepProtocol(
         [
             guard,
@@ -195,13 +194,9 @@ def build_components(
             hangs,
             evaluation,
             *([TuneReport(progress)] if plan.report_metrics else []),
-            CheckpointSave(checkpointer, t, progress, cost),
+            CheckpointSave(checkpointer, t, progress, metrics.cost_usd),
         ],
         working=hangs.working,
         blocking=clock.blocking,
     )
     return Components(steps=steps, metrics=metrics, guard=guard, clock=clock, hangs=hangs, sampler=sampler)
-
-
-def _no_cost() -> float | None:
-    return None
