@@ -1,0 +1,272 @@
+"""Live recovery's process group: torch.distributed's default group, re-formed among the live replicas.
+
+A *member* is one replica's process (``parallel.data_parallel: hsdp`` with one worker a replica group: one node's
+worker); it is named by a string that stays its own for its life (``ip:pid``). The members of the job share one
+c10d store (a ``TCPStore`` served by a process that outlives the replicas: the driver under Ray, the test's own
+process without it) and, at any time, one *generation*: a numbered, ordered member list. A member's rank is its
+index in the list; the default process group of generation ``n`` is rendezvoused under the store prefix
+``live/g{n}/pg/``, so every collective raytrn issues (the gradients' all-reduce, the step protocol's) runs over the
+live members only, whatever code issues it.
+
+What re-forms a group:
+
+* **A member is lost.** A collective fails: gloo raises at once when a peer's process died (its connections
+  close), and after ``timeout_s`` when a peer is frozen (SIGSTOP, a hung host). The survivors each call
+  :meth:`LiveGroup.reform`: they mark their arrival at generation ``n + 1``, wait for the other members of ``n``
+  (up to ``settle_s``: a lost one never comes), and the first to stop waiting writes the member list with the
+  store's compare-and-set: one decision, read by all. A member that arrives after it finds itself left out and
+  joins as a newcomer (below), so a slow survivor costs a state copy, never a split.
+* **A newcomer asks to join** (:meth:`LiveGroup.join`, a returning node's worker). Its request is a numbered store
+  key; the members see the count (:meth:`LiveGroup.joins_waiting`, rank 0 reads it and the step's all-reduce tells
+  the others), re-form at the same step boundary with the newcomers appended, and rank 0 broadcasts the training
+  state to everyone (:meth:`LiveGroup.broadcast`): nothing is read from the checkpoint store.
+
+Whether a step's update is applied is itself agreed (:meth:`LiveGroup.agree`): a collective can complete on one
+rank and fail on another (a peer lost after its last message), so each rank reports its outcome and one
+compare-and-set decides ``commit`` (every member's collectives completed) or ``abort`` (any failed, or a member
+did not report within ``timeout_s``); an aborted step is redone by the next generation, so the model, the
+optimizer, the schedule and the data position move only on a committed step.
+
+Pure torch.distributed (no Ray): :mod:`tests.unit.test_live_group` runs it on real gloo processes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+#: Every store key live recovery writes starts with this (a store shared with other users stays readable).
+PREFIX = "live/"
+_POLL_S = 0.002
+_JOIN_POLL_S = 0.05
+
+
+class PeerLost(RuntimeError):
+    """A collective of the live group failed or timed out: a member is gone (or frozen past ``timeout_s``)."""
+
+
+class LeftOut(RuntimeError):
+    """This member was not in the generation the others decided (it arrived late): it must join as a newcomer."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One membership of the live group: ``members`` in rank order; ``joins`` join requests admitted so far."""
+
+    number: int
+    members: tuple[str, ...]
+    joins: int = 0
+
+    def rank_of(self, member: str) -> int:
+        return self.members.index(member)
+
+    def encode(self) -> str:
+        return json.dumps({"members": list(self.members), "joins": self.joins})
+
+    @classmethod
+    def decode(cls, number: int, text: bytes | str) -> Generation:
+        record = json.loads(text)
+        return cls(number, tuple(record["members"]), int(record["joins"]))
+
+
+@dataclass(frozen=True)
+class Reformed:
+    """A re-formation, as the MLflow run records it: why, the replicas before and after, how long it took."""
+
+    reason: str  # "lost" | "joined"
+    before: Generation
+    after: Generation
+    seconds: float
+
+    @property
+    def lost(self) -> tuple[str, ...]:
+        return tuple(m for m in self.before.members if m not in self.after.members)
+
+    @property
+    def joined(self) -> tuple[str, ...]:
+        return tuple(m for m in self.after.members if m not in self.before.members)
+
+
+@dataclass
+class LiveGroup:
+    """This process's membership of the live group over ``store`` (see the module docstring)."""
+
+    store: dist.Store
+    member: str
+    #: A collective (and a step's agreement) waits this long for a frozen peer before it counts as lost.
+    timeout_s: float = 30.0
+    #: How long survivors wait for each other when a generation re-forms after a loss.
+    settle_s: float = 1.0
+    backend: str = "gloo"
+    generation: Generation | None = field(default=None, init=False)
+
+    # -- membership --------------------------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self._current().rank_of(self.member)
+
+    @property
+    def size(self) -> int:
+        return len(self._current().members)
+
+    def found(self, founders: Sequence[str]) -> Generation:
+        """Generation 0 of ``founders`` (the same list on each of them, this member among them): the group starts."""
+        if self.member not in founders:
+            raise ValueError(f"member {self.member!r} is not among the founders {list(founders)}")
+        proposed = Generation(0, tuple(founders))
+        decided = Generation.decode(0, self.store.compare_set(self._key(0, "members"), "", proposed.encode()))
+        if decided.members != proposed.members:
+            raise ValueError(f"the live group was founded as {list(decided.members)}, not {list(founders)}")
+        self._enter(decided)
+        return decided
+
+    def join(self, deadline_s: float) -> Generation:
+        """Ask to join and wait (up to ``deadline_s``) for a generation that has this member; enter it."""
+        index = self.store.add(PREFIX + "joins", 1)
+        self.store.set(f"{PREFIX}join/{index}", self.member)
+        give_up = time.monotonic() + deadline_s
+        number = 0  # generations are decided in order: walk up to the newest, then watch the next
+        while time.monotonic() < give_up:
+            generation = self._decided(number)
+            if generation is None:
+                time.sleep(_JOIN_POLL_S)
+                continue
+            if self.member in generation.members and generation.joins >= index:
+                self._enter(generation)
+                return generation
+            number += 1
+        raise TimeoutError(f"live group: {self.member} was not admitted within {deadline_s:.0f} s")
+
+    def joins_waiting(self) -> int:
+        """Join requests not yet admitted (one store read; rank 0 asks and shares the answer in the step)."""
+        return self.store.add(PREFIX + "joins", 0) - self._current().joins
+
+    def reform(self, reason: str) -> Reformed:
+        """Re-form after a loss (``reason="lost"``) or to admit waiting newcomers (``"joined"``); every member of the
+        current generation that is alive calls it. Raises :class:`LeftOut` when the others decided without this
+        member. A member lost while the new group rendezvouses makes the next generation form (a loop)."""
+        started, first = time.monotonic(), self._current()
+        before, number = first, first.number
+        while True:
+            number += 1
+            decided = self._decide(number, before, admit=reason == "joined")
+            if self.member not in decided.members:
+                self._leave()
+                raise LeftOut(f"live group: generation {number} formed without {self.member}")
+            try:
+                self._enter(decided)
+            except (RuntimeError, dist.DistBackendError) as e:  # a member of it died before the rendezvous
+                if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
+                    raise
+                before = decided
+                continue
+            return Reformed(reason, first, decided, time.monotonic() - started)
+
+    def leave(self) -> None:
+        """Drop out of the live group (the end of the run): the process group is destroyed."""
+        self._leave()
+
+    # -- collectives -------------------------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the members in place; :class:`PeerLost` when a member is gone."""
+        try:
+            dist.all_reduce(tensor)
+        except (RuntimeError, dist.DistBackendError) as e:
+            raise PeerLost(f"live group generation {self._current().number}: {str(e).splitlines()[0]}") from e
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        """Copy ``tensors`` from rank ``src`` to every member, in place (a newcomer's state, bit for bit)."""
+        try:
+            for tensor in tensors:
+                dist.broadcast(tensor, src)
+        except (RuntimeError, dist.DistBackendError) as e:
+            raise PeerLost(f"live group generation {self._current().number}: {str(e).splitlines()[0]}") from e
+
+    def agree(self, step: int, ok: bool) -> bool:
+        """Whether step ``step``'s update is applied: ``commit`` when every member reports ``ok``; ``abort`` when
+        one reports a failure or one does not report within ``timeout_s``. One decision (a compare-and-set),
+        the same on every member whatever order they arrive in (a frozen one that thaws reads it too)."""
+        generation = self._current()
+        key = self._key(generation.number, f"s{step}")
+        if not ok:
+            self.store.add(key + "/bad", 1)
+        self.store.add(key + "/done", 1)
+        give_up = time.monotonic() + self.timeout_s
+        while True:
+            if self.store.check([key + "/decided"]):
+                break
+            verdict = None
+            if self.store.add(key + "/bad", 0) > 0 or time.monotonic() > give_up:
+                verdict = "abort"
+            elif self.store.add(key + "/done", 0) >= len(generation.members):
+                verdict = "abort" if self.store.add(key + "/bad", 0) > 0 else "commit"
+            if verdict is not None:
+                self.store.compare_set(key + "/decided", "", verdict)
+                break
+            time.sleep(_POLL_S)
+        committed = self.store.get(key + "/decided") == b"commit"
+        if self.rank == 0 and step >= 2:  # keep the store small: two steps back is settled on every member
+            old = self._key(generation.number, f"s{step - 2}")
+            for suffix in ("/bad", "/done", "/decided"):
+                self.store.delete_key(old + suffix)
+        return committed
+
+    # -- internals ---------------------------------------------------------------------------------------------
+
+    def _current(self) -> Generation:
+        if self.generation is None:
+            raise RuntimeError(f"live group: {self.member} is in no generation (found() or join() first)")
+        return self.generation
+
+    @staticmethod
+    def _key(number: int, what: str) -> str:
+        return f"{PREFIX}g{number}/{what}"
+
+    def _decided(self, number: int) -> Generation | None:
+        key = self._key(number, "members")
+        return Generation.decode(number, self.store.get(key)) if self.store.check([key]) else None
+
+    def _decide(self, number: int, before: Generation, *, admit: bool) -> Generation:
+        """Generation ``number``'s members: ``before``'s that arrived, then (``admit``: a planned re-formation, which
+        waits up to ``timeout_s`` for every member) the waiting newcomers; after a loss, those that arrived within
+        ``settle_s`` and no newcomer (they are admitted after the redone step, when every member expects them)."""
+        self.store.set(self._key(number, f"alive/{self.member}"), "1")
+        give_up = time.monotonic() + (self.timeout_s if admit else self.settle_s)
+        arrived: list[str] = []
+        while True:
+            decided = self._decided(number)
+            if decided is not None:
+                return decided
+            arrived = [m for m in before.members if self.store.check([self._key(number, f"alive/{m}")])]
+            if len(arrived) == len(before.members) or time.monotonic() > give_up:
+                break
+            time.sleep(_POLL_S)
+        joins = self.store.add(PREFIX + "joins", 0) if admit else before.joins
+        newcomers = [self.store.get(f"{PREFIX}join/{i}").decode() for i in range(before.joins + 1, joins + 1)]
+        proposed = Generation(number, tuple(arrived) + tuple(m for m in newcomers if m not in arrived), joins)
+        return Generation.decode(number, self.store.compare_set(self._key(number, "members"), "", proposed.encode()))
+
+    def _enter(self, generation: Generation) -> None:
+        """Destroy this process's default group and rendezvous generation ``generation``'s."""
+        self._leave()
+        dist.init_process_group(
+            self.backend,
+            store=dist.PrefixStore(self._key(generation.number, "pg/"), self.store),
+            rank=generation.rank_of(self.member),
+            world_size=len(generation.members),
+            timeout=timedelta(seconds=self.timeout_s),
+        )
+        self.generation = generation
+
+    def _leave(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.generation = None

@@ -1,0 +1,242 @@
+"""Live recovery's re-forming process group and step (raytrn.train.live) on real gloo processes, no Ray.
+
+One scenario, its events on observed steps (the members wait at a gate the test opens after acting):
+three replicas a, b, c of the tiny Llama train; c is killed (SIGKILL) before step 4: a and b re-form and redo step 4
+over all its micro-batches (3 each instead of 2); a newcomer d asks to join before step 8 and, after it, receives
+a's state (bit-equal, nothing read from storage); b is frozen (SIGSTOP) before step 10: a and d count it lost after
+the collective timeout and redo step 10. Every committed step is compared with one process accumulating the same
+6 micro-batches: the loss within 1e-4, every micro-batch trained exactly once per step, the final weights within 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from raytrn.config import JobSpec, load_job
+from raytrn.train.live.step import share
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+SEQ, MICRO, STEPS = 16, 6, 12  # 6 micro-batches of one row a step
+KILL_AT, JOIN_AFTER, FREEZE_AT = 4, 8, 10
+TIMEOUT_S, SETTLE_S = 3.0, 0.5  # a frozen peer counts as lost after 3 s; survivors wait 0.5 s for each other
+DEADLINE_S = 240
+TOLERANCE = 1e-4
+
+
+def job() -> JobSpec:
+    return load_job(
+        REPO / "jobs" / "tiny.yaml",
+        ["data.manifest=unused", f"data.seq_len={SEQ}", "model.vocab_size=256", "optim.warmup_steps=2"],
+        resolve=False,
+    )
+
+
+def micro_batch(step: int, k: int) -> torch.Tensor:
+    """Micro-batch ``k`` of step ``step``: one row, the same in every process (a pure function of both)."""
+    gen = torch.Generator().manual_seed(step * 1000 + k)
+    return torch.randint(0, 12, (1, SEQ + 1), generator=gen) * 17 % 256
+
+
+def build(j: JobSpec) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    from raytrn.models.build import build_model
+    from raytrn.train.optim import build_adamw, lr_scheduler
+    from raytrn.train.schedule import Schedule
+
+    torch.manual_seed(0)
+    model = build_model(j.model, seed=j.run.seed)
+    optimizer = build_adamw(model, j)
+    return model, optimizer, lr_scheduler(optimizer, Schedule.from_job(j))
+
+
+def micro_loss(model: torch.nn.Module, step: int) -> Any:
+    from raytrn.train.loss import cross_entropy
+
+    def loss(k: int) -> torch.Tensor:
+        rows = micro_batch(step, k)
+        return cross_entropy(model(input_ids=rows[:, :-1]).logits, rows[:, 1:])
+
+    return loss
+
+
+def _member(name: str, port: int, founders: list[str], out: str) -> None:
+    """One replica: found the group (or join it), train to STEPS, wait at the test's gates, record every commit."""
+    from raytrn.train.live.group import LiveGroup
+    from raytrn.train.live.step import LiveTrainer
+
+    torch.set_num_threads(1)
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=DEADLINE_S))
+    group = LiveGroup(store, name, timeout_s=TIMEOUT_S, settle_s=SETTLE_S)
+    j = job()
+    model, optimizer, scheduler = build(j)
+    trainer = LiveTrainer(group, model, optimizer, scheduler, grad_clip_norm=j.optim.grad_clip_norm)
+    log = Path(out) / f"{name}.jsonl"
+    if founders:
+        group.found(founders)
+        step = 1
+    else:
+        step = trainer.rejoin(DEADLINE_S)["step"] + 1
+        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, Path(out) / f"received-{name}.pt")
+    while step <= STEPS:
+        if step in (KILL_AT, JOIN_AFTER, FREEZE_AT):
+            store.set(f"test/at{step}/{name}", "1")
+            store.wait([f"test/go{step}"])
+        result = trainer.step(step, MICRO, micro_loss(model, step))
+        record = {"step": step, "loss": result.loss, "micro": [result.micro_batches.start, result.micro_batches.stop],
+                  "replicas": result.replicas, "aborted": result.aborted, "at": time.monotonic(),
+                  "reformed": [{"reason": r.reason, "lost": r.lost, "joined": r.joined, "seconds": r.seconds,
+                                "after": r.after.number} for r in result.reformed]}  # fmt: skip
+        if result.joins_waiting:
+            admitted = trainer.admit({"step": step})
+            record["reformed"].append({"reason": admitted.reason, "lost": admitted.lost, "joined": admitted.joined,
+                                       "seconds": admitted.seconds, "after": admitted.after.number})  # fmt: skip
+            if group.rank == 0:
+                torch.save(
+                    {"model": model.state_dict(), "optim": optimizer.state_dict()}, Path(out) / f"sent-{name}.pt"
+                )
+        with log.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        step += 1
+    torch.save(model.state_dict(), Path(out) / f"final-{name}.pt")
+    group.leave()
+    os._exit(0)
+
+
+def _wait(store: TCPStore, keys: list[str], what: str) -> None:
+    store.wait(keys, timedelta(seconds=DEADLINE_S))
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, float]]:
+    import multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("live")
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=DEADLINE_S))
+    spawn = mp.get_context("spawn")
+    procs = {n: spawn.Process(target=_member, args=(n, store.port, ["a", "b", "c"], str(out))) for n in "abc"}
+    times: dict[str, float] = {}
+    try:
+        for p in procs.values():
+            p.start()
+        _wait(store, [f"test/at{KILL_AT}/{n}" for n in "abc"], "the founders at step 4")
+        os.kill(procs["c"].pid, signal.SIGKILL)  # type: ignore[arg-type]
+        procs["c"].join(30)
+        times["lost"] = time.monotonic()
+        store.set(f"test/go{KILL_AT}", "1")
+        _wait(store, [f"test/at{JOIN_AFTER}/{n}" for n in "ab"], "the survivors at step 8")
+        procs["d"] = spawn.Process(target=_member, args=("d", store.port, [], str(out)))
+        procs["d"].start()
+        deadline = time.monotonic() + DEADLINE_S
+        while store.add("live/joins", 0) < 1:  # d asked to join: step 8 admits it
+            assert time.monotonic() < deadline, "the newcomer never asked to join"
+            time.sleep(0.05)
+        store.set(f"test/go{JOIN_AFTER}", "1")
+        _wait(store, [f"test/at{FREEZE_AT}/{n}" for n in "abd"], "a, b, d at step 10")
+        os.kill(procs["b"].pid, signal.SIGSTOP)  # type: ignore[arg-type]
+        times["frozen"] = time.monotonic()
+        store.set(f"test/go{FREEZE_AT}", "1")
+        for n in "ad":
+            procs[n].join(DEADLINE_S)
+            assert procs[n].exitcode == 0, f"member {n} exited with {procs[n].exitcode}"
+    finally:
+        for p in procs.values():  # ours, by handle: the frozen one, or all after a failure
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
+                p.join(10)
+    return out, times
+
+
+def records(out: Path, name: str) -> dict[int, dict[str, Any]]:
+    lines = (out / f"{name}.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines)}
+
+
+def test_survivors_and_a_newcomer_train_as_one_process_does(scenario: tuple[Path, dict[str, float]]) -> None:
+    out, _ = scenario
+    j = job()
+    model, optimizer, scheduler = build(j)
+    from raytrn.train.live.group import LiveGroup  # noqa: F401  (the module imports without a process group)
+
+    logs = {n: records(out, n) for n in "abcd"}
+    for step in range(1, STEPS + 1):
+        optimizer.zero_grad()
+        loss_sum = 0.0
+        for k in range(MICRO):
+            loss = micro_loss(model, step)(k)
+            (loss / MICRO).backward()
+            loss_sum += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), j.optim.grad_clip_norm)
+        optimizer.step()
+        scheduler.step()
+        committed = {n: log[step] for n, log in logs.items() if step in log}
+        # every micro-batch of the step trained exactly once over the replicas that committed it
+        trained = sorted(k for r in committed.values() for k in range(*r["micro"]))
+        assert trained == list(range(MICRO)), (step, committed)
+        for n, r in committed.items():
+            assert r["loss"] == pytest.approx(loss_sum / MICRO, abs=TOLERANCE), (step, n)
+            assert r["replicas"] == len(committed), (step, n)
+    assert set(logs["c"]) == {1, 2, 3}  # killed before step 4
+    assert set(logs["d"]) == set(range(JOIN_AFTER + 1, STEPS + 1))  # trained from the step after its admission
+    assert set(logs["b"]) == set(range(1, FREEZE_AT))  # frozen before step 10
+    reference = model.state_dict()
+    for n in "ad":
+        final = torch.load(out / f"final-{n}.pt", weights_only=True)
+        for key, value in reference.items():
+            torch.testing.assert_close(final[key], value, rtol=TOLERANCE, atol=TOLERANCE, msg=f"{n}: {key}")
+
+
+def test_a_lost_replica_costs_the_step_in_flight_and_nothing_more(scenario: tuple[Path, dict[str, float]]) -> None:
+    """c killed: step 4 aborted once and redone by a and b with 3 micro-batches each, within the settle time and a
+    margin; b frozen: step 10 redone by a and d after the collective timeout."""
+    out, times = scenario
+    for n in "ab":
+        r = records(out, n)[KILL_AT]
+        assert r["aborted"] == 1 and r["replicas"] == 2 and r["micro"][1] - r["micro"][0] == 3
+        (lost,) = r["reformed"]
+        assert lost["reason"] == "lost" and lost["lost"] == ["c"] and lost["seconds"] < SETTLE_S + 5
+        assert r["at"] - times["lost"] < SETTLE_S + 10  # the redone step committed soon after the gate opened
+    for n in "ad":
+        r = records(out, n)[FREEZE_AT]
+        assert r["aborted"] == 1 and r["replicas"] == 2
+        assert r["reformed"][0]["lost"] == ["b"]
+        waited = r["at"] - times["frozen"]
+        assert TIMEOUT_S <= waited < TIMEOUT_S + SETTLE_S + 10, waited
+
+
+def test_a_newcomer_receives_the_live_state_bit_equal(scenario: tuple[Path, dict[str, float]]) -> None:
+    """d's model and AdamW state right after admission are a's, bit for bit (sent over the process group)."""
+    out, _ = scenario
+    admitted = records(out, "a")[JOIN_AFTER]["reformed"]
+    assert [r["reason"] for r in admitted] == ["joined"] and admitted[0]["joined"] == ["d"]
+    sent = torch.load(out / "sent-a.pt", weights_only=True)
+    received = torch.load(out / "received-d.pt", weights_only=True)
+    for key, value in sent["model"].items():
+        assert torch.equal(received["model"][key], value), key
+    assert sent["optim"]["param_groups"] == received["optim"]["param_groups"]
+    for pid, moments in sent["optim"]["state"].items():
+        for name, value in moments.items():
+            assert torch.equal(received["optim"]["state"][pid][name], value), (pid, name)
+    assert records(out, "d")[JOIN_AFTER + 1]["replicas"] == 3
+
+
+def test_share_splits_every_micro_batch_once_in_order() -> None:
+    """Replica i of R trains a contiguous run of the step's micro-batches; over the replicas each exactly once, in the
+    global order, shares differing by at most one (an empty share when replicas outnumber micro-batches)."""
+    for micro in range(1, 25):
+        for replicas in range(1, micro + 3):
+            parts = [share(micro, replicas, i) for i in range(replicas)]
+            assert [k for part in parts for k in part] == list(range(micro))
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    with pytest.raises(ValueError):
+        share(6, 2, 2)
