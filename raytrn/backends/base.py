@@ -64,7 +64,13 @@ class Backend:
         return {k: v for k, v in resources.items() if v}
 
     def ray_backend_config(self, job: JobSpec) -> Any:
-        """The Ray Train backend config (process group setup, then raytrn's worker set-up) for ``job``."""
+        """The Ray Train backend config (process group setup, then raytrn's worker set-up) for ``job``; under
+        ``scaling.recovery: live`` replica groups whose workers form their own re-forming group
+        (:mod:`raytrn.backends.live_ray`)."""
+        if job.scaling.recovery == "live":
+            from raytrn.backends.live_ray import LiveGroupConfig
+
+            return LiveGroupConfig(backend=self.process_group_backend, timeout_s=job.scaling.peer_timeout_s)
         from raytrn.backends.ray_backend import ProcessGroupConfig
 
         return ProcessGroupConfig(backend=self.process_group_backend)

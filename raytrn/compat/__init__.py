@@ -28,6 +28,8 @@ from raytrn.compat.controller import (
 PRIVATE_NAMES: dict[str, str] = {
     **controller.PRIVATE_NAMES,
     "Ray Data stats actor": "ray.data._internal.stats:get_or_create_stats_actor",
+    "Ray Train replica-group flag": "ray.train.backend:Backend.has_replica_groups",
+    "Ray Train replica-group replacement": "ray.train.v2._internal.execution.worker_group:WorkerGroup.replace_replica_group",
     "Ray Train context logger": "ray.train.v2._internal.execution.context",
     "Ray Train storage logger": "ray.train.v2._internal.execution.storage",
     "Ray Data progress logger": "ray.data._internal.progress",
@@ -134,6 +136,22 @@ def elastic_scaling_policy(scaling_config: Any, choose: Any, reachable: Callable
             return reserved
 
     return RaytrnElasticPolicy(scaling_config)
+
+
+def with_replica_groups(backend_cls: type) -> type:
+    """``backend_cls`` (a ``ray.train.backend.Backend``) marked as having replica groups of one worker: Ray Train V2's
+    controller then replaces only a failed worker, in its placement-group slot, instead of restarting the group, when
+    its scaling policy keeps the size (``TrainController._execute_resize_decision``). The flag is an undocumented
+    class attribute of Ray's public ``Backend`` (Ray's own user: ``TorchftConfig``'s backend). Raises AttributeError
+    naming it when Ray no longer has it."""
+    from ray.train.backend import Backend
+
+    if not hasattr(Backend, "has_replica_groups"):
+        raise AttributeError(
+            "ray.train.backend.Backend.has_replica_groups: gone from this Ray (live recovery needs it)"
+        )
+    backend_cls.has_replica_groups = True  # type: ignore[attr-defined]
+    return backend_cls
 
 
 def local_fixed_scaling_policy(scaling_config: Any) -> Any:

@@ -34,6 +34,7 @@ def check_parallel(job: JobSpec) -> list[str]:
         )
     _check_hsdp(job, sizes)
     _check_expert_parallel(job, sizes)
+    _check_live(job, sizes)
     return _describe_layout(job, sizes)
 
 
@@ -69,6 +70,52 @@ def _check_hsdp(job: JobSpec, sizes: list[int]) -> None:
             f"{where}: parallel.expert_parallel_size {ep} does not divide the {shard // tp} data-parallel ranks of "
             f"hsdp's shard group ({named} / TP {tp}): under hsdp an expert-parallel group lies inside one shard "
             f"group; make the shard size a multiple of TP x EP = {tp * ep}"
+        )
+
+
+def check_recovery(job: JobSpec) -> list[str]:
+    """``scaling.recovery: live`` on any accelerator (the frozen XLA path's own layout rules never reach
+    :func:`_check_live`): on cpu only in this version; the step-end phases the live loop does not run, as notes."""
+    s, where = job.scaling, job.source
+    if s.recovery != "live":
+        return []
+    if s.accelerator != "cpu":
+        raise ConfigError(
+            f"{where}: scaling.recovery: live runs on accelerator cpu (gloo process groups) in this version, not "
+            f"{s.accelerator}: set scaling.recovery: restart, or train on cpu"
+        )
+    return [
+        "note: scaling.recovery: live: a lost replica's survivors train on and a returning node joins them; its loop "
+        "runs no non-finite guard, hang watchdog, validation, in-memory snapshots or preemption notices yet "
+        "(docs/elasticity.md 'Live recovery')"
+    ]
+
+
+def _check_live(job: JobSpec, sizes: list[int]) -> None:
+    """``scaling.recovery: live`` keeps whole model replicas training when one is lost: today one worker a replica
+    (hsdp with shard groups of one worker: every worker holds the whole model), on gloo, at one size (a lost
+    replica's place waits for capacity while the others train; docs/elasticity.md)."""
+    p, s, where = job.parallel, job.scaling, job.source
+    if s.recovery != "live":
+        return
+    fix = "set scaling.recovery: restart, or"
+    shard = hsdp_shard_size(job)
+    if p.data_parallel != "hsdp" or shard != 1:
+        raise ConfigError(
+            f"{where}: scaling.recovery: live needs whole model replicas of one worker each: {fix} set "
+            "parallel.data_parallel: hsdp with parallel.hsdp_shard_size: 1 "
+            f"(now data_parallel: {p.data_parallel}{f', shard groups of {shard}' if shard else ''})"
+        )
+    if p.tensor_parallel_size > 1 or p.expert_parallel_size > 1:
+        raise ConfigError(
+            f"{where}: scaling.recovery: live trains replicas of one worker: tensor_parallel_size "
+            f"({p.tensor_parallel_size}) and expert_parallel_size ({p.expert_parallel_size}) must be 1; {fix} drop them"
+        )
+    if len(sizes) > 1:
+        raise ConfigError(
+            f"{where}: scaling.recovery: live trains at one size (min_workers {s.min_workers}, max_workers "
+            f"{s.max_workers}): a lost replica's place waits for capacity while the others train and a returning "
+            f"node takes it; {fix} set min_workers = max_workers"
         )
 
 

@@ -174,6 +174,18 @@ class ScalingConfig(Section):
         description="elastic: how often a running group checks for more capacity (a returning node is used within "
         "this); each resize restarts the group from the last checkpoint",
     )
+    recovery: Literal["restart", "live"] = Field(
+        "restart",
+        description="what a lost worker costs: restart (the group restarts from the in-memory tier or the last "
+        "checkpoint) or live (replicas of parallel.data_parallel: hsdp with one worker a replica group: the "
+        "survivors keep training, a returning node joins them; docs/elasticity.md 'Live recovery')",
+    )
+    peer_timeout_s: float = Field(
+        30.0,
+        ge=1,
+        le=3600,
+        description="recovery: live: how long a collective waits for a frozen peer before it counts as lost",
+    )
 
     @model_validator(mode="before")
     @classmethod

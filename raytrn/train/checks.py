@@ -10,6 +10,7 @@ from raytrn import storage
 from raytrn.backends import Backend, get_backend
 from raytrn.config import JobSpec
 from raytrn.config.layout import check_parallel as check_parallel  # re-exported: validate's callers import it here
+from raytrn.config.layout import check_recovery
 from raytrn.config.sizes import (
     check_global_batch,
     data_parallel_sizes,
@@ -30,10 +31,11 @@ def check_spec(job: JobSpec) -> list[str]:
     parallel layout at every world size (:func:`check_parallel`, or the backend's own rules where it has them: the
     frozen XLA path), then a global batch that is whole and constant at every size.
     Raises ConfigError; returns info lines."""
+    notes = check_recovery(job)
     own = get_backend(job.scaling.accelerator).check_layout(job)
     lines = own if own is not None else check_parallel(job)
     check_global_batch(job)
-    return lines
+    return lines + notes
 
 
 def check_job(job: JobSpec, *, data: bool = True) -> list[str]:

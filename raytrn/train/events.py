@@ -30,17 +30,20 @@ def _print(line: str) -> None:
 
 class RunEvents:
     """A :class:`raytrn.compat.ControllerListener` for one run (``max_failures``: the job's ``scaling.max_failures``;
-    ``quiet``: record only, print nothing, as a sweep's trial)."""
+    ``quiet``: record only, print nothing, as a sweep's trial; ``live``: ``scaling.recovery: live``, where Ray Train
+    replaces a failed worker's replica while the others train on: no group ends)."""
 
     def __init__(
         self,
         max_failures: int,
         *,
         quiet: bool = False,
+        live: bool = False,
         out: Print = _print,
         alive_nodes: Callable[[], set[str] | None] | None = None,
     ) -> None:
         self.max_failures = max_failures
+        self.live = live
         self.out: Print | None = None if quiet else out
         #: The ids of the cluster's live nodes (None: not known): a failure names the ranks whose node is gone.
         self.alive_nodes = alive_nodes or _alive_nodes
@@ -67,11 +70,17 @@ class RunEvents:
         self, retry: bool, errors: dict[int, BaseException], error: BaseException, preemption: bool
     ) -> None:
         with self._lock:
-            self.ends.append(GroupEnd(time.time(), EndCause.PREEMPTION if preemption else EndCause.FAILURE))
+            if not self.live:  # live: the survivors' group goes on (a replica is replaced), nothing ended
+                self.ends.append(GroupEnd(time.time(), EndCause.PREEMPTION if preemption else EndCause.FAILURE))
             if not preemption:
                 self.failures += 1
             what = self._what_failed(errors, error) if not preemption else "the preempted node's deadline passed"
-            if retry:
+            if retry and self.live:
+                then = (
+                    f"the other replicas train on; its replica is replaced when capacity allows (failure "
+                    f"{self.failures} of scaling.max_failures={self.max_failures})"
+                )
+            elif retry:
                 count = f"failure {self.failures} of scaling.max_failures={self.max_failures}"
                 then = (
                     f"restarting the group from the newest state ({count})"

@@ -166,7 +166,9 @@ def _train(
     evaluator = start_evaluator(job, tracker, tracked.uri) if tracker is not None and tracked is not None else None
     keeper = _memory_keeper(job) if resume.memory_tier else None  # (not the frozen XLA path's formats)
     watch = _RunRefused(tracker)
-    events = RunEvents(job.scaling.max_failures, quiet=trial)  # the controller's decisions: lines, the ledger
+    events = RunEvents(
+        job.scaling.max_failures, quiet=trial, live=job.scaling.recovery == "live"
+    )  # the controller's decisions: lines, the ledger
     status = "FAILED"
 
     ended: dict[str, str | None] = {}
@@ -262,8 +264,12 @@ def _progress_board(job: JobSpec) -> Any:
 def memory_tier_may_run(job: JobSpec, *, alive_nodes: int) -> bool:
     """Whether the run needs an in-memory snapshot keeper: ``checkpoint.memory_every_n_steps`` > 0, or null (auto,
     the default) on a cluster of more than one node now (each worker group then takes snapshots only while it spans
-    more than one node). Auto leaves the frozen ``neuron-xla`` path (trn1) as it was: durable checkpoints only."""
+    more than one node). Auto leaves the frozen ``neuron-xla`` path (trn1) as it was: durable checkpoints only. Under
+    ``scaling.recovery: live`` never: a lost replica's survivors hold the state, and its replacement takes it from
+    them (:mod:`raytrn.train.live_loop`)."""
     every = job.checkpoint.memory_every_n_steps
+    if job.scaling.recovery == "live":
+        return False
     if every is None:
         return job.scaling.accelerator != "neuron-xla" and alive_nodes > 1
     return every > 0

@@ -12,10 +12,12 @@ What re-forms a group:
 
 * **A member is lost.** A collective fails: gloo raises at once when a peer's process died (its connections
   close), and after ``timeout_s`` when a peer is frozen (SIGSTOP, a hung host). The survivors each call
-  :meth:`LiveGroup.reform`: they mark their arrival at generation ``n + 1``, wait for the other members of ``n``
-  (up to ``settle_s``: a lost one never comes), and the first to stop waiting writes the member list with the
-  store's compare-and-set: one decision, read by all. A member that arrives after it finds itself left out and
-  joins as a newcomer (below), so a slow survivor costs a state copy, never a split.
+  :meth:`LiveGroup.reform`: they mark their arrival at generation ``n + 1`` and wait for every other member of ``n``
+  that is alive: each member's thread bumps a heartbeat counter in the store every :data:`HEARTBEAT_S`, and one whose
+  counter stands still for ``dead_after_s`` is gone (a killed process, a frozen one, a lost node); a slow survivor is
+  waited for (up to ``timeout_s``). The first to stop waiting writes the member list with the store's
+  compare-and-set: one decision, read by all. A member that arrives after it anyway finds itself left out and joins
+  as a newcomer (below), so a late survivor costs a state copy, never a split.
 * **A newcomer asks to join** (:meth:`LiveGroup.join`, a returning node's worker). Its request is a numbered store
   key; the members see the count (:meth:`LiveGroup.joins_waiting`, rank 0 reads it and the step's all-reduce tells
   the others), re-form at the same step boundary with the newcomers appended, and rank 0 broadcasts the training
@@ -33,6 +35,7 @@ Pure torch.distributed (no Ray): :mod:`tests.unit.test_live_group` runs it on re
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,6 +48,9 @@ import torch.distributed as dist
 PREFIX = "live/"
 _POLL_S = 0.002
 _JOIN_POLL_S = 0.05
+_DECIDE_POLL_S = 0.02
+#: How often a member's heartbeat thread bumps its store counter.
+HEARTBEAT_S = 0.25
 
 
 class PeerLost(RuntimeError):
@@ -101,10 +107,11 @@ class LiveGroup:
     member: str
     #: A collective (and a step's agreement) waits this long for a frozen peer before it counts as lost.
     timeout_s: float = 30.0
-    #: How long survivors wait for each other when a generation re-forms after a loss.
-    settle_s: float = 1.0
+    #: A member whose heartbeat stands still this long is gone (when a generation re-forms after a loss).
+    dead_after_s: float = 2.0
     backend: str = "gloo"
     generation: Generation | None = field(default=None, init=False)
+    _beating: threading.Event | None = field(default=None, init=False, repr=False)
 
     # -- membership --------------------------------------------------------------------------------------------
 
@@ -120,6 +127,7 @@ class LiveGroup:
         """Generation 0 of ``founders`` (the same list on each of them, this member among them): the group starts."""
         if self.member not in founders:
             raise ValueError(f"member {self.member!r} is not among the founders {list(founders)}")
+        self._beat()
         proposed = Generation(0, tuple(founders))
         decided = Generation.decode(0, self.store.compare_set(self._key(0, "members"), "", proposed.encode()))
         if decided.members != proposed.members:
@@ -129,6 +137,7 @@ class LiveGroup:
 
     def join(self, deadline_s: float) -> Generation:
         """Ask to join and wait (up to ``deadline_s``) for a generation that has this member; enter it."""
+        self._beat()
         index = self.store.add(PREFIX + "joins", 1)
         self.store.set(f"{PREFIX}join/{index}", self.member)
         give_up = time.monotonic() + deadline_s
@@ -170,8 +179,11 @@ class LiveGroup:
             return Reformed(reason, first, decided, time.monotonic() - started)
 
     def leave(self) -> None:
-        """Drop out of the live group (the end of the run): the process group is destroyed."""
+        """Drop out of the live group (the end of the run): the process group is destroyed, the heartbeat stops."""
         self._leave()
+        if self._beating is not None:
+            self._beating.set()
+            self._beating = None
 
     # -- collectives -------------------------------------------------------------------------------------------
 
@@ -235,24 +247,53 @@ class LiveGroup:
         return Generation.decode(number, self.store.get(key)) if self.store.check([key]) else None
 
     def _decide(self, number: int, before: Generation, *, admit: bool) -> Generation:
-        """Generation ``number``'s members: ``before``'s that arrived, then (``admit``: a planned re-formation, which
-        waits up to ``timeout_s`` for every member) the waiting newcomers; after a loss, those that arrived within
-        ``settle_s`` and no newcomer (they are admitted after the redone step, when every member expects them)."""
+        """Generation ``number``'s members: ``before``'s that arrived, waiting (up to ``timeout_s``) for every one
+        whose heartbeat goes on; then (``admit``: a planned re-formation) the waiting newcomers. After a loss no
+        newcomer is admitted: they are after the redone step, when every member expects them."""
         self.store.set(self._key(number, f"alive/{self.member}"), "1")
-        give_up = time.monotonic() + (self.timeout_s if admit else self.settle_s)
+        give_up = time.monotonic() + self.timeout_s
+        beats: dict[str, tuple[int, float]] = {}  # member -> (its counter, when this member saw it move)
         arrived: list[str] = []
         while True:
             decided = self._decided(number)
             if decided is not None:
                 return decided
             arrived = [m for m in before.members if self.store.check([self._key(number, f"alive/{m}")])]
-            if len(arrived) == len(before.members) or time.monotonic() > give_up:
+            now = time.monotonic()
+            waiting = []
+            for m in before.members:
+                if m in arrived:
+                    continue
+                count = self.store.add(f"{PREFIX}hb/{m}", 0)
+                seen = beats.get(m)
+                if seen is None or seen[0] != count:
+                    beats[m] = (count, now)
+                if now - beats[m][1] < self.dead_after_s:
+                    waiting.append(m)
+            if not waiting or now > give_up:
                 break
-            time.sleep(_POLL_S)
+            time.sleep(_DECIDE_POLL_S)
         joins = self.store.add(PREFIX + "joins", 0) if admit else before.joins
         newcomers = [self.store.get(f"{PREFIX}join/{i}").decode() for i in range(before.joins + 1, joins + 1)]
         proposed = Generation(number, tuple(arrived) + tuple(m for m in newcomers if m not in arrived), joins)
         return Generation.decode(number, self.store.compare_set(self._key(number, "members"), "", proposed.encode()))
+
+    def _beat(self) -> None:
+        """Start this member's heartbeat: a daemon thread bumping its store counter every :data:`HEARTBEAT_S`."""
+        if self._beating is not None:
+            return
+        stop = self._beating = threading.Event()
+        key = f"{PREFIX}hb/{self.member}"
+
+        def beat() -> None:
+            while not stop.wait(HEARTBEAT_S):
+                try:
+                    self.store.add(key, 1)
+                except Exception:  # the store is gone (the run ended): nothing left to tell
+                    return
+
+        self.store.add(key, 1)
+        threading.Thread(target=beat, name="raytrn-live-heartbeat", daemon=True).start()
 
     def _enter(self, generation: Generation) -> None:
         """Destroy this process's default group and rendezvous generation ``generation``'s."""

@@ -17,7 +17,7 @@ state (:func:`raytrn.train.live.transfer.share_state`); the next step splits the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,8 @@ class LiveStepResult:
     aborted: int = 0
     #: Newcomers wait to join (rank 0 saw them; every member learns it from the step's all-reduce): call ``admit``.
     joins_waiting: bool = False
+    #: What rank 0 told every member with the step (``LiveTrainer.step``'s ``shared``).
+    shared: tuple[float, ...] = ()
 
 
 @dataclass
@@ -62,10 +64,13 @@ class LiveTrainer:
     scheduler: Any
     grad_clip_norm: float | None = None
 
-    def step(self, step: int, micro_batches: int, micro_loss: MicroLoss) -> LiveStepResult:
+    def step(
+        self, step: int, micro_batches: int, micro_loss: MicroLoss, shared: Sequence[float] = ()
+    ) -> LiveStepResult:
         """Train step ``step`` (``micro_batches`` micro-batches; ``micro_loss(k)`` is micro-batch ``k``'s mean loss)
-        until every live member commits it. Raises :class:`LeftOut` if the others re-formed without this member (it
-        must :meth:`rejoin`)."""
+        until every live member commits it. ``shared``: values rank 0 tells every member with the step (a stop
+        request: they ride in the all-reduce; every rank passes as many, only rank 0's count; ``LiveStepResult.shared``). Raises
+        :class:`LeftOut` if the others re-formed without this member (it must :meth:`rejoin`)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         reformed: list[Reformed] = []
         aborted = 0
@@ -77,11 +82,12 @@ class LiveTrainer:
                 loss = micro_loss(k)
                 (loss / micro_batches).backward()
                 loss_sum += loss.detach().float()
-            joins = self.group.joins_waiting() if self.group.rank == 0 else 0
+            if self.group.rank == 0:
+                tail = torch.tensor([float(self.group.joins_waiting()), *map(float, shared)])
+            else:
+                tail = torch.zeros(1 + len(shared))
             grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]  # an empty share: zeros
-            flat = torch.cat(
-                [g.reshape(-1).float() for g in grads] + [loss_sum.reshape(1), torch.tensor([float(joins)])]
-            )
+            flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss_sum.reshape(1), tail])
             ok = True
             try:
                 self.group.all_reduce(flat)
@@ -103,14 +109,16 @@ class LiveTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        n = sum(p.numel() for p in params)
         return LiveStepResult(
-            loss=float(flat[-2]) / micro_batches,
+            loss=float(flat[n]) / micro_batches,
             grad_norm=float(norm),
             micro_batches=mine,
             replicas=self.group.size,
             reformed=reformed,
             aborted=aborted,
-            joins_waiting=bool(flat[-1] > 0),
+            joins_waiting=bool(flat[n + 1] > 0),
+            shared=tuple(float(v) for v in flat[n + 2 :]),
         )
 
     def admit(self, progress: dict[str, Any]) -> Reformed:

@@ -1,0 +1,90 @@
+"""raytrn's Ray Train backend for ``scaling.recovery: live``: replica groups of one worker, and the store they re-form on.
+
+Ray Train V2 (2.60) replaces only a failing *replica group* when the backend class says ``has_replica_groups`` and
+the scaling policy keeps the group's size (``TrainController._execute_resize_decision``; otherwise it restarts the
+whole group): the survivors' actors, processes and state stay, and the replacement worker is created in the lost
+one's placement-group slot, which Ray reschedules when capacity returns (the controller waits for it there). Ray
+makes replica groups of exactly one worker (its own TODO: larger ones later), which is what raytrn's live recovery
+trains with today (hsdp with shard groups of one worker: :mod:`raytrn.config.layout`).
+
+What this backend adds to Ray's: the c10d ``TCPStore`` the replicas re-form their process group on
+(:mod:`raytrn.train.live.group`), served by this backend object, which lives as long as the controller (in the
+driver's process: :func:`raytrn.compat.hosted_trainer`), so it outlives every worker; and each worker's place in it:
+a *session* per full start of the group (a restart begins a new live group), and whether the worker founds the
+session's group (a full start) or joins it (a replacement). ``has_replica_groups`` is a class attribute of Ray's
+public ``Backend`` that Ray does not document: set by :func:`raytrn.compat.with_replica_groups`, listed in
+:data:`raytrn.compat.PRIVATE_NAMES` (its test fails when it moves). The torch process group is formed by the workers themselves (no ``init_process_group`` here).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ray.train.backend import Backend as RayBackend
+from ray.train.backend import BackendConfig
+
+from raytrn.compat import with_replica_groups
+
+log = logging.getLogger(__name__)
+
+#: The environment a live worker reads its store and place from (:func:`raytrn.train.live_loop.live_place`).
+STORE_ENV, SESSION_ENV, JOINING_ENV = "RAYTRN_LIVE_STORE", "RAYTRN_LIVE_SESSION", "RAYTRN_LIVE_JOINING"
+
+
+@dataclass
+class LiveGroupConfig(BackendConfig):
+    """``scaling.recovery: live``'s backend: its process groups' backend (gloo) and peer timeout."""
+
+    backend: str = "gloo"
+    timeout_s: float = 30.0
+
+    @property
+    def backend_cls(self) -> type:
+        return LiveGroupBackend
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "timeout_s": self.timeout_s, "recovery": "live"}
+
+
+@with_replica_groups  # Ray Train V2 replaces only the failing replica group (one worker), not every worker
+class LiveGroupBackend(RayBackend):  # type: ignore[misc]
+    def __init__(self) -> None:
+        super().__init__()
+        self._store: Any = None
+        self._address = ""
+        self._session = 0
+
+    def on_start(self, worker_group: Any, backend_config: Any) -> None:
+        """A full start (a ``WorkerGroup``: it has replica groups) begins a new session whose workers found its live
+        group; a replica group's start (a replacement) joins the current one."""
+        if self._store is None:
+            self._address = self._serve()
+        joining = not hasattr(worker_group, "get_replica_groups")
+        if not joining:
+            self._session += 1
+        installed = worker_group.execute(start_live_worker, self._address, self._session, joining)
+        if not all(installed):
+            log.warning("SIGTERM handler not installed on %d of %d workers", installed.count(False), len(installed))
+
+    def _serve(self) -> str:
+        """Start the store's server in this process (the controller's: the driver's), on a free port."""
+        from datetime import timedelta
+
+        import ray
+        from torch.distributed import TCPStore
+
+        host = ray.util.get_node_ip_address()
+        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        return f"{host}:{self._store.port}"
+
+
+def start_live_worker(address: str, session: int, joining: bool) -> bool:
+    """On a worker: where its live group's store is, its session, whether it joins; the SIGTERM handler. Returns
+    whether the handler is installed."""
+    from raytrn.sigterm import install_sigterm_handler
+
+    os.environ.update({STORE_ENV: address, SESSION_ENV: str(session), JOINING_ENV: "1" if joining else "0"})
+    return install_sigterm_handler()

@@ -1,0 +1,239 @@
+"""The training loop of ``scaling.recovery: live`` (:mod:`raytrn.train.live`), run by Ray Train on every worker.
+
+Every worker is one whole model replica (hsdp with shard groups of one worker). The workers of a full start of the
+group *found* a live group; a worker Ray Train starts to replace a lost one (when capacity returns) *joins* it and
+receives the state from a live replica. Each step every replica reads the whole global batch (the same rows in the
+same order as any other run of the job: :mod:`raytrn.data.order`) and trains its share of the micro-batches
+(:func:`raytrn.train.live.step.share`); a replica lost mid-step makes the survivors re-form and redo that step, so
+no survivor restarts, nothing is restored and every row is trained once per epoch in the job's order.
+
+What it keeps of the restart path's loop (:mod:`raytrn.train.loop`): the checkpoints (found and restored at a full
+start, saved at checkpoint steps by every live replica: DCP over the live group, synchronous), the metrics rank 0
+logs at log steps, the final model. What it does not run yet: the step protocol's other phases (non-finite guard,
+watchdog, evaluation, memory tier, goodput clock, preemption notices); ``raytrn validate`` says so (a note).
+Each re-formation is logged to the MLflow run: ``raytrn.recovery: live`` and the replicas before and after as tags,
+``live_recovery_s`` and ``replicas`` as metrics at the step it happened in.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from typing import Any
+
+import ray.train
+import torch
+
+from raytrn.backends import get_backend
+from raytrn.backends.live_ray import JOINING_ENV, SESSION_ENV, STORE_ENV
+from raytrn.checkpoint.progress import Progress
+from raytrn.checkpoint.rundir import RunDir
+from raytrn.checkpoint.sharded import DcpCheckpoints
+from raytrn.config import JobSpec
+from raytrn.config.sizes import global_batch
+from raytrn.data.batch import TokenBatch
+from raytrn.data.feed import DataFeed
+from raytrn.runtime import worker_logging
+from raytrn.sigterm import TRAINING
+from raytrn.tracking.export import log_final_model
+from raytrn.train.build import build_training
+from raytrn.train.checkpointer import Checkpointer
+from raytrn.train.live.group import LeftOut, LiveGroup, Reformed
+from raytrn.train.live.step import LiveStepResult, LiveTrainer
+from raytrn.train.loss import masked_loss_sum
+from raytrn.train.metrics import tracking_logger
+from raytrn.train.plan import WorkerPlan
+from raytrn.train.step import Training, forward
+from raytrn.train.stopping import StopRequests
+
+log = logging.getLogger(__name__)
+
+#: A replica whose heartbeat stands still this long is gone (killed, frozen, its node lost): survivors stop waiting
+#: for it when the group re-forms.
+DEAD_AFTER_S = 2.0
+#: How long a newcomer waits to be admitted (the members admit it at their next step boundary).
+JOIN_DEADLINE_S = 600.0
+
+
+def live_place() -> tuple[str, str, int, bool]:
+    """This worker's store host and port, session and whether it joins, as :mod:`raytrn.backends.live_ray` set them."""
+    host, _, port = os.environ[STORE_ENV].rpartition(":")
+    return host, port, int(os.environ[SESSION_ENV]), os.environ.get(JOINING_ENV) == "1"
+
+
+def live_checkpoints(job: JobSpec, rank: int) -> DcpCheckpoints:
+    """The run's DCP checkpoints as this live rank writes them (whole tensors on every replica: DCP writes each
+    once; reshardable into fsdp, hsdp or ddp). Made again after every re-formation (the rank and size move)."""
+    layout = {"data_parallel": "hsdp", "tensor_parallel_size": 1, "hsdp_shard_size": 1}
+    return DcpCheckpoints(job, rank=rank, plain_layout=True, layout=layout)
+
+
+def synchronous(job: JobSpec) -> JobSpec:
+    """``job`` with synchronous checkpoints: an asynchronous save's background collectives would outlive the
+    generation of the group they ran on."""
+    if not job.checkpoint.async_:
+        return job
+    return job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"async_": False})})
+
+
+class MicroLosses:
+    """A step's micro-batches (all of the global batch: every replica reads them) and the loss of any one of them,
+    normalised so that the live group's sum over the replicas' shares is the step's loss: the mean over the global
+    batch's tokens (masked data: over the trained tokens of the whole global batch, counted here)."""
+
+    def __init__(self, t: Training, micro: list[Any]) -> None:
+        self.t, self.micro = t, micro
+        masked = isinstance(micro[0], TokenBatch) and micro[0].loss_mask is not None
+        self.total = sum(float(b.loss_mask[:, 1:].sum()) for b in micro) if masked else None
+
+    def __call__(self, k: int) -> torch.Tensor:
+        t = self.t
+        logits, targets, mask, _ = forward(t, self.micro[k])
+        autocast = torch.autocast(logits.device.type, dtype=t.autocast_dtype) if t.autocast_dtype else None
+        with autocast if autocast is not None else _nothing():
+            if self.total is None:
+                return t.loss_fn(logits, targets)
+            assert mask is not None
+            return masked_loss_sum(logits, targets, mask) * (len(self.micro) / max(self.total, 1.0))
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def live_loop_per_worker(config: dict[str, Any]) -> None:
+    """Train the plan's job on this worker as one replica of the live group, to ``run.max_steps``."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    worker_logging()
+    plan = WorkerPlan.from_config(config)
+    job = synchronous(plan.job)
+    ctx = ray.train.get_context()
+    backend = get_backend(job.scaling.accelerator)
+    tracker = tracking_logger(plan)
+    host, port, session, joining = live_place()
+    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=JOIN_DEADLINE_S))
+    member = f"{ray.util.get_node_ip_address()}:{os.getpid()}" if joining else f"w{ctx.get_world_rank()}"
+    group = LiveGroup(
+        PrefixStore(f"s{session}/", store), member, timeout_s=job.scaling.peer_timeout_s, dead_after_s=DEAD_AFTER_S
+    )
+    rows = global_batch(job, job.scaling.max_size)  # one replica a worker: the data-parallel size is the full size
+    micro_batches = rows // job.data.micro_batch_size
+
+    t = build_training(job, backend, world_size=1, schedule=plan.schedule)  # a whole replica (no layout)
+    trainer = LiveTrainer(group, t.model, t.optimizer, t.scheduler, grad_clip_norm=job.optim.grad_clip_norm)
+    if joining:
+        progress = Progress.from_dict(trainer.rejoin(JOIN_DEADLINE_S))
+        log.info("live recovery: %s joined the live group at step %d (%d replicas)", member, progress.step, group.size)
+        resumed_from: str | None = f"live:step_{progress.step}"
+    else:
+        group.found([f"w{i}" for i in range(ctx.get_world_size())])
+        t.checkpoints = live_checkpoints(job, group.rank)
+        checkpointer = Checkpointer(job, backend, plan.schedule, rank=group.rank, world_size=group.size,
+                                    logger=tracker if group.rank == 0 else None)  # fmt: skip
+        start = checkpointer.find()
+        progress = start.progress
+        checkpointer.restore(t, start)
+        resumed_from = start.location
+    t.checkpoints = live_checkpoints(job, group.rank)
+    feed = DataFeed(job, plan.manifest, dp=1, dp_rank=0, global_batch=rows)
+    batches = backend.wrap_batches(feed.start(progress, ctx.get_world_rank(), resumed_from=resumed_from))
+    generation = group.generation
+    end = job.run.max_steps
+    reports = LiveMetrics(plan, job, tracker, rows)
+    stops = StopRequests(plan.board.stops if plan.board is not None else None)  # rank 0 asks; the step tells all
+    TRAINING.set()
+    try:
+        while progress.step < end:
+            step = progress.step + 1
+            micro = [next(batches) for _ in range(micro_batches)]
+            started = time.perf_counter()
+            try:
+                asked = float(stops.stop_at(progress.step)) if group.rank == 0 else 0.0
+                result = trainer.step(step, micro_batches, MicroLosses(t, micro), shared=(asked,))
+            except LeftOut:  # the others re-formed without this replica (it was late): join again, take their state
+                progress = Progress.from_dict(trainer.rejoin(JOIN_DEADLINE_S))
+                batches = backend.wrap_batches(feed.start(progress, ctx.get_world_rank()))
+                continue
+            stop_at = int(result.shared[0])
+            if 0 < stop_at < end:  # every rank: the same end (`raytrn stop`), its checkpoint as the last's
+                end = max(stop_at, step)
+            progress.step = step
+            progress.tokens_seen += rows * job.data.seq_len
+            feed.advance(progress)
+            reformed = list(result.reformed)
+            if result.joins_waiting:
+                reformed.append(trainer.admit(asdict(progress)))
+            if group.generation != generation:
+                t.checkpoints, generation = live_checkpoints(job, group.rank), group.generation
+            if group.rank == 0:
+                lr = float(t.optimizer.param_groups[0]["lr"])
+                reports.step_done(progress, result, reformed, time.perf_counter() - started, lr)
+            last = step >= end
+            if last or step % job.checkpoint.interval == 0:
+                _save(t, job, plan, progress, result, tracker if group.rank == 0 else None, last=last)
+    finally:
+        TRAINING.clear()
+    if job.tracking.log_model and tracker is not None and t.export is not None:
+        log_final_model(job, t.model, t.export, tracker if group.rank == 0 else None)
+    group.leave()
+
+
+class LiveMetrics:
+    """Rank 0's reports: the step's metrics at log steps (MLflow and the job's board, which the driver's progress
+    line and summary read), every re-formation when it happens, the first step's start-up time."""
+
+    def __init__(self, plan: WorkerPlan, job: JobSpec, tracker: Any, rows: int) -> None:
+        self.plan, self.job, self.tracker = plan, job, tracker
+        self.tokens_per_step = rows * job.data.seq_len
+        self.board = plan.board.progress if plan.board is not None else None
+        self.started_at = time.time()
+        self.first = True
+
+    def step_done(
+        self, progress: Progress, result: LiveStepResult, reformed: list[Reformed], seconds: float, lr: float
+    ) -> None:
+        step, job = progress.step, self.job
+        if self.first and self.board is not None:
+            self.first, now = False, time.time()
+            self.board.first_step_done(step, now - (self.plan.started_at or now), now - self.started_at)
+        for r in reformed:
+            lost = f"lost {', '.join(r.lost)}" if r.lost else f"admitted {', '.join(r.joined)}"
+            before, after = len(r.before.members), len(r.after.members)
+            log.warning(
+                "live recovery at step %d: %s (%d -> %d replicas, %.2f s)", step, lost, before, after, r.seconds
+            )
+            if self.tracker is not None:
+                self.tracker.set_tags({"raytrn.recovery": "live", "raytrn.live_replicas": f"{before}->{after}"})
+                metrics = {"live_recovery_s": r.seconds, "replicas": float(after)}
+                self.tracker.log_metrics(metrics, step, training=False)
+        if not (step % job.run.log_every == 0 or step == job.run.max_steps or reformed):
+            if self.board is not None:
+                self.board.reached(step)
+            return
+        metrics = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": lr, "step_time_s": seconds,
+                   "tokens_per_s": self.tokens_per_step / max(seconds, 1e-9), "tokens_seen": float(progress.tokens_seen),
+                   "world_size": float(result.replicas), "replicas": float(result.replicas),
+                   "epoch": float(progress.epoch)}  # fmt: skip
+        if self.tracker is not None and step > progress.last_logged_step:
+            self.tracker.log_metrics(metrics, step)
+        if self.board is not None:
+            self.board.update(step, job.run.max_steps, metrics)
+        progress.last_logged_step = max(progress.last_logged_step, step)
+
+
+def _save(t: Training, job: JobSpec, plan: WorkerPlan, progress: Progress, result: LiveStepResult, logger: Any, *,
+          last: bool) -> None:  # fmt: skip
+    """A checkpoint by every live replica (DCP over the live group); rank 0 tags the run. A replica lost during it
+    fails the save on every member (skipped, as a storage failure is) and the next step's all-reduce re-forms."""
+    report = {"loss": result.loss, "step": progress.step, "tokens_seen": progress.tokens_seen}
+    for saved in t.checkpoints.save(t, progress, plan.schedule, report, final=last):
+        if logger is not None:
+            logger.checkpoint_saved(saved.step, RunDir.of(job).pointer(saved.step), job.checkpoint.keep_last)

@@ -1,0 +1,132 @@
+"""The tiny job with ``scaling.recovery: live`` on a local 3-node Ray (one worker per node, hsdp replicas of one
+worker), a node removed mid-run and then one added back; then the same job uninterrupted on 1 worker.
+
+Run as a program (``python -m tests.chaos.live_cluster --out result.json --dataset DIR``): the cluster
+(``ray.cluster_utils.Cluster``: a head without ``neuron_cores``, three nodes with one each) lives and dies with the
+process, so the test runs it in a subprocess with a timeout and reads the JSON it writes. Events come at observed
+steps: the removal once step 5 is logged, the new node once a step at 2 replicas is logged, the stop request
+(``raytrn stop``) once a step at 3 replicas is logged, a few steps on.
+
+The result: the training workers' pids before the removal and at the end; the removal's step and the seconds
+from it to the first step logged at 2 replicas; from the new node to the first step at 3; every logged step (each
+exactly once?), the losses of both runs and the replicas of the live one by step; each worker's sample trace
+(``RAYTRN_SAMPLE_TRACE``: the rows it read per step) and the reference's; the run's summary (restores, final step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from tests.chaos._common import tiny_chaos_job, train_in_thread, wait_until
+from tests.chaos.elastic_cluster import _actors, _free_port, _logged
+
+NODE = {"num_cpus": 1, "resources": {"neuron_cores": 1}}
+GLOBAL_BATCH = 48  # 6 micro-batches of 8 rows: 2 a replica at 3, 3 at 2
+LIVE = (
+    "scaling.min_workers=3", "scaling.max_workers=3", "scaling.workers_per_node=1",
+    "scaling.resources_per_worker={neuron_cores: 1}", "scaling.recovery=live", "scaling.max_failures=10",
+    "parallel.data_parallel=hsdp", "parallel.hsdp_shard_size=1",
+)  # fmt: skip
+COMMON = (
+    "data.grad_accum=null", f"data.global_batch_size={GLOBAL_BATCH}", "checkpoint.every_n_steps=20",
+    "tracking.log_model=false", "tracking.system_metrics=false", "optim.decay_steps=2000",
+    "optim.lr=1e-3",  # AdamW amplifies the replicas' other summation order less than at the tiny job's 3e-3
+)  # fmt: skip
+
+
+def _traces(directory: Path) -> dict[str, dict[int, list[int]]]:
+    """``{file name: {step: rows read, in order}}`` of every worker's sample trace."""
+    out: dict[str, dict[int, list[int]]] = {}
+    for path in sorted(directory.glob("group-*.jsonl")):
+        steps: dict[int, list[int]] = {}
+        for line in path.read_text().splitlines():
+            if line.endswith("}") and "rows" in (record := json.loads(line)):
+                steps.setdefault(record["step"], []).extend(record["rows"])
+        out[path.name] = steps
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dataset", required=True)
+    parser.add_argument("--tail", type=int, default=5, help="steps trained after the node's return, then it stops")
+    args = parser.parse_args(argv)
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from raytrn.train.stopping import request_stop
+
+    work = Path(args.out).resolve().parent / f"live-{uuid.uuid4().hex[:6]}"
+    work.mkdir(parents=True)
+    db, ref_db = work / "mlflow.db", work / "reference.db"
+    os.environ["RAYTRN_SAMPLE_TRACE"] = str(work / "trace")
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": True, "dashboard_port": _free_port()}
+    )
+    nodes = [cluster.add_node(**NODE) for _ in range(3)]
+    result: dict[str, Any] = {}
+    try:
+        ray.init(address=cluster.address, logging_level="WARNING")
+        cluster.wait_for_nodes(timeout=60)
+        job = tiny_chaos_job(Path(args.dataset), work / "ckpt", mlflow_uri=f"sqlite:///{db}", experiment="live",
+                             name="live", extra=(*LIVE, *COMMON, "run.max_steps=2000"))  # fmt: skip
+        thread, outcome = train_in_thread(job)
+
+        def at(replicas: float, since: float) -> list[tuple[int, float]]:
+            return [(s, ts) for s, ts, v in _logged(db, "replicas") if v == replicas and ts > since]
+
+        wait_until(lambda: max((s for s, _, _ in _logged(db)), default=0) >= 5 or not thread.is_alive(), 240, "step 5")
+        workers = _actors("RayTrainWorker")
+        result["pids_before"] = sorted(int(a.pid) for a in workers)
+        holding = {a.node_id for a in workers}
+        victim = next(n for n in nodes if n.node_id in holding)
+        result["victim_pids"] = [int(a.pid) for a in workers if a.node_id == victim.node_id]
+        result["removed_at_step"] = max(s for s, _, _ in _logged(db))
+        removed = time.time()
+        cluster.remove_node(victim, allow_graceful=False)
+        wait_until(lambda: at(2.0, removed) or not thread.is_alive(), 120, "a step at 2 replicas")
+        result["lost_to_next_step_s"] = round(at(2.0, removed)[0][1] - removed, 2)
+        added = time.time()
+        cluster.add_node(**NODE)
+        wait_until(lambda: at(3.0, added) or not thread.is_alive(), 240, "a step at 3 replicas again")
+        result["back_to_full_size_s"] = round(at(3.0, added)[0][1] - added, 2)
+        result["pids_after"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
+        stop_at = max(s for s, _, _ in _logged(db)) + args.tail
+        request_stop("live", stop_at)
+        thread.join(240)
+        summary = outcome.get("summary")
+        result["error"] = repr(outcome["error"]) if "error" in outcome else None
+        result["summary"] = {"final_step": summary.final_step, "restores": len(summary.restores)} if summary else None
+        result["steps"] = [s for s, _, _ in _logged(db)]
+        result["loss"] = {s: v for s, _, v in _logged(db)}
+        result["replicas"] = {s: v for s, _, v in _logged(db, "replicas")}
+        result["traces"] = _traces(work / "trace")
+        # the same job and seed, uninterrupted, on 1 worker (the same global batch: 6 micro-batches accumulated)
+        os.environ["RAYTRN_SAMPLE_TRACE"] = str(work / "trace-reference")
+        final = max(result["steps"])
+        reference = tiny_chaos_job(Path(args.dataset), work / "ckpt-ref", mlflow_uri=f"sqlite:///{ref_db}",
+                                   experiment="reference", name="reference",
+                                   extra=(*COMMON, "scaling.resources_per_worker={neuron_cores: 1}",
+                                          f"run.max_steps={final}"))  # fmt: skip
+        ref_thread, ref_outcome = train_in_thread(reference)
+        ref_thread.join(240)
+        result["reference_error"] = repr(ref_outcome["error"]) if "error" in ref_outcome else None
+        result["reference_loss"] = {s: v for s, _, v in _logged(ref_db)}
+        result["reference_trace"] = _traces(work / "trace-reference")
+    finally:
+        Path(args.out).write_text(json.dumps(result))
+        ray.shutdown()
+        cluster.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""Live recovery under Ray (issue 48): ``scaling.recovery: live``, 3 one-slot nodes, hsdp replicas of one worker
+(tests/chaos/live_cluster.py, in a subprocess: its cluster lives and dies with it). A node holding a worker is
+removed mid-run, then a node is added back; the run is asked to stop a few steps after it trains at 3 replicas
+again; then the same job uninterrupted on 1 worker.
+
+Asserted: the survivors' processes are the ones that started (pids compared: none restarted), the run trains on at
+2 replicas right after the loss and at 3 after the return (the returning worker took its state from a live replica:
+the run records no restore), every step is logged exactly once, every worker read the same rows at every step as
+the uninterrupted run, and the losses match it: within 1e-5 up to the loss, within 1e-4 for the steps right after
+it, within the chaos suite's AdamW-amplified bound after that (summation order: gradients summed over 3, 2, 3
+replicas instead of accumulated in one process). The seconds are asserted loosely (a shared 2-core machine); the
+bench measures them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.chaos._common import REPO
+
+pytestmark = [pytest.mark.integration, pytest.mark.chaos]
+
+#: Losses after the first steps at 2 replicas: AdamW (lr 1e-3 here) amplifies last-bit differences (tests/chaos/
+#: test_elastic_nodes.py measured 0.020 between an uninterrupted 3-worker and 1-worker run over 110 steps).
+LOSS_TOLERANCE = 0.05
+
+
+@pytest.fixture(scope="module")
+def live_run(tiny_dataset, tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("live")
+    out = tmp / "result.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.chaos.live_cluster", "--out", str(out), "--dataset", str(tiny_dataset)],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    (tmp / "driver.log").write_text(proc.stdout + proc.stderr)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result.get("error") is None and result.get("reference_error") is None, (result, proc.stderr[-3000:])
+    result["log"] = proc.stdout + proc.stderr
+    return result
+
+
+@pytest.mark.timeout(1000)
+def test_survivors_train_on_and_the_returning_node_joins_live(live_run: dict) -> None:
+    r = live_run
+    # no survivor restarted: the pids that trained at the end are the first ones, less the lost node's, plus one
+    survivors = sorted(set(r["pids_before"]) - set(r["victim_pids"]))
+    assert len(survivors) == 2 and set(survivors) <= set(r["pids_after"]), r
+    assert len(r["pids_after"]) == 3, r
+    # the next step at 2 replicas soon after the loss (goal 5 s; bench/elastic.py measures it), 3 after the return
+    assert r["lost_to_next_step_s"] < 30, r
+    assert r["back_to_full_size_s"] < 120, r
+    # nothing restored: the returning worker took the state from a live replica (no restart of the group at all)
+    assert r["summary"]["restores"] == 0, r
+    assert "joined the live group" in r["log"]
+    # every step logged once, to the step the stop request named
+    steps = r["steps"]
+    assert steps == list(range(1, max(steps) + 1)) and r["summary"]["final_step"] == max(steps), steps
+    replicas = {int(s): v for s, v in r["replicas"].items()}
+    assert {replicas[s] for s in steps} == {2.0, 3.0}
+
+
+def test_every_worker_read_the_uninterrupted_runs_rows_at_every_step(live_run: dict) -> None:
+    reference = {}
+    for steps in live_run["reference_trace"].values():
+        reference.update({int(s): rows for s, rows in steps.items()})
+    seen = 0
+    for name, steps in live_run["traces"].items():
+        for step, rows in steps.items():
+            assert rows == reference[int(step)], (name, step)
+            seen += 1
+    assert seen >= 2 * len(live_run["steps"])  # each step read by at least the two survivors
+
+
+def test_losses_match_the_uninterrupted_run(live_run: dict) -> None:
+    live = {int(s): v for s, v in live_run["loss"].items()}
+    reference = {int(s): v for s, v in live_run["reference_loss"].items()}
+    assert sorted(reference) == sorted(live)
+    lost = live_run["removed_at_step"]
+    for step in sorted(live):
+        tolerance = 1e-5 if step <= lost else 1e-4 if step <= lost + 5 else LOSS_TOLERANCE
+        assert live[step] == pytest.approx(reference[step], abs=tolerance), (step, live[step], reference[step])

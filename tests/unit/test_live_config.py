@@ -1,0 +1,86 @@
+"""``scaling.recovery: live``: what ``raytrn validate`` refuses and says of it, and what the driver sets up for it
+(the Ray Train backend with replica groups, no in-memory snapshot keeper, the controller's failure line). No Ray
+cluster: the backend's store and the workers run in tests/chaos/test_live_recovery.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from raytrn.config import JobSpec, load_job
+from raytrn.errors import ConfigError
+from raytrn.train.checks import check_spec
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+LIVE = ("scaling.recovery=live", "parallel.data_parallel=hsdp", "parallel.hsdp_shard_size=1")
+
+
+def job(tmp: Path, *overrides: str, workers: int = 3) -> JobSpec:
+    return load_job(
+        REPO / "jobs" / "tiny.yaml",
+        ["data.manifest=unused", "data.grad_accum=null", "data.global_batch_size=48", "data.micro_batch_size=8",
+         f"scaling.min_workers={workers}", f"scaling.max_workers={workers}", f"checkpoint.storage={tmp}", *overrides],
+        resolve=False,
+    )  # fmt: skip
+
+
+def test_a_live_job_validates_and_says_what_its_loop_does_not_run(tmp_path: Path) -> None:
+    lines = check_spec(job(tmp_path, *LIVE))
+    assert any("scaling.recovery: live" in line and "no non-finite guard" in line for line in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (("scaling.recovery=live",), "scaling.recovery: live needs whole model replicas of one worker each"),
+        (("scaling.recovery=live", "parallel.data_parallel=hsdp", "parallel.hsdp_shard_size=3"),
+         "(now data_parallel: hsdp, shard groups of 3)"),
+        (("scaling.recovery=live", "parallel.data_parallel=fsdp"), "(now data_parallel: fsdp)"),
+        ((*LIVE, "parallel.tensor_parallel_size=3", "model.preset=tiny"), None),
+        ((*LIVE, "scaling.max_workers=6"), "scaling.recovery: live trains at one size (min_workers 3, max_workers 6)"),
+        ((*LIVE, "scaling.accelerator=cuda"), "scaling.recovery: live runs on accelerator cpu"),
+        ((*LIVE, "scaling.accelerator=xla-cpu"), "scaling.recovery: live runs on accelerator cpu"),
+        ((*LIVE, "scaling.peer_timeout_s=0.5"), "peer_timeout_s"),
+    ],
+)  # fmt: skip
+def test_what_live_recovery_cannot_train_is_refused_naming_the_fix(
+    tmp_path: Path, overrides: tuple[str, ...], expected: str | None
+) -> None:
+    with pytest.raises(ConfigError) as e:
+        check_spec(job(tmp_path, *overrides))
+    message = str(e.value)
+    assert (expected or "tensor_parallel_size") in message, message
+    if "recovery: live" in message:
+        assert "scaling.recovery: restart" in message  # the way back is named
+
+
+def test_the_driver_asks_ray_train_for_replica_groups_and_no_snapshot_keeper(tmp_path: Path) -> None:
+    from raytrn.backends import get_backend
+    from raytrn.backends.live_ray import LiveGroupBackend, LiveGroupConfig
+    from raytrn.backends.ray_backend import ProcessGroupConfig
+    from raytrn.train.trainer import memory_tier_may_run
+
+    live, restart = job(tmp_path, *LIVE, "scaling.peer_timeout_s=7"), job(tmp_path)
+    backend = get_backend("cpu")
+    config = backend.ray_backend_config(live)
+    assert isinstance(config, LiveGroupConfig) and config.timeout_s == 7 and config.backend == "gloo"
+    assert config.backend_cls is LiveGroupBackend and LiveGroupBackend.has_replica_groups is True
+    assert isinstance(backend.ray_backend_config(restart), ProcessGroupConfig)
+    assert not memory_tier_may_run(live, alive_nodes=3)  # the survivors hold the state
+    assert memory_tier_may_run(restart, alive_nodes=3)
+
+
+def test_a_failure_under_live_recovery_ends_no_group_and_says_the_others_train_on() -> None:
+    from raytrn.train.events import RunEvents
+
+    said: list[str] = []
+    live = RunEvents(10, live=True, out=said.append, alive_nodes=lambda: None)
+    live.failure_decided(True, {}, RuntimeError("boom"), False)
+    assert live.ends == [] and live.failures == 1
+    assert "the other replicas train on; its replica is replaced when capacity allows (failure 1 of" in said[-1]
+    restart = RunEvents(10, out=said.append, alive_nodes=lambda: None)
+    restart.failure_decided(True, {}, RuntimeError("boom"), False)
+    assert len(restart.ends) == 1 and "restarting the group from the newest state" in said[-1]
