@@ -7,7 +7,9 @@ second is booked to exactly one cause:
 ============  ==============================================================================================
 productive    training steps that moved the run forward, less their waits for data (:data:`PRODUCTIVE`)
 startup       process start to the first group's first step (imports, Ray, the worker group, the model)
-restart       a failed group's last step to the next group's first step (detection, teardown, a new group)
+restart       a failed group's last step to the next group's first step (detection, teardown, a new group); under
+              ``scaling.recovery: live``, inside the group: the step attempts a lost replica aborted, the group's
+              re-formation and a newcomer's admission (``GroupTimes.recovery_s``)
 resize        the same gap when the group was replaced to grow (capacity came back)
 preemption    the same gap after a preemption notice (the group checkpointed and waited for its node to go)
 restore       loading the state a group starts from (inside a start-up or restart gap, taken out of it)
@@ -75,6 +77,8 @@ class GroupTimes:
     checkpoint_s: float = 0.0
     eval_s: float = 0.0
     other_s: float = 0.0
+    #: Live recovery inside the group (``scaling.recovery: live``): aborted attempts, re-formations, admissions.
+    recovery_s: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -137,6 +141,7 @@ def close(started_at: float, ended_at: float, groups: list[GroupTimes], ends: li
     for g in stepped:
         for name in ("productive", "retrained", "warmup", "data_wait", "checkpoint", "eval", "other"):
             setattr(out, name, getattr(out, name) + getattr(g, f"{name}_s"))
+        out.restart += g.recovery_s  # live recovery: a restart's cost paid inside the group
     if not stepped:  # nothing trained: all of it was start-up
         out.startup = out.wall_s
         return out

@@ -56,7 +56,7 @@ class GoodputClock:
         self._first: tuple[float, bool] | None = None  # the first step's time less data wait, and retrained?
         self._rest = {"productive": 0.0, "retrained": 0.0}
         self._steady_s, self._steady_n = 0.0, 0
-        self.data_wait_s = self.checkpoint_s = self.eval_s = self.other_s = 0.0
+        self.data_wait_s = self.checkpoint_s = self.eval_s = self.other_s = self.recovery_s = 0.0
         self._posted_at = 0.0
         self._done: GroupTimes | None = None  # the group's time up to its last completed iteration
 
@@ -71,12 +71,16 @@ class GoodputClock:
         elif self._iter_start is None:
             self._iter_start = now
 
-    def stepped(self, step: int, data_wait_s: float) -> None:
-        """Step ``step`` was trained (its wait for data included ``data_wait_s``)."""
+    def stepped(self, step: int, data_wait_s: float, recovery_s: float = 0.0) -> None:
+        """Step ``step`` was trained (its wait for data included ``data_wait_s``; ``recovery_s`` of it went to attempts
+        a lost replica aborted and the group's re-formation: ``scaling.recovery: live``)."""
         if self.board is None or self._iter_start is None:
             return
         self._step_end = time.perf_counter()
         took = self._step_end - self._iter_start
+        recovery = min(max(0.0, recovery_s), took)
+        self.recovery_s += recovery
+        took -= recovery
         wait = min(max(0.0, data_wait_s), took)
         self.data_wait_s += wait
         retrained = step <= self._retrained()
@@ -90,7 +94,7 @@ class GoodputClock:
 
     @contextlib.contextmanager
     def blocking(self, cause: str) -> Iterator[None]:
-        """Time spent inside is ``cause`` (``checkpoint`` or ``eval``), not the loop's other time."""
+        """Time spent inside is ``cause`` (``checkpoint``, ``eval`` or live ``recovery``), not the loop's other time."""
         if self.board is None:
             yield
             return
@@ -139,6 +143,7 @@ class GoodputClock:
             checkpoint_s=self.checkpoint_s,
             eval_s=self.eval_s,
             other_s=self.other_s,
+            recovery_s=self.recovery_s,
         )
 
     def post(self) -> None:

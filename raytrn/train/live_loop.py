@@ -11,6 +11,8 @@ What it keeps of the restart path's loop (:mod:`raytrn.train.loop`): the checkpo
 start, saved at checkpoint steps by every live replica: DCP over the live group, synchronous), the metrics rank 0
 logs at log steps, the final model. What it does not run yet: the step protocol's other phases (non-finite guard,
 watchdog, evaluation, memory tier, goodput clock, preemption notices); ``raytrn validate`` says so (a note).
+Where the time goes is measured as the restart path's loop measures it (:class:`raytrn.train.goodput.GoodputClock`):
+the attempts a lost replica aborted, the re-formations and the admissions are the ledger's ``restart`` time.
 Each re-formation is logged to the MLflow run: ``raytrn.recovery: live`` and the replicas before and after as tags,
 ``live_recovery_s`` and ``replicas`` as metrics at the step it happened in.
 """
@@ -39,8 +41,11 @@ from raytrn.data.feed import DataFeed
 from raytrn.runtime import worker_logging
 from raytrn.sigterm import TRAINING
 from raytrn.tracking.export import log_final_model
+from raytrn.tracking.goodput import GroupTimes
+from raytrn.tracking.roles import ProgressPosts
 from raytrn.train.build import build_training
 from raytrn.train.checkpointer import Checkpointer
+from raytrn.train.goodput import GoodputClock
 from raytrn.train.live.group import LeftOut, LiveGroup, Reformed
 from raytrn.train.live.step import LiveStepResult, LiveTrainer
 from raytrn.train.loss import masked_loss_sum
@@ -129,6 +134,7 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
 
     t = build_training(job, backend, world_size=1, schedule=plan.schedule)  # a whole replica (no layout)
     trainer = LiveTrainer(group, t.model, t.optimizer, t.scheduler, grad_clip_norm=job.optim.grad_clip_norm)
+    restore_s, restored, board_group = 0.0, None, None
     if joining:
         progress = Progress.from_dict(trainer.rejoin(JOIN_DEADLINE_S))
         log.info("live recovery: %s joined the live group at step %d (%d replicas)", member, progress.step, group.size)
@@ -141,7 +147,12 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
         start = checkpointer.find()
         progress = start.progress
         checkpointer.restore(t, start)
-        resumed_from = start.location
+        resumed_from, restore_s = start.location, checkpointer.restore_s
+        if plan.board is not None and group.rank == 0:  # the board counts the groups (a full start is one)
+            restored = plan.board.restarts.restored(
+                checkpointer.restored_from, progress.step, checkpointer.restore_s, checkpointer.passed_over
+            )
+            board_group = plan.board.restarts.group_started(progress.step, group.size)
     t.checkpoints = live_checkpoints(job, group.rank)
     feed = DataFeed(job, plan.manifest, dp=1, dp_rank=0, global_batch=rows)
     batches = backend.wrap_batches(feed.start(progress, ctx.get_world_rank(), resumed_from=resumed_from))
@@ -149,12 +160,18 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
     end = job.run.max_steps
     reports = LiveMetrics(plan, job, tracker, rows)
     stops = StopRequests(plan.board.stops if plan.board is not None else None)  # rank 0 asks; the step tells all
+    # where the time goes (the run's goodput ledger): every replica measures, the live rank 0 posts
+    posts = RankZeroPosts(plan.board.progress, group) if plan.board is not None else None
+    clock = GoodputClock(posts, world_size=group.size, restore_s=restore_s, start_step=progress.step,
+                         restored=restored, group=board_group if board_group is not None else session)  # fmt: skip
     TRAINING.set()
     try:
         while progress.step < end:
             step = progress.step + 1
-            micro = [next(batches) for _ in range(micro_batches)]
+            clock.step_started()
             started = time.perf_counter()
+            micro = [next(batches) for _ in range(micro_batches)]
+            data_wait = time.perf_counter() - started
             try:
                 asked = float(stops.stop_at(progress.step)) if group.rank == 0 else 0.0
                 result = trainer.step(step, micro_batches, MicroLosses(t, micro), shared=(asked,))
@@ -162,6 +179,7 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                 progress = Progress.from_dict(trainer.rejoin(JOIN_DEADLINE_S))
                 batches = backend.wrap_batches(feed.start(progress, ctx.get_world_rank()))
                 continue
+            clock.stepped(step, data_wait, result.recovery_s)
             stop_at = int(result.shared[0])
             if 0 < stop_at < end:  # every rank: the same end (`raytrn stop`), its checkpoint as the last's
                 end = max(stop_at, step)
@@ -170,7 +188,8 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
             feed.advance(progress)
             reformed = list(result.reformed)
             if result.joins_waiting:
-                reformed.append(trainer.admit(asdict(progress)))
+                with clock.blocking("recovery"):
+                    reformed.append(trainer.admit(asdict(progress)))
             if group.generation != generation:
                 t.checkpoints, generation = live_checkpoints(job, group.rank), group.generation
             if group.rank == 0:
@@ -178,12 +197,38 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                 reports.step_done(progress, result, reformed, time.perf_counter() - started, lr)
             last = step >= end
             if last or step % job.checkpoint.interval == 0:
-                _save(t, job, plan, progress, result, tracker if group.rank == 0 else None, last=last)
+                with clock.blocking("checkpoint"):
+                    _save(t, job, plan, progress, result, tracker if group.rank == 0 else None, last=last)
+            clock.iteration_done(final=last)
     finally:
         TRAINING.clear()
     if job.tracking.log_model and tracker is not None and t.export is not None:
         log_final_model(job, t.model, t.export, tracker if group.rank == 0 else None)
     group.leave()
+
+
+class RankZeroPosts:
+    """The job's progress posts from whichever replica is rank 0 of the live group now (the goodput clock of every
+    replica measures; only the live rank 0's reaches the board)."""
+
+    def __init__(self, posts: ProgressPosts, group: LiveGroup) -> None:
+        self.posts, self.group = posts, group
+
+    def update(self, step: int, max_steps: int, metrics: dict[str, float]) -> None:
+        if self.group.rank == 0:
+            self.posts.update(step, max_steps, metrics)
+
+    def reached(self, step: int) -> None:
+        if self.group.rank == 0:
+            self.posts.reached(step)
+
+    def first_step_done(self, step: int, since_launch_s: float, since_group_start_s: float) -> None:
+        if self.group.rank == 0:
+            self.posts.first_step_done(step, since_launch_s, since_group_start_s)
+
+    def goodput(self, times: GroupTimes) -> None:
+        if self.group.rank == 0:
+            self.posts.goodput(times)
 
 
 class LiveMetrics:

@@ -20,6 +20,7 @@ import json
 import os
 import time
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         thread.join(240)
         summary = outcome.get("summary")
         result["error"] = repr(outcome["error"]) if "error" in outcome else None
-        result["summary"] = {"final_step": summary.final_step, "restores": len(summary.restores)} if summary else None
+        result["summary"] = None
+        if summary is not None:
+            ledger = summary.goodput
+            result["summary"] = {"final_step": summary.final_step, "restores": len(summary.restores),
+                                 "ledger": {**asdict(ledger), "unaccounted": ledger.unaccounted}}  # fmt: skip
         result["steps"] = [s for s, _, _ in _logged(db)]
         result["loss"] = {s: v for s, _, v in _logged(db)}
         result["replicas"] = {s: v for s, _, v in _logged(db, "replicas")}

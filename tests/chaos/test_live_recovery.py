@@ -5,10 +5,10 @@ again; then the same job uninterrupted on 1 worker.
 
 Asserted: the survivors' processes are the ones that started (pids compared: none restarted), the run trains on at
 2 replicas right after the loss and at 3 after the return (the returning worker took its state from a live replica:
-the run records no restore), every step is logged exactly once, every worker read the same rows at every step as
-the uninterrupted run, and the losses match it: within 1e-5 up to the loss, within 1e-4 for the steps right after
-it, within the chaos suite's AdamW-amplified bound after that (summation order: gradients summed over 3, 2, 3
-replicas instead of accumulated in one process). The seconds are asserted loosely (a shared 2-core machine); the
+the run records no restore), the goodput ledger books the recovery as restart time in one group, every step is logged exactly once, every worker read the same rows at every step as
+the uninterrupted run, and the losses match it: within 1e-5 up to the loss, within 1e-4 for the 30 steps after it,
+within 1e-3 after that (summation order: gradients summed over 3, 2, 3 replicas instead of accumulated in one
+process, which AdamW amplifies over the steps). The seconds are asserted loosely (a shared 2-core machine); the
 bench measures them.
 """
 
@@ -24,9 +24,10 @@ from tests.chaos._common import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
-#: Losses after the first steps at 2 replicas: AdamW (lr 1e-3 here) amplifies last-bit differences (tests/chaos/
-#: test_elastic_nodes.py measured 0.020 between an uninterrupted 3-worker and 1-worker run over 110 steps).
-LOSS_TOLERANCE = 0.05
+#: Losses long after the loss: AdamW amplifies last-bit differences of the summation order over the steps (at the tiny
+#: job's lr 3e-3 to 0.02-0.04 in ~100 steps, tests/chaos/test_elastic_nodes.py; at this test's 1e-3, 1.3e-5 over 93
+#: steps measured). A lost optimizer state or a wrong row moves the loss by far more.
+LOSS_TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,10 @@ def test_survivors_train_on_and_the_returning_node_joins_live(live_run: dict) ->
     # nothing restored: the returning worker took the state from a live replica (no restart of the group at all)
     assert r["summary"]["restores"] == 0, r
     assert "joined the live group" in r["log"]
+    # the goodput ledger: one group all along (no group ended), the recovery booked as restart time, all accounted
+    ledger = r["summary"]["ledger"]
+    assert ledger["events"] == [] and ledger["restart"] > 0, ledger
+    assert abs(ledger["unaccounted"]) < 0.02 * ledger["wall_s"], ledger
     # every step logged once, to the step the stop request named
     steps = r["steps"]
     assert steps == list(range(1, max(steps) + 1)) and r["summary"]["final_step"] == max(steps), steps
@@ -83,5 +88,5 @@ def test_losses_match_the_uninterrupted_run(live_run: dict) -> None:
     assert sorted(reference) == sorted(live)
     lost = live_run["removed_at_step"]
     for step in sorted(live):
-        tolerance = 1e-5 if step <= lost else 1e-4 if step <= lost + 5 else LOSS_TOLERANCE
+        tolerance = 1e-5 if step <= lost else 1e-4 if step <= lost + 30 else LOSS_TOLERANCE
         assert live[step] == pytest.approx(reference[step], abs=tolerance), (step, live[step], reference[step])

@@ -313,3 +313,25 @@ def test_describe_error_digs_to_what_happened() -> None:
     assert describe_error(exited) == "its process died (killed, out of memory, or exited)"
     assert describe_error(ValueError("bad thing\ntraceback...")) == "ValueError: bad thing"
     assert describe_error(KeyError()) == "KeyError"
+
+
+def test_live_recovery_inside_a_group_is_booked_as_restart_time(monkeypatch) -> None:
+    """``scaling.recovery: live``: a step whose first attempt a lost replica aborted (1.5 s of it, re-formation
+    included) and a newcomer's admission after another (0.4 s) are the ledger's restart time, not productive; the
+    group's span is still covered exactly once."""
+    fake, board = _Clock(), _Board()
+    monkeypatch.setattr(clock_module, "time", fake)
+    c = clock_module.GoodputClock(board, world_size=3, restore_s=0.0, start_step=0, group=1, restored=None)
+    for step, took, recovery, admission in ((1, 1.0, 0.0, 0.0), (2, 2.5, 1.5, 0.0), (3, 1.0, 0.0, 0.4)):
+        c.step_started()
+        fake.advance(took)
+        c.stepped(step, data_wait_s=0.0, recovery_s=recovery)
+        with c.blocking("recovery"):
+            fake.advance(admission)
+        c.iteration_done(final=step == 3)
+    times = board.posted[-1]
+    assert times.recovery_s == pytest.approx(1.9)
+    assert times.productive_s + times.warmup_s == pytest.approx(3.0)
+    ledger = close(times.first_step_at - 5.0, times.last_step_end_at + 1.0, [times], [])
+    assert ledger.restart == pytest.approx(1.9) and ledger.events == []
+    assert ledger.unaccounted == pytest.approx(0.0, abs=1e-6)

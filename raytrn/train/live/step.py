@@ -17,6 +17,7 @@ state (:func:`raytrn.train.live.transfer.share_state`); the next step splits the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,8 @@ class LiveStepResult:
     aborted: int = 0
     #: Newcomers wait to join (rank 0 saw them; every member learns it from the step's all-reduce): call ``admit``.
     joins_waiting: bool = False
+    #: Seconds of the step spent on aborted attempts and re-formations (the goodput ledger's restart time).
+    recovery_s: float = 0.0
     #: What rank 0 told every member with the step (``LiveTrainer.step``'s ``shared``).
     shared: tuple[float, ...] = ()
 
@@ -74,7 +77,9 @@ class LiveTrainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         reformed: list[Reformed] = []
         aborted = 0
+        first = attempt = time.perf_counter()
         while True:
+            attempt = time.perf_counter()
             mine = share(micro_batches, self.group.size, self.group.rank)
             self.optimizer.zero_grad(set_to_none=False)
             loss_sum = torch.zeros((), dtype=torch.float32)
@@ -118,6 +123,7 @@ class LiveTrainer:
             reformed=reformed,
             aborted=aborted,
             joins_waiting=bool(flat[n + 1] > 0),
+            recovery_s=attempt - first,
             shared=tuple(float(v) for v in flat[n + 2 :]),
         )
 
