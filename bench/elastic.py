@@ -110,6 +110,43 @@ def run(*, quick: bool = False, timeout_s: float = 900) -> dict[str, Any]:
     }
 
 
+def run_live(*, rounds: int = 2, timeout_s: float = 600) -> dict[str, Any]:
+    """``scaling.recovery: live`` on the same local 3-node Ray (``tests/chaos/live_cluster.py``: 3 one-slot nodes,
+    hsdp replicas of one worker, a node removed at step 5, a node added back): per round the seconds from the loss
+    to the first step at 2 replicas, from the new node to the first step at 3, and whether any survivor restarted
+    (pids compared). Beside the restart path's rows of :func:`run`, in the same bench run."""
+    lost, back, restarted = [], [], []
+    for _ in range(rounds):
+        with tempfile.TemporaryDirectory(prefix="raytrn-bench-live-") as tmp:
+            data = Path(tmp) / "data"
+            subprocess.run(
+                [sys.executable, "-m", "raytrn.cli", "data", "prepare", "--input",
+                 str(REPO / "tests" / "fixtures" / "corpus"), "--output", str(data), "--seq-len", "32",
+                 "--vocab-size", "512"],
+                cwd=REPO, check=True, capture_output=True, timeout=300,
+            )  # fmt: skip
+            out = Path(tmp) / "result.json"
+            proc = subprocess.run(
+                [sys.executable, "-m", "tests.chaos.live_cluster", "--out", str(out), "--dataset", str(data),
+                 "--no-reference"],
+                cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
+            )  # fmt: skip
+            result = json.loads(out.read_text()) if out.exists() else {}
+        if result.get("error") or "back_to_full_size_s" not in result:
+            raise RuntimeError(f"the live recovery run did not finish: {result.get('error')}\n{proc.stderr[-2000:]}")
+        lost.append(result["lost_to_next_step_s"])
+        back.append(result["back_to_full_size_s"])
+        survivors = set(result["pids_before"]) - set(result["victim_pids"])
+        restarted.append(len(survivors - set(result["pids_after"])))
+    return {
+        "node_loss_to_next_step_s": lost,
+        "node_loss_to_next_step_s_median": _median(lost),
+        "back_to_full_size_s": back,
+        "back_to_full_size_s_median": _median(back),
+        "survivors_restarted": restarted,
+    }
+
+
 # ---------------------------------------------------------------------------------------------------
 # The baseline: stock Ray Train V2's elastic restart after the same node loss
 

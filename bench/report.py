@@ -295,6 +295,19 @@ def render(report: dict[str, Any]) -> str:
             f"| elastic: node back -> 3-worker group running (`resize_interval_s` {el['resize_interval_s']}) | median "
             f"{_num(el.get('scale_up_s_median'), '.1f', ' s')} ({', '.join(_num(x, '.1f') for x in el['scale_up_s'])}) | |",
         ]
+        live = el.get("live") or {}
+        if live:
+            lost_live = live.get("node_loss_to_next_step_s_median")
+            lines += [
+                f"| elastic, `scaling.recovery: live` (3 hsdp replicas of one worker): node lost -> survivors' next step, "
+                f"median of {len(live['node_loss_to_next_step_s'])} | **{_num(lost_live, '.1f', ' s')}** ("
+                f"{', '.join(_num(x, '.1f') for x in live['node_loss_to_next_step_s'])}; survivors restarted "
+                f"{', '.join(str(x) for x in live['survivors_restarted'])}) | "
+                f"{_goal(lost_live <= 5 if lost_live else None, '<= 5 s, 0 restarted')} |",
+                f"| elastic, live: node back -> 3 replicas training (no storage read) | median "
+                f"{_num(live.get('back_to_full_size_s_median'), '.1f', ' s')} "
+                f"({', '.join(_num(x, '.1f') for x in live['back_to_full_size_s'])}) | |",
+            ]
     for note in _notes(report):
         lines += ["", note]
     lines += ["", *_gpu_block(report)]

@@ -53,7 +53,7 @@ ALL = (
 )
 #: Rough minutes each needs here (full mode, a busy 2-core machine): a benchmark starts only if this much
 #: budget is left, and the training rounds stop early enough to leave it to the ones after them.
-ESTIMATE_MIN = {"peak": 0.2, "training": 7.5, "startup": 2.5, "mlflow": 2.5, "recovery": 2.5, "elastic": 8.5, "data": 0.5,
+ESTIMATE_MIN = {"peak": 0.2, "training": 7.5, "startup": 2.5, "mlflow": 2.5, "recovery": 2.5, "elastic": 10.5, "data": 0.5,
                 "checkpoint": 0.5, "memory": 6.0, "parallel": 2.0, "lora": 1.0, "moe": 1.5, "guard": 0.7, "trainium": 0.1}  # fmt: skip
 
 
@@ -91,7 +91,11 @@ def _benchmarks(args: argparse.Namespace, results: dict[str, Any], deadline: flo
                 bench, steps=12 if quick else 40, checkpoint_every=2, kill_after=5 if quick else 15, timeout_s=300
             ),  # fmt: skip
         },
-        "elastic": lambda: {**elastic.run(quick=quick), "stock": {} if quick else elastic.run_stock()},
+        "elastic": lambda: {
+            **elastic.run(quick=quick),
+            "stock": {} if quick else elastic.run_stock(),
+            "live": {} if quick else elastic.run_live(),  # scaling.recovery: live, beside the restart path
+        },
         "mlflow": lambda: mlflow_overhead.run(
             bench,
             log_every_values=(2,) if quick else (10, 1),

@@ -175,35 +175,36 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
             try:
                 asked = float(stops.stop_at(progress.step)) if group.rank == 0 else 0.0
                 result = trainer.step(step, micro_batches, MicroLosses(t, micro), shared=(asked,))
+                clock.stepped(step, data_wait, result.recovery_s)
+                stop_at = int(result.shared[0])
+                if 0 < stop_at < end:  # every rank: the same end (`raytrn stop`), its checkpoint as the last's
+                    end = max(stop_at, step)
+                progress.step = step
+                progress.tokens_seen += rows * job.data.seq_len
+                feed.advance(progress)
+                reformed = list(result.reformed)
+                if result.joins_waiting:
+                    with clock.blocking("recovery"):
+                        reformed.append(trainer.admit(asdict(progress)))
+                if group.generation != generation:
+                    t.checkpoints, generation = live_checkpoints(job, group.rank), group.generation
+                if group.rank == 0:
+                    lr = float(t.optimizer.param_groups[0]["lr"])
+                    reports.step_done(progress, result, reformed, time.perf_counter() - started, lr)
+                last = step >= end
+                if last or step % job.checkpoint.interval == 0:
+                    with clock.blocking("checkpoint"):
+                        _save(t, group, job, plan, progress, result, tracker, last=last)
             except LeftOut:  # the others re-formed without this replica (it was late): join again, take their state
                 progress = Progress.from_dict(trainer.rejoin(JOIN_DEADLINE_S))
+                t.checkpoints, generation = live_checkpoints(job, group.rank), group.generation
                 batches = backend.wrap_batches(feed.start(progress, ctx.get_world_rank()))
                 continue
-            clock.stepped(step, data_wait, result.recovery_s)
-            stop_at = int(result.shared[0])
-            if 0 < stop_at < end:  # every rank: the same end (`raytrn stop`), its checkpoint as the last's
-                end = max(stop_at, step)
-            progress.step = step
-            progress.tokens_seen += rows * job.data.seq_len
-            feed.advance(progress)
-            reformed = list(result.reformed)
-            if result.joins_waiting:
-                with clock.blocking("recovery"):
-                    reformed.append(trainer.admit(asdict(progress)))
-            if group.generation != generation:
-                t.checkpoints, generation = live_checkpoints(job, group.rank), group.generation
-            if group.rank == 0:
-                lr = float(t.optimizer.param_groups[0]["lr"])
-                reports.step_done(progress, result, reformed, time.perf_counter() - started, lr)
-            last = step >= end
-            if last or step % job.checkpoint.interval == 0:
-                with clock.blocking("checkpoint"):
-                    _save(t, job, plan, progress, result, tracker if group.rank == 0 else None, last=last)
             clock.iteration_done(final=last)
     finally:
         TRAINING.clear()
-    if job.tracking.log_model and tracker is not None and t.export is not None:
-        log_final_model(job, t.model, t.export, tracker if group.rank == 0 else None)
+    if job.tracking.log_model and tracker is not None and t.export is not None and group.rank == 0:
+        log_final_model(job, t.model, t.export, tracker)  # a whole replica: no gathers, rank 0 alone
     group.leave()
 
 
@@ -274,11 +275,31 @@ class LiveMetrics:
         progress.last_logged_step = max(progress.last_logged_step, step)
 
 
-def _save(t: Training, job: JobSpec, plan: WorkerPlan, progress: Progress, result: LiveStepResult, logger: Any, *,
-          last: bool) -> None:  # fmt: skip
-    """A checkpoint by every live replica (DCP over the live group); rank 0 tags the run. A replica lost during it
-    fails the save on every member (skipped, as a storage failure is) and the next step's all-reduce re-forms."""
+def _save(
+    t: Training, group: LiveGroup, job: JobSpec, plan: WorkerPlan, progress: Progress, result: LiveStepResult,
+    tracker: Any, *, last: bool,
+) -> None:  # fmt: skip
+    """A checkpoint by every live replica (DCP over the live group); rank 0 tags the run. Whether it counts is agreed
+    like a step: a replica lost during the save breaks DCP's collectives on the others, so they re-form and go on
+    without that checkpoint (the next one is due at the next interval); a save that failed with every replica
+    alive fails as any save does (:class:`raytrn.checkpoint.sharded.DcpCheckpoints`)."""
     report = {"loss": result.loss, "step": progress.step, "tokens_seen": progress.tokens_seen}
-    for saved in t.checkpoints.save(t, progress, plan.schedule, report, final=last):
-        if logger is not None:
-            logger.checkpoint_saved(saved.step, RunDir.of(job).pointer(saved.step), job.checkpoint.keep_last)
+    saved, error, here = [], None, group.ready(progress.step, what="save")  # every replica alive at the save
+    if here:
+        try:
+            saved = t.checkpoints.save(t, progress, plan.schedule, report, final=last)
+        except Exception as e:  # DCP's collectives broke (a lost replica), or this replica's save failed
+            error = e
+    if group.agree(progress.step, here and error is None, what="save"):
+        if group.rank == 0 and tracker is not None:
+            for s in saved:
+                tracker.checkpoint_saved(s.step, RunDir.of(job).pointer(s.step), job.checkpoint.keep_last)
+        return
+    reformed = group.reform("lost")
+    if not reformed.lost and error is not None:
+        raise error
+    t.checkpoints = live_checkpoints(job, group.rank)
+    log.warning(
+        "live recovery: the checkpoint of step %d is skipped: %s lost during the save (%d replicas go on)",
+        progress.step, ", ".join(reformed.lost) or "a replica", group.size,
+    )  # fmt: skip

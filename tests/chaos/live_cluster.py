@@ -4,11 +4,13 @@ worker), a node removed mid-run and then one added back; then the same job unint
 Run as a program (``python -m tests.chaos.live_cluster --out result.json --dataset DIR``): the cluster
 (``ray.cluster_utils.Cluster``: a head without ``neuron_cores``, three nodes with one each) lives and dies with the
 process, so the test runs it in a subprocess with a timeout and reads the JSON it writes. Events come at observed
-steps: the removal once step 5 is logged, the new node once a step at 2 replicas is logged, the stop request
-(``raytrn stop``) once a step at 3 replicas is logged, a few steps on.
+steps: the removal once step 5 is logged, the new node once a step at 2 replicas is logged, a worker process
+SIGKILLed (its node stays) once a step at 3 replicas is logged, and the stop request (``raytrn stop``) once a step
+at 3 replicas is logged again, a few steps on.
 
-The result: the training workers' pids before the removal and at the end; the removal's step and the seconds
-from it to the first step logged at 2 replicas; from the new node to the first step at 3; every logged step (each
+The result: the training workers' pids before the removal, after the return and at the end; the removal's step and
+the seconds from it to the first step logged at 2 replicas; from the new node to the first step at 3; the same two
+for the kill; every logged step (each
 exactly once?), the losses of both runs and the replicas of the live one by step; each worker's sample trace
 (``RAYTRN_SAMPLE_TRACE``: the rows it read per step) and the reference's; the run's summary (restores, final step).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 import uuid
 from dataclasses import asdict
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--tail", type=int, default=5, help="steps trained after the node's return, then it stops")
+    parser.add_argument("--no-reference", action="store_true", help="skip the uninterrupted run (the bench's use)")
     args = parser.parse_args(argv)
 
     import ray
@@ -100,6 +104,17 @@ def main(argv: list[str] | None = None) -> int:
         wait_until(lambda: at(3.0, added) or not thread.is_alive(), 240, "a step at 3 replicas again")
         result["back_to_full_size_s"] = round(at(3.0, added)[0][1] - added, 2)
         result["pids_after"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
+        # a worker process killed (its node stays): Ray starts its replacement at once, on that node
+        killed_pid = result["pids_after"][0]
+        result["killed_pid"] = killed_pid
+        killed = time.time()
+        os.kill(killed_pid, signal.SIGKILL)
+        wait_until(lambda: at(2.0, killed) or not thread.is_alive(), 120, "a step at 2 replicas after the kill")
+        degraded = at(2.0, killed)[0][1]
+        result["kill_to_next_step_s"] = round(degraded - killed, 2)
+        wait_until(lambda: at(3.0, degraded) or not thread.is_alive(), 240, "a step at 3 replicas after the kill")
+        result["kill_to_full_size_s"] = round(at(3.0, degraded)[0][1] - killed, 2)
+        result["pids_end"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
         stop_at = max(s for s, _, _ in _logged(db)) + args.tail
         request_stop("live", stop_at)
         thread.join(240)
@@ -114,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         result["loss"] = {s: v for s, _, v in _logged(db)}
         result["replicas"] = {s: v for s, _, v in _logged(db, "replicas")}
         result["traces"] = _traces(work / "trace")
+        if args.no_reference:
+            return 0
         # the same job and seed, uninterrupted, on 1 worker (the same global batch: 6 micro-batches accumulated)
         os.environ["RAYTRN_SAMPLE_TRACE"] = str(work / "trace-reference")
         final = max(result["steps"])

@@ -1,7 +1,7 @@
 """Live recovery under Ray (issue 48): ``scaling.recovery: live``, 3 one-slot nodes, hsdp replicas of one worker
 (tests/chaos/live_cluster.py, in a subprocess: its cluster lives and dies with it). A node holding a worker is
-removed mid-run, then a node is added back; the run is asked to stop a few steps after it trains at 3 replicas
-again; then the same job uninterrupted on 1 worker.
+removed mid-run, then a node is added back, then a worker process is killed (its node stays); the run is asked to
+stop a few steps after it trains at 3 replicas again; then the same job uninterrupted on 1 worker.
 
 Asserted: the survivors' processes are the ones that started (pids compared: none restarted), the run trains on at
 2 replicas right after the loss and at 3 after the return (the returning worker took its state from a live replica:
@@ -53,6 +53,10 @@ def test_survivors_train_on_and_the_returning_node_joins_live(live_run: dict) ->
     survivors = sorted(set(r["pids_before"]) - set(r["victim_pids"]))
     assert len(survivors) == 2 and set(survivors) <= set(r["pids_after"]), r
     assert len(r["pids_after"]) == 3, r
+    # a killed worker process: the other two train on (their pids stay), its replacement joins on the same node
+    others = sorted(set(r["pids_after"]) - {r["killed_pid"]})
+    assert set(others) <= set(r["pids_end"]) and r["killed_pid"] not in r["pids_end"] and len(r["pids_end"]) == 3, r
+    assert r["kill_to_next_step_s"] < 30 and r["kill_to_full_size_s"] < 120, r
     # the next step at 2 replicas soon after the loss (goal 5 s; bench/elastic.py measures it), 3 after the return
     assert r["lost_to_next_step_s"] < 30, r
     assert r["back_to_full_size_s"] < 120, r

@@ -202,12 +202,46 @@ class LiveGroup:
         except (RuntimeError, dist.DistBackendError) as e:
             raise PeerLost(f"live group generation {self._current().number}: {str(e).splitlines()[0]}") from e
 
-    def agree(self, step: int, ok: bool) -> bool:
-        """Whether step ``step``'s update is applied: ``commit`` when every member reports ``ok``; ``abort`` when
-        one reports a failure or one does not report within ``timeout_s``. One decision (a compare-and-set),
-        the same on every member whatever order they arrive in (a frozen one that thaws reads it too)."""
+    def ready(self, step: int, *, what: str = "s") -> bool:
+        """Before a collective: whether every member is alive and at it (``go``), or one is gone (``abort``: its
+        heartbeat stood still for ``dead_after_s``, or it did not come within ``timeout_s``). One decision, as
+        :meth:`agree`'s. Gloo cannot abandon a collective a dead peer never answers (it waits its timeout, even
+        when aborted), so a lost member is found here, before the collective, where the heartbeats tell."""
         generation = self._current()
-        key = self._key(generation.number, f"s{step}")
+        key = self._key(generation.number, f"ready-{what}{step}")
+        self.store.set(f"{key}/{self.member}", "1")
+        give_up = time.monotonic() + self.timeout_s
+        beats: dict[str, tuple[int, float]] = {}
+        polled = 0.0
+        while not self.store.check([key + "/verdict"]):
+            verdict = None
+            missing = [m for m in generation.members if not self.store.check([f"{key}/{m}"])]
+            now = time.monotonic()
+            if not missing:
+                verdict = "go"
+            elif now > give_up:
+                verdict = "abort"
+            elif now - polled >= _DECIDE_POLL_S:  # the heartbeats of those not here yet
+                polled = now
+                for m in missing:
+                    count = self.store.add(f"{PREFIX}hb/{m}", 0)
+                    if m not in beats or beats[m][0] != count:
+                        beats[m] = (count, now)
+                    elif now - beats[m][1] >= self.dead_after_s:
+                        verdict = "abort"
+            if verdict is not None:
+                self.store.compare_set(key + "/verdict", "", verdict)
+                break
+            time.sleep(_POLL_S)
+        return self.store.get(key + "/verdict") == b"go"
+
+    def agree(self, step: int, ok: bool, *, what: str = "s") -> bool:
+        """Whether step ``step``'s update is applied (``what``: ``s``, or ``save`` for its checkpoint): ``commit``
+        when every member reports ``ok``; ``abort`` when one reports a failure or one does not report within
+        ``timeout_s``. One decision (a compare-and-set), the same on every member whatever order they arrive in (a
+        frozen one that thaws reads it too)."""
+        generation = self._current()
+        key = self._key(generation.number, f"{what}{step}")
         if not ok:
             self.store.add(key + "/bad", 1)
         self.store.add(key + "/done", 1)
@@ -226,7 +260,7 @@ class LiveGroup:
             time.sleep(_POLL_S)
         committed = self.store.get(key + "/decided") == b"commit"
         if self.rank == 0 and step >= 2:  # keep the store small: two steps back is settled on every member
-            old = self._key(generation.number, f"s{step - 2}")
+            old = self._key(generation.number, f"{what}{step - 2}")
             for suffix in ("/bad", "/done", "/decided"):
                 self.store.delete_key(old + suffix)
         return committed

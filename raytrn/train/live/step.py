@@ -8,8 +8,8 @@ gradients are *summed* (one flat all-reduce over the live group, the step's loss
 last two slots): the same gradient as one process accumulating all ``G`` micro-batches, summed in another order, at
 any number of replicas.
 
-A member lost during the step (:class:`~raytrn.train.live.group.PeerLost`, or a peer that never reports) makes the
-step *abort* on every member (:meth:`LiveGroup.agree`): no parameter, moment, schedule step or data position moved,
+A member lost during the step (found before the all-reduce by its heartbeat, :meth:`LiveGroup.ready`; or in it,
+:class:`~raytrn.train.live.group.PeerLost`; or a peer that never reports) makes the step *abort* on every member (:meth:`LiveGroup.agree`): no parameter, moment, schedule step or data position moved,
 so the survivors re-form and redo the same step over the same micro-batches with the new shares. Waiting newcomers
 (rank 0 reads the count, the all-reduce tells everyone) are admitted after a committed step and receive rank 0's
 state (:func:`raytrn.train.live.transfer.share_state`); the next step splits the batch over all of them.
@@ -93,11 +93,12 @@ class LiveTrainer:
                 tail = torch.zeros(1 + len(shared))
             grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]  # an empty share: zeros
             flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss_sum.reshape(1), tail])
-            ok = True
-            try:
-                self.group.all_reduce(flat)
-            except PeerLost:
-                ok = False
+            ok = self.group.ready(step)  # every member here and alive, or one is gone: no collective to hang in
+            if ok:
+                try:
+                    self.group.all_reduce(flat)
+                except PeerLost:
+                    ok = False
             if self.group.agree(step, ok):
                 break
             aborted += 1
