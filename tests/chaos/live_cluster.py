@@ -5,8 +5,9 @@ Run as a program (``python -m tests.chaos.live_cluster --out result.json --datas
 (``ray.cluster_utils.Cluster``: a head without ``neuron_cores``, three nodes with one each) lives and dies with the
 process, so the test runs it in a subprocess with a timeout and reads the JSON it writes. Events come at observed
 steps: the removal once step 5 is logged, the new node once a step at 2 replicas is logged, a worker process
-SIGKILLed (its node stays) once a step at 3 replicas is logged, and the stop request (``raytrn stop``) once a step
-at 3 replicas is logged again, a few steps on.
+SIGKILLed (its node stays) once a step at 3 replicas is logged, every worker process SIGKILLed at once once a step
+at 3 replicas is logged again (nothing live left: the group restarts from the newest checkpoint), and the stop
+request (``raytrn stop``) once the restarted group trains, a few steps on.
 
 The result: the training workers' pids before the removal, after the return and at the end; the removal's step and
 the seconds from it to the first step logged at 2 replicas; from the new node to the first step at 3; the same two
@@ -115,6 +116,21 @@ def main(argv: list[str] | None = None) -> int:
         wait_until(lambda: at(3.0, degraded) or not thread.is_alive(), 240, "a step at 3 replicas after the kill")
         result["kill_to_full_size_s"] = round(at(3.0, degraded)[0][1] - killed, 2)
         result["pids_end"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
+        # every replica lost at once (their processes killed): nothing live is left, the group restarts from the
+        # newest committed checkpoint, as under scaling.recovery: restart
+        everyone = time.time()
+        for pid in result["pids_end"]:
+            os.kill(pid, signal.SIGKILL)
+
+        def restarted() -> bool:
+            pids = {int(a.pid) for a in _actors("RayTrainWorker")}
+            return len(pids) == 3 and not pids & set(result["pids_end"])
+
+        wait_until(lambda: restarted() or not thread.is_alive(), 240, "a restarted group after every replica died")
+        regrouped = time.time()
+        wait_until(lambda: any(ts > regrouped for _, ts, _ in _logged(db)) or not thread.is_alive(), 240,
+                   "a step of the restarted group")  # fmt: skip
+        result["all_lost_to_next_step_s"] = round(min(ts for _, ts, _ in _logged(db) if ts > regrouped) - everyone, 2)
         stop_at = max(s for s, _, _ in _logged(db)) + args.tail
         request_stop("live", stop_at)
         thread.join(240)
@@ -123,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         result["summary"] = None
         if summary is not None:
             ledger = summary.goodput
-            result["summary"] = {"final_step": summary.final_step, "restores": len(summary.restores),
+            result["summary"] = {"final_step": summary.final_step, "restores": [r.as_dict() for r in summary.restores],
                                  "ledger": {**asdict(ledger), "unaccounted": ledger.unaccounted}}  # fmt: skip
         result["steps"] = [s for s, _, _ in _logged(db)]
         result["loss"] = {s: v for s, _, v in _logged(db)}
