@@ -100,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         cluster.remove_node(victim, allow_graceful=False)
         wait_until(lambda: at(2.0, removed) or not thread.is_alive(), 120, "a step at 2 replicas")
         result["lost_to_next_step_s"] = round(at(2.0, removed)[0][1] - removed, 2)
+        # A node that returns is a new one, after the lost one is gone for good: Ray marks it dead after its health
+        # checks fail; until then Ray Train's first replacement waits on the lost node's slot (and fails).
+        wait_until(lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == victim.node_id), 120,
+                   "Ray marking the removed node dead")  # fmt: skip
+        result["node_dead_after_s"] = round(time.time() - removed, 2)
         added = time.time()
         cluster.add_node(**NODE)
         wait_until(lambda: at(3.0, added) or not thread.is_alive(), 240, "a step at 3 replicas again")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -84,7 +85,11 @@ def test_a_marked_process_is_found_by_its_environment(tmp_path: Path) -> None:
         [sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, local.MARKER_ENV: marker}
     )
     try:
+        deadline = time.monotonic() + 10  # its environment is readable once it runs (a loaded machine: not at once)
         found = [pid for pid, _ in local._cluster_procs(marker)]
+        while found != [child.pid] and time.monotonic() < deadline:
+            time.sleep(0.05)
+            found = [pid for pid, _ in local._cluster_procs(marker)]
         assert found == [child.pid]
     finally:
         child.kill()
