@@ -13,6 +13,8 @@ failure policies, worker group, callbacks) on an event loop in the process that 
   which its scheduler may kill while the sweep lives on) it is kept, and it watches that actor;
 - the preemption watcher is the same class, polling in a thread of this process instead of an actor's;
 - Ray Train's controller log lines go to ``console`` (a ``logging.Handler``) instead of stderr;
+- under replica groups (``scaling.recovery: live``) a replacement first shuts down the other replica groups whose
+  workers no longer answer (Ray 2.60 would fail the run on them: two nodes lost at once);
 - ``listener`` (a :class:`ControllerListener`) hears the controller's decisions as they are made: the typed seam
   raytrn's terminal lines and goodput ledger are built on (nothing is parsed back out of a log line).
 
@@ -40,6 +42,10 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Train worker-group log paths": "ray.train.v2._internal.execution.worker_group:WorkerGroup._decorate_worker_log_file_paths",
     "Ray Train worker-group shutdown": "ray.train.v2._internal.execution.worker_group:WorkerGroup.shutdown",
     "Ray Train worker-group poll status": "ray.train.v2._internal.execution.worker_group:WorkerGroup.get_latest_poll_status",
+    "Ray Train replica groups": "ray.train.v2._internal.execution.worker_group:WorkerGroup.get_replica_groups",
+    "Ray Train replica-group replace": "ray.train.v2._internal.execution.worker_group:WorkerGroup.replace_replica_group",
+    "Ray Train replica-group state": "ray.train.v2._internal.execution.worker_group.execution_group:ReplicaGroup.is_active",
+    "Ray Train replica-group shutdown": "ray.train.v2._internal.execution.worker_group.execution_group:ReplicaGroup.shutdown",
     "Ray Train worker-group state": "ray.train.v2._internal.execution.worker_group.state:WorkerGroupState.shutdown",
     "Ray Train controller callback": "ray.train.v2._internal.execution.callback:ControllerCallback",
     "Ray Train worker-group callback": "ray.train.v2._internal.execution.callback:WorkerGroupCallback",
@@ -50,6 +56,9 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Train preemption error": "ray.train.v2.api.exceptions:PreemptionError",
     "Ray Train controller console handler": "ray.train.v2._internal.logging.logging:PlainRayHandler",
 }
+
+#: How long a replica group's workers have to answer before another group is replaced (a lost node's refuse at once).
+REACH_TIMEOUT_S = 5.0
 
 #: Ray Train's default callbacks a hosted controller leaves out: the placement-group cleaner (see the module's
 #: docstring; kept inside another actor) and the datasets callback (raytrn's workers read their own rows: with no
@@ -119,6 +128,17 @@ def hosted_trainer(
     from ray.train.v2._internal.execution.worker_group.state import WorkerGroupState
     from ray.train.v2._internal.logging.logging import PlainRayHandler
 
+    def _reachable(workers: list[Any]) -> bool:
+        """Whether ``workers``' actors answer (a dead node's refuse at once); a busy one that does not answer within
+        the bound counts as there (Ray's own calls will tell)."""
+        try:
+            ray.get([w.actor.__ray_ready__.remote() for w in workers], timeout=REACH_TIMEOUT_S)
+        except ray.exceptions.RayActorError:
+            return False
+        except ray.exceptions.GetTimeoutError:
+            return True
+        return True
+
     def in_actor() -> bool:
         return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
@@ -139,6 +159,16 @@ def hosted_trainer(
             if state is not None and status is not None and status.errors:
                 self._worker_group_state = KilledState(**{f.name: getattr(state, f.name) for f in fields(state)})
             super().shutdown()
+
+        def replace_replica_group(self, replica_group_index: int) -> None:
+            # Replica groups (scaling.recovery: live): Ray 2.60 first clears the result queue of every other active
+            # replica group, and one that cannot be reached fails the whole run (a ControllerError, never retried):
+            # two nodes lost at once, the second not yet noticed by a poll. Such a group's workers are gone: it is
+            # shut down here, the next poll finds it failed, and it is replaced in turn.
+            for i, group in enumerate(self.get_replica_groups() or []):
+                if i != replica_group_index and group.is_active() and not _reachable(group.get_workers()):
+                    group.shutdown()
+            super().replace_replica_group(replica_group_index)
 
         def _init_train_context_on_workers(
             self, workers: list[Any], sync_actor: Any, train_context_args: dict[str, list[Any]]

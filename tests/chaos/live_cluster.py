@@ -4,7 +4,8 @@ worker), a node removed mid-run and then one added back; then the same job unint
 Run as a program (``python -m tests.chaos.live_cluster --out result.json --dataset DIR``): the cluster
 (``ray.cluster_utils.Cluster``: a head without ``neuron_cores``, three nodes with one each) lives and dies with the
 process, so the test runs it in a subprocess with a timeout and reads the JSON it writes. Events come at observed
-steps: the removal once step 5 is logged, the new node once a step at 2 replicas is logged, a worker process
+steps: the removal of ``--lose`` nodes at once once step 5 is logged, as many new nodes once a step at the fewer
+replicas is logged (and Ray marked the lost nodes dead), a worker process
 SIGKILLed (its node stays) once a step at 3 replicas is logged, every worker process SIGKILLed at once once a step
 at 3 replicas is logged again (nothing live left: the group restarts from the newest checkpoint), and the stop
 request (``raytrn stop``) once the restarted group trains, a few steps on.
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--tail", type=int, default=5, help="steps trained after the node's return, then it stops")
     parser.add_argument("--no-reference", action="store_true", help="skip the uninterrupted run (the bench's use)")
+    parser.add_argument("--lose", type=int, choices=(1, 2), default=1, help="nodes removed at once, then added back")
     args = parser.parse_args(argv)
 
     import ray
@@ -93,20 +95,24 @@ def main(argv: list[str] | None = None) -> int:
         workers = _actors("RayTrainWorker")
         result["pids_before"] = sorted(int(a.pid) for a in workers)
         holding = {a.node_id for a in workers}
-        victim = next(n for n in nodes if n.node_id in holding)
-        result["victim_pids"] = [int(a.pid) for a in workers if a.node_id == victim.node_id]
+        victims = [n for n in nodes if n.node_id in holding][: args.lose]
+        lost = {v.node_id for v in victims}
+        survivors = 3.0 - len(victims)
+        result["victim_pids"] = [int(a.pid) for a in workers if a.node_id in lost]
         result["removed_at_step"] = max(s for s, _, _ in _logged(db))
         removed = time.time()
-        cluster.remove_node(victim, allow_graceful=False)
-        wait_until(lambda: at(2.0, removed) or not thread.is_alive(), 120, "a step at 2 replicas")
-        result["lost_to_next_step_s"] = round(at(2.0, removed)[0][1] - removed, 2)
+        for victim in victims:  # at once
+            cluster.remove_node(victim, allow_graceful=False)
+        wait_until(lambda: at(survivors, removed) or not thread.is_alive(), 120, f"a step at {survivors:.0f} replicas")
+        result["lost_to_next_step_s"] = round(at(survivors, removed)[0][1] - removed, 2)
         # A node that returns is a new one, after the lost one is gone for good: Ray marks it dead after its health
         # checks fail; until then Ray Train's first replacement waits on the lost node's slot (and fails).
-        wait_until(lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == victim.node_id), 120,
-                   "Ray marking the removed node dead")  # fmt: skip
+        wait_until(lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] in lost), 120,
+                   "Ray marking the removed nodes dead")  # fmt: skip
         result["node_dead_after_s"] = round(time.time() - removed, 2)
         added = time.time()
-        cluster.add_node(**NODE)
+        for _ in victims:
+            cluster.add_node(**NODE)
         wait_until(lambda: at(3.0, added) or not thread.is_alive(), 240, "a step at 3 replicas again")
         result["back_to_full_size_s"] = round(at(3.0, added)[0][1] - added, 2)
         result["pids_after"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))

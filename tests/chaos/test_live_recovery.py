@@ -1,11 +1,11 @@
 """Live recovery under Ray (issue 48): ``scaling.recovery: live``, 3 one-slot nodes, hsdp replicas of one worker
-(tests/chaos/live_cluster.py, in a subprocess: its cluster lives and dies with it). A node holding a worker is
-removed mid-run, then a node is added back, then a worker process is killed (its node stays), then every worker
-process at once (the fallback: a restart from the newest checkpoint); the run is asked to stop a few steps later;
-then the same job uninterrupted on 1 worker.
+(tests/chaos/live_cluster.py, in a subprocess: its cluster lives and dies with it). Two nodes holding workers are
+removed at once mid-run, then two nodes are added back, then a worker process is killed (its node stays), then every
+worker process at once (the fallback: a restart from the newest checkpoint); the run is asked to stop a few steps
+later; then the same job uninterrupted on 1 worker. (The bench loses one node: bench/elastic.run_live.)
 
-Asserted: the survivors' processes are the ones that started (pids compared: none restarted), the run trains on at
-2 replicas right after the loss and at 3 after the return (the returning worker took its state from a live replica:
+Asserted: the survivor's process is the one that started (pids compared: none restarted), the run trains on at
+1 replica right after the loss and at 3 after the return (the returning worker took its state from a live replica:
 the run's only restore is the fallback's, from storage), the goodput ledger books the recoveries as restart time,
 every step is logged exactly once, every worker read the same rows at every step as
 the uninterrupted run, and the losses match it: within 1e-5 up to the loss, within 1e-4 for the 30 steps after it,
@@ -37,7 +37,8 @@ def live_run(tiny_dataset, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("live")
     out = tmp / "result.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.chaos.live_cluster", "--out", str(out), "--dataset", str(tiny_dataset)],
+        [sys.executable, "-m", "tests.chaos.live_cluster", "--out", str(out), "--dataset", str(tiny_dataset),
+         "--lose", "2"],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     (tmp / "driver.log").write_text(proc.stdout + proc.stderr)
@@ -51,9 +52,9 @@ def live_run(tiny_dataset, tmp_path_factory) -> dict:
 @pytest.mark.timeout(1000)
 def test_survivors_train_on_and_the_returning_node_joins_live(live_run: dict) -> None:
     r = live_run
-    # no survivor restarted: the pids that trained at the end are the first ones, less the lost node's, plus one
+    # two nodes lost at once: the one survivor trained on alone (its pid the same), both replacements joined it
     survivors = sorted(set(r["pids_before"]) - set(r["victim_pids"]))
-    assert len(survivors) == 2 and set(survivors) <= set(r["pids_after"]), r
+    assert len(survivors) == 1 and set(survivors) <= set(r["pids_after"]), r
     assert len(r["pids_after"]) == 3, r
     # a killed worker process: the other two train on (their pids stay), its replacement joins on the same node
     others = sorted(set(r["pids_after"]) - {r["killed_pid"]})
@@ -76,19 +77,19 @@ def test_survivors_train_on_and_the_returning_node_joins_live(live_run: dict) ->
     steps = r["steps"]
     assert steps == list(range(1, max(steps) + 1)) and r["summary"]["final_step"] == max(steps), steps
     replicas = {int(s): v for s, v in r["replicas"].items()}
-    assert {replicas[s] for s in steps} == {2.0, 3.0}
+    assert {replicas[s] for s in steps} == {1.0, 2.0, 3.0}
 
 
 def test_every_worker_read_the_uninterrupted_runs_rows_at_every_step(live_run: dict) -> None:
     reference = {}
     for steps in live_run["reference_trace"].values():
         reference.update({int(s): rows for s, rows in steps.items()})
-    seen = 0
+    read: set[int] = set()
     for name, steps in live_run["traces"].items():
         for step, rows in steps.items():
             assert rows == reference[int(step)], (name, step)
-            seen += 1
-    assert seen >= 2 * len(live_run["steps"])  # each step read by at least the two survivors
+            read.add(int(step))
+    assert read >= set(live_run["steps"])  # every step read by the replicas that trained it (one after two losses)
 
 
 def test_losses_match_the_uninterrupted_run(live_run: dict) -> None:
