@@ -53,16 +53,23 @@ def _median(xs: list[float | None]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def prepare_fixture_data(directory: Path) -> Path:
+    """The test corpus packed for the tiny job (seq_len 32, vocabulary 512) in ``directory``/data: what every local
+    cluster run here trains on."""
+    data = directory / "data"
+    subprocess.run(
+        [sys.executable, "-m", "raytrn.cli", "data", "prepare", "--input", str(REPO / "tests" / "fixtures" / "corpus"),
+         "--output", str(data), "--seq-len", "32", "--vocab-size", "512"],
+        cwd=REPO, check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    return data
+
+
 def drive(events: str, steps: int, *, sets: tuple[str, ...] = (), timeout_s: float = 900) -> dict[str, Any]:
     """One run of ``tests/chaos/elastic_cluster.py`` (a local 3-node Ray in a subprocess) with ``events``: its
     result (events, restores, steps logged)."""
     with tempfile.TemporaryDirectory(prefix="raytrn-bench-elastic-") as tmp:
-        data = Path(tmp) / "data"
-        subprocess.run(
-            [sys.executable, "-m", "raytrn.cli", "data", "prepare", "--input", str(REPO / "tests" / "fixtures" / "corpus"),
-             "--output", str(data), "--seq-len", "32", "--vocab-size", "512"],
-            cwd=REPO, check=True, capture_output=True, timeout=300,
-        )  # fmt: skip
+        data = prepare_fixture_data(Path(tmp))
         out = Path(tmp) / "result.json"
         proc = subprocess.run(
             [sys.executable, "-m", "tests.chaos.elastic_cluster", "--out", str(out), "--dataset", str(data),
@@ -116,28 +123,24 @@ def run_live(*, rounds: int = 2, timeout_s: float = 600) -> dict[str, Any]:
     to the first step at 2 replicas, from the new node to the first step at 3, and whether any survivor restarted
     (pids compared). Beside the restart path's rows of :func:`run`, in the same bench run."""
     lost, back, restarted = [], [], []
-    for _ in range(rounds):
-        with tempfile.TemporaryDirectory(prefix="raytrn-bench-live-") as tmp:
-            data = Path(tmp) / "data"
-            subprocess.run(
-                [sys.executable, "-m", "raytrn.cli", "data", "prepare", "--input",
-                 str(REPO / "tests" / "fixtures" / "corpus"), "--output", str(data), "--seq-len", "32",
-                 "--vocab-size", "512"],
-                cwd=REPO, check=True, capture_output=True, timeout=300,
-            )  # fmt: skip
-            out = Path(tmp) / "result.json"
+    with tempfile.TemporaryDirectory(prefix="raytrn-bench-live-") as tmp:
+        data = prepare_fixture_data(Path(tmp))  # once: every round reads the same dataset
+        for i in range(rounds):
+            out = Path(tmp) / f"result-{i}.json"
             proc = subprocess.run(
                 [sys.executable, "-m", "tests.chaos.live_cluster", "--out", str(out), "--dataset", str(data),
                  "--no-reference"],
                 cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
             )  # fmt: skip
             result = json.loads(out.read_text()) if out.exists() else {}
-        if result.get("error") or "back_to_full_size_s" not in result:
-            raise RuntimeError(f"the live recovery run did not finish: {result.get('error')}\n{proc.stderr[-2000:]}")
-        lost.append(result["lost_to_next_step_s"])
-        back.append(result["back_to_full_size_s"])
-        survivors = set(result["pids_before"]) - set(result["victim_pids"])
-        restarted.append(len(survivors - set(result["pids_after"])))
+            if result.get("error") or "back_to_full_size_s" not in result:
+                raise RuntimeError(
+                    f"the live recovery run did not finish: {result.get('error')}\n{proc.stderr[-2000:]}"
+                )
+            lost.append(result["lost_to_next_step_s"])
+            back.append(result["back_to_full_size_s"])
+            survivors = set(result["pids_before"]) - set(result["victim_pids"])
+            restarted.append(len(survivors - set(result["pids_after"])))
     return {
         "node_loss_to_next_step_s": lost,
         "node_loss_to_next_step_s_median": _median(lost),
@@ -276,12 +279,7 @@ def stock_main(argv: list[str]) -> None:
 def run_stock(*, timeout_s: float = 600) -> dict[str, Any]:
     """Stock Ray Train V2 on the same local 3-node cluster and node loss: the seconds to its next step."""
     with tempfile.TemporaryDirectory(prefix="raytrn-bench-stock-elastic-") as tmp:
-        data = Path(tmp) / "data"
-        subprocess.run(
-            [sys.executable, "-m", "raytrn.cli", "data", "prepare", "--input", str(REPO / "tests" / "fixtures" / "corpus"),
-             "--output", str(data), "--seq-len", "32", "--vocab-size", "512"],
-            cwd=REPO, check=True, capture_output=True, timeout=300,
-        )  # fmt: skip
+        data = prepare_fixture_data(Path(tmp))
         out = Path(tmp) / "stock.json"
         proc = subprocess.run(
             [sys.executable, "-m", "bench.elastic", "stock", "--out", str(out), "--manifest", str(data)],

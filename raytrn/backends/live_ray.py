@@ -18,35 +18,30 @@ public ``Backend`` that Ray does not document: set by :func:`raytrn.compat.with_
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from ray.train.backend import Backend as RayBackend
-from ray.train.backend import BackendConfig
 
+from raytrn.backends.ray_backend import ProcessGroupConfig, warn_without_handler
 from raytrn.compat import with_replica_groups
-
-log = logging.getLogger(__name__)
 
 #: The environment a live worker reads its store and place from (:func:`raytrn.train.live_loop.live_place`).
 STORE_ENV, SESSION_ENV, JOINING_ENV = "RAYTRN_LIVE_STORE", "RAYTRN_LIVE_SESSION", "RAYTRN_LIVE_JOINING"
 
 
 @dataclass
-class LiveGroupConfig(BackendConfig):
-    """``scaling.recovery: live``'s backend: its process groups' backend (gloo) and peer timeout."""
-
-    backend: str = "gloo"
-    timeout_s: float = 30.0
+class LiveGroupConfig(ProcessGroupConfig):
+    """``scaling.recovery: live``'s backend: the process groups' backend (gloo) and, as ``timeout_s``, the job's
+    ``scaling.peer_timeout_s`` (the workers form their groups themselves: :mod:`raytrn.train.live.group`)."""
 
     @property
     def backend_cls(self) -> type:
         return LiveGroupBackend
 
     def to_dict(self) -> dict[str, Any]:
-        return {"backend": self.backend, "timeout_s": self.timeout_s, "recovery": "live"}
+        return {**super().to_dict(), "recovery": "live"}
 
 
 @with_replica_groups  # Ray Train V2 replaces only the failing replica group (one worker), not every worker
@@ -65,9 +60,7 @@ class LiveGroupBackend(RayBackend):  # type: ignore[misc]
         joining = not hasattr(worker_group, "get_replica_groups")
         if not joining:
             self._session += 1
-        installed = worker_group.execute(start_live_worker, self._address, self._session, joining)
-        if not all(installed):
-            log.warning("SIGTERM handler not installed on %d of %d workers", installed.count(False), len(installed))
+        warn_without_handler(worker_group.execute(start_live_worker, self._address, self._session, joining))
 
     def _serve(self) -> str:
         """Start the store's server in this process (the controller's: the driver's), on a free port."""

@@ -28,7 +28,7 @@ class ProcessGroupConfig(BackendConfig):
     """The process group every worker forms (``backend``: gloo, nccl, neuron) and its collectives' timeout."""
 
     backend: str = "gloo"
-    timeout_s: int = 1800
+    timeout_s: float = 1800
 
     @property
     def backend_cls(self) -> type:
@@ -44,14 +44,18 @@ class ProcessGroupBackend(RayBackend):  # type: ignore[misc]
 
     def on_start(self, worker_group: Any, backend_config: Any) -> None:
         master_addr, ports = worker_group.execute_single(0, free_ports, 1)
-        installed = worker_group.execute(
-            start_worker, master_addr, ports[0], backend_config.backend, backend_config.timeout_s
+        warn_without_handler(
+            worker_group.execute(start_worker, master_addr, ports[0], backend_config.backend, backend_config.timeout_s)
         )
-        if not all(installed):
-            log.warning("SIGTERM handler not installed on %d of %d workers", installed.count(False), len(installed))
 
     # No ``on_shutdown``: Ray kills the workers right after it, and destroying a process group whose peer is gone
     # or frozen waits for Ray's process-group shutdown timeout (30 s) before a restarted group can start.
+
+
+def warn_without_handler(installed: list[bool]) -> None:
+    """One warning when some workers of a group (``installed``: each one's answer) have no SIGTERM handler."""
+    if not all(installed):
+        log.warning("SIGTERM handler not installed on %d of %d workers", installed.count(False), len(installed))
 
 
 def torch_distributed_env(master_addr: str, master_port: int) -> dict[str, str]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
@@ -46,7 +47,7 @@ from raytrn.tracking.roles import ProgressPosts
 from raytrn.train.build import build_training
 from raytrn.train.checkpointer import Checkpointer
 from raytrn.train.goodput import GoodputClock
-from raytrn.train.live.group import LeftOut, LiveGroup, Reformed
+from raytrn.train.live.group import Generation, LeftOut, LiveGroup, Reformed
 from raytrn.train.live.step import LiveStepResult, LiveTrainer
 from raytrn.train.loss import masked_loss_sum
 from raytrn.train.metrics import tracking_logger
@@ -69,11 +70,21 @@ def live_place() -> tuple[str, str, int, bool]:
     return host, port, int(os.environ[SESSION_ENV]), os.environ.get(JOINING_ENV) == "1"
 
 
-def live_checkpoints(job: JobSpec, rank: int) -> DcpCheckpoints:
-    """The run's DCP checkpoints as this live rank writes them (whole tensors on every replica: DCP writes each
-    once; reshardable into fsdp, hsdp or ddp). Made again after every re-formation (the rank and size move)."""
-    layout = {"data_parallel": "hsdp", "tensor_parallel_size": 1, "hsdp_shard_size": 1}
-    return DcpCheckpoints(job, rank=rank, plain_layout=True, layout=layout)
+class LiveCheckpoints:
+    """The run's DCP checkpoints as this live rank writes them (whole tensors on every replica: DCP writes each once;
+    reshardable into fsdp, hsdp or ddp), made again once the group re-formed (the rank and size moved)."""
+
+    LAYOUT = {"data_parallel": "hsdp", "tensor_parallel_size": 1, "hsdp_shard_size": 1}
+
+    def __init__(self, job: JobSpec) -> None:
+        self.job = job
+        self._made: tuple[Generation | None, DcpCheckpoints] | None = None
+
+    def of(self, group: LiveGroup) -> DcpCheckpoints:
+        if self._made is None or self._made[0] != group.generation:
+            made = DcpCheckpoints(self.job, rank=group.rank, plain_layout=True, layout=dict(self.LAYOUT))
+            self._made = (group.generation, made)
+        return self._made[1]
 
 
 def synchronous(job: JobSpec) -> JobSpec:
@@ -97,20 +108,11 @@ class MicroLosses:
     def __call__(self, k: int) -> torch.Tensor:
         t = self.t
         logits, targets, mask, _ = forward(t, self.micro[k])
-        autocast = torch.autocast(logits.device.type, dtype=t.autocast_dtype) if t.autocast_dtype else None
-        with autocast if autocast is not None else _nothing():
+        with torch.autocast(logits.device.type, dtype=t.autocast_dtype) if t.autocast_dtype else nullcontext():
             if self.total is None:
                 return t.loss_fn(logits, targets)
             assert mask is not None
             return masked_loss_sum(logits, targets, mask) * (len(self.micro) / max(self.total, 1.0))
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def live_loop_per_worker(config: dict[str, Any]) -> None:
@@ -134,6 +136,7 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
 
     t = build_training(job, backend, world_size=1, schedule=plan.schedule)  # a whole replica (no layout)
     trainer = LiveTrainer(group, t.model, t.optimizer, t.scheduler, grad_clip_norm=job.optim.grad_clip_norm)
+    checkpoints = LiveCheckpoints(job)  # t.checkpoints is made current before every save (_save)
     restore_s, restored, board_group = 0.0, None, None
     if joining:
         progress = Progress.from_dict(trainer.rejoin(JOIN_DEADLINE_S))
@@ -141,7 +144,7 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
         resumed_from: str | None = f"live:step_{progress.step}"
     else:
         group.found([f"w{i}" for i in range(ctx.get_world_size())])
-        t.checkpoints = live_checkpoints(job, group.rank)
+        t.checkpoints = checkpoints.of(group)
         checkpointer = Checkpointer(job, backend, plan.schedule, rank=group.rank, world_size=group.size,
                                     logger=tracker if group.rank == 0 else None)  # fmt: skip
         start = checkpointer.find()
@@ -153,10 +156,8 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                 checkpointer.restored_from, progress.step, checkpointer.restore_s, checkpointer.passed_over
             )
             board_group = plan.board.restarts.group_started(progress.step, group.size)
-    t.checkpoints = live_checkpoints(job, group.rank)
     feed = DataFeed(job, plan.manifest, dp=1, dp_rank=0, global_batch=rows)
     batches = backend.wrap_batches(feed.start(progress, ctx.get_world_rank(), resumed_from=resumed_from))
-    generation = group.generation
     end = job.run.max_steps
     reports = LiveMetrics(plan, job, tracker, rows)
     stops = StopRequests(plan.board.stops if plan.board is not None else None)  # rank 0 asks; the step tells all
@@ -186,18 +187,16 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                 if result.joins_waiting:
                     with clock.blocking("recovery"):
                         reformed.append(trainer.admit(asdict(progress)))
-                if group.generation != generation:
-                    t.checkpoints, generation = live_checkpoints(job, group.rank), group.generation
                 if group.rank == 0:
                     lr = float(t.optimizer.param_groups[0]["lr"])
                     reports.step_done(progress, result, reformed, time.perf_counter() - started, lr)
                 last = step >= end
                 if last or step % job.checkpoint.interval == 0:
                     with clock.blocking("checkpoint"):
+                        t.checkpoints = checkpoints.of(group)
                         _save(t, group, job, plan, progress, result, tracker, last=last)
             except LeftOut:  # the others re-formed without this replica (it was late): join again, take their state
                 progress = Progress.from_dict(trainer.rejoin(JOIN_DEADLINE_S))
-                t.checkpoints, generation = live_checkpoints(job, group.rank), group.generation
                 batches = backend.wrap_batches(feed.start(progress, ctx.get_world_rank()))
                 continue
             clock.iteration_done(final=last)
@@ -298,7 +297,6 @@ def _save(
     reformed = group.reform("lost")
     if not reformed.lost and error is not None:
         raise error
-    t.checkpoints = live_checkpoints(job, group.rank)
     log.warning(
         "live recovery: the checkpoint of step %d is skipped: %s lost during the save (%d replicas go on)",
         progress.step, ", ".join(reformed.lost) or "a replica", group.size,

@@ -34,10 +34,11 @@ Pure torch.distributed (no Ray): :mod:`tests.unit.test_live_group` runs it on re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -97,6 +98,22 @@ class Reformed:
     @property
     def joined(self) -> tuple[str, ...]:
         return tuple(m for m in self.after.members if m not in self.before.members)
+
+
+class Heartbeats:
+    """What one member has seen of the others' heartbeat counters while it waits for them: a member whose counter
+    has not moved for ``dead_after_s`` since this watch first read it is gone."""
+
+    def __init__(self, store: dist.Store, dead_after_s: float) -> None:
+        self.store, self.dead_after_s = store, dead_after_s
+        self._seen: dict[str, tuple[int, float]] = {}  # member -> (its counter, when this watch saw it move)
+
+    def silent(self, member: str, now: float) -> bool:
+        count = self.store.add(f"{PREFIX}hb/{member}", 0)
+        seen = self._seen.get(member)
+        if seen is None or seen[0] != count:
+            self._seen[member] = seen = (count, now)
+        return now - seen[1] >= self.dead_after_s
 
 
 @dataclass
@@ -189,16 +206,20 @@ class LiveGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the members in place; :class:`PeerLost` when a member is gone."""
-        try:
+        with self._collective():
             dist.all_reduce(tensor)
-        except (RuntimeError, dist.DistBackendError) as e:
-            raise PeerLost(f"live group generation {self._current().number}: {str(e).splitlines()[0]}") from e
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         """Copy ``tensors`` from rank ``src`` to every member, in place (a newcomer's state, bit for bit)."""
-        try:
+        with self._collective():
             for tensor in tensors:
                 dist.broadcast(tensor, src)
+
+    @contextlib.contextmanager
+    def _collective(self) -> Iterator[None]:
+        """A collective's failure as :class:`PeerLost` (its first line: gloo's own, naming the peer)."""
+        try:
+            yield
         except (RuntimeError, dist.DistBackendError) as e:
             raise PeerLost(f"live group generation {self._current().number}: {str(e).splitlines()[0]}") from e
 
@@ -211,7 +232,7 @@ class LiveGroup:
         key = self._key(generation.number, f"ready-{what}{step}")
         self.store.set(f"{key}/{self.member}", "1")
         give_up = time.monotonic() + self.timeout_s
-        beats: dict[str, tuple[int, float]] = {}
+        beats = Heartbeats(self.store, self.dead_after_s)
         polled = 0.0
         while not self.store.check([key + "/verdict"]):
             verdict = None
@@ -223,12 +244,8 @@ class LiveGroup:
                 verdict = "abort"
             elif now - polled >= _DECIDE_POLL_S:  # the heartbeats of those not here yet
                 polled = now
-                for m in missing:
-                    count = self.store.add(f"{PREFIX}hb/{m}", 0)
-                    if m not in beats or beats[m][0] != count:
-                        beats[m] = (count, now)
-                    elif now - beats[m][1] >= self.dead_after_s:
-                        verdict = "abort"
+                if any([beats.silent(m, now) for m in missing]):  # every counter read (a list, not a generator)
+                    verdict = "abort"
             if verdict is not None:
                 self.store.compare_set(key + "/verdict", "", verdict)
                 break
@@ -263,6 +280,9 @@ class LiveGroup:
             old = self._key(generation.number, f"{what}{step - 2}")
             for suffix in ("/bad", "/done", "/decided"):
                 self.store.delete_key(old + suffix)
+            ready = self._key(generation.number, f"ready-{what}{step - 2}")  # the same step's readiness (ready())
+            for suffix in ("verdict", *generation.members):
+                self.store.delete_key(f"{ready}/{suffix}")
         return committed
 
     # -- internals ---------------------------------------------------------------------------------------------
@@ -286,7 +306,7 @@ class LiveGroup:
         newcomer is admitted: they are after the redone step, when every member expects them."""
         self.store.set(self._key(number, f"alive/{self.member}"), "1")
         give_up = time.monotonic() + self.timeout_s
-        beats: dict[str, tuple[int, float]] = {}  # member -> (its counter, when this member saw it move)
+        beats = Heartbeats(self.store, self.dead_after_s)
         arrived: list[str] = []
         while True:
             decided = self._decided(number)
@@ -294,16 +314,7 @@ class LiveGroup:
                 return decided
             arrived = [m for m in before.members if self.store.check([self._key(number, f"alive/{m}")])]
             now = time.monotonic()
-            waiting = []
-            for m in before.members:
-                if m in arrived:
-                    continue
-                count = self.store.add(f"{PREFIX}hb/{m}", 0)
-                seen = beats.get(m)
-                if seen is None or seen[0] != count:
-                    beats[m] = (count, now)
-                if now - beats[m][1] < self.dead_after_s:
-                    waiting.append(m)
+            waiting = [m for m in before.members if m not in arrived and not beats.silent(m, now)]
             if not waiting or now > give_up:
                 break
             time.sleep(_DECIDE_POLL_S)
