@@ -64,9 +64,10 @@ def test_survivors_train_on_and_the_returning_node_joins_live(live_run: dict) ->
     assert r["lost_to_next_step_s"] < 30, r
     assert r["back_to_full_size_s"] < 120, r
     # the returning and the replacing workers took the state from a live replica: the run's one restore is the
-    # fallback's, after every replica died, from the newest committed checkpoint (every 20 steps)
+    # fallback's, after every replica died, from the newest committed checkpoint (every 20 steps): at most one
+    # interval trained again (all 20 when the kill lands in the save of the next checkpoint: seen in a rehearsal)
     (restore,) = r["summary"]["restores"]
-    assert restore["source"] == "storage" and restore["step"] % 20 == 0 and restore["steps_retrained"] < 20, restore
+    assert restore["source"] == "storage" and restore["step"] % 20 == 0 and restore["steps_retrained"] <= 20, restore
     assert r["all_lost_to_next_step_s"] < 120, r
     assert "joined the live group" in r["log"]
     # the goodput ledger: live recoveries inside the groups and the fallback's gap are restart time, all accounted
