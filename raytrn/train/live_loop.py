@@ -52,7 +52,7 @@ from raytrn.train.live.step import LiveStepResult, LiveTrainer
 from raytrn.train.loss import masked_loss_sum
 from raytrn.train.metrics import tracking_logger
 from raytrn.train.plan import WorkerPlan
-from raytrn.train.step import Training, forward
+from raytrn.train.step import Training, forward, with_aux_loss
 from raytrn.train.stopping import StopRequests
 
 log = logging.getLogger(__name__)
@@ -105,14 +105,19 @@ class MicroLosses:
         masked = isinstance(micro[0], TokenBatch) and micro[0].loss_mask is not None
         self.total = sum(float(b.loss_mask[:, 1:].sum()) for b in micro) if masked else None
 
-    def __call__(self, k: int) -> torch.Tensor:
+    def __call__(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch ``k``'s objective (a MoE model's load-balancing loss added, weighted by
+        ``router_aux_loss_coef``, as the restart path's step adds it) and its loss (what is logged: the language
+        model's alone)."""
         t = self.t
-        logits, targets, mask, _ = forward(t, self.micro[k])
+        logits, targets, mask, out = forward(t, self.micro[k])
         with torch.autocast(logits.device.type, dtype=t.autocast_dtype) if t.autocast_dtype else nullcontext():
             if self.total is None:
-                return t.loss_fn(logits, targets)
-            assert mask is not None
-            return masked_loss_sum(logits, targets, mask) * (len(self.micro) / max(self.total, 1.0))
+                loss = t.loss_fn(logits, targets)
+            else:
+                assert mask is not None
+                loss = masked_loss_sum(logits, targets, mask) * (len(self.micro) / max(self.total, 1.0))
+        return with_aux_loss(t, loss, out), loss
 
 
 def live_loop_per_worker(config: dict[str, Any]) -> None:

@@ -84,3 +84,43 @@ def test_a_failure_under_live_recovery_ends_no_group_and_says_the_others_train_o
     restart = RunEvents(10, out=said.append, alive_nodes=lambda: None)
     restart.failure_decided(True, {}, RuntimeError("boom"), False)
     assert len(restart.ends) == 1 and "restarting the group from the newest state" in said[-1]
+
+
+def test_a_moe_replica_trains_the_restart_paths_objective_and_logs_the_loss_alone(tmp_path: Path) -> None:
+    """MicroLosses (the live loop's micro-batch loss) adds a MoE model's load-balancing loss to what it takes
+    gradients of, as the restart path's train_step does: one replica accumulating every micro-batch lands on
+    train_step's parameters; the reported loss is the language model's alone."""
+    import torch
+
+    from raytrn.backends import get_backend
+    from raytrn.train.build import build_training
+    from raytrn.train.live_loop import MicroLosses
+    from raytrn.train.step import train_step
+
+    spec = load_job(
+        REPO / "jobs" / "tiny-moe.yaml",
+        ["data.manifest=unused", "data.seq_len=16", "data.micro_batch_size=2", "data.grad_accum=3",
+         "scaling.min_workers=1", "scaling.max_workers=1", f"checkpoint.storage={tmp_path}"],
+        resolve=False,
+    )  # fmt: skip
+    backend = get_backend("cpu")
+    generator = torch.Generator().manual_seed(0)
+    micro = [torch.randint(0, spec.model.vocab_size, (2, 17), generator=generator) for _ in range(3)]
+    torch.manual_seed(0)
+    restart = build_training(spec, backend, world_size=1)
+    torch.manual_seed(0)
+    live = build_training(spec, backend, world_size=1)
+    assert live.aux_loss_coef > 0
+    reference = train_step(restart, iter(micro), backend)
+
+    losses = MicroLosses(live, micro)
+    logged = []
+    for k in range(len(micro)):
+        objective, loss = losses(k)
+        assert float((objective - loss).detach()) > 0  # the load-balancing loss, weighted, is in the objective only
+        (objective / len(micro)).backward()
+        logged.append(float(loss))
+    live.clip_and_step()
+    assert sum(logged) / len(micro) == pytest.approx(float(reference.loss), abs=1e-6)
+    for (name, a), b in zip(restart.model.named_parameters(), live.model.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=name)

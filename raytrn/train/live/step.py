@@ -27,8 +27,10 @@ import torch
 from raytrn.train.live.group import LeftOut, LiveGroup, PeerLost, Reformed
 from raytrn.train.live.transfer import share_state
 
-#: (micro-batch index within the step) -> that micro-batch's mean loss, with the graph to take gradients of.
-MicroLoss = Callable[[int], torch.Tensor]
+#: (micro-batch index within the step) -> that micro-batch's mean loss, with the graph to take gradients of; or a
+#: pair (the objective to take gradients of, the loss to report): a MoE model's objective adds its load-balancing
+#: loss, which the step's reported loss leaves out.
+MicroLoss = Callable[[int], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 
 
 def share(micro_batches: int, replicas: int, index: int) -> range:
@@ -84,8 +86,9 @@ class LiveTrainer:
             self.optimizer.zero_grad(set_to_none=False)
             loss_sum = torch.zeros((), dtype=torch.float32)
             for k in mine:
-                loss = micro_loss(k)
-                (loss / micro_batches).backward()
+                got = micro_loss(k)
+                objective, loss = got if isinstance(got, tuple) else (got, got)
+                (objective / micro_batches).backward()
                 loss_sum += loss.detach().float()
             if self.group.rank == 0:
                 tail = torch.tensor([float(self.group.joins_waiting()), *map(float, shared)])
