@@ -191,7 +191,7 @@ class TorchNeuronConfig(ProcessGroupConfig):
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        check_stack("neuron", self.instance_type)  # trn1, trn3 or an unknown type: fail on the driver
+        check_stack("neuron", self.instance_type)  # trn1 or an unknown type: fail on the driver
         cores_per_instance(self.instance_type, self.lnc)
 
     @property

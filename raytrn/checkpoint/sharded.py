@@ -53,7 +53,10 @@ class DcpCheckpoints(Checkpoints):
         self.asynchronous = job.checkpoint.async_
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if self.distributed else 1
-        self.layout["data_parallel_size"] = self.world_size // int(self.layout.get("tensor_parallel_size", 1))
+        model_parallel = int(self.layout.get("tensor_parallel_size", 1)) * int(
+            self.layout.get("pipeline_parallel_size", 1)
+        )
+        self.layout["data_parallel_size"] = self.world_size // model_parallel
         # The background write's collectives get a gloo group of their own (also on nccl): never interleaved
         # with the step's collectives on the default group. Created by every rank at the same point.
         self._group = dist.new_group(backend="gloo") if self.asynchronous and self.distributed else None

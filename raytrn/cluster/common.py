@@ -112,8 +112,9 @@ def raise_problems(source: str, problems: list[str]) -> None:
 def expected_neuron_cores(spec: InstanceSpec, commands: list[str]) -> tuple[int, int | None]:
     """NeuronCores a node of ``spec`` exposes given the commands run on it, and the LNC they imply.
 
-    Rule: on instances with a logical NeuronCore config (trn2) the count is at the default LNC (2: 64
-    on trn2.48xlarge) unless a command sets ``NEURON_LOGICAL_NC_CONFIG=N``; the last setting wins.
+    Rule: on instances with a logical NeuronCore config (trn2, trn3) the count is at the default LNC (2: 64
+    on trn2.48xlarge, and on trn3.48xlarge, UNCONFIRMED) unless a command sets ``NEURON_LOGICAL_NC_CONFIG=N``; the
+    last setting wins.
     """
     lnc = None
     if spec.default_lnc is not None:

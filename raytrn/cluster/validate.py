@@ -8,7 +8,8 @@ and the fix):
    written, so an error names its path (``available_node_types.trn1_32xl.max_worker``).
 2. raytrn's rules for Trainium clusters: ``resources.neuron_cores`` equals the instance type's
    NeuronCores (the INSTANCES table of :mod:`raytrn.backends.neuron_env`; trn2 counts 64 at the default
-   LNC=2, 128 when a command of that node type sets ``NEURON_LOGICAL_NC_CONFIG=1``); multi-node trn
+   LNC=2, 128 when a command of that node type sets ``NEURON_LOGICAL_NC_CONFIG=1``; an instance type the table
+   marks unconfirmed, trn3, is checked the same way, with a note saying UNCONFIRMED and its source); multi-node trn
    types have an EFA interface and a cluster placement group; no ``provider.security_group`` rule opens
    Ray's or MLflow's ports to the internet; ``idle_timeout_minutes`` and ``max_workers`` are set and
    consistent; the head is not a Trainium instance.
@@ -24,9 +25,11 @@ import ipaddress
 import json
 import os
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from raytrn.backends.neuron_env import INSTANCES
+from raytrn.cluster.capacity import capacity_of
 from raytrn.cluster.common import (
     PLACEHOLDER,
     as_list,
@@ -100,6 +103,11 @@ def validate_cluster_file(path: str, *, template: bool = False) -> list[str]:
     kuberay = any(isinstance(d, dict) and "kind" in d for d in docs)
     if kuberay:
         notes = validate_kuberay_documents(docs, source=path)
+        try:
+            groups = capacity_of(docs, path).groups
+        except ConfigError:  # a RayJob on an existing RayCluster (clusterSelector) has no worker groups of its own
+            groups = []
+        notes += unconfirmed_notes(g.instance_type for g in groups)
     elif len(docs) != 1:
         raise ConfigError(f"{path}: a cluster-launcher config is one YAML document, found {len(docs)}")
     else:
@@ -132,7 +140,18 @@ def validate_cluster_config(config: Any, *, source: str = "<cluster>") -> list[s
     problems += _check_security_group(config)
     problems += _command_problems(config, notes)
     raise_problems(source, problems)
-    return notes
+    itypes = [
+        mapping_at(nt, "node_config").get("InstanceType") for nt in mapping_at(config, "available_node_types").values()
+    ]
+    return notes + unconfirmed_notes(itypes)
+
+
+def unconfirmed_notes(instance_types: Iterable[Any]) -> list[str]:
+    """A note for each instance type (once, however many node types use it) whose layout the INSTANCES table
+    marks unconfirmed: UNCONFIRMED, the layout raytrn assumes, and where its figures come from."""
+    names = [t for t in instance_types if isinstance(t, str)]  # unvalidated YAML: a list is no instance type
+    specs = [INSTANCES[t] for t in dict.fromkeys(names) if t in INSTANCES]
+    return [note for spec in specs if (note := spec.unconfirmed_note())]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from raytrn.config.sizes import hsdp_shard_size, world_sizes
+from raytrn.config.stages import SCHEDULES, ZERO_BUBBLE
 from raytrn.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -22,6 +23,7 @@ def check_parallel(job: JobSpec) -> list[str]:
     _check_features(job)
     _check_model_dims(job)
     sizes = world_sizes(job)
+    _check_pipeline(job, sizes)
     bad = [n for n in sizes if n % tp]
     if bad:
         step = job.scaling.workers_per_node
@@ -36,6 +38,74 @@ def check_parallel(job: JobSpec) -> list[str]:
     _check_expert_parallel(job, sizes)
     _check_live(job, sizes)
     return _describe_layout(job, sizes)
+
+
+def _check_pipeline(job: JobSpec, sizes: list[int]) -> None:
+    """Pipeline parallelism (:mod:`raytrn.models.pipeline`): dense models with untied embeddings, enough decoder
+    layers for the stages, whole pipelines at every world size, enough micro-batches to fill the pipeline, and what
+    this version's pipelined loop does not run yet refused with the fix."""
+    p, m, where = job.parallel, job.model, job.source
+    pp = p.pipeline_parallel_size
+    if pp == 1:
+        if "pipeline_schedule" in p.model_fields_set and p.pipeline_schedule != "1f1b":
+            raise ConfigError(
+                f"{where}: parallel.pipeline_schedule {p.pipeline_schedule} with pipeline_parallel_size 1: it "
+                "schedules a pipeline's stages; set parallel.pipeline_parallel_size, or remove it"
+            )
+        return
+    per_rank = SCHEDULES[p.pipeline_schedule][1]
+    stages = pp * per_rank
+    fix = "set parallel.pipeline_parallel_size: 1, or"
+    refusals = [
+        (m.is_moe, f"a MoE model ({m.family}): its load-balancing loss multiplies sums over every layer's routing, "
+                   "which no pipeline stage sees whole; train it with fsdp/hsdp and expert parallelism"),
+        (m.tie_word_embeddings, "tied input and output embeddings (model.tie_word_embeddings): the embedding is on "
+                                "the first stage and the head on the last; set model.tie_word_embeddings: false"),
+        (m.num_layers < stages, f"{m.num_layers} decoder layers for {stages} stages ({pp} ranks x {per_rank} of "
+                                f"{p.pipeline_schedule}): a stage holds one layer at least; lower the stages"),
+        (p.expert_parallel_size > 1, "expert parallelism"),
+        (job.scaling.recovery == "live", "scaling.recovery: live (whole replicas of one worker)"),
+        (job.data.validation is not None, "data.validation (the pipelined loop does not evaluate yet); remove it"),
+        (job.tracking.enabled and job.tracking.log_model, "tracking.log_model (the final model's export gathers "
+                                                          "every stage: not yet); set tracking.log_model: false"),
+    ]  # fmt: skip
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"{where}: parallel.pipeline_parallel_size {pp} cannot train {why}; {fix.rstrip(', or')}")
+    bad = [n for n in sizes if n % (pp * p.tensor_parallel_size)]
+    if bad:
+        raise ConfigError(
+            f"{where}: {', '.join(map(str, bad))} worker(s) (a world size the job can take) is not a multiple of "
+            f"parallel.pipeline_parallel_size {pp} x TP {p.tensor_parallel_size}: every world size holds whole "
+            f"pipelines; make scaling.min_workers and max_workers multiples of {pp * p.tensor_parallel_size}"
+        )
+    for n in sizes:
+        dp = n // (pp * p.tensor_parallel_size)
+        if dp > 1 and p.pipeline_schedule in ZERO_BUBBLE:
+            raise ConfigError(
+                f"{where}: parallel.pipeline_schedule {p.pipeline_schedule} with {dp} data-parallel replicas at {n} "
+                "workers: its split weight-gradient pass and FSDP2's gradient reduction disagreed with one process "
+                "in raytrn's tests; use 1f1b, gpipe or interleaved_1f1b (or no data parallelism)"
+            )
+        if dp > 1 and p.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"{where}: parallel.pipeline_parallel_size {pp} with tensor_parallel_size {p.tensor_parallel_size} "
+                f"and {dp} data-parallel replicas at {n} workers: pipeline x TP x FSDP is not verified in this "
+                "version (pipeline x TP and pipeline x FSDP are); drop one of the three"
+            )
+        if p.data_parallel == "ddp" and dp > 1:
+            raise ConfigError(
+                f"{where}: parallel.pipeline_parallel_size {pp} with data_parallel: ddp at {n} workers ({dp} "
+                "replicas): pipeline stages replicate with FSDP2; set parallel.data_parallel: fsdp (or hsdp)"
+            )
+        micro = job.data.grad_accum_for(dp)
+        if micro < stages or micro % pp:
+            raise ConfigError(
+                f"{where}: {micro} micro-batch(es) a step at {n} workers (data.grad_accum per data-parallel rank: "
+                f"the pipeline's micro-batches) cannot fill {stages} pipeline stages ({p.pipeline_schedule}): "
+                f"they must be at least {stages} and a multiple of {pp}; raise data.grad_accum (or "
+                "data.global_batch_size)"
+            )
 
 
 def _check_hsdp(job: JobSpec, sizes: list[int]) -> None:
@@ -215,9 +285,11 @@ def _describe_layout(job: JobSpec, sizes: list[int]) -> list[str]:
     """One line on the torch.distributed layout (nothing for plain DDP)."""
     p = job.parallel
     if p.data_parallel == "ddp" and p.tensor_parallel_size == 1 and p.activation_checkpointing == "none":
-        return []
+        if p.pipeline_parallel_size == 1:
+            return []
     tp, shard = p.tensor_parallel_size, hsdp_shard_size(job)
-    parts = [f"{p.data_parallel} over {'/'.join(str(n // tp) for n in sizes)} data-parallel rank(s)"]
+    block = tp * p.pipeline_parallel_size
+    parts = [f"{p.data_parallel} over {'/'.join(str(n // block) for n in sizes)} data-parallel rank(s)"]
     if shard:
         replicas = "/".join(str(n // shard) for n in sizes)
         parts[0] += f" (sharded over {shard // tp} in each of {replicas} replicated group(s) of {shard} workers)"
@@ -226,6 +298,12 @@ def _describe_layout(job: JobSpec, sizes: list[int]) -> list[str]:
     if p.expert_parallel_size > 1:
         per = (job.model.num_experts or 0) // p.expert_parallel_size
         parts.append(f"expert parallel {p.expert_parallel_size} ({per} experts a rank, all-to-all)")
+    if p.pipeline_parallel_size > 1:
+        from raytrn.config.stages import stage_layers
+
+        pp, per_rank = p.pipeline_parallel_size, SCHEDULES[p.pipeline_schedule][1]
+        layers = "/".join(str(len(r)) for r in stage_layers(job.model.num_layers, pp * per_rank))
+        parts.append(f"pipeline parallel {pp} ({p.pipeline_schedule}, {pp * per_rank} stages of {layers} layers)")
     if p.activation_checkpointing != "none":
         parts.append(f"{p.activation_checkpointing} activation checkpointing")
     return [f"parallel: {', '.join(parts)}"]

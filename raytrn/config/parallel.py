@@ -46,6 +46,21 @@ class ParallelConfig(Section):
         "of them; tokens reach their experts by all-to-all). Taken from the data-parallel ranks: workers / TP must "
         "be a multiple of it (under hsdp, a shard group's data-parallel ranks). Needs data_parallel: fsdp or hsdp",
     )
+    pipeline_parallel_size: int = Field(
+        1,
+        gt=0,
+        le=64,
+        description="stages a model replica is cut into by decoder layers (torch.distributed.pipelining), the "
+        "outermost mesh dimension: a rank's stage is rank // (workers / PP); the step's micro-batches "
+        "(data.grad_accum, per data-parallel rank) are the pipeline's. Dense models with untied embeddings",
+    )
+    pipeline_schedule: Literal[
+        "1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"
+    ] = Field(
+        "1f1b",
+        description="pipeline_parallel_size > 1: torch.distributed.pipelining's schedule; the interleaved ones hold "
+        "2 stages a rank (stage s on rank s mod PP), zbv_zero_bubble and dualpipev 2 in a V (stages r and 2PP-1-r)",
+    )
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         "none",
         description="recompute activations in backward: full (each decoder block keeps only its input), "

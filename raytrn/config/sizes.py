@@ -74,9 +74,10 @@ def size_unit(job: JobSpec) -> int:
     tensor-parallel groups (with expert parallelism whole blocks of ``TP x EP`` consecutive ranks); under hsdp also
     whole shard groups."""
     p = job.parallel
-    unit = job.scaling.workers_per_node or p.tensor_parallel_size * p.expert_parallel_size
+    pp = p.pipeline_parallel_size
+    unit = math.lcm(job.scaling.workers_per_node or 1, pp * p.tensor_parallel_size * p.expert_parallel_size)
     shard = hsdp_shard_size(job)
-    return math.lcm(unit, shard) if shard else unit
+    return math.lcm(unit, pp * shard) if shard else unit
 
 
 def hsdp_shard_size(job: JobSpec) -> int | None:
@@ -102,6 +103,15 @@ def shard_size(job: JobSpec, world_size: int) -> int:
 def _unit_reason(job: JobSpec) -> str:
     wpn, tp, ep = job.scaling.workers_per_node, job.parallel.tensor_parallel_size, job.parallel.expert_parallel_size
     shard = hsdp_shard_size(job)
+    pp = job.parallel.pipeline_parallel_size
+    if pp > 1:
+        return (
+            f"a multiple of {size_unit(job)}: whole pipelines (parallel.pipeline_parallel_size {pp} x TP {tp}"
+            + (f" x EP {ep}" if ep > 1 else "")
+            + (f", hsdp shard groups of {shard} in each stage" if shard else "")
+            + (f", on whole nodes of {wpn}" if wpn else "")
+            + ")"
+        )
     if shard and shard != wpn:
         return f"a multiple of {size_unit(job)}: whole hsdp shard groups of {shard} workers" + (
             f" on whole nodes (scaling.workers_per_node={wpn})" if wpn else ""
@@ -125,23 +135,31 @@ def describe_sizes(job: JobSpec) -> str:
 
 
 def data_parallel_size(job: JobSpec, world_size: int) -> int:
-    """Model replicas at ``world_size`` workers: ``world_size / tensor_parallel_size``.
+    """Model replicas at ``world_size`` workers: ``world_size / (pipeline_parallel_size x tensor_parallel_size)``.
 
-    The ranks of one TP group hold one replica and read the same batch, so this, not the world size,
-    multiplies the micro-batch (``global batch = micro_batch x grad_accum x DP``).
+    The ranks of one TP group (and of one pipeline's stages) hold one replica and read the same batch, so this, not
+    the world size, multiplies the micro-batch (``global batch = micro_batch x grad_accum x DP``).
     """
-    tp = job.parallel.tensor_parallel_size
-    if world_size % tp:
+    tp, pp = job.parallel.tensor_parallel_size, job.parallel.pipeline_parallel_size
+    if world_size % (tp * pp):
         raise ConfigError(
-            f"{job.source}: {world_size} workers is not divisible by parallel.tensor_parallel_size ({tp}); "
-            "every world size must hold whole tensor-parallel groups"
+            f"{job.source}: {world_size} workers is not divisible by parallel.pipeline_parallel_size ({pp}) x "
+            f"parallel.tensor_parallel_size ({tp}); every world size must hold whole pipelines of whole "
+            "tensor-parallel groups"
         )
-    return world_size // tp
+    return world_size // (tp * pp)
 
 
-def data_parallel_rank(job: JobSpec, rank: int) -> int:
-    """This worker's replica index (tensor-parallel ranks are consecutive), i.e. which data slice it reads."""
-    return rank // job.parallel.tensor_parallel_size
+def data_parallel_rank(job: JobSpec, rank: int, world_size: int | None = None) -> int:
+    """This worker's replica index, i.e. which data slice it reads: tensor-parallel ranks are consecutive, and
+    under pipeline parallelism (the outermost mesh dimension: ``world_size`` needed) the ranks of a stage are a
+    contiguous block of ``world_size / PP``, replica ``i`` of each block a stage of the same pipeline."""
+    p = job.parallel
+    if p.pipeline_parallel_size > 1:
+        if world_size is None:
+            raise ValueError("data_parallel_rank under pipeline parallelism needs the world size")
+        rank %= world_size // p.pipeline_parallel_size
+    return rank // p.tensor_parallel_size
 
 
 def data_parallel_sizes(job: JobSpec) -> dict[int, int]:

@@ -1,8 +1,8 @@
 """What one worker's device is: its memory and peak, with where each figure comes from.
 
 Trainium from :data:`raytrn.backends.neuron_env.INSTANCES` (HBM per chip over the logical cores at the job's LNC);
-GPUs by instance family (NVIDIA datasheets); a CPU worker's share of this machine's memory. Trainium3 figures are
-not confirmed (``../NEURON-NOTES``: 144 GiB a chip, 8 cores) and say so.
+GPUs by instance family (NVIDIA datasheets); a CPU worker's share of this machine's memory. An instance type the
+table marks unconfirmed (Trainium3) gives a device that says UNCONFIRMED, with the table's source.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ GPU_MEMORY_GIB: dict[str, tuple[str, int]] = {
     "p5en": ("H200 141GB", 141),
     "g5": ("A10G 24GB", 24),
 }
-#: Trainium3: 144 GiB of HBM a chip, 8 NeuronCore-v4 (Neuron architecture docs); instance layouts unconfirmed.
-TRN3_HBM_GIB_PER_PHYSICAL_CORE = 144 / 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,12 +37,12 @@ class Device:
     memory_bytes: int | None  # None: unknown (the estimate says so instead of fits / does not fit)
     peak_flops: float | None  # dense BF16 FLOP/s; None: unknown (cpu)
     source: str
-    confirmed: bool = True
+    confirmed: bool = True  # False: figures not yet in the vendor's public pages (``source`` says where they are from)
 
     def describe(self) -> str:
         memory = f"{self.memory_bytes / GIB:,.1f} GiB" if self.memory_bytes else "memory unknown"
         peak = f", {self.peak_flops / 1e12:,.1f} TFLOP/s bf16" if self.peak_flops else ""
-        return f"{self.name}: {memory}{peak} ({self.source}{'' if self.confirmed else ', UNCONFIRMED'})"
+        return f"{self.name}: {memory}{peak} ({'' if self.confirmed else 'UNCONFIRMED: '}{self.source})"
 
 
 def worker_device(job: JobSpec, *, instance_type: str | None = None) -> Device:
@@ -60,20 +58,13 @@ def worker_device(job: JobSpec, *, instance_type: str | None = None) -> Device:
         if spec is not None and spec.hbm_gib_per_chip:
             lnc = job.neuron.lnc if spec.default_lnc else None
             core = f"logical NeuronCore (LNC={lnc or spec.default_lnc})" if spec.default_lnc else "NeuronCore"
+            source = f"{spec.hbm_gib_per_chip} GiB HBM a chip x {spec.neuron_devices} over {spec.cores(lnc)} cores"
             return Device(
                 name=f"{itype} {core}",
                 memory_bytes=spec.worker_memory_bytes(lnc),
                 peak_flops=peak,
-                source=f"{spec.hbm_gib_per_chip} GiB HBM a chip x {spec.neuron_devices} over {spec.cores(lnc)} cores",
-            )
-        if family.startswith("trn3"):
-            lnc = job.neuron.lnc or 2
-            return Device(
-                name=f"{itype} logical NeuronCore (LNC={lnc})",
-                memory_bytes=int(TRN3_HBM_GIB_PER_PHYSICAL_CORE * lnc * GIB),
-                peak_flops=peak,
-                source="144 GiB HBM a Trainium3 chip of 8 cores",
-                confirmed=False,
+                source=source if spec.confirmed else f"{source}; {spec.name}'s figures from: {spec.source}",
+                confirmed=spec.confirmed,
             )
         return Device(name=f"{itype or 'unknown instance'} NeuronCore", memory_bytes=None, peak_flops=peak,
                       source="no instance_type: set scaling.instance_type")  # fmt: skip

@@ -1,7 +1,5 @@
 """The pieces of a tensor-parallel plan every family composes its own from (``raytrn/models/<family>/parallelize.py``):
-Megatron-style column- and row-wise projections, the embedding and head, norms replicated; and where a pipeline
-schedule would cut a decoder.
-
+Megatron-style column- and row-wise projections, the embedding and head, norms replicated.
 The model code (:mod:`raytrn.models.decoder`) knows nothing of this; :mod:`raytrn.train.parallelize` applies a
 family's plan to the built model, before activation checkpointing, ``torch.compile`` and FSDP (torchtitan's order).
 torch's distributed modules are imported where a plan is applied: a family's folder is read without torch
@@ -56,22 +54,24 @@ def apply_tensor_parallel(
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     decoder: Any = model.model
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Replicate()),  # logits gathered: the loss is the usual one
-        },
-    )
-    for layer in decoder.layers:
+    ends = {  # a pipeline stage may hold neither (raytrn.models.pipeline)
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),  # logits gathered: the loss is the usual one
+    }
+    held = {"model.embed_tokens": decoder.embed_tokens, "lm_head": getattr(model, "lm_head", None)}
+    present = {name: style for name, style in ends.items() if held[name] is not None}
+    if present:
+        parallelize_module(model, tp_mesh, present)  # type: ignore[arg-type]
+    layer: Any
+    for layer in decoder_layers(model):
         parallelize_module(layer, tp_mesh, layer_plan)
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             replicate(norm, tp_mesh)
         if qk_norm:  # over each head of this rank's heads [b, s, heads, d]
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 replicate(norm, tp_mesh, sharded_dim=2)
-    replicate(decoder.norm, tp_mesh)
+    if decoder.norm is not None:
+        replicate(decoder.norm, tp_mesh)
     if tie_word_embeddings:  # each module got its own copy of the shared matrix: share it again (both Shard(0))
         model.lm_head.weight = decoder.embed_tokens.weight  # type: ignore[union-attr]
 
@@ -97,17 +97,5 @@ def replicate(module: nn.Module, mesh: DeviceMesh, *, sharded_dim: int | None = 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder's blocks in order: what FSDP wraps, activation checkpointing recomputes and a per-block
     ``torch.compile`` compiles, one at a time."""
-    return list(model.model.layers)  # type: ignore[union-attr,arg-type]
-
-
-def decoder_stages(model: nn.Module, stages: int) -> list[list[nn.Module]]:
-    """Where a pipeline schedule would cut a decoder: its blocks in ``stages`` runs of consecutive ones, the first
-    runs one longer when they do not divide evenly (the embedding goes with the first stage, the final norm and head
-    with the last). Not used yet: raytrn offers no pipeline parallelism (issue 47); a family whose blocks are not
-    all alike (e.g. dense layers before sparse ones) gives its own cut in its ``parallelize.py``."""
-    layers = decoder_layers(model)
-    if not 0 < stages <= len(layers):
-        raise ValueError(f"{stages} pipeline stages for {len(layers)} decoder layers")
-    size, extra = divmod(len(layers), stages)
-    cuts = [i * size + min(i, extra) for i in range(stages + 1)]
-    return [layers[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    layers: Any = model.model.layers  # type: ignore[union-attr]  # a stage's: a ModuleDict by the whole model's indices
+    return list(layers.values()) if hasattr(layers, "values") else list(layers)

@@ -82,8 +82,6 @@ class ModelSpec:
     # -- parallelization (parallelize.py)
     #: Tensor parallelism over a TP mesh: ``(model, tp_mesh, tie_word_embeddings)``.
     tensor_parallel: Callable[[nn.Module, DeviceMesh, bool], None]
-    #: Where a pipeline schedule would cut the model: ``(model, stages)`` -> each stage's blocks. Not used yet.
-    pipeline_stages: Callable[[nn.Module, int], list[list[nn.Module]]]
     #: Expert parallelism over the experts' mesh (:func:`raytrn.models.expert_parallel.expert_mesh`); None: dense.
     expert_parallel: Callable[[nn.Module, DeviceMesh], None] | None = None
     # -- the Hugging Face adapter (hf.py)

@@ -20,6 +20,7 @@ PRICES_USD_PER_HOUR: dict[str, float] = {
     "trn2.48xlarge": 46.98,
     # trn2u (UltraServer members) are sold through capacity reservations, not on demand: no list price here.
     # Set tracking.usd_per_hour to what your reservation costs per instance-hour.
+    # Trainium3 (trn3, trn3p, trn3e): no public price; like trn2u, capacity reservations. Set tracking.usd_per_hour.
     # NVIDIA GPUs, after AWS's June 2025 price cut on P4/P5 (check: not re-verified).
     "p4d.24xlarge": 21.96,  # 8x A100 40GB
     "p5.48xlarge": 55.04,  # 8x H100 SXM
@@ -35,6 +36,10 @@ PEAK_FLOPS_BF16: dict[str, float] = {
     # AWS Neuron docs, trn2-arch: a Trainium2 chip is 667 TFLOPS dense BF16 with 8 physical
     # NeuronCore-v3 -> 83.375 per physical core; a logical core (LNC=2, the default) is two of them.
     "trn2": 667e12 / 8,
+    # UNCONFIRMED per core: Neuron architecture docs, trainium3 (2025-12): a Trainium3 chip is 671 TFLOPS dense BF16
+    # with 8 physical NeuronCore-v4 -> 83.875 per physical core, taken as split evenly; a logical core (LNC=2, the
+    # default, itself unconfirmed on trn3) is two of them.
+    "trn3": 671e12 / 8,
     # NVIDIA datasheets, dense BF16 tensor-core peak (the sparse figures are twice these).
     "A100": 312e12,
     "H100": 989e12,  # H100 SXM5
@@ -54,8 +59,8 @@ def peak_flops_per_worker(
 ) -> float | None:
     """Dense BF16 peak FLOP/s of one worker's device, or None when unknown (cpu, unlisted hardware).
 
-    neuron / neuron-xla: one (logical) NeuronCore; trn2/trn2u at ``lnc`` (default 2) physical cores per logical
-    core. Trainium3 is not listed until its per-core figures are confirmed.
+    neuron / neuron-xla: one (logical) NeuronCore; trn2/trn2u and trn3/trn3p/trn3e (UNCONFIRMED) at ``lnc``
+    (default 2) physical cores per logical core.
     cuda: one GPU, named by ``gpu`` or inferred from the instance family (p4d: A100, p5: H100, p5e/p5en: H200).
     """
     if accelerator in ("neuron", "neuron-xla"):
@@ -64,6 +69,8 @@ def peak_flops_per_worker(
             return PEAK_FLOPS_BF16["trn1"]
         if family in ("trn2", "trn2u"):
             return PEAK_FLOPS_BF16["trn2"] * (lnc or 2)
+        if family in ("trn3", "trn3p", "trn3e"):
+            return PEAK_FLOPS_BF16["trn3"] * (lnc or 2)
         return None
     if accelerator == "cuda":
         name = gpu or _GPU_BY_FAMILY.get(_family(instance_type))

@@ -79,12 +79,15 @@ def build_native(
         loss_fn=torch.compile(cross_entropy, **compile_) if compile_ is not None else cross_entropy,
         autocast_dtype=None if par.sharded else backend.autocast_dtype(job),  # FSDP: its MixedPrecisionPolicy
         no_sync=par.no_sync,
-        clip_and_step=clip_and_step(backend, optimizer, params, job.optim.grad_clip_norm),
+        clip_and_step=clip_and_step(
+            backend, optimizer, params, job.optim.grad_clip_norm, pp_group=getattr(par.pipeline, "group", None)
+        ),
         checkpoints=(checkpoints or sharded_checkpoints)(job, par, rank=rank),
         export=par.full_state_items,
         world_size=world_size,
         data_parallel_size=data_parallel_size(job, world_size),
         aux_loss_coef=job.model.router_aux_loss_coef if job.model.is_moe else 0.0,
+        pipeline=par.pipeline,
     )
 
 
@@ -113,11 +116,20 @@ def sharded_checkpoints(job: JobSpec, par: Parallelized, *, rank: int) -> Checkp
     shard = hsdp_shard_size(job)
     if par.data_parallel == "hsdp" and shard:  # recorded too: DCP reshards hsdp <-> fsdp <-> ddp
         layout["hsdp_shard_size"] = shard
-    return DcpCheckpoints(job, rank=rank, plain_layout=tp == 1 and not par.sharded, layout=layout)
+    pp = job.parallel.pipeline_parallel_size if par.pipeline is not None else 1
+    if pp > 1:  # recorded (a checkpoint loads at any pipeline size: the whole model's names)
+        layout["pipeline_parallel_size"] = pp
+    plain = tp == 1 and not par.sharded and pp == 1
+    return DcpCheckpoints(job, rank=rank, plain_layout=plain, layout=layout)
 
 
 def clip_and_step(
-    backend: Backend, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float | None
+    backend: Backend,
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    max_norm: float | None,
+    *,
+    pp_group: Any = None,
 ) -> Callable[[], torch.Tensor]:
     """The step's end: reduce gradients where the backend must (XLA: before clipping; DDP/FSDP did it in backward),
     clip, optimizer step; returns the grad norm before clipping.
@@ -132,7 +144,7 @@ def clip_and_step(
 
     def step() -> torch.Tensor:
         backend.reduce_gradients(optimizer)
-        norm = grad_norm_and_clip(params, max_norm)
+        norm = grad_norm_and_clip(params, max_norm, pp_group)
         if backend.skips_nonfinite_steps:
             if on_device:
                 optimizer.found_inf = (~torch.isfinite(norm)).to(torch.float32)  # type: ignore[attr-defined]

@@ -50,6 +50,8 @@ class Parallelized:
     mesh: DeviceMesh | None
     data_parallel: str  # "ddp" | "fsdp" | "hsdp" | "none" (one replica)
     tensor_parallel_size: int
+    #: This rank's part of a pipeline (:class:`raytrn.train.pipelined.Pipeline`); None: no pipeline parallelism.
+    pipeline: Any = None
 
     @property
     def sharded(self) -> bool:
@@ -96,6 +98,12 @@ def parallelize(
     p = job.parallel
     tp = p.tensor_parallel_size
     distributed = world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed and p.pipeline_parallel_size > 1:
+        from raytrn.train.pipelined import parallelize_pipeline
+
+        return parallelize_pipeline(
+            model, job, device=device, world_size=world_size, compile=compile, mixed_precision=mixed_precision
+        )
     sharded = p.data_parallel in ("fsdp", "hsdp")
     shard = hsdp_shard_size(job) if distributed else None
     if distributed and p.data_parallel == "hsdp" and (shard is None or world_size % shard or shard % tp):
@@ -280,16 +288,18 @@ def _node_id() -> str | None:
     return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else None
 
 
-def grad_norm_and_clip(params: Sequence[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+def grad_norm_and_clip(params: Sequence[torch.Tensor], max_norm: float | None, pp_group: Any = None) -> torch.Tensor:
     """The total gradient norm over all workers (before clipping), clipping to ``max_norm`` when set.
 
     Plain tensors (DDP: already all-reduced) use torch's own function. DTensors may live on different meshes
-    (e.g. TP-sharded and replicated): each mesh's partial norm is completed there, then combined.
+    (e.g. TP-sharded and replicated): each mesh's partial norm is completed there, then combined. ``pp_group``
+    (pipeline parallelism: each rank holds its stages' parameters): the squared norms summed over the pipeline's
+    ranks, the norm of the whole model, as one process computes it.
     """
     grads = [p.grad for p in params if p.grad is not None]
     from torch.distributed.tensor import DTensor
 
-    if not any(isinstance(g, DTensor) for g in grads):
+    if pp_group is None and not any(isinstance(g, DTensor) for g in grads):
         if max_norm is None:
             return torch.nn.utils.get_total_norm(grads)
         return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
@@ -297,13 +307,16 @@ def grad_norm_and_clip(params: Sequence[torch.Tensor], max_norm: float | None) -
     for g in grads:
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
         groups.setdefault(key, []).append(g)
-    squares = []
+    squares: list[torch.Tensor] = []
     for key, members in groups.items():
         norm = torch.nn.utils.get_total_norm(members)
         if key is not None:
             norm = norm.full_tensor()  # type: ignore[attr-defined]  # a collective over that mesh
         squares.append(norm.float() ** 2)
-    total = torch.stack(squares).sum().sqrt()
+    squared = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float32)  # a stage: no grads
+    if pp_group is not None:
+        torch.distributed.all_reduce(squared, group=pp_group)
+    total = squared.sqrt()
     if max_norm is not None:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for members in groups.values():

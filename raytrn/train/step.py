@@ -52,6 +52,8 @@ class Training:
     #: A MoE model's ``router_aux_loss_coef``: the load-balancing loss it returns is added, so weighted, to the loss
     #: the gradients are taken of (the loss logged stays the language-modelling loss).
     aux_loss_coef: float = 0.0
+    #: This rank's part of a pipeline (:class:`raytrn.train.pipelined.Pipeline`): the step runs its schedule.
+    pipeline: Any = None
 
 
 @dataclass(kw_only=True)
@@ -130,6 +132,10 @@ def train_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch], backen
     mean of per-row or per-micro-batch means: the step's micro-batches are drawn first, their targets counted and
     summed over the data-parallel ranks, and each micro-batch's loss sum is scaled so that the gradient averaging of
     DDP/FSDP yields exactly that mean."""
+    if t.pipeline is not None:
+        from raytrn.train.pipelined import pipeline_step
+
+        return pipeline_step(t, batches, backend)
     model = t.model
     model.train()
     t0 = time.perf_counter()

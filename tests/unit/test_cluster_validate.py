@@ -27,6 +27,8 @@ CLUSTER_FILES = sorted((REPO / "cluster").glob("*.yaml"))
 LOCAL_SIM = "local-sim.yaml"
 TRN1 = REPO / "cluster" / "aws-trn1.yaml"
 TRN2 = REPO / "cluster" / "aws-trn2.yaml"
+#: Trainium3: its instance type and layout are UNCONFIRMED (raytrn.backends.neuron_env.INSTANCES).
+TRN3 = REPO / "cluster" / "aws-trn3.yaml"
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -55,24 +57,28 @@ def test_shipped_cluster_files_validate(path: Path) -> None:
 DLAMI = {
     TRN1: "resolve:ssm:/aws/service/neuron/dlami/pytorch-2.9/ubuntu-24.04/latest/image_id",
     TRN2: "resolve:ssm:/aws/service/neuron/dlami/torch-neuronx-2.14.0/ubuntu-24.04/latest/image_id",
+    TRN3: "resolve:ssm:/aws/service/neuron/dlami/torch-neuronx-2.14.0/ubuntu-24.04/latest/image_id",  # TorchNeuron too
 }
 
 
 def test_shipped_files_exist_and_boot_their_stacks_dlami() -> None:
-    assert TRN1 in CLUSTER_FILES and TRN2 in CLUSTER_FILES
-    for path in (TRN1, TRN2):
+    assert TRN1 in CLUSTER_FILES and TRN2 in CLUSTER_FILES and TRN3 in CLUSTER_FILES
+    for path in (TRN1, TRN2, TRN3):
         text = path.read_text()
         images = {nt["node_config"]["ImageId"] for nt in load(path)["available_node_types"].values()}
         assert images == {DLAMI[path]}, images  # head and workers alike
         assert "multi-framework" not in text.split("ImageId")[1]  # no PyTorch there since Neuron 2.32
         assert "ImageId: ami-" not in text  # no stale hard-coded AMI id
         assert "--dashboard-host=127.0.0.1" in text and "RAY_AUTH_MODE=token" in text
+        # The Ray token file_mounts copies, made 0600 on every node.
+        assert "~/.ray/auth_token: ~/.ray/auth_token" in text and "- chmod 600 ~/.ray/auth_token" in text, path
 
 
 def test_each_shipped_file_activates_its_familys_venv() -> None:
     assert "source /opt/aws_neuronx_venv_torch_neuronx_2_14_0/bin/activate" in TRN2.read_text()
+    assert "source /opt/aws_neuronx_venv_torch_neuronx_2_14_0/bin/activate" in TRN3.read_text()
     assert "source /opt/aws_neuronx_venv_pytorch_2_9_nxd_training/bin/activate" in TRN1.read_text()
-    for path in (TRN1, TRN2):
+    for path in (TRN1, TRN2, TRN3):
         assert not [n for n in validate_cluster_file(str(path), template=True) if n.startswith("warning:")]
 
 
@@ -85,6 +91,9 @@ def test_each_shipped_file_activates_its_familys_venv() -> None:
         (TRN1, "/opt/aws_neuronx_venv_torch_neuronx_2_14_0", "xlarge trains with scaling.accelerator "
          "neuron-xla, but /opt/aws_neuronx_venv_torch_neuronx_2_14_0 is the neuron venv (TorchNeuron); use "
          "/opt/aws_neuronx_venv_pytorch_2_9_nxd_training"),
+        (TRN3, "/opt/aws_neuronx_venv_pytorch_2_9_nxd_training", "trn3.48xlarge trains with scaling.accelerator "
+         "neuron, but /opt/aws_neuronx_venv_pytorch_2_9_nxd_training is the neuron-xla venv (PyTorch/XLA + NxD); use "
+         "/opt/aws_neuronx_venv_torch_neuronx_2_14_0"),
     ],
 )  # fmt: skip
 def test_the_wrong_venv_for_the_instance_family_is_warned(path: Path, venv: str, expected: str) -> None:
@@ -123,7 +132,7 @@ def test_shipped_files_pass_rays_own_validation() -> None:
     """Ray's full check (defaults filled, NetworkInterfaces folded), not just the schema."""
     from raytrn.compat import ray_validate_cluster_config
 
-    for path in (TRN1, TRN2):
+    for path in (TRN1, TRN2, TRN3):
         ray_validate_cluster_config(load(path))
 
 
@@ -131,7 +140,7 @@ def test_trn_node_types_match_the_instance_table() -> None:
     from raytrn.backends.neuron_env import INSTANCES
 
     seen = set()
-    for path in (TRN1, TRN2):
+    for path in (TRN1, TRN2, TRN3):
         config = load(path)
         for name, nt in config["available_node_types"].items():
             itype = nt["node_config"]["InstanceType"]
@@ -140,12 +149,37 @@ def test_trn_node_types_match_the_instance_table() -> None:
                 efa = [ni for ni in nt["node_config"]["NetworkInterfaces"] if ni["InterfaceType"] == "efa"]
                 assert len(efa) == INSTANCES[itype].efa_devices, name
                 assert nt["min_workers"] == 0
-    assert seen == {"trn1.32xlarge", "trn1n.32xlarge", "trn2.48xlarge"}
+    assert seen == {"trn1.32xlarge", "trn1n.32xlarge", "trn2.48xlarge", "trn3.48xlarge"}
     markets = {
         nt["node_config"].get("InstanceMarketOptions", {}).get("MarketType")
         for nt in load(TRN1)["available_node_types"].values()
     }
     assert "spot" in markets and None in markets
+
+
+def test_an_unconfirmed_instance_type_validates_and_says_so_once() -> None:
+    """Issue 49 item 4: trn3 node types are checked like trn2's (64 neuron_cores at LNC 2, 128 at LNC 1) and the
+    notes say UNCONFIRMED with the table's source once, however many node types use the instance type."""
+    from raytrn.backends.neuron_env import INSTANCES
+
+    notes = validate_cluster_file(str(TRN3), template=True)
+    unconfirmed = [n for n in notes if "UNCONFIRMED" in n]
+    assert unconfirmed == [INSTANCES["trn3.48xlarge"].unconfirmed_note()]  # three trn3 node types, one note
+    assert INSTANCES["trn3.48xlarge"].source in unconfirmed[0]
+    assert any(
+        n.startswith("trn3_48xl: trn3.48xlarge, neuron_cores 64 at LNC=2, 0-4 nodes, on-demand, 8 EFA") for n in notes
+    )
+    assert any(n.startswith("trn3_48xl_lnc1: trn3.48xlarge, neuron_cores 128 at LNC=1") for n in notes)
+    assert not [n for n in validate_cluster_file(str(TRN2), template=True) if "UNCONFIRMED" in n]
+    c = load(TRN3)
+    c["available_node_types"]["trn3_48xl"]["resources"]["neuron_cores"] = 128  # LNC=2 default: 64
+    assert (
+        "trn3_48xl.resources.neuron_cores: 128 does not match trn3.48xlarge (64 NeuronCores at LNC=2)" in problems_of(c)
+    )
+    c = load(TRN2)  # another trn3 type in a trn2 file: its own note
+    c["available_node_types"]["trn2_48xl_spot"]["node_config"]["InstanceType"] = "trn3p.48xlarge"
+    notes = validate_cluster_config(c)
+    assert [n for n in notes if "UNCONFIRMED" in n] == [INSTANCES["trn3p.48xlarge"].unconfirmed_note()]
 
 
 def test_ray_schema_is_the_installed_one() -> None:
@@ -370,7 +404,7 @@ def test_missing_and_empty_file(tmp_path: Path) -> None:
 
 def test_mutated_file_on_disk(tmp_path: Path) -> None:
     c = load(TRN2)
-    c["available_node_types"]["trn2_48xl"]["node_config"]["InstanceType"] = "trn3.48xlarge"
+    c["available_node_types"]["trn2_48xl"]["node_config"]["InstanceType"] = "trn9.48xlarge"  # no such type
     path = tmp_path / "trn2.yaml"
     path.write_text(yaml.safe_dump(c))
     with pytest.raises(ConfigError) as info:

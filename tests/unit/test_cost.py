@@ -24,7 +24,11 @@ def test_peak_flops_per_worker():
     assert peak_flops_per_worker("neuron", "trn2u.48xlarge") == pytest.approx(2 * 667e12 / 8)  # UltraServer member
     assert peak_flops_per_worker("neuron-xla", "trn1.32xlarge") == 95e12  # the frozen XLA path, same trn1 cores
     assert peak_flops_per_worker("neuron", None) == pytest.approx(2 * 667e12 / 8)  # TorchNeuron: trn2 by default
-    assert peak_flops_per_worker("neuron", "trn3.48xlarge") is None  # not confirmed yet: no MFU rather than a guess
+    # Trainium3 (UNCONFIRMED per core): 671 dense BF16 TFLOPS a chip of 8 NeuronCore-v4, at LNC 2 by default.
+    assert peak_flops_per_worker("neuron", "trn3.48xlarge") == pytest.approx(2 * 671e12 / 8)
+    assert peak_flops_per_worker("neuron", "trn3.48xlarge", lnc=1) == pytest.approx(671e12 / 8)
+    assert peak_flops_per_worker("neuron", "trn3p.48xlarge", lnc=2) == pytest.approx(2 * 671e12 / 8)
+    assert peak_flops_per_worker("neuron", "trn3e.24xlarge") == pytest.approx(2 * 671e12 / 8)
     assert peak_flops_per_worker("cuda", "p4d.24xlarge") == 312e12
     assert peak_flops_per_worker("cuda", "p5.48xlarge") == 989e12
     assert peak_flops_per_worker("cuda", "p5en.48xlarge") == 989e12
@@ -46,6 +50,9 @@ def test_usd_per_hour_precedence():
     assert usd_per_hour("trn1n.32xlarge") == 24.78
     assert usd_per_hour("trn2.48xlarge") == 46.98  # on demand, us-east-1
     assert usd_per_hour("trn2u.48xlarge") is None  # capacity reservations only: set tracking.usd_per_hour
+    for trn3 in ("trn3.48xlarge", "trn3p.48xlarge", "trn3e.24xlarge"):
+        assert usd_per_hour(trn3) is None  # no public price (capacity reservations): set tracking.usd_per_hour
+        assert usd_per_hour(trn3, override=40.0) == 40.0
     assert usd_per_hour("trn1.32xlarge", override=20.0) == 20.0
     assert usd_per_hour("trn1.32xlarge", override=20.0, spot_price=7.5) == 7.5
     assert usd_per_hour("x9.huge") is None

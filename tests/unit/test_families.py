@@ -81,16 +81,27 @@ def test_reading_a_family_needs_no_torch() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_pipeline_stages_cut_the_layers_in_runs() -> None:
-    """Each family names where a pipeline schedule would cut it (not used yet): consecutive runs of its blocks."""
-    cfg = ModelConfig(preset="tiny", vocab_size=512, num_layers=5)
-    model = build_model(cfg, seed=0)
-    layers = list(model.model.layers)
-    stages = model_spec("llama").pipeline_stages(model, 2)
-    assert stages == [layers[:3], layers[3:]]
-    assert model_spec("qwen3").pipeline_stages(model, 1) == [layers]
-    with pytest.raises(ValueError, match="6 pipeline stages for 5 decoder layers"):
-        model_spec("qwen3_moe").pipeline_stages(model, 6)
+def test_every_family_cuts_into_pipeline_stages_by_the_whole_models_names() -> None:
+    """A stage of any family keeps its layers under their indices in the whole model (DCP reshards across pipeline
+    sizes by name); uneven splits put the extra layers on the middle stages (the ends carry embedding and head)."""
+    from raytrn.config.stages import stage_indices, stage_layers
+    from raytrn.models.pipeline import split_model
+
+    assert stage_layers(5, 2) == [range(0, 3), range(3, 5)]
+    assert stage_layers(10, 4) == [range(0, 2), range(2, 5), range(5, 8), range(8, 10)]
+    assert stage_indices("interleaved_1f1b", 1, 2) == [1, 3] and stage_indices("zbv_zero_bubble", 0, 2) == [0, 3]
+    with pytest.raises(ValueError, match="5 decoder layers cannot make 6 pipeline stages"):
+        stage_layers(5, 6)
+    for preset in ("tiny", "tiny-qwen3"):
+        cfg = ModelConfig(preset=preset, vocab_size=512, num_layers=5, tie_word_embeddings=False)
+        whole = {n for n, _ in build_model(cfg, seed=0).named_parameters()}
+        cut = [{n for n, _ in split_model(build_model(cfg, seed=0), s, 2).named_parameters()} for s in range(2)]
+        assert cut[0] | cut[1] == whole and not cut[0] & cut[1]
+        assert (
+            "model.embed_tokens.weight" in cut[0]
+            and "lm_head.weight" in cut[1]
+            and "model.layers.3.mlp.up_proj.weight" in cut[1]
+        )
 
 
 @pytest.fixture

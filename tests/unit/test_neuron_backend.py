@@ -65,6 +65,9 @@ def job(name: str = "llama3.2-1b-trn2.yaml", *overrides: str) -> JobSpec:
         ("trn2.48xlarge", 1, 128, 1),  # LNC=1: every physical core is a worker
         ("trn2.48xlarge", 1, 128, 4),
         ("trn2u.48xlarge", None, 64, 4),  # an UltraServer: 4 trn2u
+        ("trn3.48xlarge", None, 64, 2),  # Trainium3 (layout UNCONFIRMED): 16 chips x 8 cores at LNC=2
+        ("trn3.48xlarge", 1, 128, 1),
+        ("trn3p.48xlarge", None, 64, 4),  # an UltraServer member (UNCONFIRMED)
     ],
 )
 def test_every_worker_env(instance: str, lnc: int | None, per_node: int, nodes: int) -> None:
@@ -117,8 +120,11 @@ def test_options_cache_and_flags() -> None:
     [
         (dict(instance_type="trn1.32xlarge", workers_per_node=32), "TorchNeuron, which runs on trn2 and trn3 only; "
          "trn1.32xlarge is trn1: use scaling.accelerator: neuron-xla"),
-        (dict(instance_type="trn3.48xlarge"), "Trainium3 instance types are not yet known to raytrn"),
-        (dict(instance_type="trn3p.48xlarge"), "not confirmed in AWS's public documentation"),
+        (dict(instance_type="trn3.48xlarge", workers_per_node=128), "scaling.workers_per_node=128 does not match the "
+         "64 NeuronCores of trn3.48xlarge at the default LNC=2"),
+        (dict(instance_type="trn3e.24xlarge"), "does not match the 32 NeuronCores of trn3e.24xlarge at the default "
+         "LNC=2: TorchNeuron runs one worker per logical NeuronCore of every node; set scaling.workers_per_node: 32, "
+         "or 64 with neuron.lnc: 1"),
         (dict(lnc=3), "neuron.lnc=3: must be 1 or 2"),
         (dict(workers_per_node=32, world_size=32), "scaling.workers_per_node=32 does not match the 64 NeuronCores of "
          "trn2.48xlarge at the default LNC=2: TorchNeuron runs one worker per logical NeuronCore of every node; set "
@@ -190,6 +196,24 @@ def test_check_the_shipped_trn2_jobs() -> None:
     assert notes[0].startswith("neuron layout: trn2.48xlarge (64 NeuronCores at LNC=2), 64 workers per node, ")
     notes = NeuronBackend().check(job("llama3.2-1b-trn2.yaml"))
     assert notes[0].startswith("neuron layout: trn2.48xlarge (64 NeuronCores at LNC=2), 64 workers per node, ")
+    assert not [n for n in notes if "UNCONFIRMED" in n]
+
+
+def test_a_trn2_job_on_trainium3_is_checked_and_marked_unconfirmed() -> None:
+    """Issue 49 item 4: trn3.48xlarge has trn2.48xlarge's 64 logical cores at LNC 2 (UNCONFIRMED), so a trn2 job
+    moves over by its instance type alone; the notes say UNCONFIRMED, with the table's source, once."""
+    from raytrn.backends.neuron_env import INSTANCES
+
+    notes = NeuronBackend().check(job("llama3-8b-trn2.yaml", "scaling.instance_type=trn3.48xlarge"))
+    assert notes[0].startswith("neuron layout: trn3.48xlarge (64 NeuronCores at LNC=2), 64 workers per node, ")
+    assert [n for n in notes if "UNCONFIRMED" in n] == [
+        f"neuron layout: {INSTANCES['trn3.48xlarge'].unconfirmed_note()}"
+    ]
+    lnc1 = ["scaling.instance_type=trn3.48xlarge", "neuron.lnc=1", "scaling.workers_per_node=128",
+            "scaling.min_workers=128", "scaling.max_workers=256"]  # fmt: skip
+    assert "(128 NeuronCores at LNC=1)" in NeuronBackend().check(job("llama3.2-1b-trn2.yaml", *lnc1))[0]
+    config = NeuronBackend().ray_backend_config(job("llama3.2-1b-trn2.yaml", "scaling.instance_type=trn3.48xlarge"))
+    assert config.instance_type == "trn3.48xlarge"  # the driver-side config accepts it too
 
 
 @pytest.mark.parametrize(
@@ -198,7 +222,7 @@ def test_check_the_shipped_trn2_jobs() -> None:
         (["scaling.instance_type=trn1.32xlarge", "scaling.workers_per_node=32"], "use scaling.accelerator: neuron-xla"),
         (["scaling.workers_per_node=32"], "does not match the 64 NeuronCores of trn2.48xlarge"),
         (["neuron.lnc=1"], "does not match the 128 NeuronCores of trn2.48xlarge at neuron.lnc=1"),
-        (["scaling.instance_type=trn3.48xlarge"], "Trainium3 instance types are not yet known"),
+        (["scaling.instance_type=trn3e.24xlarge"], "does not match the 32 NeuronCores of trn3e.24xlarge"),
         (["neuron.compile_cache=s3://bkt/c"], "an s3:// cache is the XLA path's"),
         (["scaling.workers_per_node=null"], "scaling.accelerator='neuron' needs scaling.workers_per_node (one worker "
          "per NeuronCore): set e.g. scaling.instance_type: trn2.48xlarge and scaling.workers_per_node: 64"),

@@ -5,12 +5,15 @@ from __future__ import annotations
 import pytest
 
 from raytrn.backends.neuron_env import (
+    INSTANCES,
     cc_flags_for,
     check_layout,
+    check_stack,
     check_tp_groups,
     compile_cache_env,
     cores_per_instance,
     efa_devices,
+    instance_spec,
 )
 from raytrn.errors import BackendError
 
@@ -28,6 +31,14 @@ pytestmark = pytest.mark.unit
         ("trn2.48xlarge", None, 64, 16),
         ("trn2.48xlarge", 2, 64, 16),
         ("trn2.48xlarge", 1, 128, 16),
+        # Trainium3: UNCONFIRMED layouts (16 chips x 8 NeuronCore-v4; trn3e half of it; EFA counts assumed).
+        ("trn3.48xlarge", None, 64, 8),
+        ("trn3.48xlarge", 2, 64, 8),
+        ("trn3.48xlarge", 1, 128, 8),
+        ("trn3p.48xlarge", None, 64, 8),
+        ("trn3p.48xlarge", 1, 128, 8),
+        ("trn3e.24xlarge", None, 32, 4),
+        ("trn3e.24xlarge", 1, 64, 4),
     ],
 )
 def test_instance_table(instance: str, lnc: int | None, cores: int, efa: int) -> None:
@@ -42,12 +53,43 @@ def test_unknown_instance_lists_known_ones() -> None:
     assert "scaling.instance_type='trn1.32xlarg': unknown Trainium instance type" in msg
     assert "Did you mean 'trn1.32xlarge'?" in msg
     assert "trn1.2xlarge, trn1.32xlarge, trn1n.32xlarge, trn2.48xlarge" in msg
+    with pytest.raises(
+        BackendError, match=r"'trn3.48xlarg': unknown Trainium instance type. Did you mean 'trn3.48xlarge'"
+    ):
+        cores_per_instance("trn3.48xlarg")
 
 
 @pytest.mark.parametrize("instance", ["trn1.2xlarge", "trn1.32xlarge", "trn1n.32xlarge"])
 def test_lnc_on_trn1_is_refused(instance: str) -> None:
-    with pytest.raises(BackendError, match=rf"neuron.lnc=2: .* applies only to trn2; {instance} has none"):
+    with pytest.raises(BackendError, match=rf"neuron.lnc=2: .* applies only to trn2 and trn3; {instance} has none"):
         cores_per_instance(instance, lnc=2)
+
+
+def test_trainium3_specs_are_unconfirmed_with_their_sources() -> None:
+    """Issue 49 item 4: the trn3 types are in the table, marked unconfirmed, each figure's source named."""
+    trn3 = instance_spec("trn3.48xlarge")
+    assert (trn3.neuron_devices, trn3.physical_cores, trn3.default_lnc, trn3.hbm_gib_per_chip) == (16, 128, 2, 144)
+    assert (trn3.family, trn3.accelerator) == ("trn3", "neuron")
+    assert trn3.worker_memory_bytes() == 36 << 30 and trn3.worker_memory_bytes(1) == 18 << 30  # 144 / 8 x LNC GiB
+    for name in ("trn3.48xlarge", "trn3p.48xlarge", "trn3e.24xlarge"):
+        spec = INSTANCES[name]
+        assert not spec.confirmed and spec.family == "trn3", name
+        assert "Neuron driver's platform table" in spec.source and "Neuron architecture docs" in spec.source
+        assert "assumed" in spec.source  # the EFA count and the LNC default
+        note = spec.unconfirmed_note()
+        assert note and note.startswith(f"UNCONFIRMED: {name} is not on AWS's instance-type pages yet")
+        assert spec.source in note
+    assert instance_spec("trn3e.24xlarge").neuron_devices == 8  # half a trn3.48xlarge
+    for name in ("trn1.32xlarge", "trn2.48xlarge", "trn2u.48xlarge"):
+        assert INSTANCES[name].confirmed and INSTANCES[name].unconfirmed_note() is None
+
+
+@pytest.mark.parametrize("instance", ["trn3.48xlarge", "trn3p.48xlarge", "trn3e.24xlarge", "trn3x.48xlarge"])
+def test_trainium3_trains_with_torchneuron_only(instance: str) -> None:
+    with pytest.raises(BackendError, match=rf"never ran on Trainium3 \({instance}\).*trn3 trains with TorchNeuron"):
+        check_stack("neuron-xla", instance)
+    if instance in INSTANCES:
+        assert check_stack("neuron", instance) is INSTANCES[instance]
 
 
 # --- compiler flags ---------------------------------------------------------------------------------------------
@@ -94,6 +136,17 @@ def test_layout_notes() -> None:
     )
 
 
+def test_an_unconfirmed_instance_says_so_once_with_its_source() -> None:
+    notes = layout(instance_type="trn3.48xlarge", workers_per_node=64, min_workers=64, max_workers=128, lnc=None)
+    assert notes[0].startswith("neuron layout: trn3.48xlarge (64 NeuronCores at LNC=2), 64 workers per node, 64, 128")
+    unconfirmed = [n for n in notes if "UNCONFIRMED" in n]
+    assert unconfirmed == [f"neuron layout: {instance_spec('trn3.48xlarge').unconfirmed_note()}"]
+    assert "(16 chips, 128 physical NeuronCores, LNC 2 by default, 144 GiB HBM a chip, 8 EFA devices)" in notes[-1]
+    assert "(128 NeuronCores at LNC=1)" in layout(instance_type="trn3.48xlarge", lnc=1, workers_per_node=128,
+                                                  min_workers=128, max_workers=128)[0]  # fmt: skip
+    assert not [n for n in layout(tensor_parallel_size=8) if "UNCONFIRMED" in n]  # trn1: confirmed
+
+
 def test_layout_single_partial_node_is_fine() -> None:
     assert "8 workers on 1 node(s)" in layout(min_workers=8, max_workers=8)[0]
 
@@ -108,7 +161,7 @@ def test_layout_single_partial_node_is_fine() -> None:
         (dict(tensor_parallel_size=64), "tensor_parallel_size=64 does not divide scaling.workers_per_node=32"),
         (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not divide scaling.workers_per_node=32"),
         (dict(min_workers=4, max_workers=4, tensor_parallel_size=8), "4 workers is not divisible by"),
-        (dict(instance_type="trn3.48xlarge"), "Trainium3 instance types are not yet known to raytrn"),
+        (dict(instance_type="trn3.48xlarge", workers_per_node=128), "exceeds the 64 NeuronCores of trn3.48xlarge"),
         (dict(lnc=1), "neuron.lnc=1: the logical NeuronCore config applies only to trn2"),
         (dict(instance_type="trn2.48xlarge", workers_per_node=128), "exceeds the 64 NeuronCores of trn2.48xlarge"),
     ],

@@ -10,7 +10,6 @@ SPEC = ModelSpec(
     name="llama",
     build_decoder=model.build_decoder,
     tensor_parallel=parallelize.tensor_parallel,
-    pipeline_stages=parallelize.pipeline_stages,
     architecture=hf.ARCHITECTURE,
     hf_config=hf.hf_config,
     layer_params=estimate.layer_params,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from raytrn.models.parallel import apply_tensor_parallel, attention_plan, decoder_stages, dense_mlp_plan
+from raytrn.models.parallel import apply_tensor_parallel, attention_plan, dense_mlp_plan
 
 if TYPE_CHECKING:
     from torch import nn
@@ -17,7 +17,3 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, tie_word_embeddings: 
     """Llama's plan over ``tp_mesh`` (the attention's and the dense MLP's projections split)."""
     plan = {**attention_plan(), **dense_mlp_plan()}
     apply_tensor_parallel(model, tp_mesh, layer_plan=plan, qk_norm=False, tie_word_embeddings=tie_word_embeddings)
-
-
-#: Where a pipeline schedule would cut a Llama model (not used yet): runs of its alike blocks.
-pipeline_stages = decoder_stages

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from raytrn.models.parallel import apply_tensor_parallel, attention_plan, decoder_stages, dense_mlp_plan
+from raytrn.models.parallel import apply_tensor_parallel, attention_plan, dense_mlp_plan
 
 if TYPE_CHECKING:
     from torch import nn
@@ -16,7 +16,3 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, tie_word_embeddings: 
     """Qwen3's plan over ``tp_mesh``."""
     plan = {**attention_plan(), **dense_mlp_plan()}
     apply_tensor_parallel(model, tp_mesh, layer_plan=plan, qk_norm=True, tie_word_embeddings=tie_word_embeddings)
-
-
-#: Where a pipeline schedule would cut a Qwen3 model (not used yet): runs of its alike blocks.
-pipeline_stages = decoder_stages

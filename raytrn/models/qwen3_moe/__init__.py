@@ -11,7 +11,6 @@ SPEC = ModelSpec(
     name="qwen3_moe",
     build_decoder=model.build_decoder,
     tensor_parallel=parallelize.tensor_parallel,
-    pipeline_stages=parallelize.pipeline_stages,
     expert_parallel=parallelize.expert_parallel,
     architecture=hf.ARCHITECTURE,
     hf_config=hf.hf_config,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from raytrn.models.parallel import apply_tensor_parallel, attention_plan, decoder_stages
+from raytrn.models.parallel import apply_tensor_parallel, attention_plan
 
 if TYPE_CHECKING:
     from torch import nn
@@ -24,8 +24,3 @@ def expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     from raytrn.models.expert_parallel import apply_expert_parallel  # torch: the estimate reads this family without it
 
     apply_expert_parallel(model, mesh)
-
-
-#: Where a pipeline schedule would cut a Qwen3-MoE model (not used yet): every layer is sparse, so runs of alike
-#: blocks.
-pipeline_stages = decoder_stages

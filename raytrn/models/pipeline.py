@@ -1,0 +1,127 @@
+"""Pipeline parallelism: a model cut into stages by decoder layers, and the stages run by one of
+``torch.distributed.pipelining``'s schedules.
+
+**Stages.** A model of ``L`` decoder layers in ``S`` stages (``S = pipeline_parallel_size x stages_per_rank``):
+stage ``s`` holds a contiguous run of layers (:func:`stage_layers`), the first also the token embedding, the last
+also the final norm and the output head. A stage is the model itself with everything else removed
+(:class:`PipelineStageModel`): its parameters keep the whole model's names (``model.layers.7.mlp.up_proj.weight``
+on whichever stage holds layer 7), so a ``torch.distributed.checkpoint`` saved at one pipeline size loads at any
+other, and at none (DCP matches by name; torchtitan does the same with its ``ModuleDict`` of layers).
+
+**Packed rows.** The document numbers of packed rows (``segments``) travel with the activations from stage to
+stage (an integer tensor: the schedule sends it but takes no gradient of it), so every stage masks attention to each
+document and restarts positions at each, as the whole model does.
+
+**Which ranks hold which stages** (:func:`stage_indices`): the loop schedules (1F1B, GPipe, interleaved 1F1B,
+interleaved zero bubble) put stage ``s`` on rank ``s mod P``; the V-shaped ones (ZBV zero bubble, DualPipeV) put
+stages ``r`` and ``2P - 1 - r`` on rank ``r``, so the first and last stages share rank 0.
+
+Not here: tied input and output embeddings (the embedding and the head are on different stages: refused by
+:mod:`raytrn.config.layout`), and MoE models (their load-balancing loss multiplies sums over every layer's routing,
+which no stage sees whole before its backward: refused too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from raytrn.config.stages import SCHEDULES, stage_indices, stage_layers
+from raytrn.models.decoder import LlamaForCausalLM, document_mask, document_positions
+
+
+class PipelineStageModel(nn.Module):
+    """One stage of a :class:`~raytrn.models.decoder.LlamaForCausalLM`: ``model`` (the decoder, holding only this
+    stage's layers under their own indices; the embedding on the first stage, the final norm on the last) and, on
+    the last stage, ``lm_head``. Input: token ids (first stage) or the previous stage's hidden states, with the rows'
+    ``segments`` when they are packed documents. Output: the logits (last stage), else the hidden states (with the
+    segments when given)."""
+
+    def __init__(self, full: LlamaForCausalLM, layers: range, *, first: bool, last: bool) -> None:
+        super().__init__()
+        decoder = full.model
+        decoder.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in layers})  # type: ignore[assignment]
+        if not first:
+            decoder.embed_tokens = None  # type: ignore[assignment]
+        if not last:
+            decoder.norm = None  # type: ignore[assignment]
+        self.model = decoder
+        self.lm_head = full.lm_head if last else None
+        self.first, self.last, self.layers = first, last, layers
+
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> Any:
+        decoder: Any = self.model
+        if self.first:
+            x = decoder.embed_tokens(x)
+        if segments is None:
+            rope, mask = decoder.rotary_emb(x), None
+        else:
+            rope, mask = decoder.rotary_emb(x, document_positions(segments)), document_mask(segments)
+        for layer in decoder.layers.values():
+            out = layer(x, rope, mask)
+            assert not isinstance(out, tuple), "MoE layers are not pipelined (raytrn.config.layout refuses them)"
+            x = out
+        if self.last:
+            assert self.lm_head is not None
+            return self.lm_head(decoder.norm(x))
+        return x if segments is None else (x, segments)
+
+
+def split_model(full: LlamaForCausalLM, stage: int, num_stages: int) -> PipelineStageModel:
+    """Stage ``stage`` of ``num_stages`` cut from ``full`` (which it consumes: the other stages' modules are
+    dropped). Each stage of a rank needs its own copy of the whole model to cut from."""
+    if full.lm_head.weight is full.model.embed_tokens.weight and num_stages > 1:
+        raise ValueError("tied input and output embeddings cannot be pipelined: they sit on the first and last stage")
+    ranges = stage_layers(len(full.model.layers), num_stages)
+    return PipelineStageModel(full, ranges[stage], first=stage == 0, last=stage == num_stages - 1)
+
+
+@dataclass
+class PipelineLoss:
+    """The schedule's loss of one micro-batch (the last stage calls it with the logits and the micro-batch's
+    targets, ``-100`` where a target does not count). ``scale``: set before each step; the per-micro-batch loss is
+    the sum of the counted targets' cross entropy times ``scale``. Unmasked rows: ``1 / tokens`` of a micro-batch
+    (the mean, as the one-process step; the schedule averages over micro-batches); masked rows: micro-batches /
+    the counted targets of the whole step (the step's loss is then the mean over every counted target)."""
+
+    scale: float = 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        flat = logits.reshape(-1, logits.size(-1)).float()
+        return (
+            torch.nn.functional.cross_entropy(flat, targets.reshape(-1), ignore_index=-100, reduction="sum")
+            * self.scale
+        )
+
+
+def build_schedule(stages: Sequence[Any], schedule: str, *, microbatches: int, loss: PipelineLoss) -> Any:
+    """``schedule``'s runner over this rank's ``stages`` (``torch.distributed.pipelining.PipelineStage`` s);
+    gradients averaged over the micro-batches (``scale_grads``)."""
+    from torch.distributed import pipelining
+
+    name, per_rank, _ = SCHEDULES[schedule]
+    cls = getattr(pipelining, name)
+    if per_rank == 1:
+        return cls(stages[0], n_microbatches=microbatches, loss_fn=loss, scale_grads=True)
+    return cls(list(stages), n_microbatches=microbatches, loss_fn=loss, scale_grads=True)
+
+
+def pipeline_targets(targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The targets the schedule's loss takes: ``-100`` where ``mask`` (the trained targets) is False."""
+    return targets if mask is None else targets.masked_fill(~mask.bool(), -100)
+
+
+__all__ = [
+    "SCHEDULES",
+    "PipelineLoss",
+    "PipelineStageModel",
+    "build_schedule",
+    "pipeline_targets",
+    "split_model",
+    "stage_indices",
+    "stage_layers",
+]

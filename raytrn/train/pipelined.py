@@ -1,0 +1,204 @@
+"""A job's model laid out as a pipeline (``parallel.pipeline_parallel_size > 1``) and its training step.
+
+**Layout.** The workers form a ``(pp, dp, tp)`` mesh (under hsdp ``(pp, dp_replicate, dp_shard, tp)``: torchtitan's
+order, the pipeline outermost, so that on a cluster a stage's ranks share nodes and only the stage boundaries' small
+activations cross the network). Each rank builds the whole model (identically seeded) for each stage it holds,
+cuts it (:func:`raytrn.models.pipeline.split_model`), and lays the stage out as any model: tensor parallelism,
+activation checkpointing, ``torch.compile`` per block, FSDP2 over the stage's data-parallel ranks with the stage as
+FSDP's root (:func:`raytrn.train.parallelize.parallelize`'s pieces). What the rest of raytrn sees as the model
+(:class:`PipelineRank`: the optimizer's parameters, the checkpoints, the gradient norm) holds this rank's stages
+under the whole model's parameter names, so a checkpoint saved at one pipeline size loads at any other.
+
+**Step.** The data-parallel rank's micro-batches (``data.grad_accum`` of them, the same rows one process would
+accumulate) are the schedule's micro-batches: the first stage feeds the tokens (and the packed rows' document
+numbers), the last computes each micro-batch's loss (:class:`raytrn.models.pipeline.PipelineLoss`: the mean over
+its targets, or over the whole step's trained targets for masked rows), the schedule averages the gradients over
+the micro-batches, the gradient norm is taken over every stage (:func:`grad_norm_and_clip` with the pipeline's
+group) and each rank steps its own parameters. The step's loss is the last stage's, summed over the pipeline's
+ranks (the others contribute zero), so every rank reports its replica's loss as one process does.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from raytrn.config.sizes import hsdp_shard_size
+from raytrn.data.batch import TokenBatch
+from raytrn.models.pipeline import PipelineLoss, build_schedule, pipeline_targets, split_model, stage_indices
+from raytrn.models.registry import model_spec
+
+if TYPE_CHECKING:
+    from raytrn.backends.base import Backend
+    from raytrn.config import JobSpec
+    from raytrn.train.parallelize import Parallelized
+    from raytrn.train.step import StepResult, Training
+
+
+class PipelineRank(nn.Module):
+    """This rank's stages as one module with the whole model's parameter names (``model.embed_tokens`` on the
+    first stage's rank, ``model.layers.<i>`` for its layers, ``model.norm`` and ``lm_head`` on the last's): what the
+    optimizer, the checkpoints and the gradient norm take. Never called: the schedule runs the stages."""
+
+    def __init__(self, stages: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleDict()
+        for stage in stages:
+            decoder: Any = stage.model
+            for name in ("embed_tokens", "norm"):
+                if getattr(decoder, name, None) is not None:
+                    setattr(self.model, name, getattr(decoder, name))
+            self.model.layers.update(decoder.layers)
+            if getattr(stage, "lm_head", None) is not None:
+                self.lm_head = stage.lm_head
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a pipelined model runs through its schedule (Pipeline.step), not as one module")
+
+
+@dataclass
+class Pipeline:
+    """This rank's part of the pipeline: its schedule, whether it holds the first and the last stage, the
+    pipeline's process group and the loss the last stage takes."""
+
+    schedule: Any
+    first: bool
+    last: bool
+    group: Any
+    loss: PipelineLoss
+    microbatches: int
+
+
+def parallelize_pipeline(
+    model: nn.Module,
+    job: JobSpec,
+    *,
+    device: torch.device,
+    world_size: int,
+    compile: dict[str, Any] | None = None,
+    mixed_precision: torch.dtype | None = None,
+) -> Parallelized:
+    """``model`` (built on ``device``, identically seeded on every rank) cut into this rank's stages and each laid
+    out over its data-parallel (and tensor-parallel) ranks. A collective: every rank calls it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage
+
+    from raytrn.config.stages import SCHEDULES
+    from raytrn.train.parallelize import (
+        Parallelized,
+        apply_activation_checkpointing,
+        apply_fsdp,
+        check_tp_placement,
+        data_parallel_mesh,
+    )
+
+    p = job.parallel
+    pp, tp = p.pipeline_parallel_size, p.tensor_parallel_size
+    shard = hsdp_shard_size(job)
+    inner = world_size // pp
+    if shard is None:
+        mesh = init_device_mesh(device.type, (pp, inner // tp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    else:
+        shape = (pp, inner // shard, shard // tp, tp)
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+    pp_rank = mesh.get_local_rank("pp")
+    per_rank = SCHEDULES[p.pipeline_schedule][1]
+    num_stages = pp * per_rank
+    indices = stage_indices(p.pipeline_schedule, pp_rank, pp)
+    family = model_spec(job.model.family)
+    sharded = p.data_parallel in ("fsdp", "hsdp") and inner // tp > 1
+    dp_mesh = data_parallel_mesh(mesh["dp_replicate", "dp_shard", "tp"] if shard else mesh["dp", "tp"])
+    if tp > 1:
+        check_tp_placement(tp)
+    stages, modules = [], []
+    for n, index in enumerate(indices):
+        whole = model if n == len(indices) - 1 else copy.deepcopy(model)  # each stage cuts its own copy
+        stage = split_model(whole, index, num_stages)  # type: ignore[arg-type]
+        if tp > 1:
+            family.tensor_parallel(stage, mesh["tp"], False)
+        if p.activation_checkpointing != "none":
+            apply_activation_checkpointing(stage, p.activation_checkpointing)
+        if compile is not None:
+            for layer in stage.model.layers.values():  # type: ignore[operator]
+                layer.compile(**compile)
+        if sharded:
+            apply_fsdp(stage, dp_mesh, p.reshard_after_forward, mixed_precision)
+        modules.append(stage)
+        stages.append(PipelineStage(stage, index, num_stages, device, group=mesh.get_group("pp")))
+    microbatches = job.data.grad_accum_for(inner // tp)
+    loss = PipelineLoss()
+    pipeline = Pipeline(
+        schedule=build_schedule(stages, p.pipeline_schedule, microbatches=microbatches, loss=loss),
+        first=0 in indices,
+        last=num_stages - 1 in indices,
+        group=mesh.get_group("pp"),
+        loss=loss,
+        microbatches=microbatches,
+    )
+    return Parallelized(
+        model=PipelineRank(modules),
+        mesh=mesh,
+        data_parallel=p.data_parallel if sharded else "none",
+        tensor_parallel_size=tp,
+        pipeline=pipeline,
+    )
+
+
+def pipeline_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch], backend: Backend) -> StepResult:
+    """One optimizer step over the data-parallel rank's ``grad_accum`` micro-batches, through the schedule (every
+    rank of the pipeline draws the same micro-batches: the first stage feeds their tokens, the last their targets)."""
+    from raytrn.train.step import StepResult, global_count
+
+    pipe: Pipeline = t.pipeline
+    t0 = time.perf_counter()
+    micro: list[Any] = [next(batches) for _ in range(t.grad_accum)]
+    data_wait = time.perf_counter() - t0
+    masks: list[Any] = [None]
+    segments = None
+    if isinstance(micro[0], TokenBatch):
+        tokens = torch.cat([b.tokens for b in micro])
+        masks = [b.loss_mask for b in micro]
+        if micro[0].segments is not None:
+            segments = torch.cat([b.segments for b in micro])[:, :-1]
+    else:
+        tokens = torch.cat(micro)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    trained = None
+    if masks[0] is not None:
+        mask = torch.cat(masks)[:, 1:]
+        local = mask.sum().to(dtype=torch.float32)
+        total = global_count(local, t)  # over the data-parallel ranks (every stage's rank counts the same rows)
+        trained = int(total.item())
+        # the schedule averages over micro-batches and DP averages over replicas: sum / total overall
+        pipe.loss.scale = float(t.data_parallel_size * pipe.microbatches / total)
+        targets = pipeline_targets(targets, mask)
+    else:
+        pipe.loss.scale = 1.0 / targets[: targets.shape[0] // pipe.microbatches].numel()
+    losses: list[torch.Tensor] = []
+    args = (inputs,) if segments is None else (inputs, segments)
+    t0 = time.perf_counter()
+    with torch.autocast(inputs.device.type, dtype=t.autocast_dtype) if t.autocast_dtype else nullcontext():
+        if pipe.first:
+            pipe.schedule.step(*args, target=targets if pipe.last else None, losses=losses)
+        elif pipe.last:
+            pipe.schedule.step(target=targets, losses=losses)
+        else:
+            pipe.schedule.step()
+    forward_s = time.perf_counter() - t0  # forward and backward interleave: the whole schedule
+    loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else torch.zeros(())
+    torch.distributed.all_reduce(loss, group=pipe.group)  # the last stage's, on every rank of the pipeline
+    grad_norm = t.clip_and_step()
+    t.scheduler.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    backend.sync()
+    return StepResult(
+        loss=loss, grad_norm=grad_norm, data_wait_s=data_wait, forward_s=forward_s, trained_tokens=trained
+    )

@@ -1,0 +1,280 @@
+"""Pipeline parallelism (``parallel.pipeline_parallel_size``): the tiny Llama (4 layers) cut into stages by
+torch.distributed.pipelining's schedules on real gloo processes (one spawn of 4 running every layout), each against
+one process on the same global batches; DCP checkpoints across pipeline sizes; and what ``raytrn validate`` says. No
+Ray.
+
+Layouts of the 4 ranks: PP 2 x FSDP 2 under 1F1B, under interleaved 1F1B (2 stages a rank) and on packed rows with
+loss masks (document attention, the mean over the step's trained targets); PP 4 (GPipe, no data parallelism); PP 2
+x TP 2 under ZBV zero bubble (2 stages a rank in a V); PP 4 under DualPipeV (8 stages of one layer). The first layout's checkpoint then loads into PP 4 over the
+same ranks and, in the test process, into one process: weights and AdamW moments bit-equal.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from raytrn.backends.cpu import CpuBackend
+from raytrn.config import JobSpec, load_job
+from raytrn.data.batch import TokenBatch
+from raytrn.errors import ConfigError
+from raytrn.train.build import build_training
+from raytrn.train.checks import check_spec
+from raytrn.train.step import read_metrics, train_step
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+WORLD = 4
+GLOBAL_ROWS = 8
+SEQ = 24
+STEPS = 3
+DEADLINE_S = 300
+#: One process vs the pipeline (losses and every parameter after STEPS): the same maths, summed in another order.
+TOLERANCE = 2e-5
+FSDP2 = ("parallel.data_parallel=fsdp", "parallel.pipeline_parallel_size=2")
+LAYOUTS: dict[str, tuple[str, ...]] = {
+    "pp2-fsdp2-1f1b": FSDP2,
+    "pp2-fsdp2-interleaved": (*FSDP2, "parallel.pipeline_schedule=interleaved_1f1b"),
+    "pp2-fsdp2-packed": FSDP2,
+    "pp4-gpipe": ("parallel.pipeline_parallel_size=4", "parallel.pipeline_schedule=gpipe"),
+    "pp2-tp2-zbv": (*FSDP2, "parallel.tensor_parallel_size=2", "parallel.pipeline_schedule=zbv_zero_bubble"),
+    "pp4-dualpipev": (
+        "parallel.pipeline_parallel_size=4",
+        "parallel.pipeline_schedule=dualpipev",
+        "model.num_layers=8",
+    ),
+}
+
+
+def job(tmp: Path, *overrides: str, workers: int = WORLD) -> JobSpec:
+    return load_job(
+        REPO / "jobs" / "tiny.yaml",
+        ["data.manifest=unused", f"data.seq_len={SEQ}", "model.vocab_size=512", "model.num_layers=4",
+         "model.tie_word_embeddings=false", "tracking.log_model=false", "data.grad_accum=null",
+         f"data.global_batch_size={GLOBAL_ROWS}", "data.micro_batch_size=1", "optim.warmup_steps=2",
+         f"scaling.min_workers={workers}", f"scaling.max_workers={workers}", f"checkpoint.storage={tmp}",
+         "tracking.run_name=pipeline", *overrides],
+        resolve=False,
+    )  # fmt: skip
+
+
+def global_batch(step: int, packed: bool) -> list[Any]:
+    """Global step ``step``'s rows, one micro-batch each (packed: 3 documents a row, the last padding, and a loss
+    mask that trains on part of each document)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    rows = torch.randint(0, 16, (GLOBAL_ROWS, SEQ + 1), generator=gen) * 31 % 512
+    if not packed:
+        return list(rows.split(1))
+    segments = torch.ones_like(rows)
+    segments[:, 9:] = 2
+    segments[:, 17:] = 3
+    segments[:, 22:] = 0
+    mask = (torch.rand(rows.shape, generator=gen) > 0.3) & (segments > 0)
+    return [TokenBatch(r, m, s) for r, m, s in zip(rows.split(1), mask.split(1), segments.split(1), strict=True)]
+
+
+def train(t: Any, j: JobSpec, world: int, rank: int, packed: bool) -> list[float]:
+    from raytrn.config.sizes import data_parallel_rank, data_parallel_size
+
+    dp, dp_rank = data_parallel_size(j, world), data_parallel_rank(j, rank, world)
+    out = []
+    for step in range(1, STEPS + 1):
+        rows = global_batch(step, packed)
+        share = len(rows) // dp
+        result = train_step(t, iter(rows[dp_rank * share : (dp_rank + 1) * share]), CpuBackend())
+        out.append(read_metrics(result, world)["loss"])
+    return out
+
+
+def full_state(t: Any) -> dict[str, Any]:
+    """This rank's weights and AdamW moments as full tensors by name (a collective over its stages' groups)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.tensor import DTensor
+
+    def full(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: full(v) for k, v in value.items()}
+        return value.full_tensor() if isinstance(value, DTensor) else value  # tensor parallel without FSDP
+
+    model, optim = get_state_dict(t.model, t.optimizer, options=StateDictOptions(full_state_dict=True))
+    return {"model": full(model), "optim": full(optim.get("state", {}))}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank(rank: int, world: int, port: int, tmp: str) -> None:
+    import torch.distributed as dist
+
+    from raytrn.checkpoint import dcp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out: dict[str, Any] = {}
+    try:
+        for name, overrides in LAYOUTS.items():
+            j = job(Path(tmp), *overrides)
+            t = build_training(j, CpuBackend(), world_size=world, rank=rank)
+            out[name] = {
+                "losses": train(t, j, world, rank, packed="packed" in name),
+                "state": full_state(t),
+                "checkpoint": {"layout": t.checkpoints.layout, "plain": t.checkpoints.plain_layout},
+            }
+            if name == "pp2-fsdp2-1f1b":  # its checkpoint, then loaded into PP 4 over the same ranks
+                dcp.save(dcp.training_state(t.model, t.optimizer, t.scheduler), str(Path(tmp) / "ck"))
+                pp4 = build_training(job(Path(tmp), *LAYOUTS["pp4-gpipe"]), CpuBackend(), world_size=world)
+                dcp.load(str(Path(tmp) / "ck"), pp4.model, pp4.optimizer, pp4.scheduler, source="test")
+                out["pp4-loaded"] = {"state": full_state(pp4), "last_epoch": pp4.scheduler.last_epoch}
+        torch.save(out, Path(tmp) / f"out-{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """Each layout's record: the losses (every rank's), the checkpoint layout (rank 0's) and the state of the
+    whole model (every rank's stages, merged by name)."""
+    tmp = tmp_path_factory.mktemp("pipeline")
+    ctx = mp.start_processes(
+        _rank, args=(WORLD, _free_port(), str(tmp)), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not ctx.join(timeout=1):
+            assert time.monotonic() < deadline, f"the {WORLD} ranks did not finish in {DEADLINE_S} s"
+    finally:
+        for process in ctx.processes:  # only after a failure or the deadline: ours, by handle
+            if process.is_alive():
+                process.terminate()
+    ranks = [torch.load(tmp / f"out-{r}.pt", weights_only=False) for r in range(WORLD)]
+    merged: dict[str, Any] = {}
+    for name in ranks[0]:
+        record = dict(ranks[0][name])
+        record["losses_by_rank"] = [r[name].get("losses") for r in ranks]
+        record["model"] = {k: v for r in ranks for k, v in r[name]["state"]["model"].items()}
+        record["optim"] = {k: v for r in ranks for k, v in r[name]["state"]["optim"].items()}
+        merged[name] = record
+    return tmp, merged
+
+
+def _one_process(tmp: Path, overrides: tuple[str, ...], packed: bool) -> tuple[list[float], Any]:
+    j = job(tmp, *(o for o in overrides if not o.startswith("parallel.")), workers=1)
+    t = build_training(j, CpuBackend(), world_size=1)
+    return train(t, j, 1, 0, packed), t
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_pipeline_trains_as_one_process_does(four_ranks: tuple[Path, dict[str, Any]], name: str) -> None:
+    """Losses (every rank reports its replica's) and every parameter after 3 steps (AdamW, clipping by the norm
+    over every stage) within 2e-5 of one process; the checkpoint records the pipeline and is sharded (DCP)."""
+    tmp, out = four_ranks
+    losses, one = _one_process(tmp, LAYOUTS[name], packed="packed" in name)
+    got = out[name]
+    for ranked in got["losses_by_rank"]:
+        assert ranked == pytest.approx(losses, rel=TOLERANCE), name
+    assert losses[-1] < losses[0]  # it trains
+    params = {n: p.detach() for n, p in one.model.named_parameters()}
+    assert got["model"].keys() == params.keys()  # every stage's parameters, under the whole model's names
+    # Row-wise TP sums partial products in another order; AdamW's first steps divide by the square root of tiny
+    # second moments, so those summation differences reach 6.3e-5 in the weights after 3 steps (losses within 2e-5).
+    tolerance = 1e-4 if "tp2" in name else TOLERANCE
+    for param_name, value in params.items():
+        torch.testing.assert_close(got["model"][param_name], value, rtol=tolerance, atol=tolerance, msg=param_name)
+    layout = got["checkpoint"]["layout"]
+    assert got["checkpoint"]["plain"] is False
+    assert layout["pipeline_parallel_size"] == (4 if name.startswith("pp4") else 2)
+    assert layout["data_parallel_size"] == WORLD // (layout["pipeline_parallel_size"] * layout["tensor_parallel_size"])
+
+
+def test_a_pipeline_checkpoint_loads_at_another_pipeline_size_and_into_one_process(
+    four_ranks: tuple[Path, dict[str, Any]],
+) -> None:
+    """DCP by the whole model's names: PP 2 x FSDP 2's checkpoint restores bit-equal into PP 4 over the same 4
+    ranks and into one process (weights, every AdamW moment, the schedule's step)."""
+    from raytrn.checkpoint import dcp
+
+    tmp, out = four_ranks
+    saved, pp4 = out["pp2-fsdp2-1f1b"], out["pp4-loaded"]
+    one = build_training(job(tmp, workers=1), CpuBackend(), world_size=1)
+    dcp.load(str(tmp / "ck"), one.model, one.optimizer, one.scheduler, source="test")
+    named = dict(one.model.named_parameters())
+    for loaded in (pp4["model"], {n: p.detach() for n, p in named.items()}):
+        assert loaded.keys() == saved["model"].keys()
+        assert all(torch.equal(loaded[n], v) for n, v in saved["model"].items())
+    assert pp4["optim"].keys() == saved["optim"].keys() == named.keys()
+    for param_name, moments in saved["optim"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(pp4["optim"][param_name][key], moments[key])
+            assert torch.equal(one.optimizer.state[named[param_name]][key], moments[key])
+    assert one.scheduler.state_dict()["last_epoch"] == pp4["last_epoch"] == STEPS
+
+
+# -- what validate says (pure) ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (("parallel.pipeline_schedule=gpipe",), "parallel.pipeline_schedule gpipe with pipeline_parallel_size 1"),
+        ((*FSDP2, "model.family=qwen3_moe", "model.preset=tiny-qwen3-moe"), "a MoE model (qwen3_moe)"),
+        ((*FSDP2, "model.tie_word_embeddings=true"), "tied input and output embeddings"),
+        ((*FSDP2, "model.num_layers=3", "parallel.pipeline_schedule=interleaved_1f1b"),
+         "3 decoder layers for 4 stages (2 ranks x 2 of interleaved_1f1b)"),
+        (("parallel.pipeline_parallel_size=3",), "8 worker(s) (a world size the job can take) is not a multiple of "
+                                                 "parallel.pipeline_parallel_size 3"),
+        (("parallel.pipeline_parallel_size=2",), "with data_parallel: ddp at 8 workers (4 replicas)"),
+        ((*FSDP2, "data.global_batch_size=4"), "1 micro-batch(es) a step at 8 workers"),
+        ((*FSDP2, "data.validation=somewhere"), "data.validation"),
+        ((*FSDP2, "tracking.log_model=true"), "tracking.log_model"),
+    ],
+)  # fmt: skip
+def test_what_a_pipeline_cannot_train_is_refused_one_clear_error_each(
+    tmp_path: Path, overrides: tuple[str, ...], expected: str
+) -> None:
+    with pytest.raises(ConfigError) as e:
+        check_spec(job(tmp_path, "data.global_batch_size=32", *overrides, workers=8))
+    assert expected in str(e.value), str(e.value)
+
+
+def test_a_pipeline_is_described_and_resizes_in_whole_pipelines(tmp_path: Path) -> None:
+    from raytrn.config.layout import check_parallel
+    from raytrn.config.sizes import data_parallel_rank, describe_sizes, world_sizes
+
+    j = job(tmp_path, *FSDP2, "data.global_batch_size=32", workers=8)
+    assert check_parallel(j) == [
+        "parallel: fsdp over 4 data-parallel rank(s), pipeline parallel 2 (1f1b, 2 stages of 2/2 layers)"
+    ]
+    elastic = job(tmp_path, *FSDP2, "parallel.tensor_parallel_size=2", "scaling.min_workers=4",
+                  "scaling.max_workers=12", "data.global_batch_size=null", "data.grad_accum=4")  # fmt: skip
+    assert world_sizes(elastic) == [4, 8, 12]
+    assert "whole pipelines (parallel.pipeline_parallel_size 2 x TP 2)" in describe_sizes(elastic)
+    # the pipeline outermost: ranks 0-3 hold stage 0, 4-7 stage 1; replica i of each block is one pipeline
+    assert [data_parallel_rank(elastic, r, 8) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ((*FSDP2, "parallel.pipeline_schedule=zbv_zero_bubble"), "zbv_zero_bubble with 4 data-parallel replicas"),
+        ((*FSDP2, "parallel.tensor_parallel_size=2"), "pipeline x TP x FSDP is not verified"),
+    ],
+)
+def test_pipeline_combinations_raytrn_has_not_verified_are_refused(
+    tmp_path: Path, overrides: tuple[str, ...], expected: str
+) -> None:
+    with pytest.raises(ConfigError) as e:
+        check_spec(job(tmp_path, "data.global_batch_size=32", *overrides, workers=8))
+    assert expected in str(e.value), str(e.value)
