@@ -74,8 +74,9 @@ def size_unit(job: JobSpec) -> int:
     tensor-parallel groups (with expert parallelism whole blocks of ``TP x EP`` consecutive ranks); under hsdp also
     whole shard groups."""
     p = job.parallel
-    pp = p.pipeline_parallel_size
-    unit = math.lcm(job.scaling.workers_per_node or 1, pp * p.tensor_parallel_size * p.expert_parallel_size)
+    pp, wpn = p.pipeline_parallel_size, job.scaling.workers_per_node
+    block = pp * p.tensor_parallel_size * p.expert_parallel_size
+    unit = (wpn if pp == 1 else math.lcm(wpn, block)) if wpn else block  # pp 1: layout checks TP x EP | wpn
     shard = hsdp_shard_size(job)
     return math.lcm(unit, pp * shard) if shard else unit
 
@@ -142,10 +143,10 @@ def data_parallel_size(job: JobSpec, world_size: int) -> int:
     """
     tp, pp = job.parallel.tensor_parallel_size, job.parallel.pipeline_parallel_size
     if world_size % (tp * pp):
+        what = f"parallel.pipeline_parallel_size ({pp}) x " if pp > 1 else ""
         raise ConfigError(
-            f"{job.source}: {world_size} workers is not divisible by parallel.pipeline_parallel_size ({pp}) x "
-            f"parallel.tensor_parallel_size ({tp}); every world size must hold whole pipelines of whole "
-            "tensor-parallel groups"
+            f"{job.source}: {world_size} workers is not divisible by {what}parallel.tensor_parallel_size ({tp}); "
+            f"every world size must hold whole {'pipelines of whole ' if pp > 1 else ''}tensor-parallel groups"
         )
     return world_size // (tp * pp)
 

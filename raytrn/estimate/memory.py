@@ -147,6 +147,9 @@ def estimate_memory(job: JobSpec, world_size: int) -> MemoryEstimate:
     notes = [f"{p.data_parallel}" + (over if fsdp else " (whole model a worker)")]
     if tp > 1:
         notes.append(f"TP {tp}")
+    if p.pipeline_parallel_size > 1:  # an over-estimate: a stage holds about 1/PP of the layers
+        notes.append(f"pipeline parallel {p.pipeline_parallel_size}: counted as the whole model (per-stage memory and "
+                     "the in-flight micro-batches' activations are not estimated yet)")  # fmt: skip
     if p.expert_parallel_size > 1:
         notes.append(f"experts over EP {p.expert_parallel_size} x FSDP {shard_dp // p.expert_parallel_size}")
     trainable = held

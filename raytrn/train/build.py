@@ -26,6 +26,7 @@ from raytrn.models.lora import apply_lora
 from raytrn.train.loss import cross_entropy
 from raytrn.train.optim import build_adamw, lr_scheduler
 from raytrn.train.parallelize import Parallelized, grad_norm_and_clip, parallelize
+from raytrn.train.pipelined import parallelize_pipeline
 from raytrn.train.schedule import Schedule
 from raytrn.train.step import Training
 
@@ -95,7 +96,8 @@ def native_layout(backend: Backend) -> Layout:
     """Tensor parallel, activation checkpointing, compile, then FSDP2 or DDP (:mod:`raytrn.train.parallelize`)."""
 
     def lay_out(model: torch.nn.Module, job: JobSpec, *, world_size: int, compile: dict[str, Any] | None) -> Any:
-        return parallelize(
+        pipelined = job.parallel.pipeline_parallel_size > 1 and world_size > 1 and torch.distributed.is_initialized()
+        return (parallelize_pipeline if pipelined else parallelize)(
             model,
             job,
             device=backend.device(),

@@ -98,12 +98,6 @@ def parallelize(
     p = job.parallel
     tp = p.tensor_parallel_size
     distributed = world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
-    if distributed and p.pipeline_parallel_size > 1:
-        from raytrn.train.pipelined import parallelize_pipeline
-
-        return parallelize_pipeline(
-            model, job, device=device, world_size=world_size, compile=compile, mixed_precision=mixed_precision
-        )
     sharded = p.data_parallel in ("fsdp", "hsdp")
     shard = hsdp_shard_size(job) if distributed else None
     if distributed and p.data_parallel == "hsdp" and (shard is None or world_size % shard or shard % tp):

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import copy
 import time
-from contextlib import nullcontext
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +75,10 @@ class Pipeline:
     group: Any
     loss: PipelineLoss
     microbatches: int
+
+    def train_step(self, t: Training, batches: Iterator[torch.Tensor | TokenBatch], backend: Backend) -> StepResult:
+        """:func:`raytrn.train.step.train_step` of a pipelined model: :func:`pipeline_step`."""
+        return pipeline_step(t, batches, backend)
 
 
 def parallelize_pipeline(

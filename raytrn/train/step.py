@@ -132,10 +132,9 @@ def train_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch], backen
     mean of per-row or per-micro-batch means: the step's micro-batches are drawn first, their targets counted and
     summed over the data-parallel ranks, and each micro-batch's loss sum is scaled so that the gradient averaging of
     DDP/FSDP yields exactly that mean."""
-    if t.pipeline is not None:
-        from raytrn.train.pipelined import pipeline_step
-
-        return pipeline_step(t, batches, backend)
+    if t.pipeline is not None:  # raytrn.train.pipelined: the schedule runs the micro-batches
+        result: StepResult = t.pipeline.train_step(t, batches, backend)
+        return result
     model = t.model
     model.train()
     t0 = time.perf_counter()

@@ -11,15 +11,11 @@ moments bit-equal (DCP reshards hsdp -> fsdp -> one process).
 
 from __future__ import annotations
 
-import os
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from raytrn.backends.cpu import CpuBackend
 from raytrn.config import JobSpec, load_job
@@ -28,6 +24,7 @@ from raytrn.estimate.memory import estimate_memory
 from raytrn.train.build import build_training
 from raytrn.train.checks import check_parallel, check_spec
 from raytrn.train.step import read_metrics, train_step
+from tests.unit.gloo_ranks import init_gloo, spawn_ranks
 
 pytestmark = pytest.mark.unit
 
@@ -98,12 +95,6 @@ def full_state(t: Any) -> dict[str, Any]:
     return {"model": model, "optim": optim.get("state", {})}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _rank(rank: int, world: int, port: int, tmp: str) -> None:
     """Every layout of :data:`LAYOUTS` in turn, then the hsdp checkpoint loaded into fsdp; rank 0 saves the results."""
     import torch.distributed as dist
@@ -111,9 +102,7 @@ def _rank(rank: int, world: int, port: int, tmp: str) -> None:
 
     from raytrn.checkpoint import dcp
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_gloo(rank, world, port)
     out: dict[str, Any] = {}
     try:
         for name, overrides in LAYOUTS.items():
@@ -148,17 +137,7 @@ def _rank(rank: int, world: int, port: int, tmp: str) -> None:
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("hsdp")
-    ctx = mp.start_processes(
-        _rank, args=(WORLD, _free_port(), str(tmp)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not ctx.join(timeout=1):
-            assert time.monotonic() < deadline, f"the {WORLD} ranks did not finish in {DEADLINE_S} s"
-    finally:
-        for process in ctx.processes:  # only after a failure or the deadline: ours, by handle
-            if process.is_alive():
-                process.terminate()
+    spawn_ranks(_rank, WORLD, str(tmp), deadline_s=DEADLINE_S)
     return tmp, torch.load(tmp / "out.pt", weights_only=False)
 
 

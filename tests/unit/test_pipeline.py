@@ -11,15 +11,11 @@ same ranks and, in the test process, into one process: weights and AdamW moments
 
 from __future__ import annotations
 
-import os
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from raytrn.backends.cpu import CpuBackend
 from raytrn.config import JobSpec, load_job
@@ -28,6 +24,7 @@ from raytrn.errors import ConfigError
 from raytrn.train.build import build_training
 from raytrn.train.checks import check_spec
 from raytrn.train.step import read_metrics, train_step
+from tests.unit.gloo_ranks import init_gloo, spawn_ranks
 
 pytestmark = pytest.mark.unit
 
@@ -108,20 +105,12 @@ def full_state(t: Any) -> dict[str, Any]:
     return {"model": full(model), "optim": full(optim.get("state", {}))}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _rank(rank: int, world: int, port: int, tmp: str) -> None:
     import torch.distributed as dist
 
     from raytrn.checkpoint import dcp
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_gloo(rank, world, port)
     out: dict[str, Any] = {}
     try:
         for name, overrides in LAYOUTS.items():
@@ -148,17 +137,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     """Each layout's record: the losses (every rank's), the checkpoint layout (rank 0's) and the state of the
     whole model (every rank's stages, merged by name)."""
     tmp = tmp_path_factory.mktemp("pipeline")
-    ctx = mp.start_processes(
-        _rank, args=(WORLD, _free_port(), str(tmp)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not ctx.join(timeout=1):
-            assert time.monotonic() < deadline, f"the {WORLD} ranks did not finish in {DEADLINE_S} s"
-    finally:
-        for process in ctx.processes:  # only after a failure or the deadline: ours, by handle
-            if process.is_alive():
-                process.terminate()
+    spawn_ranks(_rank, WORLD, str(tmp), deadline_s=DEADLINE_S)
     ranks = [torch.load(tmp / f"out-{r}.pt", weights_only=False) for r in range(WORLD)]
     merged: dict[str, Any] = {}
     for name in ranks[0]:

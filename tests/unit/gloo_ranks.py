@@ -1,0 +1,41 @@
+"""Real multi-process ``torch.distributed`` (gloo on 127.0.0.1) for the layout tests: a free port, a rank's process
+group, and a spawn of every rank bounded in time whose processes are ended by handle on failure."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_gloo(rank: int, world: int, port: int) -> None:
+    """This rank's default process group (one CPU thread: the ranks share the machine's cores)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def spawn_ranks(fn: Callable[..., None], world: int, *args: Any, deadline_s: float) -> None:
+    """``fn(rank, world, port, *args)`` on ``world`` spawned processes; fails the test past ``deadline_s``."""
+    ctx = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not ctx.join(timeout=1):
+            assert time.monotonic() < deadline, f"the {world} ranks did not finish in {deadline_s} s"
+    finally:
+        for process in ctx.processes:  # only after a failure or the deadline: ours, by handle
+            if process.is_alive():
+                process.terminate()
