@@ -211,6 +211,7 @@ def render(report: dict[str, Any]) -> str:
             f"tokens/s) | ddp {_num(par['ddp_2_tokens_per_s'])} ({par['ddp_over_bare']:.2f}x), fsdp "
             f"{_num(par['fsdp_2_tokens_per_s'])} ({par['fsdp_over_bare']:.2f}x) | 2 cores: ceiling 2x |"
         )
+    lines += _layout_rows(res.get("pipeline", {}), res.get("context", {}))
     lo = res.get("lora", {})
     row = _status_row("lora", lo)
     if row:
@@ -482,3 +483,31 @@ def update_readme(block: str, readme: Path = REPO / "README.md") -> None:
         at = text.find("\n## Layout")
         text = text + "\n" + section if at < 0 else text[: at + 1] + section + text[at + 1 :]
     readme.write_text(text)
+
+
+def _layout_rows(pp: dict[str, Any], cp: dict[str, Any]) -> list[str]:
+    """Pipeline parallelism's bubble and tokens/s, context parallelism's activations (bench/pipeline.py,
+    bench/context.py)."""
+    rows = [row for row in (_status_row("pipeline", pp), _status_row("context", cp)) if row]
+    for m in (4, 8):
+        r = pp.get(f"m{m}")
+        if r:
+            rows.append(
+                f"| pipeline 2 (1F1B, {m} micro-batches; {pp['setup']}) vs FSDP 2 and one process | "
+                f"{_num(r['pp_tokens_per_s'])} vs {_num(r['fsdp_tokens_per_s'])} vs {_num(r['one_tokens_per_s'])} "
+                f"tokens/s ({r['pp_over_fsdp']:.2f}x FSDP); bubble measured {_pct(r['bubble_measured'], 0)} (idle and "
+                f"overhead) vs theory {_pct(r['bubble_theory'], 0)} | informs (2 cores: ceiling 2x) |"
+            )
+    seqs = [k for k in cp if k.startswith("seq")]
+    if seqs:
+        parts = ", ".join(
+            f"{k[3:]} tokens {_num(cp[k]['cp2_saved_mib'], '.1f')} vs {_num(cp[k]['cp1_saved_mib'], '.1f')} MiB "
+            f"({cp[k]['cp2_over_cp1']:.2f}x)"
+            for k in seqs
+        )
+        worst = max(cp[k]["cp2_over_cp1"] for k in seqs)
+        rows.append(
+            f"| activations kept for backward a worker, context parallel 2 vs 1 ({cp['setup']}) | {parts} | "
+            f"{_goal(worst <= 0.55, '<= 0.55x (half, and the ring)')} |"
+        )
+    return rows

@@ -19,6 +19,7 @@ from typing import Any
 
 from bench import (
     checkpoint,
+    context,
     data,
     elastic,
     guard,
@@ -27,6 +28,7 @@ from bench import (
     mlflow_overhead,
     moe,
     parallel,
+    pipeline,
     recovery,
     startup,
     training,
@@ -46,6 +48,8 @@ ALL = (
     "checkpoint",
     "memory",
     "parallel",
+    "pipeline",
+    "context",
     "lora",
     "moe",
     "guard",
@@ -54,7 +58,7 @@ ALL = (
 #: Rough minutes each needs here (full mode, a busy 2-core machine): a benchmark starts only if this much
 #: budget is left, and the training rounds stop early enough to leave it to the ones after them.
 ESTIMATE_MIN = {"peak": 0.2, "training": 7.5, "startup": 2.5, "mlflow": 2.5, "recovery": 2.5, "elastic": 10.5, "data": 0.5,
-                "checkpoint": 0.5, "memory": 6.0, "parallel": 2.0, "lora": 1.0, "moe": 1.5, "guard": 0.7, "trainium": 0.1}  # fmt: skip
+                "checkpoint": 0.5, "memory": 6.0, "parallel": 2.0, "pipeline": 1.5, "context": 1.0, "lora": 1.0, "moe": 1.5, "guard": 0.7, "trainium": 0.1}  # fmt: skip
 
 
 def _benchmarks(args: argparse.Namespace, results: dict[str, Any], deadline: float) -> dict[str, Callable[[], Any]]:
@@ -111,6 +115,8 @@ def _benchmarks(args: argparse.Namespace, results: dict[str, Any], deadline: flo
         ),
         "memory": lambda: memory_tier.run(bench, quick=quick),
         "parallel": lambda: parallel.run(steps=6 if quick else 20),
+        "pipeline": lambda: pipeline.run(steps=4 if quick else 8),
+        "context": lambda: context.run(steps=2 if quick else 4),
         "lora": lambda: lora.run(quick=quick),
         "moe": lambda: moe.run(quick=quick),
         "guard": lambda: guard.run(quick=quick),

@@ -53,10 +53,11 @@ class DcpCheckpoints(Checkpoints):
         self.asynchronous = job.checkpoint.async_
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if self.distributed else 1
-        model_parallel = int(self.layout.get("tensor_parallel_size", 1)) * int(
-            self.layout.get("pipeline_parallel_size", 1)
-        )
-        self.layout["data_parallel_size"] = self.world_size // model_parallel
+        # the ranks of one replica: its tensor-parallel, context-parallel and pipeline ranks read the same rows
+        replica = 1
+        for name in ("tensor_parallel_size", "context_parallel_size", "pipeline_parallel_size"):
+            replica *= int(self.layout.get(name, 1))
+        self.layout["data_parallel_size"] = self.world_size // replica
         # The background write's collectives get a gloo group of their own (also on nccl): never interleaved
         # with the step's collectives on the default group. Created by every rank at the same point.
         self._group = dist.new_group(backend="gloo") if self.asynchronous and self.distributed else None

@@ -1,12 +1,12 @@
-"""The ``parallel`` section's rules for the torch.distributed layouts (DDP, FSDP2, HSDP, tensor and expert
-parallelism, activation checkpointing) at every world size a job can take: pure (no torch), so ``raytrn validate`` and
-``raytrn estimate`` check a job on a laptop. The frozen XLA path has its own (:mod:`raytrn.xla.nxd`)."""
+"""The ``parallel`` section's rules for the torch.distributed layouts (DDP, FSDP2, HSDP, tensor, expert, context and
+pipeline parallelism, activation checkpointing) at every world size a job can take: pure (no torch), so ``raytrn
+validate`` and ``raytrn estimate`` check a job on a laptop. The frozen XLA path has its own (:mod:`raytrn.xla.nxd`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from raytrn.config.sizes import hsdp_shard_size, world_sizes
+from raytrn.config.sizes import data_parallel_size, hsdp_shard_size, padded_length, world_sizes
 from raytrn.config.stages import SCHEDULES, ZERO_BUBBLE
 from raytrn.errors import ConfigError
 
@@ -23,6 +23,7 @@ def check_parallel(job: JobSpec) -> list[str]:
     _check_features(job)
     _check_model_dims(job)
     sizes = world_sizes(job)
+    _check_context(job, sizes)
     _check_pipeline(job, sizes)
     bad = [n for n in sizes if n % tp]
     if bad:
@@ -38,6 +39,65 @@ def check_parallel(job: JobSpec) -> list[str]:
     _check_expert_parallel(job, sizes)
     _check_live(job, sizes)
     return _describe_layout(job, sizes)
+
+
+def _check_context(job: JobSpec, sizes: list[int]) -> None:
+    """Context parallelism (:mod:`raytrn.models.context_parallel`): dense models, at least one token a chunk
+    (``2 x CP`` chunks a row), whole ``CP x TP`` groups at every world size (inside one hsdp shard group), and what
+    this version does not run with it refused with the fix."""
+    p, m, where = job.parallel, job.model, job.source
+    cp, tp = p.context_parallel_size, p.tensor_parallel_size
+    if cp == 1:
+        return
+    off = "set parallel.context_parallel_size: 1"
+    refusals = [
+        (m.is_moe, f"a MoE model ({m.family}): its load-balancing loss sums the routing over every token of a "
+                   f"micro-batch, which no rank of a context-parallel group sees whole (not yet); {off}"),
+        (p.pipeline_parallel_size > 1, f"with parallel.pipeline_parallel_size {p.pipeline_parallel_size}: a "
+                                       "pipeline's stages passing sequence shards is not built yet; "
+                                       f"{off} or pipeline_parallel_size: 1"),
+        (job.scaling.recovery == "live", f"with scaling.recovery: live (its replicas are one worker each); {off} "
+                                         "or scaling.recovery: restart"),
+        (job.data.seq_len < 2 * cp, f"data.seq_len {job.data.seq_len}: a row is cut into 2 x CP = {2 * cp} chunks "
+                                    f"of one token at least; lower context_parallel_size to {job.data.seq_len // 2} "
+                                    "at most"),
+    ]  # fmt: skip
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"{where}: parallel.context_parallel_size {cp} cannot train {why}")
+    _whole_blocks(job, sizes, cp * tp, f"parallel.context_parallel_size {cp} x TP {tp} = {cp * tp}",
+                  "every world size holds whole context-parallel groups of whole tensor-parallel groups")  # fmt: skip
+    shard = hsdp_shard_size(job)
+    if shard and shard % (cp * tp):
+        named = f"parallel.hsdp_shard_size {shard}" if p.hsdp_shard_size else f"scaling.workers_per_node {shard}"
+        raise ConfigError(
+            f"{where}: {named} (hsdp's shard group) is not a multiple of parallel.context_parallel_size {cp} x TP "
+            f"{tp}: a context-parallel group lies inside one shard group (FSDP shards over its data and context "
+            f"ranks); use a multiple of {cp * tp}"
+        )
+
+
+def refuse_on_xla(job: JobSpec) -> None:
+    """ConfigError when ``job`` asks the frozen XLA path (neuron-xla, xla-cpu) for what only the torch.distributed
+    backends run: context parallelism."""
+    cp = job.parallel.context_parallel_size
+    if cp > 1:
+        raise ConfigError(
+            f"{job.source}: parallel.context_parallel_size {cp} is not available on scaling.accelerator "
+            f"{job.scaling.accelerator} (the XLA path, frozen): context parallelism runs on cpu, cuda and neuron "
+            "(TorchNeuron); set context_parallel_size: 1 or use one of those"
+        )
+
+
+def _whole_blocks(job: JobSpec, sizes: list[int], block: int, named: str, why: str, fix: str = "") -> None:
+    """ConfigError naming the world sizes the job can take that are not a multiple of ``block`` (``named``: the
+    settings it is the product of; ``why`` it must divide them)."""
+    bad = [n for n in sizes if n % block]
+    if bad:
+        raise ConfigError(
+            f"{job.source}: {', '.join(map(str, bad))} worker(s) (a world size the job can take) is not a multiple of "
+            f"{named}: {why}; make scaling.min_workers and max_workers multiples of {block}{fix}"
+        )
 
 
 def _check_pipeline(job: JobSpec, sizes: list[int]) -> None:
@@ -57,28 +117,21 @@ def _check_pipeline(job: JobSpec, sizes: list[int]) -> None:
     stages = pp * per_rank
     fix = "set parallel.pipeline_parallel_size: 1, or"
     refusals = [
-        (m.is_moe, f"a MoE model ({m.family}): its load-balancing loss multiplies sums over every layer's routing, "
-                   "which no pipeline stage sees whole; train it with fsdp/hsdp and expert parallelism"),
         (m.tie_word_embeddings, "tied input and output embeddings (model.tie_word_embeddings): the embedding is on "
                                 "the first stage and the head on the last; set model.tie_word_embeddings: false"),
         (m.num_layers < stages, f"{m.num_layers} decoder layers for {stages} stages ({pp} ranks x {per_rank} of "
                                 f"{p.pipeline_schedule}): a stage holds one layer at least; lower the stages"),
-        (p.expert_parallel_size > 1, "expert parallelism"),
+        (p.expert_parallel_size > 1, "with expert parallelism (a stage's experts over its own ranks: not yet); train "
+                                     "the MoE model's pipeline with fsdp, or expert parallelism without a pipeline"),
         (job.scaling.recovery == "live", "scaling.recovery: live (whole replicas of one worker)"),
         (job.data.validation is not None, "data.validation (the pipelined loop does not evaluate yet); remove it"),
-        (job.tracking.enabled and job.tracking.log_model, "tracking.log_model (the final model's export gathers "
-                                                          "every stage: not yet); set tracking.log_model: false"),
     ]  # fmt: skip
     for refused, why in refusals:
         if refused:
             raise ConfigError(f"{where}: parallel.pipeline_parallel_size {pp} cannot train {why}; {fix.rstrip(', or')}")
-    bad = [n for n in sizes if n % (pp * p.tensor_parallel_size)]
-    if bad:
-        raise ConfigError(
-            f"{where}: {', '.join(map(str, bad))} worker(s) (a world size the job can take) is not a multiple of "
-            f"parallel.pipeline_parallel_size {pp} x TP {p.tensor_parallel_size}: every world size holds whole "
-            f"pipelines; make scaling.min_workers and max_workers multiples of {pp * p.tensor_parallel_size}"
-        )
+    _whole_blocks(job, sizes, pp * p.tensor_parallel_size,
+                  f"parallel.pipeline_parallel_size {pp} x TP {p.tensor_parallel_size}",
+                  "every world size holds whole pipelines")  # fmt: skip
     for n in sizes:
         dp = n // (pp * p.tensor_parallel_size)
         if dp > 1 and p.pipeline_schedule in ZERO_BUBBLE:
@@ -86,12 +139,6 @@ def _check_pipeline(job: JobSpec, sizes: list[int]) -> None:
                 f"{where}: parallel.pipeline_schedule {p.pipeline_schedule} with {dp} data-parallel replicas at {n} "
                 "workers: its split weight-gradient pass and FSDP2's gradient reduction disagreed with one process "
                 "in raytrn's tests; use 1f1b, gpipe or interleaved_1f1b (or no data parallelism)"
-            )
-        if dp > 1 and p.tensor_parallel_size > 1:
-            raise ConfigError(
-                f"{where}: parallel.pipeline_parallel_size {pp} with tensor_parallel_size {p.tensor_parallel_size} "
-                f"and {dp} data-parallel replicas at {n} workers: pipeline x TP x FSDP is not verified in this "
-                "version (pipeline x TP and pipeline x FSDP are); drop one of the three"
             )
         if p.data_parallel == "ddp" and dp > 1:
             raise ConfigError(
@@ -128,13 +175,8 @@ def _check_hsdp(job: JobSpec, sizes: list[int]) -> None:
             f"{where}: {named} (hsdp's shard group) is not a multiple of parallel.tensor_parallel_size {tp}: a shard "
             f"group holds whole tensor-parallel groups; use a multiple of {tp}"
         )
-    bad = [n for n in sizes if n % shard]
-    if bad:
-        raise ConfigError(
-            f"{where}: {', '.join(map(str, bad))} worker(s) (a world size the job can take) is not a multiple of "
-            f"{named} (hsdp's shard group): the workers form whole shard groups that replicate; make "
-            f"scaling.min_workers and max_workers multiples of {shard}, or change the shard size"
-        )
+    _whole_blocks(job, sizes, shard, f"{named} (hsdp's shard group)",
+                  "the workers form whole shard groups that replicate", ", or change the shard size")  # fmt: skip
     if ep > 1 and (shard // tp) % ep:
         raise ConfigError(
             f"{where}: parallel.expert_parallel_size {ep} does not divide the {shard // tp} data-parallel ranks of "
@@ -203,14 +245,9 @@ def _check_expert_parallel(job: JobSpec, sizes: list[int]) -> None:
             f"max_workers {s.max_workers}) needs scaling.workers_per_node: it resizes by whole nodes; set it to the "
             "workers one node holds (a multiple of TP x EP keeps every all-to-all inside a node)"
         )
-    bad = [n for n in sizes if n % (tp * ep)]
-    if bad:
-        raise ConfigError(
-            f"{where}: {', '.join(map(str, bad))} worker(s) (a world size the job can take) is not a multiple of "
-            f"TP {tp} x parallel.expert_parallel_size {ep} = {tp * ep}: the experts are spread over EP "
-            f"data-parallel ranks (workers / TP = EP x the rest); make scaling.min_workers and max_workers "
-            f"multiples of {tp * ep}, or lower expert_parallel_size"
-        )
+    _whole_blocks(job, sizes, tp * ep, f"TP {tp} x parallel.expert_parallel_size {ep} = {tp * ep}",
+                  "the experts are spread over EP data-parallel ranks (workers / TP = EP x the rest)",
+                  ", or lower expert_parallel_size")  # fmt: skip
 
 
 def refuse_nxd_only(job: JobSpec) -> None:
@@ -285,14 +322,15 @@ def _describe_layout(job: JobSpec, sizes: list[int]) -> list[str]:
     """One line on the torch.distributed layout (nothing for plain DDP)."""
     p = job.parallel
     if p.data_parallel == "ddp" and p.tensor_parallel_size == 1 and p.activation_checkpointing == "none":
-        if p.pipeline_parallel_size == 1:
+        if p.pipeline_parallel_size == 1 and p.context_parallel_size == 1:
             return []
     tp, shard = p.tensor_parallel_size, hsdp_shard_size(job)
-    block = tp * p.pipeline_parallel_size
-    parts = [f"{p.data_parallel} over {'/'.join(str(n // block) for n in sizes)} data-parallel rank(s)"]
+    parts = [f"{p.data_parallel} over {'/'.join(str(data_parallel_size(job, n)) for n in sizes)} data-parallel rank(s)"]
     if shard:
         replicas = "/".join(str(n // shard) for n in sizes)
         parts[0] += f" (sharded over {shard // tp} in each of {replicas} replicated group(s) of {shard} workers)"
+    if p.context_parallel_size > 1:
+        parts.append(_describe_context(job, sizes))
     if tp > 1:
         parts.append(f"tensor parallel {tp} (DTensor)")
     if p.expert_parallel_size > 1:
@@ -307,3 +345,19 @@ def _describe_layout(job: JobSpec, sizes: list[int]) -> list[str]:
     if p.activation_checkpointing != "none":
         parts.append(f"{p.activation_checkpointing} activation checkpointing")
     return [f"parallel: {', '.join(parts)}"]
+
+
+def _describe_context(job: JobSpec, sizes: list[int]) -> str:
+    """``context parallel 2 (ring attention, 4 chunks of 10 tokens a row, 3 of them padding)``, and the ranks FSDP
+    shards over (data x context)."""
+    p, seq = job.parallel, job.data.seq_len
+    cp = p.context_parallel_size
+    padded = padded_length(seq, cp)
+    pad = f", {padded - seq} of them padding" if padded > seq else ""
+    line = f"context parallel {cp} (ring attention, {2 * cp} chunks of {padded // (2 * cp)} tokens a row{pad}"
+    shard = hsdp_shard_size(job)
+    if shard:
+        line += f"; FSDP shards over the {shard // p.tensor_parallel_size} data x context ranks of a shard group"
+    elif p.data_parallel == "fsdp":
+        line += f"; FSDP shards over {'/'.join(str(n // p.tensor_parallel_size) for n in sizes)} data x context ranks"
+    return line + ")"

@@ -1,6 +1,6 @@
 """The job spec's ``parallel`` and ``neuron`` sections: how a model replica is laid out over workers (DDP, FSDP2,
-HSDP, tensor and expert parallelism, activation checkpointing; ZeRO-1 and sequence parallelism on the frozen XLA
-path) and the Trainium-only settings.
+HSDP, tensor, expert, context and pipeline parallelism, activation checkpointing; ZeRO-1 and sequence parallelism on
+the frozen XLA path) and the Trainium-only settings.
 
 What a layout needs of the rest of the job (world sizes, nodes, the model's dimensions) is checked by
 :mod:`raytrn.config.layout` (and :mod:`raytrn.xla.nxd` on the XLA path); re-exported by
@@ -45,6 +45,16 @@ class ParallelConfig(Section):
         description="qwen3_moe: data-parallel ranks a layer's experts are spread over (each holds num_experts / EP "
         "of them; tokens reach their experts by all-to-all). Taken from the data-parallel ranks: workers / TP must "
         "be a multiple of it (under hsdp, a shard group's data-parallel ranks). Needs data_parallel: fsdp or hsdp",
+    )
+    context_parallel_size: int = Field(
+        1,
+        gt=0,
+        le=4096,
+        description="workers (consecutive ranks, whole tensor-parallel groups) one sequence is split over: each holds "
+        "2 of 2 x CP chunks of every row (load-balanced zigzag, padded to a multiple of 2 x CP) and attention runs "
+        "as a ring over the group (causal, packed rows' documents kept, RoPE at each token's place). The mesh is "
+        "(dp, cp, tp): a group's ranks read the same rows (DP = workers / (CP x TP)); FSDP shards over DP x CP. "
+        "Dense models, without pipeline parallelism",
     )
     pipeline_parallel_size: int = Field(
         1,

@@ -39,6 +39,13 @@ def loss_chunk_rows(tokens: int, vocab: int) -> int | None:
     return max(1, LOSS_CHUNK_LOGITS // vocab)
 
 
+def padded_length(seq: int, context_parallel_size: int) -> int:
+    """``seq`` rounded up to a multiple of ``2 x CP``: context parallelism's zigzag cuts a row into ``2 x CP``
+    equal chunks (:mod:`raytrn.models.context_parallel`), the rest of the last one padding."""
+    chunks = 2 * context_parallel_size
+    return -(-seq // chunks) * chunks
+
+
 def elastic_world_sizes(min_workers: int, max_workers: int, step: int) -> list[int]:
     """Every worker count of the elastic range at ``step`` granularity (whole nodes), both ends included."""
     if not 1 <= min_workers <= max_workers <= MAX_WORKERS or step < 1:
@@ -71,12 +78,13 @@ def world_sizes(job: JobSpec) -> list[int]:
 def size_unit(job: JobSpec) -> int:
     """What every elastic size is a multiple of: whole nodes (``workers_per_node``, which whole TP groups, and with
     expert parallelism whole ``TP x EP`` blocks, must divide: checked by ``raytrn.config.layout``), else whole
-    tensor-parallel groups (with expert parallelism whole blocks of ``TP x EP`` consecutive ranks); under hsdp also
-    whole shard groups."""
+    tensor-parallel groups (with expert parallelism whole blocks of ``TP x EP`` consecutive ranks, with context
+    parallelism whole ``CP x TP`` groups, with pipelines whole pipelines); under hsdp also whole shard groups."""
     p = job.parallel
-    pp, wpn = p.pipeline_parallel_size, job.scaling.workers_per_node
-    block = pp * p.tensor_parallel_size * p.expert_parallel_size
-    unit = (wpn if pp == 1 else math.lcm(wpn, block)) if wpn else block  # pp 1: layout checks TP x EP | wpn
+    pp, cp, wpn = p.pipeline_parallel_size, p.context_parallel_size, job.scaling.workers_per_node
+    block = pp * cp * p.tensor_parallel_size * p.expert_parallel_size
+    plain = pp == 1 and cp == 1  # then layout checks TP x EP | wpn
+    unit = (wpn if plain else math.lcm(wpn, block)) if wpn else block
     shard = hsdp_shard_size(job)
     return math.lcm(unit, pp * shard) if shard else unit
 
@@ -93,7 +101,7 @@ def hsdp_shard_size(job: JobSpec) -> int | None:
 def shard_size(job: JobSpec, world_size: int) -> int:
     """The data-parallel ranks a parameter (and its gradient and optimizer state) is sharded over at ``world_size``
     workers: every one under fsdp, a shard group's (``hsdp_shard_size / TP``) under hsdp, 1 under ddp or on one
-    worker."""
+    worker. With context parallelism FSDP shards over the context-parallel ranks too (DP x CP of them)."""
     p = job.parallel
     if world_size <= 1 or p.data_parallel == "ddp":
         return 1
@@ -104,14 +112,16 @@ def shard_size(job: JobSpec, world_size: int) -> int:
 def _unit_reason(job: JobSpec) -> str:
     wpn, tp, ep = job.scaling.workers_per_node, job.parallel.tensor_parallel_size, job.parallel.expert_parallel_size
     shard = hsdp_shard_size(job)
-    pp = job.parallel.pipeline_parallel_size
-    if pp > 1:
+    pp, cp = job.parallel.pipeline_parallel_size, job.parallel.context_parallel_size
+    if cp > 1 or pp > 1:
+        factors = [f"parallel.pipeline_parallel_size {pp}"] * (pp > 1) + [f"parallel.context_parallel_size {cp}"] * (
+            cp > 1
+        )
+        factors += [f"TP {tp}"] * (tp > 1) + [f"EP {ep}"] * (ep > 1)
+        within = f", hsdp shard groups of {shard}{' in each stage' if pp > 1 else ''}" if shard else ""
         return (
-            f"a multiple of {size_unit(job)}: whole pipelines (parallel.pipeline_parallel_size {pp} x TP {tp}"
-            + (f" x EP {ep}" if ep > 1 else "")
-            + (f", hsdp shard groups of {shard} in each stage" if shard else "")
-            + (f", on whole nodes of {wpn}" if wpn else "")
-            + ")"
+            f"a multiple of {size_unit(job)}: whole {'pipelines' if pp > 1 else 'context-parallel groups'} "
+            f"({' x '.join(factors)}{within}{f', on whole nodes of {wpn}' if wpn else ''})"
         )
     if shard and shard != wpn:
         return f"a multiple of {size_unit(job)}: whole hsdp shard groups of {shard} workers" + (
@@ -136,31 +146,41 @@ def describe_sizes(job: JobSpec) -> str:
 
 
 def data_parallel_size(job: JobSpec, world_size: int) -> int:
-    """Model replicas at ``world_size`` workers: ``world_size / (pipeline_parallel_size x tensor_parallel_size)``.
+    """Model replicas at ``world_size`` workers: ``world_size / (PP x CP x TP)`` (pipeline, context and tensor
+    parallel sizes).
 
-    The ranks of one TP group (and of one pipeline's stages) hold one replica and read the same batch, so this, not
-    the world size, multiplies the micro-batch (``global batch = micro_batch x grad_accum x DP``).
+    The ranks of one TP group (and of one context-parallel group, and of one pipeline's stages) hold one replica
+    and read the same batch, so this, not the world size, multiplies the micro-batch (``global batch = micro_batch
+    x grad_accum x DP``).
     """
-    tp, pp = job.parallel.tensor_parallel_size, job.parallel.pipeline_parallel_size
-    if world_size % (tp * pp):
+    tp, pp, cp = (
+        job.parallel.tensor_parallel_size,
+        job.parallel.pipeline_parallel_size,
+        job.parallel.context_parallel_size,
+    )
+    if world_size % (tp * pp * cp):
         what = f"parallel.pipeline_parallel_size ({pp}) x " if pp > 1 else ""
+        what += f"parallel.context_parallel_size ({cp}) x " if cp > 1 else ""
+        whole = ("pipelines of whole " if pp > 1 else "") + ("context-parallel groups of whole " if cp > 1 else "")
         raise ConfigError(
             f"{job.source}: {world_size} workers is not divisible by {what}parallel.tensor_parallel_size ({tp}); "
-            f"every world size must hold whole {'pipelines of whole ' if pp > 1 else ''}tensor-parallel groups"
+            f"every world size must hold whole {whole}tensor-parallel groups"
         )
-    return world_size // (tp * pp)
+    return world_size // (tp * pp * cp)
 
 
 def data_parallel_rank(job: JobSpec, rank: int, world_size: int | None = None) -> int:
-    """This worker's replica index, i.e. which data slice it reads: tensor-parallel ranks are consecutive, and
-    under pipeline parallelism (the outermost mesh dimension: ``world_size`` needed) the ranks of a stage are a
-    contiguous block of ``world_size / PP``, replica ``i`` of each block a stage of the same pipeline."""
+    """This worker's replica index, i.e. which data slice it reads. The mesh is torchtitan's ``(pp, dp, cp, tp)``:
+    tensor-parallel ranks are consecutive, a context-parallel group's ``CP x TP`` ranks consecutive around them
+    (they read the same rows), and under pipeline parallelism (the outermost mesh dimension: ``world_size``
+    needed) the ranks of a stage are a contiguous block of ``world_size / PP``, replica ``i`` of each block a stage
+    of the same pipeline."""
     p = job.parallel
     if p.pipeline_parallel_size > 1:
         if world_size is None:
             raise ValueError("data_parallel_rank under pipeline parallelism needs the world size")
         rank %= world_size // p.pipeline_parallel_size
-    return rank // p.tensor_parallel_size
+    return rank // (p.context_parallel_size * p.tensor_parallel_size)
 
 
 def data_parallel_sizes(job: JobSpec) -> dict[int, int]:
@@ -185,12 +205,17 @@ def check_global_batch(job: JobSpec) -> None:
     sizes = data_parallel_sizes(job)
     dps = sorted(set(sizes.values()))
     units = [d.micro_batch_size * dp for dp in dps]
-    tp = job.parallel.tensor_parallel_size
+    tp, cp = job.parallel.tensor_parallel_size, job.parallel.context_parallel_size
     tp_note = (
         f"; with tensor_parallel_size {tp} the ranks of a TP group share each batch, so DP = workers / TP"
-        if tp > 1
+        if tp > 1 and cp == 1
         else ""
     )
+    if cp > 1:
+        tp_note = (
+            f"; with context_parallel_size {cp} the {cp * tp} ranks of a context-parallel group share each batch, "
+            f"so DP = workers / (CP {cp}" + (f" x TP {tp}" if tp > 1 else "") + ")"
+        )
     if d.global_batch_size is not None:
         bad = [(n, dp) for n, dp in sizes.items() if d.global_batch_size % (d.micro_batch_size * dp)]
         if not bad:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from raytrn.config.sizes import data_parallel_size, global_batch, world_sizes
+from raytrn.config.stages import SCHEDULES
 from raytrn.estimate.devices import GIB, Device, worker_device
 from raytrn.estimate.failures import DEFAULT_RATE, FailureRate, lost_fraction, young_daly_interval_s
 from raytrn.estimate.history import History
@@ -43,6 +44,69 @@ class Fix:
         return f"{' '.join('--set ' + o for o in self.overrides)}: {self.memory.total / GIB:,.2f} GiB"
 
 
+def pipeline_bubble(schedule: str, ranks: int, micro_batches: int) -> tuple[float, str]:
+    """The idle share of a pipelined step in theory, and the formula with whose claim it is: ``P`` ranks, ``m``
+    micro-batches, ``v`` stages a rank. The zero-bubble schedules' figures take a forward, an input-gradient and a
+    weight-gradient pass to cost the same (``F = B = W``; a full backward ``2F``) and communication to be free, as
+    their papers do."""
+    p, m = ranks, micro_batches
+    v = SCHEDULES[schedule][1]
+    if schedule in ("1f1b", "gpipe"):
+        return (p - 1) / (m + p - 1), "theory (P-1)/(m+P-1)"
+    if schedule == "interleaved_1f1b":  # Narayanan et al. 2021: the warm-up and cool-down shrink v-fold
+        return (p - 1) / (v * m + p - 1), f"theory (P-1)/(v*m+P-1), v = {v} stages a rank"
+    if schedule == "interleaved_zero_bubble":  # ZB1P: the weight passes fill two thirds of the idle time
+        return (p - 1) / (3 * v * m + p - 1), (
+            f"theory (P-1)/(3*v*m+P-1), v = {v}: ZB-H1/ZB1P (Qi et al. 2024), a third of interleaved 1F1B's idle "
+            "time when F = B = W"
+        )
+    if schedule == "zbv_zero_bubble":
+        return 0.0, "theory: zero, ZB-V's claim (Qi et al. 2024) when F = B = W"
+    # dualpipev: DeepSeek-V3's (PP/2-1)(F&B+B-3W) over PP = 2P stages, F&B = F + B (no overlap credited)
+    return (p - 1) / (3 * m + p - 1), "theory (P-1)/(3*m+P-1): DeepSeek-V3's DualPipe bubble when F = B = W"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Bubble:
+    """A pipeline's idle share of the step (:func:`pipeline_bubble`): the theory's, not a measurement."""
+
+    schedule: str
+    ranks: int
+    stages_per_rank: int
+    micro_batches: int
+    fraction: float
+    theory: str
+
+    def describe(self) -> str:
+        """``pipeline: 1f1b over 4 stages, 8 micro-batches: bubble 27% (theory (P-1)/(m+P-1))``."""
+        over = (
+            f"{self.ranks} stages"
+            if self.stages_per_rank == 1
+            else f"{self.ranks} ranks x {self.stages_per_rank} stages"
+        )
+        return (
+            f"pipeline: {self.schedule} over {over}, {self.micro_batches} micro-batches: bubble {self.fraction:.0%} "
+            f"({self.theory})"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"schedule": self.schedule, "ranks": self.ranks, "stages_per_rank": self.stages_per_rank,
+                "micro_batches": self.micro_batches, "bubble": self.fraction, "theory": self.theory}  # fmt: skip
+
+
+def bubble(job: JobSpec, world_size: int) -> Bubble | None:
+    """The pipeline bubble of ``job`` at ``world_size`` workers: its schedule over its micro-batches (a
+    data-parallel rank's, ``data.grad_accum`` at that size); None without a pipeline."""
+    p = job.parallel
+    if p.pipeline_parallel_size == 1:
+        return None
+    micro = job.data.grad_accum_for(data_parallel_size(job, world_size))
+    fraction, theory = pipeline_bubble(p.pipeline_schedule, p.pipeline_parallel_size, micro)
+    per_rank = SCHEDULES[p.pipeline_schedule][1]
+    return Bubble(schedule=p.pipeline_schedule, ranks=p.pipeline_parallel_size, stages_per_rank=per_rank,
+                  micro_batches=micro, fraction=fraction, theory=theory)  # fmt: skip
+
+
 @dataclass(kw_only=True)
 class JobEstimate:
     job: str
@@ -66,6 +130,8 @@ class JobEstimate:
     interval_steps: int | None = None
     step_s: float | None = None
     restart_s: Measured | None = None
+    #: The pipeline's bubble (tokens/s and time are after it); None without a pipeline.
+    pipeline: Bubble | None = None
 
     @property
     def margin_bytes(self) -> int | None:
@@ -155,6 +221,7 @@ class JobEstimate:
             "save_s": None if self.save_s is None else {"value": self.save_s.value, "source": self.save_s.source},
             "checkpoint_interval_s": self.interval_s,
             "checkpoint_interval_steps": self.interval_steps,
+            "pipeline": None if self.pipeline is None else self.pipeline.as_dict(),
         }
 
     def render(self) -> str:
@@ -172,9 +239,12 @@ class JobEstimate:
         if self.fits is False:  # tight or does not fit: the changes that bring it within the share planned for
             within = f"within {USABLE:.0%}"
             what = "changes that make it fit" if self.memory_verdict == "does not fit" else "changes that bring it"
+            kinds = "TP, PP, FSDP" if self.pipeline else "TP, FSDP"
             lines.append(f"{what} {within} (smallest first):" if self.fixes else
-                         f"no change of TP, FSDP, checkpointing or micro-batch brings it {within}")  # fmt: skip
+                         f"no change of {kinds}, checkpointing or micro-batch brings it {within}")  # fmt: skip
             lines += [f"  {f.describe()}" for f in self.fixes]
+        if self.pipeline is not None:
+            lines.append(self.pipeline.describe() + ("; the speed and time below are after it" if self.hours else ""))
         if self.tokens_per_s_per_node is not None and self.mfu is not None:
             lines.append(
                 f"speed: {self.tokens_per_s_per_node:,.0f} tokens/s a node at MFU {self.mfu.value:.1%} ({self.mfu.source}); "
@@ -236,7 +306,7 @@ def estimate_job(
     memory = estimate_memory(job, world)
     fits = None if device.memory_bytes is None else memory.total <= device.memory_bytes * USABLE
     out = JobEstimate(job=job.source, world_size=world, nodes=nodes, device=device, memory=memory, fits=fits,
-                      failures=failures, job_steps=job.run.max_steps)  # fmt: skip
+                      failures=failures, job_steps=job.run.max_steps, pipeline=bubble(job, world))  # fmt: skip
     if fits is False:
         out.fixes = fixes(job, world, device)
     out.flops_per_token = model_stats(job.model, job.data.seq_len).flops_per_token
@@ -249,6 +319,8 @@ def estimate_job(
         out.mfu = mfu or history.mfu or shipped or ASSUMED_MFU
         per_worker = device.peak_flops * out.mfu.value / out.flops_per_token
         out.tokens_per_s_per_node = per_worker * (world // nodes)
+        if out.pipeline is not None:  # the stages idle for this share of the step
+            out.tokens_per_s_per_node *= 1 - out.pipeline.fraction
         tokens = job.run.max_steps * global_batch(job, data_parallel_size(job, world)) * job.data.seq_len
         out.hours = tokens / (out.tokens_per_s_per_node * nodes) / 3600
         out.step_s = out.hours * 3600 / job.run.max_steps
@@ -274,7 +346,8 @@ def estimate_job(
 
 def fixes(job: JobSpec, world: int, device: Device, *, limit: int = 3) -> list[Fix]:
     """The smallest changes (one, else two, of: FSDP (from DDP or HSDP), full activation checkpointing, a larger TP, a
-    smaller micro-batch) after which a worker's memory fits ``device``; fewest changes first, then least memory."""
+    larger pipeline (a pipelined job's), a smaller micro-batch) after which a worker's memory fits ``device``, each a
+    job that validates; fewest changes first, then least memory."""
     p, d = job.parallel, job.data
     single: list[tuple[str, ...]] = []
     if p.data_parallel != "fsdp":  # from hsdp: shard over every data-parallel rank, not a group's
@@ -286,6 +359,11 @@ def fixes(job: JobSpec, world: int, device: Device, *, limit: int = 3) -> list[F
         if world % bigger == 0 and (not job.scaling.workers_per_node or job.scaling.workers_per_node % bigger == 0):
             fsdp = () if p.data_parallel != "ddp" else ("parallel.data_parallel=fsdp",)  # TP needs it (or hsdp)
             single.append((f"parallel.tensor_parallel_size={bigger}", *fsdp))
+    pp = p.pipeline_parallel_size
+    if pp > 1:  # fewer layers a rank (validation refuses what the layers or micro-batches cannot fill)
+        single += [
+            (f"parallel.pipeline_parallel_size={bigger}",) for bigger in (pp * 2, pp * 4) if world % (bigger * tp) == 0
+        ]
     mb = d.micro_batch_size
     while mb > 1:
         mb //= 2
@@ -334,7 +412,8 @@ def check_fits(job: JobSpec, *, instance_type: str | None = None) -> str:
     est = estimate_job(job, instance_type=instance_type)
     device = est.device.memory_bytes
     if job.scaling.accelerator != "cpu" and device is not None and est.memory_verdict == "does not fit":
-        fixes = "; ".join(f.describe() for f in est.fixes) or "none of TP, FSDP, checkpointing or micro-batch"
+        kinds = "TP, PP, FSDP" if est.pipeline else "TP, FSDP"
+        fixes = "; ".join(f.describe() for f in est.fixes) or f"none of {kinds}, checkpointing or micro-batch"
         raise ConfigError(
             f"{job.source}: a worker needs {est.memory.describe()} but its device ({est.device.name}) has "
             f"{device / GIB:,.1f} GiB; changes that fit: {fixes} (`raytrn estimate` for the whole estimate)"
@@ -400,6 +479,8 @@ def estimate_params(job: JobSpec) -> dict[str, Any]:
             "estimate.hours": round(est.hours or 0.0, 3),
             "estimate.checkpoint_interval_steps": est.interval_steps,
         })  # fmt: skip
+    if est.pipeline is not None:
+        out["estimate.pipeline_bubble"] = round(est.pipeline.fraction, 4)
     return out
 
 

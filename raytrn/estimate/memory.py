@@ -20,17 +20,28 @@ Pure arithmetic (no torch): ``raytrn estimate`` answers in well under a second o
   a large vocabulary's loss runs in chunks (:mod:`raytrn.train.loss`): the logits and their gradient only.
 - **runtime**: what the device's runtime and allocator take before the model (an assumption, named as such).
 
+**Pipeline parallelism** (``parallel.pipeline_parallel_size`` P > 1): a worker holds its pipeline rank's stages
+(:func:`raytrn.config.stages.stage_indices`, cut by :func:`raytrn.config.stages.stage_layers`): their decoder layers,
+the embedding with stage 0, the final norm and the head with the last stage, sharded over a stage's data-parallel
+ranks (``world / (P x TP)``; none when there is one) and split over TP as above. FSDP under a pipeline keeps a
+stage's parameters gathered and its gradients unsharded from the stage's first backward to the step's end
+(``torch.distributed.pipelining`` turns FSDP2's ``reshard_after_backward`` and gradient sync off but for the last
+micro-batch): counted as ``gathered``. Activations: the micro-batches in flight at the rank's peak
+(:func:`in_flight`), each of its stage's layers; the logits of those on the last stage until their backward
+(:func:`logits_in_flight`; the pipeline's loss is chunked as the step's: :class:`raytrn.train.pipelined.PipelineLoss`). The
+estimate is the heaviest rank's.
+
 What a layer holds and keeps is its family's (``raytrn/models/<family>/estimate.py``, counted tensor by tensor from
 :mod:`raytrn.models.decoder`); ``tests/unit/test_estimate.py`` pins them against measured steps.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from raytrn.config.sizes import loss_chunk_rows, shard_size
-from raytrn.models import model_stats
+from raytrn.config.sizes import data_parallel_size, hsdp_shard_size, loss_chunk_rows, shard_size
+from raytrn.config.stages import SCHEDULES, stage_indices, stage_layers
 from raytrn.models.registry import model_spec
 
 if TYPE_CHECKING:
@@ -96,7 +107,7 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class _Split:
-    """The model's parameters by how layouts divide them."""
+    """The parameters a worker holds by how layouts divide them."""
 
     tp_split: int  # attention, dense MLP, embedding, head: split over TP, then FSDP
     experts: int  # stacked experts: split over the data-parallel ranks (EP and/or FSDP), replicated over TP
@@ -104,16 +115,97 @@ class _Split:
     block: int  # one decoder layer's parameters (FSDP gathers a block at a time)
 
 
-def _split(m: ModelConfig, seq_len: int) -> _Split:
-    total = model_stats(m, seq_len).num_params
-    h, layers = m.hidden_size, m.num_layers
-    layer = model_spec(m.family).layer_params(m)
-    norms = layers * layer.norms + h  # + the final norm
-    experts, router = layers * layer.experts, layers * layer.router
-    replicated = norms + router
-    embedding_and_head = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
-    block = (total - embedding_and_head - h) // layers
-    return _Split(total - experts - replicated, experts, replicated, block)
+@dataclass(frozen=True, kw_only=True)
+class Held:
+    """What a worker holds of the model and keeps for backward: the whole model and one micro-batch's activations,
+    or under pipeline parallelism its rank's stages and the micro-batches in flight on them."""
+
+    rank: int = 0
+    stages: tuple[int, ...] = (0,)
+    #: Decoder layers whose parameters it holds.
+    layers: int
+    embedding: bool = True
+    #: The final norm, the output head and the loss (the last stage).
+    head: bool = True
+    #: Layers x micro-batches whose activations it keeps at its peak (the whole model: every layer, one).
+    layer_micro_batches: int
+    #: Micro-batches whose final norm it keeps (the last stage's in flight; 0 without the head).
+    norm_micro_batches: int = 1
+    #: Micro-batches whose logits and loss it keeps (0 without the head).
+    logits_micro_batches: int = 1
+    #: stage -> micro-batches in flight on it at the peak (pipeline ranks only).
+    in_flight: dict[int, int] = field(default_factory=dict)
+
+
+def _split(m: ModelConfig, held: Held) -> _Split:
+    """The parameters of ``held``'s layers, embedding and head, by how layouts divide them (the whole model's are
+    :func:`raytrn.models.model_stats`'s ``num_params``: tested)."""
+    h, layer = m.hidden_size, model_spec(m.family).layer_params(m)
+    dense = layer.attention + layer.mlp - layer.experts - layer.router
+    head = held.head and not m.tie_word_embeddings  # tied: the embedding is the head (never pipelined)
+    tp_split = held.layers * dense + m.vocab_size * h * (int(held.embedding) + int(head))
+    replicated = held.layers * (layer.norms + layer.router) + h * held.head  # + the final norm
+    block = layer.attention + layer.mlp + layer.norms
+    return _Split(tp_split, held.layers * layer.experts, replicated, block)
+
+
+def in_flight(schedule: str, rank: int, ranks: int, micro_batches: int) -> dict[int, int]:
+    """``{stage: micro-batches}`` whose activations pipeline rank ``rank`` of ``ranks`` keeps for backward at its
+    peak under ``schedule`` (``micro_batches`` a step, at least the stages and a multiple of ``ranks``: what
+    ``raytrn validate`` asks). Counted from ``torch.distributed.pipelining``'s orders (a forward keeps a micro-batch
+    until its full backward, or under the zero-bubble schedules until its weight-gradient pass), checked against
+    them in ``tests/unit/test_estimate_pipeline.py``: GPipe runs every forward first; 1F1B's rank ``r`` warms up
+    with ``P - r`` forwards; interleaved 1F1B's rank ``r`` with ``(v - 1) P + 2 (P - 1 - r) + 1`` stage forwards in
+    rounds of ``P`` micro-batches; the interleaved zero bubble (ZB1P) holds ``P`` on each of its stages; ZB-V's rank
+    ``r`` ``2P - 1 - r`` on its first stage and ``r + 1`` on its second, DualPipeV one more on the V's tip."""
+    p, m = ranks, micro_batches
+    stages = stage_indices(schedule, rank, p)
+    v = len(stages)
+    if schedule == "gpipe":
+        counts = [m]
+    elif schedule == "1f1b":
+        counts = [p - rank]
+    elif schedule == "interleaved_1f1b":
+        ops = min((v - 1) * p + 2 * (p - 1 - rank) + 1, v * m)
+        counts = [sum(1 for i in range(ops) if (i // p) % v == j) for j in range(v)]
+    elif schedule == "interleaved_zero_bubble":
+        counts = [p] * v
+    else:  # zbv_zero_bubble, dualpipev: stages r and 2P - 1 - r
+        counts = [2 * p - 1 - rank + (schedule == "dualpipev" and rank == p - 1), rank + 1]
+    return {s: min(n, m) for s, n in zip(stages, counts, strict=True)}
+
+
+def logits_in_flight(schedule: str, micro_batches: int) -> int:
+    """Micro-batches whose logits (and the loss's fp32 copies) the last stage keeps at once: every one under GPipe,
+    else one, the zero-bubble schedules included (their input-gradient pass keeps the stage's graph for the weight
+    gradients, but drops the loss's side of it)."""
+    return micro_batches if schedule == "gpipe" else 1
+
+
+def pipeline_ranks(job: JobSpec, micro_batches: int) -> list[Held]:
+    """What each pipeline rank of ``job`` holds (:class:`Held`), with ``micro_batches`` a step."""
+    p, layers = job.parallel, job.model.num_layers
+    pp = p.pipeline_parallel_size
+    num_stages = pp * SCHEDULES[p.pipeline_schedule][1]
+    cut = stage_layers(layers, num_stages)
+    out = []
+    for rank in range(pp):
+        stages = tuple(stage_indices(p.pipeline_schedule, rank, pp))
+        flight = in_flight(p.pipeline_schedule, rank, pp, micro_batches)
+        out.append(
+            Held(
+                rank=rank,
+                stages=stages,
+                layers=sum(len(cut[s]) for s in stages),
+                embedding=0 in stages,
+                head=num_stages - 1 in stages,
+                layer_micro_batches=sum(n * len(cut[s]) for s, n in flight.items()),
+                norm_micro_batches=flight.get(num_stages - 1, 0),
+                logits_micro_batches=logits_in_flight(p.pipeline_schedule, micro_batches) * (num_stages - 1 in stages),
+                in_flight=flight,
+            )
+        )
+    return out
 
 
 def lora_params(m: ModelConfig) -> int:
@@ -133,49 +225,107 @@ def _width(dtype: str) -> int:
 
 
 def estimate_memory(job: JobSpec, world_size: int) -> MemoryEstimate:
-    """One worker's device memory for ``job`` at ``world_size`` workers (see the module)."""
+    """One worker's device memory for ``job`` at ``world_size`` workers (see the module): under pipeline
+    parallelism the heaviest pipeline rank's, its notes saying which and what it holds."""
+    p, layers = job.parallel, job.model.num_layers
+    if p.pipeline_parallel_size == 1:
+        return _estimate(job, world_size, Held(layers=layers, layer_micro_batches=layers))
+    micro = job.data.grad_accum_for(data_parallel_size(job, world_size))
+    ranks = [(_estimate(job, world_size, held), held) for held in pipeline_ranks(job, micro)]
+    heaviest, held = max(ranks, key=lambda r: r[0].total)  # the first of equals: the lowest rank
+    notes = list(heaviest.notes)
+    notes.insert(1 + (p.tensor_parallel_size > 1), _describe_rank(job, held, micro))
+    return replace(heaviest, notes=notes)
+
+
+def _describe_rank(job: JobSpec, held: Held, micro_batches: int) -> str:
+    """``pipeline parallel 2 (1f1b, 2 stages of 2/2 layers, 8 micro-batches): the heaviest rank, 0, holds stage 0
+    (2 layers, the embedding), 2 micro-batches in flight``."""
+    p = job.parallel
+    pp, schedule = p.pipeline_parallel_size, p.pipeline_schedule
+    cut = stage_layers(job.model.num_layers, pp * SCHEDULES[schedule][1])
+    what = (
+        [f"{held.layers} layer{'s' * (held.layers != 1)}"]
+        + ["the embedding"] * held.embedding
+        + ["the final norm and head"] * held.head
+    )
+    stages = " and ".join(map(str, held.stages))
+    flight = held.in_flight
+    if len(flight) == 1:
+        n = next(iter(flight.values()))
+        kept = f"{n} micro-batch{'es' * (n != 1)} in flight"
+    else:
+        kept = "micro-batches in flight: " + ", ".join(f"{n} on stage {s}" for s, n in flight.items())
+    return (
+        f"pipeline parallel {pp} ({schedule}, {len(cut)} stages of {'/'.join(str(len(c)) for c in cut)} layers, "
+        f"{micro_batches} micro-batches): the heaviest rank, {held.rank}, holds stage{'s' * (len(held.stages) > 1)} "
+        f"{stages} ({', '.join(what)}), {kept}"
+    )
+
+
+def _estimate(job: JobSpec, world_size: int, held: Held) -> MemoryEstimate:
+    """A worker's memory when it holds ``held``: the whole model, or a pipeline rank's stages."""
     m, d, p = job.model, job.data, job.parallel
-    tp, acc = p.tensor_parallel_size, job.scaling.accelerator
-    dp = max(1, world_size // tp)
+    tp, pp, acc = p.tensor_parallel_size, p.pipeline_parallel_size, job.scaling.accelerator
+    dp = max(1, world_size // (pp * tp))  # a stage's data-parallel ranks under a pipeline
     width = _width(m.dtype)
     compute = 2 if m.autocast == "bfloat16" else width
-    split = _split(m, d.seq_len)
-    fsdp = p.data_parallel != "ddp" and world_size > 1  # fsdp or hsdp: FSDP2 holds the state, gathers blocks
-    shard_dp = shard_size(job, world_size)  # hsdp: a shard group's data-parallel ranks only
-    held = split.tp_split // tp // shard_dp + split.experts // shard_dp + split.replicated // shard_dp
+    split = _split(m, held)
+    if pp == 1:
+        fsdp = p.data_parallel != "ddp" and world_size > 1  # fsdp or hsdp: FSDP2 holds the state, gathers blocks
+        shard_dp = shard_size(job, world_size)  # hsdp: a shard group's data-parallel ranks only
+    else:  # FSDP2 over a stage's data-parallel ranks (raytrn.train.pipelined); none when a stage has one
+        fsdp = p.data_parallel != "ddp" and dp > 1
+        inner = world_size // pp
+        shard_dp = min(hsdp_shard_size(job) or inner, inner) // tp if fsdp else 1
+    whole = split.tp_split // tp + split.experts + split.replicated  # what the TP rank holds before FSDP
+    state = split.tp_split // tp // shard_dp + split.experts // shard_dp + split.replicated // shard_dp
     over = f" over {dp} data-parallel ranks" if shard_dp == dp else f" over {shard_dp} of {dp} data-parallel ranks"
-    notes = [f"{p.data_parallel}" + (over if fsdp else " (whole model a worker)")]
+    if pp == 1:
+        notes = [f"{p.data_parallel}" + (over if fsdp else " (whole model a worker)")]
+    else:
+        notes = [f"{p.data_parallel}" + (f"{over} of a stage" if fsdp else " (one data-parallel rank: not sharded)")]
     if tp > 1:
         notes.append(f"TP {tp}")
-    if p.pipeline_parallel_size > 1:  # an over-estimate: a stage holds about 1/PP of the layers
-        notes.append(f"pipeline parallel {p.pipeline_parallel_size}: counted as the whole model (per-stage memory and "
-                     "the in-flight micro-batches' activations are not estimated yet)")  # fmt: skip
     if p.expert_parallel_size > 1:
         notes.append(f"experts over EP {p.expert_parallel_size} x FSDP {shard_dp // p.expert_parallel_size}")
-    trainable = held
+    trainable_whole = whole
+    lora = 0
     if m.lora is not None:
-        trainable = lora_params(m) // shard_dp
+        lora = lora_params(m) * held.layers // m.num_layers  # the adapters of the layers held
+        trainable_whole = lora
         notes.append(f"LoRA rank {m.lora.rank}: {lora_params(m):,} trainable parameters")
+    trainable = state if m.lora is None else lora // shard_dp
     xla = acc in ("neuron-xla", "xla-cpu")
-    ddp_buckets = not fsdp and not xla and world_size > 1  # DDP's buckets copy the gradients; NxD reduces in place
+    # DDP's buckets copy the gradients; NxD reduces in place; a pipeline has no DDP (ddp replicas: refused)
+    ddp_buckets = not fsdp and not xla and world_size > 1 and pp == 1
     gradients = trainable * width
     optimizer = 2 * trainable * width
     if p.zero1 and xla:  # NxD ZeRO-1: fp32 moments and fp32 master weights sharded over the data-parallel ranks
         optimizer = 3 * 4 * trainable // dp
         notes.append(f"ZeRO-1 over {dp}: fp32 moments and master weights")
-    # FSDP gathers a block (and prefetches the next): its dense part over the TP shard, its experts over EP's block
-    layer_experts = split.experts // m.num_layers
-    gathered_block = (split.block - layer_experts) // tp + layer_experts // p.expert_parallel_size
-    gathered = 2 * gathered_block * compute if fsdp else 0
+    if pp > 1 and fsdp:
+        # torch.distributed.pipelining turns reshard_after_backward and gradient sync off until the last
+        # micro-batch: from a stage's first backward its parameters stay gathered (compute dtype) and its
+        # gradients accumulate unsharded (FSDP2's reduce dtype, fp32, under mixed precision)
+        gathered = whole * compute + trainable_whole * (4 if m.autocast == "bfloat16" else width)
+        notes.append("FSDP under a pipeline: the stages stay gathered and their gradients unsharded through the step")
+    else:
+        # FSDP gathers a block (and prefetches the next): its dense part over the TP shard, its experts over EP's
+        layer_experts = model_spec(m.family).layer_params(m).experts
+        gathered_block = (split.block - layer_experts) // tp + layer_experts // p.expert_parallel_size
+        gathered = 2 * gathered_block * compute if fsdp else 0
     tokens = d.micro_batch_size * d.seq_len
+    logits = _logits(tokens, m.vocab_size, compute, nxd_tp=tp if acc == "neuron-xla" else None)
     return MemoryEstimate(
-        parameters=held * width + (lora_params(m) // shard_dp * width if m.lora else 0),
+        parameters=state * width + (lora // shard_dp * width if m.lora else 0),
         gradients=gradients,
         gradient_buckets=gradients if ddp_buckets else 0,
         optimizer=optimizer,
         gathered=gathered,
-        activations=activation_bytes(job, tokens, compute),
-        **_logits(tokens, m.vocab_size, compute, nxd_tp=tp if acc == "neuron-xla" else None),
+        activations=activation_bytes(job, tokens, compute, held=held),
+        logits=logits["logits"] * held.logits_micro_batches,
+        logits_backward=logits["logits_backward"] if held.head else 0,
         runtime=RUNTIME_BYTES.get(acc, GIB),
         notes=notes,
     )
@@ -185,8 +335,8 @@ def _logits(tokens: int, vocab: int, compute: int, *, nxd_tp: int | None) -> dic
     """The head's output and what the loss keeps of it, and its backward transient: under NxD a TP shard of the
     vocabulary (its parallel cross entropy); elsewhere the whole vocabulary on every rank (raytrn's TP gathers the
     head's output), the loss in one piece (its fp32 log-softmax kept, two fp32 gradients in backward) or, above
-    :data:`raytrn.config.sizes.LOSS_CHUNK_LOGITS`, in chunks (:mod:`raytrn.train.loss`: the gradient kept in the
-    compute dtype, a chunk's fp32 copy and its exponentials at a time)."""
+    :data:`raytrn.config.sizes.LOSS_CHUNK_LOGITS`, in chunks (:mod:`raytrn.train.loss`: the gradient kept in the compute dtype, a chunk's fp32 copy and its
+    exponentials at a time)."""
     if nxd_tp is not None:
         n = tokens * vocab // nxd_tp
         return {"logits": n * (compute + LOGIT_SAVED_FP32), "logits_backward": n * LOGIT_BACKWARD_FP32}
@@ -196,8 +346,9 @@ def _logits(tokens: int, vocab: int, compute: int, *, nxd_tp: int | None) -> dic
     return {"logits": 2 * n * compute, "logits_backward": rows * vocab * LOGIT_BACKWARD_FP32}
 
 
-def activation_bytes(job: JobSpec, tokens: int, width: int) -> int:
-    """What the decoder layers keep for backward at ``tokens`` tokens a micro-batch (see the module)."""
+def activation_bytes(job: JobSpec, tokens: int, width: int, *, held: Held | None = None) -> int:
+    """What the decoder layers keep for backward at ``tokens`` tokens a micro-batch (see the module): every layer's
+    for one micro-batch, or ``held``'s layers for its micro-batches in flight (the final norm's on the last stage)."""
     m, p = job.model, job.parallel
     tp = p.tensor_parallel_size
     h = m.hidden_size
@@ -218,10 +369,11 @@ def activation_bytes(job: JobSpec, tokens: int, width: int) -> int:
         seq = job.data.seq_len
         per_layer += 3 * (tokens // seq) * (m.num_attention_heads // tp) * seq * seq * 4
     final_norm = tokens * 2 * h * width  # its input and output, outside the layers
+    layers, norms = (m.num_layers, 1) if held is None else (held.layer_micro_batches, held.norm_micro_batches)
     mode = p.activation_checkpointing
     if mode == "none":
-        return m.num_layers * per_layer + final_norm
+        return layers * per_layer + norms * final_norm
     kept = tokens * h * width  # each layer's input
     if mode == "selective":  # the matmul and attention outputs kept as well: about half of a layer's tensors
         kept += per_layer // 2
-    return m.num_layers * kept + per_layer + final_norm  # plus one layer recomputed at a time
+    return layers * kept + per_layer + norms * final_norm  # plus one layer recomputed at a time

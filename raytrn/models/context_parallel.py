@@ -1,9 +1,10 @@
 """Context parallelism: a sequence split over the ranks of a process group, attention computed as a ring.
 
 torch's ``context_parallel`` dispatches on CUDA's SDPA kernels only; this is the same algorithm in plain PyTorch on
-a ``torch.distributed`` group (gloo on CPU, and whatever backend a Neuron or XLA group has), exact to float rounding
-against one process running :class:`raytrn.models.decoder.LlamaForCausalLM` on the whole rows
-(``tests/unit/test_context_parallel.py``).
+a ``torch.distributed`` group (gloo on CPU, nccl on CUDA, TorchNeuron's on neuron), exact to float rounding against
+one process running :class:`raytrn.models.decoder.LlamaForCausalLM` on the whole rows
+(``tests/unit/test_context_parallel.py``; trained through the job setting ``parallel.context_parallel_size`` in
+``tests/unit/test_context_parallel_training.py``).
 
 **Sharding (load-balanced).** A row of ``seq`` tokens is padded to a multiple of ``2 * size`` and cut into
 ``2 * size`` chunks of ``c`` tokens; rank ``r`` holds chunks ``r`` and ``2 * size - 1 - r`` (the zigzag of
@@ -31,33 +32,30 @@ Communication per layer and rank: forward ``size - 1`` transfers of the local ``
 backward the same plus ``size`` transfers of the float32 ``dk, dv``. Compute: the diagonal block and ``size - 1``
 half blocks, the same on every rank.
 
-**The loss.** :func:`sequence_loss` takes a rank's sum of token losses and count of targets and all-reduces both
-over the group (the padding is out of the count): the mean over the whole sequence. Its ``loss`` (local sum over
-the global count) is what to differentiate: summed over the CP ranks, its gradients are one process's (a gradient
-reduction that averages over DP x CP ranks wants it scaled by the CP size, as ``global_count`` in
-:mod:`raytrn.train.step` does for DP).
+**The seam.** The model (:mod:`raytrn.models.decoder`) takes a :class:`RingContext` (its
+``AttentionContext``): RoPE at the shard's positions, every attention :func:`ring_attention` over the group instead
+of SDPA; nothing else of the model changes, so activation checkpointing, FSDP2, DDP and tensor parallelism apply as
+they do without it. :class:`ContextParallel` is a rank's place in its group (built from the mesh by
+:mod:`raytrn.train.parallelize`): the training step (:mod:`raytrn.train.step`) cuts each micro-batch with it and
+takes the loss of its shard's targets, the padding left out.
 
-**The seam (not wired yet).** :func:`cp_forward` runs an unmodified model's modules on a rank's tokens:
-embedding, RoPE at the given positions, each decoder layer inside :class:`RingAttention` (a ``TorchFunctionMode``,
-scoped to the ``with`` block, that turns ``Attention.forward``'s ``scaled_dot_product_attention`` call into
-:func:`ring_attention`), final norm, head. To wire it into training: ``Decoder.forward`` takes ``positions`` and a
-CP group and ``Attention.forward`` calls :func:`ring_attention` instead of SDPA when given one (the mode then goes:
-it does not survive activation checkpointing's recompute, ``torch.compile`` or an FSDP root whose hooks
-:func:`cp_forward` bypasses); the training step shards each micro-batch with :func:`shard_batch` and takes its loss
-with :func:`sequence_loss`; FSDP's gradient reduction spans DP x CP ranks.
+**Where this runs.** Everywhere raytrn's torch.distributed backends run: cpu (gloo, tested), cuda (nccl) and neuron
+(TorchNeuron's group; its point-to-point transfers not yet tried on a device). On CUDA torch's own
+``context_parallel`` (SDPA's flash and efficient kernels) would be faster; raytrn runs this ring there too, for one
+code path (docs/training.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
-from raytrn.models.decoder import CausalLMOutput, LlamaForCausalLM, document_positions
+from raytrn.config.sizes import padded_length
+from raytrn.models.decoder import document_positions
 
 #: P2P tags: keys/values and their gradient accumulators travel the same ring as separate messages.
 _KV_TAG, _GRAD_TAG = 1, 2
@@ -66,14 +64,8 @@ _KV_TAG, _GRAD_TAG = 1, 2
 # --- sharding ------------------------------------------------------------------------------------------------------
 
 
-def padded_length(seq: int, size: int) -> int:
-    """``seq`` rounded up to a multiple of ``2 * size`` (the zigzag's ``2 * size`` equal chunks)."""
-    chunks = 2 * size
-    return -(-seq // chunks) * chunks
-
-
 def pad_sequence(x: torch.Tensor, size: int, value: float | int = 0) -> torch.Tensor:
-    """``x`` ``[batch, seq, ...]`` padded with ``value`` along ``seq`` to :func:`padded_length`."""
+    """``x`` ``[batch, seq, ...]`` padded with ``value`` along ``seq`` to :func:`~raytrn.config.sizes.padded_length`."""
     seq = x.shape[1]
     extra = padded_length(seq, size) - seq
     if extra == 0:
@@ -343,6 +335,7 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
+@torch.compiler.disable  # eager between compiled pieces: dynamo cannot trace point-to-point transfers
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -358,7 +351,8 @@ def ring_attention(
     ``q`` ``[batch, heads, 2c, head_dim]``, ``k``/``v`` ``[batch, kv_heads, 2c, head_dim]`` (``heads`` a multiple of
     ``kv_heads``: GQA), ``segments`` ``[batch, 2c]``: this rank's zigzag shard (:func:`shard_batch`) of ``group``
     (None: the default group; one process without one). ``scale``: default ``head_dim ** -0.5``. Differentiable in
-    ``q``, ``k`` and ``v``; every rank of ``group`` calls it together (the ring's transfers)."""
+    ``q``, ``k`` and ``v``; every rank of ``group`` calls it together (the ring's transfers). Under ``torch.compile``
+    (``run.compile``: a compiled decoder block) it runs eagerly, the block's graph broken around it."""
     batch, heads, n, head_dim = q.shape
     kv_heads = k.shape[1]
     if heads % kv_heads or k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != (n, head_dim):
@@ -374,88 +368,34 @@ def ring_attention(
     return out.flatten(1, 2)
 
 
-def _sdpa_arguments(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float | None]:
-    """``F.scaled_dot_product_attention``'s arguments, bound as it binds them; only causal attention without a
-    mask or dropout is a ring's to compute."""
-    if attn_mask is not None or dropout_p or not is_causal:
-        raise ValueError("RingAttention: only causal attention without a mask or dropout runs as a ring")
-    if query.shape[1] != key.shape[1] and not enable_gqa:
-        raise ValueError("RingAttention: fewer key than query heads without enable_gqa")
-    return query, key, value, scale
+# --- the seam ------------------------------------------------------------------------------------------------------
 
 
-class RingAttention(TorchFunctionMode):
-    """Within this ``with`` block, every ``F.scaled_dot_product_attention`` call (``Attention.forward``'s: causal,
-    no mask) runs as :func:`ring_attention` over ``group`` with this rank's ``segments`` ``[batch, 2c]``. Scoped
-    to the block and thread: nothing global is patched."""
+class RingContext(NamedTuple):
+    """A rank's share of a sequence as the model attends over it (:class:`raytrn.models.decoder.AttentionContext`):
+    its tokens' ``segments`` and RoPE ``positions`` (:class:`ContextShard`'s) and the ``group`` the ring runs
+    over."""
 
-    def __init__(self, segments: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
-        super().__init__()
-        self.segments, self.group = segments, group
+    segments: torch.Tensor
+    positions: torch.Tensor
+    group: dist.ProcessGroup | None = None
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        q, k, v, scale = _sdpa_arguments(*args, **kwargs)
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         return ring_attention(q, k, v, self.segments, self.group, scale=scale)
 
 
-def cp_forward(
-    model: LlamaForCausalLM,
-    input_ids: torch.Tensor,
-    segments: torch.Tensor,
-    positions: torch.Tensor,
-    group: dist.ProcessGroup | None = None,
-) -> CausalLMOutput:
-    """``model``'s logits ``[batch, 2c, vocab]`` of this rank's tokens (a :class:`ContextShard`'s ``input_ids``,
-    ``segments``, ``positions``), every rank of ``group`` calling it together: its modules in the order of
-    ``LlamaForCausalLM.forward``, RoPE at ``positions``, attention over the whole sequence as a ring. Dense
-    decoders only (a MoE layer's routing sums would need summing over the group)."""
-    decoder = model.model
-    x = decoder.embed_tokens(input_ids)
-    rope = decoder.rotary_emb(x, positions)
-    with RingAttention(segments, group):
-        for layer in decoder.layers:
-            out = layer(x, rope, None)  # no mask: the ring applies the document mask by segments
-            if isinstance(out, tuple):
-                raise NotImplementedError("context parallelism of a MoE decoder (routing over a split sequence)")
-            x = out
-    return CausalLMOutput(logits=model.lm_head(decoder.norm(x)))
+@dataclass(frozen=True)
+class ContextParallel:
+    """This rank's context-parallel group (``parallel.context_parallel_size`` ranks, TP apart: the ``cp`` dimension
+    of the ``(dp, cp, tp)`` mesh, :func:`raytrn.train.parallelize.context_parallel`), its rank in it and its size."""
 
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
 
-# --- the loss ------------------------------------------------------------------------------------------------------
-
-
-class SequenceLoss(NamedTuple):
-    """The loss of a sequence split over CP ranks. ``loss``: this rank's sum over the whole sequence's target count
-    (differentiate it: its gradients, summed over the CP ranks, are one process's gradients of the mean); ``mean``:
-    the mean over the whole sequence (every rank's, no gradient); ``targets``: the whole sequence's count of
-    targets."""
-
-    loss: torch.Tensor
-    mean: torch.Tensor
-    targets: torch.Tensor
-
-
-def sequence_loss(
-    local_sum: torch.Tensor, local_count: torch.Tensor, group: dist.ProcessGroup | None = None
-) -> SequenceLoss:
-    """The mean token loss over the whole sequence from each rank's sum of its targets' losses (e.g.
-    :func:`raytrn.train.loss.masked_loss_sum` with a :class:`ContextShard`'s ``loss_mask``, which leaves the padding
-    out) and their count: both all-reduced over ``group`` in one collective (float32: Neuron has no float64)."""
-    totals = torch.stack([local_sum.detach().float(), local_count.detach().float()])
-    _, size = _rank_size(group)
-    if size > 1:
-        dist.all_reduce(totals, group=group)  # a collective: every rank of the group, every micro-batch
-    count = totals[1].clamp(min=1)
-    return SequenceLoss(loss=local_sum / count.to(local_sum.dtype), mean=totals[0] / count, targets=totals[1])
+    def shard(
+        self, tokens: torch.Tensor, *, loss_mask: torch.Tensor | None = None, segments: torch.Tensor | None = None
+    ) -> tuple[ContextShard, RingContext]:
+        """This rank's :func:`shard_batch` of a micro-batch, and the context the model attends over it with."""
+        part = shard_batch(tokens, self.rank, self.size, loss_mask=loss_mask, segments=segments)
+        return part, RingContext(part.segments, part.positions, self.group)

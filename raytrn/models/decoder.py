@@ -18,12 +18,16 @@ Compatibility is by construction and tested (``tests/unit/test_model.py``):
 - the forward is HF's op for op: RMSNorm in float32, RoPE cos/sin in float32 cast to the activations'
   dtype, ``scaled_dot_product_attention(is_causal=True, enable_gqa=...)``, SiLU MLP. Bit-identical logits
   and gradients (float32 and bfloat16) are tested.
+
+Context parallelism: given an :class:`AttentionContext` (a rank's share of a sequence split over ranks:
+:class:`raytrn.models.context_parallel.RingContext`), the forward takes RoPE at the context's positions and every
+attention from the context (a ring over its ranks) instead of SDPA; everything else is the same code.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +49,17 @@ class CausalLMOutput(NamedTuple):
     aux_loss: torch.Tensor | None = None
     expert_load: torch.Tensor | None = None
     dropped: torch.Tensor | None = None
+
+
+class AttentionContext(Protocol):
+    """How a rank attends when the model runs on its share of a sequence (context parallelism): its tokens'
+    ``positions`` in their documents (RoPE), and ``attention`` of its queries ``[batch, heads, tokens, head_dim]``
+    over the whole sequence's keys and values (causal, within each document), as one process's SDPA would give it."""
+
+    @property
+    def positions(self) -> torch.Tensor: ...
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor: ...
 
 
 class MoeOptions(NamedTuple):
@@ -160,7 +175,11 @@ class Attention(nn.Module):
         self.qk_norm = qk_norm_eps is not None
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None = None,
+        context: AttentionContext | None = None,
     ) -> torch.Tensor:
         batch, seq = x.shape[:2]
         shape = (batch, seq, -1, self.head_dim)
@@ -171,7 +190,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(shape).transpose(1, 2)
         q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
         gqa = self.num_kv_groups > 1
-        if mask is None:
+        if context is not None:  # this rank's queries over the whole sequence (context parallelism: a ring)
+            out = context.attention(q, k, v, self.scaling)
+        elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, scale=self.scaling, is_causal=seq > 1, enable_gqa=gqa)
         else:  # packed documents: causal within each, never across (document_mask)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
@@ -214,10 +235,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None = None,
+        context: AttentionContext | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, RouterStats]:
         """The layer's output; a MoE layer's with its routing's sums."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask)
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, context)
         out = self.mlp(self.post_attention_layernorm(x))
         if isinstance(out, tuple):
             return x + out[0], out[1]
@@ -255,19 +280,26 @@ class Decoder(nn.Module):
         self.rotary_emb = RotaryEmbedding(head_dim, rope_theta, rope_scaling)
 
     def forward(
-        self, input_ids: torch.Tensor, segments: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        segments: torch.Tensor | None = None,
+        context: AttentionContext | None = None,
     ) -> tuple[torch.Tensor, list[RouterStats]]:
         """The final hidden states, and each MoE layer's routing sums (none for a dense model). ``segments``: a
         document number per token of packed rows (0: padding): attention stays inside each document and positions
-        restart at each (:func:`document_mask`); None: plain causal attention."""
+        restart at each (:func:`document_mask`); None: plain causal attention. ``context``: ``input_ids`` are this
+        rank's share of the sequence (context parallelism): positions and attention are the context's (its
+        documents; ``segments`` unused)."""
         x = self.embed_tokens(input_ids)
-        if segments is None:
+        if context is not None:
+            rope, mask = self.rotary_emb(x, context.positions), None
+        elif segments is None:
             rope, mask = self.rotary_emb(x), None
         else:
             rope, mask = self.rotary_emb(x, document_positions(segments)), document_mask(segments)
         routing: list[RouterStats] = []
         for layer in self.layers:
-            out = layer(x, rope, mask)
+            out = layer(x, rope, mask, context)  # positional: activation checkpointing's wrapper passes them on
             if isinstance(out, tuple):
                 x, stats = out
                 routing.append(stats)
@@ -309,8 +341,10 @@ class LlamaForCausalLM(nn.Module):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
-    def forward(self, input_ids: torch.Tensor, segments: torch.Tensor | None = None) -> CausalLMOutput:
-        hidden, routing = self.model(input_ids, segments)
+    def forward(
+        self, input_ids: torch.Tensor, segments: torch.Tensor | None = None, context: AttentionContext | None = None
+    ) -> CausalLMOutput:
+        hidden, routing = self.model(input_ids, segments, context)
         logits = self.lm_head(hidden)
         if not routing:
             return CausalLMOutput(logits=logits)

@@ -17,14 +17,13 @@ interleaved zero bubble) put stage ``s`` on rank ``s mod P``; the V-shaped ones 
 stages ``r`` and ``2P - 1 - r`` on rank ``r``, so the first and last stages share rank 0.
 
 Not here: tied input and output embeddings (the embedding and the head are on different stages: refused by
-:mod:`raytrn.config.layout`), and MoE models (their load-balancing loss multiplies sums over every layer's routing,
-which no stage sees whole before its backward: refused too).
+:mod:`raytrn.config.layout`). A MoE model's stages carry the routing sums along with the activations, so the last
+stage computes the load-balancing loss over every layer exactly (:class:`PipelineStageModel`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,13 +36,19 @@ from raytrn.models.decoder import LlamaForCausalLM, document_mask, document_posi
 class PipelineStageModel(nn.Module):
     """One stage of a :class:`~raytrn.models.decoder.LlamaForCausalLM`: ``model`` (the decoder, holding only this
     stage's layers under their own indices; the embedding on the first stage, the final norm on the last) and, on
-    the last stage, ``lm_head``. Input: token ids (first stage) or the previous stage's hidden states, with the rows'
-    ``segments`` when they are packed documents. Output: the logits (last stage), else the hidden states (with the
-    segments when given)."""
+    the last stage, ``lm_head``.
+
+    Input: token ids (first stage) or the previous stage's hidden states, then what travels with them: the rows'
+    ``segments`` when they are packed documents, and for a MoE model the routing sums of every layer before this
+    stage (``counts`` and ``probs`` [experts]: :class:`~raytrn.models.moe.RouterStats` summed; ``probs`` carries
+    its gradient back through the stages). Output: the same tuple, this stage's layers added; the last stage's is
+    the logits, and for a MoE model ``(logits, load-balancing loss)`` over every layer of the model: exactly
+    :func:`~raytrn.models.moe.load_balancing_loss`, whose product of sums over all layers no single stage has."""
 
     def __init__(self, full: LlamaForCausalLM, layers: range, *, first: bool, last: bool) -> None:
         super().__init__()
         decoder = full.model
+        self.num_layers = len(decoder.layers)  # the whole model's (the load-balancing loss's denominator)
         decoder.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in layers})  # type: ignore[assignment]
         if not first:
             decoder.embed_tokens = None  # type: ignore[assignment]
@@ -52,23 +57,43 @@ class PipelineStageModel(nn.Module):
         self.model = decoder
         self.lm_head = full.lm_head if last else None
         self.first, self.last, self.layers = first, last, layers
+        self.moe = any(hasattr(layer.mlp, "experts") for layer in decoder.layers.values())  # type: ignore[operator]
 
-    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> Any:
+    def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> Any:
         decoder: Any = self.model
+        # (segments?) (counts, probs)?: a MoE model's stages always pass the routing sums, so the count tells
+        routing = rest[-2:] if self.moe and not self.first else ()
+        segments = (rest[:-2] if routing else rest)[0] if len(rest) in (1, 3) else None
         if self.first:
             x = decoder.embed_tokens(x)
         if segments is None:
             rope, mask = decoder.rotary_emb(x), None
         else:
             rope, mask = decoder.rotary_emb(x, document_positions(segments)), document_mask(segments)
+        counts, probs = routing if routing else (None, None)
+        tokens = 0
         for layer in decoder.layers.values():
             out = layer(x, rope, mask)
-            assert not isinstance(out, tuple), "MoE layers are not pipelined (raytrn.config.layout refuses them)"
-            x = out
-        if self.last:
-            assert self.lm_head is not None
-            return self.lm_head(decoder.norm(x))
-        return x if segments is None else (x, segments)
+            if isinstance(out, tuple):
+                x, stats = out
+                counts = stats.counts if counts is None else counts + stats.counts
+                probs = stats.probs if probs is None else probs + stats.probs
+                tokens = stats.tokens
+            else:
+                x = out
+        carried = () if segments is None else (segments,)
+        if self.moe:
+            assert counts is not None and probs is not None
+            carried = (*carried, counts, probs)
+        if not self.last:
+            return (x, *carried) if carried else x
+        assert self.lm_head is not None
+        logits = self.lm_head(decoder.norm(x))
+        if not self.moe:
+            return logits
+        assert counts is not None and probs is not None
+        rows = (tokens or x.shape[0] * x.shape[1]) * self.num_layers  # HF's: every layer's tokens
+        return logits, (counts / rows * (probs / rows)).sum() * counts.shape[0]
 
 
 def split_model(full: LlamaForCausalLM, stage: int, num_stages: int) -> PipelineStageModel:
@@ -80,25 +105,7 @@ def split_model(full: LlamaForCausalLM, stage: int, num_stages: int) -> Pipeline
     return PipelineStageModel(full, ranges[stage], first=stage == 0, last=stage == num_stages - 1)
 
 
-@dataclass
-class PipelineLoss:
-    """The schedule's loss of one micro-batch (the last stage calls it with the logits and the micro-batch's
-    targets, ``-100`` where a target does not count). ``scale``: set before each step; the per-micro-batch loss is
-    the sum of the counted targets' cross entropy times ``scale``. Unmasked rows: ``1 / tokens`` of a micro-batch
-    (the mean, as the one-process step; the schedule averages over micro-batches); masked rows: micro-batches /
-    the counted targets of the whole step (the step's loss is then the mean over every counted target)."""
-
-    scale: float = 1.0
-
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        flat = logits.reshape(-1, logits.size(-1)).float()
-        return (
-            torch.nn.functional.cross_entropy(flat, targets.reshape(-1), ignore_index=-100, reduction="sum")
-            * self.scale
-        )
-
-
-def build_schedule(stages: Sequence[Any], schedule: str, *, microbatches: int, loss: PipelineLoss) -> Any:
+def build_schedule(stages: Sequence[Any], schedule: str, *, microbatches: int, loss: Callable[..., Any]) -> Any:
     """``schedule``'s runner over this rank's ``stages`` (``torch.distributed.pipelining.PipelineStage`` s);
     gradients averaged over the micro-batches (``scale_grads``)."""
     from torch.distributed import pipelining
@@ -117,7 +124,6 @@ def pipeline_targets(targets: torch.Tensor, mask: torch.Tensor | None) -> torch.
 
 __all__ = [
     "SCHEDULES",
-    "PipelineLoss",
     "PipelineStageModel",
     "build_schedule",
     "pipeline_targets",

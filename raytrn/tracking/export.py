@@ -31,7 +31,9 @@ def log_final_model(
     writing = logger is not None and logger.run_id is not None
     if logger is not None and not writing:
         log.warning("final model not logged: the MLflow run was never created (server unreachable)")
-    specs = {name: (v.dtype, tuple(v.shape)) for name, v in getattr(model, "module", model).state_dict().items()}
+    specs = getattr(model, "export_specs", None) or {  # a pipeline's rank holds its stages: the whole's, given
+        name: (v.dtype, tuple(v.shape)) for name, v in getattr(model, "module", model).state_dict().items()
+    }
     with tempfile.TemporaryDirectory(prefix="raytrn-model-") as d:
         try:
             export_hf(job, export(), d if writing else None, specs)

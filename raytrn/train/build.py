@@ -84,11 +84,12 @@ def build_native(
             backend, optimizer, params, job.optim.grad_clip_norm, pp_group=getattr(par.pipeline, "group", None)
         ),
         checkpoints=(checkpoints or sharded_checkpoints)(job, par, rank=rank),
-        export=par.full_state_items,
+        export=par.pipeline.export if par.pipeline is not None else par.full_state_items,
         world_size=world_size,
         data_parallel_size=data_parallel_size(job, world_size),
         aux_loss_coef=job.model.router_aux_loss_coef if job.model.is_moe else 0.0,
         pipeline=par.pipeline,
+        context_parallel=par.context,
     )
 
 
@@ -121,6 +122,8 @@ def sharded_checkpoints(job: JobSpec, par: Parallelized, *, rank: int) -> Checkp
     pp = job.parallel.pipeline_parallel_size if par.pipeline is not None else 1
     if pp > 1:  # recorded (a checkpoint loads at any pipeline size: the whole model's names)
         layout["pipeline_parallel_size"] = pp
+    if par.context is not None:  # recorded (the state is the model's alone: it loads at any CP size)
+        layout["context_parallel_size"] = par.context.size
     plain = tp == 1 and not par.sharded and pp == 1
     return DcpCheckpoints(job, rank=rank, plain_layout=plain, layout=layout)
 

@@ -175,7 +175,7 @@ def build_components(
         plan, t, progress, rank=rank, world_size=world_size, logger=logger, posts=posts, efficiency=efficiency,
         probe=probe, sources=(CheckpointMetrics(t.checkpoints), guard, memory),
     )  # fmt: skip
-    dp, dp_rank = data_parallel_size(job, world_size), data_parallel_rank(job, rank)
+    dp, dp_rank = data_parallel_size(job, world_size), data_parallel_rank(job, rank, world_size)
     evaluation = Evaluation(job, plan.validation, progress, dp=dp, dp_rank=dp_rank, logger=logger, t=t, backend=backend)
     # a spot notice ends this group at a checkpoint (raytrn.train.preemption); `raytrn stop`: at an agreed step
     agreement = Agreement(PreemptionWatch(world_size), StopRequests(board.stops if board and rank == 0 else None))

@@ -47,7 +47,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     backend = get_backend(job.scaling.accelerator)
     tracker = tracking_logger(plan)  # the job's tracking actor: rank 0 logs, each node's first worker samples
     logger = tracker if rank == 0 else None
-    dp, dp_rank = data_parallel_size(job, world_size), data_parallel_rank(job, rank)
+    dp, dp_rank = data_parallel_size(job, world_size), data_parallel_rank(job, rank, world_size)
 
     # -- start: where the run stands (a collective), the data feed from there while the model builds -------------
     # In-memory snapshots (a collective); only where checkpoints are DCP's (not the frozen XLA path's formats)

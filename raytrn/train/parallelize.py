@@ -11,8 +11,16 @@ block and the root with ``fully_shard`` over the ``dp`` dimension; ``hsdp`` spli
 ``(dp_replicate, dp_shard, tp)`` (torchtitan's), and ``fully_shard`` over the 2-D ``(dp_replicate, dp_shard)`` mesh
 shards within a shard group of consecutive ranks (``parallel.hsdp_shard_size`` workers, one node by default) and
 replicates across the groups; ``ddp`` wraps the model in ``DistributedDataParallel`` (TP 1 only). The data-parallel
-rank (the batch a worker reads) is ``rank // TP`` in every layout. The same code runs on cpu (gloo) and cuda
+rank (the batch a worker reads) is ``rank // (CP x TP)`` in every layout. The same code runs on cpu (gloo) and cuda
 (nccl); a ``neuron`` device is one more device type.
+
+Context parallelism (``parallel.context_parallel_size``) puts a ``cp`` dimension between data and tensor parallelism,
+torchtitan's ``(dp, cp, tp)``: a group of CP x TP consecutive ranks holds one replica's sequences, each CP rank a
+zigzag share of every row (:mod:`raytrn.models.context_parallel`). FSDP shards over the data and context ranks
+together (torchtitan's ``dp_shard_cp``): the layout mesh's first dimension is then ``dp_cp`` (``dp_shard_cp`` under
+hsdp): ``dp`` and ``cp`` flattened in order, so gradients are reduced (averaged) over DP x CP ranks;
+DDP averages over every rank, the same DP x CP ranks (TP 1). The ring runs over the ``cp`` dimension of a
+``(dp, cp, tp)`` mesh of the same ranks (:func:`context_parallel`).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from torch import nn
 from raytrn.backends.neuron_env import check_tp_groups
 from raytrn.config.sizes import hsdp_shard_size
 from raytrn.errors import ConfigError
+from raytrn.models.context_parallel import ContextParallel
 from raytrn.models.expert_parallel import expert_mesh, experts_fsdp_mesh
 from raytrn.models.parallel import decoder_layers
 from raytrn.models.registry import model_spec
@@ -52,6 +61,8 @@ class Parallelized:
     tensor_parallel_size: int
     #: This rank's part of a pipeline (:class:`raytrn.train.pipelined.Pipeline`); None: no pipeline parallelism.
     pipeline: Any = None
+    #: This rank's context-parallel group; None: no context parallelism.
+    context: ContextParallel | None = None
 
     @property
     def sharded(self) -> bool:
@@ -96,7 +107,7 @@ def parallelize(
     float32 (FSDP's ``MixedPrecisionPolicy``, instead of ``torch.autocast``).
     """
     p = job.parallel
-    tp = p.tensor_parallel_size
+    tp, cp = p.tensor_parallel_size, p.context_parallel_size
     distributed = world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
     sharded = p.data_parallel in ("fsdp", "hsdp")
     shard = hsdp_shard_size(job) if distributed else None
@@ -109,7 +120,8 @@ def parallelize(
     mesh = None
     if distributed and (tp > 1 or sharded):
         check_tp_placement(tp)
-        mesh = device_mesh(device.type, world_size, tensor_parallel_size=tp, shard_size=shard)
+        mesh = device_mesh(device.type, world_size, tensor_parallel_size=tp, shard_size=shard, context_parallel_size=cp)
+    context = context_parallel(device.type, world_size, context_parallel_size=cp, tensor_parallel_size=tp)
     family = model_spec(job.model.family)
     experts_mesh = None
     if mesh is not None and family.expert_parallel is not None and (tp > 1 or p.expert_parallel_size > 1):
@@ -139,32 +151,66 @@ def parallelize(
     if sharded:
         assert mesh is not None
         apply_fsdp(model, data_parallel_mesh(mesh), p.reshard_after_forward, mixed_precision, experts_mesh=experts_mesh)
-        return Parallelized(model=model, mesh=mesh, data_parallel=p.data_parallel, tensor_parallel_size=tp)
+        return Parallelized(
+            model=model, mesh=mesh, data_parallel=p.data_parallel, tensor_parallel_size=tp, context=context
+        )
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" and device.index is not None else None
     return Parallelized(
-        model=DistributedDataParallel(model, device_ids=ids), mesh=None, data_parallel="ddp", tensor_parallel_size=1
+        model=DistributedDataParallel(model, device_ids=ids),
+        mesh=None,
+        data_parallel="ddp",
+        tensor_parallel_size=1,
+        context=context,
     )
 
 
-def device_mesh(device_type: str, world_size: int, *, tensor_parallel_size: int, shard_size: int | None) -> DeviceMesh:
+def device_mesh(
+    device_type: str,
+    world_size: int,
+    *,
+    tensor_parallel_size: int,
+    shard_size: int | None,
+    context_parallel_size: int = 1,
+) -> DeviceMesh:
     """The workers' mesh over consecutive ranks: ``(dp, tp)``, or under hsdp (``shard_size`` workers a shard group)
-    ``(dp_replicate, dp_shard, tp)``. A collective: every rank calls it."""
+    ``(dp_replicate, dp_shard, tp)``; with context parallelism the first (the shard) dimension holds the data and
+    context ranks together, named ``dp_cp`` (``dp_shard_cp``). A collective: every rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    tp = tensor_parallel_size
+    tp, cp = tensor_parallel_size, context_parallel_size
     if shard_size is None:
-        return init_device_mesh(device_type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        return init_device_mesh(device_type, (world_size // tp, tp), mesh_dim_names=("dp_cp" if cp > 1 else "dp", "tp"))
     shape = (world_size // shard_size, shard_size // tp, tp)
-    return init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    return init_device_mesh(
+        device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard_cp" if cp > 1 else "dp_shard", "tp")
+    )
+
+
+def context_parallel(
+    device_type: str, world_size: int, *, context_parallel_size: int, tensor_parallel_size: int
+) -> ContextParallel | None:
+    """This rank's context-parallel group: the ``cp`` dimension of a ``(dp, cp, tp)`` mesh over the world
+    (consecutive ranks: ``CP x TP`` of them hold one replica's sequences); None without context parallelism or
+    without a process group. A collective: every rank calls it."""
+    cp, tp = context_parallel_size, tensor_parallel_size
+    if cp == 1 or world_size == 1 or not torch.distributed.is_initialized():
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (world_size // (cp * tp), cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+    return ContextParallel(group=mesh.get_group("cp"), rank=mesh.get_local_rank("cp"), size=cp)
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """What ``fully_shard`` takes of :func:`device_mesh`'s mesh: ``dp`` (FSDP), or the 2-D ``(dp_replicate,
-    dp_shard)`` (HSDP: FSDP2 replicates over the first dimension and shards over the second)."""
+    """What ``fully_shard`` takes of :func:`device_mesh`'s mesh: ``dp`` (FSDP; ``dp_cp`` with context parallelism),
+    or the 2-D ``(dp_replicate, dp_shard)`` (HSDP: FSDP2 replicates over the first dimension and shards over the
+    second; ``dp_shard_cp`` with context parallelism)."""
     names = mesh.mesh_dim_names or ()
-    return mesh["dp_replicate", "dp_shard"] if "dp_replicate" in names else mesh["dp"]
+    if "dp_replicate" in names:
+        return mesh["dp_replicate", "dp_shard_cp" if "dp_shard_cp" in names else "dp_shard"]
+    return mesh["dp_cp" if "dp_cp" in names else "dp"]
 
 
 def _compile_around_experts(layer: nn.Module, compile: dict[str, Any]) -> None:

@@ -24,7 +24,7 @@ import copy
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,14 +32,40 @@ from torch import nn
 
 from raytrn.config.sizes import hsdp_shard_size
 from raytrn.data.batch import TokenBatch
-from raytrn.models.pipeline import PipelineLoss, build_schedule, pipeline_targets, split_model, stage_indices
+from raytrn.models.pipeline import build_schedule, pipeline_targets, split_model, stage_indices
 from raytrn.models.registry import model_spec
+from raytrn.train.loss import masked_loss_sum
 
 if TYPE_CHECKING:
     from raytrn.backends.base import Backend
     from raytrn.config import JobSpec
     from raytrn.train.parallelize import Parallelized
     from raytrn.train.step import StepResult, Training
+
+
+@dataclass
+class PipelineLoss:
+    """The schedule's loss of one micro-batch (the last stage calls it with its output and the micro-batch's
+    targets, ``-100`` where a target does not count). ``scale``: set before each step; the per-micro-batch loss is
+    the sum of the counted targets' cross entropy times ``scale``. Unmasked rows: ``1 / tokens`` of a micro-batch
+    (the mean, as the one-process step; the schedule averages over micro-batches); masked rows: micro-batches /
+    the counted targets of the whole step (the step's loss is then the mean over every counted target).
+
+    A MoE model's output carries its load-balancing loss: added, times ``aux_loss_coef``, to what the gradients are
+    taken of (as :func:`raytrn.train.step.with_aux_loss`); ``language`` keeps each micro-batch's loss without it
+    (what is logged), in the schedule's order."""
+
+    scale: float = 1.0
+    aux_loss_coef: float = 0.0
+    language: list[torch.Tensor] = field(default_factory=list)
+
+    def __call__(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
+        logits, aux = output if isinstance(output, tuple) else (output, None)
+        counted = targets != -100
+        # raytrn.train.loss's: in chunks of rows above sizes.LOSS_CHUNK_LOGITS (no float32 copy of every logit)
+        loss = masked_loss_sum(logits, targets.clamp(min=0), counted) * self.scale
+        self.language.append(loss.detach())
+        return loss if aux is None or not self.aux_loss_coef else loss + self.aux_loss_coef * aux
 
 
 class PipelineRank(nn.Module):
@@ -60,6 +86,10 @@ class PipelineRank(nn.Module):
             if getattr(stage, "lm_head", None) is not None:
                 self.lm_head = stage.lm_head
 
+    #: The whole model's tensors as a Hugging Face export writes them: name -> (dtype, shape), in the whole model's
+    #: order (:meth:`Pipeline.export` yields them in it); set by :func:`parallelize_pipeline`.
+    export_specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a pipelined model runs through its schedule (Pipeline.step), not as one module")
 
@@ -75,6 +105,29 @@ class Pipeline:
     group: Any
     loss: PipelineLoss
     microbatches: int
+    #: This rank's stages (:class:`PipelineRank`), its place in the pipeline, and which pipeline rank holds each of
+    #: the whole model's tensors (the export's).
+    model: PipelineRank
+    pp_rank: int
+    owners: dict[str, int]
+
+    def export(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The whole model's state, one full CPU tensor at a time in the whole model's order, on every rank (what a
+        Hugging Face export streams): each tensor gathered within the stage holding it (a collective over that
+        stage's data- and tensor-parallel ranks), then broadcast over the pipeline from the rank holding it."""
+        from torch.distributed.tensor import DTensor
+
+        state = self.model.state_dict()
+        device = next(iter(state.values())).device if state else torch.device("cpu")
+        for name, (dtype, shape) in self.model.export_specs.items():
+            owner = self.owners[name]
+            if owner == self.pp_rank:
+                value = state[name]
+                tensor = (value.full_tensor() if isinstance(value, DTensor) else value).detach().contiguous()
+            else:
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+            torch.distributed.broadcast(tensor, group=self.group, group_src=owner)
+            yield name, tensor.cpu()
 
     def train_step(self, t: Training, batches: Iterator[torch.Tensor | TokenBatch], backend: Backend) -> StepResult:
         """:func:`raytrn.train.step.train_step` of a pipelined model: :func:`pipeline_step`."""
@@ -122,6 +175,7 @@ def parallelize_pipeline(
     dp_mesh = data_parallel_mesh(mesh["dp_replicate", "dp_shard", "tp"] if shard else mesh["dp", "tp"])
     if tp > 1:
         check_tp_placement(tp)
+    specs = {name: (value.dtype, tuple(value.shape)) for name, value in model.state_dict().items()}  # the whole's
     stages, modules = [], []
     for n, index in enumerate(indices):
         whole = model if n == len(indices) - 1 else copy.deepcopy(model)  # each stage cuts its own copy
@@ -138,7 +192,12 @@ def parallelize_pipeline(
         modules.append(stage)
         stages.append(PipelineStage(stage, index, num_stages, device, group=mesh.get_group("pp")))
     microbatches = job.data.grad_accum_for(inner // tp)
-    loss = PipelineLoss()
+    loss = PipelineLoss(aux_loss_coef=job.model.router_aux_loss_coef if job.model.is_moe else 0.0)
+    rank_model = PipelineRank(modules)
+    rank_model.export_specs = specs
+    held: list[Any] = [None] * pp
+    torch.distributed.all_gather_object(held, sorted(rank_model.state_dict()), group=mesh.get_group("pp"))
+    owners = {name: r for r, names in enumerate(held) for name in names}
     pipeline = Pipeline(
         schedule=build_schedule(stages, p.pipeline_schedule, microbatches=microbatches, loss=loss),
         first=0 in indices,
@@ -146,9 +205,12 @@ def parallelize_pipeline(
         group=mesh.get_group("pp"),
         loss=loss,
         microbatches=microbatches,
+        model=rank_model,
+        pp_rank=pp_rank,
+        owners=owners,
     )
     return Parallelized(
-        model=PipelineRank(modules),
+        model=rank_model,
         mesh=mesh,
         data_parallel=p.data_parallel if sharded else "none",
         tensor_parallel_size=tp,
@@ -186,18 +248,22 @@ def pipeline_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch], bac
         targets = pipeline_targets(targets, mask)
     else:
         pipe.loss.scale = 1.0 / targets[: targets.shape[0] // pipe.microbatches].numel()
-    losses: list[torch.Tensor] = []
+    losses: list[torch.Tensor] = []  # the objective's (a MoE model's: with its load-balancing loss)
+    pipe.loss.language.clear()
     args = (inputs,) if segments is None else (inputs, segments)
     t0 = time.perf_counter()
     with torch.autocast(inputs.device.type, dtype=t.autocast_dtype) if t.autocast_dtype else nullcontext():
         if pipe.first:
-            pipe.schedule.step(*args, target=targets if pipe.last else None, losses=losses)
+            pipe.schedule.step(*args, target=targets if pipe.last else None, losses=losses, return_outputs=False)
         elif pipe.last:
-            pipe.schedule.step(target=targets, losses=losses)
+            pipe.schedule.step(target=targets, losses=losses, return_outputs=False)
         else:
-            pipe.schedule.step()
+            pipe.schedule.step(return_outputs=False)
     forward_s = time.perf_counter() - t0  # forward and backward interleave: the whole schedule
-    loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else torch.zeros(())
+    # the last stage's: each micro-batch's loss, what is logged (the schedule's first step also calls the loss once
+    # while it infers the stages' shapes: the step's are the last ones)
+    language = pipe.loss.language[-pipe.microbatches :]
+    loss = torch.stack([x.float() for x in language]).mean() if language else torch.zeros(())
     torch.distributed.all_reduce(loss, group=pipe.group)  # the last stage's, on every rank of the pipeline
     grad_norm = t.clip_and_step()
     t.scheduler.step()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from raytrn.data.batch import TokenBatch
+from raytrn.models.context_parallel import ContextParallel
 from raytrn.train.loss import cross_entropy, masked_loss_sum
 
 if TYPE_CHECKING:
@@ -45,8 +46,8 @@ class Training:
     #: The full model state, one (name, CPU tensor) at a time, for the Hugging Face export; every rank iterates
     #: (sharded tensors are gathered). None: the layout cannot export (NxD).
     export: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None
-    #: Workers, and model replicas among them (tensor-parallel groups share one): the loss of masked data is
-    #: normalised over the global batch.
+    #: Workers, and model replicas among them (tensor- and context-parallel groups share one): the loss of masked
+    #: data is normalised over the global batch.
     world_size: int = 1
     data_parallel_size: int = 1
     #: A MoE model's ``router_aux_loss_coef``: the load-balancing loss it returns is added, so weighted, to the loss
@@ -54,6 +55,15 @@ class Training:
     aux_loss_coef: float = 0.0
     #: This rank's part of a pipeline (:class:`raytrn.train.pipelined.Pipeline`): the step runs its schedule.
     pipeline: Any = None
+    #: This rank's context-parallel group: each micro-batch's rows are split over it (:func:`forward`).
+    context_parallel: ContextParallel | None = None
+
+    @property
+    def gradient_ranks(self) -> int:
+        """The ranks DDP/FSDP average gradients over: the data-parallel ones, times the context-parallel ones (each
+        of which holds a share of the same rows)."""
+        cp = self.context_parallel.size if self.context_parallel is not None else 1
+        return self.data_parallel_size * cp
 
 
 @dataclass(kw_only=True)
@@ -104,20 +114,31 @@ def forward(
     t: Training, batch: torch.Tensor | TokenBatch
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Any]:
     """Logits of a micro-batch's inputs, its targets, the targets' mask (None: all count), and the model's whole
-    output (a MoE model's routing: :class:`raytrn.models.decoder.CausalLMOutput`)."""
+    output (a MoE model's routing: :class:`raytrn.models.decoder.CausalLMOutput`).
+
+    Context parallelism: this rank's zigzag share of the rows' tokens (every rank of its group calls this together:
+    attention is a ring over them), and a mask always, the padding added for the chunks out of it: sums over the
+    group's shares are the micro-batch's (validation's loss too, :mod:`raytrn.train.evaluate`)."""
     if isinstance(batch, TokenBatch):
         tokens, mask, segments = batch.tokens, batch.loss_mask, batch.segments
     else:
         tokens, mask, segments = batch, None, None
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    kwargs = {"segments": segments[:, :-1]} if segments is not None else {}
+    kwargs: dict[str, Any]
+    if t.context_parallel is not None:
+        part, context = t.context_parallel.shard(tokens, loss_mask=mask, segments=segments)
+        inputs, targets, mask, kwargs = part.input_ids, part.targets, part.loss_mask, {"context": context}
+    else:
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        mask = None if mask is None else mask[:, 1:]
+        kwargs = {"segments": segments[:, :-1]} if segments is not None else {}
     with torch.autocast(inputs.device.type, dtype=t.autocast_dtype) if t.autocast_dtype else nullcontext():
         out = t.model(input_ids=inputs, **kwargs)
-    return out.logits, targets, None if mask is None else mask[:, 1:], out
+    return out.logits, targets, mask, out
 
 
 def global_count(local: torch.Tensor, t: Training) -> torch.Tensor:
-    """Targets of the whole global batch (every data-parallel rank's; tensor-parallel ranks hold the same rows)."""
+    """Targets of the whole global batch (every data-parallel rank's; tensor- and context-parallel ranks hold the
+    same rows)."""
     total = local.clone()
     if torch.distributed.is_available() and torch.distributed.is_initialized() and t.world_size > 1:
         torch.distributed.all_reduce(total)  # a collective: every rank, every masked step
@@ -131,7 +152,8 @@ def train_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch], backen
     Masked data (instruction rows): the loss is the mean over the trained tokens of the whole global batch, not a
     mean of per-row or per-micro-batch means: the step's micro-batches are drawn first, their targets counted and
     summed over the data-parallel ranks, and each micro-batch's loss sum is scaled so that the gradient averaging of
-    DDP/FSDP yields exactly that mean."""
+    DDP/FSDP yields exactly that mean. Context parallelism takes every step that way (each rank's loss the sum over
+    its share of the targets; for text rows the same as the mean of the micro-batches' means)."""
     if t.pipeline is not None:  # raytrn.train.pipelined: the schedule runs the micro-batches
         result: StepResult = t.pipeline.train_step(t, batches, backend)
         return result
@@ -139,7 +161,7 @@ def train_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch], backen
     model.train()
     t0 = time.perf_counter()
     first = next(batches)
-    if isinstance(first, TokenBatch) and first.loss_mask is not None:
+    if (isinstance(first, TokenBatch) and first.loss_mask is not None) or t.context_parallel is not None:
         step_batches: list[Any] = [first, *(next(batches) for _ in range(t.grad_accum - 1))]
         return _masked_step(t, step_batches, backend, data_wait=time.perf_counter() - t0)
     pending: list[Any] = [first]
@@ -184,13 +206,21 @@ def skip_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch]) -> None
         t.scheduler.step()
 
 
-def _masked_step(t: Training, micro: list[TokenBatch], backend: Backend, *, data_wait: float) -> StepResult:
-    assert all(b.loss_mask is not None for b in micro), "a step mixes masked and unmasked micro-batches"
+def _masked_step(t: Training, micro: list[Any], backend: Backend, *, data_wait: float) -> StepResult:
+    """The loss as the sum over the step's targets divided by their count over the global batch: masked rows, and
+    any rows under context parallelism (:func:`forward` gives each rank its share of the targets)."""
+    masked = [isinstance(b, TokenBatch) and b.loss_mask is not None for b in micro]
+    assert all(masked) or not any(masked), "a step mixes masked and unmasked micro-batches"
     device = backend.device()
-    local = torch.stack([b.loss_mask[:, 1:].sum() for b in micro]).sum().to(device=device, dtype=torch.float32)  # type: ignore[index]
-    total = global_count(local, t)
-    # DDP/FSDP average gradients over the DP ranks: scale each rank's sum by DP / total to get sum(all) / total.
-    scale = t.data_parallel_size / total
+    if masked[0]:
+        local = torch.stack([b.loss_mask[:, 1:].sum() for b in micro]).sum().to(device=device, dtype=torch.float32)
+        total = global_count(local, t)
+    else:  # text rows: every target counts, as many on every data-parallel rank (no collective)
+        targets = sum((b.tokens if isinstance(b, TokenBatch) else b)[:, 1:].numel() for b in micro)
+        total = torch.tensor(float(targets * t.data_parallel_size), device=device)
+    # DDP/FSDP average gradients over the DP (x CP) ranks: scale each rank's sum by their number / total to get
+    # sum(all) / total.
+    scale = t.gradient_ranks / total
     loss_sum = torch.zeros((), device=device)
     forward_s = 0.0
     routing: Routing | None = None
@@ -211,14 +241,14 @@ def _masked_step(t: Training, micro: list[TokenBatch], backend: Backend, *, data
     t.scheduler.step()
     t.optimizer.zero_grad(set_to_none=True)
     backend.sync()
-    # Per rank: its sum x DP / total; the loop's mean over the world (read_metrics: every tensor-parallel copy
+    # Per rank: its sum x DP (x CP) / total; the loop's mean over the world (read_metrics: every tensor-parallel copy
     # counted alike) is then sum(all) / total.
     return StepResult(
         loss=loss_sum,
         grad_norm=grad_norm,
         data_wait_s=data_wait,
         forward_s=forward_s,
-        trained_tokens=int(total.item()),  # a host read: the step's count, already all-reduced
+        trained_tokens=int(total.item()) if masked[0] else None,  # a host read: the step's count, all-reduced
         routing=routing,
     )
 

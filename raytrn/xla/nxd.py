@@ -28,7 +28,7 @@ import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from raytrn.config.layout import refuse_nxd_only
+from raytrn.config.layout import refuse_nxd_only, refuse_on_xla
 from raytrn.config.sizes import data_parallel_size, world_sizes
 from raytrn.errors import BackendError, BackendUnavailableError, ConfigError
 from raytrn.models.export import hf_config
@@ -91,6 +91,7 @@ def check_parallel(job: JobSpec, *, require_installed: bool = True) -> list[str]
     """
     p, where = job.parallel, job.source
     tp = p.tensor_parallel_size
+    refuse_on_xla(job)
     _check_accelerator(job)
     if p.sequence_parallel and tp == 1:
         raise ConfigError(

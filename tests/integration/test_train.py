@@ -284,13 +284,15 @@ def test_dataset_and_checkpoints_on_s3_then_resume(ray_session, tiny_dataset, tm
         load_manifest(f"s3://{s3_bucket}/datasets/nothing-here")
 
 
-def test_a_qwen3_run_under_fsdp_x_tp_resumed_as_ddp_follows_the_uninterrupted_one(
+def test_a_qwen3_run_under_tp_and_a_pipeline_resumed_as_ddp_follow_the_uninterrupted_one(
     ray_session, tiny_dataset, tmp_path, monkeypatch
 ):
-    """The dense Qwen3 (jobs/tiny.yaml with model.family qwen3, preset tiny-qwen3) under Ray on 2 workers as one
-    tensor-parallel group (fsdp, TP 2, async checkpoints): 10 steps in one go, and 5 steps then a second invocation
-    resuming from the step-5 checkpoint as 2 DDP workers (a layout change). The same rows at every step, every step
-    logged once, and the resumed losses on the uninterrupted run's (another layout sums in another order: 2e-5)."""
+    """The dense Qwen3 (jobs/tiny.yaml with model.family qwen3, preset tiny-qwen3) under Ray on 2 workers, async
+    checkpoints: 10 steps in one go as one tensor-parallel group (fsdp, TP 2); and 5 steps as a pipeline of 2 stages
+    (parallel.pipeline_parallel_size 2, 1F1B over the step's 2 micro-batches), then a second invocation resuming from
+    the pipeline's step-5 checkpoint as 2 DDP workers (a layout change). The same rows at every step, every step
+    logged once, and the pipeline's and the resumed losses on the uninterrupted run's (another layout sums in another
+    order: 2e-5)."""
     from tests.chaos._common import read_trace
 
     # decay_steps: the schedule's horizon (pinned by a run's first invocation) the same for both runs; the global
@@ -298,11 +300,12 @@ def test_a_qwen3_run_under_fsdp_x_tp_resumed_as_ddp_follows_the_uninterrupted_on
     qwen3 = ("model.family=qwen3", "model.preset=tiny-qwen3", "optim.decay_steps=10", "data.grad_accum=null",
              "data.global_batch_size=16")  # fmt: skip
     out: dict[str, Any] = {}
-    for name, steps, layout in (("whole", 10, "fsdp"), ("split", 5, "fsdp"), ("split", 10, "ddp")):
-        tp = 2 if layout == "fsdp" else 1
+    for name, steps, layout in (("whole", 10, "tp"), ("split", 5, "pp"), ("split", 10, "ddp")):
+        tp, pp = (2 if layout == "tp" else 1), (2 if layout == "pp" else 1)
         job = _job(
             tiny_dataset, tmp_path, *qwen3, f"run.max_steps={steps}", "scaling.min_workers=2", "scaling.max_workers=2",
-            f"parallel.data_parallel={layout}", f"parallel.tensor_parallel_size={tp}", "checkpoint.every_n_steps=5",
+            f"parallel.data_parallel={'ddp' if layout == 'ddp' else 'fsdp'}", f"parallel.tensor_parallel_size={tp}",
+            f"parallel.pipeline_parallel_size={pp}", "checkpoint.every_n_steps=5",
             "checkpoint.async=true", "run.log_every=1", "tracking.log_model=false", "tracking.system_metrics=false",
             name=f"qwen3-{name}",
         )  # fmt: skip
@@ -313,12 +316,12 @@ def test_a_qwen3_run_under_fsdp_x_tp_resumed_as_ddp_follows_the_uninterrupted_on
         run_dir = Path(job.checkpoint.storage) / job.run_name
         assert f"step_{steps:08d}" in {p.name for p in (run_dir / "dcp").iterdir()}
     whole, split = out["whole"], out["split"]
-    assert split["start"] == 5  # the DDP invocation resumed from the TP checkpoint
+    assert split["start"] == 5  # the DDP invocation resumed from the pipeline's checkpoint
     assert [s for s, _ in whole["loss"]] == [s for s, _ in split["loss"]] == list(range(1, 11))
     assert [v for _, v in split["loss"]] == pytest.approx([v for _, v in whole["loss"]], rel=2e-5)
     assert whole["loss"][-1][1] < whole["loss"][0][1]
-    # The same 16 rows at every step (under TP both ranks of the group trace the DP rank's rows; at DP 2 each rank
-    # its 8: compared as sets)
+    # The same 16 rows at every step (under TP or PP both ranks trace the DP rank's rows; at DP 2 each rank its 8:
+    # compared as sets)
     whole_rows, split_rows = (
         {s: sorted({row for row, _ in r}) for s, r in read_trace(tmp_path / f"trace-{n}").items()} for n in out
     )

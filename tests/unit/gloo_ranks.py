@@ -39,3 +39,20 @@ def spawn_ranks(fn: Callable[..., None], world: int, *args: Any, deadline_s: flo
         for process in ctx.processes:  # only after a failure or the deadline: ours, by handle
             if process.is_alive():
                 process.terminate()
+
+
+def tiny_job(tmp: Any, *overrides: str, workers: int, seq: int, rows: int, name: str) -> Any:
+    """jobs/tiny.yaml as the layout tests train it (no data read: they feed their own rows): ``workers`` workers,
+    ``rows`` sequences of ``seq`` tokens a step (micro-batches of one), vocabulary 512, run ``name``."""
+    from pathlib import Path
+
+    from raytrn.config import load_job
+
+    return load_job(
+        Path(__file__).resolve().parents[2] / "jobs" / "tiny.yaml",
+        ["data.manifest=unused", f"data.seq_len={seq}", "model.vocab_size=512", "data.grad_accum=null",
+         f"data.global_batch_size={rows}", "data.micro_batch_size=1", "optim.warmup_steps=2",
+         f"scaling.min_workers={workers}", f"scaling.max_workers={workers}", f"checkpoint.storage={tmp}",
+         f"tracking.run_name={name}", *overrides],
+        resolve=False,
+    )  # fmt: skip

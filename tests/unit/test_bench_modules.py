@@ -45,3 +45,25 @@ def test_the_guard_benchs_check_runs() -> None:
     from bench.guard import _check_cost_s
 
     assert _check_cost_s(20) > 0
+
+
+def test_the_layout_benchs_measure_in_one_process_and_render_their_rows() -> None:
+    """bench/pipeline.py and bench/context.py at tiny sizes in one process (their gloo spawns run in make bench):
+    a step's seconds, the bytes saved for backward growing with the sequence; and the README rows they make."""
+    from bench.context import measure_rank
+    from bench.pipeline import step_rank
+    from bench.report import _layout_rows
+
+    assert len(step_rank(0, 1, 2, (), 2)["step_s"]) == 2
+    saved = measure_rank(0, 1, [32, 64], 1)
+    assert 0 < saved["32"]["saved_bytes"] < saved["64"]["saved_bytes"]
+    pp = {"setup": "s", "m4": {"pp_tokens_per_s": 1900, "fsdp_tokens_per_s": 1700, "one_tokens_per_s": 1730,
+                               "pp_over_fsdp": 1.11, "bubble_measured": 0.45, "bubble_theory": 0.2}}  # fmt: skip
+    cp = {"setup": "c", "seq256": {"cp1_saved_mib": 21.9, "cp2_saved_mib": 11.5, "cp2_over_cp1": 0.523}}
+    rows = _layout_rows(pp, cp)
+    assert (
+        "1,900 vs 1,700 vs 1,730 tokens/s (1.11x FSDP); bubble measured 45% (idle and overhead) vs theory 20%"
+        in rows[0]
+    )
+    assert "256 tokens 11.5 vs 21.9 MiB (0.52x) | <= 0.55x (half, and the ring) met |" in rows[1]
+    assert _layout_rows({"status": "failed", "message": "boom"}, {}) == ["| pipeline | failed: boom | |"]

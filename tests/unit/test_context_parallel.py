@@ -1,7 +1,9 @@
 """Context parallelism (:mod:`raytrn.models.context_parallel`): the zigzag shards as pure functions, then real gloo
 ranks (one spawn of 4, no Ray) running tiny decoders at CP 2 and CP 4 on packed rows of several documents with
 padding, at a length neither CP's chunks divide: gathered logits, the loss over the whole sequence and every
-parameter's gradient (summed over the CP ranks) within 2e-5 of one process running the unmodified model.
+parameter's gradient (summed over the CP ranks) within 2e-5 of one process running the same model on the whole rows.
+The model attends as a ring when given a :class:`RingContext`; training with it (``parallel.context_parallel_size``)
+is ``tests/unit/test_context_parallel_training.py``.
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from raytrn.config.sizes import padded_length
 from raytrn.models.context_parallel import (
-    cp_forward,
+    ContextParallel,
+    RingContext,
     gather_sequence,
-    padded_length,
     ring_attention,
-    sequence_loss,
     shard,
     shard_batch,
     unshard,
@@ -91,24 +93,29 @@ def one_process(case: str) -> dict[str, Any]:
 
 
 def cp_run(case: str, group: Any) -> dict[str, Any]:
-    """The same on this rank's shard, every rank of ``group`` together: gathered logits, the whole sequence's loss,
-    the gradients summed over the group."""
+    """The same on this rank's shard, every rank of ``group`` together: gathered logits, the whole sequence's loss
+    (this rank's sum over the group's count of targets), the gradients summed over the group."""
     import torch.distributed as dist
 
     config, _, kind = CASES[case]
     model = tiny_model(config)
     tokens, mask, segments = rows(kind)
-    part = shard_batch(tokens, dist.get_rank(group), dist.get_world_size(group), loss_mask=mask, segments=segments)
-    logits = cp_forward(model, part.input_ids, part.segments, part.positions, group).logits
-    loss = sequence_loss(masked_loss_sum(logits, part.targets, part.loss_mask), part.loss_mask.sum(), group)
-    loss.loss.backward()
+    cp = ContextParallel(group, dist.get_rank(group), dist.get_world_size(group))
+    part, context = cp.shard(tokens, loss_mask=mask, segments=segments)
+    logits = model(part.input_ids, context=context).logits
+    count = part.loss_mask.sum().float()
+    dist.all_reduce(count, group=group)
+    loss = masked_loss_sum(logits, part.targets, part.loss_mask) / count
+    loss.backward()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean, group=group)
     grads = {}
     for name, p in model.named_parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad, group=group)
             grads[name] = p.grad
-    return {"logits": gather_sequence(logits.detach(), group, SEQ), "loss": loss.mean, "grads": grads,
-            "targets": loss.targets, "local_tokens": part.input_ids.shape[1]}  # fmt: skip
+    return {"logits": gather_sequence(logits.detach(), group, SEQ), "loss": mean, "grads": grads,
+            "targets": count, "local_tokens": part.input_ids.shape[1]}  # fmt: skip
 
 
 def _rank(rank: int, world: int, port: int, tmp: str) -> None:
@@ -211,15 +218,14 @@ def test_ring_attention_in_one_process_is_sdpa_under_the_document_mask() -> None
         ring_attention(q[:, :, :35], k[:, :, :35], v[:, :, :35], seg[:, :35])
 
 
-def test_cp_forward_in_one_process_is_the_model() -> None:
-    """CP 1: the modules run by cp_forward (RoPE at the shard's positions, the ring in place of SDPA) give the
-    model's own logits; the loss over the sequence is the mean over the targets."""
+def test_the_model_with_a_ring_context_in_one_process_is_the_model() -> None:
+    """CP 1: the model given a :class:`RingContext` (RoPE at the shard's positions, the ring in place of SDPA) gives
+    its own logits on the whole rows, the padding added for the chunks after them."""
     model = tiny_model("qwen3")
     tokens, mask, segments = rows("masked")
     part = shard_batch(tokens, 0, 1, loss_mask=mask, segments=segments)
     with torch.no_grad():
-        got = cp_forward(model, part.input_ids, part.segments, part.positions).logits
+        got = model(part.input_ids, context=RingContext(part.segments, part.positions)).logits
         want = model(tokens[:, :-1], None if segments is None else segments[:, :-1]).logits
+    assert got.shape[1] == padded_length(SEQ, 1) > SEQ
     torch.testing.assert_close(got[:, :SEQ], want, rtol=TOLERANCE, atol=TOLERANCE)
-    loss = sequence_loss(masked_loss_sum(got, part.targets, part.loss_mask), part.loss_mask.sum())
-    assert loss.targets == part.loss_mask.sum() and float(loss.mean) == pytest.approx(float(loss.loss), rel=1e-6)

@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from raytrn.backends.cpu import CpuBackend
-from raytrn.config import JobSpec, load_job
+from raytrn.config import JobSpec
 from raytrn.errors import ConfigError
 from raytrn.estimate.memory import estimate_memory
 from raytrn.train.build import build_training
 from raytrn.train.checks import check_parallel, check_spec
 from raytrn.train.step import read_metrics, train_step
-from tests.unit.gloo_ranks import init_gloo, spawn_ranks
+from tests.unit.gloo_ranks import init_gloo, spawn_ranks, tiny_job
 
 pytestmark = pytest.mark.unit
 
@@ -49,14 +49,7 @@ LAYOUTS = {
 
 def job(tmp: Path, *overrides: str, workers: int = WORLD) -> JobSpec:
     """The tiny job at ``workers`` workers, ``GLOBAL_ROWS`` sequences a step."""
-    return load_job(
-        REPO / "jobs" / "tiny.yaml",
-        ["data.manifest=unused", f"data.seq_len={SEQ}", "model.vocab_size=512", "data.grad_accum=null",
-         f"data.global_batch_size={GLOBAL_ROWS}", "data.micro_batch_size=1", "optim.warmup_steps=2",
-         f"scaling.min_workers={workers}", f"scaling.max_workers={workers}", f"checkpoint.storage={tmp}",
-         "tracking.run_name=hsdp", *overrides],
-        resolve=False,
-    )  # fmt: skip
+    return tiny_job(tmp, *overrides, workers=workers, seq=SEQ, rows=GLOBAL_ROWS, name="hsdp")
 
 
 def global_batch(step: int) -> torch.Tensor:
