@@ -230,6 +230,8 @@ def check_neuron_job(job: JobSpec) -> list[str]:
             lnc=n.lnc,
             tensor_parallel_size=job.parallel.tensor_parallel_size,
             every_core=torchneuron,
+            # a model replica's other dimensions: its pipeline stages and context-parallel ranks
+            replica_factor=job.parallel.pipeline_parallel_size * job.parallel.context_parallel_size,
         )
         if torchneuron:
             neff_cache_env(n.compile_cache, hostname="<host>")
@@ -282,13 +284,15 @@ def check_layout(
     lnc: int | None,
     tensor_parallel_size: int,
     every_core: bool = False,
+    replica_factor: int = 1,
 ) -> list[str]:
     """Check that every world size of the elastic range is a valid Neuron layout; return info notes.
 
     Sizes are taken at node granularity (``min_workers..max_workers`` stepping by ``workers_per_node``,
     plus both ends). Each must be whole nodes or a single partial node; the tensor-parallel size must
     divide ``workers_per_node`` (so a TP group never spans nodes) and every size. ``every_core``
-    (TorchNeuron): ``workers_per_node`` must be the node's (logical) NeuronCore count.
+    (TorchNeuron): ``workers_per_node`` must be the node's (logical) NeuronCore count. ``replica_factor``: a model
+    replica's workers beyond its TP group (pipeline stages x context-parallel ranks), for the data-parallel count.
     """
     cores = cores_per_instance(instance_type, lnc)
     _check_counts(
@@ -326,7 +330,7 @@ def check_layout(
     notes = [
         f"neuron layout: {instance_type} ({cores} NeuronCores{lnc_note}), {workers_per_node} workers per node, "
         f"{', '.join(map(str, sizes))} workers on {node_range} node(s), tensor parallel {tp} "
-        f"(data parallel {', '.join(str(n // tp) for n in sizes)})"
+        f"(data parallel {', '.join(str(n // (tp * replica_factor)) for n in sizes)})"
     ]
     if workers_per_node < cores:
         notes.append(

@@ -66,6 +66,25 @@ PRESETS: dict[str, dict[str, Any]] = {
             original_max_position_embeddings=8192,
         ),  # fmt: skip
     ),
+    # Llama 3.1 70B: 80 layers of width 8192, 64 query and 8 kv heads, the 128k context (its config.json).
+    "llama3.1-70b": dict(
+        family="llama",
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),  # fmt: skip
+    ),
     # Llama 3 8B.
     "llama3-8b": dict(
         family="llama",

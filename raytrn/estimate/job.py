@@ -18,7 +18,7 @@ from raytrn.config.stages import SCHEDULES
 from raytrn.estimate.devices import GIB, Device, worker_device
 from raytrn.estimate.failures import DEFAULT_RATE, FailureRate, lost_fraction, young_daly_interval_s
 from raytrn.estimate.history import History
-from raytrn.estimate.memory import USABLE, MemoryEstimate, estimate_memory
+from raytrn.estimate.memory import USABLE, ContextSplit, MemoryEstimate, estimate_memory
 from raytrn.estimate.reference import ASSUMED_MFU, MFU, RESTART_S, Measured, carried_over_to_moe
 from raytrn.models import model_stats
 from raytrn.tracking.cost import usd_per_hour
@@ -132,6 +132,12 @@ class JobEstimate:
     restart_s: Measured | None = None
     #: The pipeline's bubble (tokens/s and time are after it); None without a pipeline.
     pipeline: Bubble | None = None
+    #: Context parallelism's rows a worker (tokens/s are after the padding's share); None without it.
+    context_parallel: ContextSplit | None = None
+
+    def fix_kinds(self) -> str:
+        """What :func:`fixes` changes besides checkpointing and the micro-batch, for the lines that list none."""
+        return "TP, " + "PP, " * bool(self.pipeline) + "CP, " * bool(self.context_parallel) + "FSDP"
 
     @property
     def margin_bytes(self) -> int | None:
@@ -222,6 +228,7 @@ class JobEstimate:
             "checkpoint_interval_s": self.interval_s,
             "checkpoint_interval_steps": self.interval_steps,
             "pipeline": None if self.pipeline is None else self.pipeline.as_dict(),
+            "context_parallel": None if self.context_parallel is None else self.context_parallel.as_dict(),
         }
 
     def render(self) -> str:
@@ -239,12 +246,19 @@ class JobEstimate:
         if self.fits is False:  # tight or does not fit: the changes that bring it within the share planned for
             within = f"within {USABLE:.0%}"
             what = "changes that make it fit" if self.memory_verdict == "does not fit" else "changes that bring it"
-            kinds = "TP, PP, FSDP" if self.pipeline else "TP, FSDP"
             lines.append(f"{what} {within} (smallest first):" if self.fixes else
-                         f"no change of {kinds}, checkpointing or micro-batch brings it {within}")  # fmt: skip
+                         f"no change of {self.fix_kinds()}, checkpointing or micro-batch brings it {within}")  # fmt: skip
             lines += [f"  {f.describe()}" for f in self.fixes]
         if self.pipeline is not None:
             lines.append(self.pipeline.describe() + ("; the speed and time below are after it" if self.hours else ""))
+        if self.context_parallel is not None and self.hours is not None:
+            c = self.context_parallel
+            pad = c.padded_length - c.seq_len
+            trained = f"the trained tokens' (the padding's {pad:,} of {c.padded_length:,} a row computed too)"
+            lines.append(
+                f"context parallel {c.size}: the speed below is {trained if pad else 'the rows split without padding'}; "
+                "the ring's transfers are not modelled (assumed hidden behind its blocks' compute)"
+            )
         if self.tokens_per_s_per_node is not None and self.mfu is not None:
             lines.append(
                 f"speed: {self.tokens_per_s_per_node:,.0f} tokens/s a node at MFU {self.mfu.value:.1%} ({self.mfu.source}); "
@@ -306,7 +320,8 @@ def estimate_job(
     memory = estimate_memory(job, world)
     fits = None if device.memory_bytes is None else memory.total <= device.memory_bytes * USABLE
     out = JobEstimate(job=job.source, world_size=world, nodes=nodes, device=device, memory=memory, fits=fits,
-                      failures=failures, job_steps=job.run.max_steps, pipeline=bubble(job, world))  # fmt: skip
+                      failures=failures, job_steps=job.run.max_steps, pipeline=bubble(job, world),
+                      context_parallel=ContextSplit.of(job))  # fmt: skip
     if fits is False:
         out.fixes = fixes(job, world, device)
     out.flops_per_token = model_stats(job.model, job.data.seq_len).flops_per_token
@@ -321,6 +336,8 @@ def estimate_job(
         out.tokens_per_s_per_node = per_worker * (world // nodes)
         if out.pipeline is not None:  # the stages idle for this share of the step
             out.tokens_per_s_per_node *= 1 - out.pipeline.fraction
+        if out.context_parallel is not None:  # the padding's tokens are computed, not trained
+            out.tokens_per_s_per_node *= out.context_parallel.seq_len / out.context_parallel.padded_length
         tokens = job.run.max_steps * global_batch(job, data_parallel_size(job, world)) * job.data.seq_len
         out.hours = tokens / (out.tokens_per_s_per_node * nodes) / 3600
         out.step_s = out.hours * 3600 / job.run.max_steps
@@ -346,8 +363,8 @@ def estimate_job(
 
 def fixes(job: JobSpec, world: int, device: Device, *, limit: int = 3) -> list[Fix]:
     """The smallest changes (one, else two, of: FSDP (from DDP or HSDP), full activation checkpointing, a larger TP, a
-    larger pipeline (a pipelined job's), a smaller micro-batch) after which a worker's memory fits ``device``, each a
-    job that validates; fewest changes first, then least memory."""
+    larger pipeline (a pipelined job's), a larger context-parallel group (a CP job's), a smaller micro-batch) after
+    which a worker's memory fits ``device``, each a job that validates; fewest changes first, then least memory."""
     p, d = job.parallel, job.data
     single: list[tuple[str, ...]] = []
     if p.data_parallel != "fsdp":  # from hsdp: shard over every data-parallel rank, not a group's
@@ -363,6 +380,11 @@ def fixes(job: JobSpec, world: int, device: Device, *, limit: int = 3) -> list[F
     if pp > 1:  # fewer layers a rank (validation refuses what the layers or micro-batches cannot fill)
         single += [
             (f"parallel.pipeline_parallel_size={bigger}",) for bigger in (pp * 2, pp * 4) if world % (bigger * tp) == 0
+        ]
+    cp = p.context_parallel_size
+    if cp > 1:  # fewer tokens a worker (validation refuses what the world or the rows cannot split)
+        single += [
+            (f"parallel.context_parallel_size={bigger}",) for bigger in (cp * 2, cp * 4) if world % (bigger * tp) == 0
         ]
     mb = d.micro_batch_size
     while mb > 1:
@@ -412,8 +434,7 @@ def check_fits(job: JobSpec, *, instance_type: str | None = None) -> str:
     est = estimate_job(job, instance_type=instance_type)
     device = est.device.memory_bytes
     if job.scaling.accelerator != "cpu" and device is not None and est.memory_verdict == "does not fit":
-        kinds = "TP, PP, FSDP" if est.pipeline else "TP, FSDP"
-        fixes = "; ".join(f.describe() for f in est.fixes) or f"none of {kinds}, checkpointing or micro-batch"
+        fixes = "; ".join(f.describe() for f in est.fixes) or f"none of {est.fix_kinds()}, checkpointing or micro-batch"
         raise ConfigError(
             f"{job.source}: a worker needs {est.memory.describe()} but its device ({est.device.name}) has "
             f"{device / GIB:,.1f} GiB; changes that fit: {fixes} (`raytrn estimate` for the whole estimate)"

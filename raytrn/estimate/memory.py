@@ -31,6 +31,20 @@ micro-batch): counted as ``gathered``. Activations: the micro-batches in flight 
 (:func:`logits_in_flight`; the pipeline's loss is chunked as the step's: :class:`raytrn.train.pipelined.PipelineLoss`). The
 estimate is the heaviest rank's.
 
+**Context parallelism** (``parallel.context_parallel_size`` CP > 1, :mod:`raytrn.models.context_parallel`): a worker
+computes its zigzag share of each row, ``padded_length(seq_len, CP) / CP`` tokens (the row padded to a multiple of
+``2 x CP``: :func:`raytrn.config.sizes.padded_length`), so the activations and the logits are counted at
+``micro_batch_size`` times that (:class:`ContextSplit`). Attention is the ring, not SDPA: a layer keeps what SDPA's
+would (``q, k, v``, the output: the family's terms), a copy of its output (the ring's is laid out ``[batch, heads,
+tokens, head_dim]``, so ``o_proj``'s input is a copy, where SDPA's output on CPU is that input: measured in
+``tests/unit/test_estimate_context.py``) and its float32 log-sum-exp. While a layer's attention runs, forward or
+backward, it holds :data:`RING_SCORE_BLOCKS` float32 blocks of scores ``[batch, heads / TP, 2c, 2c]`` and their
+mask (``2c = padded / CP``: the diagonal block, the largest) and float32 accumulators and copies of the queries,
+keys and values (:data:`RING_Q_FP32`, :data:`RING_KV_FP32`): ``ring_attention``, a transient of one layer at a time.
+FSDP shards the state over the data and context ranks together (``world / TP``:
+:func:`raytrn.config.sizes.shard_size`). The ring's transfers cost no memory beyond the buffers counted; their time
+is not modelled.
+
 What a layer holds and keeps is its family's (``raytrn/models/<family>/estimate.py``, counted tensor by tensor from
 :mod:`raytrn.models.decoder`); ``tests/unit/test_estimate.py`` pins them against measured steps.
 """
@@ -40,7 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from raytrn.config.sizes import data_parallel_size, hsdp_shard_size, loss_chunk_rows, shard_size
+from raytrn.config.sizes import data_parallel_size, hsdp_shard_size, loss_chunk_rows, padded_length, shard_size
 from raytrn.config.stages import SCHEDULES, stage_indices, stage_layers
 from raytrn.models.registry import model_spec
 
@@ -58,6 +72,18 @@ USABLE = 0.9
 #: dtype); backward adds the log-softmax's gradient and the logits' (float32, then cast): 4 + 4.
 LOGIT_SAVED_FP32 = 4
 LOGIT_BACKWARD_FP32 = 8
+#: Blocks of float32 scores a ring attention holds at its peak: forward a block's scores, their shifted copy and
+#: exponentials; backward the probabilities, their product with the output's gradient and the scores' gradient.
+#: Measured (``torch.utils._python_dispatch`` counting live storages, one process, the diagonal block): 2.9 blocks
+#: forward and 3.0 backward, besides the per-token buffers below.
+RING_SCORE_BLOCKS = 3
+#: Bytes a token of the ring's transient float32 buffers, per query and per key/value element (heads x head_size
+#: over TP): the output's gradient, ``dq``, a float32 copy of the queries and its cast back (4 x 4); the key and
+#: value gradients (its own, the incoming and the outgoing accumulators) and a block's float32 keys and values
+#: (4 x 8). Measured in one process (no transfers; 8 query and 2 key/value heads of 128, bf16): 22,124 bytes a
+#: token against these constants' 24,576.
+RING_Q_FP32 = 4 * 4
+RING_KV_FP32 = 4 * 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +103,8 @@ class MemoryEstimate:
     gradient_buckets: int = 0
     #: The logits' backward transient (the log-softmax's gradient and the logits', fp32).
     logits_backward: int = 0
+    #: Context parallelism: a layer's ring attention while it runs (float32 score blocks, accumulators, buffers).
+    ring_attention: int = 0
     #: What each term assumed (layout, dtypes), for the report.
     notes: list[str] = field(default_factory=list)
 
@@ -86,7 +114,10 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return self.state + self.gathered + self.activations + self.logits + self.logits_backward + self.runtime
+        return (
+            self.state + self.gathered + self.activations + self.logits + self.logits_backward + self.ring_attention
+            + self.runtime
+        )  # fmt: skip
 
     @property
     def probed(self) -> int:
@@ -97,12 +128,56 @@ class MemoryEstimate:
 
     def as_dict(self) -> dict[str, int]:
         keys = ("parameters", "gradients", "gradient_buckets", "optimizer", "gathered", "activations", "logits",
-                "logits_backward", "runtime", "total")  # fmt: skip
+                "logits_backward", "ring_attention", "runtime", "total")  # fmt: skip
         return {k: int(getattr(self, k)) for k in keys}
 
     def describe(self) -> str:
         parts = [f"{k} {v / GIB:,.2f}" for k, v in self.as_dict().items() if k != "total" and v]
         return f"{self.total / GIB:,.2f} GiB a worker ({', '.join(parts)} GiB)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContextSplit:
+    """A context-parallel job's rows as a worker holds them (:mod:`raytrn.models.context_parallel`): each padded to
+    a multiple of ``2 x size`` and cut into ``2 x size`` chunks, two a worker."""
+
+    size: int
+    seq_len: int
+    padded_length: int
+    micro_batch_size: int
+
+    @classmethod
+    def of(cls, job: JobSpec) -> ContextSplit | None:
+        """``job``'s split, or None without context parallelism."""
+        cp, d = job.parallel.context_parallel_size, job.data
+        if cp == 1:
+            return None
+        return cls(size=cp, seq_len=d.seq_len, padded_length=padded_length(d.seq_len, cp),
+                   micro_batch_size=d.micro_batch_size)  # fmt: skip
+
+    @property
+    def row_tokens(self) -> int:
+        """A row's tokens on a worker: ``2c`` (its two chunks)."""
+        return self.padded_length // self.size
+
+    @property
+    def tokens(self) -> int:
+        """A micro-batch's tokens on a worker: what its activations and logits are counted at."""
+        return self.micro_batch_size * self.row_tokens
+
+    def describe(self) -> str:
+        """``context parallel 16: 65,536-token rows (no padding), 4,096 tokens a worker; ...``."""
+        pad = self.padded_length - self.seq_len
+        padding = f"{pad:,} of them padding" if pad else "no padding"
+        return (
+            f"context parallel {self.size}: {self.padded_length:,}-token rows ({padding}), {self.row_tokens:,} tokens "
+            f"a worker; ring attention ({RING_SCORE_BLOCKS} float32 score blocks of {self.row_tokens:,} x "
+            f"{self.row_tokens:,} at a time; its transfers not modelled)"
+        )
+
+    def as_dict(self) -> dict[str, int]:
+        return {"size": self.size, "seq_len": self.seq_len, "padded_length": self.padded_length,
+                "tokens_per_worker": self.row_tokens, "micro_batch_tokens_per_worker": self.tokens}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -267,7 +342,8 @@ def _estimate(job: JobSpec, world_size: int, held: Held) -> MemoryEstimate:
     """A worker's memory when it holds ``held``: the whole model, or a pipeline rank's stages."""
     m, d, p = job.model, job.data, job.parallel
     tp, pp, acc = p.tensor_parallel_size, p.pipeline_parallel_size, job.scaling.accelerator
-    dp = max(1, world_size // (pp * tp))  # a stage's data-parallel ranks under a pipeline
+    dp = max(1, world_size // (pp * tp))  # a stage's data-parallel ranks under a pipeline; DP x CP under CP
+    context = ContextSplit.of(job)
     width = _width(m.dtype)
     compute = 2 if m.autocast == "bfloat16" else width
     split = _split(m, held)
@@ -281,12 +357,17 @@ def _estimate(job: JobSpec, world_size: int, held: Held) -> MemoryEstimate:
     whole = split.tp_split // tp + split.experts + split.replicated  # what the TP rank holds before FSDP
     state = split.tp_split // tp // shard_dp + split.experts // shard_dp + split.replicated // shard_dp
     over = f" over {dp} data-parallel ranks" if shard_dp == dp else f" over {shard_dp} of {dp} data-parallel ranks"
+    if context is not None:  # FSDP shards over the data and context ranks together (torchtitan's dp_shard_cp)
+        cp = context.size
+        over = f" over {shard_dp}{f' of {dp}' * (shard_dp != dp)} data x context ranks (DP {dp // cp} x CP {cp})"
     if pp == 1:
         notes = [f"{p.data_parallel}" + (over if fsdp else " (whole model a worker)")]
     else:
         notes = [f"{p.data_parallel}" + (f"{over} of a stage" if fsdp else " (one data-parallel rank: not sharded)")]
     if tp > 1:
         notes.append(f"TP {tp}")
+    if context is not None:
+        notes.append(context.describe())
     if p.expert_parallel_size > 1:
         notes.append(f"experts over EP {p.expert_parallel_size} x FSDP {shard_dp // p.expert_parallel_size}")
     trainable_whole = whole
@@ -315,7 +396,7 @@ def _estimate(job: JobSpec, world_size: int, held: Held) -> MemoryEstimate:
         layer_experts = model_spec(m.family).layer_params(m).experts
         gathered_block = (split.block - layer_experts) // tp + layer_experts // p.expert_parallel_size
         gathered = 2 * gathered_block * compute if fsdp else 0
-    tokens = d.micro_batch_size * d.seq_len
+    tokens = d.micro_batch_size * d.seq_len if context is None else context.tokens
     logits = _logits(tokens, m.vocab_size, compute, nxd_tp=tp if acc == "neuron-xla" else None)
     return MemoryEstimate(
         parameters=state * width + (lora // shard_dp * width if m.lora else 0),
@@ -326,6 +407,7 @@ def _estimate(job: JobSpec, world_size: int, held: Held) -> MemoryEstimate:
         activations=activation_bytes(job, tokens, compute, held=held),
         logits=logits["logits"] * held.logits_micro_batches,
         logits_backward=logits["logits_backward"] if held.head else 0,
+        ring_attention=0 if context is None else ring_attention_bytes(job, context),
         runtime=RUNTIME_BYTES.get(acc, GIB),
         notes=notes,
     )
@@ -346,9 +428,23 @@ def _logits(tokens: int, vocab: int, compute: int, *, nxd_tp: int | None) -> dic
     return {"logits": 2 * n * compute, "logits_backward": rows * vocab * LOGIT_BACKWARD_FP32}
 
 
+def ring_attention_bytes(job: JobSpec, context: ContextSplit) -> int:
+    """What one layer's ring attention holds while it runs, forward or backward (see the module): its float32 score
+    blocks of the diagonal, ``[micro_batch, heads / TP, 2c, 2c]``, their boolean mask (no heads) and the per-token
+    float32 buffers (:data:`RING_Q_FP32`, :data:`RING_KV_FP32`)."""
+    m, tp = job.model, job.parallel.tensor_parallel_size
+    b, n = context.micro_batch_size, context.row_tokens
+    heads = m.num_attention_heads // tp
+    q, kv = heads * m.head_size, m.kv_heads * m.head_size // tp
+    blocks = RING_SCORE_BLOCKS * b * heads * n * n * 4 + b * n * n
+    return blocks + context.tokens * (RING_Q_FP32 * q + RING_KV_FP32 * kv)
+
+
 def activation_bytes(job: JobSpec, tokens: int, width: int, *, held: Held | None = None) -> int:
     """What the decoder layers keep for backward at ``tokens`` tokens a micro-batch (see the module): every layer's
-    for one micro-batch, or ``held``'s layers for its micro-batches in flight (the final norm's on the last stage)."""
+    for one micro-batch, or ``held``'s layers for its micro-batches in flight (the final norm's on the last stage).
+    Under context parallelism ``tokens`` are a worker's share, and a layer keeps the ring's output copy and its
+    float32 log-sum-exp."""
     m, p = job.model, job.parallel
     tp = p.tensor_parallel_size
     h = m.hidden_size
@@ -365,7 +461,10 @@ def activation_bytes(job: JobSpec, tokens: int, width: int, *, held: Held | None
         attention -= 2 * h if mlp_adapted else 4 * h
         mlp -= 0 if mlp_adapted else layer.frozen_mlp
     per_layer = tokens * (attention + mlp) * width
-    if job.scaling.accelerator == "xla-cpu":  # XLA on CPU materialises the scores, softmax, gradient (trn1: flash)
+    if p.context_parallel_size > 1:  # the ring's output, copied for o_proj, and its float32 log-sum-exp
+        heads = m.num_attention_heads // tp
+        per_layer += tokens * heads * (m.head_size * width + 4)
+    elif job.scaling.accelerator == "xla-cpu":  # XLA on CPU materialises the scores, softmax, gradient (trn1: flash)
         seq = job.data.seq_len
         per_layer += 3 * (tokens // seq) * (m.num_attention_heads // tp) * seq * seq * 4
     final_norm = tokens * 2 * h * width  # its input and output, outside the layers

@@ -53,8 +53,8 @@ def test_every_job_loads(path: Path, base: str) -> None:
     assert job.optim.warmup_steps < job.run.max_steps
     assert job.checkpoint.every_n_steps <= job.run.max_steps
     # The batch shape works at every world size of the elastic range (node granularity).
-    for n in world_sizes(job):
-        assert job.data.grad_accum_for(n) >= 1
+    for n in world_sizes(job):  # micro-batches a replica (TP, PP and CP ranks share one)
+        assert job.data.grad_accum_for(data_parallel_size(job, n)) >= 1
     # The parallel layout is valid; the frozen XLA path's jobs: tests/unit/test_xla_jobs.py.
     if job.scaling.accelerator not in XLA_ACCELERATORS:
         check_parallel(job)
@@ -229,3 +229,25 @@ def test_a_local_ray_is_not_started_for_a_resource_it_would_surely_lack(tmp_path
     check_local_resources(cpu, backend, {"CPU": 2.0})
     with pytest.raises(RaytrnError, match=r"needs 2 'CPU' .* but this local Ray has 1;"):
         check_local_resources(cpu, backend, {"CPU": 1.0})
+
+
+def test_the_70b_and_64k_jobs_lay_out_as_their_comments_say() -> None:
+    """jobs/llama3.1-70b-trn2.yaml: PP 8 x TP 8 x FSDP 8 on 8 nodes, a stage a node; jobs/llama3.1-8b-64k-trn2.yaml:
+    CP 16 x TP 4 a node, 4,096 tokens a worker. Both fit their devices with the margin tests/unit/test_estimate.py
+    asks of every trn2 job."""
+    from raytrn.estimate.job import estimate_job
+
+    big = load("llama3.1-70b-trn2.yaml")
+    assert model_stats(big.model, big.data.seq_len).num_params == pytest.approx(70.55e9, rel=1e-3)
+    assert check_parallel(big) == [
+        "parallel: fsdp over 8 data-parallel rank(s), tensor parallel 8 (DTensor), pipeline parallel 8 (1f1b, 8 "
+        "stages of 10/10/10/10/10/10/10/10 layers), full activation checkpointing"
+    ]
+    assert data_parallel_size(big, 512) == 8 and big.data.grad_accum_for(8) == 128
+    est = estimate_job(big)
+    assert est.pipeline is not None and est.memory_verdict == "fits"
+    long = load("llama3.1-8b-64k-trn2.yaml")
+    assert long.data.seq_len == 65536 and long.model.rope_scaling is not None  # Llama 3.1's 128k RoPE scaling
+    assert data_parallel_size(long, 256) == 4 and long.data.grad_accum_for(4) == 16
+    assert any("context parallel 16" in line for line in check_parallel(long))
+    assert estimate_job(long).memory_verdict == "fits"
