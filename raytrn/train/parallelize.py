@@ -135,9 +135,14 @@ def parallelize(
         family.expert_parallel(model, experts_mesh)
     if mesh is not None and tp > 1:
         family.tensor_parallel(model, mesh["tp"], job.model.tie_word_embeddings)
+    ring = p.context_parallel_size > 1
+    if compile is not None and ring:  # the ring's transfers cannot be traced: each block compiled around them (in 4
+        # pieces), before activation checkpointing wraps it (a break inside its region would leave the block eager)
+        for layer in decoder_layers(model):
+            layer.forward = torch.compile(layer.forward, **{**compile, "fullgraph": False})  # type: ignore[method-assign]
     if p.activation_checkpointing != "none":
         apply_activation_checkpointing(model, p.activation_checkpointing)
-    if compile is not None:  # per block under FSDP (torchtitan); the whole model in place otherwise (keys unchanged)
+    if compile is not None and not ring:  # per block under FSDP (torchtitan); the whole model in place otherwise
         if sharded:
             for layer in decoder_layers(model):
                 if experts_mesh is not None and hasattr(layer.mlp, "experts"):

@@ -22,14 +22,8 @@ from raytrn.errors import BackendError, BackendUnavailableError
 from raytrn.models import model_stats
 from raytrn.train.build import build_native
 from raytrn.train.parallelize import Parallelized
-from raytrn.train.precheck import (
-    MemoryEstimate,
-    PrecheckReport,
-    StepRecord,
-    _job_batches,
-    _odd_one_out,
-    _shape_recorder,
-)
+from raytrn.train.precheck_compiled import _job_batches, _odd_one_out, _shape_recorder
+from raytrn.train.precheck_report import MemoryEstimate, PrecheckReport, StepRecord
 from raytrn.train.step import read_metrics, train_step
 from raytrn.xla.checkpoints import StateFileCheckpoints
 from raytrn.xla.nxd import check_parallel

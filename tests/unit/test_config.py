@@ -150,7 +150,7 @@ def test_source_is_not_a_yaml_field(tmp_path: Path) -> None:
         pytest.param(
             "model",
             {"preset": ["tiny"]},
-            "model: unknown preset ['tiny']; choose one of ['llama3-8b', 'llama3.1-8b', 'llama3.2-1b', 'qwen3-0.6b', 'qwen3-1.7b', 'qwen3-14b', 'qwen3-235b-a22b', 'qwen3-30b-a3b', 'qwen3-32b', 'qwen3-4b', 'qwen3-8b', 'tiny', 'tiny-qwen3', 'tiny-qwen3-moe']",
+            "model: unknown preset ['tiny']; choose one of ['llama3-8b', 'llama3.1-70b', 'llama3.1-8b', 'llama3.2-1b', 'qwen3-0.6b', 'qwen3-1.7b', 'qwen3-14b', 'qwen3-235b-a22b', 'qwen3-30b-a3b', 'qwen3-32b', 'qwen3-4b', 'qwen3-8b', 'tiny', 'tiny-qwen3', 'tiny-qwen3-moe']",
             id="preset-unhashable",
         ),
         pytest.param(
@@ -230,7 +230,7 @@ def test_missing_required_section(tmp_path: Path) -> None:
         (
             "model",
             {"preset": "llama-70b"},
-            "model: unknown preset 'llama-70b'; choose one of ['llama3-8b', 'llama3.1-8b', 'llama3.2-1b', 'qwen3-0.6b', 'qwen3-1.7b', 'qwen3-14b', 'qwen3-235b-a22b', 'qwen3-30b-a3b', 'qwen3-32b', 'qwen3-4b', 'qwen3-8b', 'tiny', 'tiny-qwen3', 'tiny-qwen3-moe']",
+            "model: unknown preset 'llama-70b'; choose one of ['llama3-8b', 'llama3.1-70b', 'llama3.1-8b', 'llama3.2-1b', 'qwen3-0.6b', 'qwen3-1.7b', 'qwen3-14b', 'qwen3-235b-a22b', 'qwen3-30b-a3b', 'qwen3-32b', 'qwen3-4b', 'qwen3-8b', 'tiny', 'tiny-qwen3', 'tiny-qwen3-moe']",
         ),
         (
             "scaling",
