@@ -151,7 +151,6 @@ def parallelize_pipeline(
     from raytrn.config.stages import SCHEDULES
     from raytrn.train.parallelize import (
         Parallelized,
-        apply_activation_checkpointing,
         apply_fsdp,
         check_tp_placement,
         data_parallel_mesh,
@@ -182,11 +181,7 @@ def parallelize_pipeline(
         stage = split_model(whole, index, num_stages)  # type: ignore[arg-type]
         if tp > 1:
             family.tensor_parallel(stage, mesh["tp"], False)
-        if p.activation_checkpointing != "none":
-            apply_activation_checkpointing(stage, p.activation_checkpointing)
-        if compile is not None:
-            for layer in stage.model.layers.values():  # type: ignore[operator]
-                layer.compile(**compile)
+        checkpoint_and_compile(stage, p.activation_checkpointing, compile)
         if sharded:
             apply_fsdp(stage, dp_mesh, p.reshard_after_forward, mixed_precision)
         modules.append(stage)
@@ -216,6 +211,20 @@ def parallelize_pipeline(
         tensor_parallel_size=tp,
         pipeline=pipeline,
     )
+
+
+def checkpoint_and_compile(stage: nn.Module, activation_checkpointing: str, compile: dict[str, Any] | None) -> None:
+    """A stage's activation checkpointing, then each of its decoder blocks compiled on its own (``compile``: the
+    backend's ``torch.compile`` options; None: eager): what every rank does to its stages, and what ``raytrn
+    precheck`` compiles (:mod:`raytrn.train.precheck_compiled`)."""
+    from raytrn.models.parallel import decoder_layers
+    from raytrn.train.parallelize import apply_activation_checkpointing
+
+    if activation_checkpointing != "none":
+        apply_activation_checkpointing(stage, activation_checkpointing)
+    if compile is not None:
+        for layer in decoder_layers(stage):
+            layer.compile(**compile)
 
 
 def pipeline_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch], backend: Backend) -> StepResult:

@@ -24,13 +24,12 @@ from raytrn.data.order import Position, RankSlice, SampleOrder, iter_rows, plan_
 from raytrn.models import build_model, model_stats
 from raytrn.models.context_parallel import ContextParallel, ring_attention
 from raytrn.models.lora import apply_lora
-from raytrn.models.parallel import decoder_layers
 from raytrn.models.pipeline import pipeline_targets, split_model
 from raytrn.train.build import build_training
 from raytrn.train.checks import check_data
 from raytrn.train.optim import build_adamw
-from raytrn.train.parallelize import apply_activation_checkpointing, grad_norm_and_clip
-from raytrn.train.pipelined import PipelineLoss, PipelineRank
+from raytrn.train.parallelize import grad_norm_and_clip
+from raytrn.train.pipelined import PipelineLoss, PipelineRank, checkpoint_and_compile
 from raytrn.train.precheck_report import MemoryEstimate, PrecheckReport, StepRecord, at_ring, pipeline_stages
 from raytrn.train.step import read_metrics, train_step
 
@@ -196,10 +195,7 @@ def _precheck_pipeline(
     stages = []
     for s in range(n_stages):  # each stage cut from its own copy, as a rank holding several does
         stage = split_model(copy.deepcopy(whole), s, n_stages)  # type: ignore[arg-type]
-        if p.activation_checkpointing != "none":
-            apply_activation_checkpointing(stage, p.activation_checkpointing)
-        for layer in decoder_layers(stage):
-            layer.compile(**_compile_options(recorders[s]))
+        checkpoint_and_compile(stage, p.activation_checkpointing, _compile_options(recorders[s]))  # as a rank does
         stages.append(stage)
     del whole
     rank_model = PipelineRank(stages)  # the whole model's names: AdamW's groups and the eager report

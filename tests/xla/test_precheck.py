@@ -83,8 +83,8 @@ def test_lazy_tensor_read_inside_the_step_is_caught(monkeypatch) -> None:
     original = build_mod.grad_norm_and_clip  # what the step's clip_and_step calls (raytrn.train.build)
     calls = {"n": 0}
 
-    def clip_and_peek(params, max_norm):
-        norm = original(params, max_norm)
+    def clip_and_peek(params, max_norm, pp_group=None):
+        norm = original(params, max_norm, pp_group)
         calls["n"] += 1
         if calls["n"] % 5 == 0:
             print(f"grad norm {norm.item():.3f}")  # host-device sync in the middle of the step
