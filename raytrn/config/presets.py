@@ -12,6 +12,19 @@ from typing import Any
 
 from raytrn.config.families import FAMILIES
 
+
+def _llama3_rope(factor: float) -> dict[str, Any]:
+    """Llama 3.1 and 3.2's long-context RoPE scaling (their config.json): ``factor`` x the 8,192 positions of
+    pre-training."""
+    return dict(
+        rope_type="llama3",
+        factor=factor,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
+
+
 # Published architecture hyper-parameters (HF config.json of each model family member).
 PRESETS: dict[str, dict[str, Any]] = {
     # Small enough to train on two CPU cores in about a minute.
@@ -39,13 +52,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=500000.0,
         tie_word_embeddings=True,
         # Llama 3.2's config.json: long-context RoPE scaling (checked against init_from's config.json).
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=32.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),  # fmt: skip
+        rope_scaling=_llama3_rope(32.0),
     ),
     # Llama 3.1 8B: Llama 3 8B's sizes, a 128k context with RoPE scaling (its config.json).
     "llama3.1-8b": dict(
@@ -58,13 +65,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=128256,
         max_position_embeddings=131072,
         rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),  # fmt: skip
+        rope_scaling=_llama3_rope(8.0),
     ),
     # Llama 3.1 70B: 80 layers of width 8192, 64 query and 8 kv heads, the 128k context (its config.json).
     "llama3.1-70b": dict(
@@ -77,13 +78,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=128256,
         max_position_embeddings=131072,
         rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),  # fmt: skip
+        rope_scaling=_llama3_rope(8.0),
     ),
     # Llama 3 8B.
     "llama3-8b": dict(

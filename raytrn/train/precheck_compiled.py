@@ -8,7 +8,7 @@ import copy
 import hashlib
 import re
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -110,7 +110,7 @@ def _run_compiled(
     t = build_training(job, backend, world_size=world)
     t.grad_accum = min(t.grad_accum, MAX_MICRO_BATCHES)
     graph_breaks = Counter(torch._dynamo.utils.counters["graph_break"])
-    report, device_batches, shapes = _report_and_batches(
+    report, device_batches, shapes = report_and_batches(
         job,
         warmup_steps=warmup_steps,
         batches=batches,
@@ -204,7 +204,7 @@ def _precheck_pipeline(
     loss = PipelineLoss(aux_loss_coef=job.model.router_aux_loss_coef if job.model.is_moe else 0.0)
     autocast = _recording_backend(recorders[0]).autocast_dtype(job)
     micro = min(job.data.grad_accum_for(data_parallel_size(job, job.scaling.min_workers)), MAX_MICRO_BATCHES)
-    report, micro_batches, shapes = _report_and_batches(
+    report, micro_batches, shapes = report_and_batches(
         job,
         warmup_steps=warmup_steps,
         batches=batches,
@@ -381,11 +381,17 @@ def _break_reason(reason: str) -> str:
     return re.sub(r" at 0x[0-9a-f]+", "", ": ".join(said))[:400]
 
 
-def _report_and_batches(
-    job: JobSpec, *, warmup_steps: int, batches: Iterator[Any] | None, memory: MemoryEstimate, mode: str
+def report_and_batches(
+    job: JobSpec,
+    *,
+    warmup_steps: int,
+    batches: Iterator[Any] | None,
+    memory: MemoryEstimate,
+    mode: str,
+    wrap: Callable[[Iterator[Any]], Iterator[Any]] = iter,
 ) -> tuple[PrecheckReport, Iterator[Any], list[tuple[int, ...]]]:
-    """A report's header, and the micro-batches (``batches``, else the job's) with the list their shapes are added
-    to as the step draws them."""
+    """A report's header, and the micro-batches (``batches``, else the job's; ``wrap``: the backend's device
+    loader) with the list their shapes are added to as the step draws them (after any prefetch ahead of it)."""
     host_batches, data = (batches, "given batches") if batches is not None else _job_batches(job)
     shapes: list[tuple[int, ...]] = []
     report = PrecheckReport(
@@ -396,7 +402,7 @@ def _report_and_batches(
         memory=memory.describe(),
         mode=mode,
     )
-    return report, _shape_recorder(iter(host_batches), shapes), shapes
+    return report, _shape_recorder(wrap(iter(host_batches)), shapes), shapes
 
 
 def _odd_one_out(step_shapes: list[tuple[int, ...]], usual: tuple[int, ...]) -> tuple[int, ...]:

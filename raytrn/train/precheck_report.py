@@ -20,6 +20,10 @@ RING_FIX = (
 )
 
 
+#: The frozen XLA path's precheck (:mod:`raytrn.xla.backend`).
+XLA_MODE = "torch-xla, PJRT_DEVICE=CPU"
+
+
 @dataclass(kw_only=True)
 class StepRecord:
     step: int
@@ -41,7 +45,7 @@ class PrecheckReport:
     model: str = ""
     memory: str = ""
     #: How the step ran: torch-xla's CPU device, or torch.compile on CPU.
-    mode: str = "torch-xla, PJRT_DEVICE=CPU"
+    mode: str = XLA_MODE
     #: What a one-process check of a multi-process layout covered, and what not (pipeline, context parallel).
     scope: list[str] = field(default_factory=list)
     #: The torch.compile path: Dynamo's reason for the first graph break (the run stopped there).

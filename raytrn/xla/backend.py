@@ -19,11 +19,10 @@ from ray.train.torch import TorchConfig
 
 from raytrn.backends.base import Backend
 from raytrn.errors import BackendError, BackendUnavailableError
-from raytrn.models import model_stats
 from raytrn.train.build import build_native
 from raytrn.train.parallelize import Parallelized
-from raytrn.train.precheck_compiled import _job_batches, _odd_one_out, _shape_recorder
-from raytrn.train.precheck_report import MemoryEstimate, PrecheckReport, StepRecord
+from raytrn.train.precheck_compiled import _odd_one_out, report_and_batches
+from raytrn.train.precheck_report import XLA_MODE, MemoryEstimate, PrecheckReport, StepRecord
 from raytrn.train.step import read_metrics, train_step
 from raytrn.xla.checkpoints import StateFileCheckpoints
 from raytrn.xla.nxd import check_parallel
@@ -218,16 +217,9 @@ def precheck_xla(
     t = backend.build_training(job, world_size=job.scaling.min_workers if job.data.global_batch_size else 1)
     # Each micro-batch is its own graph on XLA: 2 of them show the first-vs-accumulating variants.
     t.grad_accum = min(t.grad_accum, 2)
-    host_batches, data = (batches, "given batches") if batches is not None else _job_batches(job)
-    shapes: list[tuple[int, ...]] = []
-    # Record shapes as the step consumes them (the device loader prefetches ahead of the step).
-    device_batches = _shape_recorder(backend.wrap_batches(host_batches), shapes)
-    report = PrecheckReport(
-        job=job.source,
-        warmup_steps=warmup_steps,
-        data=data,
-        model=model_stats(job.model, job.data.seq_len).describe(),
-        memory=memory.describe(),
+    # Shapes recorded as the step consumes them (the device loader prefetches ahead of the step).
+    report, device_batches, shapes = report_and_batches(
+        job, warmup_steps=warmup_steps, batches=batches, memory=memory, mode=XLA_MODE, wrap=backend.wrap_batches
     )
 
     def counters() -> tuple[int, int]:

@@ -108,9 +108,9 @@ def test_cli_exit_codes(monkeypatch, capsys) -> None:
     assert main(args) == 0
     assert "verdict: PASS" in capsys.readouterr().out
 
-    import raytrn.xla.backend as xla_backend  # the XLA path's precheck run reads the job's batches
+    import raytrn.train.precheck_compiled as compiled  # where every precheck path reads the job's batches
 
-    monkeypatch.setattr(xla_backend, "_job_batches", lambda job: (_batches_with_short_one(5, 48), "planted"))
+    monkeypatch.setattr(compiled, "_job_batches", lambda job: (_batches_with_short_one(5, 48), "planted"))
     assert main(args) == 1
     assert "step 5: compiled" in capsys.readouterr().out
 
