@@ -289,21 +289,24 @@ def test_a_qwen3_run_under_tp_and_a_pipeline_resumed_as_ddp_follow_the_uninterru
 ):
     """The dense Qwen3 (jobs/tiny.yaml with model.family qwen3, preset tiny-qwen3) under Ray on 2 workers, async
     checkpoints: 10 steps in one go as one tensor-parallel group (fsdp, TP 2); and 5 steps as a pipeline of 2 stages
-    (parallel.pipeline_parallel_size 2, 1F1B over the step's 2 micro-batches), then a second invocation resuming from
+    (parallel.pipeline_parallel_size 2, 1F1B over the step's 4 micro-batches), then a second invocation resuming from
     the pipeline's step-5 checkpoint as 2 DDP workers (a layout change). The same rows at every step, every step
     logged once, and the pipeline's and the resumed losses on the uninterrupted run's (another layout sums in another
-    order: 2e-5)."""
+    order: 2e-5). The pipeline is elastic (2..4 workers) on the session's 3 CPU slots: it is sized in whole pipelines
+    (2 workers, not 3: its trace's groups are all of one data-parallel rank)."""
     from tests.chaos._common import read_trace
 
     # decay_steps: the schedule's horizon (pinned by a run's first invocation) the same for both runs; the global
-    # batch fixed (16 rows: 2 micro-batches of 8 at DP 1 under TP 2, 1 a rank at DP 2 under DDP)
+    # batch fixed (16 rows: 2 micro-batches of 8 at DP 1 under TP 2, 1 a rank at DP 2 under DDP; the pipeline's of 4,
+    # as many as it needs to fill its stages at either size it may take: 4 at DP 1, 2 at DP 2)
     qwen3 = ("model.family=qwen3", "model.preset=tiny-qwen3", "optim.decay_steps=10", "data.grad_accum=null",
              "data.global_batch_size=16")  # fmt: skip
     out: dict[str, Any] = {}
     for name, steps, layout in (("whole", 10, "tp"), ("split", 5, "pp"), ("split", 10, "ddp")):
         tp, pp = (2 if layout == "tp" else 1), (2 if layout == "pp" else 1)
         job = _job(
-            tiny_dataset, tmp_path, *qwen3, f"run.max_steps={steps}", "scaling.min_workers=2", "scaling.max_workers=2",
+            tiny_dataset, tmp_path, *qwen3, f"run.max_steps={steps}", "scaling.min_workers=2",
+            f"scaling.max_workers={4 if layout == 'pp' else 2}", f"data.micro_batch_size={4 if layout == 'pp' else 8}",
             f"parallel.data_parallel={'ddp' if layout == 'ddp' else 'fsdp'}", f"parallel.tensor_parallel_size={tp}",
             f"parallel.pipeline_parallel_size={pp}", "checkpoint.every_n_steps=5",
             "checkpoint.async=true", "run.log_every=1", "tracking.log_model=false", "tracking.system_metrics=false",
@@ -327,6 +330,9 @@ def test_a_qwen3_run_under_tp_and_a_pipeline_resumed_as_ddp_follow_the_uninterru
     )
     assert sorted(whole_rows) == list(range(1, 11)) and whole_rows == split_rows
     assert all(len(rows) == 16 for rows in whole_rows.values())
+    # the elastic pipeline ran as one whole pipeline of 2 (DP 1) until step 5; the DDP invocation at DP 2
+    groups = {p.name.split("-")[1]: p.name.split("-")[2] for p in (tmp_path / "trace-split").glob("group-*.jsonl")}
+    assert groups == {"00000000": "dp1", "00000005": "dp2"}, groups  # (named by the step each group started after)
 
 
 def test_a_diverging_run_rolls_back_once_then_stops_failed_with_every_checkpoint_finite(
