@@ -121,25 +121,18 @@ def _check_pipeline(job: JobSpec, sizes: list[int]) -> None:
                                 "the first stage and the head on the last; set model.tie_word_embeddings: false"),
         (m.num_layers < stages, f"{m.num_layers} decoder layers for {stages} stages ({pp} ranks x {per_rank} of "
                                 f"{p.pipeline_schedule}): a stage holds one layer at least; lower the stages"),
-        (p.expert_parallel_size > 1, "with expert parallelism (a stage's experts over its own ranks: not yet); train "
-                                     "the MoE model's pipeline with fsdp, or expert parallelism without a pipeline"),
         (job.scaling.recovery == "live", "scaling.recovery: live (whole replicas of one worker)"),
-        (job.data.validation is not None, "data.validation (the pipelined loop does not evaluate yet); remove it"),
     ]  # fmt: skip
     for refused, why in refusals:
         if refused:
             raise ConfigError(f"{where}: parallel.pipeline_parallel_size {pp} cannot train {why}; {fix.rstrip(', or')}")
-    _whole_blocks(job, sizes, pp * p.tensor_parallel_size,
-                  f"parallel.pipeline_parallel_size {pp} x TP {p.tensor_parallel_size}",
-                  "every world size holds whole pipelines")  # fmt: skip
+    tp, ep = p.tensor_parallel_size, p.expert_parallel_size
+    _whole_blocks(job, sizes, pp * tp * ep,
+                  f"parallel.pipeline_parallel_size {pp} x TP {tp}" + (f" x EP {ep}" if ep > 1 else ""),
+                  "every world size holds whole pipelines" + (" (a stage's experts over EP of its data-parallel "
+                                                              "ranks)" if ep > 1 else ""))  # fmt: skip
     for n in sizes:
-        dp = n // (pp * p.tensor_parallel_size)
-        if dp > 1 and p.pipeline_schedule in ZERO_BUBBLE:
-            raise ConfigError(
-                f"{where}: parallel.pipeline_schedule {p.pipeline_schedule} with {dp} data-parallel replicas at {n} "
-                "workers: its split weight-gradient pass and FSDP2's gradient reduction disagreed with one process "
-                "in raytrn's tests; use 1f1b, gpipe or interleaved_1f1b (or no data parallelism)"
-            )
+        dp = n // (pp * tp)
         if p.data_parallel == "ddp" and dp > 1:
             raise ConfigError(
                 f"{where}: parallel.pipeline_parallel_size {pp} with data_parallel: ddp at {n} workers ({dp} "
@@ -175,8 +168,11 @@ def _check_hsdp(job: JobSpec, sizes: list[int]) -> None:
             f"{where}: {named} (hsdp's shard group) is not a multiple of parallel.tensor_parallel_size {tp}: a shard "
             f"group holds whole tensor-parallel groups; use a multiple of {tp}"
         )
-    _whole_blocks(job, sizes, shard, f"{named} (hsdp's shard group)",
-                  "the workers form whole shard groups that replicate", ", or change the shard size")  # fmt: skip
+    pp = p.pipeline_parallel_size  # a pipeline's stages each shard over their own groups
+    _whole_blocks(job, sizes, pp * shard,
+                  f"{named} (hsdp's shard group)" + (f" x parallel.pipeline_parallel_size {pp}" if pp > 1 else ""),
+                  "the workers form whole shard groups that replicate" + (", in each stage" if pp > 1 else ""),
+                  ", or change the shard size")  # fmt: skip
     if ep > 1 and (shard // tp) % ep:
         raise ConfigError(
             f"{where}: parallel.expert_parallel_size {ep} does not divide the {shard // tp} data-parallel ranks of "
@@ -327,7 +323,7 @@ def _describe_layout(job: JobSpec, sizes: list[int]) -> list[str]:
     tp, shard = p.tensor_parallel_size, hsdp_shard_size(job)
     parts = [f"{p.data_parallel} over {'/'.join(str(data_parallel_size(job, n)) for n in sizes)} data-parallel rank(s)"]
     if shard:
-        replicas = "/".join(str(n // shard) for n in sizes)
+        replicas = "/".join(str(n // (shard * p.pipeline_parallel_size)) for n in sizes)  # a stage's
         parts[0] += f" (sharded over {shard // tp} in each of {replicas} replicated group(s) of {shard} workers)"
     if p.context_parallel_size > 1:
         parts.append(_describe_context(job, sizes))
@@ -341,7 +337,11 @@ def _describe_layout(job: JobSpec, sizes: list[int]) -> list[str]:
 
         pp, per_rank = p.pipeline_parallel_size, SCHEDULES[p.pipeline_schedule][1]
         layers = "/".join(str(len(r)) for r in stage_layers(job.model.num_layers, pp * per_rank))
-        parts.append(f"pipeline parallel {pp} ({p.pipeline_schedule}, {pp * per_rank} stages of {layers} layers)")
+        sharded = p.data_parallel != "ddp" and any(data_parallel_size(job, n) > 1 for n in sizes)
+        # a zero-bubble schedule's split weight-gradient pass needs the stages gathered (raytrn.train.pipelined)
+        kept = sharded and p.reshard_after_forward and p.pipeline_schedule in ZERO_BUBBLE
+        note = "; parameters gathered from forward to backward: reshard_after_forward ignored" if kept else ""
+        parts.append(f"pipeline parallel {pp} ({p.pipeline_schedule}, {pp * per_rank} stages of {layers} layers{note})")
     if p.activation_checkpointing != "none":
         parts.append(f"{p.activation_checkpointing} activation checkpointing")
     return [f"parallel: {', '.join(parts)}"]

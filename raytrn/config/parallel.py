@@ -78,7 +78,8 @@ class ParallelConfig(Section):
     )
     reshard_after_forward: bool = Field(
         True,
-        description="fsdp, hsdp: free gathered parameters after each block's forward (less memory, more traffic)",
+        description="fsdp, hsdp: free gathered parameters after each block's forward (less memory, more traffic); "
+        "not under a zero-bubble pipeline schedule, whose split weight-gradient pass needs them gathered",
     )
     zero1: bool = Field(False, description="neuron XLA path: shard optimizer state over data-parallel ranks (NxD)")
     sequence_parallel: bool = Field(

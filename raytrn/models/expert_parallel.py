@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raytrn import compat
+from raytrn.models.parallel import decoder_layers
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -61,18 +62,26 @@ def expert_mesh(
     tensor_parallel_size: int,
     expert_parallel_size: int,
     shard_size: int | None = None,
+    pipeline_parallel_size: int = 1,
 ) -> DeviceMesh:
     """The experts' mesh ``(dp_mod_ep, ep, tp)``: consecutive ranks form TP groups (as the model's ``(dp, tp)``
     mesh), ranks ``tp`` apart form an EP group. Under HSDP (``shard_size`` workers a shard group, a multiple of
-    ``TP x EP``) ``(dp_replicate, dp_shard_mod_ep, ep, tp)``. A collective: every rank calls it."""
+    ``TP x EP``) ``(dp_replicate, dp_shard_mod_ep, ep, tp)``. In a pipeline (``pipeline_parallel_size`` stages'
+    blocks of ``world_size / PP`` consecutive ranks, the model's ``(pp, dp, tp)`` mesh) this rank's stage's part of
+    it: the experts of a stage are spread over that stage's ranks. A collective: every rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    tp, ep = tensor_parallel_size, expert_parallel_size
+    tp, ep, pp = tensor_parallel_size, expert_parallel_size, pipeline_parallel_size
+    inner = world_size // pp
     if shard_size is None:
-        shape: tuple[int, ...] = (world_size // (tp * ep), ep, tp)
-        return init_device_mesh(device_type, shape, mesh_dim_names=("dp_mod_ep", "ep", "tp"))
-    shape = (world_size // shard_size, shard_size // (tp * ep), ep, tp)
-    return init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard_mod_ep", "ep", "tp"))
+        shape: tuple[int, ...] = (inner // (tp * ep), ep, tp)
+        names: tuple[str, ...] = ("dp_mod_ep", "ep", "tp")
+    else:
+        shape = (inner // shard_size, shard_size // (tp * ep), ep, tp)
+        names = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+    if pp == 1:
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return init_device_mesh(device_type, (pp, *shape), mesh_dim_names=("pp", *names))[names]
 
 
 def experts_fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -83,9 +92,10 @@ def experts_fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
-    """The sparse MLP blocks (``mlp.experts`` and ``mlp.gate``) of a Qwen3-MoE model's decoder layers."""
-    layers: Any = model.model.layers  # type: ignore[union-attr]
-    return [layer.mlp for layer in layers if hasattr(layer.mlp, "experts")]
+    """The sparse MLP blocks (``mlp.experts`` and ``mlp.gate``) of a Qwen3-MoE model's (or pipeline stage's)
+    decoder layers."""
+    mlps: list[Any] = [layer.mlp for layer in decoder_layers(model)]
+    return [mlp for mlp in mlps if hasattr(mlp, "experts")]
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:

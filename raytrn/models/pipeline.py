@@ -81,7 +81,9 @@ class PipelineStageModel(nn.Module):
                 tokens = stats.tokens
             else:
                 x = out
-        carried = () if segments is None else (segments,)
+        # sent on as they came: a slice of the step's rows (``[:, :-1]``) is not contiguous beyond one row a
+        # micro-batch, and a process group sends only contiguous tensors
+        carried = () if segments is None else (segments.contiguous(),)
         if self.moe:
             assert counts is not None and probs is not None
             carried = (*carried, counts, probs)

@@ -5,7 +5,9 @@ The validation set is read in manifest order (never shuffled) and cut into globa
 ``run.eval_batches`` of them. Each rank reads its rows once, in this process, and keeps them (a validation slice is
 small). The loss is summed over the trained tokens of every row of every rank and divided by their count: the
 mean over the tokens, as training's. An evaluation runs the model forward only, without gradients; it draws no
-random numbers and does not touch the training data's position, so it never changes the training trajectory.
+random numbers and does not touch the training data's position, so it never changes the training trajectory. A
+pipelined model's micro-batches go through its stages one at a time (:mod:`raytrn.train.pipelined_eval`): the same
+sums, taken on the last stage.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from raytrn.data.order import RankSlice, SampleOrder, iter_rows, plan_epoch
 from raytrn.data.source import block_arrays, slices
 from raytrn.errors import DataError
 from raytrn.train.loss import summed_losses
+from raytrn.train.pipelined_eval import pipeline_loss_sums
 from raytrn.train.step import Training, forward
 
 if TYPE_CHECKING:
@@ -74,16 +77,20 @@ class Evaluator:
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         count = torch.zeros((), device=device, dtype=torch.float64)
         try:
-            for batch in self.batches:
-                logits, targets, mask, _ = forward(t, batch.to(device))
-                summed, tokens = summed_losses(logits, targets, mask)  # (in chunks, as the training step's loss)
-                loss_sum += summed
-                count += tokens
+            if t.pipeline is not None:  # through the stages: the sums on the last stage's ranks, zeros elsewhere
+                loss_sum, count = pipeline_loss_sums(t, self.batches, device)
+            else:
+                for batch in self.batches:
+                    logits, targets, mask, _ = forward(t, batch.to(device))
+                    summed, tokens = summed_losses(logits, targets, mask)  # (in chunks, as the training step's)
+                    loss_sum += summed
+                    count += tokens
         finally:
             t.model.train(was_training)
         totals = torch.stack([loss_sum, count])
         if torch.distributed.is_available() and torch.distributed.is_initialized() and t.world_size > 1:
-            torch.distributed.all_reduce(totals)  # every TP copy counts alike: the ratio is unchanged
+            # every TP copy counts alike: the ratio is unchanged (a pipeline's sums: its last stage's ranks')
+            torch.distributed.all_reduce(totals)
         loss = float(totals[0] / totals[1].clamp(min=1))
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 80.0))}
 

@@ -146,7 +146,7 @@ def parallelize(
         if sharded:
             for layer in decoder_layers(model):
                 if experts_mesh is not None and hasattr(layer.mlp, "experts"):
-                    _compile_around_experts(layer, compile)
+                    compile_around_experts(layer, compile)
                 else:
                     layer.compile(**compile)
         else:
@@ -218,7 +218,7 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp_cp" if "dp_cp" in names else "dp"]
 
 
-def _compile_around_experts(layer: nn.Module, compile: dict[str, Any]) -> None:
+def compile_around_experts(layer: nn.Module, compile: dict[str, Any]) -> None:
     """A MoE block whose experts are an FSDP module of their own (expert parallelism, or TP): FSDP's hooks on a
     module called inside a compiled graph break it, so each of the block's parts is compiled but the experts
     (torchtitan's way): attention, the norms, the router. The experts, their all-to-alls and the routing's

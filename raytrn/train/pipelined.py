@@ -110,6 +110,11 @@ class Pipeline:
     model: PipelineRank
     pp_rank: int
     owners: dict[str, int]
+    #: This rank's stage modules by stage index, how many stages the pipeline has and which pipeline rank holds
+    #: each (the validation's forward-only walk: :mod:`raytrn.train.pipelined_eval`).
+    stages: dict[int, nn.Module] = field(default_factory=dict)
+    num_stages: int = 0
+    stage_owner: dict[int, int] = field(default_factory=dict)
 
     def export(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The whole model's state, one full CPU tensor at a time in the whole model's order, on every rank (what a
@@ -148,7 +153,8 @@ def parallelize_pipeline(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage
 
-    from raytrn.config.stages import SCHEDULES
+    from raytrn.config.stages import SCHEDULES, ZERO_BUBBLE
+    from raytrn.models.expert_parallel import expert_mesh
     from raytrn.train.parallelize import (
         Parallelized,
         apply_fsdp,
@@ -174,16 +180,30 @@ def parallelize_pipeline(
     dp_mesh = data_parallel_mesh(mesh["dp_replicate", "dp_shard", "tp"] if shard else mesh["dp", "tp"])
     if tp > 1:
         check_tp_placement(tp)
+    experts_mesh = None  # a MoE stage's experts over the stage's ranks (expert parallelism, or TP), as without stages
+    spread = family.expert_parallel
+    if spread is not None and (tp > 1 or p.expert_parallel_size > 1):
+        experts_mesh = expert_mesh(device.type, world_size, tensor_parallel_size=tp,
+                                   expert_parallel_size=p.expert_parallel_size, shard_size=shard,
+                                   pipeline_parallel_size=pp)  # fmt: skip
+    # A zero-bubble schedule's input-gradient pass lists the weights to differentiate later from the stage's
+    # registered parameters before FSDP's pre-backward hook gathers them again: a block resharded after its forward
+    # would be listed by its shards, which the graph never used, and get no gradient. So those stages keep their
+    # parameters gathered from forward to backward (torchtitan's default under a pipeline); the other schedules'
+    # whole backward goes through autograd and FSDP's hooks.
+    reshard = p.reshard_after_forward and p.pipeline_schedule not in ZERO_BUBBLE
     specs = {name: (value.dtype, tuple(value.shape)) for name, value in model.state_dict().items()}  # the whole's
     stages, modules = [], []
     for n, index in enumerate(indices):
         whole = model if n == len(indices) - 1 else copy.deepcopy(model)  # each stage cuts its own copy
         stage = split_model(whole, index, num_stages)  # type: ignore[arg-type]
+        if spread is not None and experts_mesh is not None:
+            spread(stage, experts_mesh)
         if tp > 1:
             family.tensor_parallel(stage, mesh["tp"], False)
-        checkpoint_and_compile(stage, p.activation_checkpointing, compile)
+        checkpoint_and_compile(stage, p.activation_checkpointing, compile, around_experts=experts_mesh is not None)
         if sharded:
-            apply_fsdp(stage, dp_mesh, p.reshard_after_forward, mixed_precision)
+            apply_fsdp(stage, dp_mesh, reshard, mixed_precision, experts_mesh=experts_mesh)
         modules.append(stage)
         stages.append(PipelineStage(stage, index, num_stages, device, group=mesh.get_group("pp")))
     microbatches = job.data.grad_accum_for(inner // tp)
@@ -203,6 +223,9 @@ def parallelize_pipeline(
         model=rank_model,
         pp_rank=pp_rank,
         owners=owners,
+        stages=dict(zip(indices, modules, strict=True)),
+        num_stages=num_stages,
+        stage_owner={i: r for r in range(pp) for i in stage_indices(p.pipeline_schedule, r, pp)},
     )
     return Parallelized(
         model=rank_model,
@@ -213,18 +236,24 @@ def parallelize_pipeline(
     )
 
 
-def checkpoint_and_compile(stage: nn.Module, activation_checkpointing: str, compile: dict[str, Any] | None) -> None:
+def checkpoint_and_compile(
+    stage: nn.Module, activation_checkpointing: str, compile: dict[str, Any] | None, *, around_experts: bool = False
+) -> None:
     """A stage's activation checkpointing, then each of its decoder blocks compiled on its own (``compile``: the
     backend's ``torch.compile`` options; None: eager): what every rank does to its stages, and what ``raytrn
-    precheck`` compiles (:mod:`raytrn.train.precheck_compiled`)."""
+    precheck`` compiles (:mod:`raytrn.train.precheck_compiled`). ``around_experts``: a MoE block's experts are laid
+    out over ranks (an FSDP module of their own): its other parts are compiled, the experts not (as without stages)."""
     from raytrn.models.parallel import decoder_layers
-    from raytrn.train.parallelize import apply_activation_checkpointing
+    from raytrn.train.parallelize import apply_activation_checkpointing, compile_around_experts
 
     if activation_checkpointing != "none":
         apply_activation_checkpointing(stage, activation_checkpointing)
     if compile is not None:
         for layer in decoder_layers(stage):
-            layer.compile(**compile)
+            if around_experts and hasattr(layer.mlp, "experts"):
+                compile_around_experts(layer, compile)
+            else:
+                layer.compile(**compile)
 
 
 def pipeline_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch], backend: Backend) -> StepResult:
