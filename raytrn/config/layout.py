@@ -194,8 +194,8 @@ def check_recovery(job: JobSpec) -> list[str]:
         )
     return [
         "note: scaling.recovery: live: a lost replica's survivors train on and a returning node joins them; its loop "
-        "runs no non-finite guard, hang watchdog, validation, in-memory snapshots or preemption notices yet "
-        "(docs/elasticity.md 'Live recovery')"
+        "runs no hang watchdog, in-memory snapshots or preemption notices yet, and a non-finite rollback loads the "
+        "checkpoint into the live replicas in place (docs/elasticity.md 'Live recovery')"
     ]
 
 

@@ -92,6 +92,10 @@ class GoodputClock:
             self._steady_n += 1
         self.steps += 1
 
+    def retrains_until(self, step: int) -> None:
+        """The steps up to ``step`` are trained again from here on (a rollback in place: ``scaling.recovery: live``)."""
+        self._retrained_until = max(self._retrained(), step)
+
     @contextlib.contextmanager
     def blocking(self, cause: str) -> Iterator[None]:
         """Time spent inside is ``cause`` (``checkpoint``, ``eval`` or live ``recovery``), not the loop's other time."""

@@ -9,8 +9,13 @@ no survivor restarts, nothing is restored and every row is trained once per epoc
 
 What it keeps of the restart path's loop (:mod:`raytrn.train.loop`): the checkpoints (found and restored at a full
 start, saved at checkpoint steps by every live replica: DCP over the live group, synchronous), the metrics rank 0
-logs at log steps, the final model. What it does not run yet: the step protocol's other phases (non-finite guard,
-watchdog, evaluation, memory tier, goodput clock, preemption notices); ``raytrn validate`` says so (a note).
+logs at log steps, the evaluation (every replica evaluates the whole validation set on its own copy of the model: no
+collective that a lost replica could break, the same scores at any number of replicas; the live rank 0 logs them),
+the non-finite guard (a NaN/inf step's update is skipped on every replica alike; at ``run.max_nonfinite_steps`` in a
+row, ``run.on_nonfinite: rollback`` rolls back *in place*: the live replicas load the newest committed checkpoint
+and skip the diverging steps' global batches, no process restarts; once per job, as the restart path's), the final
+model. What it does not run yet: the hang watchdog, the memory tier, preemption notices; ``raytrn validate`` says
+so (a note).
 Where the time goes is measured as the restart path's loop measures it (:class:`raytrn.train.goodput.GoodputClock`):
 the attempts a lost replica aborted, the re-formations and the admissions are the ledger's ``restart`` time.
 Each re-formation is logged to the MLflow run: ``raytrn.recovery: live`` and the replicas before and after as tags,
@@ -39,6 +44,7 @@ from raytrn.config import JobSpec
 from raytrn.config.sizes import global_batch
 from raytrn.data.batch import TokenBatch
 from raytrn.data.feed import DataFeed
+from raytrn.errors import RunStopped
 from raytrn.runtime import worker_logging
 from raytrn.sigterm import TRAINING
 from raytrn.tracking.export import log_final_model
@@ -46,7 +52,9 @@ from raytrn.tracking.goodput import GroupTimes
 from raytrn.tracking.roles import ProgressPosts
 from raytrn.train.build import build_training
 from raytrn.train.checkpointer import Checkpointer
+from raytrn.train.evaluate import Evaluation
 from raytrn.train.goodput import GoodputClock
+from raytrn.train.guard import NonFiniteError, NonFiniteGuard
 from raytrn.train.live.group import Generation, LeftOut, LiveGroup, Reformed
 from raytrn.train.live.step import LiveStepResult, LiveTrainer
 from raytrn.train.loss import masked_loss_sum
@@ -170,10 +178,24 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
     posts = RankZeroPosts(plan.board.progress, group) if plan.board is not None else None
     clock = GoodputClock(posts, world_size=group.size, restore_s=restore_s, start_step=progress.step,
                          restored=restored, group=board_group if board_group is not None else session)  # fmt: skip
+    # every replica evaluates the whole validation set itself (dp 1: no collective), the live rank 0 logs
+    evaluation = Evaluation(job, plan.validation, progress, dp=1, dp_rank=0, logger=RankZeroLogger(tracker, group))
+    guard = NonFiniteGuard.on_board(job, plan.board.rollbacks if plan.board is not None else None,
+                                    enabled=backend.skips_nonfinite_steps)  # fmt: skip
+    reports.guard = guard
+    stopped: RunStopped | None = None
     TRAINING.set()
     try:
         while progress.step < end:
             step = progress.step + 1
+            if guard.skips(step) and step < end:  # a rollback's: its global batch drawn, not trained
+                for _ in range(micro_batches):
+                    next(batches)
+                t.scheduler.step()
+                guard.skipped_batches += 1
+                progress.step = step
+                feed.advance(progress)
+                continue
             clock.step_started()
             started = time.perf_counter()
             micro = [next(batches) for _ in range(micro_batches)]
@@ -192,24 +214,92 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                 if result.joins_waiting:
                     with clock.blocking("recovery"):
                         reformed.append(trainer.admit(asdict(progress)))
+                if reformed:  # a newcomer counts from 0: every member does, so that all decide alike
+                    guard.in_a_row = 0
+                try:
+                    guard.check(torch.tensor(result.grad_norm), step)  # every replica: the same reduced norm
+                except NonFiniteError as e:  # roll back in place: the live replicas load the newest checkpoint
+                    log.warning("live recovery: %s", e)
+                    guard.rollbacks.append((step - guard.in_a_row + 1, step))  # (the board has it for a new group)
+                    guard.in_a_row = 0
+                    with clock.blocking("recovery"):
+                        progress = _rollback(t, group, job, backend, plan, checkpoints, progress)
+                    clock.retrains_until(step)
+                    clock.iteration_done()
+                    batches = backend.wrap_batches(feed.start(progress, ctx.get_world_rank()))
+                    evaluation.progress = progress
+                    continue
                 if group.rank == 0:
                     lr = float(t.optimizer.param_groups[0]["lr"])
                     reports.step_done(progress, result, reformed, time.perf_counter() - started, lr)
                 last = step >= end
-                if last or step % job.checkpoint.interval == 0:
+                saving = last or step % job.checkpoint.interval == 0
+                with clock.blocking("eval"):
+                    pointer = RunDir.of(job).pointer(step) if saving else None
+                    evaluation.maybe_evaluate(t, backend, last=last, checkpoint=pointer)
+                if saving:
                     with clock.blocking("checkpoint"):
                         t.checkpoints = checkpoints.of(group)
                         _save(t, group, job, plan, progress, result, tracker, last=last)
             except LeftOut:  # the others re-formed without this replica (it was late): join again, take their state
                 progress = Progress.from_dict(trainer.rejoin(JOIN_DEADLINE_S))
+                guard.in_a_row = 0
                 batches = backend.wrap_batches(feed.start(progress, ctx.get_world_rank()))
+                evaluation.progress = progress
                 continue
             clock.iteration_done(final=last)
+    except RunStopped as e:  # every replica, at the same step (diverged again after the rollback)
+        stopped = e
     finally:
         TRAINING.clear()
+    if stopped is not None:
+        if plan.board is not None:
+            plan.board.stops.stop(stopped)  # the driver ends the run FAILED with it; nothing is exported
+        group.leave()
+        return
     if job.tracking.log_model and tracker is not None and t.export is not None and group.rank == 0:
         log_final_model(job, t.model, t.export, tracker)  # a whole replica: no gathers, rank 0 alone
     group.leave()
+
+
+def _rollback(
+    t: Training, group: LiveGroup, job: JobSpec, backend: Any, plan: WorkerPlan, checkpoints: LiveCheckpoints,
+    progress: Progress,
+) -> Progress:  # fmt: skip
+    """A non-finite rollback in place (every live replica): the newest committed checkpoint (finite, as every one is)
+    loaded over the live group, as a full start restores; returns its progress, the steps already logged kept."""
+    t.checkpoints = checkpoints.of(group)
+    checkpointer = Checkpointer(job, backend, plan.schedule, rank=group.rank, world_size=group.size)
+    start = checkpointer.find()
+    if start.location is None:  # none committed yet: the run's first state, as a new run builds it (same seed)
+        fresh = build_training(job, backend, world_size=1, schedule=plan.schedule)
+        t.model.load_state_dict(fresh.model.state_dict())
+        t.optimizer.load_state_dict(fresh.optimizer.state_dict())
+        t.scheduler.load_state_dict(fresh.scheduler.state_dict())
+    checkpointer.restore(t, start)
+    restored = start.progress
+    restored.last_logged_step = max(restored.last_logged_step, progress.last_logged_step)
+    restored.last_logged_val_step = max(restored.last_logged_val_step, progress.last_logged_val_step)
+    log.warning(
+        "live recovery: rolled back to step %d (%s) on %d live replicas; no process restarted",
+        restored.step, start.location, group.size,
+    )  # fmt: skip
+    return restored
+
+
+class RankZeroLogger:
+    """The evaluation's logger: the tracker's, from whichever replica is rank 0 of the live group now."""
+
+    def __init__(self, tracker: Any, group: LiveGroup) -> None:
+        self.tracker, self.group = tracker, group
+
+    def log_metrics(self, metrics: dict[str, float], step: int, *, training: bool = True) -> None:
+        if self.tracker is not None and self.group.rank == 0:
+            self.tracker.log_metrics(metrics, step, training=training)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        if self.tracker is not None and self.group.rank == 0:
+            self.tracker.set_tags(tags)
 
 
 class RankZeroPosts:
@@ -246,6 +336,8 @@ class LiveMetrics:
         self.board = plan.board.progress if plan.board is not None else None
         self.started_at = time.time()
         self.first = True
+        #: The non-finite guard whose counts the log steps carry (``nonfinite_steps``, ``skipped_batches``).
+        self.guard: NonFiniteGuard | None = None
 
     def step_done(
         self, progress: Progress, result: LiveStepResult, reformed: list[Reformed], seconds: float, lr: float
@@ -271,7 +363,7 @@ class LiveMetrics:
         metrics = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": lr, "step_time_s": seconds,
                    "tokens_per_s": self.tokens_per_step / max(seconds, 1e-9), "tokens_seen": float(progress.tokens_seen),
                    "world_size": float(result.replicas), "replicas": float(result.replicas),
-                   "epoch": float(progress.epoch)}  # fmt: skip
+                   "epoch": float(progress.epoch), **(self.guard.metrics() if self.guard is not None else {})}  # fmt: skip
         if self.tracker is not None and step > progress.last_logged_step:
             self.tracker.log_metrics(metrics, step)
         if self.board is not None:

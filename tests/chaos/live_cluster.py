@@ -13,7 +13,7 @@ request (``raytrn stop``) once the restarted group trains, a few steps on.
 The result: the training workers' pids before the removal, after the return and at the end; the removal's step and
 the seconds from it to the first step logged at 2 replicas; from the new node to the first step at 3; the same two
 for the kill; every logged step (each
-exactly once?), the losses of both runs and the replicas of the live one by step; each worker's sample trace
+exactly once?), the losses and validation losses (every 10 steps) of both runs and the replicas of the live one by step; each worker's sample trace
 (``RAYTRN_SAMPLE_TRACE``: the rows it read per step) and the reference's; the run's summary (restores, final step).
 """
 
@@ -84,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ray.init(address=cluster.address, logging_level="WARNING")
         cluster.wait_for_nodes(timeout=60)
+        # both runs evaluate one global batch of the dataset every 10 steps (every replica the whole of it)
+        evaluated = (f"data.validation={args.dataset}", "run.eval_every=10", "run.eval_batches=1")
         job = tiny_chaos_job(Path(args.dataset), work / "ckpt", mlflow_uri=f"sqlite:///{db}", experiment="live",
-                             name="live", extra=(*LIVE, *COMMON, "run.max_steps=2000"))  # fmt: skip
+                             name="live", extra=(*LIVE, *COMMON, *evaluated, "run.max_steps=2000"))  # fmt: skip
         thread, outcome = train_in_thread(job)
 
         def at(replicas: float, since: float) -> list[tuple[int, float]]:
@@ -155,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         result["steps"] = [s for s, _, _ in _logged(db)]
         result["loss"] = {s: v for s, _, v in _logged(db)}
         result["replicas"] = {s: v for s, _, v in _logged(db, "replicas")}
+        result["val_loss"] = {s: v for s, _, v in _logged(db, "val_loss")}
         result["traces"] = _traces(work / "trace")
         if args.no_reference:
             return 0
@@ -163,12 +166,13 @@ def main(argv: list[str] | None = None) -> int:
         final = max(result["steps"])
         reference = tiny_chaos_job(Path(args.dataset), work / "ckpt-ref", mlflow_uri=f"sqlite:///{ref_db}",
                                    experiment="reference", name="reference",
-                                   extra=(*COMMON, "scaling.resources_per_worker={neuron_cores: 1}",
+                                   extra=(*COMMON, *evaluated, "scaling.resources_per_worker={neuron_cores: 1}",
                                           f"run.max_steps={final}"))  # fmt: skip
         ref_thread, ref_outcome = train_in_thread(reference)
         ref_thread.join(240)
         result["reference_error"] = repr(ref_outcome["error"]) if "error" in ref_outcome else None
         result["reference_loss"] = {s: v for s, _, v in _logged(ref_db)}
+        result["reference_val_loss"] = {s: v for s, _, v in _logged(ref_db, "val_loss")}
         result["reference_trace"] = _traces(work / "trace-reference")
     finally:
         Path(args.out).write_text(json.dumps(result))

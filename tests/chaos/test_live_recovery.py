@@ -8,7 +8,7 @@ Asserted: the survivor's process is the one that started (pids compared: none re
 1 replica right after the loss and at 3 after the return (the returning worker took its state from a live replica:
 the run's only restore is the fallback's, from storage), the goodput ledger books the recoveries as restart time,
 every step is logged exactly once, every worker read the same rows at every step as
-the uninterrupted run, and the losses match it: within 1e-5 up to the loss, within 1e-4 for the 30 steps after it,
+the uninterrupted run, and the losses (and the validation losses every 10 steps) match it: within 1e-5 up to the loss, within 1e-4 for the 30 steps after it,
 within 1e-3 after that (summation order: gradients summed over 3, 2, 3 replicas instead of accumulated in one
 process, which AdamW amplifies over the steps). The seconds are asserted loosely (a shared 2-core machine); the
 bench measures them.
@@ -93,10 +93,13 @@ def test_every_worker_read_the_uninterrupted_runs_rows_at_every_step(live_run: d
     assert read >= set(live_run["steps"])  # every step read by the replicas that trained it (one after two losses)
 
 
-def test_losses_match_the_uninterrupted_run(live_run: dict) -> None:
-    live = {int(s): v for s, v in live_run["loss"].items()}
-    reference = {int(s): v for s, v in live_run["reference_loss"].items()}
-    assert sorted(reference) == sorted(live)
+@pytest.mark.parametrize("key", ["loss", "val_loss"])
+def test_losses_match_the_uninterrupted_run(live_run: dict, key: str) -> None:
+    """The training loss at every step and the validation loss every 10 steps (evaluated by every replica on its own
+    copy of the model, logged by the live rank 0) on the uninterrupted run's."""
+    live = {int(s): v for s, v in live_run[key].items()}
+    reference = {int(s): v for s, v in live_run[f"reference_{key}"].items()}
+    assert sorted(reference) == sorted(live) and live, (sorted(live), sorted(reference))
     lost = live_run["removed_at_step"]
     for step in sorted(live):
         tolerance = 1e-5 if step <= lost else 1e-4 if step <= lost + 30 else LOSS_TOLERANCE

@@ -335,20 +335,29 @@ def test_a_qwen3_run_under_tp_and_a_pipeline_resumed_as_ddp_follow_the_uninterru
     assert groups == {"00000000": "dp1", "00000005": "dp2"}, groups  # (named by the step each group started after)
 
 
+LIVE_PAIR = ("scaling.recovery=live", "parallel.data_parallel=hsdp", "parallel.hsdp_shard_size=1",
+             "scaling.min_workers=2", "scaling.max_workers=2")  # fmt: skip
+
+
+@pytest.mark.parametrize("recovery", ["restart", "live"])
 def test_a_diverging_run_rolls_back_once_then_stops_failed_with_every_checkpoint_finite(
-    ray_session, tiny_dataset, tmp_path
+    ray_session, tiny_dataset, tmp_path, recovery
 ):
     """Issue 28's reproduction (optim.lr=1000, no warmup, no clipping) on a real Ray: the non-finite steps' updates
     are skipped; at run.max_nonfinite_steps in a row the group restarts once from the newest committed checkpoint
     and skips those steps' batches; diverging again stops the run: FAILED, the steps named, no model exported, no
-    further restarts, and every committed checkpoint finite."""
+    further restarts, and every committed checkpoint finite. Under ``scaling.recovery: live`` (2 replicas, validation
+    every 2 steps) the rollback is in place: the live workers load the checkpoint, nothing restarts (no restart
+    metric), the rest as on the restart path."""
     from mlflow.tracking import MlflowClient
 
     from raytrn.errors import RunStopped
 
+    live = recovery == "live"
+    extra = (*LIVE_PAIR, f"data.validation={tiny_dataset}", "run.eval_every=2", "run.eval_batches=1") if live else ()
     job = _job(
         tiny_dataset, tmp_path, "run.max_steps=60", "checkpoint.every_n_steps=2", "checkpoint.keep_last=null",
-        "optim.lr=1000", "optim.warmup_steps=0", "optim.grad_clip_norm=null", "tracking.log_model=true",
+        "optim.lr=1000", "optim.warmup_steps=0", "optim.grad_clip_norm=null", "tracking.log_model=true", *extra,
     )  # fmt: skip
     with pytest.raises(RunStopped) as stop:
         run_training(job, live_progress=False)
@@ -363,8 +372,12 @@ def test_a_diverging_run_rolls_back_once_then_stops_failed_with_every_checkpoint
         [client.get_experiment_by_name("raytrn-tests").experiment_id], f"tags.mlflow.runName = '{job.run_name}'"
     )
     assert run.info.status == "FAILED"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "restart_to_first_step_s")] != []  # restarted
+    restarts = [m.step for m in client.get_metric_history(run.info.run_id, "restart_to_first_step_s")]
+    assert (restarts == []) if live else (restarts != []), restarts  # live: rolled back in place, else restarted
     assert not [a for a in client.list_artifacts(run.info.run_id) if a.path == "model"]  # nothing exported
+    if live:  # every replica evaluated (dp 1 each), rank 0 logged: at eval steps, finite until the weights were not
+        evaluated = client.get_metric_history(run.info.run_id, "val_loss")
+        assert evaluated and all(m.step % 2 == 0 for m in evaluated), evaluated
 
     dcp_root = Path(job.checkpoint.storage) / job.run_name / "dcp"
     committed = sorted(p for p in dcp_root.glob("step_*") if (p / "commit.json").exists())

@@ -10,7 +10,9 @@ any number of replicas.
 
 A member lost during the step (found before the all-reduce by its heartbeat, :meth:`LiveGroup.ready`; or in it,
 :class:`~raytrn.train.live.group.PeerLost`; or a peer that never reports) makes the step *abort* on every member (:meth:`LiveGroup.agree`): no parameter, moment, schedule step or data position moved,
-so the survivors re-form and redo the same step over the same micro-batches with the new shares. Waiting newcomers
+so the survivors re-form and redo the same step over the same micro-batches with the new shares. A committed step
+whose loss or gradient norm is NaN or inf (the same on every member: the gradients are reduced) moves no weight and
+no optimizer state, only the learning-rate schedule (the restart path's skip, :mod:`raytrn.train.guard`). Waiting newcomers
 (rank 0 reads the count, the all-reduce tells everyone) are admitted after a committed step and receive rank 0's
 state (:func:`raytrn.train.live.transfer.share_state`); the next step splits the batch over all of them.
 """
@@ -115,10 +117,12 @@ class LiveTrainer:
             if self.grad_clip_norm
             else torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))  # type: ignore[arg-type]
         )
-        self.optimizer.step()
+        n = sum(p.numel() for p in params)
+        finite = bool(torch.isfinite(norm)) and bool(torch.isfinite(flat[n]))  # the same on every member
+        if finite:  # a NaN/inf step's update is skipped, as the restart path's (raytrn.train.guard): nothing moves
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        n = sum(p.numel() for p in params)
         return LiveStepResult(
             loss=float(flat[n]) / micro_batches,
             grad_norm=float(norm),
