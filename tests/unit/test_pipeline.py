@@ -4,11 +4,10 @@ one process on the same global batches; DCP checkpoints across pipeline sizes; a
 Ray.
 
 Layouts of the 4 ranks: PP 2 x FSDP 2 under 1F1B, under interleaved 1F1B (2 stages a rank) and on packed rows with
-loss masks (document attention, the mean over the step's trained targets); PP 4 (GPipe, no data parallelism); PP 2
-x TP 2 under ZBV zero bubble (2 stages a rank in a V); the tiny Qwen3-MoE as PP 2 x FSDP 2 (its load-balancing loss
-over every layer, from routing sums carried between the stages) and as PP 2 x EP 2 (each stage's experts over its
-2 ranks); PP 4 under DualPipeV (8 stages of one layer); and
-on a spawn of 8, PP 2 x TP 2 x FSDP 2 under interleaved 1F1B and PP 2 x HSDP (2 replicas of 2 shards) under ZBV zero
+loss masks (document attention, the mean over the step's trained targets; in micro-batches of 1 row and of 2); PP 4
+(GPipe, no data parallelism); PP 2 x TP 2 under ZBV zero bubble (2 stages a rank in a V); the tiny Qwen3-MoE as PP 2
+x FSDP 2 (its load-balancing loss over every layer, from routing sums carried between the stages) and as PP 2 x EP 2
+(each stage's experts over its 2 ranks); PP 4 under DualPipeV (8 stages of one layer); and on a spawn of 8, PP 2 x TP 2 x FSDP 2 under interleaved 1F1B and PP 2 x HSDP (2 replicas of 2 shards) under ZBV zero
 bubble (FSDP with a split weight-gradient pass; reshard_after_forward left at true). The first layout's checkpoint
 then loads into PP 4 over the same ranks and, in the test process, into one process: weights and AdamW moments
 bit-equal.
@@ -50,6 +49,7 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "pp2-fsdp2-1f1b": FSDP2,
     "pp2-fsdp2-interleaved": (*FSDP2, "parallel.pipeline_schedule=interleaved_1f1b"),
     "pp2-fsdp2-packed": FSDP2,
+    "pp2-fsdp2-packed-mb2": (*FSDP2, "data.micro_batch_size=2"),  # (stages send a 2-row slice of segments on)
     "pp4-gpipe": ("parallel.pipeline_parallel_size=4", "parallel.pipeline_schedule=gpipe"),
     "pp2-tp2-zbv": (*FSDP2, "parallel.tensor_parallel_size=2", "parallel.pipeline_schedule=zbv_zero_bubble"),
     "pp2-fsdp2-moe": (*FSDP2, *MOE),
@@ -101,6 +101,19 @@ def global_batch(step: int, packed: bool) -> list[Any]:
     return [TokenBatch(r, m, s) for r, m, s in zip(rows.split(1), mask.split(1), segments.split(1), strict=True)]
 
 
+def micro_batches(rows: list[Any], size: int) -> list[Any]:
+    """One-row micro-batches joined ``size`` at a time."""
+    if size == 1:
+        return rows
+    groups = [rows[i : i + size] for i in range(0, len(rows), size)]
+    if not isinstance(rows[0], TokenBatch):
+        return [torch.cat(g) for g in groups]
+    return [
+        TokenBatch(*(torch.cat(parts) for parts in zip(*((b.tokens, b.loss_mask, b.segments) for b in g), strict=True)))
+        for g in groups
+    ]
+
+
 def train(t: Any, j: JobSpec, world: int, rank: int, packed: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
     """``STEPS`` steps of this rank's share of every global batch; the losses, and every gradient of this rank's
     parameters at the first step (whole: a collective over the parameters' groups), before clipping."""
@@ -120,7 +133,7 @@ def train(t: Any, j: JobSpec, world: int, rank: int, packed: bool) -> tuple[list
 
     t.clip_and_step = recording
     for step in range(1, STEPS + 1):
-        rows = global_batch(step, packed)
+        rows = micro_batches(global_batch(step, packed), j.data.micro_batch_size)
         share = len(rows) // dp
         result = train_step(t, iter(rows[dp_rank * share : (dp_rank + 1) * share]), CpuBackend())
         out.append(read_metrics(result, world)["loss"])
