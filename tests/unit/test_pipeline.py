@@ -15,6 +15,7 @@ bit-equal.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,28 @@ def train(t: Any, j: JobSpec, world: int, rank: int, packed: bool) -> tuple[list
     return out, grads
 
 
+def nonfinite_step(t: Any, j: JobSpec, world: int, rank: int) -> dict[str, Any]:
+    """One more step whose loss the last stage makes NaN (its gradients NaN, the first stage's finite): the gradient
+    norm over every stage is NaN on every rank, so every rank skips its optimizer update (raytrn.train.guard)."""
+    from unittest import mock
+
+    from raytrn.config.sizes import data_parallel_rank, data_parallel_size
+    from raytrn.train import pipelined
+
+    before = full_state(t)
+    real = pipelined.masked_loss_sum
+    rows = global_batch(STEPS + 1, packed=False)
+    share = len(rows) // data_parallel_size(j, world)
+    mine = rows[data_parallel_rank(j, rank, world) * share :][:share]
+    with mock.patch.object(pipelined, "masked_loss_sum", lambda *a: real(*a) * float("nan")):
+        result = train_step(t, iter(mine), CpuBackend())
+    after = full_state(t)
+    unchanged = all(torch.equal(after["model"][k], v) for k, v in before["model"].items()) and all(
+        torch.equal(after["optim"][k][m], x) for k, moments in before["optim"].items() for m, x in moments.items()
+    )
+    return {"grad_norm": float(result.grad_norm), "unchanged": unchanged}
+
+
 def full_state(t: Any) -> dict[str, Any]:
     """This rank's weights and AdamW moments as full tensors by name (a collective over its stages' groups)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -190,6 +213,8 @@ def _rank(rank: int, world: int, port: int, tmp: str) -> None:
                 pp4 = build_training(job(Path(tmp), *LAYOUTS["pp4-gpipe"]), CpuBackend(), world_size=world)
                 dcp.load(str(Path(tmp) / "ck"), pp4.model, pp4.optimizer, pp4.scheduler, source="test")
                 out["pp4-loaded"] = {"state": full_state(pp4), "last_epoch": pp4.scheduler.last_epoch}
+                # then a NaN loss on the last stage only: every stage skips its update
+                out["nonfinite"] = nonfinite_step(t, j, world, rank)
         torch.save(out, Path(tmp) / f"out-{rank}.pt")
         dist.barrier()
     finally:
@@ -202,7 +227,11 @@ def _spawn(tmp: Path, world: int) -> dict[str, Any]:
     spawn_ranks(_rank, world, str(tmp), deadline_s=DEADLINE_S)
     ranks = [torch.load(tmp / f"out-{r}.pt", weights_only=False) for r in range(world)]
     merged: dict[str, Any] = {}
+    if "nonfinite" in ranks[0]:
+        merged["nonfinite"] = {"by_rank": [r["nonfinite"] for r in ranks]}
     for name in ranks[0]:
+        if name == "nonfinite":
+            continue
         record = dict(ranks[0][name])
         record["losses_by_rank"] = [r[name].get("losses") for r in ranks]
         record["model"] = {k: v for r in ranks for k, v in r[name]["state"]["model"].items()}
@@ -270,6 +299,16 @@ def test_a_pipeline_trains_as_one_process_does(request: pytest.FixtureRequest, n
         exported = {n: v for f in sorted(hf.glob("*.safetensors")) for n, v in load_file(f).items()}
         assert exported.keys() == one.model.state_dict().keys()
         assert all(torch.equal(v, got["model"][n]) for n, v in exported.items())
+
+
+def test_a_non_finite_loss_on_the_last_stage_skips_every_stages_update(
+    four_ranks: tuple[Path, dict[str, Any]],
+) -> None:
+    """The gradient norm is taken over every stage: a NaN on the last stage's loss makes every rank's norm NaN, and
+    every rank (both stages, both replicas) keeps its weights and AdamW moments bit-equal (the guard's skip)."""
+    _, out = four_ranks
+    for record in out["nonfinite"]["by_rank"]:
+        assert math.isnan(record["grad_norm"]) and record["unchanged"], record
 
 
 def test_a_pipeline_checkpoint_loads_at_another_pipeline_size_and_into_one_process(
