@@ -58,6 +58,11 @@ class PipelineStageModel(nn.Module):
         self.lm_head = full.lm_head if last else None
         self.first, self.last, self.layers = first, last, layers
         self.moe = any(hasattr(layer.mlp, "experts") for layer in decoder.layers.values())  # type: ignore[operator]
+        #: A MoE stage's routing of each forward call, in order: its MoE layers' whole-model indices, then per call
+        #: their top-k counts [MoE layers of the stage, experts] and the assignments dropped for capacity (the
+        #: step's metrics take a step's last calls: :func:`raytrn.train.pipelined.pipeline_routing`).
+        self.moe_layers = [int(k) for k, layer in decoder.layers.items() if hasattr(layer.mlp, "experts")]  # type: ignore[operator]
+        self.routing: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> Any:
         decoder: Any = self.model
@@ -72,6 +77,7 @@ class PipelineStageModel(nn.Module):
             rope, mask = decoder.rotary_emb(x, document_positions(segments)), document_mask(segments)
         counts, probs = routing if routing else (None, None)
         tokens = 0
+        loads, dropped = [], None
         for layer in decoder.layers.values():
             out = layer(x, rope, mask)
             if isinstance(out, tuple):
@@ -79,8 +85,13 @@ class PipelineStageModel(nn.Module):
                 counts = stats.counts if counts is None else counts + stats.counts
                 probs = stats.probs if probs is None else probs + stats.probs
                 tokens = stats.tokens
+                loads.append(stats.counts.detach())
+                dropped = stats.dropped.detach() if dropped is None else dropped + stats.dropped.detach()
             else:
                 x = out
+        if loads:
+            assert dropped is not None
+            self.routing.append((torch.stack(loads), dropped))
         # sent on as they came: a slice of the step's rows (``[:, :-1]``) is not contiguous beyond one row a
         # micro-batch, and a process group sends only contiguous tensors
         carried = () if segments is None else (segments.contiguous(),)

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from raytrn.backends.base import Backend
     from raytrn.config import JobSpec
     from raytrn.train.parallelize import Parallelized
-    from raytrn.train.step import StepResult, Training
+    from raytrn.train.step import Routing, StepResult, Training
 
 
 @dataclass
@@ -58,6 +58,8 @@ class PipelineLoss:
     scale: float = 1.0
     aux_loss_coef: float = 0.0
     language: list[torch.Tensor] = field(default_factory=list)
+    #: A MoE model's load-balancing loss of each micro-batch (unweighted), in the schedule's order.
+    aux: list[torch.Tensor] = field(default_factory=list)
 
     def __call__(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         logits, aux = output if isinstance(output, tuple) else (output, None)
@@ -65,6 +67,8 @@ class PipelineLoss:
         # raytrn.train.loss's: in chunks of rows above sizes.LOSS_CHUNK_LOGITS (no float32 copy of every logit)
         loss = masked_loss_sum(logits, targets.clamp(min=0), counted) * self.scale
         self.language.append(loss.detach())
+        if aux is not None:
+            self.aux.append(aux.detach())
         return loss if aux is None or not self.aux_loss_coef else loss + self.aux_loss_coef * aux
 
 
@@ -115,6 +119,11 @@ class Pipeline:
     stages: dict[int, nn.Module] = field(default_factory=dict)
     num_stages: int = 0
     stage_owner: dict[int, int] = field(default_factory=dict)
+    #: A MoE model's MoE layers (whole-model indices, in order: the rows of the step's expert-load table), the
+    #: pipeline's size and its experts; none for a dense model.
+    moe_layers: list[int] = field(default_factory=list)
+    pp_size: int = 1
+    num_experts: int = 0
 
     def export(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The whole model's state, one full CPU tensor at a time in the whole model's order, on every rank (what a
@@ -155,6 +164,7 @@ def parallelize_pipeline(
 
     from raytrn.config.stages import SCHEDULES, ZERO_BUBBLE
     from raytrn.models.expert_parallel import expert_mesh
+    from raytrn.models.parallel import decoder_layers
     from raytrn.train.parallelize import (
         Parallelized,
         apply_fsdp,
@@ -193,6 +203,9 @@ def parallelize_pipeline(
     # whole backward goes through autograd and FSDP's hooks.
     reshard = p.reshard_after_forward and p.pipeline_schedule not in ZERO_BUBBLE
     specs = {name: (value.dtype, tuple(value.shape)) for name, value in model.state_dict().items()}  # the whole's
+    blocks: list[Any] = decoder_layers(model)  # (before the stages are cut from it)
+    moe_layers = [i for i, layer in enumerate(blocks) if hasattr(layer.mlp, "experts")]
+    num_experts = int(blocks[moe_layers[0]].mlp.experts.num_experts) if moe_layers else 0
     stages, modules = [], []
     for n, index in enumerate(indices):
         whole = model if n == len(indices) - 1 else copy.deepcopy(model)  # each stage cuts its own copy
@@ -226,6 +239,9 @@ def parallelize_pipeline(
         stages=dict(zip(indices, modules, strict=True)),
         num_stages=num_stages,
         stage_owner={i: r for r in range(pp) for i in stage_indices(p.pipeline_schedule, r, pp)},
+        moe_layers=moe_layers,
+        pp_size=pp,
+        num_experts=num_experts,
     )
     return Parallelized(
         model=rank_model,
@@ -308,5 +324,37 @@ def pipeline_step(t: Training, batches: Iterator[torch.Tensor | TokenBatch], bac
     t.optimizer.zero_grad(set_to_none=True)
     backend.sync()
     return StepResult(
-        loss=loss, grad_norm=grad_norm, data_wait_s=data_wait, forward_s=forward_s, trained_tokens=trained
-    )
+        loss=loss, grad_norm=grad_norm, data_wait_s=data_wait, forward_s=forward_s, trained_tokens=trained,
+        routing=pipeline_routing(pipe),
+    )  # fmt: skip
+
+
+def pipeline_routing(pipe: Pipeline) -> Routing | None:
+    """A MoE step's routing as :func:`raytrn.train.step.routing_metrics` reads it (a sum over every rank on log
+    steps; on the device until then): this rank's stages' rows of the expert-load table (their MoE layers' top-k
+    counts over the step's last ``microbatches`` forward calls: a stage's first step also runs once to infer its
+    shapes), zeros elsewhere, their dropped assignments, and on the last stage the step's load-balancing losses
+    times the pipeline's size (only ``1 / P`` of the ranks hold the last stage; the metric divides by every rank's
+    micro-batches). None: a dense model."""
+    from raytrn.train.step import Routing
+
+    if not pipe.moe_layers:
+        return None
+    n = pipe.microbatches
+    row = {layer: i for i, layer in enumerate(pipe.moe_layers)}
+    calls = {index: stage.routing[-n:] for index, stage in pipe.stages.items()}  # type: ignore[index]
+    device = next((c.device for made in calls.values() for c, _ in made), torch.device("cpu"))
+    load = torch.zeros(len(pipe.moe_layers), pipe.num_experts, device=device)
+    dropped = torch.zeros((), device=device)
+    for index, made in calls.items():
+        stage: Any = pipe.stages[index]
+        for counts, lost in made:
+            for layer, c in zip(stage.moe_layers, counts, strict=True):
+                load[row[layer]] += c.float()
+            dropped += lost.float()
+        stage.routing.clear()
+    aux = torch.zeros((), device=device)
+    if pipe.last and pipe.loss.aux:
+        aux = torch.stack([a.float() for a in pipe.loss.aux[-n:]]).sum().to(device) * pipe.pp_size
+    pipe.loss.aux.clear()
+    return Routing(aux_loss=aux, expert_load=load, dropped=dropped, micro_batches=n)

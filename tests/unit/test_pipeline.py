@@ -115,15 +115,19 @@ def micro_batches(rows: list[Any], size: int) -> list[Any]:
     ]
 
 
-def train(t: Any, j: JobSpec, world: int, rank: int, packed: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """``STEPS`` steps of this rank's share of every global batch; the losses, and every gradient of this rank's
-    parameters at the first step (whole: a collective over the parameters' groups), before clipping."""
+def train(
+    t: Any, j: JobSpec, world: int, rank: int, packed: bool
+) -> tuple[list[float], dict[str, torch.Tensor], list[dict[str, float]]]:
+    """``STEPS`` steps of this rank's share of every global batch; the losses, every gradient of this rank's
+    parameters at the first step (whole: a collective over the parameters' groups), before clipping, and a MoE
+    model's routing metrics of every step (``router_aux_loss``, ``expert_load/layer_NN``: a collective)."""
     from torch.distributed.tensor import DTensor
 
     from raytrn.config.sizes import data_parallel_rank, data_parallel_size
 
     dp, dp_rank = data_parallel_size(j, world), data_parallel_rank(j, rank, world)
     out, grads, step_ = [], {}, t.clip_and_step
+    routing: list[dict[str, float]] = []
 
     def recording() -> torch.Tensor:
         for n, p in t.model.named_parameters():
@@ -137,8 +141,10 @@ def train(t: Any, j: JobSpec, world: int, rank: int, packed: bool) -> tuple[list
         rows = micro_batches(global_batch(step, packed), j.data.micro_batch_size)
         share = len(rows) // dp
         result = train_step(t, iter(rows[dp_rank * share : (dp_rank + 1) * share]), CpuBackend())
-        out.append(read_metrics(result, world)["loss"])
-    return out, grads
+        metrics = read_metrics(result, world)
+        out.append(metrics["loss"])
+        routing.append({k: v for k, v in metrics.items() if k not in ("loss", "grad_norm")})  # a MoE model's
+    return out, grads, routing
 
 
 def nonfinite_step(t: Any, j: JobSpec, world: int, rank: int) -> dict[str, Any]:
@@ -191,9 +197,10 @@ def _rank(rank: int, world: int, port: int, tmp: str) -> None:
                 continue
             j = job(Path(tmp), *overrides, workers=world)
             t = build_training(j, CpuBackend(), world_size=world, rank=rank)
-            losses, grads = train(t, j, world, rank, packed="packed" in name)
+            losses, grads, routing = train(t, j, world, rank, packed="packed" in name)
             out[name] = {
                 "losses": losses,
+                "routing": routing,
                 "grads": grads,
                 "state": full_state(t),
                 "checkpoint": {"layout": t.checkpoints.layout, "plain": t.checkpoints.plain_layout},
@@ -257,7 +264,8 @@ def eight_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[st
 def _one_process(tmp: Path, overrides: tuple[str, ...], packed: bool) -> tuple[list[float], dict[str, Any], Any]:
     j = job(tmp, *(o for o in overrides if not o.startswith("parallel.")), workers=1)
     t = build_training(j, CpuBackend(), world_size=1)
-    losses, grads = train(t, j, 1, 0, packed)
+    losses, grads, routing = train(t, j, 1, 0, packed)
+    t.routing = routing
     return losses, grads, t
 
 
@@ -273,6 +281,10 @@ def test_a_pipeline_trains_as_one_process_does(request: pytest.FixtureRequest, n
     for ranked in got["losses_by_rank"]:
         assert ranked == pytest.approx(losses, rel=TOLERANCE), name
     assert losses[-1] < losses[0]  # it trains
+    if "moe" in name:  # the routing metrics: the load-balancing loss and each layer's expert load, as one process's
+        assert got["routing"][0].keys() == one.routing[0].keys() and "expert_load/layer_03" in one.routing[0]
+        for step, want in enumerate(one.routing):
+            assert got["routing"][step] == pytest.approx(want, rel=1e-5), (name, step)
     assert got["grads"].keys() == grads.keys()
     for param_name, value in grads.items():
         scale = float(value.abs().max())
