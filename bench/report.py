@@ -438,8 +438,8 @@ def _gpu_block(report: dict[str, Any]) -> list[str]:
     return [f"GPU (from `{gpu['source']}`, measured separately on a GPU machine):", "", *gpu["table"]]
 
 
-def _trainium_block(rows: list[dict[str, Any]] | None) -> list[str]:
-    if not rows:
+def _trainium_block(rows: list[dict[str, Any]] | dict[str, Any] | None) -> list[str]:
+    if not rows or not isinstance(rows, list):  # not run, or a result that says why (skipped, failed)
         return []
     out = [
         "Trainium **targets, not measurements** (no trn node ran these): per trn1.32xlarge, derived from AWS's "

@@ -67,3 +67,18 @@ def test_the_layout_benchs_measure_in_one_process_and_render_their_rows() -> Non
     )
     assert "256 tokens 11.5 vs 21.9 MiB (0.52x) | <= 0.55x (half, and the ring) met |" in rows[1]
     assert _layout_rows({"status": "failed", "message": "boom"}, {}) == ["| pipeline | failed: boom | |"]
+
+
+def test_a_run_whose_benchmarks_were_all_skipped_renders_each_as_skipped() -> None:
+    """`make bench` out of its time budget skips what it cannot start; the README block still renders, every row
+    saying so (a skipped Trainium row once failed the whole render, after the other results had been measured)."""
+    from bench.report import render
+    from bench.run import ALL
+
+    from bench.run import machine
+
+    report = {"date": "2026-11-29 00:00:00", "mode": "full", "machine": machine(), "load_start": [1.0], "load_end": [1.0],
+              "wall_s": 60.0, "gpu": None,
+              "results": {n: {"status": "skipped", "message": "time budget"} for n in ALL}}  # fmt: skip
+    out = render(report)
+    assert out.count("skipped") >= len(ALL) - 2, out  # (the peak and trainium rows are folded into others)
