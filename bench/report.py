@@ -428,6 +428,7 @@ def _notes(report: dict[str, Any]) -> list[str]:
     sc = report["results"].get("training", {}).get("scaling")
     if sc:
         notes.append(f"Scaling: {sc['note']}.")
+    notes += [f"Run: {note}." for note in report.get("notes", [])]  # (a results file's own, e.g. a second run's)
     return notes
 
 
