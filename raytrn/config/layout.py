@@ -101,7 +101,7 @@ def _whole_blocks(job: JobSpec, sizes: list[int], block: int, named: str, why: s
 
 
 def _check_pipeline(job: JobSpec, sizes: list[int]) -> None:
-    """Pipeline parallelism (:mod:`raytrn.models.pipeline`): dense models with untied embeddings, enough decoder
+    """Pipeline parallelism (:mod:`raytrn.models.pipeline`): models with untied embeddings, enough decoder
     layers for the stages, whole pipelines at every world size, enough micro-batches to fill the pipeline, and what
     this version's pipelined loop does not run yet refused with the fix."""
     p, m, where = job.parallel, job.model, job.source

@@ -62,7 +62,7 @@ class ParallelConfig(Section):
         le=64,
         description="stages a model replica is cut into by decoder layers (torch.distributed.pipelining), the "
         "outermost mesh dimension: a rank's stage is rank // (workers / PP); the step's micro-batches "
-        "(data.grad_accum, per data-parallel rank) are the pipeline's. Dense models with untied embeddings",
+        "(data.grad_accum, per data-parallel rank) are the pipeline's. Dense or MoE models with untied embeddings",
     )
     pipeline_schedule: Literal[
         "1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"

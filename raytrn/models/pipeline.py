@@ -89,7 +89,7 @@ class PipelineStageModel(nn.Module):
                 dropped = stats.dropped.detach() if dropped is None else dropped + stats.dropped.detach()
             else:
                 x = out
-        if loads:
+        if loads and torch.is_grad_enabled():  # a training forward's (not a validation's)
             assert dropped is not None
             self.routing.append((torch.stack(loads), dropped))
         # sent on as they came: a slice of the step's rows (``[:, :-1]``) is not contiguous beyond one row a

@@ -17,7 +17,8 @@ and skip the diverging steps' global batches, no process restarts; once per job,
 model. What it does not run yet: the hang watchdog, the memory tier, preemption notices; ``raytrn validate`` says
 so (a note).
 Where the time goes is measured as the restart path's loop measures it (:class:`raytrn.train.goodput.GoodputClock`):
-the attempts a lost replica aborted, the re-formations and the admissions are the ledger's ``restart`` time.
+the attempts a lost replica aborted, the re-formations, the admissions and a rollback's load are the ledger's
+``restart`` time, the steps trained again after a rollback its ``retrained`` time.
 Each re-formation is logged to the MLflow run: ``raytrn.recovery: live`` and the replicas before and after as tags,
 ``live_recovery_s`` and ``replicas`` as metrics at the step it happened in.
 """
@@ -151,8 +152,9 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
     trainer = LiveTrainer(group, t.model, t.optimizer, t.scheduler, grad_clip_norm=job.optim.grad_clip_norm)
     checkpoints = LiveCheckpoints(job)  # t.checkpoints is made current before every save (_save)
     restore_s, restored, board_group = 0.0, None, None
+    guard_state: dict[str, Any] | None = None
     if joining:
-        progress = Progress.from_dict(trainer.rejoin(JOIN_DEADLINE_S))
+        progress, guard_state = _taken(trainer.rejoin(JOIN_DEADLINE_S))
         log.info("live recovery: %s joined the live group at step %d (%d replicas)", member, progress.step, group.size)
         resumed_from: str | None = f"live:step_{progress.step}"
     else:
@@ -179,9 +181,12 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
     clock = GoodputClock(posts, world_size=group.size, restore_s=restore_s, start_step=progress.step,
                          restored=restored, group=board_group if board_group is not None else session)  # fmt: skip
     # every replica evaluates the whole validation set itself (dp 1: no collective), the live rank 0 logs
-    evaluation = Evaluation(job, plan.validation, progress, dp=1, dp_rank=0, logger=RankZeroLogger(tracker, group))
+    # (at the job's global batch at its full size, as the restart path's evaluation reads it)
+    evaluation = Evaluation(_at_full_size(job, rows), plan.validation, progress, dp=1, dp_rank=0,
+                            logger=RankZeroLogger(tracker, group))  # fmt: skip
     guard = NonFiniteGuard.on_board(job, plan.board.rollbacks if plan.board is not None else None,
                                     enabled=backend.skips_nonfinite_steps)  # fmt: skip
+    _restore_guard(guard, guard_state)  # a newcomer counts on from where the members are
     reports.guard = guard
     stopped: RunStopped | None = None
     TRAINING.set()
@@ -210,40 +215,42 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                 progress.step = step
                 progress.tokens_seen += rows * job.data.seq_len
                 feed.advance(progress)
-                reformed = list(result.reformed)
-                if result.joins_waiting:
-                    with clock.blocking("recovery"):
-                        reformed.append(trainer.admit(asdict(progress)))
-                if reformed:  # a newcomer counts from 0: every member does, so that all decide alike
-                    guard.in_a_row = 0
-                try:
-                    guard.check(torch.tensor(result.grad_norm), step)  # every replica: the same reduced norm
-                except NonFiniteError as e:  # roll back in place: the live replicas load the newest checkpoint
-                    log.warning("live recovery: %s", e)
-                    guard.rollbacks.append((step - guard.in_a_row + 1, step))  # (the board has it for a new group)
-                    guard.in_a_row = 0
-                    with clock.blocking("recovery"):
-                        progress = _rollback(t, group, job, backend, plan, checkpoints, progress)
-                    clock.retrains_until(step)
-                    clock.iteration_done()
-                    batches = backend.wrap_batches(feed.start(progress, ctx.get_world_rank()))
-                    evaluation.progress = progress
-                    continue
                 if group.rank == 0:
                     lr = float(t.optimizer.param_groups[0]["lr"])
-                    reports.step_done(progress, result, reformed, time.perf_counter() - started, lr)
-                last = step >= end
-                saving = last or step % job.checkpoint.interval == 0
-                with clock.blocking("eval"):
-                    pointer = RunDir.of(job).pointer(step) if saving else None
-                    evaluation.maybe_evaluate(t, backend, last=last, checkpoint=pointer)
-                if saving:
-                    with clock.blocking("checkpoint"):
-                        t.checkpoints = checkpoints.of(group)
-                        _save(t, group, job, plan, progress, result, tracker, last=last)
+                    reports.step_done(progress, result, list(result.reformed), time.perf_counter() - started, lr)
+                try:  # every replica: the same reduced norm and loss
+                    guard.check(torch.tensor(result.grad_norm if result.finite else float("nan")), step)
+                except NonFiniteError as e:  # roll back in place: the live replicas load the newest checkpoint
+                    log.warning("live recovery: %s", e)
+                    first = step - guard.in_a_row + 1
+                    guard.rollbacks.append((first, step))  # (the board has it too, for a later full start)
+                    guard.in_a_row = 0
+                    with clock.blocking("recovery"):
+                        progress = _rollback(t, group, job, backend, plan, checkpoints, progress, step)
+                    if tracker is not None and group.rank == 0:
+                        tracker.set_tags({"raytrn.rollback": f"steps {first}-{step}, in place to step {progress.step}"})
+                    clock.retrains_until(step)
+                    batches = backend.wrap_batches(feed.start(progress, ctx.get_world_rank()))
+                    evaluation.progress = progress
+                    last = False
+                else:
+                    last = step >= end
+                    saving = last or step % job.checkpoint.interval == 0
+                    with clock.blocking("eval"):
+                        pointer = RunDir.of(job).pointer(step) if saving else None
+                        scores = evaluation.maybe_evaluate(t, backend, last=last, checkpoint=pointer)
+                    if saving:
+                        with clock.blocking("checkpoint"):
+                            t.checkpoints = checkpoints.of(group)
+                            _save(t, group, job, plan, progress, result, tracker, scores, last=last)
+                if result.joins_waiting:  # last: a newcomer joins the state every member holds after all of the above
+                    with clock.blocking("recovery"):
+                        admitted = trainer.admit({**asdict(progress), GUARD_KEY: _guard_state(guard)})
+                    if group.rank == 0:
+                        reports.recovered(progress.step, [admitted])
             except LeftOut:  # the others re-formed without this replica (it was late): join again, take their state
-                progress = Progress.from_dict(trainer.rejoin(JOIN_DEADLINE_S))
-                guard.in_a_row = 0
+                progress, guard_state = _taken(trainer.rejoin(JOIN_DEADLINE_S))
+                _restore_guard(guard, guard_state)
                 batches = backend.wrap_batches(feed.start(progress, ctx.get_world_rank()))
                 evaluation.progress = progress
                 continue
@@ -264,10 +271,39 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
 
 def _rollback(
     t: Training, group: LiveGroup, job: JobSpec, backend: Any, plan: WorkerPlan, checkpoints: LiveCheckpoints,
-    progress: Progress,
+    progress: Progress, step: int,
 ) -> Progress:  # fmt: skip
-    """A non-finite rollback in place (every live replica): the newest committed checkpoint (finite, as every one is)
-    loaded over the live group, as a full start restores; returns its progress, the steps already logged kept."""
+    """A non-finite rollback in place (every live replica, after step ``step``): the newest committed checkpoint
+    (finite, as every one is) loaded over the live group, as a full start restores; returns its progress, the steps
+    already logged kept. Agreed like a save: a replica lost during the load makes the others re-form and load again
+    (a load that failed with every replica alive fails as any restore does)."""
+    attempt = 0
+    while True:
+        attempt += 1
+        here, error, restored = group.ready(step, what=f"rollback{attempt}-"), None, None
+        if here:
+            try:
+                restored = _load_newest(t, group, job, backend, plan, checkpoints)
+            except Exception as e:  # a lost replica broke the load's collectives, or the load failed
+                error = e
+        if group.agree(step, here and error is None, what=f"rollback{attempt}-") and restored is not None:
+            break
+        reformed = group.reform("lost")
+        if not reformed.lost and error is not None:
+            raise error
+    restored.last_logged_step = max(restored.last_logged_step, progress.last_logged_step)
+    restored.last_logged_val_step = max(restored.last_logged_val_step, progress.last_logged_val_step)
+    restored.best_val_loss = progress.best_val_loss  # (the best tags name checkpoints that exist)
+    log.warning("live recovery: rolled back to step %d on %d live replicas; no process restarted", restored.step,
+                group.size)  # fmt: skip
+    return restored
+
+
+def _load_newest(
+    t: Training, group: LiveGroup, job: JobSpec, backend: Any, plan: WorkerPlan, checkpoints: LiveCheckpoints
+) -> Progress:
+    """The newest committed checkpoint's state in ``t`` (a collective over the live group), or the run's first state
+    rebuilt from its seed when none is committed yet; its progress."""
     t.checkpoints = checkpoints.of(group)
     checkpointer = Checkpointer(job, backend, plan.schedule, rank=group.rank, world_size=group.size)
     start = checkpointer.find()
@@ -277,14 +313,37 @@ def _rollback(
         t.optimizer.load_state_dict(fresh.optimizer.state_dict())
         t.scheduler.load_state_dict(fresh.scheduler.state_dict())
     checkpointer.restore(t, start)
-    restored = start.progress
-    restored.last_logged_step = max(restored.last_logged_step, progress.last_logged_step)
-    restored.last_logged_val_step = max(restored.last_logged_val_step, progress.last_logged_val_step)
-    log.warning(
-        "live recovery: rolled back to step %d (%s) on %d live replicas; no process restarted",
-        restored.step, start.location, group.size,
-    )  # fmt: skip
-    return restored
+    return start.progress
+
+
+#: Where a newcomer's state carries the members' non-finite guard (the steps in a row, the job's rollbacks), so that
+#: every replica decides alike from its first step.
+GUARD_KEY = "_guard"
+
+
+def _guard_state(guard: NonFiniteGuard) -> dict[str, Any]:
+    return {"in_a_row": guard.in_a_row, "rollbacks": [list(r) for r in guard.rollbacks], "total": guard.total}
+
+
+def _restore_guard(guard: NonFiniteGuard, state: dict[str, Any] | None) -> None:
+    if state is not None:
+        guard.in_a_row, guard.total = int(state["in_a_row"]), int(state["total"])
+        guard.rollbacks = [(int(a), int(b)) for a, b in state["rollbacks"]]
+
+
+def _taken(shared: dict[str, Any]) -> tuple[Progress, dict[str, Any] | None]:
+    """What a newcomer received with the live state: the progress, and the members' guard (None from an older
+    sender)."""
+    shared = dict(shared)
+    guard = shared.pop(GUARD_KEY, None)
+    return Progress.from_dict(shared), guard
+
+
+def _at_full_size(job: JobSpec, rows: int) -> JobSpec:
+    """``job`` with its global batch fixed at ``rows`` (the job's at its full size): what one replica evaluates, as
+    the restart path's ranks together do at that size (``data.grad_accum`` alone would scale it down to one)."""
+    data = job.data.model_copy(update={"global_batch_size": rows, "grad_accum": None})
+    return job.model_copy(update={"data": data})
 
 
 class RankZeroLogger:
@@ -346,16 +405,7 @@ class LiveMetrics:
         if self.first and self.board is not None:
             self.first, now = False, time.time()
             self.board.first_step_done(step, now - (self.plan.started_at or now), now - self.started_at)
-        for r in reformed:
-            lost = f"lost {', '.join(r.lost)}" if r.lost else f"admitted {', '.join(r.joined)}"
-            before, after = len(r.before.members), len(r.after.members)
-            log.warning(
-                "live recovery at step %d: %s (%d -> %d replicas, %.2f s)", step, lost, before, after, r.seconds
-            )
-            if self.tracker is not None:
-                self.tracker.set_tags({"raytrn.recovery": "live", "raytrn.live_replicas": f"{before}->{after}"})
-                metrics = {"live_recovery_s": r.seconds, "replicas": float(after)}
-                self.tracker.log_metrics(metrics, step, training=False)
+        self.recovered(step, reformed)
         if not (step % job.run.log_every == 0 or step == job.run.max_steps or reformed):
             if self.board is not None:
                 self.board.reached(step)
@@ -370,16 +420,30 @@ class LiveMetrics:
             self.board.update(step, job.run.max_steps, metrics)
         progress.last_logged_step = max(progress.last_logged_step, step)
 
+    def recovered(self, step: int, reformed: list[Reformed]) -> None:
+        """Each re-formation at step ``step`` (a loss, or newcomers admitted): a line, the run's tags and metrics."""
+        for r in reformed:
+            lost = f"lost {', '.join(r.lost)}" if r.lost else f"admitted {', '.join(r.joined)}"
+            before, after = len(r.before.members), len(r.after.members)
+            log.warning(
+                "live recovery at step %d: %s (%d -> %d replicas, %.2f s)", step, lost, before, after, r.seconds
+            )
+            if self.tracker is not None:
+                self.tracker.set_tags({"raytrn.recovery": "live", "raytrn.live_replicas": f"{before}->{after}"})
+                metrics = {"live_recovery_s": r.seconds, "replicas": float(after)}
+                self.tracker.log_metrics(metrics, step, training=False)
+
 
 def _save(
     t: Training, group: LiveGroup, job: JobSpec, plan: WorkerPlan, progress: Progress, result: LiveStepResult,
-    tracker: Any, *, last: bool,
+    tracker: Any, scores: dict[str, float], *, last: bool,
 ) -> None:  # fmt: skip
     """A checkpoint by every live replica (DCP over the live group); rank 0 tags the run. Whether it counts is agreed
     like a step: a replica lost during the save breaks DCP's collectives on the others, so they re-form and go on
     without that checkpoint (the next one is due at the next interval); a save that failed with every replica
     alive fails as any save does (:class:`raytrn.checkpoint.sharded.DcpCheckpoints`)."""
-    report = {"loss": result.loss, "step": progress.step, "tokens_seen": progress.tokens_seen}
+    # (the step's validation scores too: keep_best and the best tags read them from the commit, as the restart path's)
+    report = {"loss": result.loss, **scores, "step": progress.step, "tokens_seen": progress.tokens_seen}
     saved, error, here = [], None, group.ready(progress.step, what="save")  # every replica alive at the save
     if here:
         try:

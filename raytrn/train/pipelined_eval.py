@@ -91,16 +91,19 @@ def _rows(batch: torch.Tensor | TokenBatch) -> tuple[torch.Tensor, torch.Tensor 
 
 
 def _send(pipe: Pipeline, tensors: tuple[torch.Tensor, ...], to: int) -> None:
-    """``tensors`` to pipeline rank ``to``: their header, then each (contiguous)."""
-    if len(tensors) > MAX_TENSORS or any(x.dim() > MAX_DIMS for x in tensors):
-        raise ValueError(f"a stage's output of {len(tensors)} tensors (dims {[x.dim() for x in tensors]}) to send")
+    """``tensors`` to pipeline rank ``to``: their header, then each (contiguous). What a header cannot describe is
+    sent as a header of -1 first, so that the receiver fails too instead of waiting."""
     header = torch.zeros(HEADER, dtype=torch.int64)
+    device = tensors[0].device
+    if len(tensors) > MAX_TENSORS or any(x.dim() > MAX_DIMS or x.dtype not in DTYPES for x in tensors):
+        header[0] = -1
+        torch.distributed.send(header.to(device), group=pipe.group, group_dst=to)
+        raise ValueError(f"a stage's output to send: {[(x.dtype, tuple(x.shape)) for x in tensors]}")
     header[0] = len(tensors)
     for i, x in enumerate(tensors):
         at = 1 + i * (2 + MAX_DIMS)
         header[at], header[at + 1] = DTYPES.index(x.dtype), x.dim()
         header[at + 2 : at + 2 + x.dim()] = torch.tensor(x.shape)
-    device = tensors[0].device
     torch.distributed.send(header.to(device), group=pipe.group, group_dst=to)
     for x in tensors:
         torch.distributed.send(x.detach().contiguous(), group=pipe.group, group_dst=to)
@@ -111,6 +114,8 @@ def _receive(pipe: Pipeline, source: int, device: torch.device) -> tuple[torch.T
     header = torch.zeros(HEADER, dtype=torch.int64, device=device)
     torch.distributed.recv(header, group=pipe.group, group_src=source)
     values: list[Any] = header.cpu().tolist()
+    if values[0] < 0:
+        raise ValueError(f"pipeline rank {source} could not send its stage's output (its error says what)")
     out = []
     for i in range(values[0]):
         at = 1 + i * (2 + MAX_DIMS)

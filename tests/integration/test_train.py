@@ -375,7 +375,10 @@ def test_a_diverging_run_rolls_back_once_then_stops_failed_with_every_checkpoint
     restarts = [m.step for m in client.get_metric_history(run.info.run_id, "restart_to_first_step_s")]
     assert (restarts == []) if live else (restarts != []), restarts  # live: rolled back in place, else restarted
     assert not [a for a in client.list_artifacts(run.info.run_id) if a.path == "model"]  # nothing exported
-    if live:  # every replica evaluated (dp 1 each), rank 0 logged: at eval steps, finite until the weights were not
+    if live:  # the rollback ran in place, named; every replica evaluated (dp 1 each), rank 0 logged at eval steps
+        rolled_back = run.data.tags.get("raytrn.rollback", "")
+        assert rolled_back.startswith(f"steps {first}-{last}, in place to step "), run.data.tags
+        assert int(rolled_back.rsplit(" ", 1)[1]) < last  # to a checkpoint committed before the last of them
         evaluated = client.get_metric_history(run.info.run_id, "val_loss")
         assert evaluated and all(m.step % 2 == 0 for m in evaluated), evaluated
 

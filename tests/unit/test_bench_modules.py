@@ -73,9 +73,7 @@ def test_a_run_whose_benchmarks_were_all_skipped_renders_each_as_skipped() -> No
     """`make bench` out of its time budget skips what it cannot start; the README block still renders, every row
     saying so (a skipped Trainium row once failed the whole render, after the other results had been measured)."""
     from bench.report import render
-    from bench.run import ALL
-
-    from bench.run import machine
+    from bench.run import ALL, machine
 
     report = {"date": "2026-11-29 00:00:00", "mode": "full", "machine": machine(), "load_start": [1.0], "load_end": [1.0],
               "wall_s": 60.0, "gpu": None,

@@ -6,8 +6,9 @@ Ray.
 Layouts of the 4 ranks: PP 2 x FSDP 2 under 1F1B, under interleaved 1F1B (2 stages a rank) and on packed rows with
 loss masks (document attention, the mean over the step's trained targets; in micro-batches of 1 row and of 2); PP 4
 (GPipe, no data parallelism); PP 2 x TP 2 under ZBV zero bubble (2 stages a rank in a V); the tiny Qwen3-MoE as PP 2
-x FSDP 2 (its load-balancing loss over every layer, from routing sums carried between the stages) and as PP 2 x EP 2
-(each stage's experts over its 2 ranks); PP 4 under DualPipeV (8 stages of one layer); and on a spawn of 8, PP 2 x TP 2 x FSDP 2 under interleaved 1F1B and PP 2 x HSDP (2 replicas of 2 shards) under ZBV zero
+x FSDP 2 (its load-balancing loss over every layer, from routing sums carried between the stages), as PP 2 x EP 2
+(each stage's experts over its 2 ranks) and as PP 2 x TP 2 (its experts on the TP mesh); PP 4 under DualPipeV (8
+stages of one layer); and on a spawn of 8, PP 2 x TP 2 x FSDP 2 under interleaved 1F1B and PP 2 x HSDP (2 replicas of 2 shards) under ZBV zero
 bubble (FSDP with a split weight-gradient pass; reshard_after_forward left at true). The first layout's checkpoint
 then loads into PP 4 over the same ranks and, in the test process, into one process: weights and AdamW moments
 bit-equal.
@@ -55,6 +56,7 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "pp2-tp2-zbv": (*FSDP2, "parallel.tensor_parallel_size=2", "parallel.pipeline_schedule=zbv_zero_bubble"),
     "pp2-fsdp2-moe": (*FSDP2, *MOE),
     "pp2-ep2-moe": (*FSDP2, *MOE, "parallel.expert_parallel_size=2"),
+    "pp2-tp2-moe": (*FSDP2, *MOE, "parallel.tensor_parallel_size=2"),
     "pp2-tp2-fsdp2-interleaved": (
         *FSDP2,
         "parallel.tensor_parallel_size=2",
@@ -148,25 +150,35 @@ def train(
 
 
 def nonfinite_step(t: Any, j: JobSpec, world: int, rank: int) -> dict[str, Any]:
-    """One more step whose loss the last stage makes NaN (its gradients NaN, the first stage's finite): the gradient
-    norm over every stage is NaN on every rank, so every rank skips its optimizer update (raytrn.train.guard)."""
-    from unittest import mock
-
+    """One more step whose last stage's gradients are made NaN before the clip (its head's), the first stage's left
+    finite: only the norm over every stage (summed over the pipeline's group) tells the first stage's ranks, and every
+    rank skips its optimizer update (raytrn.train.guard)."""
     from raytrn.config.sizes import data_parallel_rank, data_parallel_size
-    from raytrn.train import pipelined
 
     before = full_state(t)
-    real = pipelined.masked_loss_sum
     rows = global_batch(STEPS + 1, packed=False)
     share = len(rows) // data_parallel_size(j, world)
     mine = rows[data_parallel_rank(j, rank, world) * share :][:share]
-    with mock.patch.object(pipelined, "masked_loss_sum", lambda *a: real(*a) * float("nan")):
-        result = train_step(t, iter(mine), CpuBackend())
+    real = t.clip_and_step
+    local: list[bool] = []
+
+    def poisoned() -> torch.Tensor:
+        grads = [p.grad for n, p in t.model.named_parameters() if p.grad is not None]
+        if t.pipeline.last:
+            head = next(p for n, p in t.model.named_parameters() if n.startswith("lm_head"))
+            head.grad.mul_(float("nan"))
+        local.append(all(bool(torch.isfinite(g.to_local() if hasattr(g, "to_local") else g).all()) for g in grads))
+        t.clip_and_step = real
+        return real()
+
+    t.clip_and_step = poisoned
+    result = train_step(t, iter(mine), CpuBackend())
     after = full_state(t)
     unchanged = all(torch.equal(after["model"][k], v) for k, v in before["model"].items()) and all(
         torch.equal(after["optim"][k][m], x) for k, moments in before["optim"].items() for m, x in moments.items()
     )
-    return {"grad_norm": float(result.grad_norm), "unchanged": unchanged}
+    return {"grad_norm": float(result.grad_norm), "unchanged": unchanged, "first": t.pipeline.first,
+            "local_finite": local[0]}  # fmt: skip
 
 
 def full_state(t: Any) -> dict[str, Any]:
@@ -220,7 +232,7 @@ def _rank(rank: int, world: int, port: int, tmp: str) -> None:
                 pp4 = build_training(job(Path(tmp), *LAYOUTS["pp4-gpipe"]), CpuBackend(), world_size=world)
                 dcp.load(str(Path(tmp) / "ck"), pp4.model, pp4.optimizer, pp4.scheduler, source="test")
                 out["pp4-loaded"] = {"state": full_state(pp4), "last_epoch": pp4.scheduler.last_epoch}
-                # then a NaN loss on the last stage only: every stage skips its update
+                # then NaN gradients on the last stage only: every stage skips its update
                 out["nonfinite"] = nonfinite_step(t, j, world, rank)
         torch.save(out, Path(tmp) / f"out-{rank}.pt")
         dist.barrier()
@@ -332,10 +344,14 @@ def test_a_pipeline_trains_as_one_process_does(request: pytest.FixtureRequest, n
 def test_a_non_finite_loss_on_the_last_stage_skips_every_stages_update(
     four_ranks: tuple[Path, dict[str, Any]],
 ) -> None:
-    """The gradient norm is taken over every stage: a NaN on the last stage's loss makes every rank's norm NaN, and
-    every rank (both stages, both replicas) keeps its weights and AdamW moments bit-equal (the guard's skip)."""
+    """The gradient norm is taken over every stage: NaN gradients on the last stage make every rank's norm NaN (the
+    first stage's own are finite), and every rank (both stages, both replicas) keeps its weights and AdamW moments
+    bit-equal (the guard's skip)."""
     _, out = four_ranks
-    for record in out["nonfinite"]["by_rank"]:
+    records = out["nonfinite"]["by_rank"]
+    # the first stage's ranks held finite gradients of their own: the NaN reached them through the norm alone
+    assert [r["local_finite"] for r in records if r["first"]] == [True, True], records
+    for record in records:
         assert math.isnan(record["grad_norm"]) and record["unchanged"], record
 
 

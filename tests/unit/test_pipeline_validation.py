@@ -8,10 +8,10 @@ Each layout evaluates before any training step (before the schedule's first step
 every rank's ``val_loss`` and training loss against one process doing the same. Layouts of the 4 ranks: PP 2 x FSDP
 2 under 1F1B on plain text (6 micro-batches a data-parallel rank, more than the pipeline's 4); under interleaved
 1F1B on packed rows with loss masks and document attention, in micro-batches of 2 rows but a last one of 1; the tiny
-Qwen3-MoE as PP 2 x FSDP 2 (its validation loss the language loss alone, as one process's); PP 2 x TP 2 under
-interleaved zero bubble (every tensor-parallel copy of the last stage counts its sums, as without a pipeline); PP 2
-x FSDP 2 under ZBV zero bubble on packed rows (a V: stages 0 and 3 on one rank, the turn between 1 and 2 in the
-other).
+Qwen3-MoE as PP 2 x FSDP 2 and as PP 2 x EP 2 (its validation loss the language loss alone, as one process's); PP 2
+x TP 2 under interleaved zero bubble (every tensor-parallel copy of the last stage counts its sums, as without a
+pipeline); PP 2 x FSDP 2 under ZBV zero bubble on packed rows (a V: stages 0 and 3 on one rank, the turn between 1
+and 2 in the other).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ LAYOUTS: dict[str, tuple[tuple[str, ...], str]] = {
     "pp2-fsdp2-1f1b-text": (FSDP2, "text"),
     "pp2-fsdp2-interleaved-packed": ((*FSDP2, "parallel.pipeline_schedule=interleaved_1f1b"), "packed"),
     "pp2-fsdp2-moe": ((*FSDP2, *MOE), "text"),
+    "pp2-ep2-moe": ((*FSDP2, *MOE, "parallel.expert_parallel_size=2"), "text"),
     "pp2-tp2-interleaved-zero-bubble": (
         (*FSDP2, "parallel.tensor_parallel_size=2", "parallel.pipeline_schedule=interleaved_zero_bubble"),
         "text",

@@ -59,6 +59,8 @@ class LiveStepResult:
     recovery_s: float = 0.0
     #: What rank 0 told every member with the step (``LiveTrainer.step``'s ``shared``).
     shared: tuple[float, ...] = ()
+    #: Whether the step's loss and gradient norm were finite (else its update was skipped on every member).
+    finite: bool = True
 
 
 @dataclass
@@ -133,6 +135,7 @@ class LiveTrainer:
             joins_waiting=bool(flat[n + 1] > 0),
             recovery_s=attempt - first,
             shared=tuple(float(v) for v in flat[n + 2 :]),
+            finite=finite,
         )
 
     def admit(self, progress: dict[str, Any]) -> Reformed:
