@@ -215,9 +215,11 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                 progress.step = step
                 progress.tokens_seen += rows * job.data.seq_len
                 feed.advance(progress)
-                if group.rank == 0:
-                    lr = float(t.optimizer.param_groups[0]["lr"])
-                    reports.step_done(progress, result, list(result.reformed), time.perf_counter() - started, lr)
+                lr = float(
+                    t.optimizer.param_groups[0]["lr"]
+                )  # every replica: a new rank 0 logs what the lost one had not
+                reports.step_done(progress, result, list(result.reformed), time.perf_counter() - started, lr,
+                                  rank0=group.rank == 0)  # fmt: skip
                 try:  # every replica: the same reduced norm and loss
                     guard.check(torch.tensor(result.grad_norm if result.finite else float("nan")), step)
                 except NonFiniteError as e:  # roll back in place: the live replicas load the newest checkpoint
@@ -387,7 +389,9 @@ class RankZeroPosts:
 
 class LiveMetrics:
     """Rank 0's reports: the step's metrics at log steps (MLflow and the job's board, which the driver's progress
-    line and summary read), every re-formation when it happens, the first step's start-up time."""
+    line and summary read), every re-formation when it happens, the first step's start-up time. Every replica keeps
+    its last log step's metrics: a rank 0 lost after a step committed and before it logged it leaves that step to
+    the replica that becomes rank 0, which logs it first (the tracking actor drops a step it has already)."""
 
     def __init__(self, plan: WorkerPlan, job: JobSpec, tracker: Any, rows: int) -> None:
         self.plan, self.job, self.tracker = plan, job, tracker
@@ -397,23 +401,36 @@ class LiveMetrics:
         self.first = True
         #: The non-finite guard whose counts the log steps carry (``nonfinite_steps``, ``skipped_batches``).
         self.guard: NonFiniteGuard | None = None
+        self.was_rank0: bool | None = None  # (None: no step yet)
+        self.pending: tuple[int, dict[str, float]] | None = None  # the last log step's metrics, not logged here
 
     def step_done(
-        self, progress: Progress, result: LiveStepResult, reformed: list[Reformed], seconds: float, lr: float
-    ) -> None:
+        self, progress: Progress, result: LiveStepResult, reformed: list[Reformed], seconds: float, lr: float, *,
+        rank0: bool = True,
+    ) -> None:  # fmt: skip
         step, job = progress.step, self.job
-        if self.first and self.board is not None:
-            self.first, now = False, time.time()
-            self.board.first_step_done(step, now - (self.plan.started_at or now), now - self.started_at)
-        self.recovered(step, reformed)
-        if not (step % job.run.log_every == 0 or step == job.run.max_steps or reformed):
-            if self.board is not None:
-                self.board.reached(step)
-            return
+        became = rank0 and self.was_rank0 is False
+        self.was_rank0 = rank0
+        logging_step = step % job.run.log_every == 0 or step == job.run.max_steps or bool(reformed)
         metrics = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": lr, "step_time_s": seconds,
                    "tokens_per_s": self.tokens_per_step / max(seconds, 1e-9), "tokens_seen": float(progress.tokens_seen),
                    "world_size": float(result.replicas), "replicas": float(result.replicas),
                    "epoch": float(progress.epoch), **(self.guard.metrics() if self.guard is not None else {})}  # fmt: skip
+        if not rank0:
+            if logging_step:
+                self.pending = (step, metrics)
+            return
+        if became and self.pending is not None and self.tracker is not None and self.pending[0] < step:
+            self.tracker.log_metrics(self.pending[1], self.pending[0])  # what the lost rank 0 may not have logged
+        self.pending = None
+        if self.first and self.board is not None:
+            self.first, now = False, time.time()
+            self.board.first_step_done(step, now - (self.plan.started_at or now), now - self.started_at)
+        self.recovered(step, reformed)
+        if not logging_step:
+            if self.board is not None:
+                self.board.reached(step)
+            return
         if self.tracker is not None and step > progress.last_logged_step:
             self.tracker.log_metrics(metrics, step)
         if self.board is not None:
