@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "ledger": {**asdict(ledger), "unaccounted": ledger.unaccounted}}  # fmt: skip
         result["steps"] = [s for s, _, _ in _logged(db)]
         result["loss"] = {s: v for s, _, v in _logged(db)}
-        result["replicas"] = {s: v for s, _, v in _logged(db, "replicas")}
+        result["replicas"] = {s: v for s, _, v in _logged(db, "replicas")}  # (re-formations' values too)
+        result["trained_at"] = {s: v for s, _, v in _logged(db, "world_size")}  # the replicas each step trained at
         result["val_loss"] = {s: v for s, _, v in _logged(db, "val_loss")}
         result["traces"] = _traces(work / "trace")
         if args.no_reference:
