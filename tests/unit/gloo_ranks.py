@@ -3,10 +3,12 @@ group, and a spawn of every rank bounded in time whose processes are ended by ha
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +57,29 @@ def spawn_ranks(fn: Callable[..., None], world: int, *args: Any, deadline_s: flo
                 process.terminate()
 
 
+@contextlib.contextmanager
+def rank_records(rank: int, world: int, port: int, tmp: str) -> Iterator[dict[str, Any]]:
+    """This rank's process group for the block, and a dict of its records the block fills: saved to
+    ``tmp/out-<rank>.pt`` when the block ends (then a barrier: every rank's file is written before any leaves); the
+    group destroyed either way. :func:`spawn_records` reads them back."""
+    import torch.distributed as dist
+
+    init_gloo(rank, world, port)
+    out: dict[str, Any] = {}
+    try:
+        yield out
+        torch.save(out, Path(tmp) / f"out-{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_records(fn: Callable[..., None], world: int, tmp: Path, *, deadline_s: float) -> list[dict[str, Any]]:
+    """:func:`spawn_ranks` of ``fn(rank, world, port, tmp)``, then every rank's records (:func:`rank_records`)."""
+    spawn_ranks(fn, world, str(tmp), deadline_s=deadline_s)
+    return [torch.load(tmp / f"out-{r}.pt", weights_only=False) for r in range(world)]
+
+
 def _entered(rank: int, env: dict[str, str], fn: Callable[..., None], *args: Any) -> None:
     """A rank with the test's environment (a forked process has the server's)."""
     os.environ.clear()
@@ -77,3 +102,10 @@ def tiny_job(tmp: Any, *overrides: str, workers: int, seq: int, rows: int, name:
          f"tracking.run_name={name}", *overrides],
         resolve=False,
     )  # fmt: skip
+
+
+def tiny_pipeline_job(tmp: Any, *overrides: str, workers: int, seq: int, rows: int, name: str) -> Any:
+    """:func:`tiny_job` as the pipeline tests cut it: 4 layers, untied embeddings (the embedding and the head sit on
+    different stages), no model export."""
+    return tiny_job(tmp, "model.num_layers=4", "model.tie_word_embeddings=false", "tracking.log_model=false",
+                    *overrides, workers=workers, seq=seq, rows=rows, name=name)  # fmt: skip

@@ -27,7 +27,7 @@ from raytrn.train.build import build_training
 from raytrn.train.checks import check_spec
 from raytrn.train.evaluate import Evaluator
 from raytrn.train.step import forward, read_metrics, train_step
-from tests.unit.gloo_ranks import init_gloo, spawn_ranks, tiny_job
+from tests.unit.gloo_ranks import rank_records, spawn_records, tiny_job
 
 pytestmark = pytest.mark.unit
 
@@ -119,13 +119,9 @@ def full_state(t: Any) -> dict[str, Any]:
 
 
 def _rank(rank: int, world: int, port: int, tmp: str) -> None:
-    import torch.distributed as dist
-
     from raytrn.checkpoint import dcp
 
-    init_gloo(rank, world, port)
-    out: dict[str, Any] = {}
-    try:
+    with rank_records(rank, world, port, tmp) as out:
         for name, (overrides, rows) in LAYOUTS.items():
             j = job(Path(tmp), *overrides)
             t = build_training(j, CpuBackend(), world_size=world, rank=rank)
@@ -136,18 +132,13 @@ def _rank(rank: int, world: int, port: int, tmp: str) -> None:
                 record.update(logits_and_validation(t, j, world, rank))
                 dcp.save(dcp.training_state(t.model, t.optimizer, t.scheduler), str(Path(tmp) / "ck"))
             out[name] = record
-        torch.save(out, Path(tmp) / f"out-{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     """Every rank's record of every layout."""
     tmp = tmp_path_factory.mktemp("context")
-    spawn_ranks(_rank, WORLD, str(tmp), deadline_s=DEADLINE_S)
-    return tmp, [torch.load(tmp / f"out-{r}.pt", weights_only=False) for r in range(WORLD)]
+    return tmp, spawn_records(_rank, WORLD, tmp, deadline_s=DEADLINE_S)
 
 
 _ONE_PROCESS: dict[tuple[str, ...], tuple[dict[str, list[float]], Any]] = {}

@@ -31,7 +31,7 @@ from raytrn.tracking.export import export_hf
 from raytrn.train.build import build_training
 from raytrn.train.checks import check_spec
 from raytrn.train.step import read_metrics, train_step
-from tests.unit.gloo_ranks import init_gloo, spawn_ranks, tiny_job
+from tests.unit.gloo_ranks import rank_records, spawn_records, tiny_pipeline_job
 
 pytestmark = pytest.mark.unit
 
@@ -76,17 +76,7 @@ RANKS = {"pp2-tp2-fsdp2-interleaved": 8, "pp2-hsdp-zbv": 8}
 
 
 def job(tmp: Path, *overrides: str, workers: int = WORLD) -> JobSpec:
-    return tiny_job(
-        tmp,
-        "model.num_layers=4",
-        "model.tie_word_embeddings=false",
-        "tracking.log_model=false",
-        *overrides,
-        workers=workers,
-        seq=SEQ,
-        rows=GLOBAL_ROWS,
-        name="pipeline",
-    )
+    return tiny_pipeline_job(tmp, *overrides, workers=workers, seq=SEQ, rows=GLOBAL_ROWS, name="pipeline")
 
 
 def global_batch(step: int, packed: bool) -> list[Any]:
@@ -197,13 +187,9 @@ def full_state(t: Any) -> dict[str, Any]:
 
 def _rank(rank: int, world: int, port: int, tmp: str) -> None:
     """Every layout of ``world`` ranks in turn; each rank saves its records."""
-    import torch.distributed as dist
-
     from raytrn.checkpoint import dcp
 
-    init_gloo(rank, world, port)
-    out: dict[str, Any] = {}
-    try:
+    with rank_records(rank, world, port, tmp) as out:
         for name, overrides in LAYOUTS.items():
             if RANKS.get(name, WORLD) != world:
                 continue
@@ -234,17 +220,12 @@ def _rank(rank: int, world: int, port: int, tmp: str) -> None:
                 out["pp4-loaded"] = {"state": full_state(pp4), "last_epoch": pp4.scheduler.last_epoch}
                 # then NaN gradients on the last stage only: every stage skips its update
                 out["nonfinite"] = nonfinite_step(t, j, world, rank)
-        torch.save(out, Path(tmp) / f"out-{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def _spawn(tmp: Path, world: int) -> dict[str, Any]:
     """Each layout's record of a spawn of ``world`` ranks: the losses (every rank's), the checkpoint layout (rank
     0's), the first step's gradients and the state of the whole model (every rank's stages, merged by name)."""
-    spawn_ranks(_rank, world, str(tmp), deadline_s=DEADLINE_S)
-    ranks = [torch.load(tmp / f"out-{r}.pt", weights_only=False) for r in range(world)]
+    ranks = spawn_records(_rank, world, tmp, deadline_s=DEADLINE_S)
     merged: dict[str, Any] = {}
     if "nonfinite" in ranks[0]:
         merged["nonfinite"] = {"by_rank": [r["nonfinite"] for r in ranks]}

@@ -30,7 +30,7 @@ from raytrn.train.build import build_training
 from raytrn.train.checks import check_spec
 from raytrn.train.evaluate import Evaluator
 from raytrn.train.step import read_metrics, train_step
-from tests.unit.gloo_ranks import init_gloo, spawn_ranks, tiny_job
+from tests.unit.gloo_ranks import rank_records, spawn_records, tiny_pipeline_job
 
 pytestmark = pytest.mark.unit
 
@@ -61,17 +61,7 @@ LAYOUTS: dict[str, tuple[tuple[str, ...], str]] = {
 
 
 def job(tmp: Path, *overrides: str, workers: int = WORLD) -> JobSpec:
-    return tiny_job(
-        tmp,
-        "model.num_layers=4",
-        "model.tie_word_embeddings=false",
-        "tracking.log_model=false",
-        *overrides,
-        workers=workers,
-        seq=SEQ,
-        rows=GLOBAL_ROWS,
-        name="pipeline-validation",
-    )
+    return tiny_pipeline_job(tmp, *overrides, workers=workers, seq=SEQ, rows=GLOBAL_ROWS, name="pipeline-validation")
 
 
 def rows(seed: int, n: int, packed: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -138,27 +128,18 @@ def run(t: Any, j: JobSpec, world: int, rank: int, packed: bool) -> dict[str, li
 
 
 def _rank(rank: int, world: int, port: int, tmp: str) -> None:
-    import torch.distributed as dist
-
-    init_gloo(rank, world, port)
-    out: dict[str, Any] = {}
-    try:
+    with rank_records(rank, world, port, tmp) as out:
         for name, (overrides, kind) in LAYOUTS.items():
             j = job(Path(tmp), *overrides)
             t = build_training(j, CpuBackend(), world_size=world, rank=rank)
             assert t.pipeline is not None
             out[name] = run(t, j, world, rank, packed=kind == "packed")
-        torch.save(out, Path(tmp) / f"out-{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("pipeline-validation")
-    spawn_ranks(_rank, WORLD, str(tmp), deadline_s=DEADLINE_S)
-    return tmp, [torch.load(tmp / f"out-{r}.pt", weights_only=False) for r in range(WORLD)]
+    return tmp, spawn_records(_rank, WORLD, tmp, deadline_s=DEADLINE_S)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
