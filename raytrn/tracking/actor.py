@@ -101,7 +101,7 @@ class TrackingActor(ProgressBoard):
         #: The job's checkpoint evaluator (raytrn.evals.runner), when it has one: told of each LoggedModel
         self.evaluator: Any = None
         # What an earlier invocation of this job delivered (one read of the run), then what is queued here:
-        # the highest training step (the run's tag), each non-training metric's last step, the last value of
+        # the highest training step (the run's tag), each metric's last step, the last value of
         # the running totals, the world-size history and the checkpoints that still exist.
         self.max_step = 0
         self.world_sizes = WorldSizeHistory()
@@ -114,7 +114,7 @@ class TrackingActor(ProgressBoard):
                 self.experiment_id = run.info.experiment_id
                 self.max_step = logged_step_of(run)
                 self.world_sizes = WorldSizeHistory.parse(run.data.tags.get(WORLD_SIZE_TAG, ""))
-                self.last_steps = {m.key: m.step for m in metric_objects(run) if m.key.startswith(SYSTEM_PREFIX)}
+                self.last_steps = {m.key: m.step for m in metric_objects(run)}
                 self.last_values = {k: v for k, v in run.data.metrics.items() if k in RUNNING_TOTALS}
                 self.checkpoints = live_checkpoints(run.data.tags)
             except Exception as e:  # unreachable: start from zero (steps are then only ordered within this job)
@@ -141,6 +141,15 @@ class TrackingActor(ProgressBoard):
         else:
             for key in metrics:
                 self.last_steps[key] = max(self.last_steps.get(key, -1), step)
+
+    def log_missing(self, metrics: dict[str, float], step: int) -> None:
+        """Queue the non-training ``metrics`` this run has not logged at ``step`` yet (the others dropped): the
+        evaluation's scores, once per step however often it runs (a group restarted from an older checkpoint
+        evaluates some steps again; a replica that became the live group's rank 0 re-sends what the lost rank 0
+        may not have logged)."""
+        missing = {k: v for k, v in metrics.items() if self.last_steps.get(k, -1) < step}
+        if missing:
+            self.log_metrics(missing, step, training=False)
 
     def next_step(self, prefix: str) -> int:
         """The step after the last one of the non-training metrics named ``prefix...`` (0 when none): a
@@ -394,6 +403,9 @@ class RemoteLogger:
 
     def log_metrics(self, metrics: dict[str, float], step: int, *, training: bool = True) -> None:
         self.actor.log_metrics.remote(metrics, step, training)
+
+    def log_missing(self, metrics: dict[str, float], step: int) -> None:
+        self.actor.log_missing.remote(metrics, step)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         self.actor.set_tags.remote(tags)

@@ -136,7 +136,7 @@ class Evaluation:
         if best:
             progress.best_val_loss = scores["val_loss"]
         if self.logger is not None and step > progress.last_logged_val_step:  # (the step's training metrics first)
-            self.logger.log_metrics(scores, step, training=False)
+            self.logger.log_missing(scores, step)  # (a step evaluated again after a restart: logged once)
             if best:
                 self.logger.set_tags(best_tags(step, scores["val_loss"], checkpoint))
         progress.last_logged_val_step = max(progress.last_logged_val_step, step)

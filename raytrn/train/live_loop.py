@@ -182,8 +182,9 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                          restored=restored, group=board_group if board_group is not None else session)  # fmt: skip
     # every replica evaluates the whole validation set itself (dp 1: no collective), the live rank 0 logs
     # (at the job's global batch at its full size, as the restart path's evaluation reads it)
+    scores_logger = RankZeroLogger(tracker, group)
     evaluation = Evaluation(_at_full_size(job, rows), plan.validation, progress, dp=1, dp_rank=0,
-                            logger=RankZeroLogger(tracker, group))  # fmt: skip
+                            logger=scores_logger)  # fmt: skip
     guard = NonFiniteGuard.on_board(job, plan.board.rollbacks if plan.board is not None else None,
                                     enabled=backend.skips_nonfinite_steps)  # fmt: skip
     _restore_guard(guard, guard_state)  # a newcomer counts on from where the members are
@@ -220,6 +221,7 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                 )  # every replica: a new rank 0 logs what the lost one had not
                 reports.step_done(progress, result, list(result.reformed), time.perf_counter() - started, lr,
                                   rank0=group.rank == 0)  # fmt: skip
+                scores_logger.catch_up()
                 try:  # every replica: the same reduced norm and loss
                     guard.check(torch.tensor(result.grad_norm if result.finite else float("nan")), step)
                 except NonFiniteError as e:  # roll back in place: the live replicas load the newest checkpoint
@@ -349,17 +351,40 @@ def _at_full_size(job: JobSpec, rows: int) -> JobSpec:
 
 
 class RankZeroLogger:
-    """The evaluation's logger: the tracker's, from whichever replica is rank 0 of the live group now."""
+    """The evaluation's logger: the tracker's, from whichever replica is rank 0 of the live group now. Every other
+    replica keeps its last evaluation's scores (and best-checkpoint tags): a rank 0 lost after evaluating and before
+    its scores reached the tracking actor leaves them to the replica that becomes rank 0 (:meth:`catch_up`), which
+    sends those the run does not have yet."""
 
     def __init__(self, tracker: Any, group: LiveGroup) -> None:
         self.tracker, self.group = tracker, group
+        self.pending: tuple[int, dict[str, float], dict[str, str]] | None = None
 
-    def log_metrics(self, metrics: dict[str, float], step: int, *, training: bool = True) -> None:
-        if self.tracker is not None and self.group.rank == 0:
-            self.tracker.log_metrics(metrics, step, training=training)
+    def log_missing(self, metrics: dict[str, float], step: int) -> None:
+        if self.tracker is None:
+            return
+        if self.group.rank == 0:
+            self.tracker.log_missing(metrics, step)
+            self.pending = None
+        else:
+            self.pending = (step, metrics, {})
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        if self.tracker is not None and self.group.rank == 0:
+        if self.tracker is None:
+            return
+        if self.group.rank == 0:
+            self.tracker.set_tags(tags)
+        elif self.pending is not None:
+            self.pending[2].update(tags)
+
+    def catch_up(self) -> None:
+        """On rank 0 (after a step): the scores a lost rank 0 may not have logged, those the run does not have."""
+        if self.pending is None or self.tracker is None or self.group.rank != 0:
+            return
+        step, metrics, tags = self.pending
+        self.pending = None
+        self.tracker.log_missing(metrics, step)
+        if tags:
             self.tracker.set_tags(tags)
 
 

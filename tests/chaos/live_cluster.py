@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         result["replicas"] = {s: v for s, _, v in _logged(db, "replicas")}  # (re-formations' values too)
         result["trained_at"] = {s: v for s, _, v in _logged(db, "world_size")}  # the replicas each step trained at
         result["val_loss"] = {s: v for s, _, v in _logged(db, "val_loss")}
+        result["val_loss_steps"] = sorted(s for s, _, _ in _logged(db, "val_loss"))
         result["traces"] = _traces(work / "trace")
         if args.no_reference:
             return 0

@@ -8,7 +8,7 @@ Asserted: the survivor's process is the one that started (pids compared: none re
 1 replica right after the loss and at 3 after the return (the returning worker took its state from a live replica:
 the run's only restore is the fallback's, from storage), the goodput ledger books the recoveries as restart time,
 every step is logged exactly once, every worker read the same rows at every step as
-the uninterrupted run, and the losses (and the validation losses every 10 steps) match it: within 1e-5 up to the loss, within 1e-4 for the 30 steps after it,
+the uninterrupted run, and the losses (and the validation losses every 10 steps, each logged once) match it: within 1e-5 up to the loss, within 1e-4 for the 30 steps after it,
 within 1e-3 after that (summation order: gradients summed over 3, 2, 3 replicas instead of accumulated in one
 process, which AdamW amplifies over the steps). The seconds are asserted loosely (a shared 2-core machine); the
 bench measures them.
@@ -63,10 +63,10 @@ def test_survivors_train_on_and_the_returning_node_joins_live(live_run: dict) ->
     # re-form and skip that checkpoint; seen at stop 56)
     assert r["kill_to_next_step_s"] < 30 + 25 and r["kill_to_full_size_s"] < 120, r
     # the next step at fewer replicas after the loss (goal 5 s; bench/elastic.py measures it), 3 after the return.
-    # Bounded by the peer timeout: a removed node whose workers Ray has not killed yet (on a loaded machine it marked
-    # the node dead 38.6 s after the removal, and its workers trained 5 more steps) beat on while they wait for data
-    # they will not get, and the survivors' readiness check waits scaling.peer_timeout_s (30 s) for them (stop 56).
-    assert r["lost_to_next_step_s"] < 30 + 25, r
+    # A removed node's workers can live on until Ray marks the node dead (38.6 s after the removal once here; they
+    # trained 5 more steps, then waited for data they will not get): orphaned by their raylet, they stop beating and
+    # the survivors drop them after the heartbeat's silence, not after scaling.peer_timeout_s (30 s).
+    assert r["lost_to_next_step_s"] < 25, r
     assert r["back_to_full_size_s"] < 120, r
     # the returning and the replacing workers took the state from a live replica: the run's one restore is the
     # fallback's, after every replica died, from the newest committed checkpoint (every 20 steps): at most one
@@ -106,10 +106,9 @@ def test_losses_match_the_uninterrupted_run(live_run: dict, key: str) -> None:
     copy of the model, logged by the live rank 0) on the uninterrupted run's."""
     live = {int(s): v for s, v in live_run[key].items()}
     reference = {int(s): v for s, v in live_run[f"reference_{key}"].items()}
-    if key == "loss":  # every step: a rank 0 lost before logging its step leaves it to the next rank 0
-        assert sorted(reference) == sorted(live) and live, (sorted(live), sorted(reference))
-    else:  # a rank 0 lost right after evaluating takes that step's scores with it (not re-logged yet: stop 56)
-        assert set(live) <= set(reference) and len(live) >= len(reference) - 1, (sorted(live), sorted(reference))
+    # every step (every 10th for val_loss): a rank 0 lost before logging its step leaves it to the next rank 0
+    assert sorted(reference) == sorted(live) and live, (sorted(live), sorted(reference))
+    assert key == "loss" or live_run["val_loss_steps"] == sorted(live)  # each once
     lost = live_run["removed_at_step"]
     for step in sorted(live):
         tolerance = 1e-5 if step <= lost else 1e-4 if step <= lost + 30 else LOSS_TOLERANCE

@@ -12,6 +12,7 @@ every micro-batch trained exactly once per step, the final weights within 1e-4.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -281,3 +282,63 @@ def test_a_slow_survivor_is_waited_for_and_a_silent_member_is_not() -> None:
         g.leave()
     assert decided["a"][0] == decided["b"][0] == Generation(1, ("a", "b"), 0)
     assert 1.3 < decided["a"][1] < 10  # a waited for b (beating), not only for c's silence
+
+
+ORPHAN = """
+import sys, time
+from datetime import timedelta
+from torch.distributed import TCPStore
+from raytrn.train.live.group import LiveGroup
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30))
+LiveGroup(store, "c", dead_after_s=0.5)._beat()
+print("beating", flush=True)
+time.sleep(120)  # never at the group's collectives: a worker waiting for data from its lost node
+"""
+PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True)
+print(child.pid, child.stdout.readline().strip(), flush=True)
+time.sleep(120)  # the raylet's stand-in: SIGKILLed by the test
+"""
+
+
+def test_a_member_whose_parent_died_stops_beating_and_is_dropped_at_once() -> None:
+    """Under Ray a worker's parent is its node's raylet; a removed node's workers can live on (Ray marks the node
+    dead tens of seconds later) outside the group's collectives. Here member c (its own process, beating) never
+    comes to step 1's readiness check: while its parent lives, a waits for it (it beats); once the parent is
+    SIGKILLed, c (still alive, orphaned) stops beating and a's check aborts within a few heartbeat silences, long
+    before the 30 s collective timeout."""
+    import subprocess
+    import sys
+    import threading
+
+    from raytrn.train.live.group import Generation, LiveGroup
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, ORPHAN, str(store.port)], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    orphan = 0
+    try:
+        line = (parent.stdout.readline() if parent.stdout else "").split()
+        assert line[1:] == ["beating"], line
+        orphan = int(line[0])
+        a = LiveGroup(store, "a", timeout_s=30, dead_after_s=0.5)
+        a.generation = Generation(0, ("a", "c"))
+        verdict: list[tuple[bool, float]] = []
+        checking = threading.Thread(target=lambda: verdict.append((a.ready(1), time.monotonic())), daemon=True)
+        checking.start()
+        checking.join(3)
+        assert checking.is_alive() and not verdict  # c beats: a waits for it
+        parent.kill()
+        parent.wait(10)
+        killed = time.monotonic()
+        checking.join(20)
+        assert verdict and verdict[0][0] is False  # aborted: c is gone
+        assert verdict[0][1] - killed < 5, verdict[0][1] - killed  # not the 30 s timeout
+        os.kill(orphan, 0)  # c is alive all along (orphaned, not killed)
+    finally:
+        parent.kill()
+        if orphan:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(orphan, signal.SIGKILL)

@@ -146,6 +146,42 @@ def test_tracking_actor_drops_the_steps_a_restarted_group_repeats(tmp_path):
     assert [m.step for m in client.get_metric_history(run_id, "time_to_first_step_s")] == [6]
 
 
+def test_a_new_live_rank_0_sends_the_scores_the_lost_one_may_not_have_logged(tmp_path):
+    """Live recovery: every replica evaluates; only rank 0 logs. The scores of step 10 reached the run (rank 0 sent
+    them), step 20's did not (rank 0 lost after evaluating): the replica that becomes rank 0 sends both after its
+    next step, and the run gets step 20's once, step 10's not twice (the actor itself, the real one, no Ray)."""
+    from raytrn.tracking.actor import TrackingActor
+    from raytrn.train.live.group import Generation, LiveGroup
+    from raytrn.train.live_loop import RankZeroLogger
+
+    uri, run_id = _run(tmp_path)
+    actor = TrackingActor(uri, run_id)
+    group = LiveGroup(store=None, member="b")  # type: ignore[arg-type]  # (membership only: no store read)
+    group.generation = Generation(0, ("a", "b"))  # b is rank 1
+    logger = RankZeroLogger(actor, group)
+    actor.log_missing({"val_loss": 2.0}, 10)  # a (rank 0) logged step 10's
+    logger.log_missing({"val_loss": 2.0}, 10)  # b kept them (not rank 0)
+    logger.catch_up()  # (still not rank 0: nothing sent)
+    logger.log_missing({"val_loss": 1.5}, 20)  # a evaluated step 20 and was lost before logging
+    logger.set_tags({"best_val_step": "20"})
+    group.generation = Generation(1, ("b",))  # b is rank 0 now
+    logger.catch_up()
+    logger.catch_up()  # (once)
+    actor.log_missing({"val_loss": 2.0}, 10)  # already there: dropped
+    assert actor.close(30) == 0
+    # a later invocation of the job (a new actor) knows them too: a group restarted from an older checkpoint
+    # evaluates step 20 again, and the run keeps one row
+    again = TrackingActor(uri, run_id)
+    again.log_missing({"val_loss": 1.5}, 20)
+    again.log_missing({"val_loss": 1.25}, 30)
+    assert again.close(30) == 0
+    client = MlflowClient(uri)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "val_loss")] == [
+        (10, 2.0), (20, 1.5), (30, 1.25),
+    ]  # fmt: skip
+    assert client.get_run(run_id).data.tags["best_val_step"] == "20"
+
+
 def test_world_size_history_stays_under_mlflows_tag_limit(tmp_path):
     """Thousands of restarts: the tag keeps the newest entries and counts the rest, and a new invocation
     continues the count from the run's tag."""

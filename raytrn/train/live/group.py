@@ -14,8 +14,9 @@ What re-forms a group:
   close), and after ``timeout_s`` when a peer is frozen (SIGSTOP, a hung host). The survivors each call
   :meth:`LiveGroup.reform`: they mark their arrival at generation ``n + 1`` and wait for every other member of ``n``
   that is alive: each member's thread bumps a heartbeat counter in the store every :data:`HEARTBEAT_S`, and one whose
-  counter stands still for ``dead_after_s`` is gone (a killed process, a frozen one, a lost node); a slow survivor is
-  waited for (up to ``timeout_s``). The first to stop waiting writes the member list with the store's
+  counter stands still for ``dead_after_s`` is gone (a killed process, a frozen one, a lost node: a member whose
+  parent process dies, under Ray its node's raylet, stops beating); a slow survivor is waited for (up to
+  ``timeout_s``). The first to stop waiting writes the member list with the store's
   compare-and-set: one decision, read by all. A member that arrives after it anyway finds itself left out and joins
   as a newcomer (below), so a late survivor costs a state copy, never a split.
 * **A newcomer asks to join** (:meth:`LiveGroup.join`, a returning node's worker). Its request is a numbered store
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -324,14 +326,21 @@ class LiveGroup:
         return Generation.decode(number, self.store.compare_set(self._key(number, "members"), "", proposed.encode()))
 
     def _beat(self) -> None:
-        """Start this member's heartbeat: a daemon thread bumping its store counter every :data:`HEARTBEAT_S`."""
+        """Start this member's heartbeat: a daemon thread bumping its store counter every :data:`HEARTBEAT_S`, until
+        the member leaves or its parent process dies. Under Ray a worker's parent is its node's raylet: a node
+        whose raylet is gone is lost, but its workers live on until Ray marks the node dead (38 s once here) and
+        may be stuck outside the group's collectives (waiting for data from the lost node); a member that stops
+        beating at once is dropped by the others after ``dead_after_s``, not after ``timeout_s``."""
         if self._beating is not None:
             return
         stop = self._beating = threading.Event()
         key = f"{PREFIX}hb/{self.member}"
+        parent = os.getppid()
 
         def beat() -> None:
             while not stop.wait(HEARTBEAT_S):
+                if os.getppid() != parent:  # orphaned: under Ray its node's raylet died (the node is lost)
+                    return
                 try:
                     self.store.add(key, 1)
                 except Exception:  # the store is gone (the run ended): nothing left to tell
