@@ -29,7 +29,6 @@ from raytrn.tracking.client import mlflow_client, unreachable
 from raytrn.tracking.logger import AsyncLogger, logged_step_of
 from raytrn.tracking.mlflow_run import TrackedRun, attach, end_run
 from raytrn.tracking.models import CheckpointModels, DatasetRef
-from raytrn.tracking.neuron_monitor import PREFIX as SYSTEM_PREFIX
 
 log = logging.getLogger(__name__)
 
