@@ -55,7 +55,15 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Train failure decision hook": "ray.train.v2._internal.execution.controller:TrainController._execute_failure_decision",
     "Ray Train preemption error": "ray.train.v2.api.exceptions:PreemptionError",
     "Ray Train controller console handler": "ray.train.v2._internal.logging.logging:PlainRayHandler",
+    "Ray Train resource-request expiry": "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client:AUTOSCALING_REQUESTS_EXPIRE_TIME_S",
+    "Ray Train resource-request renewal": "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client:AUTOSCALING_REQUESTS_INTERVAL_S",
 }
+
+#: How long a hosted controller's resource request to Ray's autoscaling coordinator outlives its last renewal (a live
+#: controller renews it every 20 s; Ray's default 180 s). A controller that dies without cancelling it (its process
+#: killed: a driver, a Ray Tune trial whose sweep driver died) leaves its reservation that long, and an elastic job
+#: that starts meanwhile sees fewer workers' worth of resources than are free: it waited 131 s for them once here.
+REQUEST_EXPIRY_S = 45.0
 
 #: How long a replica group's workers have to answer before another group is replaced (a lost node's refuse at once).
 REACH_TIMEOUT_S = 5.0
@@ -296,6 +304,7 @@ def hosted_trainer(
             return [*callbacks, Events()]
 
         def _initialize_and_run_controller(self, **kwargs: Any) -> Any:
+            expire_resource_requests_after(REQUEST_EXPIRY_S)
             if make_policy is not None and "scaling_policy" in kwargs:
                 kwargs["scaling_policy"] = make_policy(self.scaling_config)
             controller = HostedController(**kwargs)
@@ -308,3 +317,17 @@ def hosted_trainer(
 
     Trainer.__name__ = Trainer.__qualname__ = f"Hosted{base.__name__}"
     return Trainer
+
+
+def expire_resource_requests_after(seconds: float) -> float:
+    """Ray Train's resource requests from this process expire ``seconds`` after their last renewal (at least two
+    renewals' time and 5 s more: a live controller's never lapses), instead of Ray's 180 s; returns the expiry set.
+
+    ``ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client.AUTOSCALING_REQUESTS_EXPIRE_TIME_S``,
+    a module constant Ray's coordinator client reads at each request; public alternative: none.
+    """
+    from ray.train.v2._internal.execution.scaling_policy import autoscaling_coordinator_client as client
+
+    expiry = max(float(seconds), 2 * float(client.AUTOSCALING_REQUESTS_INTERVAL_S) + 5)
+    client.AUTOSCALING_REQUESTS_EXPIRE_TIME_S = expiry
+    return expiry
