@@ -63,7 +63,7 @@ PRIVATE_NAMES: dict[str, str] = {
 #: controller renews it every 20 s; Ray's default 180 s). A controller that dies without cancelling it (its process
 #: killed: a driver, a Ray Tune trial whose sweep driver died) leaves its reservation that long, and an elastic job
 #: that starts meanwhile sees fewer workers' worth of resources than are free: it waited 131 s for them once here.
-REQUEST_EXPIRY_S = 45.0
+REQUEST_EXPIRY_S = 45
 
 #: How long a replica group's workers have to answer before another group is replaced (a lost node's refuse at once).
 REACH_TIMEOUT_S = 5.0
@@ -319,7 +319,7 @@ def hosted_trainer(
     return Trainer
 
 
-def expire_resource_requests_after(seconds: float) -> float:
+def expire_resource_requests_after(seconds: float) -> int:
     """Ray Train's resource requests from this process expire ``seconds`` after their last renewal (at least two
     renewals' time and 5 s more: a live controller's never lapses), instead of Ray's 180 s; returns the expiry set.
 
@@ -328,6 +328,6 @@ def expire_resource_requests_after(seconds: float) -> float:
     """
     from ray.train.v2._internal.execution.scaling_policy import autoscaling_coordinator_client as client
 
-    expiry = max(float(seconds), 2 * float(client.AUTOSCALING_REQUESTS_INTERVAL_S) + 5)
+    expiry = max(int(seconds), 2 * int(client.AUTOSCALING_REQUESTS_INTERVAL_S) + 5)
     client.AUTOSCALING_REQUESTS_EXPIRE_TIME_S = expiry
     return expiry
