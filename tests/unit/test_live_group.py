@@ -342,3 +342,47 @@ def test_a_member_whose_parent_died_stops_beating_and_is_dropped_at_once() -> No
         if orphan:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(orphan, signal.SIGKILL)
+
+
+def _blocked_member(name: str, port: int, out: str) -> None:
+    """Member a waits in a receive from b (a collective b has left: a lost peer's direct neighbour); b re-forms."""
+    import torch.distributed as dist
+
+    from raytrn.train.live.group import LiveGroup
+
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    group = LiveGroup(store, name, timeout_s=20, dead_after_s=DEAD_S)
+    group.found(["a", "b"])
+    record: dict[str, Any] = {}
+    if name == "a":
+        started = time.monotonic()
+        try:
+            dist.recv(torch.zeros(4), src=1)
+        except RuntimeError as e:
+            record["failed_after_s"], record["error"] = time.monotonic() - started, str(e).splitlines()[0]
+    else:
+        time.sleep(1.0)
+    record["members"] = list(group.reform("lost").after.members)
+    group.leave()
+    Path(out, f"{name}.json").write_text(json.dumps(record))
+
+
+def test_a_member_that_re_forms_frees_those_still_blocked_in_a_collective_with_it(tmp_path: Path) -> None:
+    """b leaves a collective a still waits in (as a survivor whose direct peer died leaves an all-reduce): b's
+    re-formation closes its connections first, so a's receive fails within a second of it, not after the 20 s
+    collective timeout, and both re-form together."""
+    import multiprocessing as mp
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_blocked_member, args=(m, store.port, str(tmp_path))) for m in "ab"]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    a, b = (json.loads((tmp_path / f"{m}.json").read_text()) for m in "ab")
+    assert "closed" in a["error"].lower() and a["failed_after_s"] < 1.0 + 5, a  # b re-formed after 1 s
+    assert a["members"] == b["members"] == ["a", "b"]

@@ -179,9 +179,15 @@ class LiveGroup:
     def reform(self, reason: str) -> Reformed:
         """Re-form after a loss (``reason="lost"``) or to admit waiting newcomers (``"joined"``); every member of the
         current generation that is alive calls it. Raises :class:`LeftOut` when the others decided without this
-        member. A member lost while the new group rendezvouses makes the next generation form (a loop)."""
+        member. A member lost while the new group rendezvouses makes the next generation form (a loop). This
+        member's process group is destroyed at once, before the wait for the others."""
         started, first = time.monotonic(), self._current()
         before, number = first, first.number
+        # This member's connections close first: a member still blocked in a collective with it fails at once
+        # instead of after timeout_s (in gloo's multi-step collectives only a lost member's direct peers see the
+        # loss; the others wait on a survivor that has left the collective: 20 s against 1 s measured)
+        if dist.is_initialized():
+            dist.destroy_process_group()
         while True:
             number += 1
             decided = self._decide(number, before, admit=reason == "joined")
