@@ -55,9 +55,14 @@ def test_hosted_trainer_drops_the_cleaner_and_datasets_callbacks_and_adds_its_ev
     assert ours == [n for n in stock if n not in compat.HOSTED_SKIPPED_CALLBACKS] + ["Events"]
 
 
-def test_a_hosted_controllers_resource_requests_expire_soon_after_their_last_renewal() -> None:
+def test_a_hosted_controllers_resource_requests_expire_soon_after_their_last_renewal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Ray's own coordinator client sends the expiry raytrn sets (its request recorded as the coordinator actor
-    would get it): 45 s, not 180 s; never below two renewals and 5 s."""
+    would get it; no Ray started: the client's ``ray.get`` hands the reply back): 45 s, not 180 s; never below two
+    renewals and 5 s."""
+    import types
+
     from ray.air.config import ScalingConfig
     from ray.train.v2._internal.execution.scaling_policy import autoscaling_coordinator_client as client
 
@@ -69,12 +74,13 @@ def test_a_hosted_controllers_resource_requests_expire_soon_after_their_last_ren
             def remote(**kwargs: object) -> None:
                 sent.append(kwargs)
 
+    monkeypatch.setattr(client, "ray", types.SimpleNamespace(get=lambda reply, timeout: reply))
     before = client.AUTOSCALING_REQUESTS_EXPIRE_TIME_S
     try:
         assert compat.controller.expire_resource_requests_after(compat.controller.REQUEST_EXPIRY_S) == 45
         requests = client.TrainAutoscalingCoordinatorClient("train-test")
         requests.__dict__["_autoscaling_coordinator"] = Coordinator()
-        requests.send_resource_request(ScalingConfig(num_workers=2), 2)  # (its ray.get of None fails: logged)
+        requests.send_resource_request(ScalingConfig(num_workers=2), 2)
         assert [r["expire_after_s"] for r in sent] == [45]
         assert compat.controller.expire_resource_requests_after(1) == 2 * client.AUTOSCALING_REQUESTS_INTERVAL_S + 5
     finally:
