@@ -115,15 +115,19 @@ def hosted_trainer(
     make_policy: Callable[[Any], Any] | None = None,
     health_check_s: float | None = None,
     skipped: tuple[str, ...] = HOSTED_SKIPPED_CALLBACKS,
+    await_lost_nodes: Callable[[list[str]], float] | None = None,
 ) -> type:
     """``base`` (a ``DataParallelTrainer``) whose ``fit()`` runs the controller in this process.
 
     ``make_policy(scaling_config)``: the scaling policy instead of the one Ray picks; ``health_check_s``: how often
     the controller polls its workers (Ray's default 2 s; ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` set by the user
     wins). A ``KeyboardInterrupt`` (Ctrl-C, SIGTERM turned into one) aborts the worker group, then propagates.
+    ``await_lost_nodes(node_ids)``: called before a failed replica group is replaced in its slots, with its workers'
+    nodes (it waits while one of them is lost but not yet marked dead by Ray, where a replacement would fail).
     """
     import asyncio
     import os
+    import time
 
     import ray
     from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
@@ -172,11 +176,35 @@ def hosted_trainer(
             # Replica groups (scaling.recovery: live): Ray 2.60 first clears the result queue of every other active
             # replica group, and one that cannot be reached fails the whole run (a ControllerError, never retried):
             # two nodes lost at once, the second not yet noticed by a poll. Such a group's workers are gone: it is
-            # shut down here, the next poll finds it failed, and it is replaced in turn.
-            for i, group in enumerate(self.get_replica_groups() or []):
+            # shut down here, the next poll finds it failed, and it is replaced in turn. First, a lost node Ray does
+            # not know dead yet is waited for: a replacement placed on it fails (a second failure for one loss).
+            groups = self.get_replica_groups() or []
+            if await_lost_nodes is not None and replica_group_index < len(groups):
+                old = groups[replica_group_index].get_workers()
+                await_lost_nodes([w.metadata.node_id for w in old])
+                self._await_bundles_rescheduled(old)
+            for i, group in enumerate(groups):
                 if i != replica_group_index and group.is_active() and not _reachable(group.get_workers()):
                     group.shutdown()
             super().replace_replica_group(replica_group_index)
+
+        def _await_bundles_rescheduled(self, old: list[Any], timeout_s: float = 30.0) -> None:
+            """Wait (bounded) until the placement-group bundles of ``old`` (a failed replica group's workers) no
+            longer name a node Ray marked dead: the GCS reschedules them a moment after the node's death, and an
+            actor placed in between goes to the dead node and fails."""
+            dead = {str(n["NodeID"]) for n in ray.nodes() if not n.get("Alive")}
+            lost = {w.metadata.node_id for w in old} & dead
+            state = self._worker_group_state
+            if not lost or state is None:
+                return
+            pg = state.placement_group_handle.placement_group
+            indices = {w.placement_group_bundle_index for w in old}
+            give_up = time.monotonic() + timeout_s
+            while time.monotonic() < give_up:
+                where = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
+                if not any(where.get(i) in lost for i in indices):
+                    return
+                time.sleep(0.2)
 
         def _init_train_context_on_workers(
             self, workers: list[Any], sync_actor: Any, train_context_args: dict[str, list[Any]]

@@ -56,7 +56,7 @@ from raytrn.train.checks import (
     embedded_ray_lacks,
     validation_set,
 )
-from raytrn.train.elastic import SizeChooser, reachable_nodes
+from raytrn.train.elastic import SizeChooser, await_lost_nodes, reachable_nodes
 from raytrn.train.entry import train_fn
 from raytrn.train.events import RunEvents, close_ledger
 from raytrn.train.plan import WorkerPlan
@@ -373,7 +373,7 @@ def _trainer(
         policy = local_fixed_scaling_policy
     trainer_class = hosted_trainer(
         DataParallelTrainer, listener=events, console=ray_train_console(), make_policy=policy,
-        health_check_s=HEALTH_CHECK_S,
+        health_check_s=HEALTH_CHECK_S, await_lost_nodes=await_lost_nodes,
     )  # fmt: skip
     return trainer_class(
         train_fn,

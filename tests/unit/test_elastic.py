@@ -37,6 +37,45 @@ def test_workers_that_need_nothing_take_the_largest_size() -> None:
     assert SizeChooser(resources={"CPU": 0.0}, sizes=(2, 4))({"a": {}}) == 4
 
 
+def test_a_lost_node_ray_still_calls_alive_is_waited_for_before_its_replacement(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``await_lost_nodes``: a node whose raylet refuses connections while Ray's node table still calls it alive is
+    waited for until the table marks it dead (here its third read), a live one (its raylet answers: a killed worker
+    process on it) not at all, a lost one Ray already knows dead not at all; the wait is bounded. ``ray.nodes`` is
+    a stand-in returning the table's entries as Ray does; the raylets are real sockets."""
+    import ray
+
+    from raytrn.train.elastic import await_lost_nodes
+
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    dead_port = closed.getsockname()[1]
+    closed.close()
+    reads = {"n": 0}
+
+    def nodes() -> list[dict]:
+        reads["n"] += 1
+        return [
+            {"NodeID": "up", "Alive": True, "NodeManagerAddress": "127.0.0.1",
+             "NodeManagerPort": listening.getsockname()[1]},
+            {"NodeID": "gone", "Alive": reads["n"] < 3, "NodeManagerAddress": "127.0.0.1", "NodeManagerPort": dead_port},
+        ]  # fmt: skip
+
+    monkeypatch.setattr(ray, "nodes", nodes)
+    try:
+        assert await_lost_nodes(["up"], poll_s=0.05) < 0.5 and reads["n"] == 1
+        assert await_lost_nodes(["gone"], poll_s=0.05) < 5 and reads["n"] == 3  # waited: two reads alive, then dead
+        assert await_lost_nodes(["gone"], poll_s=0.05) < 0.5  # (already marked dead)
+        reads["n"] = -1000  # alive for good: the bound
+        assert 0.3 <= await_lost_nodes(["gone"], timeout_s=0.3, poll_s=0.05) < 3
+    finally:
+        listening.close()
+
+
 def test_reachable_nodes_probes_the_raylet_port() -> None:
     listening = socket.socket()
     listening.bind(("127.0.0.1", 0))
