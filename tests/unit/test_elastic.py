@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import socket
+from collections.abc import Iterator
 
 import pytest
 
@@ -37,8 +38,25 @@ def test_workers_that_need_nothing_take_the_largest_size() -> None:
     assert SizeChooser(resources={"CPU": 0.0}, sizes=(2, 4))({"a": {}}) == 4
 
 
+@pytest.fixture
+def raylets() -> Iterator[tuple[int, int]]:
+    """Two raylet ports on 127.0.0.1: one listening (a live raylet), one where nothing listens any more (a refused
+    connection, like a killed raylet's)."""
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    dead_port = closed.getsockname()[1]
+    closed.close()
+    try:
+        yield listening.getsockname()[1], dead_port
+    finally:
+        listening.close()
+
+
 def test_a_lost_node_ray_still_calls_alive_is_waited_for_before_its_replacement(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, raylets: tuple[int, int]
 ) -> None:
     """``await_lost_nodes``: a node whose raylet refuses connections while Ray's node table still calls it alive is
     waited for until the table marks it dead (here its third read), a live one (its raylet answers: a killed worker
@@ -48,63 +66,34 @@ def test_a_lost_node_ray_still_calls_alive_is_waited_for_before_its_replacement(
 
     from raytrn.train.elastic import await_lost_nodes
 
-    listening = socket.socket()
-    listening.bind(("127.0.0.1", 0))
-    listening.listen()
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))
-    dead_port = closed.getsockname()[1]
-    closed.close()
+    live_port, dead_port = raylets
     reads = {"n": 0}
 
     def nodes() -> list[dict]:
         reads["n"] += 1
         return [
-            {"NodeID": "up", "Alive": True, "NodeManagerAddress": "127.0.0.1",
-             "NodeManagerPort": listening.getsockname()[1]},
+            {"NodeID": "up", "Alive": True, "NodeManagerAddress": "127.0.0.1", "NodeManagerPort": live_port},
             {"NodeID": "gone", "Alive": reads["n"] < 3, "NodeManagerAddress": "127.0.0.1", "NodeManagerPort": dead_port},
         ]  # fmt: skip
 
     monkeypatch.setattr(ray, "nodes", nodes)
-    try:
-        assert await_lost_nodes(["up"], poll_s=0.05) < 0.5 and reads["n"] == 1
-        assert await_lost_nodes(["gone"], poll_s=0.05) < 5 and reads["n"] == 3  # waited: two reads alive, then dead
-        assert await_lost_nodes(["gone"], poll_s=0.05) < 0.5  # (already marked dead)
-        reads["n"] = -1000  # alive for good: the bound
-        assert 0.3 <= await_lost_nodes(["gone"], timeout_s=0.3, poll_s=0.05) < 3
-    finally:
-        listening.close()
+    assert await_lost_nodes(["up"], poll_s=0.05) < 0.5 and reads["n"] == 1
+    assert await_lost_nodes(["gone"], poll_s=0.05) < 5 and reads["n"] == 3  # waited: two reads alive, then dead
+    assert await_lost_nodes(["gone"], poll_s=0.05) < 0.5  # (already marked dead)
+    reads["n"] = -1000  # alive for good: the bound
+    assert 0.3 <= await_lost_nodes(["gone"], timeout_s=0.3, poll_s=0.05) < 3
 
 
-def test_reachable_nodes_probes_the_raylet_port() -> None:
-    listening = socket.socket()
-    listening.bind(("127.0.0.1", 0))
-    listening.listen()
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))
-    dead_port = closed.getsockname()[1]
-    closed.close()  # nothing listens there now: a refused connection, like a killed raylet
-    try:
-        nodes = [
-            {
-                "NodeID": "up",
-                "Alive": True,
-                "NodeManagerAddress": "127.0.0.1",
-                "NodeManagerPort": listening.getsockname()[1],
-            },
-            {"NodeID": "gone", "Alive": True, "NodeManagerAddress": "127.0.0.1", "NodeManagerPort": dead_port},
-            {
-                "NodeID": "dead",
-                "Alive": False,
-                "NodeManagerAddress": "127.0.0.1",
-                "NodeManagerPort": listening.getsockname()[1],
-            },
-            {"NodeID": "odd", "Alive": True},
-        ]
-        assert reachable_nodes(nodes, timeout_s=2) == {"up"}
-        assert reachable_nodes([]) == set()
-    finally:
-        listening.close()
+def test_reachable_nodes_probes_the_raylet_port(raylets: tuple[int, int]) -> None:
+    live_port, dead_port = raylets
+    nodes = [
+        {"NodeID": "up", "Alive": True, "NodeManagerAddress": "127.0.0.1", "NodeManagerPort": live_port},
+        {"NodeID": "gone", "Alive": True, "NodeManagerAddress": "127.0.0.1", "NodeManagerPort": dead_port},
+        {"NodeID": "dead", "Alive": False, "NodeManagerAddress": "127.0.0.1", "NodeManagerPort": live_port},
+        {"NodeID": "odd", "Alive": True},
+    ]
+    assert reachable_nodes(nodes, timeout_s=2) == {"up"}
+    assert reachable_nodes([]) == set()
 
 
 # --- the Ray internals the policy relies on (raytrn/compat/) -----------------------------------------------
