@@ -363,6 +363,10 @@ def _blocked_member(name: str, port: int, out: str) -> None:
     else:
         time.sleep(1.0)
     record["members"] = list(group.reform("lost").after.members)
+    # both in the new generation before either leaves (a member that leaves at once can close its connections
+    # while the other still completes its side of the rendezvous)
+    store.set(f"entered/{name}", "1")
+    store.wait(["entered/a", "entered/b"], timedelta(seconds=30))
     group.leave()
     Path(out, f"{name}.json").write_text(json.dumps(record))
 
