@@ -216,9 +216,8 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                 progress.step = step
                 progress.tokens_seen += rows * job.data.seq_len
                 feed.advance(progress)
-                lr = float(
-                    t.optimizer.param_groups[0]["lr"]
-                )  # every replica: a new rank 0 logs what the lost one had not
+                # every replica reports: a new rank 0 logs what the lost one had not
+                lr = float(t.optimizer.param_groups[0]["lr"])
                 reports.step_done(progress, result, list(result.reformed), time.perf_counter() - started, lr,
                                   rank0=group.rank == 0)  # fmt: skip
                 scores_logger.catch_up()
@@ -426,26 +425,25 @@ class LiveMetrics:
         self.first = True
         #: The non-finite guard whose counts the log steps carry (``nonfinite_steps``, ``skipped_batches``).
         self.guard: NonFiniteGuard | None = None
-        self.was_rank0: bool | None = None  # (None: no step yet)
-        self.pending: tuple[int, dict[str, float]] | None = None  # the last log step's metrics, not logged here
+        #: The last log step's metrics while this replica is not rank 0 (sent when it becomes rank 0).
+        self.pending: tuple[int, dict[str, float]] | None = None
 
     def step_done(
         self, progress: Progress, result: LiveStepResult, reformed: list[Reformed], seconds: float, lr: float, *,
         rank0: bool = True,
     ) -> None:  # fmt: skip
         step, job = progress.step, self.job
-        became = rank0 and self.was_rank0 is False
-        self.was_rank0 = rank0
         logging_step = step % job.run.log_every == 0 or step == job.run.max_steps or bool(reformed)
         metrics = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": lr, "step_time_s": seconds,
                    "tokens_per_s": self.tokens_per_step / max(seconds, 1e-9), "tokens_seen": float(progress.tokens_seen),
                    "world_size": float(result.replicas), "replicas": float(result.replicas),
-                   "epoch": float(progress.epoch), **(self.guard.metrics() if self.guard is not None else {})}  # fmt: skip
+                   "epoch": float(progress.epoch), **(self.guard.metrics() if self.guard is not None else {}),
+                   } if logging_step else {}  # fmt: skip
         if not rank0:
             if logging_step:
                 self.pending = (step, metrics)
             return
-        if became and self.pending is not None and self.tracker is not None and self.pending[0] < step:
+        if self.pending is not None and self.tracker is not None and self.pending[0] < step:  # it just became rank 0
             self.tracker.log_metrics(self.pending[1], self.pending[0])  # what the lost rank 0 may not have logged
         self.pending = None
         if self.first and self.board is not None:
