@@ -14,21 +14,60 @@ a *session* per full start of the group (a restart begins a new live group), and
 session's group (a full start) or joins it (a replacement). ``has_replica_groups`` is a class attribute of Ray's
 public ``Backend`` that Ray does not document: set by :func:`raytrn.compat.with_replica_groups`, listed in
 :data:`raytrn.compat.PRIVATE_NAMES` (its test fails when it moves). The torch process group is formed by the workers themselves (no ``init_process_group`` here).
+
+Ray's controller runs no preemption watcher for replica groups, so this backend watches in its place: a thread polls
+Ray's draining nodes (:func:`raytrn.compat.draining_nodes`) every :data:`DRAIN_POLL_S` and sets each one's key in the
+store (:func:`draining_key`), which the replica on that node reads at its next step and leaves the live group
+(:mod:`raytrn.train.live.notice`).
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ray.train.backend import Backend as RayBackend
 
 from raytrn.backends.ray_backend import ProcessGroupConfig, warn_without_handler
-from raytrn.compat import with_replica_groups
+from raytrn.compat import draining_nodes, with_replica_groups
 
 #: The environment a live worker reads its store and place from (:func:`raytrn.train.live_loop.live_place`).
 STORE_ENV, SESSION_ENV, JOINING_ENV = "RAYTRN_LIVE_STORE", "RAYTRN_LIVE_SESSION", "RAYTRN_LIVE_JOINING"
+#: How often the driver asks Ray which nodes are draining (one GCS call).
+DRAIN_POLL_S = 1.0
+
+
+def draining_key(node_id: str) -> str:
+    """The store key (outside every session's prefix) set while Ray drains node ``node_id``."""
+    return f"live-draining/{node_id}"
+
+
+def watch_draining(
+    store: Any, alive: Callable[[], bool], poll_s: float = DRAIN_POLL_S,
+    draining: Callable[[], set[str]] = draining_nodes,
+) -> threading.Thread:  # fmt: skip
+    """Start a daemon thread that sets :func:`draining_key` in ``store`` for every node ``draining()`` names, every
+    ``poll_s``, while ``alive()``; a failed poll (Ray busy) is tried again at the next."""
+
+    def watch() -> None:
+        seen: set[str] = set()
+        while alive():
+            try:
+                for node in draining() - seen:
+                    store.set(draining_key(node), "1")
+                    seen.add(node)
+            except Exception:  # the GCS did not answer this time, or the store is closing: the next poll tries
+                pass
+            time.sleep(poll_s)
+
+    thread = threading.Thread(target=watch, name="raytrn-live-drain-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 @dataclass
@@ -71,6 +110,8 @@ class LiveGroupBackend(RayBackend):  # type: ignore[misc]
 
         host = ray.util.get_node_ip_address()
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        backend = weakref.ref(self)  # the watch ends with this backend (the trainer's) or Ray
+        watch_draining(self._store, lambda: backend() is not None and ray.is_initialized())
         return f"{host}:{self._store.port}"
 
 

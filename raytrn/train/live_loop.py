@@ -14,8 +14,10 @@ collective that a lost replica could break, the same scores at any number of rep
 the non-finite guard (a NaN/inf step's update is skipped on every replica alike; at ``run.max_nonfinite_steps`` in a
 row, ``run.on_nonfinite: rollback`` rolls back *in place*: the live replicas load the newest committed checkpoint
 and skip the diverging steps' global batches, no process restarts; once per job, as the restart path's), the final
-model. What it does not run yet: the hang watchdog, the memory tier, preemption notices; ``raytrn validate`` says
-so (a note).
+model, preemption notices (:mod:`raytrn.train.live.notice`: a replica whose node is drained or that got a SIGTERM
+trains its share of one more step and leaves; the others train on without it; when every replica has one, they
+checkpoint that step and wait for their nodes to go, as the restart path does). What it does not run yet: the hang
+watchdog, the memory tier; ``raytrn validate`` says so (a note).
 Where the time goes is measured as the restart path's loop measures it (:class:`raytrn.train.goodput.GoodputClock`):
 the attempts a lost replica aborted, the re-formations, the admissions and a rollback's load are the ledger's
 ``restart`` time, the steps trained again after a rollback its ``retrained`` time.
@@ -37,7 +39,7 @@ import ray.train
 import torch
 
 from raytrn.backends import get_backend
-from raytrn.backends.live_ray import JOINING_ENV, SESSION_ENV, STORE_ENV
+from raytrn.backends.live_ray import JOINING_ENV, SESSION_ENV, STORE_ENV, draining_key
 from raytrn.checkpoint.progress import Progress
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.checkpoint.sharded import DcpCheckpoints
@@ -57,6 +59,7 @@ from raytrn.train.evaluate import Evaluation
 from raytrn.train.goodput import GoodputClock
 from raytrn.train.guard import NonFiniteError, NonFiniteGuard
 from raytrn.train.live.group import Generation, LeftOut, LiveGroup, Reformed
+from raytrn.train.live.notice import LiveNotice
 from raytrn.train.live.step import LiveStepResult, LiveTrainer
 from raytrn.train.loss import masked_loss_sum
 from raytrn.train.metrics import tracking_logger
@@ -145,6 +148,7 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
     group = LiveGroup(
         PrefixStore(f"s{session}/", store), member, timeout_s=job.scaling.peer_timeout_s, dead_after_s=DEAD_AFTER_S
     )
+    notice = LiveNotice(store, draining_key(ray.get_runtime_context().get_node_id()))
     rows = global_batch(job, job.scaling.max_size)  # one replica a worker: the data-parallel size is the full size
     micro_batches = rows // job.data.micro_batch_size
 
@@ -190,6 +194,7 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
     _restore_guard(guard, guard_state)  # a newcomer counts on from where the members are
     reports.guard = guard
     stopped: RunStopped | None = None
+    left = False  # this replica left the live group on a preemption notice
     TRAINING.set()
     try:
         while progress.step < end:
@@ -208,7 +213,8 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
             data_wait = time.perf_counter() - started
             try:
                 asked = float(stops.stop_at(progress.step)) if group.rank == 0 else 0.0
-                result = trainer.step(step, micro_batches, MicroLosses(t, micro), shared=(asked,))
+                result = trainer.step(step, micro_batches, MicroLosses(t, micro), shared=(asked,),
+                                      leaving=notice.reason() is not None)  # fmt: skip
                 clock.stepped(step, data_wait, result.recovery_s)
                 stop_at = int(result.shared[0])
                 if 0 < stop_at < end:  # every rank: the same end (`raytrn stop`), its checkpoint as the last's
@@ -238,7 +244,9 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                     last = False
                 else:
                     last = step >= end
-                    saving = last or step % job.checkpoint.interval == 0
+                    # every replica has a notice: nobody trains on, this step's checkpoint is what the restart resumes
+                    everyone_leaves = len(result.leaving) == result.replicas and not last
+                    saving = last or step % job.checkpoint.interval == 0 or everyone_leaves
                     with clock.blocking("eval"):
                         pointer = RunDir.of(job).pointer(step) if saving else None
                         scores = evaluation.maybe_evaluate(t, backend, last=last, checkpoint=pointer)
@@ -246,6 +254,10 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                         with clock.blocking("checkpoint"):
                             t.checkpoints = checkpoints.of(group)
                             _save(t, group, job, plan, progress, result, tracker, scores, last=last)
+                if result.leaving and not last:  # after all of the above: the step is committed, logged, saved
+                    if _part(group, result, reports, clock, member, step, notice):
+                        left = True
+                        break
                 if result.joins_waiting:  # last: a newcomer joins the state every member holds after all of the above
                     with clock.blocking("recovery"):
                         admitted = trainer.admit({**asdict(progress), GUARD_KEY: _guard_state(guard)})
@@ -262,14 +274,48 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
         stopped = e
     finally:
         TRAINING.clear()
+    if left:  # its node goes away at the notice's deadline (the process with it), or the run ends first
+        group.wait_for_end()
+        return
     if stopped is not None:
         if plan.board is not None:
             plan.board.stops.stop(stopped)  # the driver ends the run FAILED with it; nothing is exported
-        group.leave()
+        _end(group)
         return
     if job.tracking.log_model and tracker is not None and t.export is not None and group.rank == 0:
         log_final_model(job, t.model, t.export, tracker)  # a whole replica: no gathers, rank 0 alone
+    _end(group)
+
+
+def _end(group: LiveGroup) -> None:
+    """The run's end on a member: rank 0 tells the replicas that left on a notice (they wait for it), then every
+    member leaves."""
+    if group.rank == 0:
+        group.finish()
     group.leave()
+
+
+def _part(
+    group: LiveGroup, result: LiveStepResult, reports: LiveMetrics, clock: GoodputClock, member: str, step: int,
+    notice: LiveNotice,
+) -> bool:  # fmt: skip
+    """After step ``step``, whose replicas ``result.leaving`` had a preemption notice: those leave the live group
+    (True here: this replica left; every replica had one: none re-forms), the others re-form without them at once
+    and train on."""
+    if len(result.leaving) == result.replicas:
+        group.leave()
+        log.warning("live recovery: every replica has a preemption notice; step %d is checkpointed, %s waits for its "
+                    "node to go (the run restarts from that checkpoint)", step, member)  # fmt: skip
+        return True
+    with clock.blocking("recovery"):
+        parted = group.part(result.leaving)
+    if parted is None:
+        log.warning("live recovery: %s left the live group after step %d (%s); the other replicas train on", member,
+                    step, notice.reason())  # fmt: skip
+        return True
+    if group.rank == 0:
+        reports.recovered(step, [parted])
+    return False
 
 
 def _rollback(
@@ -464,6 +510,8 @@ class LiveMetrics:
         """Each re-formation at step ``step`` (a loss, or newcomers admitted): a line, the run's tags and metrics."""
         for r in reformed:
             lost = f"lost {', '.join(r.lost)}" if r.lost else f"admitted {', '.join(r.joined)}"
+            if r.reason == "left":
+                lost = f"{', '.join(r.lost)} left on a preemption notice"
             before, after = len(r.before.members), len(r.after.members)
             log.warning(
                 "live recovery at step %d: %s (%d -> %d replicas, %.2f s)", step, lost, before, after, r.seconds

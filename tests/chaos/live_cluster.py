@@ -7,12 +7,15 @@ process, so the test runs it in a subprocess with a timeout and reads the JSON i
 steps: the removal of ``--lose`` nodes at once once step 5 is logged, as many new nodes once a step at the fewer
 replicas is logged (and Ray marked the lost nodes dead), a worker process
 SIGKILLed (its node stays) once a step at 3 replicas is logged, every worker process SIGKILLed at once once a step
-at 3 replicas is logged again (nothing live left: the group restarts from the newest checkpoint), and the stop
-request (``raytrn stop``) once the restarted group trains, a few steps on.
+at 3 replicas is logged again (nothing live left: the group restarts from the newest checkpoint), a preemption
+notice (``ray drain-node``, its deadline after the run's end) to a node holding a worker once the restarted group
+trains (its replica leaves at a step boundary, the other two train on), and the stop request (``raytrn stop``)
+once a step at 2 replicas is logged, a few steps on.
 
 The result: the training workers' pids before the removal, after the return and at the end; the removal's step and
 the seconds from it to the first step logged at 2 replicas; from the new node to the first step at 3; the same two
-for the kill; every logged step (each
+for the kill; for the notice, the seconds to the first step logged at 2 replicas and the pids before and after;
+every logged step (each
 exactly once?), the losses and validation losses (every 10 steps) of both runs and the replicas of the live one by step; each worker's sample trace
 (``RAYTRN_SAMPLE_TRACE``: the rows it read per step) and the reference's; the run's summary (restores, final step).
 """
@@ -23,6 +26,8 @@ import argparse
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import asdict
@@ -144,6 +149,20 @@ def main(argv: list[str] | None = None) -> int:
         wait_until(lambda: any(ts > regrouped for _, ts, _ in _logged(db)) or not thread.is_alive(), 240,
                    "a step of the restarted group")  # fmt: skip
         result["all_lost_to_next_step_s"] = round(min(ts for _, ts, _ in _logged(db) if ts > regrouped) - everyone, 2)
+        # a preemption notice to one replica's node (its deadline after the run's end): that replica trains one more
+        # step and leaves at its boundary, the other two re-form without it and train on; nothing restarts
+        workers = _actors("RayTrainWorker")
+        result["pids_before_notice"] = sorted(int(a.pid) for a in workers)
+        noticed = time.time()
+        subprocess.run(
+            [str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address, "--node-id",
+             workers[0].node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
+             "spot interruption (test)", "--deadline-remaining-seconds", "600"],
+            check=True, capture_output=True, timeout=30,
+        )  # fmt: skip
+        wait_until(lambda: at(2.0, noticed) or not thread.is_alive(), 120, "a step at 2 replicas after the notice")
+        result["notice_to_next_step_s"] = round(at(2.0, noticed)[0][1] - noticed, 2)
+        result["pids_after_notice"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
         stop_at = max(s for s, _, _ in _logged(db)) + args.tail
         request_stop("live", stop_at)
         thread.join(240)

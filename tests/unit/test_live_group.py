@@ -4,7 +4,9 @@ One scenario, its events on observed steps (the members wait at a gate the test 
 three replicas a, b, c of the tiny Llama train; c is killed (SIGKILL) before step 4: a and b re-form and redo step 4
 over all its micro-batches (3 each instead of 2); a newcomer d asks to join before step 8 and, after it, receives
 a's state (bit-equal, nothing read from storage); b is frozen (SIGSTOP) before step 10: a and d count it lost once its
-heartbeat stands still (before the all-reduce; inside one, after the collective timeout) and redo step 10. Step 6's
+heartbeat stands still (before the all-reduce; inside one, after the collective timeout) and redo step 10; d gets a
+preemption notice at step 11: it trains its share of step 11, then leaves, and a trains step 12 alone (no step
+aborted, no heartbeat waited for; d waits for the run's end, which a announces). Step 6's
 first micro-batch has a NaN loss: every replica skips that step's update (the schedule steps), as one process does.
 Every committed step is compared with one process accumulating the same 6 micro-batches: the loss within 1e-4,
 every micro-batch trained exactly once per step, the final weights within 1e-4.
@@ -33,7 +35,7 @@ pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ, MICRO, STEPS = 16, 6, 12  # 6 micro-batches of one row a step
-KILL_AT, JOIN_AFTER, FREEZE_AT = 4, 8, 10
+KILL_AT, JOIN_AFTER, FREEZE_AT, LEAVE_AT = 4, 8, 10, 11
 NAN_AT = 6  # its first micro-batch's loss is NaN: the step's update is skipped everywhere
 TIMEOUT_S, DEAD_S = 3.0, 1.0  # a frozen peer: lost after 3 s; a silent heartbeat: gone after 1 s
 DEADLINE_S = 240
@@ -98,11 +100,22 @@ def _member(name: str, port: int, founders: list[str], out: str) -> None:
         if step in (KILL_AT, JOIN_AFTER, FREEZE_AT):
             store.set(f"test/at{step}/{name}", "1")
             store.wait([f"test/go{step}"])
-        result = trainer.step(step, MICRO, micro_loss(model, step))
+        result = trainer.step(step, MICRO, micro_loss(model, step), leaving=(name, step) == ("d", LEAVE_AT))
         record = {"step": step, "loss": result.loss, "micro": [result.micro_batches.start, result.micro_batches.stop],
                   "replicas": result.replicas, "aborted": result.aborted, "at": time.monotonic(),
                   "reformed": [{"reason": r.reason, "lost": r.lost, "joined": r.joined, "seconds": r.seconds,
                                 "after": r.after.number} for r in result.reformed]}  # fmt: skip
+        record["leaving"] = list(result.leaving)
+        if result.leaving:
+            parted = group.part(result.leaving)
+            if parted is None:  # this member left: it waits for the run's end (its node going away would end it)
+                with log.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+                group.wait_for_end(poll_s=0.05)
+                (Path(out) / f"ended-{name}").write_text(str(time.monotonic()))
+                os._exit(0)
+            record["reformed"].append({"reason": parted.reason, "lost": parted.lost, "joined": parted.joined,
+                                       "seconds": parted.seconds, "after": parted.after.number})  # fmt: skip
         if result.joins_waiting:
             admitted = trainer.admit({"step": step})
             record["reformed"].append({"reason": admitted.reason, "lost": admitted.lost, "joined": admitted.joined,
@@ -115,6 +128,9 @@ def _member(name: str, port: int, founders: list[str], out: str) -> None:
             f.write(json.dumps(record) + "\n")
         step += 1
     torch.save(model.state_dict(), Path(out) / f"final-{name}.pt")
+    if group.rank == 0:
+        (Path(out) / f"finished-{name}").write_text(str(time.monotonic()))
+        group.finish()
     group.leave()
     os._exit(0)
 
@@ -197,13 +213,12 @@ def test_survivors_and_a_newcomer_train_as_one_process_does(scenario: tuple[Path
                 assert r["loss"] == pytest.approx(loss_sum / MICRO, abs=TOLERANCE), (step, n)
             assert r["replicas"] == len(committed), (step, n)
     assert set(logs["c"]) == {1, 2, 3}  # killed before step 4
-    assert set(logs["d"]) == set(range(JOIN_AFTER + 1, STEPS + 1))  # trained from the step after its admission
+    assert set(logs["d"]) == set(range(JOIN_AFTER + 1, LEAVE_AT + 1))  # from the step after its admission to its notice
     assert set(logs["b"]) == set(range(1, FREEZE_AT))  # frozen before step 10
     reference = model.state_dict()
-    for n in "ad":
-        final = torch.load(out / f"final-{n}.pt", weights_only=True)
-        for key, value in reference.items():
-            torch.testing.assert_close(final[key], value, rtol=TOLERANCE, atol=TOLERANCE, msg=f"{n}: {key}")
+    final = torch.load(out / "final-a.pt", weights_only=True)  # (d left after step 11)
+    for key, value in reference.items():
+        torch.testing.assert_close(final[key], value, rtol=TOLERANCE, atol=TOLERANCE, msg=key)
 
 
 def test_a_lost_replica_costs_the_step_in_flight_and_nothing_more(scenario: tuple[Path, dict[str, float]]) -> None:
@@ -223,6 +238,24 @@ def test_a_lost_replica_costs_the_step_in_flight_and_nothing_more(scenario: tupl
         waited = r["at"] - times["frozen"]
         # found by its heartbeat's silence before the all-reduce (inside one, the collective's timeout would)
         assert DEAD_S <= waited < TIMEOUT_S + DEAD_S + 10, waited
+
+
+def test_a_replica_with_a_notice_trains_its_share_then_leaves_and_nobody_waits_for_it(
+    scenario: tuple[Path, dict[str, float]],
+) -> None:
+    """d announced at step 11 that it leaves: a and d both committed step 11 (3 micro-batches each, no attempt
+    aborted), a re-formed without d at once (well within the heartbeat's silence, which it would have waited for
+    otherwise: d's process lives on), trained step 12 alone over all 6 micro-batches; d waited for the run's end."""
+    out, _ = scenario
+    a, d = records(out, "a"), records(out, "d")
+    for r in (a[LEAVE_AT], d[LEAVE_AT]):
+        assert r["leaving"] == ["d"] and r["replicas"] == 2 and r["aborted"] == 0, r
+        assert r["micro"][1] - r["micro"][0] == 3, r
+    (left,) = a[LEAVE_AT]["reformed"]
+    assert left["reason"] == "left" and left["lost"] == ["d"] and left["seconds"] < DEAD_S, left
+    assert a[LEAVE_AT + 1]["replicas"] == 1 and a[LEAVE_AT + 1]["aborted"] == 0 and a[LEAVE_AT + 1]["micro"] == [0, 6]
+    assert LEAVE_AT + 1 not in d
+    assert float((out / "ended-d").read_text()) >= float((out / "finished-a").read_text())
 
 
 def test_a_newcomer_receives_the_live_state_bit_equal(scenario: tuple[Path, dict[str, float]]) -> None:

@@ -19,6 +19,9 @@ What re-forms a group:
   ``timeout_s``). The first to stop waiting writes the member list with the store's
   compare-and-set: one decision, read by all. A member that arrives after it anyway finds itself left out and joins
   as a newcomer (below), so a late survivor costs a state copy, never a split.
+* **A member leaves** on a preemption notice (:meth:`LiveGroup.mark_leaving`, before a step's all-reduce, which
+  counts the announcements): after that step, which it trained its share of, it leaves and the others re-form
+  without it at once (:meth:`LiveGroup.part`): no step aborted, no heartbeat's silence waited for.
 * **A newcomer asks to join** (:meth:`LiveGroup.join`, a returning node's worker). Its request is a numbered store
   key; the members see the count (:meth:`LiveGroup.joins_waiting`, rank 0 reads it and the step's all-reduce tells
   the others), re-form at the same step boundary with the newcomers appended, and rank 0 broadcasts the training
@@ -88,13 +91,14 @@ class Generation:
 class Reformed:
     """A re-formation, as the MLflow run records it: why, the replicas before and after, how long it took."""
 
-    reason: str  # "lost" | "joined"
+    reason: str  # "lost" | "joined" | "left" (members left on a preemption notice, at a step boundary)
     before: Generation
     after: Generation
     seconds: float
 
     @property
     def lost(self) -> tuple[str, ...]:
+        """Members of ``before`` not in ``after``: lost, or (``reason == "left"``) left on a preemption notice."""
         return tuple(m for m in self.before.members if m not in self.after.members)
 
     @property
@@ -176,11 +180,13 @@ class LiveGroup:
         """Join requests not yet admitted (one store read; rank 0 asks and shares the answer in the step)."""
         return self.store.add(PREFIX + "joins", 0) - self._current().joins
 
-    def reform(self, reason: str) -> Reformed:
-        """Re-form after a loss (``reason="lost"``) or to admit waiting newcomers (``"joined"``); every member of the
-        current generation that is alive calls it. Raises :class:`LeftOut` when the others decided without this
-        member. A member lost while the new group rendezvouses makes the next generation form (a loop). This
-        member's process group is destroyed at once, before the wait for the others."""
+    def reform(self, reason: str, leaving: Sequence[str] = ()) -> Reformed:
+        """Re-form after a loss (``reason="lost"``), to admit waiting newcomers (``"joined"``) or without the
+        members ``leaving`` (``"left"``: they announced it in a committed step, :meth:`mark_leaving`; nobody waits
+        for them); every member of the current generation that is alive (and stays) calls it. Raises
+        :class:`LeftOut` when the others decided without this member. A member lost while the new group
+        rendezvouses makes the next generation form (a loop). This member's process group is destroyed at once,
+        before the wait for the others."""
         started, first = time.monotonic(), self._current()
         before, number = first, first.number
         # This member's connections close first: a member still blocked in a collective with it fails at once
@@ -190,7 +196,7 @@ class LiveGroup:
             dist.destroy_process_group()
         while True:
             number += 1
-            decided = self._decide(number, before, admit=reason == "joined")
+            decided = self._decide(number, before, admit=reason == "joined", leaving=leaving)
             if self.member not in decided.members:
                 self._leave()
                 raise LeftOut(f"live group: generation {number} formed without {self.member}")
@@ -209,6 +215,41 @@ class LiveGroup:
         if self._beating is not None:
             self._beating.set()
             self._beating = None
+
+    def mark_leaving(self, step: int) -> None:
+        """Announce, before step ``step``'s all-reduce, that this member leaves after the step (a preemption notice:
+        its node is drained, or it got a SIGTERM). Every member learns who from :meth:`leaving` once the step's
+        all-reduce (which counts the announcements) completed."""
+        self.store.set(self._key(self._current().number, f"leave{step}/{self.member}"), "1")
+
+    def leaving(self, step: int) -> tuple[str, ...]:
+        """The members that announced at step ``step`` that they leave (after the step's all-reduce: every
+        announcement was written before its member entered it, so every member reads the same list)."""
+        generation = self._current()
+        key = self._key(generation.number, f"leave{step}/")
+        return tuple(m for m in generation.members if self.store.check([key + m]))
+
+    def part(self, leaving: Sequence[str]) -> Reformed | None:
+        """After a committed step whose members ``leaving`` announced they leave (every member calls it): a leaving
+        member leaves the group (None); the others re-form without it at once, not after its heartbeat's silence."""
+        if self.member in leaving:
+            self.leave()
+            return None
+        return self.reform("left", leaving)
+
+    def finish(self) -> None:
+        """The run's end, for members that left and wait for it (:meth:`wait_for_end`); rank 0 calls it."""
+        self.store.set(PREFIX + "finished", "1")
+
+    def wait_for_end(self, poll_s: float = 0.5) -> None:
+        """A member that left: wait until the run ends (:meth:`finish`) or its store is gone (the driver ended)."""
+        while True:
+            try:
+                if self.store.check([PREFIX + "finished"]):
+                    return
+            except Exception:  # the store's server is gone: the run ended
+                return
+            time.sleep(poll_s)
 
     # -- collectives -------------------------------------------------------------------------------------------
 
@@ -308,10 +349,11 @@ class LiveGroup:
         key = self._key(number, "members")
         return Generation.decode(number, self.store.get(key)) if self.store.check([key]) else None
 
-    def _decide(self, number: int, before: Generation, *, admit: bool) -> Generation:
+    def _decide(self, number: int, before: Generation, *, admit: bool, leaving: Sequence[str] = ()) -> Generation:
         """Generation ``number``'s members: ``before``'s that arrived, waiting (up to ``timeout_s``) for every one
-        whose heartbeat goes on; then (``admit``: a planned re-formation) the waiting newcomers. After a loss no
-        newcomer is admitted: they are after the redone step, when every member expects them."""
+        whose heartbeat goes on, except those ``leaving``; then (``admit``: a planned re-formation) the waiting
+        newcomers. After a loss no newcomer is admitted: they are after the redone step, when every member expects
+        them."""
         self.store.set(self._key(number, f"alive/{self.member}"), "1")
         give_up = time.monotonic() + self.timeout_s
         beats = Heartbeats(self.store, self.dead_after_s)
@@ -322,7 +364,7 @@ class LiveGroup:
                 return decided
             arrived = [m for m in before.members if self.store.check([self._key(number, f"alive/{m}")])]
             now = time.monotonic()
-            waiting = [m for m in before.members if m not in arrived and not beats.silent(m, now)]
+            waiting = [m for m in before.members if m not in arrived and m not in leaving and not beats.silent(m, now)]
             if not waiting or now > give_up:
                 break
             time.sleep(_DECIDE_POLL_S)

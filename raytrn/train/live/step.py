@@ -4,8 +4,8 @@ A step's global batch is ``micro_batches`` fixed-shape micro-batches (``data.glo
 by micro-batch in the job's one global order). Replica ``i`` of ``R`` trains micro-batches
 ``[i*G//R, (i+1)*G//R)`` (:func:`share`): with 3 replicas and 12 micro-batches 4 each; with 2 left, 6 each (gradient
 accumulation: a larger share, never a new shape). Each micro-batch's mean loss is divided by ``G`` and the replicas'
-gradients are *summed* (one flat all-reduce over the live group, the step's loss and the join count riding in its
-last two slots): the same gradient as one process accumulating all ``G`` micro-batches, summed in another order, at
+gradients are *summed* (one flat all-reduce over the live group, the step's loss, the join count and the count of
+members leaving riding in its last slots): the same gradient as one process accumulating all ``G`` micro-batches, summed in another order, at
 any number of replicas.
 
 A member lost during the step (found before the all-reduce by its heartbeat, :meth:`LiveGroup.ready`; or in it,
@@ -14,7 +14,9 @@ so the survivors re-form and redo the same step over the same micro-batches with
 whose loss or gradient norm is NaN or inf (the same on every member: the gradients are reduced) moves no weight and
 no optimizer state, only the learning-rate schedule (the restart path's skip, :mod:`raytrn.train.guard`). Waiting newcomers
 (rank 0 reads the count, the all-reduce tells everyone) are admitted after a committed step and receive rank 0's
-state (:func:`raytrn.train.live.transfer.share_state`); the next step splits the batch over all of them.
+state (:func:`raytrn.train.live.transfer.share_state`); the next step splits the batch over all of them. A member
+with a preemption notice trains its share of the step it announces it in (``leaving``), then leaves
+(:meth:`LiveGroup.part`): the others re-form without it and split the next step's batch among themselves.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class LiveStepResult:
     shared: tuple[float, ...] = ()
     #: Whether the step's loss and gradient norm were finite (else its update was skipped on every member).
     finite: bool = True
+    #: Members that announced with the step that they leave after it (a preemption notice): call ``group.part``.
+    leaving: tuple[str, ...] = ()
 
 
 @dataclass
@@ -74,12 +78,15 @@ class LiveTrainer:
     grad_clip_norm: float | None = None
 
     def step(
-        self, step: int, micro_batches: int, micro_loss: MicroLoss, shared: Sequence[float] = ()
-    ) -> LiveStepResult:
+        self, step: int, micro_batches: int, micro_loss: MicroLoss, shared: Sequence[float] = (), *,
+        leaving: bool = False,
+    ) -> LiveStepResult:  # fmt: skip
         """Train step ``step`` (``micro_batches`` micro-batches; ``micro_loss(k)`` is micro-batch ``k``'s mean loss)
         until every live member commits it. ``shared``: values rank 0 tells every member with the step (a stop
-        request: they ride in the all-reduce; every rank passes as many, only rank 0's count; ``LiveStepResult.shared``). Raises
-        :class:`LeftOut` if the others re-formed without this member (it must :meth:`rejoin`)."""
+        request: they ride in the all-reduce; every rank passes as many, only rank 0's count; ``LiveStepResult.shared``).
+        ``leaving``: this member leaves after the step (a preemption notice; every member learns it from the
+        step: ``LiveStepResult.leaving``). Raises :class:`LeftOut` if the others re-formed without this member (it
+        must :meth:`rejoin`)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         reformed: list[Reformed] = []
         aborted = 0
@@ -94,10 +101,12 @@ class LiveTrainer:
                 objective, loss = got if isinstance(got, tuple) else (got, got)
                 (objective / micro_batches).backward()
                 loss_sum += loss.detach().float()
+            if leaving:  # announced before the all-reduce that counts it (every member reads the names after it)
+                self.group.mark_leaving(step)
             if self.group.rank == 0:
-                tail = torch.tensor([float(self.group.joins_waiting()), *map(float, shared)])
+                tail = torch.tensor([float(self.group.joins_waiting()), float(leaving), *map(float, shared)])
             else:
-                tail = torch.zeros(1 + len(shared))
+                tail = torch.tensor([0.0, float(leaving), *[0.0] * len(shared)])
             grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]  # an empty share: zeros
             flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss_sum.reshape(1), tail])
             ok = self.group.ready(step)  # every member here and alive, or one is gone: no collective to hang in
@@ -134,8 +143,9 @@ class LiveTrainer:
             aborted=aborted,
             joins_waiting=bool(flat[n + 1] > 0),
             recovery_s=attempt - first,
-            shared=tuple(float(v) for v in flat[n + 2 :]),
+            shared=tuple(float(v) for v in flat[n + 3 :]),
             finite=finite,
+            leaving=self.group.leaving(step) if flat[n + 2] > 0 else (),
         )
 
     def admit(self, progress: dict[str, Any]) -> Reformed:
