@@ -303,9 +303,10 @@ def _part(
     (True here: this replica left; every replica had one: none re-forms), the others re-form without them at once
     and train on."""
     if len(result.leaving) == result.replicas:
+        if group.rank == 0:  # one line for the group
+            log.warning("live recovery: every replica has a preemption notice; step %d is checkpointed, the replicas "
+                        "wait for their nodes to go (the run restarts from that checkpoint)", step)  # fmt: skip
         group.leave()
-        log.warning("live recovery: every replica has a preemption notice; step %d is checkpointed, %s waits for its "
-                    "node to go (the run restarts from that checkpoint)", step, member)  # fmt: skip
         return True
     with clock.blocking("recovery"):
         parted = group.part(result.leaving)

@@ -451,13 +451,13 @@ def _commits(storage_root: str) -> list[dict[str, Any]]:
     return out
 
 
-def _newest_commit(storage_root: str) -> int:
+def _newest_commit(storage_root: str, run_name: str = "elastic") -> int:
     """The newest committed checkpoint's step (-1: none), reading only the newest checkpoints' manifests (cheap
     enough to poll between two checkpoints)."""
     from raytrn.checkpoint import manifest
     from raytrn.checkpoint.rundir import RunDir
 
-    run = RunDir(storage_root, "elastic")
+    run = RunDir(storage_root, run_name)
     for step in sorted(run.dcp_steps(), reverse=True):
         try:
             c = manifest.read_commit(run.dcp_step(step))

@@ -6,8 +6,10 @@ Run as a program (``python -m tests.chaos.live_cluster --out result.json --datas
 process, so the test runs it in a subprocess with a timeout and reads the JSON it writes. Events come at observed
 steps: the removal of ``--lose`` nodes at once once step 5 is logged, as many new nodes once a step at the fewer
 replicas is logged (and Ray marked the lost nodes dead), a worker process
-SIGKILLed (its node stays) once a step at 3 replicas is logged, every worker process SIGKILLed at once once a step
-at 3 replicas is logged again (nothing live left: the group restarts from the newest checkpoint), a preemption
+SIGKILLed (its node stays) once a step at 3 replicas is logged, a SIGTERM to every worker process once a step
+at 3 replicas is logged again (every replica has a notice: nothing live is left, they checkpoint the step they
+stop at and wait) and, once that checkpoint is committed, every worker process SIGKILLed (their nodes going: the
+group restarts from that checkpoint), a preemption
 notice (``ray drain-node``, its deadline after the run's end) to a node holding a worker once the restarted group
 trains (its replica leaves at a step boundary, the other two train on), and the stop request (``raytrn stop``)
 once a step at 2 replicas is logged, a few steps on.
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.chaos._common import tiny_chaos_job, train_in_thread, wait_until
-from tests.chaos.elastic_cluster import _actors, _free_port, _logged
+from tests.chaos.elastic_cluster import _actors, _free_port, _logged, _newest_commit
 
 NODE = {"num_cpus": 1, "resources": {"neuron_cores": 1}}
 GLOBAL_BATCH = 48  # 6 micro-batches of 8 rows: 2 a replica at 3, 3 at 2
@@ -134,8 +136,22 @@ def main(argv: list[str] | None = None) -> int:
         wait_until(lambda: at(3.0, degraded) or not thread.is_alive(), 240, "a step at 3 replicas after the kill")
         result["kill_to_full_size_s"] = round(at(3.0, degraded)[0][1] - killed, 2)
         result["pids_end"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
-        # every replica lost at once (their processes killed): nothing live is left, the group restarts from the
-        # newest committed checkpoint, as under scaling.recovery: restart
+        # every replica gets a notice (a SIGTERM each, as a scheduler's stop): nobody is left to train on, so they
+        # checkpoint the step they stop at and wait; then their processes are killed (their nodes going): the group
+        # restarts from that checkpoint, as under scaling.recovery: restart, and trains no step again
+        ckpt, known = str(work / "ckpt"), _newest_commit(str(work / "ckpt"), "live")
+        for pid in result["pids_end"]:
+            os.kill(pid, signal.SIGTERM)
+
+        def stopped_at_a_checkpoint() -> bool:  # committed past the last one, and no step trained after it
+            newest = _newest_commit(ckpt, "live")
+            if newest <= known or newest < max(s for s, _, _ in _logged(db)):
+                return False
+            time.sleep(2.0)
+            return newest == max(s for s, _, _ in _logged(db))
+
+        wait_until(lambda: stopped_at_a_checkpoint() or not thread.is_alive(), 120, "the notices' checkpoint")
+        result["notice_checkpoint"] = _newest_commit(ckpt, "live")
         everyone = time.time()
         for pid in result["pids_end"]:
             os.kill(pid, signal.SIGKILL)
