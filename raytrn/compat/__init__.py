@@ -22,6 +22,7 @@ from raytrn.compat.controller import (
     ControllerListener,
     WorkerPlace,
     hosted_trainer,
+    is_preemption_failure,
 )
 
 #: The private names this package relies on: ``module`` or ``module:attribute.path``.
@@ -489,4 +490,5 @@ __all__ = [
     "ControllerListener",
     "WorkerPlace",
     "hosted_trainer",
+    "is_preemption_failure",
 ]

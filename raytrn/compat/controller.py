@@ -54,6 +54,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Train failure decisions": "ray.train.v2._internal.execution.failure_handling:FailureDecision",
     "Ray Train failure decision hook": "ray.train.v2._internal.execution.controller:TrainController._execute_failure_decision",
     "Ray Train preemption error": "ray.train.v2.api.exceptions:PreemptionError",
+    "Ray Train preemption budget": "ray.train.v2._internal.execution.failure_handling.default:_is_preemption_failure",
     "Ray Train controller console handler": "ray.train.v2._internal.logging.logging:PlainRayHandler",
     "Ray Train resource-request expiry": "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client:AUTOSCALING_REQUESTS_EXPIRE_TIME_S",
     "Ray Train resource-request renewal": "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client:AUTOSCALING_REQUESTS_INTERVAL_S",
@@ -105,6 +106,19 @@ class ControllerListener(Protocol):
 
     def preempting(self, ranks: list[int], deadline_ms: int | None) -> None:
         """A preemption notice covers ``ranks`` (their nodes are being drained)."""
+
+
+def is_preemption_failure(error: BaseException) -> bool:
+    """Whether Ray Train charges the failure ``error`` to ``FailureConfig.max_preemption_failures`` (unlimited by
+    default) rather than to ``max_failures``: its controller's ``PreemptionError`` (it waited out a notice), or a
+    worker group's failure in which a worker died with its node preempted (``RayActorError.preempted``: a drained
+    node taken away, e.g. a live replica's that left on the notice).
+
+    ``ray.train.v2._internal.execution.failure_handling.default._is_preemption_failure``; public alternative: none.
+    """
+    from ray.train.v2._internal.execution.failure_handling.default import _is_preemption_failure
+
+    return bool(_is_preemption_failure(error))
 
 
 def hosted_trainer(
@@ -304,7 +318,7 @@ def hosted_trainer(
         ) -> Any:
             if listener is not None and failure_decision != FailureDecision.NOOP:
                 errors = dict(getattr(training_failed_error, "worker_failures", None) or {})
-                preemption = type(training_failed_error).__name__ == "PreemptionError"
+                preemption = is_preemption_failure(training_failed_error)  # Ray's own budget: as it counts
                 listener.failure_decided(
                     failure_decision == FailureDecision.RETRY, errors, training_failed_error, preemption
                 )

@@ -74,18 +74,26 @@ class RunEvents:
                 self.ends.append(GroupEnd(time.time(), EndCause.PREEMPTION if preemption else EndCause.FAILURE))
             if not preemption:
                 self.failures += 1
-            what = self._what_failed(errors, error) if not preemption else "the preempted node's deadline passed"
+            # a preemption is Ray's wait for a notice's deadline, or (errors) a worker that died with its node
+            # preempted (a drained node taken away): Ray charges both to max_preemption_failures, not max_failures
+            if not preemption:
+                what = self._what_failed(errors, error)
+            elif errors:
+                what = f"{self._what_failed(errors, error)} (its node preempted after its notice)"
+            else:
+                what = "the preempted node's deadline passed"
+            count = (
+                "a preemption: not counted against scaling.max_failures"
+                if preemption
+                else f"failure {self.failures} of scaling.max_failures={self.max_failures}"
+            )
             if retry and self.live:
-                then = (
-                    f"the other replicas train on; its replica is replaced when capacity allows (failure "
-                    f"{self.failures} of scaling.max_failures={self.max_failures})"
-                )
+                then = f"the other replicas train on; its replica is replaced when capacity allows ({count})"
             elif retry:
-                count = f"failure {self.failures} of scaling.max_failures={self.max_failures}"
                 then = (
-                    f"restarting the group from the newest state ({count})"
-                    if not preemption
-                    else ("restarting the group without the node from the checkpoint it took")
+                    "restarting the group without the node from the checkpoint it took"
+                    if preemption and not errors
+                    else f"restarting the group from the newest state ({count})"
                 )
             else:
                 then = f"no restarts left (scaling.max_failures={self.max_failures}): the run fails"

@@ -39,6 +39,22 @@ def test_preemption_watcher_switch_is_rays() -> None:
     assert compat.resolve(compat.PRIVATE_NAMES["Ray Train preemption watcher switch"]) == compat.PREEMPTION_WATCHER_ENV
 
 
+def test_a_worker_that_died_with_its_preempted_node_is_charged_to_rays_preemption_budget() -> None:
+    """As Ray Train's failure policy counts (raytrn's driver line says which budget a failure took): a worker whose
+    node was preempted (a drained node taken away: Ray sets ``RayActorError.preempted``) is a preemption, also
+    beside other ranks' collateral errors; a plain worker death or error is not."""
+    from ray.exceptions import RayActorError
+    from ray.train.v2.api.exceptions import PreemptionError, WorkerGroupError
+    from ray.train.v2.api.preemption import PreemptionInfo
+
+    preempted, died = RayActorError(preempted=True), RayActorError()
+    assert compat.is_preemption_failure(WorkerGroupError("lost", {1: preempted, 0: RuntimeError("gloo: closed")}))
+    assert not compat.is_preemption_failure(WorkerGroupError("lost", {1: died}))
+    assert not compat.is_preemption_failure(WorkerGroupError("bug", {0: ValueError("a user's bug")}))
+    notice = PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={"n1": [1]})
+    assert compat.is_preemption_failure(PreemptionError(notice, drain_timed_out=True))
+
+
 def test_hosted_trainer_drops_the_cleaner_and_datasets_callbacks_and_adds_its_events() -> None:
     """Outside an actor the controller runs in the calling process: no placement-group cleaner (the job's placement
     group goes with its driver), no datasets callback (raytrn passes no datasets); every other stock callback stays,

@@ -86,6 +86,13 @@ def test_a_failure_under_live_recovery_ends_no_group_and_says_the_others_train_o
     restart = RunEvents(10, out=said.append, alive_nodes=lambda: None)
     restart.failure_decided(True, {}, RuntimeError("boom"), False)
     assert len(restart.ends) == 1 and "restarting the group from the newest state" in said[-1]
+    # a replica that left on a notice, its node then taken away: Ray charges the preemption budget, and so says raytrn
+    from ray.exceptions import RayActorError
+
+    live.failure_decided(True, {1: RayActorError(preempted=True)}, RuntimeError("lost"), True)
+    assert live.failures == 1 and live.ends == []
+    assert "(its node preempted after its notice); the other replicas train on" in said[-1], said[-1]
+    assert said[-1].endswith("(a preemption: not counted against scaling.max_failures)"), said[-1]
 
 
 def test_a_moe_replica_trains_the_restart_paths_objective_and_logs_the_loss_alone(tmp_path: Path) -> None:
