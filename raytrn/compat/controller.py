@@ -42,6 +42,8 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Train worker-group log paths": "ray.train.v2._internal.execution.worker_group:WorkerGroup._decorate_worker_log_file_paths",
     "Ray Train worker-group shutdown": "ray.train.v2._internal.execution.worker_group:WorkerGroup.shutdown",
     "Ray Train worker-group poll status": "ray.train.v2._internal.execution.worker_group:WorkerGroup.get_latest_poll_status",
+    "Ray Train worker-group polls": "ray.train.v2._internal.execution.worker_group:WorkerGroup._poll_workers_and_collect_errors",
+    "Ray Train worker status": "ray.train.v2._internal.execution.worker_group.poll:WorkerStatus",
     "Ray Train replica groups": "ray.train.v2._internal.execution.worker_group:WorkerGroup.get_replica_groups",
     "Ray Train replica-group replace": "ray.train.v2._internal.execution.worker_group:WorkerGroup.replace_replica_group",
     "Ray Train replica-group state": "ray.train.v2._internal.execution.worker_group.execution_group:ReplicaGroup.is_active",
@@ -129,19 +131,21 @@ def hosted_trainer(
     make_policy: Callable[[Any], Any] | None = None,
     health_check_s: float | None = None,
     skipped: tuple[str, ...] = HOSTED_SKIPPED_CALLBACKS,
-    await_lost_nodes: Callable[[list[str]], float] | None = None,
+    lost_nodes_unconfirmed: Callable[[list[str]], bool] | None = None,
+    draining: Callable[[], set[str]] = lambda: set(),
 ) -> type:
     """``base`` (a ``DataParallelTrainer``) whose ``fit()`` runs the controller in this process.
 
     ``make_policy(scaling_config)``: the scaling policy instead of the one Ray picks; ``health_check_s``: how often
     the controller polls its workers (Ray's default 2 s; ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` set by the user
     wins). A ``KeyboardInterrupt`` (Ctrl-C, SIGTERM turned into one) aborts the worker group, then propagates.
-    ``await_lost_nodes(node_ids)``: called before a failed replica group is replaced in its slots, with its workers'
-    nodes (it waits while one of them is lost but not yet marked dead by Ray, where a replacement would fail).
+    ``lost_nodes_unconfirmed(node_ids)``: whether a node of a failed replica group's workers is lost but not yet
+    marked dead by Ray (a replacement placed there would fail); with it, a failed replica group whose slots have no
+    place yet is replaced by a later poll, not in the controller's loop; ``draining()``: the nodes being drained
+    (no place for a replacement).
     """
     import asyncio
     import os
-    import time
 
     import ray
     from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
@@ -151,6 +155,7 @@ def hosted_trainer(
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
     from ray.train.v2._internal.execution.preemption import PreemptionWatcher
     from ray.train.v2._internal.execution.worker_group import WorkerGroup
+    from ray.train.v2._internal.execution.worker_group.poll import WorkerStatus
     from ray.train.v2._internal.execution.worker_group.state import WorkerGroupState
     from ray.train.v2._internal.logging.logging import PlainRayHandler
 
@@ -190,35 +195,68 @@ def hosted_trainer(
             # Replica groups (scaling.recovery: live): Ray 2.60 first clears the result queue of every other active
             # replica group, and one that cannot be reached fails the whole run (a ControllerError, never retried):
             # two nodes lost at once, the second not yet noticed by a poll. Such a group's workers are gone: it is
-            # shut down here, the next poll finds it failed, and it is replaced in turn. First, a lost node Ray does
-            # not know dead yet is waited for: a replacement placed on it fails (a second failure for one loss).
+            # shut down here, the next poll finds it failed, and it is replaced in turn. Ray's replacement then
+            # waits, in this controller's loop, until its actors start: until capacity returns, with no poll (a
+            # run whose survivors finished would not end). So a group whose slot has no place yet waits here
+            # instead (its workers reported finished, not failed), and a poll replaces it once the slot is placed.
             groups = self.get_replica_groups() or []
-            if await_lost_nodes is not None and replica_group_index < len(groups):
-                old = groups[replica_group_index].get_workers()
-                await_lost_nodes([w.metadata.node_id for w in old])
-                self._await_bundles_rescheduled(old)
             for i, group in enumerate(groups):
                 if i != replica_group_index and group.is_active() and not _reachable(group.get_workers()):
                     group.shutdown()
+            if lost_nodes_unconfirmed is not None and replica_group_index < len(groups):
+                old = groups[replica_group_index].get_workers()
+                if not self._slot_ready(old):
+                    groups[replica_group_index].shutdown()
+                    self._waiting()[replica_group_index] = old
+                    logging.getLogger(__name__).info(
+                        "replica group %d waits for capacity for its slot", replica_group_index
+                    )
+                    return
             super().replace_replica_group(replica_group_index)
 
-        def _await_bundles_rescheduled(self, old: list[Any], timeout_s: float = 30.0) -> None:
-            """Wait (bounded) until the placement-group bundles of ``old`` (a failed replica group's workers) no
-            longer name a node Ray marked dead: the GCS reschedules them a moment after the node's death, and an
-            actor placed in between goes to the dead node and fails."""
-            dead = {str(n["NodeID"]) for n in ray.nodes() if not n.get("Alive")}
-            lost = {w.metadata.node_id for w in old} & dead
+        def _waiting(self) -> dict[int, list[Any]]:
+            """Replica groups waiting for their slots (index: the failed group's workers), of this worker group."""
+            waiting: dict[int, list[Any]] | None = getattr(self, "_raytrn_waiting", None)
+            if waiting is None:
+                waiting = {}
+                self._raytrn_waiting = waiting
+            return waiting
+
+        def _slot_ready(self, old: list[Any]) -> bool:
+            """Whether the placement-group slots of ``old`` (a failed replica group's workers) can take a replacement
+            now: no node of theirs is lost while Ray still calls it alive (a replacement placed there fails when Ray
+            marks it dead: a second failure for one loss), and every slot is placed on a live node that is not
+            being drained (Ray reschedules a lost node's slots when capacity returns)."""
             state = self._worker_group_state
-            if not lost or state is None:
-                return
+            if state is None or lost_nodes_unconfirmed is None:
+                return True
+            if lost_nodes_unconfirmed([w.metadata.node_id for w in old]):
+                return False
+            usable = {str(n["NodeID"]) for n in ray.nodes() if n.get("Alive")} - draining()
             pg = state.placement_group_handle.placement_group
-            indices = {w.placement_group_bundle_index for w in old}
-            give_up = time.monotonic() + timeout_s
-            while time.monotonic() < give_up:
-                where = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
-                if not any(where.get(i) in lost for i in indices):
-                    return
-                time.sleep(0.2)
+            where = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
+            return all(where.get(w.placement_group_bundle_index) in usable for w in old)
+
+        def _poll_workers_and_collect_errors(self, timeout: float | None) -> list[Any]:
+            statuses = list(super()._poll_workers_and_collect_errors(timeout))
+            waiting = self._waiting()
+            if not waiting:
+                return statuses
+            ranks = {w.distributed_context.world_rank for old in waiting.values() for w in old}
+            others = [status for rank, status in enumerate(statuses) if rank not in ranks]
+            if others and all(status.error is not None for status in others):
+                return statuses  # every live replica failed too: Ray restarts the whole group (nothing to join)
+            for rank in ranks:
+                statuses[rank] = WorkerStatus(running=False)  # (finished: the run ends with the others)
+            for index, old in list(waiting.items()):
+                if self._slot_ready(old):
+                    del waiting[index]
+                    try:
+                        super().replace_replica_group(index)
+                    except Exception as e:  # its actors failed to start: it waits again, the next poll retries
+                        waiting[index] = old
+                        logging.getLogger(__name__).warning("replacing replica group %d failed: %s", index, e)
+            return statuses
 
         def _init_train_context_on_workers(
             self, workers: list[Any], sync_actor: Any, train_context_args: dict[str, list[Any]]

@@ -19,7 +19,6 @@ Pure apart from :func:`reachable_nodes` (sockets): the unit tests run it as it i
 from __future__ import annotations
 
 import socket
-import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -75,18 +74,14 @@ def reachable_nodes(nodes: Iterable[Mapping[str, object]], timeout_s: float = PR
     return {str(n["NodeID"]) for n, good in zip(alive, ok, strict=True) if good}
 
 
-def await_lost_nodes(node_ids: Iterable[str], *, timeout_s: float = 120.0, poll_s: float = 0.5) -> float:
-    """Wait while a node of ``node_ids`` is gone but Ray does not know it yet (the GCS still calls it alive, its
-    raylet refuses or ignores connections); return the seconds waited. A lost replica is replaced in its
-    placement-group slot: placed there before the GCS marks the node dead (after its health checks fail: 13-40 s
-    here), the replacement fails when it does, one more failure against ``scaling.max_failures`` for the same loss.
-    A node whose raylet answers (a killed worker process on a live node) is not waited for; ``timeout_s`` bounds it."""
+def lost_nodes_unconfirmed(node_ids: Iterable[str]) -> bool:
+    """Whether a node of ``node_ids`` is gone but Ray does not know it yet (the GCS still calls it alive, its raylet
+    refuses or ignores connections). A lost replica is replaced in its placement-group slot: placed there before the
+    GCS marks the node dead (after its health checks fail: 13-40 s here), the replacement fails when it does, one
+    more failure against ``scaling.max_failures`` for the same loss. A node whose raylet answers (a killed worker
+    process on a live node) is not lost; one Ray marked dead is known."""
     import ray
 
-    wanted, started = set(node_ids), time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        suspects = [n for n in ray.nodes() if n.get("NodeID") in wanted and n.get("Alive")]
-        if len(reachable_nodes(suspects)) == len(suspects):
-            break
-        time.sleep(poll_s)
-    return time.monotonic() - started
+    wanted = set(node_ids)
+    suspects = [n for n in ray.nodes() if n.get("NodeID") in wanted and n.get("Alive")]
+    return len(reachable_nodes(suspects)) != len(suspects)

@@ -95,8 +95,15 @@ class LiveCheckpoints:
     def of(self, group: LiveGroup) -> DcpCheckpoints:
         if self._made is None or self._made[0] != group.generation:
             made = DcpCheckpoints(self.job, rank=group.rank, plain_layout=True, layout=dict(self.LAYOUT))
+            if self._made is not None:  # the run's failed saves go on counting (max_consecutive_failures in a row)
+                made.failed, made.consecutive_failures = self._made[1].failed, self._made[1].consecutive_failures
             self._made = (group.generation, made)
         return self._made[1]
+
+    @property
+    def failed(self) -> int:
+        """The saves that failed so far (the ``checkpoint_failures`` metric)."""
+        return self._made[1].failed if self._made is not None else 0
 
 
 def synchronous(job: JobSpec) -> JobSpec:
@@ -192,7 +199,7 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
     guard = NonFiniteGuard.on_board(job, plan.board.rollbacks if plan.board is not None else None,
                                     enabled=backend.skips_nonfinite_steps)  # fmt: skip
     _restore_guard(guard, guard_state)  # a newcomer counts on from where the members are
-    reports.guard = guard
+    reports.guard, reports.checkpoints = guard, checkpoints
     stopped: RunStopped | None = None
     left = False  # this replica left the live group on a preemption notice
     TRAINING.set()
@@ -472,6 +479,8 @@ class LiveMetrics:
         self.first = True
         #: The non-finite guard whose counts the log steps carry (``nonfinite_steps``, ``skipped_batches``).
         self.guard: NonFiniteGuard | None = None
+        #: The checkpoints whose failed saves the log steps carry (``checkpoint_failures``).
+        self.checkpoints: LiveCheckpoints | None = None
         #: The last log step's metrics while this replica is not rank 0 (sent when it becomes rank 0).
         self.pending: tuple[int, dict[str, float]] | None = None
 
@@ -485,6 +494,7 @@ class LiveMetrics:
                    "tokens_per_s": self.tokens_per_step / max(seconds, 1e-9), "tokens_seen": float(progress.tokens_seen),
                    "world_size": float(result.replicas), "replicas": float(result.replicas),
                    "epoch": float(progress.epoch), **(self.guard.metrics() if self.guard is not None else {}),
+                   **({"checkpoint_failures": float(self.checkpoints.failed)} if self.checkpoints is not None else {}),
                    } if logging_step else {}  # fmt: skip
         if not rank0:
             if logging_step:

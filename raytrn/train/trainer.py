@@ -20,6 +20,7 @@ from raytrn.checkpoint.progress import Progress
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.compat import (
     create_data_stats_actor,
+    draining_nodes,
     elastic_scaling_policy,
     hosted_trainer,
     local_fixed_scaling_policy,
@@ -56,7 +57,7 @@ from raytrn.train.checks import (
     embedded_ray_lacks,
     validation_set,
 )
-from raytrn.train.elastic import SizeChooser, await_lost_nodes, reachable_nodes
+from raytrn.train.elastic import SizeChooser, lost_nodes_unconfirmed, reachable_nodes
 from raytrn.train.entry import train_fn
 from raytrn.train.events import RunEvents, close_ledger
 from raytrn.train.plan import WorkerPlan
@@ -373,7 +374,7 @@ def _trainer(
         policy = local_fixed_scaling_policy
     trainer_class = hosted_trainer(
         DataParallelTrainer, listener=events, console=ray_train_console(), make_policy=policy,
-        health_check_s=HEALTH_CHECK_S, await_lost_nodes=await_lost_nodes,
+        health_check_s=HEALTH_CHECK_S, lost_nodes_unconfirmed=lost_nodes_unconfirmed, draining=draining_nodes,
     )  # fmt: skip
     return trainer_class(
         train_fn,

@@ -10,9 +10,9 @@ SIGKILLed (its node stays) once a step at 3 replicas is logged, a SIGTERM to eve
 at 3 replicas is logged again (every replica has a notice: nothing live is left, they checkpoint the step they
 stop at and wait) and, once that checkpoint is committed, every worker process SIGKILLed (their nodes going: the
 group restarts from that checkpoint), a preemption
-notice (``ray drain-node``, its deadline after the run's end) to a node holding a worker once the restarted group
-trains (its replica leaves at a step boundary, the other two train on), and the stop request (``raytrn stop``)
-once a step at 2 replicas is logged, a few steps on.
+notice (``ray drain-node``) to a node holding a worker once the restarted group trains (its replica leaves at a
+step boundary, the other two train on), that node removed once a step at 2 replicas is logged (its deadline: no
+capacity returns), and the stop request (``raytrn stop``) once Ray marked it dead, a few steps on.
 
 The result: the training workers' pids before the removal, after the return and at the end; the removal's step and
 the seconds from it to the first step logged at 2 replicas; from the new node to the first step at 3; the same two
@@ -179,9 +179,18 @@ def main(argv: list[str] | None = None) -> int:
         wait_until(lambda: at(2.0, noticed) or not thread.is_alive(), 120, "a step at 2 replicas after the notice")
         result["notice_to_next_step_s"] = round(at(2.0, noticed)[0][1] - noticed, 2)
         result["pids_after_notice"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
+        # its deadline: the drained node goes (the replica that left with it): a preemption, not one of
+        # scaling.max_failures; no capacity comes back, so its replacement waits while the others train on, and the
+        # run still ends when they do (the controller keeps polling: before stop 58 it waited in the replacement)
+        drained = next(n for n in cluster.list_all_nodes() if n.node_id == workers[0].node_id)
+        cluster.remove_node(drained, allow_graceful=False)
+        wait_until(lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == drained.node_id), 120,
+                   "Ray marking the drained node dead")  # fmt: skip
+        time.sleep(3)  # a poll or two: the failure decided, the replacement waiting for capacity
         stop_at = max(s for s, _, _ in _logged(db)) + args.tail
         request_stop("live", stop_at)
         thread.join(240)
+        result["stopped_at"] = stop_at
         summary = outcome.get("summary")
         result["error"] = repr(outcome["error"]) if "error" in outcome else None
         result["summary"] = None

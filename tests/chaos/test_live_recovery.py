@@ -3,7 +3,8 @@
 removed at once mid-run, then two nodes are added back, then a worker process is killed (its node stays), then every
 worker process gets a SIGTERM (every replica has a notice: they checkpoint that step and wait) and is then killed
 (the fallback: a restart from that checkpoint), then one node gets a preemption notice
-(``ray drain-node``); the run is asked to stop a few steps later; then the same job uninterrupted on 1 worker. (The bench loses one node: bench/elastic.run_live.)
+(``ray drain-node``) and goes at its deadline, no capacity returning; the run is asked to stop a few steps later;
+then the same job uninterrupted on 1 worker. (The bench loses one node: bench/elastic.run_live.)
 
 Asserted: the survivor's process is the one that started (pids compared: none restarted), the run trains on at
 1 replica right after the loss and at 3 after the return (the returning worker took its state from a live replica:
@@ -85,6 +86,11 @@ def test_survivors_train_on_and_the_returning_node_joins_live(live_run: dict) ->
     assert r["pids_after_notice"] == r["pids_before_notice"], r
     assert r["notice_to_next_step_s"] < 15, r
     assert "left the live group after step" in r["log"] and "left on a preemption notice (3 -> 2 replicas" in r["log"]
+    # the drained node then went (its deadline) and no capacity returned: a preemption, not a failure; its replacement
+    # waited for capacity while the other two trained on and ended the run at the stop request
+    assert "(its node preempted after its notice); the other replicas train on" in r["log"], r["log"][-3000:]
+    assert "(a preemption: not counted against scaling.max_failures)" in r["log"]
+    assert r["summary"]["final_step"] >= r["stopped_at"], r["summary"]  # (a stop request past the step: at the step)
     assert "joined the live group" in r["log"]
     # each event costs one of scaling.max_failures (5 at stop 56: a replacement placed on a lost node Ray had not
     # marked dead yet failed once more), one more if the two lost nodes are seen by two polls; the notice none (its

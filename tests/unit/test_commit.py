@@ -257,6 +257,31 @@ def test_saves_failing_in_a_row_stop_the_job_at_max_consecutive_failures(tmp_pat
     assert t.checkpoints.failed == 3
 
 
+def test_a_live_groups_failed_saves_count_on_across_its_re_formations(tmp_path: Path, monkeypatch) -> None:
+    """Under scaling.recovery: live each generation of the group gets its checkpoints made anew (its rank and size
+    moved): the run's failed saves count on through them, so max_consecutive_failures in a row stops the run as on
+    the restart path (at stop 57 a re-formation started the count over), and checkpoint_failures is the run's."""
+    from types import SimpleNamespace
+
+    from raytrn.train.live.group import Generation
+    from raytrn.train.live_loop import LiveCheckpoints
+
+    j = job(tmp_path, "checkpoint.keep_last=null", "checkpoint.max_consecutive_failures=2")
+    t = trained(j)
+
+    def down(state: Any, location: str) -> Any:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(dcp, "save", down)
+    live = LiveCheckpoints(j)
+    t.checkpoints = live.of(SimpleNamespace(generation=Generation(0, ("w0", "w1")), rank=0))
+    assert save(t, j, 2) == [] and live.failed == 1
+    t.checkpoints = live.of(SimpleNamespace(generation=Generation(1, ("w0",)), rank=0))  # w1 lost: re-formed
+    with pytest.raises(RunStopped, match="the last 2 saves failed"):
+        save(t, j, 4)
+    assert live.failed == 2
+
+
 def test_a_save_that_fails_for_another_reason_than_storage_raises(tmp_path: Path, monkeypatch) -> None:
     """A lost peer (gloo's error) or a bug is not skipped as a storage hiccup: the group fails and restarts."""
     j = job(tmp_path)

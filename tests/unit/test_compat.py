@@ -126,6 +126,17 @@ def test_what_the_hosted_controller_overrides_keeps_its_signature() -> None:
     assert "ray.actor.exit_actor()" in inspect.getsource(TrainController.abort)  # why abort_here exists
     source = inspect.getsource(WorkerGroup._init_train_context_on_workers)
     assert "controller_actor=ray.get_runtime_context().current_actor" in source
+    # a replica group waiting for capacity: its ranks' statuses replaced in the polls' list, by world rank; a
+    # status without an error that is not running is a finished worker; Ray's replacement starts its actors in line
+    from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
+
+    assert list(inspect.signature(WorkerGroup._poll_workers_and_collect_errors).parameters) == ["self", "timeout"]
+    assert "worker_statuses=dict(enumerate(poll_results))" in inspect.getsource(WorkerGroup.poll_status)
+    done = WorkerGroupPollStatus({0: WorkerStatus(running=False), 1: WorkerStatus(running=False)}, {0: 0, 1: 1})
+    assert done.finished and not done.errors and not done.failing_replica_group_indices
+    assert "ray.get([actor.get_metadata.remote() for actor in actors])" in inspect.getsource(
+        WorkerGroup._create_workers
+    )
 
 
 def test_metric_objects_have_steps() -> None:
