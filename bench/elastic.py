@@ -129,7 +129,7 @@ def run_live(*, rounds: int = 2, timeout_s: float = 600) -> dict[str, Any]:
             out = Path(tmp) / f"result-{i}.json"
             proc = subprocess.run(
                 [sys.executable, "-m", "tests.chaos.live_cluster", "--out", str(out), "--dataset", str(data),
-                 "--no-reference"],
+                 "--no-reference", "--loss-only"],
                 cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
             )  # fmt: skip
             result = json.loads(out.read_text()) if out.exists() else {}

@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tail", type=int, default=5, help="steps trained after the node's return, then it stops")
     parser.add_argument("--no-reference", action="store_true", help="skip the uninterrupted run (the bench's use)")
     parser.add_argument("--lose", type=int, choices=(1, 2), default=1, help="nodes removed at once, then added back")
+    parser.add_argument("--loss-only", action="store_true", help="stop after the return (the bench's use)")
     args = parser.parse_args(argv)
 
     import ray
@@ -125,68 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         wait_until(lambda: at(3.0, added) or not thread.is_alive(), 240, "a step at 3 replicas again")
         result["back_to_full_size_s"] = round(at(3.0, added)[0][1] - added, 2)
         result["pids_after"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
-        # a worker process killed (its node stays): Ray starts its replacement at once, on that node
-        killed_pid = result["pids_after"][0]
-        result["killed_pid"] = killed_pid
-        killed = time.time()
-        os.kill(killed_pid, signal.SIGKILL)
-        wait_until(lambda: at(2.0, killed) or not thread.is_alive(), 120, "a step at 2 replicas after the kill")
-        degraded = at(2.0, killed)[0][1]
-        result["kill_to_next_step_s"] = round(degraded - killed, 2)
-        wait_until(lambda: at(3.0, degraded) or not thread.is_alive(), 240, "a step at 3 replicas after the kill")
-        result["kill_to_full_size_s"] = round(at(3.0, degraded)[0][1] - killed, 2)
-        result["pids_end"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
-        # every replica gets a notice (a SIGTERM each, as a scheduler's stop): nobody is left to train on, so they
-        # checkpoint the step they stop at and wait; then their processes are killed (their nodes going): the group
-        # restarts from that checkpoint, as under scaling.recovery: restart, and trains no step again
-        ckpt, known = str(work / "ckpt"), _newest_commit(str(work / "ckpt"), "live")
-        for pid in result["pids_end"]:
-            os.kill(pid, signal.SIGTERM)
-
-        def stopped_at_a_checkpoint() -> bool:  # committed past the last one, and no step trained after it
-            newest = _newest_commit(ckpt, "live")
-            if newest <= known or newest < max(s for s, _, _ in _logged(db)):
-                return False
-            time.sleep(2.0)
-            return newest == max(s for s, _, _ in _logged(db))
-
-        wait_until(lambda: stopped_at_a_checkpoint() or not thread.is_alive(), 120, "the notices' checkpoint")
-        result["notice_checkpoint"] = _newest_commit(ckpt, "live")
-        everyone = time.time()
-        for pid in result["pids_end"]:
-            os.kill(pid, signal.SIGKILL)
-
-        def restarted() -> bool:
-            pids = {int(a.pid) for a in _actors("RayTrainWorker")}
-            return len(pids) == 3 and not pids & set(result["pids_end"])
-
-        wait_until(lambda: restarted() or not thread.is_alive(), 240, "a restarted group after every replica died")
-        regrouped = time.time()
-        wait_until(lambda: any(ts > regrouped for _, ts, _ in _logged(db)) or not thread.is_alive(), 240,
-                   "a step of the restarted group")  # fmt: skip
-        result["all_lost_to_next_step_s"] = round(min(ts for _, ts, _ in _logged(db) if ts > regrouped) - everyone, 2)
-        # a preemption notice to one replica's node (its deadline after the run's end): that replica trains one more
-        # step and leaves at its boundary, the other two re-form without it and train on; nothing restarts
-        workers = _actors("RayTrainWorker")
-        result["pids_before_notice"] = sorted(int(a.pid) for a in workers)
-        noticed = time.time()
-        subprocess.run(
-            [str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address, "--node-id",
-             workers[0].node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
-             "spot interruption (test)", "--deadline-remaining-seconds", "600"],
-            check=True, capture_output=True, timeout=30,
-        )  # fmt: skip
-        wait_until(lambda: at(2.0, noticed) or not thread.is_alive(), 120, "a step at 2 replicas after the notice")
-        result["notice_to_next_step_s"] = round(at(2.0, noticed)[0][1] - noticed, 2)
-        result["pids_after_notice"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
-        # its deadline: the drained node goes (the replica that left with it): a preemption, not one of
-        # scaling.max_failures; no capacity comes back, so its replacement waits while the others train on, and the
-        # run still ends when they do (the controller keeps polling: before stop 58 it waited in the replacement)
-        drained = next(n for n in cluster.list_all_nodes() if n.node_id == workers[0].node_id)
-        cluster.remove_node(drained, allow_graceful=False)
-        wait_until(lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == drained.node_id), 120,
-                   "Ray marking the drained node dead")  # fmt: skip
-        time.sleep(3)  # a poll or two: the failure decided, the replacement waiting for capacity
+        if not args.loss_only:
+            _later_events(result, db, work, thread, cluster, at)
         stop_at = max(s for s, _, _ in _logged(db)) + args.tail
         request_stop("live", stop_at)
         thread.join(240)
@@ -225,6 +166,75 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
         cluster.shutdown()
     return 0
+
+
+def _later_events(result: dict[str, Any], db: Path, work: Path, thread: Any, cluster: Any, at: Any) -> None:
+    """After the loss and the return: a worker killed, every worker noticed then killed, a node drained then
+    removed with no capacity returning (the module docstring); their measures into ``result``."""
+    import ray
+
+    # a worker process killed (its node stays): Ray starts its replacement at once, on that node
+    killed_pid = result["pids_after"][0]
+    result["killed_pid"] = killed_pid
+    killed = time.time()
+    os.kill(killed_pid, signal.SIGKILL)
+    wait_until(lambda: at(2.0, killed) or not thread.is_alive(), 120, "a step at 2 replicas after the kill")
+    degraded = at(2.0, killed)[0][1]
+    result["kill_to_next_step_s"] = round(degraded - killed, 2)
+    wait_until(lambda: at(3.0, degraded) or not thread.is_alive(), 240, "a step at 3 replicas after the kill")
+    result["kill_to_full_size_s"] = round(at(3.0, degraded)[0][1] - killed, 2)
+    result["pids_end"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
+    # every replica gets a notice (a SIGTERM each, as a scheduler's stop): nobody is left to train on, so they
+    # checkpoint the step they stop at and wait; then their processes are killed (their nodes going): the group
+    # restarts from that checkpoint, as under scaling.recovery: restart, and trains no step again
+    ckpt, known = str(work / "ckpt"), _newest_commit(str(work / "ckpt"), "live")
+    for pid in result["pids_end"]:
+        os.kill(pid, signal.SIGTERM)
+
+    def stopped_at_a_checkpoint() -> bool:  # committed past the last one, and no step trained after it
+        newest = _newest_commit(ckpt, "live")
+        if newest <= known or newest < max(s for s, _, _ in _logged(db)):
+            return False
+        time.sleep(2.0)
+        return newest == max(s for s, _, _ in _logged(db))
+
+    wait_until(lambda: stopped_at_a_checkpoint() or not thread.is_alive(), 120, "the notices' checkpoint")
+    result["notice_checkpoint"] = _newest_commit(ckpt, "live")
+    everyone = time.time()
+    for pid in result["pids_end"]:
+        os.kill(pid, signal.SIGKILL)
+
+    def restarted() -> bool:
+        pids = {int(a.pid) for a in _actors("RayTrainWorker")}
+        return len(pids) == 3 and not pids & set(result["pids_end"])
+
+    wait_until(lambda: restarted() or not thread.is_alive(), 240, "a restarted group after every replica died")
+    regrouped = time.time()
+    wait_until(lambda: any(ts > regrouped for _, ts, _ in _logged(db)) or not thread.is_alive(), 240,
+               "a step of the restarted group")  # fmt: skip
+    result["all_lost_to_next_step_s"] = round(min(ts for _, ts, _ in _logged(db) if ts > regrouped) - everyone, 2)
+    # a preemption notice to one replica's node (its deadline after the run's end): that replica trains one more
+    # step and leaves at its boundary, the other two re-form without it and train on; nothing restarts
+    workers = _actors("RayTrainWorker")
+    result["pids_before_notice"] = sorted(int(a.pid) for a in workers)
+    noticed = time.time()
+    subprocess.run(
+        [str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address, "--node-id",
+         workers[0].node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
+         "spot interruption (test)", "--deadline-remaining-seconds", "600"],
+        check=True, capture_output=True, timeout=30,
+    )  # fmt: skip
+    wait_until(lambda: at(2.0, noticed) or not thread.is_alive(), 120, "a step at 2 replicas after the notice")
+    result["notice_to_next_step_s"] = round(at(2.0, noticed)[0][1] - noticed, 2)
+    result["pids_after_notice"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
+    # its deadline: the drained node goes (the replica that left with it): a preemption, not one of
+    # scaling.max_failures; no capacity comes back, so its replacement waits while the others train on, and the
+    # run still ends when they do (the controller keeps polling: before stop 58 it waited in the replacement)
+    drained = next(n for n in cluster.list_all_nodes() if n.node_id == workers[0].node_id)
+    cluster.remove_node(drained, allow_graceful=False)
+    wait_until(lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == drained.node_id), 120,
+               "Ray marking the drained node dead")  # fmt: skip
+    time.sleep(3)  # a poll or two: the failure decided, the replacement waiting for capacity
 
 
 if __name__ == "__main__":
