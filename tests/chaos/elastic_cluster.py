@@ -434,12 +434,12 @@ def _stop(run_name: str, at_step: int, timeout_s: float = 120) -> int:
             time.sleep(0.2)
 
 
-def _commits(storage_root: str) -> list[dict[str, Any]]:
+def _commits(storage_root: str, run_name: str = "elastic") -> list[dict[str, Any]]:
     """``{"step", "written_at"}`` of every committed checkpoint of the run, oldest first."""
     from raytrn.checkpoint import manifest
     from raytrn.checkpoint.rundir import RunDir
 
-    run = RunDir(storage_root, "elastic")
+    run = RunDir(storage_root, run_name)
     out = []
     for step in run.dcp_steps():
         try:

@@ -6,8 +6,9 @@ Run as a program (``python -m tests.chaos.live_cluster --out result.json --datas
 process, so the test runs it in a subprocess with a timeout and reads the JSON it writes. Events come at observed
 steps: the removal of ``--lose`` nodes at once once step 5 is logged, as many new nodes once a step at the fewer
 replicas is logged (and Ray marked the lost nodes dead), a worker process
-SIGKILLed (its node stays) once a step at 3 replicas is logged, a SIGTERM to every worker process once a step
-at 3 replicas is logged again (every replica has a notice: nothing live is left, they checkpoint the step they
+SIGKILLed (its node stays) once a step at 3 replicas is logged, with ``--s3`` the checkpoints' S3 endpoint down
+for ``--outage-s`` from three steps before a checkpoint is due, a SIGTERM to every worker process once a step at 3 replicas is
+logged again (every replica has a notice: nothing live is left, they checkpoint the step they
 stop at and wait) and, once that checkpoint is committed, every worker process SIGKILLed (their nodes going: the
 group restarts from that checkpoint), a preemption
 notice (``ray drain-node``) to a node holding a worker once the restarted group trains (its replica leaves at a
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.chaos._common import tiny_chaos_job, train_in_thread, wait_until
-from tests.chaos.elastic_cluster import _actors, _free_port, _logged, _newest_commit
+from tests.chaos.elastic_cluster import _S3, _actors, _commits, _free_port, _logged, _newest_commit
 
 NODE = {"num_cpus": 1, "resources": {"neuron_cores": 1}}
 GLOBAL_BATCH = 48  # 6 micro-batches of 8 rows: 2 a replica at 3, 3 at 2
@@ -73,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-reference", action="store_true", help="skip the uninterrupted run (the bench's use)")
     parser.add_argument("--lose", type=int, choices=(1, 2), default=1, help="nodes removed at once, then added back")
     parser.add_argument("--loss-only", action="store_true", help="stop after the return (the bench's use)")
+    parser.add_argument("--s3", action="store_true", help="checkpoints on a moto S3 server behind an outage proxy, "
+                        "cut for --outage-s seconds across a checkpoint after the kill")  # fmt: skip
+    parser.add_argument("--outage-s", type=float, default=6.0)
     args = parser.parse_args(argv)
 
     import ray
@@ -84,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True)
     db, ref_db = work / "mlflow.db", work / "reference.db"
     os.environ["RAYTRN_SAMPLE_TRACE"] = str(work / "trace")
+    s3 = _S3(work) if args.s3 else None  # before the cluster: its processes inherit the endpoint
+    ckpt = f"s3://{s3.bucket}/ckpt" if s3 else str(work / "ckpt")
     cluster = Cluster(
         initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": True, "dashboard_port": _free_port()}
     )
@@ -94,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster.wait_for_nodes(timeout=60)
         # both runs evaluate one global batch of the dataset every 10 steps (every replica the whole of it)
         evaluated = (f"data.validation={args.dataset}", "run.eval_every=10", "run.eval_batches=1")
-        job = tiny_chaos_job(Path(args.dataset), work / "ckpt", mlflow_uri=f"sqlite:///{db}", experiment="live",
+        job = tiny_chaos_job(Path(args.dataset), ckpt, mlflow_uri=f"sqlite:///{db}", experiment="live",
                              name="live", extra=(*LIVE, *COMMON, *evaluated, "run.max_steps=2000"))  # fmt: skip
         thread, outcome = train_in_thread(job)
 
@@ -127,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         result["back_to_full_size_s"] = round(at(3.0, added)[0][1] - added, 2)
         result["pids_after"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
         if not args.loss_only:
-            _later_events(result, db, work, thread, cluster, at)
+            _later_events(result, db, ckpt, work / "trace", s3, args.outage_s, thread, cluster, at)
         stop_at = max(s for s, _, _ in _logged(db)) + args.tail
         request_stop("live", stop_at)
         thread.join(240)
@@ -165,12 +171,23 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(result))
         ray.shutdown()
         cluster.shutdown()
+        if s3 is not None:
+            s3.stop()
     return 0
 
 
-def _later_events(result: dict[str, Any], db: Path, work: Path, thread: Any, cluster: Any, at: Any) -> None:
-    """After the loss and the return: a worker killed, every worker noticed then killed, a node drained then
-    removed with no capacity returning (the module docstring); their measures into ``result``."""
+def _traced_step(trace: Path) -> int:
+    """The newest step any worker has drawn its rows for (its sample trace: written as it draws them)."""
+    return max((max(steps, default=0) for steps in _traces(trace).values()), default=0)
+
+
+def _later_events(
+    result: dict[str, Any], db: Path, ckpt: str, trace: Path, s3: _S3 | None, outage_s: float, thread: Any,
+    cluster: Any, at: Any,
+) -> None:  # fmt: skip
+    """After the loss and the return: a worker killed, (``s3``) the storage down across a checkpoint, every worker
+    noticed then killed, a node drained then removed with no capacity returning (the module docstring); their
+    measures into ``result``."""
     import ray
 
     # a worker process killed (its node stays): Ray starts its replacement at once, on that node
@@ -184,10 +201,30 @@ def _later_events(result: dict[str, Any], db: Path, work: Path, thread: Any, clu
     wait_until(lambda: at(3.0, degraded) or not thread.is_alive(), 240, "a step at 3 replicas after the kill")
     result["kill_to_full_size_s"] = round(at(3.0, degraded)[0][1] - killed, 2)
     result["pids_end"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
+    if s3 is not None:
+        # S3 refuses every connection, cut three steps before a checkpoint is due (seen in the workers' sample traces:
+        # MLflow's metrics lag by seconds; not right after a commit: the commit's retention pruning then takes the
+        # outage, not a save) so that the outage covers that save: every replica's save waits for it (retried),
+        # nothing is re-formed or restarted, the checkpoint commits after it
+        known = _newest_commit(ckpt, "live")  # (then a fresh commit: the workers a few steps past it)
+        wait_until(lambda: _newest_commit(ckpt, "live") > known or not thread.is_alive(), 120, "a checkpoint")
+        base = _newest_commit(ckpt, "live")
+        wait_until(lambda: _traced_step(trace) >= base + 17 or not thread.is_alive(), 120, "3 steps before a save")
+        committed = _newest_commit(ckpt, "live")
+        s3.proxy.cut(outage_s)
+        start, end = s3.proxy.outages[-1]
+        wait_until(lambda: any(c["step"] > committed for c in _commits(ckpt, "live")) or not thread.is_alive(), 240,
+                   "the checkpoint after the outage")  # fmt: skip
+        first = min((c for c in _commits(ckpt, "live") if c["step"] > committed), key=lambda c: c["step"])
+        stepped = {s: ts for s, ts, _ in _logged(db)}
+        result["outage"] = {"committed_before": committed, "start": start, "end": end, "first_commit_after": first,
+                            "its_step_logged_at": stepped.get(first["step"]),
+                            "pids_after": sorted(int(a.pid) for a in _actors("RayTrainWorker")),
+                            "replicas": sorted({v for _, ts, v in _logged(db, "replicas") if ts >= start})}  # fmt: skip
     # every replica gets a notice (a SIGTERM each, as a scheduler's stop): nobody is left to train on, so they
     # checkpoint the step they stop at and wait; then their processes are killed (their nodes going): the group
     # restarts from that checkpoint, as under scaling.recovery: restart, and trains no step again
-    ckpt, known = str(work / "ckpt"), _newest_commit(str(work / "ckpt"), "live")
+    known = _newest_commit(ckpt, "live")
     for pid in result["pids_end"]:
         os.kill(pid, signal.SIGTERM)
 

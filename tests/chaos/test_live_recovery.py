@@ -1,6 +1,7 @@
 """Live recovery under Ray (issue 48): ``scaling.recovery: live``, 3 one-slot nodes, hsdp replicas of one worker
 (tests/chaos/live_cluster.py, in a subprocess: its cluster lives and dies with it). Two nodes holding workers are
-removed at once mid-run, then two nodes are added back, then a worker process is killed (its node stays), then every
+removed at once mid-run, then two nodes are added back, then a worker process is killed (its node stays), then the
+checkpoints' S3 endpoint (moto behind an outage proxy) refuses every connection for 6 s across a save, then every
 worker process gets a SIGTERM (every replica has a notice: they checkpoint that step and wait) and is then killed
 (the fallback: a restart from that checkpoint), then one node gets a preemption notice
 (``ray drain-node``) and goes at its deadline, no capacity returning; the run is asked to stop a few steps later;
@@ -41,7 +42,7 @@ def live_run(tiny_dataset, tmp_path_factory) -> dict:
     out = tmp / "result.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tests.chaos.live_cluster", "--out", str(out), "--dataset", str(tiny_dataset),
-         "--lose", "2"],
+         "--lose", "2", "--s3"],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     (tmp / "driver.log").write_text(proc.stdout + proc.stderr)
@@ -65,6 +66,13 @@ def test_survivors_train_on_and_the_returning_node_joins_live(live_run: dict) ->
     # (a kill inside a checkpoint's save: the survivors skip that checkpoint; the one whose collective failed closes
     # its connections as it re-forms, so none waits out scaling.peer_timeout_s, 30 s, as one did at stop 56)
     assert r["kill_to_next_step_s"] < 25 and r["kill_to_full_size_s"] < 120, r
+    # the checkpoints' S3 down for 6 s from three steps before a save: every replica's save waited for it
+    # (retried); no replica counted lost, nothing re-formed or restarted, that checkpoint committed once S3 was back
+    outage = r["outage"]
+    assert outage["first_commit_after"]["step"] == outage["committed_before"] + 20, outage  # the next one
+    assert outage["its_step_logged_at"] < outage["end"] <= outage["first_commit_after"]["written_at"], outage
+    # (a replica counted lost in the save would have made the others skip that checkpoint: the next one is 20 on)
+    assert outage["pids_after"] == r["pids_end"] and set(outage["replicas"]) <= {3.0}, outage
     # the next step at fewer replicas after the loss (goal 5 s; bench/elastic.py measures it), 3 after the return.
     # A removed node's workers can live on until Ray marks the node dead (38.6 s after the removal once here; they
     # trained 5 more steps, then waited for data they will not get): orphaned by their raylet, they stop beating and
