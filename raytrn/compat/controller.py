@@ -195,14 +195,18 @@ def hosted_trainer(
             # Replica groups (scaling.recovery: live): Ray 2.60 first clears the result queue of every other active
             # replica group, and one that cannot be reached fails the whole run (a ControllerError, never retried):
             # two nodes lost at once, the second not yet noticed by a poll. Such a group's workers are gone: it is
-            # shut down here, the next poll finds it failed, and it is replaced in turn. Ray's replacement then
+            # shut down here and waits for its slot as the failed one does (below: no failure of its own counted;
+            # until stop 58 the next poll found it failed, a second failure for one event). Ray's replacement then
             # waits, in this controller's loop, until its actors start: until capacity returns, with no poll (a
             # run whose survivors finished would not end). So a group whose slot has no place yet waits here
             # instead (its workers reported finished, not failed), and a poll replaces it once the slot is placed.
             groups = self.get_replica_groups() or []
             for i, group in enumerate(groups):
                 if i != replica_group_index and group.is_active() and not _reachable(group.get_workers()):
+                    gone = group.get_workers()
                     group.shutdown()
+                    if lost_nodes_unconfirmed is not None:
+                        self._waiting()[i] = gone
             if lost_nodes_unconfirmed is not None and replica_group_index < len(groups):
                 old = groups[replica_group_index].get_workers()
                 if not self._slot_ready(old):
