@@ -42,7 +42,7 @@ def live_run(tiny_dataset, tmp_path_factory) -> dict:
     out = tmp / "result.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tests.chaos.live_cluster", "--out", str(out), "--dataset", str(tiny_dataset),
-         "--lose", "2", "--s3"],
+         "--lose", "2", "--s3", "--fast-node-death"],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     (tmp / "driver.log").write_text(proc.stdout + proc.stderr)
