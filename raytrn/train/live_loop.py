@@ -252,8 +252,7 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                 else:
                     last = step >= end
                     # every replica has a notice: nobody trains on, this step's checkpoint is what the restart resumes
-                    everyone_leaves = len(result.leaving) == result.replicas and not last
-                    saving = last or step % job.checkpoint.interval == 0 or everyone_leaves
+                    saving = last or step % job.checkpoint.interval == 0 or result.everyone_leaves
                     with clock.blocking("eval"):
                         pointer = RunDir.of(job).pointer(step) if saving else None
                         scores = evaluation.maybe_evaluate(t, backend, last=last, checkpoint=pointer)
@@ -309,7 +308,7 @@ def _part(
     """After step ``step``, whose replicas ``result.leaving`` had a preemption notice: those leave the live group
     (True here: this replica left; every replica had one: none re-forms), the others re-form without them at once
     and train on."""
-    if len(result.leaving) == result.replicas:
+    if result.everyone_leaves:
         if group.rank == 0:  # one line for the group
             log.warning("live recovery: every replica has a preemption notice; step %d is checkpointed, the replicas "
                         "wait for their nodes to go (the run restarts from that checkpoint)", step)  # fmt: skip

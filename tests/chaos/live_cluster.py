@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.chaos._common import tiny_chaos_job, train_in_thread, wait_until
-from tests.chaos.elastic_cluster import _S3, _actors, _commits, _free_port, _logged, _newest_commit
+from tests.chaos.elastic_cluster import _S3, _actors, _commits, _free_port, _logged, _newest_commit, _traced_steps
 
 NODE = {"num_cpus": 1, "resources": {"neuron_cores": 1}}
 #: The GCS's health checks of the nodes (``--fast-node-death``): every second, dead after 4 failed in a row (Ray's
@@ -189,11 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _traced_step(trace: Path) -> int:
-    """The newest step any worker has drawn its rows for (its sample trace: written as it draws them)."""
-    return max((max(steps, default=0) for steps in _traces(trace).values()), default=0)
-
-
 def _later_events(
     result: dict[str, Any], db: Path, ckpt: str, trace: Path, s3: _S3 | None, outage_s: float, thread: Any,
     cluster: Any, at: Any,
@@ -222,7 +217,11 @@ def _later_events(
         known = _newest_commit(ckpt, "live")  # (then a fresh commit: the workers a few steps past it)
         wait_until(lambda: _newest_commit(ckpt, "live") > known or not thread.is_alive(), 120, "a checkpoint")
         base = _newest_commit(ckpt, "live")
-        wait_until(lambda: _traced_step(trace) >= base + 17 or not thread.is_alive(), 120, "3 steps before a save")
+        wait_until(
+            lambda: max(_traced_steps(trace), default=0) >= base + 17 or not thread.is_alive(),
+            120,
+            "3 steps before a save",
+        )
         committed = _newest_commit(ckpt, "live")
         s3.proxy.cut(outage_s)
         start, end = s3.proxy.outages[-1]

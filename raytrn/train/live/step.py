@@ -66,6 +66,11 @@ class LiveStepResult:
     #: Members that announced with the step that they leave after it (a preemption notice): call ``group.part``.
     leaving: tuple[str, ...] = ()
 
+    @property
+    def everyone_leaves(self) -> bool:
+        """Every member announced it leaves: nobody is left to re-form with."""
+        return len(self.leaving) == self.replicas
+
 
 @dataclass
 class LiveTrainer:
