@@ -194,7 +194,7 @@ def check_recovery(job: JobSpec) -> list[str]:
         )
     return [
         "note: scaling.recovery: live: a lost replica's survivors train on and a returning node joins them; its loop "
-        "runs no hang watchdog or in-memory snapshots yet; a replica with a preemption notice leaves at a step "
+        "runs the hang watchdog but no in-memory snapshots yet; a replica with a preemption notice leaves at a step "
         "boundary and the others train on; a non-finite rollback loads the checkpoint into the live replicas in "
         "place (docs/elasticity.md 'Live recovery')"
     ]

@@ -16,8 +16,10 @@ row, ``run.on_nonfinite: rollback`` rolls back *in place*: the live replicas loa
 and skip the diverging steps' global batches, no process restarts; once per job, as the restart path's), the final
 model, preemption notices (:mod:`raytrn.train.live.notice`: a replica whose node is drained or that got a SIGTERM
 trains its share of one more step and leaves; the others train on without it; when every replica has one, they
-checkpoint that step and wait for their nodes to go, as the restart path does). What it does not run yet: the hang
-watchdog, the memory tier; ``raytrn validate`` says so (a note).
+checkpoint that step and wait for their nodes to go, as the restart path does), the hang watchdog
+(:func:`raytrn.train.watchdog.live_hang_watch`: a replica hung outside a collective, its heartbeat beating, dumps its
+stacks and exits; Ray Train replaces it and the replacement joins live). What it does not run yet: the memory tier;
+``raytrn validate`` says so (a note).
 Where the time goes is measured as the restart path's loop measures it (:class:`raytrn.train.goodput.GoodputClock`):
 the attempts a lost replica aborted, the re-formations, the admissions and a rollback's load are the ledger's
 ``restart`` time, the steps trained again after a rollback its ``retrained`` time.
@@ -66,6 +68,7 @@ from raytrn.train.metrics import tracking_logger
 from raytrn.train.plan import WorkerPlan
 from raytrn.train.step import Training, forward, with_aux_loss
 from raytrn.train.stopping import StopRequests
+from raytrn.train.watchdog import live_hang_watch
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +205,7 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
     reports.guard, reports.checkpoints = guard, checkpoints
     stopped: RunStopped | None = None
     left = False  # this replica left the live group on a preemption notice
+    hangs = live_hang_watch(job, ctx.get_world_rank(), tracker)  # a hung replica exits: replaced, it joins again
     TRAINING.set()
     try:
         while progress.step < end:
@@ -213,6 +217,7 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                 guard.skipped_batches += 1
                 progress.step = step
                 feed.advance(progress)
+                hangs.step_done(step)
                 continue
             clock.step_started()
             started = time.perf_counter()
@@ -241,7 +246,7 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                     first = step - guard.in_a_row + 1
                     guard.rollbacks.append((first, step))  # (the board has it too, for a later full start)
                     guard.in_a_row = 0
-                    with clock.blocking("recovery"):
+                    with clock.blocking("recovery"), hangs.working():
                         progress = _rollback(t, group, job, backend, plan, checkpoints, progress, step)
                     if tracker is not None and group.rank == 0:
                         tracker.set_tags({"raytrn.rollback": f"steps {first}-{step}, in place to step {progress.step}"})
@@ -253,33 +258,38 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                     last = step >= end
                     # every replica has a notice: nobody trains on, this step's checkpoint is what the restart resumes
                     saving = last or step % job.checkpoint.interval == 0 or result.everyone_leaves
-                    with clock.blocking("eval"):
+                    with clock.blocking("eval"), hangs.working():
                         pointer = RunDir.of(job).pointer(step) if saving else None
                         scores = evaluation.maybe_evaluate(t, backend, last=last, checkpoint=pointer)
                     if saving:
-                        with clock.blocking("checkpoint"):
+                        with clock.blocking("checkpoint"), hangs.working():
                             t.checkpoints = checkpoints.of(group)
                             _save(t, group, job, plan, progress, result, tracker, scores, last=last)
                 if result.leaving and not last:  # after all of the above: the step is committed, logged, saved
-                    if _part(group, result, reports, clock, member, step, notice):
+                    with hangs.working():
+                        parted = _part(group, result, reports, clock, member, step, notice)
+                    if parted:
                         left = True
                         break
                 if result.joins_waiting:  # last: a newcomer joins the state every member holds after all of the above
-                    with clock.blocking("recovery"):
+                    with clock.blocking("recovery"), hangs.working():
                         admitted = trainer.admit({**asdict(progress), GUARD_KEY: _guard_state(guard)})
                     if group.rank == 0:
                         reports.recovered(progress.step, [admitted])
             except LeftOut:  # the others re-formed without this replica (it was late): join again, take their state
-                progress, guard_state = _taken(trainer.rejoin(JOIN_DEADLINE_S))
+                with hangs.working():
+                    progress, guard_state = _taken(trainer.rejoin(JOIN_DEADLINE_S))
                 _restore_guard(guard, guard_state)
                 batches = backend.wrap_batches(feed.start(progress, ctx.get_world_rank()))
                 evaluation.progress = progress
                 continue
             clock.iteration_done(final=last)
+            hangs.step_done(progress.step)
     except RunStopped as e:  # every replica, at the same step (diverged again after the rollback)
         stopped = e
     finally:
         TRAINING.clear()
+        hangs.close()
     if left:  # its node goes away at the notice's deadline (the process with it), or the run ends first
         group.wait_for_end()
         return

@@ -7,7 +7,8 @@ least :data:`MIN_TIMEOUT_S`; not before the first step, whose compiles take long
 checkpoints, :data:`WORK_FACTOR` times that: a collective inside a save can hang as well), it dumps every thread's
 Python stack (``faulthandler``) into the run's directory, ``<run>/hangs/step_<N>/rank_<R>.txt``, and the run's
 MLflow artifacts (``hangs/``), then ends its process: Ray Train sees the worker die and restarts the group from the
-newest committed checkpoint (``scaling.max_failures``).
+newest committed checkpoint (``scaling.max_failures``). Under ``scaling.recovery: live`` each replica runs one too
+(:func:`live_hang_watch`): the others train on without the hung replica, and its replacement joins them live.
 """
 
 from __future__ import annotations
@@ -134,20 +135,26 @@ class HangWatch:
                 return
 
 
-def on_hang_exit(job: JobSpec, rank: int, logger: Any) -> Callable[[int, float, str], None]:
-    """What a worker does on a hang: say so, keep the stacks (run directory, MLflow artifacts), exit."""
+#: What a hung worker's exit leads to, in its log line: on the restart path, and under live recovery.
+RESTART = "Ray Train restarts the group from the newest committed checkpoint"
+LIVE = "the other replicas train on, and Ray Train replaces this one, which joins them live"
+
+
+def on_hang_exit(job: JobSpec, rank: int, logger: Any, *, then: str = RESTART) -> Callable[[int, float, str], None]:
+    """What a worker does on a hang: say so (``then``: what happens next), keep the stacks (run directory, MLflow
+    artifacts), exit."""
 
     def handle(step: int, waited: float, text: str) -> None:
         run = RunDir.of(job)
         path = storage.join(run.root, "hangs", f"step_{step:08d}", f"rank_{rank}.txt")
         log.error(
             "rank %d: no step completed for %.0f s after step %d (run.hang_timeout_s): a hung collective? Every "
-            "thread's stack is in %s; ending this worker so Ray Train restarts the group from the newest committed "
-            "checkpoint",
+            "thread's stack is in %s; ending this worker: %s",
             rank,
             waited,
             step,
             path,
+            then,
         )
         try:
             storage.write_text(path, text)
@@ -163,3 +170,19 @@ def on_hang_exit(job: JobSpec, rank: int, logger: Any) -> Callable[[int, float, 
         os._exit(HANG_EXIT)
 
     return handle
+
+
+def live_hang_watch(job: JobSpec, rank: int, logger: Any) -> HangWatch:
+    """The watch of a ``scaling.recovery: live`` replica (:mod:`raytrn.train.live_loop`). A replica hung outside a
+    collective (a stuck device or filesystem call) while its heartbeat thread beats is dropped by the others, but its
+    process would stay, and the run could not end while it does: it dumps its stacks and exits like any hung worker,
+    and Ray Train replaces it (it joins live). The bound is the restart path's plus two ``scaling.peer_timeout_s``: a
+    survivor's step that re-forms the group waits up to that long for a frozen or late peer, and is no hang."""
+    reform = 2 * job.scaling.peer_timeout_s
+    fixed = job.run.hang_timeout_s
+    return HangWatch(
+        on_hang_exit(job, rank, logger, then=LIVE),
+        timeout_s=fixed + reform if fixed is not None else None,
+        min_timeout_s=MIN_TIMEOUT_S + reform,
+        poll_s=min(5.0, (fixed + reform) / 4) if fixed is not None else 5.0,
+    )

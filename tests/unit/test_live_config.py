@@ -29,7 +29,7 @@ def job(tmp: Path, *overrides: str, workers: int = 3) -> JobSpec:
 
 def test_a_live_job_validates_and_says_what_its_loop_does_not_run(tmp_path: Path) -> None:
     lines = check_spec(job(tmp_path, *LIVE))
-    assert any("scaling.recovery: live" in line and "no hang watchdog" in line
+    assert any("scaling.recovery: live" in line and "runs the hang watchdog but no in-memory snapshots" in line
                and "preemption notice leaves at a step boundary" in line
                and "rollback loads the checkpoint into the live replicas in place" in line for line in lines), lines  # fmt: skip
 
