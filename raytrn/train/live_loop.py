@@ -60,7 +60,7 @@ from raytrn.train.checkpointer import Checkpointer
 from raytrn.train.evaluate import Evaluation
 from raytrn.train.goodput import GoodputClock
 from raytrn.train.guard import NonFiniteError, NonFiniteGuard
-from raytrn.train.live.group import Generation, LeftOut, LiveGroup, Reformed
+from raytrn.train.live.group import Generation, GroupEnded, LeftOut, LiveGroup, Reformed
 from raytrn.train.live.notice import LiveNotice
 from raytrn.train.live.step import LiveStepResult, LiveTrainer
 from raytrn.train.loss import masked_loss_sum
@@ -168,7 +168,11 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
     restore_s, restored, board_group = 0.0, None, None
     guard_state: dict[str, Any] | None = None
     if joining:
-        progress, guard_state = _taken(trainer.rejoin(JOIN_DEADLINE_S))
+        try:
+            progress, guard_state = _taken(trainer.rejoin(JOIN_DEADLINE_S))
+        except GroupEnded:  # a replacement for a replica lost (or hung) near the end: the run is over
+            log.warning("live recovery: %s started after the live replicas finished the run; nothing to join", member)
+            return
         log.info("live recovery: %s joined the live group at step %d (%d replicas)", member, progress.step, group.size)
         resumed_from: str | None = f"live:step_{progress.step}"
     else:
@@ -277,8 +281,13 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                     if group.rank == 0:
                         reports.recovered(progress.step, [admitted])
             except LeftOut:  # the others re-formed without this replica (it was late): join again, take their state
-                with hangs.working():
-                    progress, guard_state = _taken(trainer.rejoin(JOIN_DEADLINE_S))
+                try:
+                    with hangs.working():
+                        progress, guard_state = _taken(trainer.rejoin(JOIN_DEADLINE_S))
+                except GroupEnded:  # ... unless they finished the run meanwhile
+                    log.warning("live recovery: %s was left out and the others finished the run", member)
+                    left = True
+                    break
                 _restore_guard(guard, guard_state)
                 batches = backend.wrap_batches(feed.start(progress, ctx.get_world_rank()))
                 evaluation.progress = progress

@@ -423,3 +423,25 @@ def test_a_member_that_re_forms_frees_those_still_blocked_in_a_collective_with_i
     a, b = (json.loads((tmp_path / f"{m}.json").read_text()) for m in "ab")
     assert "closed" in a["error"].lower() and a["failed_after_s"] < 1.0 + 5, a  # b re-formed after 1 s
     assert a["members"] == b["members"] == ["a", "b"]
+
+
+def test_a_newcomer_to_a_finished_run_stops_waiting_at_once() -> None:
+    """A replacement Ray Train starts for a replica lost (or hung) near the run's end asks to join after the live rank
+    0 finished the run (:meth:`LiveGroup.finish`): it gets GroupEnded within a poll (its train function ends) instead
+    of waiting out its deadline (10 minutes in the live loop) while the run waits for it. Before the end it waits."""
+    import threading
+
+    from raytrn.train.live.group import GroupEnded, LiveGroup
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    early = LiveGroup(store, "d", timeout_s=5, dead_after_s=0.5)
+    with pytest.raises(TimeoutError):  # the run goes on: nobody admitted it yet, it waited its deadline
+        early.join(0.3)
+    early.leave()
+    threading.Timer(0.3, LiveGroup(store, "a", timeout_s=5, dead_after_s=0.5).finish).start()
+    started = time.monotonic()
+    late = LiveGroup(store, "e", timeout_s=5, dead_after_s=0.5)
+    with pytest.raises(GroupEnded):
+        late.join(60)
+    assert time.monotonic() - started < 5
+    assert late._beating is None  # it left: no heartbeat thread keeps beating for it

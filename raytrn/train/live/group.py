@@ -67,6 +67,11 @@ class LeftOut(RuntimeError):
     """This member was not in the generation the others decided (it arrived late): it must join as a newcomer."""
 
 
+class GroupEnded(RuntimeError):
+    """The live group finished its run (:meth:`LiveGroup.finish`) before this newcomer was admitted: nothing to join
+    (a replacement Ray Train started for a replica lost, or hung, near the run's end)."""
+
+
 @dataclass(frozen=True)
 class Generation:
     """One membership of the live group: ``members`` in rank order; ``joins`` join requests admitted so far."""
@@ -159,7 +164,8 @@ class LiveGroup:
         return decided
 
     def join(self, deadline_s: float) -> Generation:
-        """Ask to join and wait (up to ``deadline_s``) for a generation that has this member; enter it."""
+        """Ask to join and wait (up to ``deadline_s``) for a generation that has this member; enter it.
+        :class:`GroupEnded` as soon as the group's run has finished (nobody is left to admit it)."""
         self._beat()
         index = self.store.add(PREFIX + "joins", 1)
         self.store.set(f"{PREFIX}join/{index}", self.member)
@@ -168,6 +174,9 @@ class LiveGroup:
         while time.monotonic() < give_up:
             generation = self._decided(number)
             if generation is None:
+                if self.store.check([PREFIX + "finished"]):
+                    self.leave()
+                    raise GroupEnded(f"live group: the run ended before {self.member} was admitted")
                 time.sleep(_JOIN_POLL_S)
                 continue
             if self.member in generation.members and generation.joins >= index:
