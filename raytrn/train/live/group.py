@@ -55,6 +55,8 @@ PREFIX = "live/"
 _POLL_S = 0.002
 _JOIN_POLL_S = 0.05
 _DECIDE_POLL_S = 0.02
+#: The store key of the run's end (:meth:`LiveGroup.finish`): read by members that left and by newcomers.
+_FINISHED = PREFIX + "finished"
 #: How often a member's heartbeat thread bumps its store counter.
 HEARTBEAT_S = 0.25
 
@@ -174,7 +176,7 @@ class LiveGroup:
         while time.monotonic() < give_up:
             generation = self._decided(number)
             if generation is None:
-                if self.store.check([PREFIX + "finished"]):
+                if self.store.check([_FINISHED]):
                     self.leave()
                     raise GroupEnded(f"live group: the run ended before {self.member} was admitted")
                 time.sleep(_JOIN_POLL_S)
@@ -248,13 +250,13 @@ class LiveGroup:
 
     def finish(self) -> None:
         """The run's end, for members that left and wait for it (:meth:`wait_for_end`); rank 0 calls it."""
-        self.store.set(PREFIX + "finished", "1")
+        self.store.set(_FINISHED, "1")
 
     def wait_for_end(self, poll_s: float = 0.5) -> None:
         """A member that left: wait until the run ends (:meth:`finish`) or its store is gone (the driver ended)."""
         while True:
             try:
-                if self.store.check([PREFIX + "finished"]):
+                if self.store.check([_FINISHED]):
                     return
             except Exception:  # the store's server is gone: the run ended
                 return
