@@ -179,6 +179,24 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     return out, times
 
 
+def one_process_step(
+    j: JobSpec, model: torch.nn.Module, optimizer: Any, scheduler: Any, loss: Any, micro: int
+) -> float:
+    """The reference: one process accumulates the step's ``micro`` micro-batches (``loss(k)``) and steps, a non-finite
+    step's update skipped (raytrn.train.guard; its schedule step taken). Returns the sum of the micro-batches' losses."""
+    optimizer.zero_grad()
+    loss_sum = 0.0
+    for k in range(micro):
+        value = loss(k)
+        (value / micro).backward()
+        loss_sum += float(value.detach())
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), j.optim.grad_clip_norm)
+    if torch.isfinite(norm):
+        optimizer.step()
+    scheduler.step()
+    return loss_sum
+
+
 def records(out: Path, name: str) -> dict[int, dict[str, Any]]:
     lines = (out / f"{name}.jsonl").read_text().splitlines()
     return {r["step"]: r for r in map(json.loads, lines)}
@@ -192,16 +210,7 @@ def test_survivors_and_a_newcomer_train_as_one_process_does(scenario: tuple[Path
 
     logs = {n: records(out, n) for n in "abcd"}
     for step in range(1, STEPS + 1):
-        optimizer.zero_grad()
-        loss_sum = 0.0
-        for k in range(MICRO):
-            loss = micro_loss(model, step)(k)
-            (loss / MICRO).backward()
-            loss_sum += float(loss.detach())
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), j.optim.grad_clip_norm)
-        if torch.isfinite(norm):  # step NAN_AT's update skipped (raytrn.train.guard), its schedule step taken
-            optimizer.step()
-        scheduler.step()
+        loss_sum = one_process_step(j, model, optimizer, scheduler, micro_loss(model, step), MICRO)
         committed = {n: log[step] for n, log in logs.items() if step in log}
         # every micro-batch of the step trained exactly once over the replicas that committed it
         trained = sorted(k for r in committed.values() for k in range(*r["micro"]))

@@ -25,7 +25,7 @@ import torch
 from torch.distributed import TCPStore
 
 from raytrn.config import JobSpec, load_job
-from tests.unit.test_live_group import REPO, SEQ, build, micro_batch
+from tests.unit.test_live_group import REPO, SEQ, build, micro_batch, one_process_step, records
 
 pytestmark = pytest.mark.unit
 
@@ -107,10 +107,6 @@ def hung(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int 
     return out, {n: p.exitcode for n, p in procs.items()}
 
 
-def records(out: Path, name: str) -> dict[int, dict[str, Any]]:
-    return {r["step"]: r for r in map(json.loads, (out / f"{name}.jsonl").read_text().splitlines())}
-
-
 def test_the_others_drop_a_hung_replica_and_train_as_one_process_does(
     hung: tuple[Path, dict[str, int | None]],
 ) -> None:
@@ -121,15 +117,7 @@ def test_the_others_drop_a_hung_replica_and_train_as_one_process_does(
     logs = {n: records(out, n) for n in "abc"}
     assert set(logs["a"]) == set(logs["b"]) == set(range(1, STEPS + 1)) and set(logs["c"]) == {1, 2}, logs
     for step in range(1, STEPS + 1):
-        optimizer.zero_grad()
-        total = 0.0
-        for k in range(MICRO):
-            loss = micro_loss(model, step)(k)
-            (loss / MICRO).backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), j.optim.grad_clip_norm)
-        optimizer.step()
-        scheduler.step()
+        total = one_process_step(j, model, optimizer, scheduler, micro_loss(model, step), MICRO)
         committed = {n: log[step] for n, log in logs.items() if step in log}
         assert sorted(k for r in committed.values() for k in range(*r["micro"])) == list(range(MICRO)), committed
         for n, r in committed.items():
