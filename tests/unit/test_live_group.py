@@ -454,3 +454,47 @@ def test_a_newcomer_to_a_finished_run_stops_waiting_at_once() -> None:
         late.join(60)
     assert time.monotonic() - started < 5
     assert late._beating is None  # it left: no heartbeat thread keeps beating for it
+
+
+def test_a_member_gone_before_it_reports_aborts_the_agreement_at_once() -> None:
+    """A replica killed after a step's collectives completed, or while rank 0 commits a checkpoint the others have
+    finished writing, never reports its outcome: the others abort once its heartbeat stands still (``dead_after_s``),
+    not after ``timeout_s`` (30 s in a job, here 20; the live chaos test's kill once cost the survivors 32 s). While
+    it beats they wait for it; with every report in they commit."""
+    import threading
+
+    from raytrn.train.live.group import Generation, LiveGroup
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    groups = {m: LiveGroup(store, m, timeout_s=20, dead_after_s=0.5) for m in "abc"}
+    for g in groups.values():
+        g.generation = Generation(0, ("a", "b", "c"))
+        g._beat()
+    verdicts: dict[str, tuple[bool, float]] = {}
+
+    def agree(member: str, step: int) -> None:
+        verdicts[member] = (groups[member].agree(step, True), time.monotonic())
+
+    def both(step: int) -> list[threading.Thread]:
+        verdicts.clear()
+        threads = [threading.Thread(target=agree, args=(m, step), daemon=True) for m in "ab"]
+        for t in threads:
+            t.start()
+        return threads
+
+    threads = both(1)  # every member reports: commit
+    agree("c", 1)
+    for t in threads:
+        t.join(10)
+    assert {m: v for m, (v, _) in verdicts.items()} == {"a": True, "b": True, "c": True}
+    threads = both(2)  # c beats but has not reported yet: they wait for it
+    time.sleep(2.0)
+    assert not verdicts
+    groups["c"].leave()  # c is gone before its report: its heartbeat stops
+    gone = time.monotonic()
+    for t in threads:
+        t.join(25)
+    assert {m: v for m, (v, _) in verdicts.items()} == {"a": False, "b": False}
+    assert max(at for _, at in verdicts.values()) - gone < 5  # its heartbeat's silence, not the 20 s timeout
+    for m in "ab":
+        groups[m].leave()

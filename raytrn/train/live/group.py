@@ -30,8 +30,8 @@ What re-forms a group:
 Whether a step's update is applied is itself agreed (:meth:`LiveGroup.agree`): a collective can complete on one
 rank and fail on another (a peer lost after its last message), so each rank reports its outcome and one
 compare-and-set decides ``commit`` (every member's collectives completed) or ``abort`` (any failed, or a member
-did not report within ``timeout_s``); an aborted step is redone by the next generation, so the model, the
-optimizer, the schedule and the data position move only on a committed step.
+that has not reported stopped beating, or did not report within ``timeout_s``); an aborted step is redone by the
+next generation, so the model, the optimizer, the schedule and the data position move only on a committed step.
 
 Pure torch.distributed (no Ray): :mod:`tests.unit.test_live_group` runs it on real gloo processes.
 """
@@ -314,23 +314,31 @@ class LiveGroup:
 
     def agree(self, step: int, ok: bool, *, what: str = "s") -> bool:
         """Whether step ``step``'s update is applied (``what``: ``s``, or ``save`` for its checkpoint): ``commit``
-        when every member reports ``ok``; ``abort`` when one reports a failure or one does not report within
-        ``timeout_s``. One decision (a compare-and-set), the same on every member whatever order they arrive in (a
-        frozen one that thaws reads it too)."""
+        when every member reports ``ok``; ``abort`` when one reports a failure, or one that has not reported is gone
+        (its heartbeat stood still for ``dead_after_s``: killed after the step's collectives, or while rank 0
+        commits a checkpoint the others have finished writing) or does not report within ``timeout_s``. One
+        decision (a compare-and-set), the same on every member whatever order they arrive in (a frozen one that
+        thaws reads it too)."""
         generation = self._current()
         key = self._key(generation.number, f"{what}{step}")
         if not ok:
             self.store.add(key + "/bad", 1)
-        self.store.add(key + "/done", 1)
+        self.store.set(f"{key}/done/{self.member}", "1")
         give_up = time.monotonic() + self.timeout_s
-        while True:
-            if self.store.check([key + "/decided"]):
-                break
+        beats = Heartbeats(self.store, self.dead_after_s)
+        polled = 0.0
+        while not self.store.check([key + "/decided"]):
             verdict = None
-            if self.store.add(key + "/bad", 0) > 0 or time.monotonic() > give_up:
+            missing = [m for m in generation.members if not self.store.check([f"{key}/done/{m}"])]
+            now = time.monotonic()
+            if self.store.add(key + "/bad", 0) > 0 or now > give_up:
                 verdict = "abort"
-            elif self.store.add(key + "/done", 0) >= len(generation.members):
+            elif not missing:
                 verdict = "abort" if self.store.add(key + "/bad", 0) > 0 else "commit"
+            elif now - polled >= _DECIDE_POLL_S:  # the heartbeats of those that have not reported
+                polled = now
+                if any([beats.silent(m, now) for m in missing]):  # every counter read (a list, not a generator)
+                    verdict = "abort"
             if verdict is not None:
                 self.store.compare_set(key + "/decided", "", verdict)
                 break
@@ -338,7 +346,7 @@ class LiveGroup:
         committed = self.store.get(key + "/decided") == b"commit"
         if self.rank == 0 and step >= 2:  # keep the store small: two steps back is settled on every member
             old = self._key(generation.number, f"{what}{step - 2}")
-            for suffix in ("/bad", "/done", "/decided"):
+            for suffix in ("/bad", "/decided", *(f"/done/{m}" for m in generation.members)):
                 self.store.delete_key(old + suffix)
             ready = self._key(generation.number, f"ready-{what}{step - 2}")  # the same step's readiness (ready())
             for suffix in ("verdict", *generation.members):
