@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 MIN_TIMEOUT_S = 300.0
 #: An evaluation or a checkpoint (they take their own time) is a hang past this many times the step's bound.
 WORK_FACTOR = 10
+#: How often a watch looks at most (its default is a quarter of its least bound, if that is sooner).
+POLL_S = 5.0
 #: A hung worker's exit status (Ray Train restarts the group).
 HANG_EXIT = 75
 
@@ -56,6 +58,8 @@ class HangWatch:
 
     ``timeout_s``: fixed (``run.hang_timeout_s``), else 10x the median of the recent step times, at least
     :data:`MIN_TIMEOUT_S`; within :meth:`working` (an evaluation, a checkpoint), :data:`WORK_FACTOR` times that.
+    ``poll_s``: how often the thread looks; by default a quarter of the least bound, at most :data:`POLL_S` (a hang
+    is seen within 1.25x its bound: an 8 s bound after 8-10 s, not up to 13 s).
     The ``watchdog`` phase of the step protocol (:mod:`raytrn.train.protocol`): a step's end after its metrics."""
 
     phase: ClassVar[str] = "watchdog"
@@ -68,9 +72,11 @@ class HangWatch:
         *,
         timeout_s: float | None = None,
         min_timeout_s: float = MIN_TIMEOUT_S,
-        poll_s: float = 5.0,
+        poll_s: float | None = None,
     ) -> None:
         self.on_hang, self.fixed, self.min_timeout_s = on_hang, timeout_s, min_timeout_s
+        if poll_s is None:
+            poll_s = min(POLL_S, (timeout_s if timeout_s is not None else min_timeout_s) / 4)
         self._durations: deque[float] = deque(maxlen=100)
         # When the last step ended, or an evaluation or a checkpoint began or ended; None before the first step.
         self._last: float | None = None
@@ -184,5 +190,4 @@ def live_hang_watch(job: JobSpec, rank: int, logger: Any) -> HangWatch:
         on_hang_exit(job, rank, logger, then=LIVE),
         timeout_s=fixed + reform if fixed is not None else None,
         min_timeout_s=MIN_TIMEOUT_S + reform,
-        poll_s=min(5.0, (fixed + reform) / 4) if fixed is not None else 5.0,
     )
