@@ -307,7 +307,7 @@ def render(report: dict[str, Any]) -> str:
                 f"{_goal(lost_live <= 5 if lost_live else None, '<= 5 s, 0 restarted')} |",
                 f"| elastic, live: node back -> 3 replicas training (no storage read) | median "
                 f"{_num(live.get('back_to_full_size_s_median'), '.1f', ' s')} "
-                f"({', '.join(_num(x, '.1f') for x in live['back_to_full_size_s'])}) | |",
+                f"({', '.join(_num(x, '.1f') for x in live['back_to_full_size_s'])}){_metrics_note(live)} | |",
             ]
     for note in _notes(report):
         lines += ["", note]
@@ -471,6 +471,15 @@ def gpu_result() -> dict[str, Any] | None:
             break
     jsons = sorted((REPO / "bench" / "results").glob("*-gpu-*.json"))
     return {"source": "bench/GPU.md", "table": table, "json": str(jsons[-1].relative_to(REPO)) if jsons else None}
+
+
+def _metrics_note(live: dict[str, Any]) -> str:
+    """How the live rows' simulated cluster ran Ray's metrics pipeline (bench.elastic.run_live), when recorded."""
+    if "ray_metrics" not in live:
+        return ""
+    if live["ray_metrics"]:
+        return "; Ray's metrics on"
+    return "; Ray's metrics off in the simulated cluster: docs/elasticity.md"
 
 
 def update_readme(block: str, readme: Path = REPO / "README.md") -> None:

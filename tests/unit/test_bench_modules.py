@@ -80,3 +80,14 @@ def test_a_run_whose_benchmarks_were_all_skipped_renders_each_as_skipped() -> No
               "results": {n: {"status": "skipped", "message": "time budget"} for n in ALL}}  # fmt: skip
     out = render(report)
     assert out.count("skipped") >= len(ALL) - 2, out  # (the peak and trainium rows are folded into others)
+
+
+def test_the_live_rows_say_how_the_simulated_cluster_ran_rays_metrics() -> None:
+    """bench.elastic.run_live runs its simulated cluster with Ray's metrics pipeline off (the head's agent would take
+    the simulated worker nodes' cores: docs/elasticity.md); the node-back row says so, and says nothing for results
+    recorded before it was a choice."""
+    from bench.report import _metrics_note
+
+    assert "off in the simulated cluster" in _metrics_note({"ray_metrics": False})
+    assert _metrics_note({"ray_metrics": True}) == "; Ray's metrics on"
+    assert _metrics_note({}) == ""
