@@ -64,7 +64,9 @@ def test_survivors_train_on_and_the_returning_node_joins_live(live_run: dict) ->
     others = sorted(set(r["pids_after"]) - {r["killed_pid"]})
     assert set(others) <= set(r["pids_end"]) and r["killed_pid"] not in r["pids_end"] and len(r["pids_end"]) == 3, r
     # (a kill inside a checkpoint's save: the survivors skip that checkpoint; the one whose collective failed closes
-    # its connections as it re-forms, so none waits out scaling.peer_timeout_s, 30 s, as one did at stop 56)
+    # its connections as it re-forms, so none waits out scaling.peer_timeout_s, 30 s, as one did at stop 56; one
+    # killed after the save's collectives, rank 0 committing it, is found by its heartbeat in the agreement: stop 59's
+    # CI waited 32 s for its report)
     assert r["kill_to_next_step_s"] < 25 and r["kill_to_full_size_s"] < 120, r
     # the checkpoints' S3 down for 6 s from three steps before a save: every replica's save waited for it
     # (retried); no replica counted lost, nothing re-formed or restarted, that checkpoint committed once S3 was back
