@@ -120,6 +120,7 @@ class Heartbeats:
     def __init__(self, store: dist.Store, dead_after_s: float) -> None:
         self.store, self.dead_after_s = store, dead_after_s
         self._seen: dict[str, tuple[int, float]] = {}  # member -> (its counter, when this watch saw it move)
+        self._polled = 0.0  # when any_silent last read the counters
 
     def silent(self, member: str, now: float) -> bool:
         count = self.store.add(f"{PREFIX}hb/{member}", 0)
@@ -127,6 +128,14 @@ class Heartbeats:
         if seen is None or seen[0] != count:
             self._seen[member] = seen = (count, now)
         return now - seen[1] >= self.dead_after_s
+
+    def any_silent(self, members: Sequence[str], now: float) -> bool:
+        """Whether one of ``members`` (those not at a decision point yet) is gone; their counters are read at most
+        every :data:`_DECIDE_POLL_S` (False in between), every one of them each time."""
+        if now - self._polled < _DECIDE_POLL_S:
+            return False
+        self._polled = now
+        return any([self.silent(m, now) for m in members])  # a list, not a generator: every counter read
 
 
 @dataclass
@@ -293,19 +302,14 @@ class LiveGroup:
         self.store.set(f"{key}/{self.member}", "1")
         give_up = time.monotonic() + self.timeout_s
         beats = Heartbeats(self.store, self.dead_after_s)
-        polled = 0.0
         while not self.store.check([key + "/verdict"]):
             verdict = None
             missing = [m for m in generation.members if not self.store.check([f"{key}/{m}"])]
             now = time.monotonic()
             if not missing:
                 verdict = "go"
-            elif now > give_up:
+            elif now > give_up or beats.any_silent(missing, now):  # (the heartbeats of those not here yet)
                 verdict = "abort"
-            elif now - polled >= _DECIDE_POLL_S:  # the heartbeats of those not here yet
-                polled = now
-                if any([beats.silent(m, now) for m in missing]):  # every counter read (a list, not a generator)
-                    verdict = "abort"
             if verdict is not None:
                 self.store.compare_set(key + "/verdict", "", verdict)
                 break
@@ -326,7 +330,6 @@ class LiveGroup:
         self.store.set(f"{key}/done/{self.member}", "1")
         give_up = time.monotonic() + self.timeout_s
         beats = Heartbeats(self.store, self.dead_after_s)
-        polled = 0.0
         while not self.store.check([key + "/decided"]):
             verdict = None
             missing = [m for m in generation.members if not self.store.check([f"{key}/done/{m}"])]
@@ -335,10 +338,8 @@ class LiveGroup:
                 verdict = "abort"
             elif not missing:
                 verdict = "abort" if self.store.add(key + "/bad", 0) > 0 else "commit"
-            elif now - polled >= _DECIDE_POLL_S:  # the heartbeats of those that have not reported
-                polled = now
-                if any([beats.silent(m, now) for m in missing]):  # every counter read (a list, not a generator)
-                    verdict = "abort"
+            elif beats.any_silent(missing, now):  # the heartbeats of those that have not reported
+                verdict = "abort"
             if verdict is not None:
                 self.store.compare_set(key + "/decided", "", verdict)
                 break
