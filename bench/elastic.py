@@ -121,14 +121,15 @@ def run(*, quick: bool = False, timeout_s: float = 900) -> dict[str, Any]:
 def run_live(*, rounds: int = 2, timeout_s: float = 600, ray_metrics: bool = False) -> dict[str, Any]:
     """``scaling.recovery: live`` on the same local 3-node Ray (``tests/chaos/live_cluster.py``: 3 one-slot nodes,
     hsdp replicas of one worker, a node removed at step 5, a node added back): per round the seconds from the loss
-    to the first step at 2 replicas, from the new node to the first step at 3, and whether any survivor restarted
-    (pids compared). Beside the restart path's rows of :func:`run`, in the same bench run.
+    to the first step at 2 replicas, from the new node to the first step at 3 (from the call that adds it, and from
+    the moment Ray has it alive: what the replacement itself takes), and whether any survivor restarted (pids
+    compared). Beside the restart path's rows of :func:`run`, in the same bench run.
 
     ``ray_metrics`` False (the default): the simulated cluster runs with Ray's metrics pipeline off. While the lost
     node's slot has no place, Ray 2.60's GCS retries it with no backoff and the head's dashboard agent replays each
     retry's histogram observations in Python (docs/elasticity.md): on a real cluster that load is the head node's,
     here it takes the simulated worker nodes' two cores, and the returning node's imports wait behind it."""
-    lost, back, restarted = [], [], []
+    lost, back, alive, restarted = [], [], [], []
     env = {**os.environ, **({} if ray_metrics else {"RAY_enable_metrics_collection": "0"})}
     with tempfile.TemporaryDirectory(prefix="raytrn-bench-live-") as tmp:
         data = prepare_fixture_data(Path(tmp))  # once: every round reads the same dataset
@@ -146,6 +147,7 @@ def run_live(*, rounds: int = 2, timeout_s: float = 600, ray_metrics: bool = Fal
                 )
             lost.append(result["lost_to_next_step_s"])
             back.append(result["back_to_full_size_s"])
+            alive.append(result["alive_to_full_size_s"])
             survivors = set(result["pids_before"]) - set(result["victim_pids"])
             restarted.append(len(survivors - set(result["pids_after"])))
     return {
@@ -153,6 +155,9 @@ def run_live(*, rounds: int = 2, timeout_s: float = 600, ray_metrics: bool = Fal
         "node_loss_to_next_step_s_median": _median(lost),
         "back_to_full_size_s": back,
         "back_to_full_size_s_median": _median(back),
+        # the same, from the moment Ray had the new node alive (its own processes started): the replacement's part
+        "alive_to_full_size_s": alive,
+        "alive_to_full_size_s_median": _median(alive),
         "survivors_restarted": restarted,
         "ray_metrics": ray_metrics,
     }

@@ -305,9 +305,7 @@ def render(report: dict[str, Any]) -> str:
                 f"{', '.join(_num(x, '.1f') for x in live['node_loss_to_next_step_s'])}; survivors restarted "
                 f"{', '.join(str(x) for x in live['survivors_restarted'])}) | "
                 f"{_goal(lost_live <= 5 if lost_live else None, '<= 5 s, 0 restarted')} |",
-                f"| elastic, live: node back -> 3 replicas training (no storage read) | median "
-                f"{_num(live.get('back_to_full_size_s_median'), '.1f', ' s')} "
-                f"({', '.join(_num(x, '.1f') for x in live['back_to_full_size_s'])}){_metrics_note(live)} | |",
+                _live_back_row(live, el.get("resize_interval_s")),
             ]
     for note in _notes(report):
         lines += ["", note]
@@ -471,6 +469,26 @@ def gpu_result() -> dict[str, Any] | None:
             break
     jsons = sorted((REPO / "bench" / "results").glob("*-gpu-*.json"))
     return {"source": "bench/GPU.md", "table": table, "json": str(jsons[-1].relative_to(REPO)) if jsons else None}
+
+
+def _live_back_row(live: dict[str, Any], resize_interval_s: float | None) -> str:
+    """The live rows' node return (bench.elastic.run_live): from the moment Ray has the new node alive (the
+    replacement's own part: its slot, its process and imports, its admission with a live replica's state), judged
+    against issue 48's goal (the restart path's resize interval + 5 s), and from the call that adds it (Ray's start
+    of the node's processes, on the simulated cluster's shared cores, included); older results have the latter only."""
+    back = f"{_num(live.get('back_to_full_size_s_median'), '.1f', ' s')} ({', '.join(_num(x, '.1f') for x in live['back_to_full_size_s'])})"
+    if "alive_to_full_size_s" not in live:
+        return f"| elastic, live: node back -> 3 replicas training (no storage read) | median {back}{_metrics_note(live)} | |"
+    alive = live.get("alive_to_full_size_s_median")
+    bound = None if resize_interval_s is None else float(resize_interval_s) + 5
+    ok = None if alive is None or bound is None else alive <= bound
+    goal = _goal(ok, f"<= {_num(bound, '.0f', ' s')} (resize interval + 5)") if bound is not None else ""
+    return (
+        f"| elastic, live: node back (alive in Ray) -> 3 replicas training, no storage read, median of "
+        f"{len(live['alive_to_full_size_s'])} | **{_num(alive, '.1f', ' s')}** "
+        f"({', '.join(_num(x, '.1f') for x in live['alive_to_full_size_s'])}); from adding the node, Ray's start of its "
+        f"processes included: median {back}{_metrics_note(live)} | {goal} |"
+    )
 
 
 def _metrics_note(live: dict[str, Any]) -> str:

@@ -361,10 +361,11 @@ def save(state: dict[str, Any], location: str) -> dict[str, tuple[int, str]]:
     return dict(writer.digests)
 
 
-def save_state(state: dict[str, Any], writer: Any, *, process_group: Any = None) -> None:
+def save_state(state: dict[str, Any], writer: Any, *, process_group: Any = None, alone: bool = False) -> None:
     """Write ``state`` through any DCP storage writer (a directory's, or memory's: :mod:`raytrn.checkpoint.memfiles`),
-    its collectives on ``process_group`` (the default group when None)."""
-    dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist())
+    its collectives on ``process_group`` (the default group when None); ``alone``: as one process writes it (the
+    whole state, no collective), whatever process group exists."""
+    dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=alone or _no_dist())
 
 
 def async_save(state: dict[str, Any], location: str, *, process_group: Any) -> tuple[Any, Any]:

@@ -182,10 +182,11 @@ class _MemoryWriter(FileSystemWriter):
         if self._layout is not None:  # (rank 0) the pickled metadata, the same for a write into the same layout
             self._layout.metadata = self.memfs.files[".metadata"]
 
-    def repeat(self, staged: dict[str, Any], *, process_group: Any) -> bool:
+    def repeat(self, staged: dict[str, Any], *, process_group: Any, alone: bool = False) -> bool:
         """Write ``staged`` into the previous write's layout, without DCP's planning and collectives, when every
-        rank can (one flag, agreed on ``process_group``: a collective); False when one cannot (no complete write yet,
-        or an item of another size, dtype or shape, an item more or less: then DCP plans the write, every rank)."""
+        rank can (one flag, agreed on ``process_group``: a collective; none ``alone``); False when one cannot (no
+        complete write yet, or an item of another size, dtype or shape, an item more or less: then DCP plans the
+        write, every rank)."""
         layout, items = self._layout, None
         if layout is not None and (layout.metadata is not None or not layout.coordinator):
             try:  # (never raises past the flag: the other ranks wait for it)
@@ -196,7 +197,7 @@ class _MemoryWriter(FileSystemWriter):
                 items = None
         group = process_group if process_group is not None or not dist.is_initialized() else dist.group.WORLD
         every = torch.tensor([int(items is not None)])
-        if group is not None:
+        if group is not None and not alone:
             dist.all_reduce(every, op=dist.ReduceOp.MIN, group=group)
         if not every.item() or items is None or layout is None:
             return False
@@ -313,12 +314,13 @@ class Snapshotter:
             self._staged_for = self.state.builds
         return self.writer.stage(state)
 
-    def write(self, staged: dict[str, Any], *, process_group: Any) -> dict[str, bytes]:
+    def write(self, staged: dict[str, Any], *, process_group: Any, alone: bool = False) -> dict[str, bytes]:
         """Write ``staged`` as DCP does, into memory (a collective on ``process_group``, a gloo group of its own; None
-        without a process group): this rank's files, ``{name: bytes}``."""
+        without a process group; ``alone``: this process's whole state as one process writes it, no collective
+        whatever process group exists): this rank's files, ``{name: bytes}``."""
         fs = self.writer.fs = MemoryFileSystem()  # type: ignore[assignment]
-        if not self.writer.repeat(staged, process_group=process_group):  # the previous snapshot's layout, else DCP's
-            save_state(staged, self.writer, process_group=process_group)
+        if not self.writer.repeat(staged, process_group=process_group, alone=alone):  # the last layout, else DCP's
+            save_state(staged, self.writer, process_group=process_group, alone=alone)
         return dict(fs.files)
 
 

@@ -194,7 +194,8 @@ def check_recovery(job: JobSpec) -> list[str]:
         )
     return [
         "note: scaling.recovery: live: a lost replica's survivors train on and a returning node joins them; its loop "
-        "runs the hang watchdog but no in-memory snapshots yet; a replica with a preemption notice leaves at a step "
+        "runs the hang watchdog, and its rank 0 alone takes the in-memory snapshots (a restart after every replica "
+        "was lost resumes from them); a replica with a preemption notice leaves at a step "
         "boundary and the others train on; a non-finite rollback loads the checkpoint into the live replicas in "
         "place (docs/elasticity.md 'Live recovery')"
     ]

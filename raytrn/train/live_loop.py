@@ -18,8 +18,8 @@ model, preemption notices (:mod:`raytrn.train.live.notice`: a replica whose node
 trains its share of one more step and leaves; the others train on without it; when every replica has one, they
 checkpoint that step and wait for their nodes to go, as the restart path does), the hang watchdog
 (:func:`raytrn.train.watchdog.live_hang_watch`: a replica hung outside a collective, its heartbeat beating, dumps its
-stacks and exits; Ray Train replaces it and the replacement joins live). What it does not run yet: the memory tier;
-``raytrn validate`` says so (a note).
+stacks and exits; Ray Train replaces it and the replacement joins live), the memory tier
+(:mod:`raytrn.train.live_snapshots`: the live rank 0 snapshots its whole replica alone; a full start resumes from it).
 Where the time goes is measured as the restart path's loop measures it (:class:`raytrn.train.goodput.GoodputClock`):
 the attempts a lost replica aborted, the re-formations, the admissions and a rollback's load are the ledger's
 ``restart`` time, the steps trained again after a rollback its ``retrained`` time.
@@ -63,6 +63,7 @@ from raytrn.train.guard import NonFiniteError, NonFiniteGuard
 from raytrn.train.live.group import Generation, GroupEnded, LeftOut, LiveGroup, Reformed
 from raytrn.train.live.notice import LiveNotice
 from raytrn.train.live.step import LiveStepResult, LiveTrainer
+from raytrn.train.live_snapshots import LiveSnapshots
 from raytrn.train.loss import masked_loss_sum
 from raytrn.train.metrics import tracking_logger
 from raytrn.train.plan import WorkerPlan
@@ -159,6 +160,8 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
         PrefixStore(f"s{session}/", store), member, timeout_s=job.scaling.peer_timeout_s, dead_after_s=DEAD_AFTER_S
     )
     notice = LiveNotice(store, draining_key(ray.get_runtime_context().get_node_id()))
+    snapshots = LiveSnapshots(job, plan.memory, group, ray.get_runtime_context().get_node_id(),
+                              plan.board.rollbacks if plan.board is not None else None)  # fmt: skip
     rows = global_batch(job, job.scaling.max_size)  # one replica a worker: the data-parallel size is the full size
     micro_batches = rows // job.data.micro_batch_size
 
@@ -179,10 +182,11 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
         group.found([f"w{i}" for i in range(ctx.get_world_size())])
         t.checkpoints = checkpoints.of(group)
         checkpointer = Checkpointer(job, backend, plan.schedule, rank=group.rank, world_size=group.size,
-                                    logger=tracker if group.rank == 0 else None)  # fmt: skip
+                                    logger=tracker if group.rank == 0 else None, memory=snapshots.restorer())  # fmt: skip
         start = checkpointer.find()
         progress = start.progress
         checkpointer.restore(t, start)
+        snapshots.started()
         resumed_from, restore_s = start.location, checkpointer.restore_s
         if plan.board is not None and group.rank == 0:  # the board counts the groups (a full start is one)
             restored = plan.board.restarts.restored(
@@ -206,7 +210,7 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
     guard = NonFiniteGuard.on_board(job, plan.board.rollbacks if plan.board is not None else None,
                                     enabled=backend.skips_nonfinite_steps)  # fmt: skip
     _restore_guard(guard, guard_state)  # a newcomer counts on from where the members are
-    reports.guard, reports.checkpoints = guard, checkpoints
+    reports.guard, reports.checkpoints, reports.memory = guard, checkpoints, snapshots
     stopped: RunStopped | None = None
     left = False  # this replica left the live group on a preemption notice
     hangs = live_hang_watch(job, ctx.get_world_rank(), tracker)  # a hung replica exits: replaced, it joins again
@@ -255,6 +259,7 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                     if tracker is not None and group.rank == 0:
                         tracker.set_tags({"raytrn.rollback": f"steps {first}-{step}, in place to step {progress.step}"})
                     clock.retrains_until(step)
+                    snapshots.rewound(progress.step)
                     batches = backend.wrap_batches(feed.start(progress, ctx.get_world_rank()))
                     evaluation.progress = progress
                     last = False
@@ -269,6 +274,7 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                         with clock.blocking("checkpoint"), hangs.working():
                             t.checkpoints = checkpoints.of(group)
                             _save(t, group, job, plan, progress, result, tracker, scores, last=last)
+                    snapshots.step_done(t, progress, final=last or result.everyone_leaves, checkpoint=saving)
                 if result.leaving and not last:  # after all of the above: the step is committed, logged, saved
                     with hangs.working():
                         parted = _part(group, result, reports, clock, member, step, notice)
@@ -300,6 +306,7 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
         TRAINING.clear()
         hangs.close()
     if left:  # its node goes away at the notice's deadline (the process with it), or the run ends first
+        snapshots.close()
         group.wait_for_end()
         return
     if stopped is not None:
@@ -499,6 +506,8 @@ class LiveMetrics:
         self.guard: NonFiniteGuard | None = None
         #: The checkpoints whose failed saves the log steps carry (``checkpoint_failures``).
         self.checkpoints: LiveCheckpoints | None = None
+        #: The memory tier whose metrics rank 0's log steps carry (``memory_checkpoint_bytes``, ...).
+        self.memory: LiveSnapshots | None = None
         #: The last log step's metrics while this replica is not rank 0 (sent when it becomes rank 0).
         self.pending: tuple[int, dict[str, float]] | None = None
 
@@ -513,6 +522,7 @@ class LiveMetrics:
                    "world_size": float(result.replicas), "replicas": float(result.replicas),
                    "epoch": float(progress.epoch), **(self.guard.metrics() if self.guard is not None else {}),
                    **({"checkpoint_failures": float(self.checkpoints.failed)} if self.checkpoints is not None else {}),
+                   **(self.memory.metrics() if self.memory is not None else {}),
                    } if logging_step else {}  # fmt: skip
         if not rank0:
             if logging_step:

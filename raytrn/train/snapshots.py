@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -91,10 +92,20 @@ class MemorySnapshots:
         rank: int,
         world_size: int,
         rollbacks: RollbackRegistry | None = None,
+        takes: bool = True,
+        alone_on: Sequence[str] | None = None,
+        node: str | None = None,
     ) -> None:
+        """``takes`` False: this group only restores (the live group's founders, whose rank 0 then snapshots alone).
+        ``alone_on``: this rank snapshots by itself, with no collective (the live group's rank 0: every replica holds
+        the whole state), its copies on the ring over these nodes (the live members'); auto then means at every
+        checkpoint step only.
+        ``node``: this rank's node (Ray's node id when None)."""
         import ray
 
         self.job, self.keeper, self.rank, self.world_size = job, keeper, rank, world_size
+        self.alone = alone_on is not None
+        self._agree: Any = _Alone if self.alone else agree
         self.rollbacks = rollbacks  # the job's progress board's rollbacks (raytrn.train.guard)
         self.every = job.checkpoint.memory_every_n_steps
         self.stores: dict[str, NodeStore] = {}
@@ -119,18 +130,31 @@ class MemorySnapshots:
         self._queue: queue.SimpleQueue[tuple[_Writing, Any]] = queue.SimpleQueue()
         if not self.restorable:
             return
-        self.node = ray.get_runtime_context().get_node_id()
-        nodes = agree.gather(self.node)  # a collective: every rank's node
-        if self.every is None:  # auto: snapshots only while the group spans more than one node
-            self.every = 1 if len(set(nodes)) > 1 else 0
-        self.taking = self.every > 0
+        self.node = node or ray.get_runtime_context().get_node_id()
+        # a collective: every rank's node (alone: the nodes given)
+        nodes = [self.node, *alone_on] if alone_on is not None else agree.gather(self.node)
+        # auto: every step while the group spans more than one node; alone (the live rank 0, whose snapshots only a
+        # restart after every replica was lost reads): at the checkpoint steps only (``every`` 0)
+        auto_alone = self.every is None and self.alone
+        if self.every is None:
+            self.every = 0 if self.alone else 1 if len(set(nodes)) > 1 else 0
+        self.taking = takes and (self.every > 0 or auto_alone)
         # The background writes' collectives get a gloo group of their own, created by every rank at this point.
-        distributed = self.taking and dist.is_available() and dist.is_initialized()
+        distributed = self.taking and not self.alone and dist.is_available() and dist.is_initialized()
         self._group = dist.new_group(backend="gloo") if distributed else None
         assert keeper is not None
         self.stores = keeper.ensure(sorted(set(nodes)), timeout_s=120)  # every store the run has
         #: Where this group's snapshots go: the ring over the group's own nodes (never a lost node's store).
         self.ring: dict[str, NodeStore] = {n: self.stores[n] for n in set(nodes)}
+
+    def regroup(self, nodes: Sequence[str]) -> None:
+        """Alone: the ring over these nodes from the next snapshot on (the live members' after a re-formation: a
+        returning node's store is made, a lost one's left out)."""
+        if self.keeper is None or not self.restorable:
+            return
+        here = sorted({self.node, *nodes})
+        self.stores = self.keeper.ensure(here, timeout_s=120)
+        self.ring = {n: self.stores[n] for n in here}
 
     # -- start -----------------------------------------------------------------------------------------------
     def newest(self) -> Snapshot | None:
@@ -156,7 +180,7 @@ class MemorySnapshots:
                     answer = [Snapshot(choice.step, progress, int(m["world_size"]), choice.alive)]
         if self.keeper is None:
             return None
-        (found,) = agree.broadcast(answer)
+        (found,) = self._agree.broadcast(answer)
         return found  # type: ignore[no-any-return]
 
     def starting_at(self, step: int) -> None:
@@ -175,7 +199,7 @@ class MemorySnapshots:
                     log.warning(
                         "in-memory snapshots: the stores on %s did not answer the rewind", ", ".join(rewound.late)
                     )
-        (answer,) = agree.broadcast([answer])
+        (answer,) = self._agree.broadcast([answer])
         if answer.refused is None:
             self.generation = answer.generation
         elif self.taking:  # the stores would refuse this group's snapshots (or keep newer ones it would mix with)
@@ -192,7 +216,7 @@ class MemorySnapshots:
             load_from_memory(fetcher(ordered, snapshot.step, node=self.node), t.model, t.optimizer, t.scheduler)
         except Exception as e:
             error = e
-        if agree.all_true(error is None):
+        if self._agree.all_true(error is None):
             return snapshot.progress
         if self.rank == 0 and self.keeper is not None:
             with contextlib.suppress(Exception):
@@ -222,7 +246,8 @@ class MemorySnapshots:
         (a restart prefers a snapshot at the newest checkpoint's step: the same state, read from memory), except the
         group's ``final`` step (the run's end, a preemption notice: its checkpoint is synchronous, and no snapshot
         outlives the group)."""
-        return self.taking and not final and self.every is not None and (checkpoint or step % self.every == 0)
+        every = self.every or 0
+        return self.taking and not final and (checkpoint or (every > 0 and step % every == 0))
 
     def written(self, timeout_s: float = 300.0) -> bool:
         """After every step, before it is logged: the snapshot being written (the previous step's, when there is
@@ -252,7 +277,7 @@ class MemorySnapshots:
             staged = self._snapshotter.stage()
         except Exception as e:  # host memory: no rank's thread may start this snapshot's collectives
             failed = (Refusal(Refused.NOT_STAGED, progress.step, self.rank, error=error_text(e)),)
-        if any(why := agree.gather(failed)):  # a collective: whether every rank's write can go on
+        if any(why := self._agree.gather(failed)):  # a collective: whether every rank's write can go on
             self._stop(next(w for w in why if w))
             return
         if self._thread is None:
@@ -271,7 +296,7 @@ class MemorySnapshots:
             step = writing.progress.step
             try:
                 assert self._snapshotter is not None
-                files = self._snapshotter.write(staged, process_group=self._group)
+                files = self._snapshotter.write(staged, process_group=self._group, alone=self.alone)
                 writing.reason = publish(
                     self.ring, self.node, step, self.rank, files, replicas=self.job.checkpoint.memory_replicas,
                     generation=writing.generation, writer=self._slabs,
@@ -279,10 +304,10 @@ class MemorySnapshots:
             except Exception as e:  # a failed write or copy fails this snapshot, never the step
                 writing.reason = (Refusal(Refused.NOT_WRITTEN, step, self.rank, error=error_text(e)),)
             try:
-                reasons = agree.gather(writing.reason, group=self._group)  # every rank's copies kept?
+                reasons = self._agree.gather(writing.reason, group=self._group)  # every rank's copies kept?
                 if self.rank == 0 and not any(reasons):
                     reasons = [self._seal(writing)]
-                (writing.reason,) = agree.broadcast([next((r for r in reasons if r), ())], group=self._group)
+                (writing.reason,) = self._agree.broadcast([next((r for r in reasons if r), ())], group=self._group)
             except Exception as e:  # a rank gone mid-agreement: the restart decides
                 writing.reason = writing.reason or (Refusal(Refused.NOT_AGREED, step, error=error_text(e)),)
             del staged  # (its buffers are the writer's; nothing of this snapshot is held while the thread waits)
@@ -335,7 +360,9 @@ class MemorySnapshots:
             return False
         progress = writing.progress
         late = (Refusal(Refused.WRITE_LATE, progress.step, self.rank, timeout_s=timeout_s),)
-        reasons: list[Refusals] = agree.gather(late if stuck else writing.reason)  # (a thread may change its reason)
+        reasons: list[Refusals] = self._agree.gather(
+            late if stuck else writing.reason
+        )  # (a thread may change its reason)
         if not any(reasons):
             if self.rank == 0:
                 self.held = writing.held
@@ -357,6 +384,23 @@ class MemorySnapshots:
                 "warned about; checkpoint_failures counts durable saves only)", progress.step, render(why),
             )  # fmt: skip
         return False
+
+
+class _Alone:
+    """The agreements of a rank that snapshots by itself (``MemorySnapshots(alone_on=...)``): its own value, no
+    collective."""
+
+    @staticmethod
+    def gather(value: Any, *, group: Any = None) -> list[Any]:
+        return [value]
+
+    @staticmethod
+    def broadcast(value: list[Any], *, group: Any = None) -> list[Any]:
+        return value
+
+    @staticmethod
+    def all_true(value: bool, *, group: Any = None) -> bool:
+        return bool(value)
 
 
 def _answers(pending: dict[str, Pending[T]], *, timeout_s: float) -> dict[str, T] | None:

@@ -266,11 +266,9 @@ def memory_tier_may_run(job: JobSpec, *, alive_nodes: int) -> bool:
     """Whether the run needs an in-memory snapshot keeper: ``checkpoint.memory_every_n_steps`` > 0, or null (auto,
     the default) on a cluster of more than one node now (each worker group then takes snapshots only while it spans
     more than one node). Auto leaves the frozen ``neuron-xla`` path (trn1) as it was: durable checkpoints only. Under
-    ``scaling.recovery: live`` never: a lost replica's survivors hold the state, and its replacement takes it from
-    them (:mod:`raytrn.train.live_loop`)."""
+    ``scaling.recovery: live`` the same: the live rank 0 snapshots for the fallback, a restart after every replica
+    was lost (:mod:`raytrn.train.live_snapshots`)."""
     every = job.checkpoint.memory_every_n_steps
-    if job.scaling.recovery == "live":
-        return False
     if every is None:
         return job.scaling.accelerator != "neuron-xla" and alive_nodes > 1
     return every > 0

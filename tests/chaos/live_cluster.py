@@ -141,9 +141,14 @@ def main(argv: list[str] | None = None) -> int:
         result["node_dead_after_s"] = round(time.time() - removed, 2)
         added = time.time()
         for _ in victims:
-            cluster.add_node(**NODE)
+            cluster.add_node(**NODE)  # (returns once Ray has the node alive: its raylet registered)
+        alive = time.time()
         wait_until(lambda: at(3.0, added) or not thread.is_alive(), 240, "a step at 3 replicas again")
         result["back_to_full_size_s"] = round(at(3.0, added)[0][1] - added, 2)
+        # what of that is Ray's start of the node's own processes (a cloud node's boot is not in it either), and what
+        # is the replacement's: its slot placed, its worker process started and imported, its admission with the state
+        result["node_start_s"] = round(alive - added, 2)
+        result["alive_to_full_size_s"] = round(at(3.0, added)[0][1] - alive, 2)
         result["pids_after"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
         if not args.loss_only:
             _later_events(result, db, ckpt, work / "trace", s3, args.outage_s, thread, cluster, at)

@@ -180,15 +180,25 @@ def test_killed_worker_resumes_and_history_has_each_step_once(ray_session, tiny_
     assert older and all(v.startswith("deleted by checkpoint.keep_last=2") for v in older.values()), tags
 
 
-def test_killed_worker_resumes_from_its_in_memory_snapshot_losing_at_most_one_step(ray_session, tiny_dataset, tmp_path):
+#: ``scaling.recovery: live`` with one replica (issue 48 item 5: losing the last replica restarts from the tier).
+LIVE_ALONE = ("scaling.recovery=live", "parallel.data_parallel=hsdp", "parallel.hsdp_shard_size=1",
+              "scaling.min_workers=1", "scaling.max_workers=1")  # fmt: skip
+
+
+@pytest.mark.parametrize("recovery", ["restart", "live"])
+def test_killed_worker_resumes_from_its_in_memory_snapshot_losing_at_most_one_step(
+    ray_session, tiny_dataset, tmp_path, recovery
+):
     """The memory tier (issue 29) on one node: a snapshot every step, no durable checkpoint before the end. The
     killed worker's group restarts from the newest snapshot in its node's store (which outlives the worker): at
     most one step trained again, nothing read from the checkpoint storage (it holds nothing yet), every step
-    logged once."""
+    logged once. Under ``scaling.recovery: live`` (one replica, whose rank 0 snapshots alone) the same: the last
+    replica lost, the group restarts from the tier as the restart path's does."""
     name = f"mem-{uuid.uuid4().hex[:8]}"
+    live = LIVE_ALONE if recovery == "live" else ()
     job = load_job(REPO / "jobs" / "tiny.yaml", _overrides(tiny_dataset, tmp_path, name, f"run.max_steps={HORIZON}",
                                                            "scaling.max_failures=2", f"checkpoint.every_n_steps={HORIZON}",
-                                                           "checkpoint.memory_every_n_steps=1"))  # fmt: skip
+                                                           "checkpoint.memory_every_n_steps=1", *live))  # fmt: skip
     client = MlflowClient(job.tracking.mlflow_uri)
     thread, result = train_in_thread(job)
     try:

@@ -91,3 +91,21 @@ def test_the_live_rows_say_how_the_simulated_cluster_ran_rays_metrics() -> None:
     assert "off in the simulated cluster" in _metrics_note({"ray_metrics": False})
     assert _metrics_note({"ray_metrics": True}) == "; Ray's metrics on"
     assert _metrics_note({}) == ""
+
+
+def test_the_live_node_back_row_is_judged_from_the_node_alive_and_shows_the_time_from_adding_it_too() -> None:
+    """Issue 48's node-return goal (the restart path's resize interval + 5 s) is judged on the seconds from the
+    moment Ray has the new node alive (the replacement's own part); the seconds from the call that adds it (Ray's
+    start of the node's processes, on the simulated cluster's shared cores) are shown beside them; results recorded
+    before the split keep their old row."""
+    from bench.report import _live_back_row
+
+    live = {"back_to_full_size_s": [12.0, 13.5, 15.0], "back_to_full_size_s_median": 13.5,
+            "alive_to_full_size_s": [8.5, 9.8, 11.0], "alive_to_full_size_s_median": 9.8, "ray_metrics": False}  # fmt: skip
+    row = _live_back_row(live, 4)
+    assert "**9.8 s** (8.5, 9.8, 11.0)" in row and "median 13.5 s (12.0, 13.5, 15.0)" in row, row
+    assert row.endswith("<= 9 s (resize interval + 5) **not met** |"), row
+    met = _live_back_row({**live, "alive_to_full_size_s_median": 8.5}, 4)
+    assert met.endswith("<= 9 s (resize interval + 5) met |"), met
+    old = _live_back_row({"back_to_full_size_s": [10.7], "back_to_full_size_s_median": 10.7}, 4)
+    assert old == "| elastic, live: node back -> 3 replicas training (no storage read) | median 10.7 s (10.7) | |"

@@ -27,9 +27,10 @@ def job(tmp: Path, *overrides: str, workers: int = 3) -> JobSpec:
     )  # fmt: skip
 
 
-def test_a_live_job_validates_and_says_what_its_loop_does_not_run(tmp_path: Path) -> None:
+def test_a_live_job_validates_and_says_what_its_loop_runs(tmp_path: Path) -> None:
     lines = check_spec(job(tmp_path, *LIVE))
-    assert any("scaling.recovery: live" in line and "runs the hang watchdog but no in-memory snapshots" in line
+    assert any("scaling.recovery: live" in line and "runs the hang watchdog" in line
+               and "its rank 0 alone takes the in-memory snapshots" in line
                and "preemption notice leaves at a step boundary" in line
                and "rollback loads the checkpoint into the live replicas in place" in line for line in lines), lines  # fmt: skip
 
@@ -59,7 +60,7 @@ def test_what_live_recovery_cannot_train_is_refused_naming_the_fix(
         assert "scaling.recovery: restart" in message  # the way back is named
 
 
-def test_the_driver_asks_ray_train_for_replica_groups_and_no_snapshot_keeper(tmp_path: Path) -> None:
+def test_the_driver_asks_ray_train_for_replica_groups_and_a_snapshot_keeper_as_for_a_restart(tmp_path: Path) -> None:
     from raytrn.backends import get_backend
     from raytrn.backends.live_ray import LiveGroupBackend, LiveGroupConfig
     from raytrn.backends.ray_backend import ProcessGroupConfig
@@ -71,8 +72,11 @@ def test_the_driver_asks_ray_train_for_replica_groups_and_no_snapshot_keeper(tmp
     assert isinstance(config, LiveGroupConfig) and config.timeout_s == 7 and config.backend == "gloo"
     assert config.backend_cls is LiveGroupBackend and LiveGroupBackend.has_replica_groups is True
     assert isinstance(backend.ray_backend_config(restart), ProcessGroupConfig)
-    assert not memory_tier_may_run(live, alive_nodes=3)  # the survivors hold the state
-    assert memory_tier_may_run(restart, alive_nodes=3)
+    # the tier by the same rule as the restart path's (the live rank 0 snapshots for a restart after every replica was
+    # lost: raytrn.train.live_snapshots): on by default on several nodes, off on one, as asked otherwise
+    assert memory_tier_may_run(live, alive_nodes=3) and memory_tier_may_run(restart, alive_nodes=3)
+    assert not memory_tier_may_run(live, alive_nodes=1)
+    assert not memory_tier_may_run(job(tmp_path, *LIVE, "checkpoint.memory_every_n_steps=0"), alive_nodes=3)
 
 
 def test_a_failure_under_live_recovery_ends_no_group_and_says_the_others_train_on() -> None:
