@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         result["trained_at"] = {s: v for s, _, v in _logged(db, "world_size")}  # the replicas each step trained at
         result["val_loss"] = {s: v for s, _, v in _logged(db, "val_loss")}
         result["val_loss_steps"] = sorted(s for s, _, _ in _logged(db, "val_loss"))
+        # the memory tier (on: 3 nodes): the live rank 0's snapshots at the checkpoint steps, the bytes a store holds
+        result["memory_checkpoint_bytes"] = {s: v for s, _, v in _logged(db, "memory_checkpoint_bytes")}
         result["traces"] = _traces(work / "trace")
         if args.no_reference:
             return 0

@@ -102,6 +102,11 @@ def test_survivors_train_on_and_the_returning_node_joins_live(live_run: dict) ->
     assert "(a preemption: not counted against scaling.max_failures)" in r["log"]
     assert r["summary"]["final_step"] >= r["stopped_at"], r["summary"]  # (a stop request past the step: at the step)
     assert "joined the live group" in r["log"]
+    # the memory tier ran (3 nodes): the live rank 0, whichever replica it was, snapshotted at the checkpoint steps
+    # alone; rank 0's log steps carry what a store holds (the fallback above resumed from the notices' checkpoint,
+    # newer than any snapshot: a group's final step takes none)
+    held = r["memory_checkpoint_bytes"]
+    assert held and min(held.values()) > 0 and max(int(s) for s in held) > r["notice_checkpoint"], held
     # each event costs one of scaling.max_failures (5 at stop 56: a replacement placed on a lost node Ray had not
     # marked dead yet failed once more), one more if the two lost nodes are seen by two polls; the notice none (its
     # replica left, its process ended with the run)
