@@ -280,7 +280,8 @@ class CheckpointConfig(Section):
         "on its node and on memory_replicas other nodes; a restart resumes from the newest complete one when it is "
         "at least as new as the newest checkpoint; written in the background while the next step trains. null (the "
         "default): every step while the worker group spans more than one node (off on one node, and for "
-        "neuron-xla); 0: off",
+        "neuron-xla; under scaling.recovery: live, on more than one node, the live rank 0's snapshot of its whole "
+        "replica at each checkpoint step, for a restart after every replica was lost); 0: off",
     )
     memory_replicas: int = Field(
         1, ge=0, le=16, description="other nodes that keep a copy of each node's snapshot (the next ones on a ring)"

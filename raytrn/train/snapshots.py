@@ -13,6 +13,9 @@ restarts at.
 
 A snapshot that cannot be kept (a store full, a node gone mid-copy) is skipped with one warning naming why; training
 goes on, the previous complete snapshot and the durable checkpoints stay.
+
+A rank may also snapshot *alone* (``alone_on``): the live group's rank 0 (:mod:`raytrn.train.live_snapshots`), whose
+state is a whole replica's, writes it as one process does, with no collective and no agreement, and seals it itself.
 """
 
 from __future__ import annotations
