@@ -259,7 +259,7 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
                     if tracker is not None and group.rank == 0:
                         tracker.set_tags({"raytrn.rollback": f"steps {first}-{step}, in place to step {progress.step}"})
                     clock.retrains_until(step)
-                    snapshots.rewound(progress.step)
+                    snapshots.rewound(first, progress.step)
                     batches = backend.wrap_batches(feed.start(progress, ctx.get_world_rank()))
                     evaluation.progress = progress
                     last = False

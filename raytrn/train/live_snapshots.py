@@ -20,8 +20,10 @@ generation, and whoever is rank 0 writes in it. A member that becomes rank 0 (it
 over in the same generation: every snapshot, whichever rank 0 wrote it, is of a step the live group committed, so a
 lingering predecessor's late copies hold the same state (and a seal never moves a store back). After a member is
 lost, rank 0 leaves its snapshot in flight (which may wait on the lost node's store until Ray marks the node dead)
-and goes on with a new writer. A non-finite rollback in place rewinds the stores to the step it went back to (a new
-generation: the diverging steps' snapshots are forgotten).
+and goes on with a new writer. Rank 0 never waits for the tier: while a snapshot is still being written and copied,
+the next due one is not taken. A non-finite rollback in place rewinds the stores to the step it went back to (a new
+generation: the diverging steps' snapshots are forgotten; the rollback marked done with the keeper), in a thread of
+rank 0's.
 
 Cost: rank 0 stages its whole replica's state to host memory at each snapshot step (the restart path's ranks each
 stage their shard), and the others wait for that copy at the next all-reduce; the DCP write and the copies run in
@@ -32,6 +34,7 @@ than one node; 0: off).
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from raytrn.checkpoint.memory_clients import SnapshotKeeper
@@ -62,6 +65,8 @@ class LiveSnapshots:
         self.writer: MemorySnapshots | None = None
         self._members: tuple[str, ...] = ()  # the members the writer's ring is over
         self._restorer: MemorySnapshots | None = None
+        self._rewind: tuple[int, int] | None = None  # a rollback's (first, step) rank 0 rewinds the stores for
+        self._rewinding: threading.Thread | None = None
         if self.on:
             group.store.set(NODE_KEY + group.member, node)
 
@@ -85,36 +90,67 @@ class LiveSnapshots:
 
     def step_done(self, t: Any, progress: Progress, *, final: bool, checkpoint: bool) -> None:
         """After a committed step (its evaluation and checkpoint done): rank 0 completes the snapshot in flight and,
-        when due, takes this step's. Any other member has no writer."""
+        when due, takes this step's; it never waits for the tier: while a snapshot (or a rollback's rewind) is still
+        going on, this step's is not taken. Any other member has no writer."""
         if not self.on:
             return
         if self.group.rank != 0:
             self.close()
+            self._rewind = None  # (the rank 0 of the rollback's step rewinds)
+            return
+        members = self._live_members()
+        if self.writer is not None and not set(self._members) <= set(members):
+            self.close()  # a member lost: its node's store may hold up the snapshot in flight (left to finish alone)
+        if self.writer is not None and self.writer.in_flight():
+            return
+        if self._rewinding is not None and self._rewinding.is_alive():
+            return
+        if self._rewind is not None:  # a rollback: the stores forget its snapshots, in a thread of their own
+            self._start_rewind(*self._rewind)
+            self._rewind = None
+            return
+        if not t.optimizer.state:  # (a state dict would create the optimizer's state on this replica alone)
             return
         try:
             writer = self._writer(progress.step)
         except Exception as e:  # the keeper or a store did not answer: the tier is an optimisation, training goes on
             log.warning("in-memory snapshots stop on this replica: %s; the durable checkpoints stay", e)
-            self.on, self.writer = False, None
+            self.on = False
+            self.close()
             return
-        # (a copy that does not land within the peer timeout, a store's node unreachable: this writer takes no more,
-        # with one warning, until a member's loss makes the next)
-        writer.written(self.job.scaling.peer_timeout_s)
+        writer.written()  # (done: no wait)
         if writer.due(progress.step, final=final, checkpoint=checkpoint):
             writer.save(t, progress)
 
-    def rewound(self, step: int) -> None:
-        """A rollback in place to ``step``: the stores forget every newer snapshot (the diverging steps')."""
-        if self.writer is not None:
-            self.writer.written()
-            self.writer.starting_at(step)
-            if self.writer.generation:
-                self.group.store.set(GENERATION_KEY, str(self.writer.generation))
+    def rewound(self, first: int, step: int) -> None:
+        """A rollback in place of the steps from ``first`` on, to ``step``: the stores forget every snapshot after
+        ``step`` (the diverging ones, and the ones after it that the retrained steps replace) and the rollback is
+        marked done with the keeper (a later full start keeps what is snapshotted after it). Rank 0 does it at its
+        next step, in a thread (a lost node's store may hold up a rewind until Ray marks the node dead)."""
+        self.close()
+        self._rewind = (first, step)
 
     def close(self) -> None:
         """This member no longer writes (no longer rank 0, or leaving). Its snapshot in flight is left to finish on
         its own (a step the group committed: whenever it lands, it holds that step's state)."""
-        self.writer = None
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.close()
+
+    def _start_rewind(self, first: int, step: int) -> None:
+        keeper, store = self.keeper, self.group.store
+
+        def rewind() -> None:
+            assert keeper is not None
+            try:
+                keeper.forget_rollback(first, timeout_s=120)
+                rewound = keeper.rewind(step, timeout_s=120)
+                store.set(GENERATION_KEY, str(rewound.generation))
+            except Exception as e:  # the keeper gone: no snapshot after the rollback is taken (refused, stale)
+                log.warning("in-memory snapshots: the rollback's rewind failed (%s); the durable checkpoints stay", e)
+
+        self._rewinding = threading.Thread(target=rewind, name="raytrn-snapshot-rewind", daemon=True)
+        self._rewinding.start()
 
     def metrics(self) -> dict[str, float]:
         """Rank 0's at a log step: the restart path's tier metrics (``memory_snapshot_blocked_s``,
@@ -124,15 +160,15 @@ class LiveSnapshots:
     def _writer(self, step: int) -> MemorySnapshots:
         """This rank 0's writer, its ring over the live members' nodes: made again after a member was lost (the
         snapshot in flight left behind), its ring widened when newcomers joined."""
-        members = tuple(self.group.generation.members) if self.group.generation is not None else ()
-        if self.writer is not None and members == self._members:
-            return self.writer
+        members = self._live_members()
         store = self.group.store
+        if self.writer is not None and members == self._members:
+            if store.check([GENERATION_KEY]):  # (a rollback's rewind moved it)
+                self.writer.generation = int(store.get(GENERATION_KEY))
+            return self.writer
         nodes = [
             store.get(NODE_KEY + m).decode() for m in members if m != self.group.member and store.check([NODE_KEY + m])
         ]
-        if self.writer is not None and not set(self._members) <= set(members):
-            self.writer = None  # a member lost: its node's store may hold up the snapshot in flight
         if self.writer is None:
             self.writer = MemorySnapshots(
                 self.job, self.keeper, rank=0, world_size=1, rollbacks=self.rollbacks, alone_on=nodes, node=self.node
@@ -147,3 +183,6 @@ class LiveSnapshots:
             self.writer.regroup(nodes)
         self._members = members
         return self.writer
+
+    def _live_members(self) -> tuple[str, ...]:
+        return tuple(self.group.generation.members) if self.group.generation is not None else ()

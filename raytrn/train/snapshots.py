@@ -130,7 +130,7 @@ class MemorySnapshots:
         self._snapshotter: Snapshotter | None = None  # what one snapshot leaves for the next to reuse
         self._slabs = SlabWriter()  # this rank's slabs on its node's store, kept mapped
         self._thread: threading.Thread | None = None  # this rank's snapshot thread (started at the first snapshot)
-        self._queue: queue.SimpleQueue[tuple[_Writing, Any]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[_Writing | None, Any]] = queue.SimpleQueue()
         if not self.restorable:
             return
         self.node = node or ray.get_runtime_context().get_node_id()
@@ -252,6 +252,18 @@ class MemorySnapshots:
         every = self.every or 0
         return self.taking and not final and (checkpoint or (every > 0 and step % every == 0))
 
+    def in_flight(self) -> bool:
+        """Whether a snapshot's write is still going on in this rank's thread (alone: the caller then takes none
+        this step rather than wait for it)."""
+        return self._writing is not None and not self._writing.done.is_set()
+
+    def close(self) -> None:
+        """No more snapshots by this object: its thread ends after the write in flight (which finishes on its own),
+        and with it what the thread holds (the staging and file buffers)."""
+        self.taking = False
+        if self._thread is not None:
+            self._queue.put((None, None))
+
     def written(self, timeout_s: float = 300.0) -> bool:
         """After every step, before it is logged: the snapshot being written (the previous step's, when there is
         one every step) is waited for and completed (a collective), so the step before any logged step is always
@@ -296,6 +308,8 @@ class MemorySnapshots:
         then adds the manifest and the stores free the older snapshots."""
         while True:
             writing, staged = self._queue.get()
+            if writing is None:  # (close)
+                return
             step = writing.progress.step
             try:
                 assert self._snapshotter is not None

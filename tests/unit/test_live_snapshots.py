@@ -21,7 +21,7 @@ from raytrn.checkpoint.progress import Progress
 from raytrn.train.build import build_training
 from raytrn.train.step import train_step
 from tests.unit.memory_stand_ins import StandInKeeper
-from tests.unit.test_dcp import job
+from tests.unit.test_dcp import job, trained
 from tests.unit.test_memory_tier import _batches, _free_port, _moments, _params
 
 pytestmark = pytest.mark.unit
@@ -123,21 +123,32 @@ def _live(tmp: Path, keeper: StandInKeeper, store: Any, member: str, rank: int, 
     return LiveSnapshots(every, keeper, cast(Any, group), f"node-{member}"), group
 
 
+def _settled(live: Any) -> Any:
+    """``live`` once its rank 0's snapshot in flight (and a rollback's rewind) ended: the test's steps then find
+    nothing in flight (rank 0 never waits for the tier: a step with a snapshot in flight takes none)."""
+    writer = live.writer
+    if writer is not None and writer._writing is not None:
+        assert writer._writing.done.wait(20)
+    if live._rewinding is not None:
+        live._rewinding.join(20)
+    return live
+
+
 def test_the_founding_rank_0_writes_on_from_the_restore_and_a_new_rank_0_takes_over_in_its_generation(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Founders restore through the tier (its rewind sets the stores' generation, kept in the live store); the
-    founding rank 0 writes in it (every step, as asked); a member that is not rank 0 writes
-    nothing; the ring widens to a newcomer's node (the same writer); after a member is lost rank 0 leaves the snapshot
-    in flight and writes on with a new writer over the live nodes; a member that becomes rank 0 writes in the same
-    generation (no rewind: a rewind waits on the lost node's store); a rollback rewinds the stores (a new
-    generation, in the live store)."""
+    founding rank 0 writes in it (every step, as asked); a member that is not rank 0 writes nothing; the ring widens
+    to a newcomer's node (the same writer); after a member is lost rank 0 leaves the snapshot in flight and writes on
+    with a new writer over the live nodes; a member that becomes rank 0 writes in the same generation (no rewind: a
+    rewind waits on the lost node's store); a rollback marks itself done with the keeper and rewinds the stores in a
+    thread (a new generation, in the live store), the steps meanwhile taking none."""
     from raytrn.train import snapshots as tier
     from raytrn.train.live_snapshots import GENERATION_KEY
 
     monkeypatch.setattr(tier, "publish", _Placed())
     store, keeper = dist.HashStore(), StandInKeeper()
-    t = build_training(job(tmp_path), CpuBackend(), world_size=1)
+    t = trained(job(tmp_path))
     a, group_a = _live(tmp_path, keeper, store, "a", 0, ("a", "b", "c"))
     b, group_b = _live(tmp_path, keeper, store, "b", 1, ("a", "b", "c"))
     _live(tmp_path, keeper, store, "c", 2, ("a", "b", "c"))
@@ -147,32 +158,38 @@ def test_the_founding_rank_0_writes_on_from_the_restore_and_a_new_rank_0_takes_o
     a.started()
     assert store.get(GENERATION_KEY) == b"1"
     for step in (1, 2, 3):
-        a.step_done(t, Progress(step=step), final=False, checkpoint=False)
+        _settled(a).step_done(t, Progress(step=step), final=False, checkpoint=False)
         b.step_done(t, Progress(step=step), final=False, checkpoint=False)
-    first = a.writer
+    first = _settled(a).writer
     assert keeper.rewinds == [0] and first.generation == 1 and b.writer is None  # no second rewind; rank 1 none
     assert sorted(first.ring) == ["node-a", "node-b", "node-c"]
-    assert keeper.stores["node-a"].sealed == [1, 2]  # type: ignore[attr-defined]  # (3 in flight until the next)
+    assert keeper.stores["node-a"].sealed == [1, 2, 3]  # type: ignore[attr-defined]
     _live(tmp_path, keeper, store, "d", 3, ("a", "b", "c", "d"))
     group_a.generation = _Generation(("a", "b", "c", "d"))  # d admitted: the same writer, its ring widened
     a.step_done(t, Progress(step=4), final=False, checkpoint=False)
     assert a.writer is first and sorted(first.ring) == ["node-a", "node-b", "node-c", "node-d"]
-    group_a.generation = _Generation(("a", "b", "d"))  # c lost: a new writer over the live nodes
-    a.step_done(t, Progress(step=5), final=False, checkpoint=False)
+    a.step_done(t, Progress(step=5), final=False, checkpoint=False)  # (4 in flight or done: 5 taken only if done)
+    group_a.generation = _Generation(("a", "b", "d"))  # c lost: a new writer over the live nodes, nothing waited for
+    _settled(a).step_done(t, Progress(step=6), final=False, checkpoint=False)
     assert (
         a.writer is not first and a.writer.generation == 1 and sorted(a.writer.ring) == ["node-a", "node-b", "node-d"]
     )
-    a.step_done(t, Progress(step=6), final=True, checkpoint=True)  # the group's final step: none taken
-    assert keeper.stores["node-d"].sealed[-1] == 5  # type: ignore[attr-defined]
-    # a lost: b becomes rank 0 and writes on in the group's generation from step 7
+    _settled(a).step_done(t, Progress(step=7), final=True, checkpoint=True)  # the group's final step: none taken
+    assert max(keeper.stores["node-d"].sealed) == 6  # type: ignore[attr-defined]
+    # a lost: b becomes rank 0 and writes on in the group's generation from step 8
     group_b.rank, group_b.generation = 0, _Generation(("b", "d"))
-    b.step_done(t, Progress(step=7), final=False, checkpoint=False)
+    b.step_done(t, Progress(step=8), final=False, checkpoint=False)
     assert keeper.rewinds == [0] and b.writer.generation == 1 and sorted(b.writer.ring) == ["node-b", "node-d"]
     keeper.rewound = StoresRewound(2)
-    b.rewound(4)  # a rollback in place to step 4: newer snapshots forgotten, a new generation
-    assert keeper.rewinds == [0, 4] and store.get(GENERATION_KEY) == b"2"
+    b.rewound(5, 4)  # a rollback of steps 5 on, in place to step 4
+    assert b.writer is None
+    _settled(b).step_done(t, Progress(step=5), final=False, checkpoint=False)  # rank 0 rewinds, in its thread
+    assert _settled(b).writer is None and keeper.forgotten == [5] and keeper.rewinds == [0, 4]
+    assert store.get(GENERATION_KEY) == b"2"
+    b.step_done(t, Progress(step=6), final=False, checkpoint=False)
+    assert _settled(b).writer.generation == 2  # what it snapshots now the stores take
     group_b.rank = 1  # (were it no longer rank 0: its writer goes)
-    b.step_done(t, Progress(step=8), final=False, checkpoint=False)
+    b.step_done(t, Progress(step=7), final=False, checkpoint=False)
     assert b.writer is None and b.metrics() == {}
 
 
