@@ -20,8 +20,8 @@ generation, and whoever is rank 0 writes in it. A member that becomes rank 0 (it
 over in the same generation: every snapshot, whichever rank 0 wrote it, is of a step the live group committed, so a
 lingering predecessor's late copies hold the same state (and a seal never moves a store back). After a member is
 lost, rank 0 leaves its snapshot in flight (which may wait on the lost node's store until Ray marks the node dead)
-and goes on with a new writer. Rank 0 never waits for the tier: while a snapshot is still being written and copied,
-the next due one is not taken. A non-finite rollback in place rewinds the stores to the step it went back to (a new
+and goes on with a new writer. Rank 0 waits at most 2 s for a snapshot still being written and copied (the step
+after a slow write); past that the next due one is not taken. A non-finite rollback in place rewinds the stores to the step it went back to (a new
 generation: the diverging steps' snapshots are forgotten; the rollback marked done with the keeper), in a thread of
 rank 0's.
 
@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 #: The live store's key of a member's node (a Ray node id), read by the rank 0 that snapshots.
 NODE_KEY = "node/"
+#: The longest rank 0 waits at a step's end for its snapshot in flight (the others wait for it at the next
+#: all-reduce); past it the step takes none (a store's node lost: its copy hangs until Ray marks the node dead).
+WAIT_S = 2.0
 #: The live store's key of the stores' generation rank 0 writes in (set by the founding rank 0, and at a rollback).
 GENERATION_KEY = "memory/generation"
 
@@ -90,8 +93,9 @@ class LiveSnapshots:
 
     def step_done(self, t: Any, progress: Progress, *, final: bool, checkpoint: bool) -> None:
         """After a committed step (its evaluation and checkpoint done): rank 0 completes the snapshot in flight and,
-        when due, takes this step's; it never waits for the tier: while a snapshot (or a rollback's rewind) is still
-        going on, this step's is not taken. Any other member has no writer."""
+        when due, takes this step's. It waits at most :data:`WAIT_S` for a snapshot in flight (a write slower than a
+        step), and not for a rollback's rewind: while either goes on, this step's is not taken. Any other member has
+        no writer."""
         if not self.on:
             return
         if self.group.rank != 0:
@@ -101,7 +105,7 @@ class LiveSnapshots:
         members = self._live_members()
         if self.writer is not None and not set(self._members) <= set(members):
             self.close()  # a member lost: its node's store may hold up the snapshot in flight (left to finish alone)
-        if self.writer is not None and self.writer.in_flight():
+        if self.writer is not None and self.writer.in_flight(WAIT_S):
             return
         if self._rewinding is not None and self._rewinding.is_alive():
             return

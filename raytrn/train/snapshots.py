@@ -252,10 +252,10 @@ class MemorySnapshots:
         every = self.every or 0
         return self.taking and not final and (checkpoint or (every > 0 and step % every == 0))
 
-    def in_flight(self) -> bool:
-        """Whether a snapshot's write is still going on in this rank's thread (alone: the caller then takes none
-        this step rather than wait for it)."""
-        return self._writing is not None and not self._writing.done.is_set()
+    def in_flight(self, wait_s: float = 0.0) -> bool:
+        """Whether a snapshot's write is still going on in this rank's thread after waiting up to ``wait_s`` for it
+        (alone: the caller then takes none this step rather than wait longer)."""
+        return self._writing is not None and not self._writing.done.wait(wait_s)
 
     def close(self) -> None:
         """No more snapshots by this object: its thread ends after the write in flight (which finishes on its own),
