@@ -176,21 +176,29 @@ def test_the_founding_rank_0_writes_on_from_the_restore_and_a_new_rank_0_takes_o
     )
     _settled(a).step_done(t, Progress(step=7), final=True, checkpoint=True)  # the group's final step: none taken
     assert max(keeper.stores["node-d"].sealed) == 6  # type: ignore[attr-defined]
+    second = a.writer
+    a.close()
     # a lost: b becomes rank 0 and writes on in the group's generation from step 8
     group_b.rank, group_b.generation = 0, _Generation(("b", "d"))
     b.step_done(t, Progress(step=8), final=False, checkpoint=False)
     assert keeper.rewinds == [0] and b.writer.generation == 1 and sorted(b.writer.ring) == ["node-b", "node-d"]
     keeper.rewound = StoresRewound(2)
-    b.rewound(5, 4)  # a rollback of steps 5 on, in place to step 4
+    _settled(b).rewound(5, 4)  # a rollback of steps 5 on, in place to step 4
     assert b.writer is None
     _settled(b).step_done(t, Progress(step=5), final=False, checkpoint=False)  # rank 0 rewinds, in its thread
     assert _settled(b).writer is None and keeper.forgotten == [5] and keeper.rewinds == [0, 4]
     assert store.get(GENERATION_KEY) == b"2"
     b.step_done(t, Progress(step=6), final=False, checkpoint=False)
     assert _settled(b).writer.generation == 2  # what it snapshots now the stores take
+    last = _settled(b).writer
     group_b.rank = 1  # (were it no longer rank 0: its writer goes)
     b.step_done(t, Progress(step=7), final=False, checkpoint=False)
     assert b.writer is None and b.metrics() == {}
+    # every writer's thread has ended (closed: none outlives the test, which would publish with Ray's objects)
+    for writer in (first, second, last):
+        assert writer._thread is not None
+        writer._thread.join(20)
+        assert not writer._thread.is_alive()
 
 
 def test_by_default_the_live_rank_0_snapshots_at_the_checkpoint_steps_only(tmp_path: Path) -> None:
