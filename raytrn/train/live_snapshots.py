@@ -21,9 +21,9 @@ over in the same generation: every snapshot, whichever rank 0 wrote it, is of a 
 lingering predecessor's late copies hold the same state (and a seal never moves a store back). After a member is
 lost, rank 0 leaves its snapshot in flight (which may wait on the lost node's store until Ray marks the node dead)
 and goes on with a new writer. Rank 0 waits at most 2 s for a snapshot still being written and copied (the step
-after a slow write); past that the next due one is not taken. A non-finite rollback in place rewinds the stores to the step it went back to (a new
-generation: the diverging steps' snapshots are forgotten; the rollback marked done with the keeper), in a thread of
-rank 0's.
+after a slow write); past that the next due one is not taken. A non-finite rollback in place rewinds the stores to
+the step it went back to (a new generation: the diverging steps' snapshots are forgotten; the rollback marked done
+with the keeper), in a thread of rank 0's.
 
 Cost: rank 0 stages its whole replica's state to host memory at each snapshot step (the restart path's ranks each
 stage their shard), and the others wait for that copy at the next all-reduce; the DCP write and the copies run in
@@ -116,7 +116,7 @@ class LiveSnapshots:
         if not t.optimizer.state:  # (a state dict would create the optimizer's state on this replica alone)
             return
         try:
-            writer = self._writer(progress.step)
+            writer = self._writer(progress.step, members)
         except Exception as e:  # the keeper or a store did not answer: the tier is an optimisation, training goes on
             log.warning("in-memory snapshots stop on this replica: %s; the durable checkpoints stay", e)
             self.on = False
@@ -161,15 +161,12 @@ class LiveSnapshots:
         ``memory_checkpoint_bytes`` and per node)."""
         return self.writer.metrics() if self.writer is not None else {}
 
-    def _writer(self, step: int) -> MemorySnapshots:
-        """This rank 0's writer, its ring over the live members' nodes: made again after a member was lost (the
-        snapshot in flight left behind), its ring widened when newcomers joined."""
-        members = self._live_members()
-        store = self.group.store
+    def _writer(self, step: int, members: tuple[str, ...]) -> MemorySnapshots:
+        """This rank 0's writer, its ring over the live members' nodes (``members``): made after a loss, a rollback or a
+        takeover (in the group's generation, from the live store), its ring widened when newcomers joined."""
         if self.writer is not None and members == self._members:
-            if store.check([GENERATION_KEY]):  # (a rollback's rewind moved it)
-                self.writer.generation = int(store.get(GENERATION_KEY))
             return self.writer
+        store = self.group.store
         nodes = [
             store.get(NODE_KEY + m).decode() for m in members if m != self.group.member and store.check([NODE_KEY + m])
         ]
