@@ -44,6 +44,8 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Train worker-group poll status": "ray.train.v2._internal.execution.worker_group:WorkerGroup.get_latest_poll_status",
     "Ray Train worker-group polls": "ray.train.v2._internal.execution.worker_group:WorkerGroup._poll_workers_and_collect_errors",
     "Ray Train worker status": "ray.train.v2._internal.execution.worker_group.poll:WorkerStatus",
+    "Ray Train worker health-check timeout": "ray.train.v2._internal.exceptions:WorkerHealthCheckTimeoutError",
+    "Ray Train worker health-check timeout variable": "ray.train.v2._internal.constants:WORKER_HEALTH_CHECK_TIMEOUT_S_ENV_VAR",
     "Ray Train replica groups": "ray.train.v2._internal.execution.worker_group:WorkerGroup.get_replica_groups",
     "Ray Train replica-group replace": "ray.train.v2._internal.execution.worker_group:WorkerGroup.replace_replica_group",
     "Ray Train replica-group state": "ray.train.v2._internal.execution.worker_group.execution_group:ReplicaGroup.is_active",
@@ -130,6 +132,7 @@ def hosted_trainer(
     console: logging.Handler | None = None,
     make_policy: Callable[[Any], Any] | None = None,
     health_check_s: float | None = None,
+    worker_timeout_s: float | None = None,
     skipped: tuple[str, ...] = HOSTED_SKIPPED_CALLBACKS,
     lost_nodes_unconfirmed: Callable[[list[str]], bool] | None = None,
     draining: Callable[[], set[str]] = lambda: set(),
@@ -138,7 +141,10 @@ def hosted_trainer(
 
     ``make_policy(scaling_config)``: the scaling policy instead of the one Ray picks; ``health_check_s``: how often
     the controller polls its workers (Ray's default 2 s; ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` set by the user
-    wins). A ``KeyboardInterrupt`` (Ctrl-C, SIGTERM turned into one) aborts the worker group, then propagates.
+    wins); ``worker_timeout_s``: how long a worker may leave a poll unanswered before the controller counts it
+    failed (a frozen process: SIGSTOP, a hung host; Ray's default 600 s; ``RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S``
+    set by the user wins); such a worker's actor is killed at once (Ray's shutdown would first wait 5 s for it to
+    answer). A ``KeyboardInterrupt`` (Ctrl-C, SIGTERM turned into one) aborts the worker group, then propagates.
     ``lost_nodes_unconfirmed(node_ids)``: whether a node of a failed replica group's workers is lost but not yet
     marked dead by Ray (a replacement placed there would fail); with it, a failed replica group whose slots have no
     place yet is replaced by a later poll, not in the controller's loop; ``draining()``: the nodes being drained
@@ -149,6 +155,8 @@ def hosted_trainer(
 
     import ray
     from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
+    from ray.train.v2._internal.constants import WORKER_HEALTH_CHECK_TIMEOUT_S_ENV_VAR
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckTimeoutError
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
     from ray.train.v2._internal.execution.controller import TrainController
     from ray.train.v2._internal.execution.controller.state import AbortedState, PreemptingState, ResizingState
@@ -184,6 +192,11 @@ def hosted_trainer(
             self.placement_group_handle.shutdown()
 
     class HostedWorkerGroup(WorkerGroup):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if worker_timeout_s is not None and not os.environ.get(WORKER_HEALTH_CHECK_TIMEOUT_S_ENV_VAR):
+                self._worker_health_check_timeout_s = float(worker_timeout_s)
+
         def shutdown(self) -> None:
             state = self._worker_group_state
             status = self.get_latest_poll_status() if state is not None else None
@@ -243,6 +256,7 @@ def hosted_trainer(
 
         def _poll_workers_and_collect_errors(self, timeout: float | None) -> list[Any]:
             statuses = list(super()._poll_workers_and_collect_errors(timeout))
+            self._kill_frozen(statuses)
             waiting = self._waiting()
             if not waiting:
                 return statuses
@@ -261,6 +275,25 @@ def hosted_trainer(
                         waiting[index] = old
                         logging.getLogger(__name__).warning("replacing replica group %d failed: %s", index, e)
             return statuses
+
+        def _kill_frozen(self, statuses: list[Any]) -> None:
+            """Kill, once, the actor of every worker whose poll has gone unanswered past the health check's timeout
+            (a frozen process): whatever the controller decides next (a replica group replaced, the group
+            restarted), its slot is freed ~5 s sooner (Ray's kill of a stopped process), and the others' collectives
+            with it fail at once instead of waiting out their timeout."""
+            workers = self.get_workers()
+            killed: set[Any] = getattr(self, "_raytrn_killed", set())
+            self._raytrn_killed = killed
+            for rank, status in enumerate(statuses):
+                if isinstance(status.error, WorkerHealthCheckTimeoutError) and rank < len(workers):
+                    actor = workers[rank].actor
+                    if actor not in killed:
+                        killed.add(actor)
+                        logging.getLogger(__name__).warning(
+                            "rank %d stopped answering for %.0f s: killing its actor", rank,
+                            self._worker_health_check_timeout_s,
+                        )  # fmt: skip
+                        ray.kill(actor)
 
         def _init_train_context_on_workers(
             self, workers: list[Any], sync_actor: Any, train_context_args: dict[str, list[Any]]

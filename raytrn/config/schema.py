@@ -184,7 +184,8 @@ class ScalingConfig(Section):
         30.0,
         ge=1,
         le=3600,
-        description="recovery: live: how long a collective waits for a frozen peer before it counts as lost",
+        description="recovery: live: how long a collective waits for a frozen peer before it counts as lost, and how "
+        "long a worker may leave Ray Train's health checks unanswered before it is killed and replaced",
     )
 
     @model_validator(mode="before")

@@ -55,6 +55,9 @@ class RunEvents:
         self.size = 0
         self.failures = 0
         self.groups = 0
+        #: (rank, node id) pairs a line already named as lost with their node: not named again by a later line (a
+        #: live group's lost replica waits for capacity at its place while the others' later failures are told)
+        self._told_lost: set[tuple[int, str]] = set()
 
     # -- compat.ControllerListener ----------------------------------------------------------------------------
     def group_starting(self, num_workers: int) -> None:
@@ -132,10 +135,14 @@ class RunEvents:
         """The ranks on lost nodes first (Ray may not have said so yet: their survivors' collectives fail first),
         then each reported reason with its ranks."""
         alive = self.alive_nodes() if self.places else None
-        lost = sorted(r for r, p in self.places.items() if alive is not None and p.node_id not in alive)
+        told = {r for r, p in self.places.items() if (r, p.node_id) in self._told_lost}
+        lost = sorted(
+            r for r, p in self.places.items() if alive is not None and p.node_id not in alive and r not in told
+        )
+        self._told_lost.update((r, self.places[r].node_id) for r in lost)
         by_reason: dict[str, list[int]] = {"its node was lost": lost} if lost else {}
         reasons = {rank: describe_error(e) for rank, e in sorted(errors.items()) if rank not in lost}
-        silent = sorted(set(self.places) - set(errors) - set(lost))
+        silent = sorted(set(self.places) - set(errors) - set(lost) - told)
         if not lost and silent and reasons and set(reasons.values()) == {PEER_LEFT}:
             # The others' collectives failed because a peer left; the ranks that said nothing are the likely ones
             by_reason["no word from it (its process or node likely gone)"] = silent
@@ -190,7 +197,7 @@ def describe_error(error: BaseException) -> str:
                     return said
             return "its process died (killed, out of memory, or its node lost)"
         if name == "WorkerHealthCheckTimeoutError":
-            return "it stopped answering Ray's health checks"
+            return "it stopped answering Ray's health checks (a frozen process: killed)"
         if any(words in str(e) for words in PEER_LOST):
             return PEER_LEFT
         nested = getattr(e, "health_check_failure", None) or getattr(e, "cause", None) or e.__cause__

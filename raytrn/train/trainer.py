@@ -373,6 +373,9 @@ def _trainer(
     trainer_class = hosted_trainer(
         DataParallelTrainer, listener=events, console=ray_train_console(), make_policy=policy,
         health_check_s=HEALTH_CHECK_S, lost_nodes_unconfirmed=lost_nodes_unconfirmed, draining=draining_nodes,
+        # live: a frozen replica (SIGSTOP, a hung host) is killed and replaced once it has not answered Ray for as
+        # long as the others' collectives wait for it (Ray's 600 s would keep its slot and the run's end waiting)
+        worker_timeout_s=job.scaling.peer_timeout_s if job.scaling.recovery == "live" else None,
     )  # fmt: skip
     return trainer_class(
         train_fn,

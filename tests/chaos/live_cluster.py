@@ -13,7 +13,8 @@ stop at and wait) and, once that checkpoint is committed, every worker process S
 group restarts from that checkpoint), a preemption
 notice (``ray drain-node``) to a node holding a worker once the restarted group trains (its replica leaves at a
 step boundary, the other two train on), that node removed once a step at 2 replicas is logged (its deadline: no
-capacity returns), and the stop request (``raytrn stop``) once Ray marked it dead, a few steps on.
+capacity returns), once Ray marked it dead one of the two replicas left frozen (SIGSTOP) until Ray Train gives it up
+and its replacement joins, and the stop request (``raytrn stop``) a few steps on.
 
 The result: the training workers' pids before the removal, after the return and at the end; the removal's step and
 the seconds from it to the first step logged at 2 replicas; from the new node to the first step at 3; the same two
@@ -189,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         result["reference_trace"] = _traces(work / "trace-reference")
     finally:
         Path(args.out).write_text(json.dumps(result))
+        if "frozen_pid" in result and _running(result["frozen_pid"]):
+            os.kill(result["frozen_pid"], signal.SIGKILL)  # a stopped process would outlive its raylet
         ray.shutdown()
         cluster.shutdown()
         if s3 is not None:
@@ -291,6 +294,30 @@ def _later_events(
     wait_until(lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == drained.node_id), 120,
                "Ray marking the drained node dead")  # fmt: skip
     time.sleep(3)  # a poll or two: the failure decided, the replacement waiting for capacity
+    # one of the two replicas left frozen whole (SIGSTOP: a hung host): the other trains on alone once its heartbeat
+    # stands still (or, inside a collective, at scaling.peer_timeout_s); Ray Train gives the frozen worker up after
+    # the same timeout (not Ray's 600 s), raytrn kills its actor, and a replacement on its node (capacity there)
+    # joins live: 2 replicas again, the survivor's process the same
+    before = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
+    frozen_pid = before[0]
+    result["frozen_pid"], result["pids_before_freeze"] = frozen_pid, before
+    frozen = time.time()
+    os.kill(frozen_pid, signal.SIGSTOP)
+    wait_until(lambda: at(1.0, frozen) or not thread.is_alive(), 120, "a step at 1 replica after the freeze")
+    alone = at(1.0, frozen)[0][1]
+    result["freeze_to_next_step_s"] = round(alone - frozen, 2)
+    wait_until(lambda: at(2.0, alone) or not thread.is_alive(), 180, "a step at 2 replicas after the freeze")
+    result["freeze_to_full_size_s"] = round(at(2.0, alone)[0][1] - frozen, 2)
+    result["frozen_gone"] = not _running(frozen_pid)
+    result["pids_after_freeze"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

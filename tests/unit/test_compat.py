@@ -123,6 +123,11 @@ def test_what_the_hosted_controller_overrides_keeps_its_signature() -> None:
     init = inspect.getsource(TrainController.__init__)
     assert "_worker_group_callbacks_to_propagate" in init and init.rstrip().endswith("self._start()")
     assert "_health_check_interval_s" in inspect.getsource(TrainController.__init__)
+    # a live run's worker timeout: set after WorkerGroup.__init__ reads Ray's variable, read where polls hang
+    assert "self._worker_health_check_timeout_s = float(" in inspect.getsource(WorkerGroup.__init__)
+    assert "elapsed_time_s > self._worker_health_check_timeout_s" in inspect.getsource(
+        WorkerGroup._poll_workers_and_collect_errors
+    )
     assert "ray.actor.exit_actor()" in inspect.getsource(TrainController.abort)  # why abort_here exists
     source = inspect.getsource(WorkerGroup._init_train_context_on_workers)
     assert "controller_actor=ray.get_runtime_context().current_actor" in source

@@ -267,6 +267,29 @@ def test_a_lost_node_is_named_before_its_survivors_collective_errors() -> None:
     assert lines[-1].startswith("raytrn: rank 0 on 10.0.0.1 failed: ValueError: bad batch; restarting")
 
 
+def test_a_live_replica_lost_with_its_node_is_named_once_not_again_at_the_next_failure() -> None:
+    """Live recovery: a replica lost with its node waits for capacity at its place (no new group starts), so a later
+    failure of another replica (frozen: Ray's health check gave it up) names only that one."""
+    from raytrn.compat import WorkerPlace
+
+    lines: list[str] = []
+    alive = {"n1", "n2"}
+    events = RunEvents(10, live=True, out=lines.append, alive_nodes=lambda: set(alive))
+    events.group_started([WorkerPlace(r, f"n{r}", f"10.0.0.{r + 1}", 10 + r) for r in range(3)])
+    events.failure_decided(True, {}, RuntimeError("group"), False)
+    assert lines[-1].startswith("raytrn: rank 0 on 10.0.0.1 failed: its node was lost; the other replicas train on")
+    frozen = type("WorkerHealthCheckTimeoutError", (Exception,), {})("A worker health check has been hanging")
+    events.failure_decided(True, {2: frozen}, RuntimeError("group"), False)
+    assert lines[-1] == (
+        "raytrn: rank 2 on 10.0.0.3 failed: it stopped answering Ray's health checks (a frozen process: killed); the "
+        "other replicas train on; its replica is replaced when capacity allows (failure 2 of scaling.max_failures=10)"
+    )
+    # a new group (a restart) places rank 0 elsewhere: its node lost is news again
+    events.group_started([WorkerPlace(0, "n3", "10.0.0.4", 20), WorkerPlace(1, "n1", "10.0.0.2", 21)])
+    events.failure_decided(True, {}, RuntimeError("group"), False)
+    assert lines[-1].startswith("raytrn: rank 0 on 10.0.0.4 failed: its node was lost"), lines[-1]
+
+
 def test_resizes_notices_and_failed_starts_are_lines_and_ends_too() -> None:
     lines: list[str] = []
     events = RunEvents(3, out=lines.append)
