@@ -53,6 +53,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Train worker-group state": "ray.train.v2._internal.execution.worker_group.state:WorkerGroupState.shutdown",
     "Ray Train controller callback": "ray.train.v2._internal.execution.callback:ControllerCallback",
     "Ray Train worker-group callback": "ray.train.v2._internal.execution.callback:WorkerGroupCallback",
+    "Ray Train replica-group callback": "ray.train.v2._internal.execution.callback:ReplicaGroupCallback.after_replica_group_start",
     "Ray Train preemption callback": "ray.train.v2._internal.callbacks.preemption_callback:PreemptionCallback",
     "Ray Train preemption watcher": "ray.train.v2._internal.execution.preemption:PreemptionWatcher",
     "Ray Train failure decisions": "ray.train.v2._internal.execution.failure_handling:FailureDecision",
@@ -98,6 +99,10 @@ class ControllerListener(Protocol):
     def group_started(self, places: list[WorkerPlace]) -> None:
         """The group's workers are up and their training function was launched."""
 
+    def replicas_started(self, places: list[WorkerPlace]) -> None:
+        """A replica group's workers are up (``scaling.recovery: live``: at the group's start, and a replacement's
+        while the others train on)."""
+
     def failure_decided(
         self, retry: bool, errors: dict[int, BaseException], error: BaseException, preemption: bool
     ) -> None:
@@ -123,6 +128,21 @@ def is_preemption_failure(error: BaseException) -> bool:
     from ray.train.v2._internal.execution.failure_handling.default import _is_preemption_failure
 
     return bool(_is_preemption_failure(error))  # type: ignore[arg-type]  # (any error: False for others)
+
+
+def frozen_workers(
+    polls: list[tuple[BaseException | None, str]], timed_out: type, node_lost: Callable[[list[str]], bool] | None
+) -> tuple[list[int], list[int]]:
+    """Of a poll's ``(error, node id)`` per rank, the ranks whose poll went unanswered past the health check's bound
+    (``timed_out``: Ray Train's ``WorkerHealthCheckTimeoutError``): ``(frozen, lost)``, where ``lost`` are those
+    whose node ``node_lost`` says is gone while Ray still calls it alive (not frozen: Ray's node death will fail
+    them as a lost node's) and ``frozen`` the others."""
+    frozen: list[int] = []
+    lost: list[int] = []
+    for rank, (error, node) in enumerate(polls):
+        if isinstance(error, timed_out):
+            (lost if node_lost is not None and node_lost([node]) else frozen).append(rank)
+    return frozen, lost
 
 
 def hosted_trainer(
@@ -157,7 +177,11 @@ def hosted_trainer(
     from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
     from ray.train.v2._internal.constants import WORKER_HEALTH_CHECK_TIMEOUT_S_ENV_VAR
     from ray.train.v2._internal.exceptions import WorkerHealthCheckTimeoutError
-    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+    from ray.train.v2._internal.execution.callback import (
+        ControllerCallback,
+        ReplicaGroupCallback,
+        WorkerGroupCallback,
+    )
     from ray.train.v2._internal.execution.controller import TrainController
     from ray.train.v2._internal.execution.controller.state import AbortedState, PreemptingState, ResizingState
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
@@ -167,16 +191,29 @@ def hosted_trainer(
     from ray.train.v2._internal.execution.worker_group.state import WorkerGroupState
     from ray.train.v2._internal.logging.logging import PlainRayHandler
 
-    def _reachable(workers: list[Any]) -> bool:
-        """Whether ``workers``' actors answer (a dead node's refuse at once); a busy one that does not answer within
-        the bound counts as there (Ray's own calls will tell)."""
-        try:
-            ray.get([w.actor.__ray_ready__.remote() for w in workers], timeout=REACH_TIMEOUT_S)
-        except ray.exceptions.RayActorError:
-            return False
-        except ray.exceptions.GetTimeoutError:
-            return True
-        return True
+    def _answer(workers: list[Any]) -> bool | None:
+        """Whether ``workers``' actors answer: False when one is gone (a dead node's refuse at once), None when one
+        has not answered within :data:`REACH_TIMEOUT_S` and, with ``worker_timeout_s``, within that (frozen: as long
+        as the health check's bound; Ray's own calls to it would wait without end), else True (a busy one that does
+        not answer within the first bound counts as there without ``worker_timeout_s``: Ray's own calls will tell)."""
+        refs = [w.actor.__ray_ready__.remote() for w in workers]
+        bounds = [REACH_TIMEOUT_S] + ([max(worker_timeout_s - REACH_TIMEOUT_S, 1.0)] if worker_timeout_s else [])
+        for bound in bounds:
+            try:
+                ray.get(refs, timeout=bound)
+                return True
+            except ray.exceptions.RayActorError:
+                return False
+            except ray.exceptions.GetTimeoutError:
+                if lost_nodes_unconfirmed is not None and lost_nodes_unconfirmed([w.metadata.node_id for w in workers]):
+                    return False  # its node is gone, Ray not yet saying so
+        return None if worker_timeout_s else True
+
+    def _places(workers: list[Any]) -> list[WorkerPlace]:
+        return [
+            WorkerPlace(w.distributed_context.world_rank, w.metadata.node_id, w.metadata.node_ip, w.metadata.pid)
+            for w in workers
+        ]
 
     def in_actor() -> bool:
         return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
@@ -213,9 +250,16 @@ def hosted_trainer(
             # waits, in this controller's loop, until its actors start: until capacity returns, with no poll (a
             # run whose survivors finished would not end). So a group whose slot has no place yet waits here
             # instead (its workers reported finished, not failed), and a poll replaces it once the slot is placed.
+            # A frozen one (it has not answered for the health check's bound) is killed and waits the same way: Ray's
+            # replacement would wait on it without end (stop 62's review: two replicas frozen apart hung the loop).
             groups = self.get_replica_groups() or []
             for i, group in enumerate(groups):
-                if i != replica_group_index and group.is_active() and not _reachable(group.get_workers()):
+                if i == replica_group_index or not group.is_active():
+                    continue
+                answer = _answer(group.get_workers())
+                if answer is None:
+                    self._kill([(i, w.actor) for w in group.get_workers()])  # (one worker a replica group)
+                if not answer:
                     gone = group.get_workers()
                     group.shutdown()
                     if lost_nodes_unconfirmed is not None:
@@ -278,22 +322,32 @@ def hosted_trainer(
 
         def _kill_frozen(self, statuses: list[Any]) -> None:
             """Kill, once, the actor of every worker whose poll has gone unanswered past the health check's timeout
-            (a frozen process): whatever the controller decides next (a replica group replaced, the group
-            restarted), its slot is freed ~5 s sooner (Ray's kill of a stopped process), and the others' collectives
-            with it fail at once instead of waiting out their timeout."""
+            while its node answers (a frozen process): whatever the controller decides next (a replica group
+            replaced, the group restarted), its slot is freed ~5 s sooner (Ray's kill of a stopped process), and the
+            others' collectives with it fail at once instead of waiting out their timeout. One whose node does not
+            answer (lost, Ray not yet saying so) is left running until Ray marks the node dead and its poll fails
+            as a lost node's (a drained one's then a preemption, as Ray counts it)."""
             workers = self.get_workers()
+            frozen, lost = frozen_workers(
+                [(s.error, w.metadata.node_id) for s, w in zip(statuses, workers, strict=False)],
+                WorkerHealthCheckTimeoutError, lost_nodes_unconfirmed,
+            )  # fmt: skip
+            for rank in lost:
+                statuses[rank] = WorkerStatus(running=True, error=None, training_report=None)
+            self._kill([(rank, workers[rank].actor) for rank in frozen])
+
+        def _kill(self, actors: list[tuple[int, Any]]) -> None:
+            """``ray.kill`` each of ``actors`` (rank, actor) not killed before, saying so in the driver's log."""
             killed: set[Any] = getattr(self, "_raytrn_killed", set())
             self._raytrn_killed = killed
-            for rank, status in enumerate(statuses):
-                if isinstance(status.error, WorkerHealthCheckTimeoutError) and rank < len(workers):
-                    actor = workers[rank].actor
-                    if actor not in killed:
-                        killed.add(actor)
-                        logging.getLogger(__name__).warning(
-                            "rank %d stopped answering for %.0f s: killing its actor", rank,
-                            self._worker_health_check_timeout_s,
-                        )  # fmt: skip
-                        ray.kill(actor)
+            for rank, actor in actors:
+                if actor not in killed:
+                    killed.add(actor)
+                    logging.getLogger(__name__).warning(
+                        "rank %d stopped answering for %.0f s (frozen): killing its actor", rank,
+                        self._worker_health_check_timeout_s,
+                    )  # fmt: skip
+                    ray.kill(actor)
 
         def _init_train_context_on_workers(
             self, workers: list[Any], sync_actor: Any, train_context_args: dict[str, list[Any]]
@@ -338,8 +392,13 @@ def hosted_trainer(
             if watcher is not None:
                 watcher._stop_event.set()
 
-    class Events(ControllerCallback, WorkerGroupCallback):  # type: ignore[misc]
+    class Events(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):  # type: ignore[misc]
         """The controller's decisions, to ``listener``."""
+
+        def after_replica_group_start(self, replica_group: Any) -> None:
+            # (every replica group's start: the full group's, and a replacement's, which no group start announces)
+            if listener is not None:
+                listener.replicas_started(_places(replica_group.get_workers()))
 
         def before_worker_group_start(self, worker_group_context: Any) -> None:
             if listener is not None:
@@ -347,14 +406,7 @@ def hosted_trainer(
 
         def after_worker_group_training_start(self, worker_group: Any) -> None:
             if listener is not None:
-                listener.group_started(
-                    [
-                        WorkerPlace(
-                            w.distributed_context.world_rank, w.metadata.node_id, w.metadata.node_ip, w.metadata.pid
-                        )
-                        for w in worker_group.get_workers()
-                    ]  # fmt: skip
-                )
+                listener.group_started(_places(worker_group.get_workers()))
 
         def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
             if listener is None or type(previous_state) is type(current_state):

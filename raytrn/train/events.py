@@ -69,6 +69,10 @@ class RunEvents:
             self.places = {p.rank: p for p in places}
             self.groups += 1
 
+    def replicas_started(self, places: list[WorkerPlace]) -> None:
+        with self._lock:  # a live replacement's place (its rank's old one is gone): named where it runs now
+            self.places.update({p.rank: p for p in places})
+
     def failure_decided(
         self, retry: bool, errors: dict[int, BaseException], error: BaseException, preemption: bool
     ) -> None:

@@ -69,6 +69,39 @@ def test_hosted_trainer_drops_the_cleaner_and_datasets_callbacks_and_adds_its_ev
     assert issubclass(hosted, DataParallelTrainer) and hosted.__name__ == "HostedDataParallelTrainer"
     ours = [type(c).__name__ for c in hosted(lambda: None, **kwargs)._create_default_callbacks()]
     assert ours == [n for n in stock if n not in compat.HOSTED_SKIPPED_CALLBACKS] + ["Events"]
+    # the events callback hears every replica group's start (a live replacement's too): a WorkerGroup hands its
+    # ReplicaGroupCallbacks to each replica group, which calls after_replica_group_start when it starts training
+    import inspect
+
+    from ray.train.v2._internal.execution.callback import ReplicaGroupCallback
+    from ray.train.v2._internal.execution.worker_group import WorkerGroup
+    from ray.train.v2._internal.execution.worker_group.execution_group import ReplicaGroup
+
+    events = hosted(lambda: None, **kwargs)._create_default_callbacks()[-1]
+    assert isinstance(events, ReplicaGroupCallback)
+    assert "isinstance(c, ReplicaGroupCallback)" in inspect.getsource(WorkerGroup.__init__)
+    assert "cb.after_replica_group_start(self)" in inspect.getsource(ReplicaGroup.start_training)
+
+
+def test_a_worker_given_up_by_the_health_check_is_frozen_unless_its_node_is_lost() -> None:
+    """Ray Train's health-check timeout on a worker whose node answers: a frozen process (killed by the hosted
+    controller); on a node that does not answer while Ray still calls it alive: lost, left for Ray's node death
+    (which fails it as a lost node's, a drained one's as a preemption). Other errors are neither."""
+    import inspect
+
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckTimeoutError
+    from ray.train.v2._internal.execution.worker_group import WorkerGroup
+
+    timed_out = WorkerHealthCheckTimeoutError("A worker health check has been hanging for 31.00 seconds.")
+    polls = [(None, "n0"), (timed_out, "n1"), (RuntimeError("boom"), "n2"), (timed_out, "n3")]
+    assert compat.controller.frozen_workers(polls, WorkerHealthCheckTimeoutError, lambda ids: ids == ["n3"]) == (
+        [1], [3],
+    )  # fmt: skip
+    assert compat.controller.frozen_workers(polls, WorkerHealthCheckTimeoutError, None) == ([1, 3], [])
+    assert compat.controller.frozen_workers(polls[:1], WorkerHealthCheckTimeoutError, lambda ids: True) == ([], [])
+    # why a frozen replica group is killed before another is replaced: Ray's replacement waits, without a bound, on
+    # every other active replica group's answer
+    assert "ray.get(clear_tasks)" in inspect.getsource(WorkerGroup._replace_replica_group_impl)
 
 
 def test_a_hosted_controllers_resource_requests_expire_soon_after_their_last_renewal(

@@ -284,6 +284,10 @@ def test_a_live_replica_lost_with_its_node_is_named_once_not_again_at_the_next_f
         "raytrn: rank 2 on 10.0.0.3 failed: it stopped answering Ray's health checks (a frozen process: killed); the "
         "other replicas train on; its replica is replaced when capacity allows (failure 2 of scaling.max_failures=10)"
     )
+    # rank 2's replacement (a live replica group's start) runs on n4: its node lost later is news again, named there
+    events.replicas_started([WorkerPlace(2, "n4", "10.0.0.5", 30)])
+    events.failure_decided(True, {}, RuntimeError("group"), False)
+    assert lines[-1].startswith("raytrn: rank 2 on 10.0.0.5 failed: its node was lost; the other"), lines[-1]
     # a new group (a restart) places rank 0 elsewhere: its node lost is news again
     events.group_started([WorkerPlace(0, "n3", "10.0.0.4", 20), WorkerPlace(1, "n1", "10.0.0.2", 21)])
     events.failure_decided(True, {}, RuntimeError("group"), False)
