@@ -53,7 +53,6 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Train worker-group state": "ray.train.v2._internal.execution.worker_group.state:WorkerGroupState.shutdown",
     "Ray Train controller callback": "ray.train.v2._internal.execution.callback:ControllerCallback",
     "Ray Train worker-group callback": "ray.train.v2._internal.execution.callback:WorkerGroupCallback",
-    "Ray Train replica-group callback": "ray.train.v2._internal.execution.callback:ReplicaGroupCallback.after_replica_group_start",
     "Ray Train preemption callback": "ray.train.v2._internal.callbacks.preemption_callback:PreemptionCallback",
     "Ray Train preemption watcher": "ray.train.v2._internal.execution.preemption:PreemptionWatcher",
     "Ray Train failure decisions": "ray.train.v2._internal.execution.failure_handling:FailureDecision",
@@ -100,8 +99,8 @@ class ControllerListener(Protocol):
         """The group's workers are up and their training function was launched."""
 
     def replicas_started(self, places: list[WorkerPlace]) -> None:
-        """A replica group's workers are up (``scaling.recovery: live``: at the group's start, and a replacement's
-        while the others train on)."""
+        """A replica group was replaced while the others train on (``scaling.recovery: live``): where its new
+        workers run (they train)."""
 
     def failure_decided(
         self, retry: bool, errors: dict[int, BaseException], error: BaseException, preemption: bool
@@ -135,13 +134,16 @@ def frozen_workers(
 ) -> tuple[list[int], list[int]]:
     """Of a poll's ``(error, node id)`` per rank, the ranks whose poll went unanswered past the health check's bound
     (``timed_out``: Ray Train's ``WorkerHealthCheckTimeoutError``): ``(frozen, lost)``, where ``lost`` are those
-    whose node ``node_lost`` says is gone while Ray still calls it alive (not frozen: Ray's node death will fail
-    them as a lost node's) and ``frozen`` the others."""
+    whose node ``node_lost`` says is gone (dead, or not answering while Ray still calls it alive: Ray's node death
+    fails them as a lost node's) and ``frozen`` the others; ``node_lost`` is asked once per node."""
     frozen: list[int] = []
     lost: list[int] = []
+    seen: dict[str, bool] = {}  # one probe per node and poll
     for rank, (error, node) in enumerate(polls):
         if isinstance(error, timed_out):
-            (lost if node_lost is not None and node_lost([node]) else frozen).append(rank)
+            if node not in seen:
+                seen[node] = node_lost is not None and node_lost([node])
+            (lost if seen[node] else frozen).append(rank)
     return frozen, lost
 
 
@@ -177,11 +179,7 @@ def hosted_trainer(
     from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
     from ray.train.v2._internal.constants import WORKER_HEALTH_CHECK_TIMEOUT_S_ENV_VAR
     from ray.train.v2._internal.exceptions import WorkerHealthCheckTimeoutError
-    from ray.train.v2._internal.execution.callback import (
-        ControllerCallback,
-        ReplicaGroupCallback,
-        WorkerGroupCallback,
-    )
+    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
     from ray.train.v2._internal.execution.controller import TrainController
     from ray.train.v2._internal.execution.controller.state import AbortedState, PreemptingState, ResizingState
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
@@ -191,13 +189,13 @@ def hosted_trainer(
     from ray.train.v2._internal.execution.worker_group.state import WorkerGroupState
     from ray.train.v2._internal.logging.logging import PlainRayHandler
 
-    def _answer(workers: list[Any]) -> bool | None:
+    def _answer(workers: list[Any], frozen_after_s: float | None) -> bool | None:
         """Whether ``workers``' actors answer: False when one is gone (a dead node's refuse at once), None when one
-        has not answered within :data:`REACH_TIMEOUT_S` and, with ``worker_timeout_s``, within that (frozen: as long
-        as the health check's bound; Ray's own calls to it would wait without end), else True (a busy one that does
-        not answer within the first bound counts as there without ``worker_timeout_s``: Ray's own calls will tell)."""
+        has not answered within :data:`REACH_TIMEOUT_S` and, given ``frozen_after_s`` (the health check's bound),
+        within that (frozen; Ray's own calls to it would wait without end), else True (a busy one that does not
+        answer within the first bound counts as there without ``frozen_after_s``: Ray's own calls will tell)."""
         refs = [w.actor.__ray_ready__.remote() for w in workers]
-        bounds = [REACH_TIMEOUT_S] + ([max(worker_timeout_s - REACH_TIMEOUT_S, 1.0)] if worker_timeout_s else [])
+        bounds = [REACH_TIMEOUT_S] + ([max(frozen_after_s - REACH_TIMEOUT_S, 1.0)] if frozen_after_s else [])
         for bound in bounds:
             try:
                 ray.get(refs, timeout=bound)
@@ -207,7 +205,7 @@ def hosted_trainer(
             except ray.exceptions.GetTimeoutError:
                 if lost_nodes_unconfirmed is not None and lost_nodes_unconfirmed([w.metadata.node_id for w in workers]):
                     return False  # its node is gone, Ray not yet saying so
-        return None if worker_timeout_s else True
+        return None if frozen_after_s else True
 
     def _places(workers: list[Any]) -> list[WorkerPlace]:
         return [
@@ -252,11 +250,13 @@ def hosted_trainer(
             # instead (its workers reported finished, not failed), and a poll replaces it once the slot is placed.
             # A frozen one (it has not answered for the health check's bound) is killed and waits the same way: Ray's
             # replacement would wait on it without end (stop 62's review: two replicas frozen apart hung the loop).
+            self._waiting().pop(replica_group_index, None)  # (a group waiting, then failed again: replaced now)
+            frozen_after_s = self._worker_health_check_timeout_s if worker_timeout_s is not None else None
             groups = self.get_replica_groups() or []
             for i, group in enumerate(groups):
                 if i == replica_group_index or not group.is_active():
                     continue
-                answer = _answer(group.get_workers())
+                answer = _answer(group.get_workers(), frozen_after_s)
                 if answer is None:
                     self._kill([(i, w.actor) for w in group.get_workers()])  # (one worker a replica group)
                 if not answer:
@@ -273,7 +273,13 @@ def hosted_trainer(
                         "replica group %d waits for capacity for its slot", replica_group_index
                     )
                     return
-            super().replace_replica_group(replica_group_index)
+            self._replace(replica_group_index)
+
+        def _replace(self, index: int) -> None:
+            """Ray's replacement of replica group ``index``, then its workers' places to the listener."""
+            super().replace_replica_group(index)
+            if listener is not None:
+                listener.replicas_started(_places((self.get_replica_groups() or [])[index].get_workers()))
 
         def _waiting(self) -> dict[int, list[Any]]:
             """Replica groups waiting for their slots (index: the failed group's workers), of this worker group."""
@@ -314,7 +320,7 @@ def hosted_trainer(
                 if self._slot_ready(old):
                     del waiting[index]
                     try:
-                        super().replace_replica_group(index)
+                        self._replace(index)
                     except Exception as e:  # its actors failed to start: it waits again, the next poll retries
                         waiting[index] = old
                         logging.getLogger(__name__).warning("replacing replica group %d failed: %s", index, e)
@@ -328,9 +334,17 @@ def hosted_trainer(
             answer (lost, Ray not yet saying so) is left running until Ray marks the node dead and its poll fails
             as a lost node's (a drained one's then a preemption, as Ray counts it)."""
             workers = self.get_workers()
+            waiting = {w.distributed_context.world_rank for old in self._waiting().values() for w in old}
+            polls = [
+                (None if r in waiting else s.error, w.metadata.node_id)
+                for r, (s, w) in enumerate(zip(statuses, workers, strict=False))
+            ]
+            if not any(isinstance(error, WorkerHealthCheckTimeoutError) for error, _ in polls):
+                return
+            dead = {str(n["NodeID"]) for n in ray.nodes() if not n.get("Alive")}  # (marked dead since the poll)
             frozen, lost = frozen_workers(
-                [(s.error, w.metadata.node_id) for s, w in zip(statuses, workers, strict=False)],
-                WorkerHealthCheckTimeoutError, lost_nodes_unconfirmed,
+                polls, WorkerHealthCheckTimeoutError,
+                lambda ids: bool(set(ids) & dead) or bool(lost_nodes_unconfirmed and lost_nodes_unconfirmed(ids)),
             )  # fmt: skip
             for rank in lost:
                 statuses[rank] = WorkerStatus(running=True, error=None, training_report=None)
@@ -392,13 +406,8 @@ def hosted_trainer(
             if watcher is not None:
                 watcher._stop_event.set()
 
-    class Events(ControllerCallback, WorkerGroupCallback, ReplicaGroupCallback):  # type: ignore[misc]
+    class Events(ControllerCallback, WorkerGroupCallback):  # type: ignore[misc]
         """The controller's decisions, to ``listener``."""
-
-        def after_replica_group_start(self, replica_group: Any) -> None:
-            # (every replica group's start: the full group's, and a replacement's, which no group start announces)
-            if listener is not None:
-                listener.replicas_started(_places(replica_group.get_workers()))
 
         def before_worker_group_start(self, worker_group_context: Any) -> None:
             if listener is not None:
