@@ -82,6 +82,12 @@ class LiveGroupConfig(ProcessGroupConfig):
     def to_dict(self) -> dict[str, Any]:
         return {**super().to_dict(), "recovery": "live"}
 
+    @property
+    def worker_timeout_s(self) -> float | None:
+        """A frozen replica (SIGSTOP, a hung host) is given up, killed and replaced after as long as the others'
+        collectives wait for it (Ray's 600 s would keep its slot and the run's end waiting)."""
+        return self.timeout_s
+
 
 @with_replica_groups  # Ray Train V2 replaces only the failing replica group (one worker), not every worker
 class LiveGroupBackend(RayBackend):  # type: ignore[misc]

@@ -37,6 +37,12 @@ class ProcessGroupConfig(BackendConfig):
     def to_dict(self) -> dict[str, Any]:
         return {"backend": self.backend, "timeout_s": self.timeout_s}
 
+    @property
+    def worker_timeout_s(self) -> float | None:
+        """How long a worker may leave Ray Train's health checks unanswered before it counts failed (None: Ray's
+        own, 600 s: a group restarted over a frozen worker has the hang watchdog of the others)."""
+        return None
+
 
 class ProcessGroupBackend(RayBackend):  # type: ignore[misc]
     #: As Ray's torch backend: each GPU worker sees its node's GPUs of the group (NCCL's peer access).

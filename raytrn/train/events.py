@@ -55,9 +55,9 @@ class RunEvents:
         self.size = 0
         self.failures = 0
         self.groups = 0
-        #: (rank, node id) pairs a line already named as lost with their node: not named again by a later line (a
-        #: live group's lost replica waits for capacity at its place while the others' later failures are told)
-        self._told_lost: set[tuple[int, str]] = set()
+        #: Ranks a line already named failed since their place was last started: not named again as lost or silent
+        #: by a later line (a live group's lost replica waits for capacity while the others' later failures are told)
+        self._told: set[int] = set()
 
     # -- compat.ControllerListener ----------------------------------------------------------------------------
     def group_starting(self, num_workers: int) -> None:
@@ -68,10 +68,12 @@ class RunEvents:
         with self._lock:
             self.places = {p.rank: p for p in places}
             self.groups += 1
+            self._told = set()
 
     def replicas_started(self, places: list[WorkerPlace]) -> None:
         with self._lock:  # a live replacement's place (its rank's old one is gone): named where it runs now
             self.places.update({p.rank: p for p in places})
+            self._told -= {p.rank for p in places}
 
     def failure_decided(
         self, retry: bool, errors: dict[int, BaseException], error: BaseException, preemption: bool
@@ -94,9 +96,9 @@ class RunEvents:
                 if preemption
                 else f"failure {self.failures} of scaling.max_failures={self.max_failures}"
             )
-            if retry and self.live:
+            if retry and self.live and (not self.places or set(self.places) - self._told):
                 then = f"the other replicas train on; its replica is replaced when capacity allows ({count})"
-            elif retry:
+            elif retry:  # (live: every replica failed; Ray restarts the whole group)
                 then = (
                     "restarting the group without the node from the checkpoint it took"
                     if preemption and not errors
@@ -139,11 +141,10 @@ class RunEvents:
         """The ranks on lost nodes first (Ray may not have said so yet: their survivors' collectives fail first),
         then each reported reason with its ranks."""
         alive = self.alive_nodes() if self.places else None
-        told = {r for r, p in self.places.items() if (r, p.node_id) in self._told_lost}
+        told = set(self._told)
         lost = sorted(
             r for r, p in self.places.items() if alive is not None and p.node_id not in alive and r not in told
         )
-        self._told_lost.update((r, self.places[r].node_id) for r in lost)
         by_reason: dict[str, list[int]] = {"its node was lost": lost} if lost else {}
         reasons = {rank: describe_error(e) for rank, e in sorted(errors.items()) if rank not in lost}
         silent = sorted(set(self.places) - set(errors) - set(lost) - told)
@@ -152,6 +153,8 @@ class RunEvents:
             by_reason["no word from it (its process or node likely gone)"] = silent
         for rank, reason in reasons.items():
             by_reason.setdefault(reason, []).append(rank)
+        if self.live:  # (a restart path's failure ends its group: the next starts with nothing told)
+            self._told |= {rank for ranks in by_reason.values() for rank in ranks}
         if not by_reason:
             return f"the worker group of {self.size} failed ({describe_error(error)})"
         return "; ".join(f"{self._ranks(ranks)} failed: {reason}" for reason, ranks in by_reason.items())

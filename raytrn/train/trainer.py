@@ -370,12 +370,11 @@ def _trainer(
         policy = _ElasticPolicy(job, backend)
     elif local:
         policy = local_fixed_scaling_policy
+    backend_config = backend.ray_backend_config(job)
     trainer_class = hosted_trainer(
         DataParallelTrainer, listener=events, console=ray_train_console(), make_policy=policy,
         health_check_s=HEALTH_CHECK_S, lost_nodes_unconfirmed=lost_nodes_unconfirmed, draining=draining_nodes,
-        # live: a frozen replica (SIGSTOP, a hung host) is killed and replaced once it has not answered Ray for as
-        # long as the others' collectives wait for it (Ray's 600 s would keep its slot and the run's end waiting)
-        worker_timeout_s=job.scaling.peer_timeout_s if job.scaling.recovery == "live" else None,
+        worker_timeout_s=getattr(backend_config, "worker_timeout_s", None),  # (the XLA path's configs: none)
     )  # fmt: skip
     return trainer_class(
         train_fn,
@@ -392,7 +391,7 @@ def _trainer(
             memory=memory,
         ).as_config(),  # Ray Train takes a dict: the plan travels inside one
         scaling_config=scaling,
-        backend_config=backend.ray_backend_config(job),
+        backend_config=backend_config,
         # Train V2's RunConfig (mypy sees the V1 class that ray.train names statically; V2 is Ray 2.60's default).
         run_config=RunConfig(  # type: ignore[call-arg]
             name=job.run_name,

@@ -28,12 +28,14 @@ import sys
 import pytest
 
 from tests.chaos._common import REPO
+from tests.chaos.live_cluster import FROZEN_AFTER_S
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 #: Losses long after the loss: AdamW amplifies last-bit differences of the summation order over the steps (at the tiny
-#: job's lr 3e-3 to 0.02-0.04 in ~100 steps, tests/chaos/test_elastic_nodes.py; at this test's 1e-3, 1.3e-5 over 93
-#: steps measured). A lost optimizer state or a wrong row moves the loss by far more.
+#: job's lr 3e-3 to 0.02-0.04 in ~100 steps, tests/chaos/test_elastic_nodes.py; at 1e-3, 1.3e-5 over 93 steps and
+#: 3.9e-3 over 405 (stop 62's first rehearsal: the test failed); at this test's 5e-4, under 1e-6 over 230 steps
+#: measured). A lost optimizer state or a wrong row moves the loss by far more.
 LOSS_TOLERANCE = 1e-3
 
 
@@ -90,6 +92,8 @@ def test_survivors_train_on_and_the_returning_node_joins_live(live_run: dict) ->
     assert restore["source"] == "storage" and restore["step"] == r["notice_checkpoint"], (restore, r)
     assert restore["steps_retrained"] == 0, restore
     assert "every replica has a preemption notice" in r["log"]
+    # (said as such: every replica failed, Ray restarts the whole group; the others do not "train on")
+    assert re.search(r"failed: its process died[^\n]*; restarting the group from the newest state", r["log"])
     assert r["all_lost_to_next_step_s"] < 120, r
     # a preemption notice: its replica trained one more step and left at its boundary (its process waits for the
     # run's end: nothing restarted), the other two re-formed without it at once (no heartbeat's silence, no step
@@ -103,11 +107,11 @@ def test_survivors_train_on_and_the_returning_node_joins_live(live_run: dict) ->
     assert "(a preemption: not counted against scaling.max_failures)" in r["log"]
     assert r["summary"]["final_step"] >= r["stopped_at"], r["summary"]  # (a stop request past the step: at the step)
     # a replica frozen whole (SIGSTOP): the other trained on alone (its heartbeat stood still: 2 s; inside a
-    # collective, scaling.peer_timeout_s, 30 s); Ray Train gave the frozen worker up after that same timeout (its
-    # default, 600 s, would have kept the slot and the run's end waiting), raytrn killed it, and its replacement
-    # joined live: 2 replicas again, the survivor's process the one that was there
-    assert r["freeze_to_next_step_s"] < 30 + 25, r
-    assert r["freeze_to_full_size_s"] < 30 + 90 and r["frozen_gone"], r
+    # collective, once the kill closed its connections); Ray Train gave the frozen worker up after its health
+    # checks' bound (10 s here; scaling.peer_timeout_s by default: Ray's 600 s would have kept the slot and the run's
+    # end waiting), raytrn killed it, and its replacement joined live: 2 replicas again, the survivor the same
+    assert r["freeze_to_next_step_s"] < FROZEN_AFTER_S + 25, r
+    assert r["freeze_to_full_size_s"] < FROZEN_AFTER_S + 90 and r["frozen_gone"], r
     survivor = set(r["pids_before_freeze"]) - {r["frozen_pid"]}
     assert survivor <= set(r["pids_after_freeze"]) and r["frozen_pid"] not in r["pids_after_freeze"], r
     assert len(r["pids_after_freeze"]) == 2, r

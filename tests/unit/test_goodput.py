@@ -268,30 +268,36 @@ def test_a_lost_node_is_named_before_its_survivors_collective_errors() -> None:
 
 
 def test_a_live_replica_lost_with_its_node_is_named_once_not_again_at_the_next_failure() -> None:
-    """Live recovery: a replica lost with its node waits for capacity at its place (no new group starts), so a later
-    failure of another replica (frozen: Ray's health check gave it up) names only that one."""
+    """Live recovery: a failed replica waits for capacity at its place (no new group starts), so a later failure of
+    another replica (frozen: Ray's health check gave it up) names only that one, whatever the first line said of
+    it; a replacement's rank is named where it runs now; every replica failed is the restart Ray then does."""
     from raytrn.compat import WorkerPlace
 
     lines: list[str] = []
-    alive = {"n1", "n2"}
+    alive = {"n0", "n1", "n2", "n3"}
     events = RunEvents(10, live=True, out=lines.append, alive_nodes=lambda: set(alive))
-    events.group_started([WorkerPlace(r, f"n{r}", f"10.0.0.{r + 1}", 10 + r) for r in range(3)])
-    events.failure_decided(True, {}, RuntimeError("group"), False)
-    assert lines[-1].startswith("raytrn: rank 0 on 10.0.0.1 failed: its node was lost; the other replicas train on")
+    events.group_started([WorkerPlace(r, f"n{r}", f"10.0.0.{r + 1}", 10 + r) for r in range(4)])
+    died = ActorDiedError("The actor died unexpectedly before finishing this task (SIGKILL)")
+    events.failure_decided(True, {0: died}, RuntimeError("group"), False)  # (its node still alive for Ray)
+    assert lines[-1].startswith("raytrn: rank 0 on 10.0.0.1 failed: its process died"), lines[-1]
+    alive.discard("n0")  # Ray marks it dead: rank 0 is not news again
     frozen = type("WorkerHealthCheckTimeoutError", (Exception,), {})("A worker health check has been hanging")
     events.failure_decided(True, {2: frozen}, RuntimeError("group"), False)
     assert lines[-1] == (
         "raytrn: rank 2 on 10.0.0.3 failed: it stopped answering Ray's health checks (a frozen process: killed); the "
         "other replicas train on; its replica is replaced when capacity allows (failure 2 of scaling.max_failures=10)"
     )
-    # rank 2's replacement (a live replica group's start) runs on n4: its node lost later is news again, named there
+    # rank 2's replacement runs on n4: its node lost later is news again, named there
     events.replicas_started([WorkerPlace(2, "n4", "10.0.0.5", 30)])
     events.failure_decided(True, {}, RuntimeError("group"), False)
     assert lines[-1].startswith("raytrn: rank 2 on 10.0.0.5 failed: its node was lost; the other"), lines[-1]
-    # a new group (a restart) places rank 0 elsewhere: its node lost is news again
-    events.group_started([WorkerPlace(0, "n3", "10.0.0.4", 20), WorkerPlace(1, "n1", "10.0.0.2", 21)])
+    # the last two replicas killed: nothing live is left, Ray restarts the whole group
+    events.failure_decided(True, {1: died, 3: died}, RuntimeError("group"), False)
+    assert lines[-1].endswith("restarting the group from the newest state (failure 4 of scaling.max_failures=10)")
+    # the new group: nothing told yet, rank 0 elsewhere; its node lost is news again
+    events.group_started([WorkerPlace(0, "n5", "10.0.0.6", 20), WorkerPlace(1, "n1", "10.0.0.2", 21)])
     events.failure_decided(True, {}, RuntimeError("group"), False)
-    assert lines[-1].startswith("raytrn: rank 0 on 10.0.0.4 failed: its node was lost"), lines[-1]
+    assert lines[-1].startswith("raytrn: rank 0 on 10.0.0.6 failed: its node was lost"), lines[-1]
 
 
 def test_resizes_notices_and_failed_starts_are_lines_and_ends_too() -> None:

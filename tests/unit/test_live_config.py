@@ -72,6 +72,9 @@ def test_the_driver_asks_ray_train_for_replica_groups_and_a_snapshot_keeper_as_f
     assert isinstance(config, LiveGroupConfig) and config.timeout_s == 7 and config.backend == "gloo"
     assert config.backend_cls is LiveGroupBackend and LiveGroupBackend.has_replica_groups is True
     assert isinstance(backend.ray_backend_config(restart), ProcessGroupConfig)
+    # a frozen replica is given up by Ray Train's health check after scaling.peer_timeout_s (the trainer passes it to
+    # raytrn.compat.hosted_trainer); the restart path keeps Ray's 600 s
+    assert config.worker_timeout_s == 7 and backend.ray_backend_config(restart).worker_timeout_s is None
     # the tier by the same rule as the restart path's (the live rank 0 snapshots for a restart after every replica was
     # lost: raytrn.train.live_snapshots): on by default on several nodes, off on one, as asked otherwise
     assert memory_tier_may_run(live, alive_nodes=3) and memory_tier_may_run(restart, alive_nodes=3)
