@@ -253,6 +253,7 @@ def hosted_trainer(
             self._waiting().pop(replica_group_index, None)  # (a group waiting, then failed again: replaced now)
             frozen_after_s = self._worker_health_check_timeout_s if worker_timeout_s is not None else None
             groups = self.get_replica_groups() or []
+            live = 0  # other replica groups still training: what a replacement joins
             for i, group in enumerate(groups):
                 if i == replica_group_index or not group.is_active():
                     continue
@@ -264,8 +265,15 @@ def hosted_trainer(
                     group.shutdown()
                     if lost_nodes_unconfirmed is not None:
                         self._waiting()[i] = gone
+                live += bool(answer)
             if lost_nodes_unconfirmed is not None and replica_group_index < len(groups):
                 old = groups[replica_group_index].get_workers()
+                if not live:  # every replica is gone (killed together, seen by polls apart): nothing to join; the
+                    # next poll reports them all failed and Ray restarts the whole group (a replacement would wait
+                    # for members that are gone: stop 62's second rehearsal hung there)
+                    groups[replica_group_index].shutdown()
+                    self._waiting()[replica_group_index] = old
+                    return
                 if not self._slot_ready(old):
                     groups[replica_group_index].shutdown()
                     self._waiting()[replica_group_index] = old
@@ -312,7 +320,7 @@ def hosted_trainer(
                 return statuses
             ranks = {w.distributed_context.world_rank for old in waiting.values() for w in old}
             others = [status for rank, status in enumerate(statuses) if rank not in ranks]
-            if others and all(status.error is not None for status in others):
+            if all(status.error is not None for status in others):  # (none left, or every one failed)
                 return statuses  # every live replica failed too: Ray restarts the whole group (nothing to join)
             for rank in ranks:
                 statuses[rank] = WorkerStatus(running=False)  # (finished: the run ends with the others)

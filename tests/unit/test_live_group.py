@@ -456,6 +456,29 @@ def test_a_newcomer_to_a_finished_run_stops_waiting_at_once() -> None:
     assert late._beating is None  # it left: no heartbeat thread keeps beating for it
 
 
+def test_a_newcomer_gives_up_at_once_when_every_member_is_gone() -> None:
+    """Every replica killed, Ray seeing them fail poll by poll: a replacement started for the first asks to join a
+    group whose members all stopped beating. It fails with GroupGone once they have been silent for dead_after_s
+    (Ray then restarts the whole group) instead of waiting its deadline (10 minutes in the live loop: stop 62's second
+    rehearsal hung there); while one member still beats, it waits to be admitted."""
+    from raytrn.train.live.group import Generation, GroupGone, LiveGroup
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    store.set(LiveGroup._key(0, "members"), Generation(0, ("a", "b")).encode())  # founded by a and b
+    a = LiveGroup(store, "a", timeout_s=5, dead_after_s=0.5)
+    a._beat()  # a lives (b died before the newcomer came)
+    waiting = LiveGroup(store, "c", timeout_s=5, dead_after_s=0.5)
+    with pytest.raises(TimeoutError):
+        waiting.join(1.5)  # a still beats: c waits to be admitted, up to its deadline
+    waiting.leave()
+    a.leave()  # now a is gone too
+    started = time.monotonic()
+    late = LiveGroup(store, "d", timeout_s=5, dead_after_s=0.5)
+    with pytest.raises(GroupGone, match="every member of generation 0 \\(a, b\\) stopped beating"):
+        late.join(60)
+    assert time.monotonic() - started < 5 and late._beating is None
+
+
 def test_a_member_gone_before_it_reports_aborts_the_agreement_at_once() -> None:
     """A replica killed after a step's collectives completed, or while rank 0 commits a checkpoint the others have
     finished writing, never reports its outcome: the others abort once its heartbeat stands still (``dead_after_s``),

@@ -69,6 +69,12 @@ class LeftOut(RuntimeError):
     """This member was not in the generation the others decided (it arrived late): it must join as a newcomer."""
 
 
+class GroupGone(RuntimeError):
+    """Every member of the live group's newest generation stopped beating before this newcomer was admitted: nobody is
+    left to admit it or hand it the state (every replica lost, seen by Ray apart): it fails, and once every replica
+    has, Ray Train restarts the whole group."""
+
+
 class GroupEnded(RuntimeError):
     """The live group finished its run (:meth:`LiveGroup.finish`) before this newcomer was admitted: nothing to join
     (a replacement Ray Train started for a replica lost, or hung, near the run's end)."""
@@ -182,14 +188,24 @@ class LiveGroup:
         self.store.set(f"{PREFIX}join/{index}", self.member)
         give_up = time.monotonic() + deadline_s
         number = 0  # generations are decided in order: walk up to the newest, then watch the next
+        newest: Generation | None = None
+        beats = Heartbeats(self.store, self.dead_after_s)
         while time.monotonic() < give_up:
             generation = self._decided(number)
             if generation is None:
                 if self.store.check([_FINISHED]):
                     self.leave()
                     raise GroupEnded(f"live group: the run ended before {self.member} was admitted")
+                now = time.monotonic()
+                if newest is not None and all([beats.silent(m, now) for m in newest.members]):
+                    self.leave()
+                    raise GroupGone(
+                        f"live group: every member of generation {newest.number} ({', '.join(newest.members)}) "
+                        f"stopped beating before {self.member} was admitted: nothing to join"
+                    )
                 time.sleep(_JOIN_POLL_S)
                 continue
+            newest = generation
             if self.member in generation.members and generation.joins >= index:
                 self._enter(generation)
                 return generation
