@@ -199,10 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(result))
         if "frozen_pid" in result and _running(result["frozen_pid"]):
             os.kill(result["frozen_pid"], signal.SIGKILL)  # a stopped process would outlive its raylet
-        ray.shutdown()
-        cluster.shutdown()
-        if s3 is not None:
-            s3.stop()
+        try:
+            ray.shutdown()
+            cluster.shutdown()
+        finally:  # (a cluster that fails to shut down must not leave the S3 server running: stop 62's did)
+            if s3 is not None:
+                s3.stop()
     return 0
 
 
