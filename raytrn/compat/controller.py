@@ -268,18 +268,17 @@ def hosted_trainer(
                 live += bool(answer)
             if lost_nodes_unconfirmed is not None and replica_group_index < len(groups):
                 old = groups[replica_group_index].get_workers()
-                if not live:  # every replica is gone (killed together, seen by polls apart): nothing to join; the
-                    # next poll reports them all failed and Ray restarts the whole group (a replacement would wait
-                    # for members that are gone: stop 62's second rehearsal hung there)
+                # It waits: while no other replica answers (every one gone, killed together but seen by polls
+                # apart: nothing to join; the next poll reports them all failed and Ray restarts the whole group; a
+                # replacement would wait for members that are gone, as stop 62's second rehearsal hung), or until
+                # its slot has a place.
+                if not live or not self._slot_ready(old):
                     groups[replica_group_index].shutdown()
                     self._waiting()[replica_group_index] = old
-                    return
-                if not self._slot_ready(old):
-                    groups[replica_group_index].shutdown()
-                    self._waiting()[replica_group_index] = old
-                    logging.getLogger(__name__).info(
-                        "replica group %d waits for capacity for its slot", replica_group_index
-                    )
+                    if live:
+                        logging.getLogger(__name__).info(
+                            "replica group %d waits for capacity for its slot", replica_group_index
+                        )
                     return
             self._replace(replica_group_index)
 

@@ -141,13 +141,12 @@ class RunEvents:
         """The ranks on lost nodes first (Ray may not have said so yet: their survivors' collectives fail first),
         then each reported reason with its ranks."""
         alive = self.alive_nodes() if self.places else None
-        told = set(self._told)
         lost = sorted(
-            r for r, p in self.places.items() if alive is not None and p.node_id not in alive and r not in told
+            r for r, p in self.places.items() if alive is not None and p.node_id not in alive and r not in self._told
         )
         by_reason: dict[str, list[int]] = {"its node was lost": lost} if lost else {}
         reasons = {rank: describe_error(e) for rank, e in sorted(errors.items()) if rank not in lost}
-        silent = sorted(set(self.places) - set(errors) - set(lost) - told)
+        silent = sorted(set(self.places) - set(errors) - set(lost) - self._told)
         if not lost and silent and reasons and set(reasons.values()) == {PEER_LEFT}:
             # The others' collectives failed because a peer left; the ranks that said nothing are the likely ones
             by_reason["no word from it (its process or node likely gone)"] = silent

@@ -222,11 +222,9 @@ def _later_events(
     result["killed_pid"] = killed_pid
     killed = time.time()
     os.kill(killed_pid, signal.SIGKILL)
-    wait_until(lambda: at(2.0, killed) or not thread.is_alive(), 120, "a step at 2 replicas after the kill")
-    degraded = at(2.0, killed)[0][1]
+    degraded, full = _down_then_up(at, thread, killed, 2, 3, "kill")
     result["kill_to_next_step_s"] = round(degraded - killed, 2)
-    wait_until(lambda: at(3.0, degraded) or not thread.is_alive(), 240, "a step at 3 replicas after the kill")
-    result["kill_to_full_size_s"] = round(at(3.0, degraded)[0][1] - killed, 2)
+    result["kill_to_full_size_s"] = round(full - killed, 2)
     result["pids_end"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
     if s3 is not None:
         # S3 refuses every connection, cut three steps before a checkpoint is due (seen in the workers' sample traces:
@@ -313,13 +311,20 @@ def _later_events(
     result["frozen_pid"], result["pids_before_freeze"] = frozen_pid, before
     frozen = time.time()
     os.kill(frozen_pid, signal.SIGSTOP)
-    wait_until(lambda: at(1.0, frozen) or not thread.is_alive(), 120, "a step at 1 replica after the freeze")
-    alone = at(1.0, frozen)[0][1]
+    alone, full = _down_then_up(at, thread, frozen, 1, 2, "freeze")
     result["freeze_to_next_step_s"] = round(alone - frozen, 2)
-    wait_until(lambda: at(2.0, alone) or not thread.is_alive(), 180, "a step at 2 replicas after the freeze")
-    result["freeze_to_full_size_s"] = round(at(2.0, alone)[0][1] - frozen, 2)
+    result["freeze_to_full_size_s"] = round(full - frozen, 2)
     result["frozen_gone"] = not _running(frozen_pid)
     result["pids_after_freeze"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
+
+
+def _down_then_up(at: Any, thread: Any, since: float, down: int, up: int, event: str) -> tuple[float, float]:
+    """When the first step at ``down`` replicas after ``since`` (the ``event``'s time) was logged, then the first at
+    ``up`` replicas after that one (each wait bounded; the run's end stops it)."""
+    wait_until(lambda: at(float(down), since) or not thread.is_alive(), 120, f"a step at {down} after the {event}")
+    degraded = at(float(down), since)[0][1]
+    wait_until(lambda: at(float(up), degraded) or not thread.is_alive(), 240, f"a step at {up} after the {event}")
+    return degraded, at(float(up), degraded)[0][1]
 
 
 def _running(pid: int) -> bool:
