@@ -16,7 +16,7 @@ BENCH_ARGS ?=
 # installs 84 -> 53 s here). A file left out still imports (compiled in memory each time, as when pip compiles it).
 INSTALL := -m pip install -q --no-compile
 NOT_IMPORTED := '/tests?/|/testing/_internal/|/transformers/models/(?!(auto|llama|qwen3|qwen3_moe)/)'
-compile_site = $(1) -m compileall -q -j0 -x $(NOT_IMPORTED) \
+compile_site = $(1) -W ignore::SyntaxWarning -m compileall -q -j0 -x $(NOT_IMPORTED) \
 	"$$($(1) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null
 
 # The torch-xla venv: torch 2.9 + torch-xla 2.9, the versions Neuron 2.28 (the last XLA training release) uses.
