@@ -61,6 +61,10 @@ COMMON = (
 )  # fmt: skip
 
 
+#: An uninterrupted reference saves no checkpoint on its way (its losses and rows do not depend on them; ~20 saves).
+NO_CHECKPOINTS = "checkpoint.every_n_steps=1000000"
+
+
 def _traces(directory: Path) -> dict[str, dict[int, list[int]]]:
     """``{file name: {step: rows read, in order}}`` of every worker's sample trace."""
     out: dict[str, dict[int, list[int]]] = {}
@@ -188,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         reference = tiny_chaos_job(Path(args.dataset), work / "ckpt-ref", mlflow_uri=f"sqlite:///{ref_db}",
                                    experiment="reference", name="reference",
                                    extra=(*COMMON, *evaluated, "scaling.resources_per_worker={neuron_cores: 1}",
-                                          f"run.max_steps={final}"))  # fmt: skip
+                                          f"run.max_steps={final}", NO_CHECKPOINTS))  # fmt: skip
         ref_thread, ref_outcome = train_in_thread(reference)
         ref_thread.join(240)
         result["reference_error"] = repr(ref_outcome["error"]) if "error" in ref_outcome else None
