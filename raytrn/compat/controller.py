@@ -30,6 +30,26 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 #: The private names this module relies on (merged into :data:`raytrn.compat.PRIVATE_NAMES`).
+#: The logger (its module's) of Ray Train's checkpoint manager, which the controller builds before raytrn routes Ray
+#: Train's lines (:meth:`HostedController._start`); on every resume it logs a three-line notice that ends "please
+#: configure a new, unique `RunConfig(name)` or delete the existing folder": raytrn's own line says where it resumes.
+CHECKPOINT_MANAGER_LOGGER = "ray.train.v2._internal.execution.checkpoint.checkpoint_manager"
+
+
+class ToHandler(logging.Filter):
+    """A logger's filter that hands each record to ``handler`` alone (at ``handler``'s level), not to the logger's
+    own handlers and its parents'."""
+
+    def __init__(self, handler: logging.Handler) -> None:
+        super().__init__()
+        self.handler = handler
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= self.handler.level:
+            self.handler.handle(record)
+        return False
+
+
 PRIVATE_NAMES: dict[str, str] = {
     "Ray Train controller": "ray.train.v2._internal.execution.controller:TrainController",
     "Ray Train controller run loop": "ray.train.v2._internal.execution.controller:TrainController.run",
@@ -58,6 +78,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Train failure decisions": "ray.train.v2._internal.execution.failure_handling:FailureDecision",
     "Ray Train failure decision hook": "ray.train.v2._internal.execution.controller:TrainController._execute_failure_decision",
     "Ray Train preemption error": "ray.train.v2.api.exceptions:PreemptionError",
+    "Ray Train checkpoint manager's logger": f"{CHECKPOINT_MANAGER_LOGGER}:logger",
     "Ray Train preemption budget": "ray.train.v2._internal.execution.failure_handling.default:_is_preemption_failure",
     "Ray Train controller console handler": "ray.train.v2._internal.logging.logging:PlainRayHandler",
     "Ray Train resource-request expiry": "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client:AUTOSCALING_REQUESTS_EXPIRE_TIME_S",
@@ -436,6 +457,18 @@ def hosted_trainer(
 
     class HostedController(TrainController):  # type: ignore[misc]
         worker_group_cls = HostedWorkerGroup
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            # Ray Train's lines reach ``console`` from _start on; its checkpoint manager's, built before, too
+            manager = logging.getLogger(CHECKPOINT_MANAGER_LOGGER)
+            routed = ToHandler(console) if console is not None else None
+            if routed is not None:
+                manager.addFilter(routed)
+            try:
+                super().__init__(*args, **kwargs)
+            finally:
+                if routed is not None:
+                    manager.removeFilter(routed)
 
         def _start(self) -> None:
             # The end of TrainController.__init__, which configured Ray Train's logging and picked the callbacks:

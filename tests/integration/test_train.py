@@ -234,10 +234,10 @@ def _upload_dir(local: Path, bucket: str, prefix: str, endpoint: str) -> None:
         s3.upload_file(str(path), bucket, f"{prefix}/{path.name}")
 
 
-def test_dataset_and_checkpoints_on_s3_then_resume(ray_session, tiny_dataset, tmp_path, s3_bucket, s3_endpoint):
+def test_dataset_and_checkpoints_on_s3_then_resume(ray_session, tiny_dataset, tmp_path, s3_bucket, s3_endpoint, capfd):
     """Everything on a real S3 endpoint (moto server), as on a trn cluster: data.manifest s3://... checked on the
     driver and streamed by Ray Data from S3; checkpoint.storage s3://...: save, list, resume. (One run for both:
-    each Ray Train run costs ~25 s of start-up here.)"""
+    each Ray Train run costs ~25 s of start-up here.) The resume prints raytrn's line, not Ray Train's notice."""
     import boto3
 
     from raytrn.data.manifest import load_manifest
@@ -271,9 +271,14 @@ def test_dataset_and_checkpoints_on_s3_then_resume(ray_session, tiny_dataset, tm
     assert f"{prefix}/raytrn-mlflow.json" in keys
 
     more = job.model_copy(update={"run": job.run.model_copy(update={"max_steps": 6})})
+    capfd.readouterr()
     second = run_training(more, live_progress=False)
     assert (second.start_step, second.final_step) == (4, 6)
     assert second.mlflow_run_id == first.mlflow_run_id
+    printed = capfd.readouterr()
+    # Ray Train's own notice of the resume (it advises deleting the run's folder) stays off the terminal
+    assert "resuming run" in printed.out + printed.err
+    assert "A run snapshot was found" not in printed.out + printed.err, printed.err[-2000:]
 
     boto3.client("s3", endpoint_url=s3_endpoint).delete_object(
         Bucket=s3_bucket, Key=f"datasets/tiny/{manifest.shards[0].path}"

@@ -218,6 +218,41 @@ def test_ray_datas_progress_bar_notice_is_quieted_where_it_is_logged(caplog) -> 
     assert not logging.getLogger(progress.logger.name).isEnabledFor(logging.WARNING)
 
 
+def test_ray_trains_resume_notice_reaches_raytrns_handler_alone() -> None:
+    """Ray Train's checkpoint manager logs its resume notice on the logger the hosted controller filters while it is
+    built (fails when Ray moves the notice); the filter hands a record to raytrn's handler alone, at its level."""
+    import importlib
+    import inspect
+
+    from raytrn.compat.controller import CHECKPOINT_MANAGER_LOGGER, ToHandler
+
+    manager = importlib.import_module(CHECKPOINT_MANAGER_LOGGER)
+    assert manager.logger.name == CHECKPOINT_MANAGER_LOGGER
+    assert "A run snapshot was found" in inspect.getsource(manager)
+
+    class Kept(logging.Handler):
+        def __init__(self, level: int) -> None:
+            super().__init__(level)
+            self.records: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.records.append(record.getMessage())
+
+    parent, child = logging.getLogger("raytrn-test-parent"), logging.getLogger("raytrn-test-parent.child")
+    rays, raytrns = Kept(logging.INFO), Kept(logging.WARNING)
+    parent.addHandler(rays)
+    child.setLevel(logging.INFO)
+    routed = ToHandler(raytrns)
+    child.addFilter(routed)
+    try:
+        child.info("a notice")
+        child.warning("a warning")
+    finally:
+        child.removeFilter(routed)
+        parent.removeHandler(rays)
+    assert rays.records == [] and raytrns.records == ["a warning"]
+
+
 def test_nothing_else_uses_a_private_ray_or_mlflow_name() -> None:
     """Private names (``_internal``, ``_private``, a leading underscore after ray./mlflow.) appear only in compat."""
     pattern = re.compile(
