@@ -29,7 +29,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
-#: The private names this module relies on (merged into :data:`raytrn.compat.PRIVATE_NAMES`).
 #: The logger (its module's) of Ray Train's checkpoint manager, which the controller builds before raytrn routes Ray
 #: Train's lines (:meth:`HostedController._start`); on every resume it logs a three-line notice that ends "please
 #: configure a new, unique `RunConfig(name)` or delete the existing folder": raytrn's own line says where it resumes.
@@ -50,6 +49,7 @@ class ToHandler(logging.Filter):
         return False
 
 
+#: The private names this module relies on (merged into :data:`raytrn.compat.PRIVATE_NAMES`).
 PRIVATE_NAMES: dict[str, str] = {
     "Ray Train controller": "ray.train.v2._internal.execution.controller:TrainController",
     "Ray Train controller run loop": "ray.train.v2._internal.execution.controller:TrainController.run",

@@ -190,7 +190,20 @@ class _S3:
         self.log.close()
 
 
-def _job(args: Any, work: Path, storage_root: str, *, name: str, workers: tuple[int, int], db: Path) -> Any:
+#: An uninterrupted reference saves no checkpoint on its way (its losses and rows do not depend on them; ~20 saves).
+NO_CHECKPOINTS = "checkpoint.every_n_steps=1000000"
+
+
+def _job(
+    args: Any,
+    work: Path,
+    storage_root: str,
+    *,
+    name: str,
+    workers: tuple[int, int],
+    db: Path,
+    extra: tuple[str, ...] = (),
+) -> Any:
     from raytrn.config import load_job
 
     return load_job(
@@ -219,6 +232,7 @@ def _job(args: Any, work: Path, storage_root: str, *, name: str, workers: tuple[
             f"run.max_steps={args.steps}",
             "run.log_every=1",
             *args.overrides,
+            *extra,
         ],
     )
 
@@ -489,9 +503,7 @@ def _compare_with_reference(args: Any, work: Path, trace: Path, db: Path) -> dic
 
     ref_trace, ref_db = work / "trace-ref", work / "mlflow-ref.db"
     os.environ["RAYTRN_SAMPLE_TRACE"] = str(ref_trace)
-    job = _job(args, work, str(work / "ckpt-ref"), name="reference", workers=(1, 1), db=ref_db)
-    # no checkpoint on its way (its losses and rows do not depend on them; ~20 saves): the stop's own at the end
-    job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"every_n_steps": 10**6})})
+    job = _job(args, work, str(work / "ckpt-ref"), name="reference", workers=(1, 1), db=ref_db, extra=(NO_CHECKPOINTS,))
     steps = max((s for s, _ in _logged_steps(db)), default=0)  # where the chaos run stopped
     thread, outcome = _train_in_thread(job)
     _stop(job.run_name, steps)  # the same schedule (run.max_steps), stopped at the same step

@@ -39,7 +39,16 @@ from pathlib import Path
 from typing import Any
 
 from tests.chaos._common import tiny_chaos_job, train_in_thread, wait_until
-from tests.chaos.elastic_cluster import _S3, _actors, _commits, _free_port, _logged, _newest_commit, _traced_steps
+from tests.chaos.elastic_cluster import (
+    _S3,
+    NO_CHECKPOINTS,
+    _actors,
+    _commits,
+    _free_port,
+    _logged,
+    _newest_commit,
+    _traced_steps,
+)
 
 NODE = {"num_cpus": 1, "resources": {"neuron_cores": 1}}
 #: The GCS's health checks of the nodes (``--fast-node-death``): every second, dead after 4 failed in a row (Ray's
@@ -59,10 +68,6 @@ COMMON = (
     "tracking.log_model=false", "tracking.system_metrics=false", "optim.decay_steps=2000",
     "optim.lr=5e-4",  # AdamW amplifies the replicas' other summation order less than at the tiny job's 3e-3 or 1e-3
 )  # fmt: skip
-
-
-#: An uninterrupted reference saves no checkpoint on its way (its losses and rows do not depend on them; ~20 saves).
-NO_CHECKPOINTS = "checkpoint.every_n_steps=1000000"
 
 
 def _traces(directory: Path) -> dict[str, dict[int, list[int]]]:
