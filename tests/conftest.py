@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from raytrn.compat import PRESTART_WORKERS_ENV
 from tests.simulator import Simulator
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,6 +32,11 @@ os.environ["RAYTRN_CHECK_COLLECTIVES"] = "1"
 # millions of them: the head's agent then kept one of the machine's two cores busy for minutes (the live chaos
 # test: 160-207 s with it, 128 s without; docs/testing.md, docs/elasticity.md).
 os.environ["RAY_enable_metrics_collection"] = "0"
+# Nor does any raylet start idle workers for the first driver (one per CPU of its node, for every cluster and node a
+# test starts): Ray Train's actors never run in them, and a test's Ray Data tasks start theirs when they need them.
+# raytrn's embedded local Ray does the same (raytrn.runtime.LOCAL_RAY_DEFAULTS); over the Ray tests of 2026-12-01,
+# 32 of them never ran anything (78 CPU-seconds).
+os.environ[PRESTART_WORKERS_ENV] = "0"
 
 
 @pytest.fixture(scope="session")

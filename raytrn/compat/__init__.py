@@ -50,6 +50,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Train preemption context": "ray.train.v2._internal.execution.preemption:PreemptionContext",
     "Ray draining nodes": "ray._private.state:GlobalState.get_draining_nodes",
     "Ray Train preemption watcher switch": "ray.train.v2._internal.constants:ENABLE_PREEMPTION_WATCHER_ENV_VAR",
+    "Ray's raylet executable": "ray._private.services:RAYLET_EXECUTABLE",  # holds PRESTART_WORKERS_ENV's setting
     "Ray driver's printer of worker output": "ray._private.worker:print_to_stdstream",
     "Ray driver's worker-line formatter": "ray._private.worker:print_worker_logs",
     "Ray's node of this process": "ray._private.worker:_global_node",
@@ -76,6 +77,13 @@ PRIVATE_NAMES: dict[str, str] = {
 #: Ray Train V2's switch for its preemption watcher (an actor polling the nodes). Undocumented environment
 #: variable; no public alternative. An embedded local Ray (one machine, never preempted) turns it off.
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+
+#: The raylet's setting (``RayConfig::prestart_worker_first_driver``, read from the environment as ``RAY_<name>``)
+#: that starts as many idle Python workers as the node has CPUs when the first driver connects. Undocumented; no
+#: public alternative. Ray Train's actors never run in them (an actor gets a new process), so on 2 cores they only
+#: compete with a run's start: an embedded local Ray turns it off. ``tests/unit/test_compat.py`` finds the name in
+#: the raylet's executable (``PRIVATE_NAMES``: "Ray's raylet executable").
+PRESTART_WORKERS_ENV = "RAY_prestart_worker_first_driver"
 
 
 def elastic_scaling_policy(scaling_config: Any, choose: Any, reachable: Callable[[Any], set[str]]) -> Any:

@@ -39,6 +39,18 @@ def test_preemption_watcher_switch_is_rays() -> None:
     assert compat.resolve(compat.PRIVATE_NAMES["Ray Train preemption watcher switch"]) == compat.PREEMPTION_WATCHER_ENV
 
 
+def test_prestart_setting_is_the_raylets() -> None:
+    """The raylet reads its settings from the environment as ``RAY_<name>``: the name must be one of its own (a
+    renamed setting would silently start the idle workers again)."""
+    import mmap
+
+    raylet = compat.resolve(compat.PRIVATE_NAMES["Ray's raylet executable"])
+    name = compat.PRESTART_WORKERS_ENV.removeprefix("RAY_").encode()
+    with open(raylet, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as image:
+        assert image.find(name) >= 0, f"{raylet} has no setting {name!r}: update raytrn.compat.PRESTART_WORKERS_ENV"
+        assert image.find(b"prestart_worker_first_drive_") < 0  # the search itself can fail
+
+
 def test_a_worker_that_died_with_its_preempted_node_is_charged_to_rays_preemption_budget() -> None:
     """As Ray Train's failure policy counts (raytrn's driver line says which budget a failure took): a worker whose
     node was preempted (a drained node taken away: Ray sets ``RayActorError.preempted``) is a preemption, also

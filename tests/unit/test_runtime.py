@@ -40,12 +40,13 @@ def test_listening_address_passes() -> None:
 
 
 def test_local_ray_defaults_keep_the_users_values():
-    from raytrn.compat import PREEMPTION_WATCHER_ENV
+    from raytrn.compat import PREEMPTION_WATCHER_ENV, PRESTART_WORKERS_ENV
     from raytrn.runtime import set_local_ray_defaults
 
     env = {}
     set_local_ray_defaults(env)
-    assert env == {PREEMPTION_WATCHER_ENV: "0"}  # nothing to preempt on one machine
-    env = {PREEMPTION_WATCHER_ENV: "1"}
+    # nothing to preempt on one machine; no idle workers started beside the run's start
+    assert env == {PREEMPTION_WATCHER_ENV: "0", PRESTART_WORKERS_ENV: "0"}
+    env = {PREEMPTION_WATCHER_ENV: "1", PRESTART_WORKERS_ENV: "1"}
     set_local_ray_defaults(env)
-    assert env == {PREEMPTION_WATCHER_ENV: "1"}
+    assert env == {PREEMPTION_WATCHER_ENV: "1", PRESTART_WORKERS_ENV: "1"}
