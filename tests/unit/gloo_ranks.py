@@ -89,7 +89,11 @@ def _entered(rank: int, env: dict[str, str], fn: Callable[..., None], *args: Any
 
 def tiny_job(tmp: Any, *overrides: str, workers: int, seq: int, rows: int, name: str) -> Any:
     """jobs/tiny.yaml as the layout tests train it (no data read: they feed their own rows): ``workers`` workers,
-    ``rows`` sequences of ``seq`` tokens a step (micro-batches of one), vocabulary 512, run ``name``."""
+    ``rows`` sequences of ``seq`` tokens a step (micro-batches of one), vocabulary 512, run ``name``.
+
+    AdamW's epsilon is 1e-6, not 1e-8: a layout sums its gradients in another order than one process does, off by
+    ~1e-10 where terms cancel, and AdamW turns a gradient error ``d`` into a weight error of up to ``lr * d / eps``:
+    3e-5 at eps 1e-8 (over the tests' 2e-5: an EP layout failed so on a CI machine), 3e-7 at 1e-6."""
     from pathlib import Path
 
     from raytrn.config import load_job
@@ -97,7 +101,7 @@ def tiny_job(tmp: Any, *overrides: str, workers: int, seq: int, rows: int, name:
     return load_job(
         Path(__file__).resolve().parents[2] / "jobs" / "tiny.yaml",
         ["data.manifest=unused", f"data.seq_len={seq}", "model.vocab_size=512", "data.grad_accum=null",
-         f"data.global_batch_size={rows}", "data.micro_batch_size=1", "optim.warmup_steps=2",
+         f"data.global_batch_size={rows}", "data.micro_batch_size=1", "optim.warmup_steps=2", "optim.eps=1e-6",
          f"scaling.min_workers={workers}", f"scaling.max_workers={workers}", f"checkpoint.storage={tmp}",
          f"tracking.run_name={name}", *overrides],
         resolve=False,

@@ -156,7 +156,9 @@ def test_context_parallel_matches_one_process(ranks_out: Path, case: str) -> Non
     torch.testing.assert_close(got["loss"].float(), want["loss"], rtol=TOLERANCE, atol=TOLERANCE)
     assert got["grads"].keys() == want["grads"].keys()
     for name, grad in want["grads"].items():
-        torch.testing.assert_close(got["grads"][name], grad, rtol=TOLERANCE, atol=TOLERANCE, msg=name)
+        torch.testing.assert_close(
+            got["grads"][name], grad, rtol=TOLERANCE, atol=TOLERANCE, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def test_zigzag_layout() -> None:

@@ -176,7 +176,9 @@ def test_context_parallel_trains_as_one_process_does(four_ranks: tuple[Path, lis
     assert state.keys() == params.keys()
     print(f"{name}: parameters' largest difference from one process {_max_error(state, params):.2e}")
     for param_name, value in params.items():
-        torch.testing.assert_close(state[param_name], value, rtol=TOLERANCE, atol=TOLERANCE, msg=param_name)
+        torch.testing.assert_close(
+            state[param_name], value, rtol=TOLERANCE, atol=TOLERANCE, msg=lambda m, n=param_name: f"{n}: {m}"
+        )
     overrides, _ = LAYOUTS[name]
     cp = 4 if "cp4" in name else 2
     tp = 2 if "tp2" in name else 1

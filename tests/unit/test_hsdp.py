@@ -152,7 +152,9 @@ def test_hsdp_trains_as_one_process_does(four_ranks: tuple[Path, dict[str, Any]]
     assert losses[-1] < losses[0]  # it trains
     assert got["params"].keys() == params.keys()
     for param_name, value in params.items():
-        torch.testing.assert_close(got["params"][param_name], value, rtol=TOLERANCE, atol=TOLERANCE, msg=param_name)
+        torch.testing.assert_close(
+            got["params"][param_name], value, rtol=TOLERANCE, atol=TOLERANCE, msg=lambda m, n=param_name: f"{n}: {m}"
+        )
     assert got["mesh"] == (("dp_replicate", "dp_shard", "tp") if "tp2" in name else ("dp_replicate", "dp_shard"))
     # replicated over the groups, sharded within one (TP's split first: FSDP's shard is a strided one then)
     assert got["placements"] == (["Replicate", "_StridedShard", "Shard"] if "tp2" in name else ["Replicate", "Shard"])

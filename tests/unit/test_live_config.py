@@ -139,4 +139,4 @@ def test_a_moe_replica_trains_the_restart_paths_objective_and_logs_the_loss_alon
     live.clip_and_step()
     assert sum(logged) / len(micro) == pytest.approx(float(reference.loss), abs=1e-6)
     for (name, a), b in zip(restart.model.named_parameters(), live.model.parameters(), strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=name)
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

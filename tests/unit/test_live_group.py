@@ -227,7 +227,7 @@ def test_survivors_and_a_newcomer_train_as_one_process_does(scenario: tuple[Path
     reference = model.state_dict()
     final = torch.load(out / "final-a.pt", weights_only=True)  # (d left after step 11)
     for key, value in reference.items():
-        torch.testing.assert_close(final[key], value, rtol=TOLERANCE, atol=TOLERANCE, msg=key)
+        torch.testing.assert_close(final[key], value, rtol=TOLERANCE, atol=TOLERANCE, msg=lambda m, n=key: f"{n}: {m}")
 
 
 def test_a_lost_replica_costs_the_step_in_flight_and_nothing_more(scenario: tuple[Path, dict[str, float]]) -> None:

@@ -127,7 +127,7 @@ def test_the_others_drop_a_hung_replica_and_train_as_one_process_does(
         assert logs[n][HANG_AT]["lost"] == [["c"]], logs[n][HANG_AT]
     final = torch.load(out / "final-a.pt", weights_only=True)
     for key, value in model.state_dict().items():
-        torch.testing.assert_close(final[key], value, rtol=TOLERANCE, atol=TOLERANCE, msg=key)
+        torch.testing.assert_close(final[key], value, rtol=TOLERANCE, atol=TOLERANCE, msg=lambda m, n=key: f"{n}: {m}")
 
 
 def test_the_hung_replica_dumps_its_stacks_and_exits_for_its_replacement(

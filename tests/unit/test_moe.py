@@ -115,7 +115,7 @@ def test_with_slots_for_every_assignment_the_capacity_dispatch_is_the_dropless_o
     a.logits.square().mean().backward()
     b.logits.square().mean().backward()
     for (name, p), q in zip(dropless.named_parameters(), fixed.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7, msg=name)
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_over_capacity_the_later_choices_and_tokens_are_dropped_and_shapes_stay_fixed() -> None:
