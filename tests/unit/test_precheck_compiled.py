@@ -100,13 +100,21 @@ def test_a_graph_break_fails_with_where_it_broke(monkeypatch: pytest.MonkeyPatch
     assert text.endswith("verdict: FAIL (graph break)")
 
 
-@pytest.mark.parametrize("name", ["llama3.2-1b-trn2.yaml", "qwen3-8b-trn2.yaml", "qwen3-30b-a3b-trn2.yaml"])
-def test_cli_on_the_trn2_job(capsys: pytest.CaptureFixture[str], name: str) -> None:
-    """`raytrn precheck jobs/<trn2 job> --tiny` in the main venv: exit 0 and PASS (Llama; Qwen3's per-head norms;
-    Qwen3-MoE's capacity dispatch: fixed shapes, no graph break)."""
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        ("llama3.2-1b-trn2.yaml", []),
+        # fp32: the same graphs, and a CPU without bf16 matrix units (test_precheck_layouts.FP32) spared the wait
+        ("qwen3-8b-trn2.yaml", ["--set", "model.autocast=none"]),
+        ("qwen3-30b-a3b-trn2.yaml", ["--set", "model.autocast=none"]),
+    ],
+)
+def test_cli_on_the_trn2_job(capsys: pytest.CaptureFixture[str], name: str, overrides: list[str]) -> None:
+    """`raytrn precheck jobs/<trn2 job> --tiny` in the main venv: exit 0 and PASS (Llama in the job's bf16; Qwen3's
+    per-head norms; Qwen3-MoE's capacity dispatch: fixed shapes, no graph break)."""
     from raytrn.cli import main
 
-    assert main(["precheck", str(REPO / "jobs" / name), "--tiny", "--steps", "5"]) == 0
+    assert main(["precheck", str(REPO / "jobs" / name), "--tiny", "--steps", "5", *overrides]) == 0
     out = capsys.readouterr().out
     assert "as 'neuron' compiles the step" in out and "verdict: PASS" in out
 
