@@ -153,6 +153,8 @@ def test_runs_compare_models_ranks_the_checkpoints_and_promote_sets_an_alias(mod
     assert "no registered model 'no-such-model'" in capsys.readouterr().err
 
 
+EVAL_TIMEOUT_S = 40
+
 FAULTS = '''"""A task whose documents fail to load: raises, then kills its process (as the out-of-memory killer does), then
 hangs; from the fourth load on it loads (the count is kept beside this file's origin)."""
 import os
@@ -182,8 +184,8 @@ def test_an_evaluation_that_raises_dies_or_hangs_never_stops_or_slows_training(
 ):
     """Evaluations of a task that raises, kills its process, then hangs past eval.timeout_s: the run finishes
     (FINISHED, every step; stopped once the three failed), each failure logged once with its reason (the
-    LoggedModel's raytrn.eval_error, the eval_failures count), and the run trains as fast as a run without evaluations
-    (its median tokens/s)."""
+    LoggedModel's raytrn.eval_error, the eval_failures count), no step waits for an evaluation (no logged window as
+    long as the hang's timeout), and the run trains near a run without evaluations (its median tokens/s)."""
     import shutil
     import statistics
 
@@ -225,11 +227,16 @@ def test_an_evaluation_that_raises_dies_or_hangs_never_stops_or_slows_training(
             thread.join(timeout=600)
         summary = summary_of(thread, result)
         speed = [m.value for m in client.get_metric_history(summary.mlflow_run_id, "tokens_per_s") if m.step > 100]
-        return summary, statistics.median(speed)
+        times = sorted((m.step, m.value) for m in client.get_metric_history(summary.mlflow_run_id, "step_time_s"))
+        # each logged window's wall seconds: its steps (since the last logged step) times their mean step time
+        windows = [(step - prev) * t for (prev, _), (step, t) in zip(times, times[1:], strict=False)]
+        return summary, statistics.median(speed), max(windows)
 
-    _, base_speed = run("plain", 400)
-    summary, speed = run("faulty", 5000, "eval.tasks=[faulty]", f"eval.include_path={tasks}", "eval.timeout_s=8",
-                         "eval.num_cpus=0", until_failures=3)  # fmt: skip
+    _, base_speed, _ = run("plain", 400)
+    # eval.timeout_s covers a cold evaluation process's imports (lm-eval, its task index: ~20 s here): at 8 s every
+    # evaluation timed out when this test ran first in its Ray session (no task worker had imported lm-eval yet)
+    summary, speed, longest_window = run("faulty", 5000, "eval.tasks=[faulty]", f"eval.include_path={tasks}",
+                                         f"eval.timeout_s={EVAL_TIMEOUT_S}", "eval.num_cpus=0", until_failures=3)  # fmt: skip
     assert summary.final_step < 5000 and client.get_run(summary.mlflow_run_id).info.status == "FINISHED"
     failures = client.get_metric_history(summary.mlflow_run_id, "eval_failures")
     assert sorted(m.value for m in failures)[:3] == [1.0, 2.0, 3.0], failures
@@ -242,8 +249,13 @@ def test_an_evaluation_that_raises_dies_or_hangs_never_stops_or_slows_training(
     ]  # fmt: skip
     assert any("a broken task: its documents cannot be read" in e for e in errors), errors
     assert any("died (out of memory, or killed)" in e for e in errors), errors
-    assert any("eval.timeout_s=8" in e for e in errors), errors
-    assert speed > 0.7 * base_speed, (speed, base_speed)  # within this shared 2-core machine's noise
+    assert any(f"eval.timeout_s={EVAL_TIMEOUT_S}" in e for e in errors), errors
+    # Off the loop: a loop that waited for the hanging evaluation would have a logged window (20 steps, ~1 s) of at
+    # least eval.timeout_s (40 s); 8 s is far above any other. The evaluator's own CPU (lm-eval's import and task index, ~20 CPU-s) shares the 2 cores
+    # with the run: its median speed 0.59x of the plain run's on a slow machine, so the bound is for a loop slowed
+    # throughout, not for that share.
+    assert longest_window < 8, longest_window
+    assert speed > 0.4 * base_speed, (speed, base_speed)
 
 
 def test_eval_include_path_on_s3_is_copied_beside_the_shipped_tasks(s3_bucket, s3_endpoint, tmp_path):
