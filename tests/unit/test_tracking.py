@@ -312,39 +312,82 @@ def test_tracking_actor_reports_a_refused_run(tmp_path):
     assert client.search_runs([e.experiment_id for e in client.search_experiments(view_type=3)], run_view_type=3) == []
 
 
-def test_async_logger_never_blocks_when_mlflow_is_unreachable(tmp_path):
-    logger = AsyncLogger(_closed_port_uri(), "0" * 32, batch_window_s=0.05)
-    t0 = time.perf_counter()
+@pytest.fixture
+def open_logger():
+    """Opens AsyncLoggers against unreachable servers and closes them at teardown, passed or failed: a logger
+    left open keeps dialling its port from its thread into the later tests of the same process (stop 65's CI:
+    the evaluation harness's no-network check in the next file saw a failed test's logger)."""
+    opened: list[AsyncLogger] = []
+
+    def open_(*args, **kwargs) -> AsyncLogger:
+        opened.append(AsyncLogger(*args, **kwargs))
+        return opened[-1]
+
+    yield open_
+    for logger in opened:
+        logger.close(timeout_s=0.1)
+
+
+def _silent_server() -> socket.socket:
+    """A listening socket that never accepts: connections wait in the kernel's backlog, requests get no answer
+    (closing it resets them)."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    return silent
+
+
+def _wait_in_flight(logger: AsyncLogger, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while logger._in_flight == 0 and time.monotonic() < deadline:  # the sender takes its first batch
+        time.sleep(0.01)
+    assert logger._in_flight == count
+
+
+def test_async_logger_never_blocks_when_mlflow_is_unreachable(open_logger, monkeypatch):
+    """Training never waits for MLflow. A server that refuses connections: 1,000 steps are queued, nothing is lost
+    or delivered, close() gives up after its timeout and says how many. A server that never answers: while the
+    sender is stuck in a request, 1,000 more steps are still only queued, where a log_metrics that sent would
+    wait for the request's 30 s timeout at its first call (the bound, 15 s, is 10x what 1,000 calls take on a slow
+    machine; stop 65's CI failed a bound of 1 s at 1.3 s)."""
+    logger = open_logger(_closed_port_uri(), "0" * 32, batch_window_s=0.05)
     for step in range(1000):
         logger.log_metrics({"loss": 1.0, "lr": 0.1, "tokens_per_s": 5.0}, step)
-    assert time.perf_counter() - t0 < 1.0  # queued, not sent
     time.sleep(0.5)
-    assert logger.pending == 3000  # nothing lost, nothing delivered
+    assert logger.pending == 3000 and logger.delivered == 0  # nothing lost, nothing delivered
     t0 = time.perf_counter()
     assert logger.close(timeout_s=1.0) == 3000  # bounded: gives up after the flush timeout, says how many
     assert time.perf_counter() - t0 < 20
 
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    with _silent_server() as silent:
+        logger = open_logger(f"http://127.0.0.1:{silent.getsockname()[1]}", "0" * 32, batch_window_s=0.01)
+        logger.log_metrics({"loss": 1.0}, 0)
+        _wait_in_flight(logger, 1)
+        t0 = time.monotonic()
+        for step in range(1, 1001):
+            logger.log_metrics({"loss": 1.0, "lr": 0.1, "tokens_per_s": 5.0}, step)
+        assert time.monotonic() - t0 < 15
+        assert logger._in_flight == 1 and logger.pending == 3001  # the sender is still waiting for its answer
+    assert logger.close(timeout_s=0.1) == 3001  # the closed socket reset the request: nothing was delivered
+    assert logger.delivered == 0
 
-def test_async_logger_counts_the_batch_in_flight_when_closed(monkeypatch):
+
+def test_async_logger_counts_the_batch_in_flight_when_closed(open_logger, monkeypatch):
     """close() while a batch is on its way to a server that never answers: that batch is not delivered either
     (stop 43's CI: a flush that timed out mid-request reported 2,100 of 3,000 undelivered)."""
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    with socket.socket() as silent:  # accepts connections (the kernel's backlog), never answers
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(8)
-        logger = AsyncLogger(f"http://127.0.0.1:{silent.getsockname()[1]}", "0" * 32, batch_window_s=0.01)
+    with _silent_server() as silent:
+        logger = open_logger(f"http://127.0.0.1:{silent.getsockname()[1]}", "0" * 32, batch_window_s=0.01)
         for step in range(1000):
             logger.log_metrics({"loss": 1.0, "lr": 0.1, "tokens_per_s": 5.0}, step)
-        deadline = time.monotonic() + 10
-        while logger._in_flight == 0 and time.monotonic() < deadline:  # the first batch (900) is sent
-            time.sleep(0.01)
-        assert logger._in_flight == 900
+        _wait_in_flight(logger, 900)  # the first batch (900) is sent
         assert logger.close(timeout_s=0.1) == 3000
         assert logger.delivered == 0
 
 
-def test_async_logger_bounded_buffer_drops_the_oldest(tmp_path):
-    logger = AsyncLogger(_closed_port_uri(), "0" * 32, max_buffered=100, batch_window_s=0.05)
+def test_async_logger_bounded_buffer_drops_the_oldest(open_logger):
+    logger = open_logger(_closed_port_uri(), "0" * 32, max_buffered=100, batch_window_s=0.05)
     for step in range(300):
         logger.log_metrics({"loss": float(step)}, step)
     assert logger.pending <= 100
