@@ -15,6 +15,7 @@ import raytrn.models
 import raytrn.train.build
 from raytrn.config import JobSpec, load_job
 from raytrn.train.precheck import precheck
+from tests.unit.test_precheck_layouts import FP32
 
 pytestmark = pytest.mark.unit
 
@@ -104,9 +105,9 @@ def test_a_graph_break_fails_with_where_it_broke(monkeypatch: pytest.MonkeyPatch
     ("name", "overrides"),
     [
         ("llama3.2-1b-trn2.yaml", []),
-        # fp32: the same graphs, and a CPU without bf16 matrix units (test_precheck_layouts.FP32) spared the wait
-        ("qwen3-8b-trn2.yaml", ["--set", "model.autocast=none"]),
-        ("qwen3-30b-a3b-trn2.yaml", ["--set", "model.autocast=none"]),
+        # fp32: the same graphs, and a CPU without bf16 matrix units spared the wait (FP32's comment)
+        ("qwen3-8b-trn2.yaml", ["--set", FP32]),
+        ("qwen3-30b-a3b-trn2.yaml", ["--set", FP32]),
     ],
 )
 def test_cli_on_the_trn2_job(capsys: pytest.CaptureFixture[str], name: str, overrides: list[str]) -> None:
