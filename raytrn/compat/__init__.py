@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from raytrn.compat import controller
+from raytrn.compat import controller, replicas
 from raytrn.compat.controller import (
     HOSTED_SKIPPED_CALLBACKS,
     ControllerListener,
@@ -28,6 +28,7 @@ from raytrn.compat.controller import (
 #: The private names this package relies on: ``module`` or ``module:attribute.path``.
 PRIVATE_NAMES: dict[str, str] = {
     **controller.PRIVATE_NAMES,
+    **replicas.PRIVATE_NAMES,
     "Ray Data stats actor": "ray.data._internal.stats:get_or_create_stats_actor",
     "Ray Train replica-group flag": "ray.train.backend:Backend.has_replica_groups",
     "Ray Train replica-group replacement": "ray.train.v2._internal.execution.worker_group:WorkerGroup.replace_replica_group",

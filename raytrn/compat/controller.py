@@ -210,6 +210,8 @@ def hosted_trainer(
     from ray.train.v2._internal.execution.worker_group.state import WorkerGroupState
     from ray.train.v2._internal.logging.logging import PlainRayHandler
 
+    from raytrn.compat.replicas import replace_together
+
     def _answer(workers: list[Any], frozen_after_s: float | None) -> bool | None:
         """Whether ``workers``' actors answer: False when one is gone (a dead node's refuse at once), None when one
         has not answered within :data:`REACH_TIMEOUT_S` and, given ``frozen_after_s`` (the health check's bound),
@@ -344,14 +346,18 @@ def hosted_trainer(
                 return statuses  # every live replica failed too: Ray restarts the whole group (nothing to join)
             for rank in ranks:
                 statuses[rank] = WorkerStatus(running=False)  # (finished: the run ends with the others)
-            for index, old in list(waiting.items()):
-                if self._slot_ready(old):
-                    del waiting[index]
-                    try:
-                        self._replace(index)
-                    except Exception as e:  # its actors failed to start: it waits again, the next poll retries
-                        waiting[index] = old
-                        logging.getLogger(__name__).warning("replacing replica group %d failed: %s", index, e)
+            ready = {index: old for index, old in waiting.items() if self._slot_ready(old)}
+            for index in ready:
+                del waiting[index]
+            if ready:  # together: nodes back at once join at one step (replicas.py)
+                failed = replace_together(self, sorted(ready))
+                for index, e in failed.items():  # its actors failed to start: it waits again, the next poll retries
+                    waiting[index] = ready[index]
+                    logging.getLogger(__name__).warning("replacing replica group %d failed: %s", index, e)
+                groups = self.get_replica_groups() or []
+                for index in sorted(set(ready) - set(failed)):
+                    if listener is not None:
+                        listener.replicas_started(_places(groups[index].get_workers()))
             return statuses
 
         def _kill_frozen(self, statuses: list[Any]) -> None:

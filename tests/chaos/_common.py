@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -68,9 +69,13 @@ def summary_of(thread: threading.Thread, result: dict[str, Any]) -> Any:
 
 
 def wait_until(predicate: Any, timeout_s: float, what: str, *, poll_s: float = 0.2) -> None:
-    deadline = time.monotonic() + timeout_s
+    """Poll ``predicate`` until it holds (then say on stderr how long it took: a slow test's log shows where its
+    time went) or ``timeout_s`` passed (a ``TimeoutError`` naming ``what``)."""
+    start = time.monotonic()
+    deadline = start + timeout_s
     while time.monotonic() < deadline:
         if predicate():
+            print(f"chaos harness: {what}: after {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
             return
         time.sleep(poll_s)
     raise TimeoutError(f"{what} not seen after {timeout_s} s")

@@ -198,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
                                    experiment="reference", name="reference",
                                    extra=(*COMMON, *evaluated, "scaling.resources_per_worker={neuron_cores: 1}",
                                           f"run.max_steps={final}", NO_CHECKPOINTS))  # fmt: skip
+        started = time.monotonic()
         ref_thread, ref_outcome = train_in_thread(reference)
         ref_thread.join(240)
+        print(f"chaos harness: the reference run: {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
         result["reference_error"] = repr(ref_outcome["error"]) if "error" in ref_outcome else None
         result["reference_loss"] = {s: v for s, _, v in _logged(ref_db)}
         result["reference_val_loss"] = {s: v for s, _, v in _logged(ref_db, "val_loss")}

@@ -393,3 +393,34 @@ def test_dcp_storage_info_is_what_dcps_file_reader_reads() -> None:
     info = compat.dcp_storage_info("__0_0.raw", 12, 34)
     assert (info.relative_path, info.offset, info.length) == ("__0_0.raw", 12, 34)
     assert info.transform_descriptors is None  # no transform: the reader takes the bytes as they are
+
+
+def test_replicas_replaced_together_take_the_steps_of_rays_replacement_of_one() -> None:
+    """raytrn.compat.replicas.replace_together does for several replica groups what Ray's replacement does for one,
+    in its order: a Ray whose replacement takes other steps, or names them otherwise, breaks it here."""
+    import inspect
+
+    from ray.train.v2._internal.execution.worker_group import WorkerGroup
+    from ray.train.v2._internal.execution.worker_group.execution_group import ReplicaGroup
+
+    source = inspect.getsource(WorkerGroup._replace_replica_group_impl)
+    steps = [
+        "old_replica_group.shutdown()",
+        "self._world_rank_to_ongoing_poll.pop(",
+        "w.actor.clear_result_queue.remote()",
+        "ray.get(sync_actor.reset.remote())",
+        "new_workers = self._create_workers(",
+        "starting_world_rank=replica_group_index,",
+        "self._worker_group_state.replace_workers(",
+        "new_replica_group = ReplicaGroup(",
+        "self._init_train_context(new_workers, sync_actor)",
+        "new_replica_group.start_training(self._worker_group_context)",
+    ]
+    at = [source.find(step) for step in steps]
+    assert -1 not in at and at == sorted(at), dict(zip(steps, at, strict=True))
+    assert list(inspect.signature(WorkerGroup._create_workers).parameters) == [
+        "self", "num_workers", "placement_group", "resources_per_worker", "placement_group_bundle_indices",
+        "starting_world_rank", "world_size", "replica_group_size",
+    ]  # fmt: skip
+    assert list(inspect.signature(ReplicaGroup).parameters) == ["workers", "resources_per_worker", "callbacks"]
+    assert "self._replica_group_callbacks" in inspect.getsource(WorkerGroup.__init__)

@@ -1,0 +1,97 @@
+"""Several of Ray Train's replica groups replaced at once (private Ray Train APIs).
+
+Ray 2.60's ``WorkerGroup.replace_replica_group`` replaces one replica group: it creates the group's worker actors and
+waits for them (a new process each, started and imported), initializes their train context, then starts training;
+replacing two groups that way puts one worker start after the other. Two nodes back at once (or two freed slots
+seen by one poll) then join the live group a worker start apart: at the live test's two-node return, 7 steps apart
+(measured 2026-12-01: admitted at steps 46 and 53). :func:`replace_together` does what Ray's replacement does (its
+``_replace_replica_group_impl``) for every group named, creating their actors together, so that the newcomers start
+side by side and the members admit them at one step boundary.
+
+Public alternative: none (``replace_replica_group`` takes one index). Every name used here is in
+:data:`PRIVATE_NAMES`; ``tests/unit/test_compat.py`` checks that Ray's replacement still takes these steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+#: The private names this module relies on (merged into :data:`raytrn.compat.PRIVATE_NAMES`).
+PRIVATE_NAMES: dict[str, str] = {
+    "Ray Train replica-group replacement steps": "ray.train.v2._internal.execution.worker_group:WorkerGroup._replace_replica_group_impl",
+    "Ray Train worker creation": "ray.train.v2._internal.execution.worker_group:WorkerGroup._create_workers",
+    "Ray Train train-context start": "ray.train.v2._internal.execution.worker_group:WorkerGroup._init_train_context",
+    "Ray Train replica group": "ray.train.v2._internal.execution.worker_group.execution_group:ReplicaGroup.start_training",
+    "Ray Train worker-group state's replacement": "ray.train.v2._internal.execution.worker_group.state:WorkerGroupState.replace_workers",
+}
+
+
+def replace_together(group: Any, indices: Sequence[int]) -> dict[int, BaseException]:
+    """Replace the replica groups ``indices`` of the worker group ``group`` (a Ray Train ``WorkerGroup``) as Ray's
+    ``replace_replica_group`` replaces one, their actors created together; returns, by index, the error of each
+    group whose workers failed to start (it is left shut down: the caller retries it later)."""
+    import ray
+    from ray.exceptions import RayActorError
+    from ray.train.v2._internal.execution.worker_group.execution_group import ReplicaGroup
+
+    group._assert_active()
+    groups = group._replica_groups
+    olds = {i: groups[i].get_workers() for i in indices}
+    for i, old in olds.items():  # (a group that failed to start before is inactive already)
+        groups[i].shutdown()
+        for w in old:
+            if w.distributed_context is not None:
+                group._world_rank_to_ongoing_poll.pop(w.distributed_context.world_rank, None)
+    # Ray's order: the others' result queues cleared (no mixed generations of reports), the barrier reset (a
+    # survivor waiting in it is released), then the new workers in the old ones' placement-group slots.
+    others = [w for i, g in enumerate(groups) if i not in olds and g.is_active() for w in g.get_workers()]
+    if others:
+        ray.get([w.actor.clear_result_queue.remote() for w in others])
+    state = group._worker_group_state
+    ray.get(state.sync_actor.reset.remote())
+    placement_group = state.placement_group_handle.placement_group
+    resources = group._worker_group_context.resources_per_worker
+
+    def create(i: int) -> list[Any]:
+        return list(
+            group._create_workers(
+                num_workers=len(olds[i]),
+                placement_group=placement_group,
+                resources_per_worker=resources,
+                placement_group_bundle_indices=[w.placement_group_bundle_index for w in olds[i]],
+                starting_world_rank=i,  # (Ray 2.60: replica groups of one worker; a group's index is its rank)
+                world_size=len(groups),
+                replica_group_size=len(olds[i]),
+            )
+        )
+
+    failed: dict[int, BaseException] = {}
+    started: dict[int, list[Any]] = {}
+    with ThreadPoolExecutor(max_workers=len(olds), thread_name_prefix="raytrn-replace") as pool:
+        futures = {i: pool.submit(create, i) for i in olds}
+        for i, future in futures.items():
+            try:
+                started[i] = future.result()
+            except Exception as e:  # (Ray's creation killed its actors)
+                failed[i] = e
+    for i, new in started.items():
+        group._worker_group_state = group._worker_group_state.replace_workers(olds[i], new)
+        groups[i] = ReplicaGroup(new, resources, group._replica_group_callbacks)
+    if not started:
+        return failed
+    try:
+        group._init_train_context([w for new in started.values() for w in new], group._worker_group_state.sync_actor)
+    except RayActorError as e:
+        for i in started:
+            groups[i].shutdown()
+            failed[i] = e
+        return failed
+    for i in started:
+        try:
+            groups[i].start_training(group._worker_group_context)
+        except RayActorError as e:
+            groups[i].shutdown()
+            failed[i] = e
+    return failed
