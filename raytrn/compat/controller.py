@@ -77,6 +77,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Train preemption watcher": "ray.train.v2._internal.execution.preemption:PreemptionWatcher",
     "Ray Train failure decisions": "ray.train.v2._internal.execution.failure_handling:FailureDecision",
     "Ray Train failure decision hook": "ray.train.v2._internal.execution.controller:TrainController._execute_failure_decision",
+    "Ray Train failing replica groups' replacement": "ray.train.v2._internal.execution.controller:TrainController._replace_bad_workers",
     "Ray Train preemption error": "ray.train.v2.api.exceptions:PreemptionError",
     "Ray Train checkpoint manager's logger": f"{CHECKPOINT_MANAGER_LOGGER}:logger",
     "Ray Train preemption budget": "ray.train.v2._internal.execution.failure_handling.default:_is_preemption_failure",
@@ -303,13 +304,23 @@ def hosted_trainer(
                             "replica group %d waits for capacity for its slot", replica_group_index
                         )
                     return
-            self._replace(replica_group_index)
+            collecting: list[int] | None = getattr(self, "_raytrn_collecting", None)
+            if collecting is None:
+                for error in self._replace_now([replica_group_index]).values():
+                    raise error  # (as Ray's replacement raises: the controller decides)
+            else:  # the controller's failing groups, replaced together once each is checked (_replace_bad_workers)
+                groups[replica_group_index].shutdown()  # (not a live other to the next one's checks)
+                collecting.append(replica_group_index)
 
-        def _replace(self, index: int) -> None:
-            """Ray's replacement of replica group ``index``, then its workers' places to the listener."""
-            super().replace_replica_group(index)
-            if listener is not None:
-                listener.replicas_started(_places((self.get_replica_groups() or [])[index].get_workers()))
+        def _replace_now(self, indices: list[int]) -> dict[int, BaseException]:
+            """The replica groups ``indices`` replaced together (replicas.py), the started ones' places to the listener;
+            returns the errors of those whose workers failed to start."""
+            failed = replace_together(self, indices)
+            groups = self.get_replica_groups() or []
+            for index in indices:
+                if listener is not None and index not in failed:
+                    listener.replicas_started(_places(groups[index].get_workers()))
+            return failed
 
         def _waiting(self) -> dict[int, list[Any]]:
             """Replica groups waiting for their slots (index: the failed group's workers), of this worker group."""
@@ -349,15 +360,10 @@ def hosted_trainer(
             ready = {index: old for index, old in waiting.items() if self._slot_ready(old)}
             for index in ready:
                 del waiting[index]
-            if ready:  # together: nodes back at once join at one step (replicas.py)
-                failed = replace_together(self, sorted(ready))
-                for index, e in failed.items():  # its actors failed to start: it waits again, the next poll retries
-                    waiting[index] = ready[index]
+            if ready:  # together: nodes back at once join at one step
+                for index, e in self._replace_now(sorted(ready)).items():  # its actors failed to start: it waits
+                    waiting[index] = ready[index]  # again, the next poll retries
                     logging.getLogger(__name__).warning("replacing replica group %d failed: %s", index, e)
-                groups = self.get_replica_groups() or []
-                for index in sorted(set(ready) - set(failed)):
-                    if listener is not None:
-                        listener.replicas_started(_places(groups[index].get_workers()))
             return statuses
 
         def _kill_frozen(self, statuses: list[Any]) -> None:
@@ -507,6 +513,18 @@ def hosted_trainer(
             return super()._execute_failure_decision(
                 failure_decision, training_failed_error, invoke_failure_decision_callbacks
             )
+
+        def _replace_bad_workers(self, poll_status: Any) -> None:
+            # Ray's loop replaces the failing replica groups one after another (its "TODO: parallelize this"): each
+            # is checked as before (replace_replica_group above), then those ready are replaced together
+            group: Any = self._worker_group
+            group._raytrn_collecting = []
+            try:
+                super()._replace_bad_workers(poll_status)
+            finally:
+                ready, group._raytrn_collecting = group._raytrn_collecting, None
+            for error in group._replace_now(ready).values() if ready else ():
+                raise error
 
         def abort_here(self) -> None:
             """Stock ``abort`` (callbacks, worker group, state), without exiting the process it runs in."""

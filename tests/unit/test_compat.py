@@ -424,3 +424,11 @@ def test_replicas_replaced_together_take_the_steps_of_rays_replacement_of_one() 
     ]  # fmt: skip
     assert list(inspect.signature(ReplicaGroup).parameters) == ["workers", "resources_per_worker", "callbacks"]
     assert "self._replica_group_callbacks" in inspect.getsource(WorkerGroup.__init__)
+    # the controller's failing groups: each through replace_replica_group (raytrn's checks), in one call it overrides
+    from ray.train.v2._internal.execution.controller import TrainController
+
+    assert list(inspect.signature(TrainController._replace_bad_workers).parameters) == ["self", "poll_status"]
+    loop = inspect.getsource(TrainController._replace_bad_workers)
+    assert (
+        "for rg_index in failing_rg_indices:" in loop and "self._worker_group.replace_replica_group(rg_index)" in loop
+    )
