@@ -361,9 +361,13 @@ def hosted_trainer(
             for index in ready:
                 del waiting[index]
             if ready:  # together: nodes back at once join at one step
-                for index, e in self._replace_now(sorted(ready)).items():  # its actors failed to start: it waits
-                    waiting[index] = ready[index]  # again, the next poll retries
-                    logging.getLogger(__name__).warning("replacing replica group %d failed: %s", index, e)
+                try:
+                    failed: dict[int, BaseException] = self._replace_now(sorted(ready))
+                except Exception as error:  # (a survivor gone since the poll: none started; the next poll decides)
+                    failed = dict.fromkeys(ready, error)
+                for index, why in failed.items():  # its actors failed to start: it waits again, the next poll retries
+                    waiting[index] = ready[index]
+                    logging.getLogger(__name__).warning("replacing replica group %d failed: %s", index, why)
             return statuses
 
         def _kill_frozen(self, statuses: list[Any]) -> None:

@@ -2,18 +2,20 @@
 
 Ray 2.60's ``WorkerGroup.replace_replica_group`` replaces one replica group: it creates the group's worker actors and
 waits for them (a new process each, started and imported), initializes their train context, then starts training;
-replacing two groups that way puts one worker start after the other. Two nodes back at once (or two freed slots
-seen by one poll) then join the live group a worker start apart: at the live test's two-node return, 7 steps apart
-(measured 2026-12-01: admitted at steps 46 and 53). :func:`replace_together` does what Ray's replacement does (its
-``_replace_replica_group_impl``) for every group named, creating their actors together, so that the newcomers start
-side by side and the members admit them at one step boundary.
+replacing two groups that way puts one worker start after the other (Ray's controller loops over its failing groups:
+"TODO: parallelize this"; raytrn's poll replaced the groups waiting for their slots the same way). Two nodes back at
+once then joined the live group a worker start apart: in the live chaos test (2026-12-01), admitted at steps 46 and
+53. :func:`replace_together` does what Ray's replacement does (its ``_replace_replica_group_impl``) for every group
+named, creating their actors together, so that the newcomers start side by side.
 
 Public alternative: none (``replace_replica_group`` takes one index). Every name used here is in
-:data:`PRIVATE_NAMES`; ``tests/unit/test_compat.py`` checks that Ray's replacement still takes these steps.
+:data:`PRIVATE_NAMES`; ``tests/unit/test_compat.py`` checks that Ray's replacement still takes these steps, and
+``tests/unit/test_replicas.py`` runs this one on a stand-in worker group.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,16 +27,22 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Train train-context start": "ray.train.v2._internal.execution.worker_group:WorkerGroup._init_train_context",
     "Ray Train replica group": "ray.train.v2._internal.execution.worker_group.execution_group:ReplicaGroup.start_training",
     "Ray Train worker-group state's replacement": "ray.train.v2._internal.execution.worker_group.state:WorkerGroupState.replace_workers",
+    "Ray Train start-up failure": "ray.train.v2._internal.exceptions:WorkerGroupStartupFailedError",
 }
+
+log = logging.getLogger(__name__)
 
 
 def replace_together(group: Any, indices: Sequence[int]) -> dict[int, BaseException]:
     """Replace the replica groups ``indices`` of the worker group ``group`` (a Ray Train ``WorkerGroup``) as Ray's
     ``replace_replica_group`` replaces one, their actors created together; returns, by index, the error of each
-    group whose workers failed to start (it is left shut down: the caller retries it later)."""
+    group whose workers failed to start (a ``WorkerGroupStartupFailedError``, which Ray's failure policy retries, as
+    Ray raises it; the group is left shut down, for the caller to retry). A failure before any worker is created (a
+    surviving group's actor gone since the poll) is raised, every group named left shut down."""
     import ray
     from ray.exceptions import RayActorError
-    from ray.train.v2._internal.execution.worker_group.execution_group import ReplicaGroup
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
+    from ray.train.v2._internal.execution.worker_group import execution_group
 
     group._assert_active()
     groups = group._replica_groups
@@ -49,9 +57,8 @@ def replace_together(group: Any, indices: Sequence[int]) -> dict[int, BaseExcept
     others = [w for i, g in enumerate(groups) if i not in olds and g.is_active() for w in g.get_workers()]
     if others:
         ray.get([w.actor.clear_result_queue.remote() for w in others])
-    state = group._worker_group_state
-    ray.get(state.sync_actor.reset.remote())
-    placement_group = state.placement_group_handle.placement_group
+    ray.get(group._worker_group_state.sync_actor.reset.remote())
+    placement_group = group._worker_group_state.placement_group_handle.placement_group
     resources = group._worker_group_context.resources_per_worker
 
     def create(i: int) -> list[Any]:
@@ -68,30 +75,37 @@ def replace_together(group: Any, indices: Sequence[int]) -> dict[int, BaseExcept
         )
 
     failed: dict[int, BaseException] = {}
-    started: dict[int, list[Any]] = {}
-    with ThreadPoolExecutor(max_workers=len(olds), thread_name_prefix="raytrn-replace") as pool:
+    created: dict[int, list[Any]] = {}
+    pool = ThreadPoolExecutor(max_workers=len(olds), thread_name_prefix="raytrn-replace")
+    try:
         futures = {i: pool.submit(create, i) for i in olds}
         for i, future in futures.items():
             try:
-                started[i] = future.result()
-            except Exception as e:  # (Ray's creation killed its actors)
+                created[i] = future.result()
+            except Exception as e:  # (Ray's creation killed its actors: a WorkerGroupStartupFailedError)
                 failed[i] = e
-    for i, new in started.items():
+    except BaseException:  # Ctrl-C: the controller aborts; a creation waiting on its actors is not waited for
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=False)
+    for i, new in created.items():
         group._worker_group_state = group._worker_group_state.replace_workers(olds[i], new)
-        groups[i] = ReplicaGroup(new, resources, group._replica_group_callbacks)
-    if not started:
-        return failed
-    try:
-        group._init_train_context([w for new in started.values() for w in new], group._worker_group_state.sync_actor)
-    except RayActorError as e:
-        for i in started:
-            groups[i].shutdown()
-            failed[i] = e
-        return failed
-    for i in started:
-        try:
+        groups[i] = execution_group.ReplicaGroup(new, resources, group._replica_group_callbacks)
+    for n, (i, new) in enumerate(created.items()):
+        try:  # each group on its own, as Ray's: one whose worker died does not fail the others
+            group._init_train_context(new, group._worker_group_state.sync_actor)
             groups[i].start_training(group._worker_group_context)
         except RayActorError as e:
             groups[i].shutdown()
-            failed[i] = e
+            failed[i] = WorkerGroupStartupFailedError(f"a replacement worker of replica group {i} failed to start")
+            failed[i].__cause__ = e
+        except BaseException:  # (Ray's: the group shut down, the error raised; the rest not started either)
+            for j in list(created)[n:]:
+                groups[j].shutdown()
+            raise
+        else:
+            places = ", ".join(
+                f"(ip={w.metadata.node_ip}, pid={w.metadata.pid}) rank {w.distributed_context.world_rank}" for w in new
+            )
+            log.info("started replica group %d: %s", i, places)
     return failed

@@ -424,6 +424,12 @@ def test_replicas_replaced_together_take_the_steps_of_rays_replacement_of_one() 
     ]  # fmt: skip
     assert list(inspect.signature(ReplicaGroup).parameters) == ["workers", "resources_per_worker", "callbacks"]
     assert "self._replica_group_callbacks" in inspect.getsource(WorkerGroup.__init__)
+    # a replacement whose worker dies as it starts: Ray's error for it, which its default failure policy retries
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
+    from ray.train.v2._internal.execution.failure_handling.default import RETRYABLE_CONTROLLER_ERRORS
+
+    assert "raise WorkerGroupStartupFailedError(error_msg) from actor_error" in source
+    assert issubclass(WorkerGroupStartupFailedError, RETRYABLE_CONTROLLER_ERRORS)
     # the controller's failing groups: each through replace_replica_group (raytrn's checks), in one call it overrides
     from ray.train.v2._internal.execution.controller import TrainController
 
