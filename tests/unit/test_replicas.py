@@ -6,13 +6,21 @@ the barrier) is done as Ray's replacement of one group does it. Under Ray it run
 
 from __future__ import annotations
 
+import importlib
 import threading
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from raytrn import compat
+
 pytestmark = pytest.mark.unit
+
+
+def private(name: str) -> Any:
+    """A private Ray name, through raytrn.compat's table (the only place that names them)."""
+    return compat.resolve(compat.PRIVATE_NAMES[name])
 
 
 class Ref:
@@ -97,14 +105,12 @@ class StandIn:
         pass
 
     def _create_workers(self, **kwargs: Any) -> list[Any]:
-        from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
-
         rank = kwargs["starting_world_rank"]
         assert kwargs["placement_group_bundle_indices"] == [rank] and kwargs["placement_group"] == "pg"
         self.calls.append(f"create {rank}")
         self.side_by_side.wait()  # (one creation after another: BrokenBarrierError after 10 s)
         if rank in self.create_fails:
-            raise WorkerGroupStartupFailedError("an actor died")
+            raise private("Ray Train start-up failure")("an actor died")
         return [worker(rank, self.calls, "new")]
 
     def _init_train_context(self, workers: list[Any], sync_actor: Any) -> None:
@@ -118,12 +124,12 @@ class StandIn:
 @pytest.fixture
 def replace(monkeypatch: pytest.MonkeyPatch) -> Any:
     import ray
-    from ray.train.v2._internal.execution.worker_group import execution_group
 
     from raytrn.compat.replicas import replace_together
 
     monkeypatch.setattr(ray, "get", fake_get)
-    monkeypatch.setattr(execution_group, "ReplicaGroup", Group)
+    module = importlib.import_module(compat.PRIVATE_NAMES["Ray Train replica group"].split(":")[0])
+    monkeypatch.setattr(module, "ReplicaGroup", Group)
     return replace_together
 
 
@@ -142,19 +148,19 @@ def test_groups_are_replaced_side_by_side_with_rays_bookkeeping(replace: Any) ->
 
 def test_a_group_whose_worker_fails_to_start_is_left_alone_and_retryable(replace: Any) -> None:
     from ray.exceptions import RayActorError
-    from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
 
+    startup_failure = private("Ray Train start-up failure")
     group = StandIn(3, create_fails={2}, together=2)
     old2 = group._replica_groups[2]
     failed = replace(group, [0, 2])
-    assert list(failed) == [2] and isinstance(failed[2], WorkerGroupStartupFailedError)
+    assert list(failed) == [2] and isinstance(failed[2], startup_failure)
     assert group._replica_groups[2] is old2 and not old2.is_active()  # shut down, the caller retries it
     assert group._replica_groups[0].training
 
     group = StandIn(3, init_fails={0}, together=2)
     failed = replace(group, [0, 2])
     # Ray's own error for it (its failure policy retries a start-up failure, not a bare actor error)
-    assert list(failed) == [0] and isinstance(failed[0], WorkerGroupStartupFailedError)
+    assert list(failed) == [0] and isinstance(failed[0], startup_failure)
     assert isinstance(failed[0].__cause__, RayActorError)
     assert not group._replica_groups[0].is_active() and not group._replica_groups[0].training
     assert group._replica_groups[2].training  # the other group trains
