@@ -521,3 +521,43 @@ def test_a_member_gone_before_it_reports_aborts_the_agreement_at_once() -> None:
     assert max(at for _, at in verdicts.values()) - gone < 12  # its heartbeat's silence, not the 20 s timeout
     for m in "ab":
         groups[m].leave()
+
+
+def _late_founder(name: str, port: int, out: str) -> None:
+    """Founds (a, b) with a 1 s peer timeout; b starts 3 s after a (a slower import or model build)."""
+    import torch.distributed as dist
+
+    from raytrn.train.live.group import LiveGroup
+
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    if name == "b":
+        time.sleep(3.0)
+    group = LiveGroup(store, name, timeout_s=1.0, dead_after_s=DEAD_S)
+    group.found(["a", "b"])
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    store.set(f"summed/{name}", "1")
+    store.wait(["summed/a", "summed/b"], timedelta(seconds=30))  # (neither leaves while the other still sums)
+    group.leave()
+    Path(out, f"{name}.json").write_text(json.dumps({"sum": float(total)}))
+
+
+def test_founders_that_start_apart_by_more_than_the_peer_timeout_found_the_group(tmp_path: Path) -> None:
+    """The founders wait for each other before the process group's rendezvous, whose own wait is the peer timeout
+    (1 s here: it bounds a frozen peer's collectives, not the founders' start-up skew, 3 s here): both found the group
+    and sum over it (before, a's rendezvous failed after 1 s: CI's 3.12 lane failed tests/unit/test_live_hang.py so
+    under load, 3 members 2 s apart at a 2 s timeout)."""
+    import multiprocessing as mp
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_late_founder, args=(m, store.port, str(tmp_path))) for m in "ab"]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert [json.loads((tmp_path / f"{m}.json").read_text())["sum"] for m in "ab"] == [2.0, 2.0]

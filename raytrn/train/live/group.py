@@ -59,6 +59,8 @@ _DECIDE_POLL_S = 0.02
 _FINISHED = PREFIX + "finished"
 #: How often a member's heartbeat thread bumps its store counter.
 HEARTBEAT_S = 0.25
+#: How long the founders of a live group wait for each other to start (their workers start apart: imports, builds).
+FOUND_DEADLINE_S = 600.0
 
 
 class PeerLost(RuntimeError):
@@ -173,6 +175,15 @@ class LiveGroup:
         if self.member not in founders:
             raise ValueError(f"member {self.member!r} is not among the founders {list(founders)}")
         self._beat()
+        # Every founder present before the process group's rendezvous: that waits only timeout_s (short: it bounds
+        # a frozen peer's collectives), not the founders' start-up skew (one that imports or builds slower; CI's
+        # 3.12 lane founded 3 gloo members 2 s apart under load and failed at a 2 s timeout).
+        beats = [f"{PREFIX}hb/{m}" for m in founders]
+        try:
+            self.store.wait(beats, timedelta(seconds=max(self.timeout_s, FOUND_DEADLINE_S)))
+        except Exception as e:  # (c10d's store timeout)
+            missing = [m for m, key in zip(founders, beats, strict=True) if not self.store.check([key])]
+            raise RuntimeError(f"live group: founders {missing} did not start within {FOUND_DEADLINE_S:.0f} s") from e
         proposed = Generation(0, tuple(founders))
         decided = Generation.decode(0, self.store.compare_set(self._key(0, "members"), "", proposed.encode()))
         if decided.members != proposed.members:
