@@ -527,8 +527,9 @@ def hosted_trainer(
                 super()._replace_bad_workers(poll_status)
             finally:
                 ready, group._raytrn_collecting = group._raytrn_collecting, None
-            for error in group._replace_now(ready).values() if ready else ():
-                raise error
+            if ready:
+                for error in group._replace_now(ready).values():
+                    raise error
 
         def abort_here(self) -> None:
             """Stock ``abort`` (callbacks, worker group, state), without exiting the process it runs in."""

@@ -413,15 +413,14 @@ def _blocked_member(name: str, port: int, out: str) -> None:
     Path(out, f"{name}.json").write_text(json.dumps(record))
 
 
-def test_a_member_that_re_forms_frees_those_still_blocked_in_a_collective_with_it(tmp_path: Path) -> None:
-    """b leaves a collective a still waits in (as a survivor whose direct peer died leaves an all-reduce): b's
-    re-formation closes its connections first, so a's receive fails within a second of it, not after the 20 s
-    collective timeout, and both re-form together."""
+def _run_members(target: Any, out: Path) -> list[int | None]:
+    """Members a and b, each ``target(name, port, out)`` in a process of its own over one store; their exit codes
+    (a member still running after 90 s is killed)."""
     import multiprocessing as mp
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_blocked_member, args=(m, store.port, str(tmp_path))) for m in "ab"]
+    procs = [ctx.Process(target=target, args=(m, store.port, str(out))) for m in "ab"]
     for p in procs:
         p.start()
     for p in procs:
@@ -429,6 +428,15 @@ def test_a_member_that_re_forms_frees_those_still_blocked_in_a_collective_with_i
     for p in procs:
         if p.is_alive():
             p.kill()
+            p.join(10)
+    return [p.exitcode for p in procs]
+
+
+def test_a_member_that_re_forms_frees_those_still_blocked_in_a_collective_with_it(tmp_path: Path) -> None:
+    """b leaves a collective a still waits in (as a survivor whose direct peer died leaves an all-reduce): b's
+    re-formation closes its connections first, so a's receive fails within a second of it, not after the 20 s
+    collective timeout, and both re-form together."""
+    _run_members(_blocked_member, tmp_path)
     a, b = (json.loads((tmp_path / f"{m}.json").read_text()) for m in "ab")
     assert "closed" in a["error"].lower() and a["failed_after_s"] < 1.0 + 5, a  # b re-formed after 1 s
     assert a["members"] == b["members"] == ["a", "b"]
@@ -547,17 +555,5 @@ def test_founders_that_start_apart_by_more_than_the_peer_timeout_found_the_group
     (1 s here: it bounds a frozen peer's collectives, not the founders' start-up skew, 3 s here): both found the group
     and sum over it (before, a's rendezvous failed after 1 s: CI's 3.12 lane failed tests/unit/test_live_hang.py so
     under load, 3 members 2 s apart at a 2 s timeout)."""
-    import multiprocessing as mp
-
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_late_founder, args=(m, store.port, str(tmp_path))) for m in "ab"]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(90)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert _run_members(_late_founder, tmp_path) == [0, 0]
     assert [json.loads((tmp_path / f"{m}.json").read_text())["sum"] for m in "ab"] == [2.0, 2.0]

@@ -63,6 +63,11 @@ HEARTBEAT_S = 0.25
 FOUND_DEADLINE_S = 600.0
 
 
+def _heartbeat_key(member: str) -> str:
+    """The store counter ``member``'s heartbeat thread bumps (it exists once the member has started beating)."""
+    return f"{PREFIX}hb/{member}"
+
+
 class PeerLost(RuntimeError):
     """A collective of the live group failed or timed out: a member is gone (or frozen past ``timeout_s``)."""
 
@@ -131,7 +136,7 @@ class Heartbeats:
         self._polled = 0.0  # when any_silent last read the counters
 
     def silent(self, member: str, now: float) -> bool:
-        count = self.store.add(f"{PREFIX}hb/{member}", 0)
+        count = self.store.add(_heartbeat_key(member), 0)
         seen = self._seen.get(member)
         if seen is None or seen[0] != count:
             self._seen[member] = seen = (count, now)
@@ -178,12 +183,12 @@ class LiveGroup:
         # Every founder present before the process group's rendezvous: that waits only timeout_s (short: it bounds
         # a frozen peer's collectives), not the founders' start-up skew (one that imports or builds slower; CI's
         # 3.12 lane founded 3 gloo members 2 s apart under load and failed at a 2 s timeout).
-        beats = [f"{PREFIX}hb/{m}" for m in founders]
+        deadline_s = max(self.timeout_s, FOUND_DEADLINE_S)
         try:
-            self.store.wait(beats, timedelta(seconds=max(self.timeout_s, FOUND_DEADLINE_S)))
+            self.store.wait([_heartbeat_key(m) for m in founders], timedelta(seconds=deadline_s))
         except Exception as e:  # (c10d's store timeout)
-            missing = [m for m, key in zip(founders, beats, strict=True) if not self.store.check([key])]
-            raise RuntimeError(f"live group: founders {missing} did not start within {FOUND_DEADLINE_S:.0f} s") from e
+            missing = [m for m in founders if not self.store.check([_heartbeat_key(m)])]
+            raise RuntimeError(f"live group: founders {missing} did not start within {deadline_s:.0f} s") from e
         proposed = Generation(0, tuple(founders))
         decided = Generation.decode(0, self.store.compare_set(self._key(0, "members"), "", proposed.encode()))
         if decided.members != proposed.members:
@@ -429,7 +434,7 @@ class LiveGroup:
         if self._beating is not None:
             return
         stop = self._beating = threading.Event()
-        key = f"{PREFIX}hb/{self.member}"
+        key = _heartbeat_key(self.member)
         parent = os.getppid()
 
         def beat() -> None:
