@@ -191,13 +191,16 @@ def main(argv: list[str] | None = None) -> int:
         result["traces"] = _traces(work / "trace")
         if args.no_reference:
             return 0
-        # the same job and seed, uninterrupted, on 1 worker (the same global batch: 6 micro-batches accumulated)
+        # the same job and seed, uninterrupted, on 1 worker (the same global batch, as one micro-batch: the same rows
+        # in the same order, the same sums but for their order; 6 accumulated micro-batches of 8 took ~2x the steps'
+        # time)
         os.environ["RAYTRN_SAMPLE_TRACE"] = str(work / "trace-reference")
         final = max(result["steps"])
         reference = tiny_chaos_job(Path(args.dataset), work / "ckpt-ref", mlflow_uri=f"sqlite:///{ref_db}",
                                    experiment="reference", name="reference",
                                    extra=(*COMMON, *evaluated, "scaling.resources_per_worker={neuron_cores: 1}",
-                                          f"run.max_steps={final}", NO_CHECKPOINTS))  # fmt: skip
+                                          f"run.max_steps={final}", NO_CHECKPOINTS,
+                                          f"data.micro_batch_size={GLOBAL_BATCH}"))  # fmt: skip
         started = time.monotonic()
         ref_thread, ref_outcome = train_in_thread(reference)
         ref_thread.join(240)
