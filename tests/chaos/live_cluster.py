@@ -192,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_reference:
             return 0
         # the same job and seed, uninterrupted, on 1 worker (the same global batch, as one micro-batch: the same rows
-        # in the same order, the same sums but for their order; 6 accumulated micro-batches of 8 took ~2x the steps'
-        # time)
+        # in the same order, the same sums but for their order; elastic_cluster.ONE_MICRO_BATCH)
         os.environ["RAYTRN_SAMPLE_TRACE"] = str(work / "trace-reference")
         final = max(result["steps"])
         reference = tiny_chaos_job(Path(args.dataset), work / "ckpt-ref", mlflow_uri=f"sqlite:///{ref_db}",

@@ -185,7 +185,8 @@ def test_an_evaluation_that_raises_dies_or_hangs_never_stops_or_slows_training(
     """Evaluations of a task that raises, kills its process, then hangs past eval.timeout_s: the run finishes
     (FINISHED, every step; stopped once the three failed), each failure logged once with its reason (the
     LoggedModel's raytrn.eval_error, the eval_failures count), no step waits for an evaluation (no logged window as
-    long as the hang's timeout), and the run trains near a run without evaluations (its median tokens/s: its own steps before the first evaluation, steps 21-100)."""
+    long as the hang's timeout), and the run trains near a run without evaluations (its median tokens/s: its own
+    steps before the first evaluation, steps 21-100)."""
     import itertools
     import shutil
     import statistics
@@ -206,43 +207,34 @@ def test_an_evaluation_that_raises_dies_or_hangs_never_stops_or_slows_training(
 
     client = MlflowClient(mlflow_server.url)
 
-    def run(name: str, steps: int, *extra: str, until_failures: int = 0):
-        """A run of ``steps`` (run.max_steps); ``until_failures``: stopped (raytrn stop) at its next step once that
-        many evaluations failed, however many steps the machine trained meanwhile."""
-        job = tiny_chaos_job(
-            dataset_with_validation, tmp_path / name, mlflow_uri=mlflow_server.url, experiment="raytrn-faults",
-            name=f"{name}-{uuid.uuid4().hex[:6]}",
-            extra=(f"run.max_steps={steps}", "checkpoint.every_n_steps=100", "run.log_every=20",
-                   "tracking.system_metrics=false", *extra),
-        )  # fmt: skip
-        thread, result = train_in_thread(job)
-        try:
-            if until_failures:
-                run_id = lambda: _run_ids(client, "raytrn-faults", job.run_name)  # noqa: E731
-                failed = lambda: [m.value for r in run_id() for m in client.get_metric_history(r, "eval_failures")]  # noqa: E731
-                wait_until(
-                    lambda: max(failed(), default=0) >= until_failures, 300, f"{until_failures} failed evaluations"
-                )
-                request_stop(job.run_name)
-        finally:
-            thread.join(timeout=600)
-        summary = summary_of(thread, result)
-        speed = client.get_metric_history(summary.mlflow_run_id, "tokens_per_s")
-        times = sorted((m.step, m.value) for m in client.get_metric_history(summary.mlflow_run_id, "step_time_s"))
-        # each logged window's wall seconds: its steps (since the last logged step) times their mean step time
-        windows = [(step - prev) * t for (prev, _), (step, t) in itertools.pairwise(times)]
-        # the speed before the first evaluation (at step 100's checkpoint; the first window, steps 1-20, warms up)
-        # and after it (the evaluations running beside the loop): a run without evaluations in the same run
-        before = [m.value for m in speed if 20 < m.step <= 100]
-        after = [m.value for m in speed if m.step > 100]
-        return summary, statistics.median(before), statistics.median(after), max(windows)
-
-    # eval.timeout_s covers a cold evaluation process's imports (lm-eval, its task index: ~20 s here): at 8 s every
-    # evaluation timed out when this test ran first in its Ray session (no task worker had imported lm-eval yet)
-    summary, base_speed, speed, longest_window = run(
-        "faulty", 5000, "eval.tasks=[faulty]", f"eval.include_path={tasks}", f"eval.timeout_s={EVAL_TIMEOUT_S}",
-        "eval.num_cpus=0", until_failures=3,
+    # One run, stopped (raytrn stop) at its next step once three evaluations failed, however many steps the machine
+    # trained meanwhile. eval.timeout_s covers a cold evaluation process's imports (lm-eval, its task index: ~20 s
+    # here): at 8 s every evaluation timed out when this test ran first in its Ray session (no task worker had
+    # imported lm-eval yet)
+    job = tiny_chaos_job(
+        dataset_with_validation, tmp_path / "faulty", mlflow_uri=mlflow_server.url, experiment="raytrn-faults",
+        name=f"faulty-{uuid.uuid4().hex[:6]}",
+        extra=("run.max_steps=5000", "checkpoint.every_n_steps=100", "run.log_every=20",
+               "tracking.system_metrics=false", "eval.tasks=[faulty]", f"eval.include_path={tasks}", f"eval.timeout_s={EVAL_TIMEOUT_S}",
+               "eval.num_cpus=0"),
     )  # fmt: skip
+    thread, result = train_in_thread(job)
+    try:
+        run_id = lambda: _run_ids(client, "raytrn-faults", job.run_name)  # noqa: E731
+        failed = lambda: [m.value for r in run_id() for m in client.get_metric_history(r, "eval_failures")]  # noqa: E731
+        wait_until(lambda: max(failed(), default=0) >= 3, 300, "3 failed evaluations")
+        request_stop(job.run_name)
+    finally:
+        thread.join(timeout=600)
+    summary = summary_of(thread, result)
+    history = client.get_metric_history(summary.mlflow_run_id, "tokens_per_s")
+    times = sorted((m.step, m.value) for m in client.get_metric_history(summary.mlflow_run_id, "step_time_s"))
+    # each logged window's wall seconds: its steps (since the last logged step) times their mean step time
+    longest_window = max((step - prev) * t for (prev, _), (step, t) in itertools.pairwise(times))
+    # the speed before the first evaluation (at step 100's checkpoint; the first window, steps 1-20, warms up) and
+    # after it (the evaluations running beside the loop): a run without evaluations, in the same run
+    base_speed = statistics.median(m.value for m in history if 20 < m.step <= 100)
+    speed = statistics.median(m.value for m in history if m.step > 100)
     assert summary.final_step < 5000 and client.get_run(summary.mlflow_run_id).info.status == "FINISHED"
     failures = client.get_metric_history(summary.mlflow_run_id, "eval_failures")
     assert sorted(m.value for m in failures)[:3] == [1.0, 2.0, 3.0], failures
