@@ -1,5 +1,6 @@
 """Real multi-process ``torch.distributed`` (gloo on 127.0.0.1) for the layout tests: a free port, a rank's process
-group, and a spawn of every rank bounded in time whose processes are ended by handle on failure."""
+group, and every rank's process (forked from a server that imported torch and raytrn once) bounded in time, ended by
+handle on failure."""
 
 from __future__ import annotations
 
@@ -34,19 +35,31 @@ def init_gloo(rank: int, world: int, port: int) -> None:
 PRELOAD = ["torch", "torch.distributed", "raytrn.train.build", "raytrn.train.step", "raytrn.checkpoint.dcp"]
 
 
-def spawn_ranks(fn: Callable[..., None], world: int, *args: Any, deadline_s: float) -> None:
-    """``fn(rank, world, port, *args)`` on ``world`` processes forked from a server that imported :data:`PRELOAD`
-    and ``fn``'s module (started at the first call in this process); fails the test past ``deadline_s``."""
+def start_ranks(fn: Callable[..., None], *args: Any, nprocs: int, join: bool = False) -> Any:
+    """``fn(rank, *args)`` on ``nprocs`` processes forked from a server that imported :data:`PRELOAD` and ``fn``'s
+    module (started at the first call in this process: a fork, not a new interpreter paying ~3-5 s of imports each),
+    with this process's environment; ``torch.multiprocessing.start_processes``' result (``join`` as there)."""
     import multiprocessing
 
     multiprocessing.set_forkserver_preload([*PRELOAD, fn.__module__])
-    ctx = mp.start_processes(
-        _entered,
-        args=(dict(os.environ), fn, world, free_port(), *args),
-        nprocs=world,
-        join=False,
-        start_method="forkserver",
+    return mp.start_processes(
+        _entered, args=(dict(os.environ), fn, *args), nprocs=nprocs, join=join, start_method="forkserver"
     )
+
+
+def process(target: Callable[..., None], *args: Any) -> Any:
+    """A ``multiprocessing`` process (not started yet) running ``target(*args)`` with this process's environment,
+    forked from the ranks' server as :func:`start_ranks`' are."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload([*PRELOAD, target.__module__])
+    return multiprocessing.get_context("forkserver").Process(target=_with_env, args=(dict(os.environ), target, *args))
+
+
+def spawn_ranks(fn: Callable[..., None], world: int, *args: Any, deadline_s: float) -> None:
+    """``fn(rank, world, port, *args)`` on ``world`` processes (:func:`start_ranks`); fails the test past
+    ``deadline_s``."""
+    ctx = start_ranks(fn, world, free_port(), *args, nprocs=world)
     deadline = time.monotonic() + deadline_s
     try:
         while not ctx.join(timeout=1):
@@ -82,9 +95,13 @@ def spawn_records(fn: Callable[..., None], world: int, tmp: Path, *, deadline_s:
 
 def _entered(rank: int, env: dict[str, str], fn: Callable[..., None], *args: Any) -> None:
     """A rank with the test's environment (a forked process has the server's)."""
+    _with_env(env, fn, rank, *args)
+
+
+def _with_env(env: dict[str, str], fn: Callable[..., None], *args: Any) -> None:
     os.environ.clear()
     os.environ.update(env)
-    fn(rank, *args)
+    fn(*args)
 
 
 def tiny_job(tmp: Any, *overrides: str, workers: int, seq: int, rows: int, name: str) -> Any:

@@ -20,6 +20,7 @@ from raytrn.checkpoint.progress import Progress
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.errors import CheckpointError, RunStopped
 from raytrn.train.schedule import Schedule
+from tests.unit.gloo_ranks import start_ranks
 from tests.unit.test_dcp import job, trained
 
 pytestmark = pytest.mark.unit
@@ -377,9 +378,7 @@ def test_two_ranks_walk_the_candidates_in_step_to_the_same_checkpoint(tmp_path: 
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
-        ctx = mp.start_processes(
-            _resume_rank, args=(2, port, str(tmp_path), out), nprocs=2, join=False, start_method="spawn"
-        )
+        ctx = start_ranks(_resume_rank, 2, port, str(tmp_path), out, nprocs=2)
         deadline = time.monotonic() + 120
         while not ctx.join(timeout=1):
             assert time.monotonic() < deadline, "the ranks did not agree within 120 s"

@@ -30,6 +30,7 @@ from torch.distributed import TCPStore
 
 from raytrn.config import JobSpec, load_job
 from raytrn.train.live.step import share
+from tests.unit.gloo_ranks import process
 
 pytestmark = pytest.mark.unit
 
@@ -141,12 +142,9 @@ def _wait(store: TCPStore, keys: list[str], what: str) -> None:
 
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, float]]:
-    import multiprocessing as mp
-
     out = tmp_path_factory.mktemp("live")
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=DEADLINE_S))
-    spawn = mp.get_context("spawn")
-    procs = {n: spawn.Process(target=_member, args=(n, store.port, ["a", "b", "c"], str(out))) for n in "abc"}
+    procs = {n: process(_member, n, store.port, ["a", "b", "c"], str(out)) for n in "abc"}
     times: dict[str, float] = {}
     try:
         for p in procs.values():
@@ -157,7 +155,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
         times["lost"] = time.monotonic()
         store.set(f"test/go{KILL_AT}", "1")
         _wait(store, [f"test/at{JOIN_AFTER}/{n}" for n in "ab"], "the survivors at step 8")
-        procs["d"] = spawn.Process(target=_member, args=("d", store.port, [], str(out)))
+        procs["d"] = process(_member, "d", store.port, [], str(out))
         procs["d"].start()
         deadline = time.monotonic() + DEADLINE_S
         while store.add("live/joins", 0) < 1:  # d asked to join: step 8 admits it
@@ -416,11 +414,8 @@ def _blocked_member(name: str, port: int, out: str) -> None:
 def _run_members(target: Any, out: Path) -> list[int | None]:
     """Members a and b, each ``target(name, port, out)`` in a process of its own over one store; their exit codes
     (a member still running after 90 s is killed)."""
-    import multiprocessing as mp
-
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(m, store.port, str(out))) for m in "ab"]
+    procs = [process(target, m, store.port, str(out)) for m in "ab"]
     for p in procs:
         p.start()
     for p in procs:

@@ -25,6 +25,7 @@ import torch
 from torch.distributed import TCPStore
 
 from raytrn.config import JobSpec, load_job
+from tests.unit.gloo_ranks import process
 from tests.unit.test_live_group import REPO, SEQ, build, micro_batch, one_process_step, records
 
 pytestmark = pytest.mark.unit
@@ -87,12 +88,9 @@ def _member(name: str, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def hung(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int | None]]:
-    import multiprocessing as mp
-
     out = tmp_path_factory.mktemp("live-hang")
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=DEADLINE_S))
-    spawn = mp.get_context("spawn")
-    procs = {n: spawn.Process(target=_member, args=(n, store.port, str(out))) for n in "abc"}
+    procs = {n: process(_member, n, store.port, str(out)) for n in "abc"}
     try:
         for p in procs.values():
             p.start()

@@ -20,6 +20,7 @@ from raytrn.checkpoint.messages import StoresRewound
 from raytrn.checkpoint.progress import Progress
 from raytrn.train.build import build_training
 from raytrn.train.step import train_step
+from tests.unit.gloo_ranks import start_ranks
 from tests.unit.memory_stand_ins import StandInKeeper
 from tests.unit.test_dcp import job, trained
 from tests.unit.test_memory_tier import _batches, _free_port, _moments, _params
@@ -81,7 +82,7 @@ def test_the_live_rank_0_snapshots_its_whole_replica_alone_and_it_restores_exact
     state, which a new process restores bit-equal (weights and moments)."""
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.start_processes(_replica, args=(_free_port(), str(tmp_path), out), nprocs=2, start_method="spawn")
+        start_ranks(_replica, _free_port(), str(tmp_path), out, nprocs=2, join=True)
         r = dict(out[0])
     assert r["complete"] and r["rewinds"] == [2], r
     assert r["ring"] == ["node-a", "node-b"] and r["sealed"] == {"node-a": [2], "node-b": [2]}, r["sealed"]

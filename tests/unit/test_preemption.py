@@ -16,6 +16,7 @@ from raytrn.tracking.board import StopAsked, StopOrder
 from raytrn.tracking.roles import StopMailbox
 from raytrn.train import preemption
 from raytrn.train.preemption import Notice, NoticeFrom, PreemptionWatch
+from tests.unit.gloo_ranks import start_ranks
 
 pytestmark = pytest.mark.unit
 
@@ -52,7 +53,7 @@ def test_every_rank_agrees_at_the_first_step_any_rank_has_a_notice() -> None:
     with mp.Manager() as manager:
         out = manager.dict()
         # rank 2 hears at step 3, rank 0 at step 5, rank 1 never (its node is the one going away, say).
-        ctx = mp.start_processes(_agree, args=(3, port, {2: 3, 0: 5}, out), nprocs=3, join=False, start_method="spawn")
+        ctx = start_ranks(_agree, 3, port, {2: 3, 0: 5}, out, nprocs=3)
         deadline = time.monotonic() + 120
         while not ctx.join(timeout=1):
             assert time.monotonic() < deadline, "gloo agreement did not finish"

@@ -25,6 +25,7 @@ from raytrn.train.protocol import PHASES, CollectiveOrderError, Component, StepE
 from raytrn.train.step import StepResult
 from raytrn.train.stopping import StopRequests
 from raytrn.train.watchdog import HangWatch
+from tests.unit.gloo_ranks import start_ranks
 
 pytestmark = pytest.mark.unit
 
@@ -169,7 +170,7 @@ def test_a_collective_issued_on_some_ranks_only_is_caught_on_every_rank_and_the_
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         shared = manager.dict()
-        ctx = mp.start_processes(_run, args=(2, port, shared), nprocs=2, join=False, start_method="spawn")
+        ctx = start_ranks(_run, 2, port, shared, nprocs=2)
         deadline = time.monotonic() + 120
         while not ctx.join(timeout=1):
             assert time.monotonic() < deadline, "the ranks did not finish (a hang the check should prevent)"

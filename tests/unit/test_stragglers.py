@@ -17,6 +17,7 @@ from raytrn.backends.cpu import CpuBackend
 from raytrn.train.build import build_training
 from raytrn.train.step import train_step
 from raytrn.train.stragglers import Stragglers
+from tests.unit.gloo_ranks import start_ranks
 from tests.unit.test_dcp import job
 
 pytestmark = pytest.mark.unit
@@ -40,7 +41,7 @@ def test_the_slowest_rank_is_measured_and_named_on_every_rank() -> None:
     windows = [[0.10, 0.11, 0.40], [0.10, 0.12, 0.11]]  # rank 2 slow in the first window only
     with mp.Manager() as manager:
         out = manager.dict()
-        ctx = mp.start_processes(_rank, args=(3, port, windows, out), nprocs=3, join=False, start_method="spawn")
+        ctx = start_ranks(_rank, 3, port, windows, out, nprocs=3)
         deadline = time.monotonic() + 120
         while not ctx.join(timeout=1):
             assert time.monotonic() < deadline, "the gloo gather did not finish"
