@@ -12,7 +12,7 @@ import pytest
 from raytrn.errors import RaytrnError
 from raytrn.tracking import compare as cmp
 from raytrn.tracking import compare_sweeps, runs_cli
-from tests.conftest import _free_port
+from tests.conftest import _free_port, mlflow_store
 
 pytestmark = pytest.mark.unit
 
@@ -57,7 +57,7 @@ def store(tmp_path_factory) -> str:
     from mlflow.tracking import MlflowClient
 
     root = tmp_path_factory.mktemp("mlruns")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = mlflow_store(root / "mlflow.db")
     client = MlflowClient(uri)
     exp = client.create_experiment("sweep", artifact_location=(root / "artifacts").as_uri())
     client.create_experiment("empty", artifact_location=(root / "artifacts").as_uri())
@@ -232,7 +232,7 @@ def test_val_loss_comes_first_by_default_when_a_run_has_it(tmp_path: Path) -> No
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store(tmp_path / "mlflow.db")
     client = MlflowClient(uri)
     exp = client.create_experiment("ft", artifact_location=(tmp_path / "artifacts").as_uri())
     for i, (name, rank, val) in enumerate([("full", None, [2.0, 1.5]), ("lora", "8", [2.1, 1.4])]):
@@ -259,7 +259,7 @@ def test_val_loss_comes_first_by_default_when_a_run_has_it(tmp_path: Path) -> No
 def _compare_default(tmp_path: Path) -> list[str]:
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'plain.db'}"
+    uri = mlflow_store(tmp_path / "plain.db")
     client = MlflowClient(uri)
     exp = client.create_experiment("plain", artifact_location=(tmp_path / "a2").as_uri())
     client.log_metric(client.create_run(exp, run_name="r").info.run_id, "loss", 1.0)
@@ -278,7 +278,7 @@ def test_a_trial_stopped_by_asha_shows_the_step_it_was_stopped_at(tmp_path: Path
     from raytrn.sweep.driver import end_trial_run
     from raytrn.sweep.plan import TrialState
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store(tmp_path / "mlflow.db")
     client = MlflowClient(uri)
     exp = client.create_experiment("s", artifact_location=(tmp_path / "artifacts").as_uri())
     parent = client.create_run(exp, run_name="lr", tags={"raytrn.sweep": "lr", "raytrn.kind": "sweep"}).info.run_id
@@ -306,7 +306,7 @@ def test_goodput_compares_each_runs_ledger_and_plots_it_stacked(tmp_path: Path, 
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store(tmp_path / "mlflow.db")
     client = MlflowClient(uri)
     exp = client.create_experiment("ledgers", artifact_location=(tmp_path / "artifacts").as_uri())
     ledgers = {

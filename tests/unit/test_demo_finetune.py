@@ -10,6 +10,7 @@ import pytest
 
 from raytrn.demos.finetune import demo_model, function_examples
 from raytrn.errors import ConfigError
+from tests.conftest import mlflow_store
 
 pytestmark = pytest.mark.unit
 
@@ -26,7 +27,7 @@ def test_the_standard_library_gives_signature_docstring_pairs() -> None:
 def test_the_demo_model_is_the_newest_finished_demo_run_with_a_model(tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store(tmp_path / "mlflow.db")
     with pytest.raises(ConfigError, match="run `make demo` first"):
         demo_model(uri, tmp_path / "model")
     client = MlflowClient(uri)

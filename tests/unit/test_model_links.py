@@ -11,6 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from raytrn.config import load_job
 from raytrn.tracking.actor import TrackingActor
+from tests.conftest import mlflow_store
 
 pytestmark = pytest.mark.unit
 
@@ -18,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_resumed_run_links_the_earlier_invocations_row_not_a_second_one(tmp_path) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store(tmp_path / "mlflow.db")
     job = load_job(
         REPO / "jobs" / "tiny.yaml",
         [f"checkpoint.storage={tmp_path / 'ckpt'}", f"tracking.mlflow_uri={uri}", "tracking.experiment=links"],
@@ -58,7 +59,7 @@ def test_the_rows_of_an_outages_backlog_are_remembered_until_delivered(tmp_path,
     from raytrn.tracking import logger as logger_mod
 
     monkeypatch.setattr(logger_mod, "_REMEMBERED", 4)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store(tmp_path / "mlflow.db")
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("backlog")).info.run_id
     up: list[str | None] = [None]  # the server "down": the run id not known yet, everything buffered

@@ -13,6 +13,7 @@ from raytrn.config import load_job
 from raytrn.tracking.logger import AsyncLogger
 from raytrn.tracking.models import STEP_TAG as STEP
 from raytrn.tracking.models import VAL_LOSS_TAG, VAL_SET_TAG, CheckpointModels, DatasetRef
+from tests.conftest import mlflow_store
 
 pytestmark = pytest.mark.unit
 
@@ -42,7 +43,7 @@ def _register(uri: str, experiment: str, job, validation: str, checkpoints: dict
 
 
 def test_candidate_moves_only_to_a_better_version_on_the_same_validation_set(tmp_path) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_store(tmp_path / "mlflow.db")
     job = load_job(
         REPO / "jobs" / "tiny.yaml",
         [f"checkpoint.storage={tmp_path / 'ckpt'}", f"tracking.mlflow_uri={uri}", "tracking.register=best",

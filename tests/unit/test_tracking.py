@@ -19,6 +19,7 @@ from raytrn.tracking.client import REDACTED, is_secret_key, redact, redact_uri, 
 from raytrn.tracking.logger import LOGGED_STEP_TAG, AsyncLogger, logged_step_of
 from raytrn.tracking.mlflow_run import attach, end_run, plan_run
 from raytrn.tracking.system import SystemSampler, node_label
+from tests.conftest import mlflow_store
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
@@ -32,12 +33,15 @@ def _closed_port_uri() -> str:
     return f"http://127.0.0.1:{port}"  # nothing listens once the socket is closed
 
 
-def _job(tmp_path: Path, *overrides: str):
+def _job(tmp_path: Path, *overrides: str, store: bool = True):
+    """jobs/tiny.yaml tracked in ``tmp_path/mlflow.db``: with ``store``, a migrated empty store copied there first
+    (:func:`tests.conftest.mlflow_store`: not ~2-3 s of schema migrations a test), else only named."""
+    uri = mlflow_store(tmp_path / "mlflow.db") if store else f"sqlite:///{tmp_path / 'mlflow.db'}"
     return load_job(
         REPO / "jobs" / "tiny.yaml",
         [
             f"checkpoint.storage={tmp_path / 'ckpt'}",
-            f"tracking.mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            f"tracking.mlflow_uri={uri}",
             "tracking.experiment=unit-tracking",
             "tracking.run_name=unit-run",
             *overrides,
@@ -74,7 +78,7 @@ def test_passwords_in_uris_are_masked():
 
 
 def _run(tmp_path: Path) -> tuple[str, str]:
-    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    uri = mlflow_store(tmp_path / "store.db")
     client = MlflowClient(uri)
     exp = client.create_experiment("async", artifact_location=f"file://{tmp_path / 'art'}")
     return uri, client.create_run(exp).info.run_id
@@ -259,7 +263,7 @@ def test_plan_run_checks_the_server_and_writes_nothing(tmp_path):
     import subprocess
     import sys
 
-    job = _job(tmp_path, "tracking.experiment=planned")
+    job = _job(tmp_path, "tracking.experiment=planned", store=False)
     planned = plan_run(job, tags={"accelerator": "cpu"}, extra_params={"model.num_params": 7})
     assert planned is not None and planned.reachable and planned.run_id is None
     assert planned.params["model.num_params"] == 7 and planned.params["optim.lr"] == job.optim.lr
@@ -470,7 +474,7 @@ def test_marker_naming_a_deleted_run_is_a_clear_error(tmp_path):
 def test_params_are_redacted_and_versions_recorded(tmp_path):
     from raytrn.train.trainer import versions
 
-    job = _job(tmp_path, "tracking.mlflow_uri=sqlite:///" + str(tmp_path / "mlflow.db"))
+    job = _job(tmp_path)
     run = start_run(
         job,
         extra_params={**versions(), "env.HF_TOKEN": "hf_abc", "storage.uri": "s3://key:secret@bucket/x"},
