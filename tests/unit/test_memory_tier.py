@@ -22,7 +22,7 @@ from raytrn.checkpoint.messages import Passed, PassedOver, Refusal, Refused
 from raytrn.errors import CheckpointError
 from raytrn.train.build import build_training
 from raytrn.train.step import train_step
-from tests.unit.gloo_ranks import start_ranks
+from tests.unit.gloo_ranks import spawn_ranks
 from tests.unit.memory_stand_ins import StandInKeeper
 from tests.unit.test_dcp import job, trained
 
@@ -245,7 +245,7 @@ def test_a_two_rank_fsdp_snapshot_reshards_into_one_process(tmp_path: Path) -> N
     node loss needs), reading only through ``fetch``."""
     with mp.Manager() as manager:
         out = manager.dict()
-        start_ranks(_fsdp_rank, 2, _free_port(), str(tmp_path), out, nprocs=2, join=True)
+        spawn_ranks(_fsdp_rank, 2, str(tmp_path), out, deadline_s=120)
         ranks = {r: dict(out[r]) for r in (0, 1)}
     assert sorted(ranks[0]["files"]) == [".metadata", "__0_0.raw"]
     assert sorted(ranks[1]["files"]) == ["__1_0.raw"]  # each rank its own shards, rank 0 the metadata

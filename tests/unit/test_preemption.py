@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from raytrn.tracking.board import StopAsked, StopOrder
 from raytrn.tracking.roles import StopMailbox
 from raytrn.train import preemption
 from raytrn.train.preemption import Notice, NoticeFrom, PreemptionWatch
-from tests.unit.gloo_ranks import start_ranks
+from tests.unit.gloo_ranks import spawn_ranks
 
 pytestmark = pytest.mark.unit
 
@@ -47,16 +46,10 @@ def _agree(rank: int, world: int, port: int, noticed_at: dict[int, int], out: di
 
 
 def test_every_rank_agrees_at_the_first_step_any_rank_has_a_notice() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
         # rank 2 hears at step 3, rank 0 at step 5, rank 1 never (its node is the one going away, say).
-        ctx = start_ranks(_agree, 3, port, {2: 3, 0: 5}, out, nprocs=3)
-        deadline = time.monotonic() + 120
-        while not ctx.join(timeout=1):
-            assert time.monotonic() < deadline, "gloo agreement did not finish"
+        spawn_ranks(_agree, 3, {2: 3, 0: 5}, out, deadline_s=120)
         notices = [False, False, True, True, True, True, True]
         stops = [0, 0, 0, 6, 6, 6, 6]
         aborts = [False] * 5 + [True, True]
