@@ -194,6 +194,27 @@ def _offline() -> Iterator[None]:
                 os.environ[key] = old
 
 
+@contextlib.contextmanager
+def _no_provenance_probes() -> Iterator[None]:
+    """lm-eval's ``simple_evaluate`` without its provenance probes, whose results raytrn discards (it keeps
+    ``results["results"]``; the run already records the job's code commit): ``git describe`` in the working directory
+    (an evaluation runs in its task directory, no repository: git printed "fatal: not a git repository" on the
+    terminal once per evaluation) and torch's ``collect_env`` (``pip list`` and other subprocesses, ~0.7 s a call
+    here). Each name is swapped only where lm-eval's evaluator has it, and put back after;
+    ``tests/unit/test_evals_harness.py`` fails when the git line comes back."""
+    import lm_eval.evaluator
+
+    probes = {"get_git_commit_hash": lambda: None, "add_env_info": lambda results: None}
+    saved = {name: getattr(lm_eval.evaluator, name) for name in probes if hasattr(lm_eval.evaluator, name)}
+    try:
+        for name in saved:
+            setattr(lm_eval.evaluator, name, probes[name])
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(lm_eval.evaluator, name, fn)
+
+
 def _task_manager(tasks: list[str], include_path: str | None) -> Any:
     """lm-eval's TaskManager that knows every name in ``tasks``: ``include_path`` alone when it has them all (its
     own built-in tasks take ~5 s to index), else with the built-ins too (whose datasets must be in the local cache)."""
@@ -260,7 +281,7 @@ def run_lm_eval(
         )
     if not tasks:
         raise RaytrnError(f"run_lm_eval: no tasks given; e.g. tasks={sorted(SHIPPED_TASKS)} with build_task")
-    with _offline():
+    with _offline(), _no_provenance_probes():
         import lm_eval
 
         manager = _task_manager(list(tasks), include_path)

@@ -100,12 +100,25 @@ def test_build_task_writes_a_deterministic_local_task(tmp_path: Path) -> None:
     assert "dataset_path: json" in yaml_text and str(a / f"{TASK}.jsonl") in yaml_text
 
 
-def test_scores_are_repeatable_offline_and_mlflow_keyed(model_dir: str, task_dir: str, network: list[Any]) -> None:
+def test_scores_are_repeatable_offline_and_mlflow_keyed(
+    model_dir: str,
+    task_dir: str,
+    network: list[Any],
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import huggingface_hub.constants
+    import lm_eval.evaluator
 
     hub_offline = huggingface_hub.constants.HF_HUB_OFFLINE
     env = {key: os.environ.get(key) for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    probes = (lm_eval.evaluator.get_git_commit_hash, lm_eval.evaluator.add_env_info)
+    monkeypatch.chdir(task_dir)  # where the evaluator's task runs it: no git repository
+    capfd.readouterr()
     scores = run_lm_eval(model_dir, [TASK], include_path=task_dir, limit=ROWS)
+    err = capfd.readouterr().err  # fd 2: what a subprocess of lm-eval's printed too
+    assert "not a git repository" not in err and "fatal:" not in err, err
+    assert (lm_eval.evaluator.get_git_commit_hash, lm_eval.evaluator.add_env_info) == probes  # put back
     assert set(scores) == {f"{TASK}/acc", f"{TASK}/acc_stderr", f"{TASK}/acc_norm", f"{TASK}/acc_norm_stderr"}
     assert all(0.0 <= value <= 1.0 for value in scores.values())
     assert run_lm_eval(model_dir, [TASK], include_path=task_dir, limit=ROWS) == scores
