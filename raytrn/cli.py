@@ -13,7 +13,14 @@ import sys
 
 from raytrn import __version__
 from raytrn.backends import get_backend
-from raytrn.cli_args import add_set_option, add_verbose_option, integer, number
+from raytrn.cli_args import (
+    add_ray_dashboard_option,
+    add_set_option,
+    add_verbose_option,
+    integer,
+    number,
+    use_ray_dashboard_option,
+)
 from raytrn.cluster.capacity import check_job_fits
 from raytrn.cluster.cli import register as register_cluster
 from raytrn.cluster.validate import validate_cluster_file
@@ -70,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace a stale lease on the run (its job's driver stopped renewing it: killed, machine lost)",
     )
     add_verbose_option(p_train)
+    add_ray_dashboard_option(p_train)
     p_train.set_defaults(func=_cmd_train)
 
     p_stop = sub.add_parser(
@@ -241,6 +249,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     check_paths_for_ray_job(job)  # under `ray job submit`: no path into the job's temporary working dir
     job = resolve_paths(job, os.getcwd())
     route_ray_output(job.run_name, verbose=args.verbose)
+    use_ray_dashboard_option(args)
     summary = run_training(job, live_progress=not args.no_progress, take_over=args.take_over)
     print(summary.render())
     if summary.mlflow_run_id and job.tracking.mlflow_uri:  # `raytrn runs compare`'s default experiment here

@@ -60,9 +60,12 @@ def ensure_ray(min_cpus: float = 0) -> bool:
         return False
     # address="local": never attach to a stale cluster by accident; set RAY_ADDRESS to use one.
     set_local_ray_defaults(os.environ)
+    dashboard = local_ray_dashboard(os.environ)
     cpus = max(os.cpu_count() or 1, math.ceil(min_cpus))
-    ray.init(address="local", num_cpus=cpus, logging_level=logging.WARNING)
+    started = ray.init(address="local", num_cpus=cpus, logging_level=logging.WARNING, include_dashboard=dashboard)
     _routing_started()
+    if dashboard and started.dashboard_url:
+        print(f"raytrn: Ray dashboard: http://{started.dashboard_url}", flush=True)
     return True
 
 
@@ -89,6 +92,26 @@ def connect(address: str | None) -> None:
 #: workers prestarted for the first driver (one per CPU) would only compete with the run's start for the CPU (cold
 #: `raytrn train jobs/tiny.yaml` to its first step: 20.0-22.5 s instead of 22.6-25.4 here, docs/performance.md).
 LOCAL_RAY_DEFAULTS = {PREEMPTION_WATCHER_ENV: "0", PRESTART_WORKERS_ENV: "0"}
+
+
+#: ``RAYTRN_RAY_DASHBOARD=1`` (``raytrn train --ray-dashboard``): an embedded local Ray with its dashboard. Without it
+#: the local Ray starts its dashboard process with no modules (``ray.init(include_dashboard=False)``): nothing of a
+#: run uses them there, and their eleven processes cost ~3 CPU-seconds and 2-4 s of ``ray.init`` here (8.0-9.9 s
+#: against 6.0-6.1 s, alternated; docs/performance.md). A cluster's dashboard (``ray start``) is not raytrn's to set.
+DASHBOARD_ENV = "RAYTRN_RAY_DASHBOARD"
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def local_ray_dashboard(environ: Mapping[str, str]) -> bool:
+    """Whether an embedded local Ray starts with its dashboard (:data:`DASHBOARD_ENV`); one clear error for a value
+    that is neither on nor off."""
+    value = environ.get(DASHBOARD_ENV, "").strip().lower()
+    if value not in _ON + _OFF:
+        raise RaytrnError(
+            f"{DASHBOARD_ENV}={environ[DASHBOARD_ENV]!r}: expected 1 (an embedded local Ray starts with its dashboard) "
+            "or 0 (without, the default); unset it or pass `raytrn train --ray-dashboard`"
+        )
+    return value in _ON
 
 
 def set_local_ray_defaults(environ: MutableMapping[str, str]) -> None:

@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from raytrn.backends import get_backend
-from raytrn.cli_args import add_set_option, add_verbose_option, integer, number
+from raytrn.cli_args import (
+    add_ray_dashboard_option,
+    add_set_option,
+    add_verbose_option,
+    integer,
+    number,
+    use_ray_dashboard_option,
+)
 from raytrn.config import load_job
 from raytrn.errors import ConfigError, RaytrnError
 from raytrn.runtime import ensure_ray, route_ray_output
@@ -94,6 +101,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--dry-run", action="store_true", help="validate and print the trials, run nothing")
     add_verbose_option(p)
+    add_ray_dashboard_option(p)
     remote = p.add_argument_group("on a cluster (the driver as a Ray job, like raytrn submit)")
     remote.add_argument("--address", metavar="URL", help="the cluster's Ray dashboard, e.g. http://127.0.0.1:8265")
     remote.add_argument("--token-file", metavar="PATH", help="Ray auth token file (default: Ray's own lookup)")
@@ -205,6 +213,7 @@ def _run(state: Any, args: argparse.Namespace, *, notes: list[str]) -> int:
         get_backend(j.scaling.accelerator).worker_resources(j).get("CPU", 0) * j.scaling.min_workers for j in jobs
     )
     route_ray_output(state.name, verbose=args.verbose)
+    use_ray_dashboard_option(args)
     ensure_ray(min_cpus=per_trial_cpus * (wanted or 1))
     slots, why = trial_slots(jobs, cluster_file=args.cluster, resources=ray.cluster_resources())
     if slots < 1:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,52 @@ def _train(tiny_dataset: Path, cwd: Path, *overrides: str, timeout: float = 300,
     sets = [f"data.manifest={tiny_dataset}", "data.seq_len=32", "model.vocab_size=512", *overrides]
     args = [a for kv in sets for a in ("--set", kv)]
     return run_cli("train", str(REPO / "jobs" / "tiny.yaml"), *args, "--no-progress", *flags, cwd=cwd, timeout=timeout)
+
+
+def _train_watched(
+    tiny_dataset: Path,
+    cwd: Path,
+    *overrides: str,
+    on_line: Callable[[str, int], None],
+    timeout: float = 300,
+    flags: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess[str]:
+    """:func:`_train`, with ``on_line(line, pid)`` called on each line it prints to stdout while it runs."""
+    sets = [f"data.manifest={tiny_dataset}", "data.seq_len=32", "model.vocab_size=512", *overrides]
+    args = [sys.executable, "-m", "raytrn.cli", "train", str(REPO / "jobs" / "tiny.yaml")]
+    args += [a for kv in sets for a in ("--set", kv)] + ["--no-progress", *flags]
+    proc = subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = threading.Timer(timeout, proc.kill)  # a hung run ends the loop below
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(proc.stderr or ()), daemon=True)
+    out: list[str] = []
+    deadline.start()
+    reader.start()
+    try:
+        for line in proc.stdout or ():
+            out.append(line)
+            on_line(line, proc.pid)
+        proc.wait(timeout=60)
+    finally:
+        deadline.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        reader.join(timeout=30)
+    return subprocess.CompletedProcess(args, proc.returncode, "".join(out), "".join(err))
+
+
+def _process_tree(pid: int) -> list[str]:
+    """The command lines of ``pid``'s descendants (those still there when read)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            found.append(" ".join(child.cmdline()))
+        except psutil.Error:
+            pass
+    return found
 
 
 #: Ray's own lines that `raytrn train` printed between raytrn's before they went to the run's log file.
@@ -38,7 +88,13 @@ def _ray_log(out: str) -> Path:
 
 def test_cli_train_prints_summary(tiny_dataset: Path, tmp_path: Path) -> None:
     started = time.time()
-    proc = _train(
+    tree: list[str] = []  # the run's processes at its first progress line
+
+    def watch(line: str, pid: int) -> None:
+        if line.startswith("step ") and not tree:
+            tree.extend(_process_tree(pid))
+
+    proc = _train_watched(
         tiny_dataset,
         tmp_path,  # relative paths (checkpoints/, mlruns/) land here
         "data.micro_batch_size=4",
@@ -48,6 +104,7 @@ def test_cli_train_prints_summary(tiny_dataset: Path, tmp_path: Path) -> None:
         "run.log_every=2",
         "checkpoint.every_n_steps=3",
         "tracking.usd_per_hour=3.6",  # a price: cost metrics appear (a CPU has no peak FLOP/s: no MFU)
+        on_line=watch,
     )
     wall_s = time.time() - started
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -75,6 +132,10 @@ def test_cli_train_prints_summary(tiny_dataset: Path, tmp_path: Path) -> None:
     assert "Token authentication is enabled" not in proc.stderr
     assert "PYTHON worker processes" not in proc.stdout + proc.stderr
     assert "PlacementGroupCleaner" not in proc.stdout + proc.stderr
+    # Its embedded Ray started its dashboard process without modules (--ray-dashboard: the next test): no URL
+    dashboards = [c for c in tree if "dashboard/dashboard.py" in c]
+    assert len(dashboards) == 1 and "--modules-to-load=UsageStatsHead" in dashboards[0], tree
+    assert not [c for c in tree if "ray-dashboard-" in c] and "Ray dashboard" not in proc.stdout, tree
 
     from mlflow.tracking import MlflowClient
 
@@ -104,8 +165,20 @@ def run_name(out: str) -> str:
 
 
 def test_cli_train_verbose_shows_rays_lines(tiny_dataset: Path, tmp_path: Path) -> None:
-    """``--verbose``: Ray's lines on the terminal as before, and no log file of them."""
-    proc = _train(
+    """``--verbose``: Ray's lines on the terminal as before, and no log file of them. ``--ray-dashboard``: the embedded
+    Ray's dashboard, its URL printed, answers while the run trains (without the flag it has no modules: the test
+    above)."""
+    import urllib.request
+
+    versions: list[dict] = []
+
+    def ask(line: str, pid: int) -> None:
+        url = re.fullmatch(r"raytrn: Ray dashboard: (http://127\.0\.0\.1:\d+)", line.strip())
+        if url:
+            with urllib.request.urlopen(f"{url.group(1)}/api/version", timeout=30) as response:
+                versions.append(json.loads(response.read()))
+
+    proc = _train_watched(
         tiny_dataset,
         tmp_path,
         "scaling.min_workers=1",
@@ -113,11 +186,13 @@ def test_cli_train_verbose_shows_rays_lines(tiny_dataset: Path, tmp_path: Path) 
         "run.max_steps=2",
         "run.log_every=1",
         "tracking.enabled=false",
-        flags=("--verbose",),
+        on_line=ask,
+        flags=("--verbose", "--ray-dashboard"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     both = proc.stdout + proc.stderr
     assert "== raytrn: training finished ==" in proc.stdout
+    assert len(versions) == 1 and versions[0]["ray_version"], both[-3000:]
     for line in RAY_PLUMBING:
         assert line in both, (line, both)
     assert "Ray's logs:" not in both and not (tmp_path / "logs").exists()

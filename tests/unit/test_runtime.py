@@ -50,3 +50,31 @@ def test_local_ray_defaults_keep_the_users_values():
     env = {PREEMPTION_WATCHER_ENV: "1", PRESTART_WORKERS_ENV: "1"}
     set_local_ray_defaults(env)
     assert env == {PREEMPTION_WATCHER_ENV: "1", PRESTART_WORKERS_ENV: "1"}
+
+
+def test_an_embedded_local_rays_dashboard_is_off_unless_asked_for() -> None:
+    from raytrn.runtime import DASHBOARD_ENV, local_ray_dashboard
+
+    assert local_ray_dashboard({}) is False
+    assert [local_ray_dashboard({DASHBOARD_ENV: v}) for v in ("1", "true", " Yes ", "on")] == [True] * 4
+    assert [local_ray_dashboard({DASHBOARD_ENV: v}) for v in ("", "0", "false", "NO", "off")] == [False] * 5
+    with pytest.raises(RaytrnError, match=rf"{DASHBOARD_ENV}='maybe': expected 1 .* or 0 .*--ray-dashboard"):
+        local_ray_dashboard({DASHBOARD_ENV: "maybe"})
+
+
+def test_ray_dashboard_flag_sets_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``raytrn train`` and ``raytrn sweep`` take ``--ray-dashboard``; given, it sets the variable; absent, a user's
+    value stays."""
+    import os
+
+    from raytrn.cli import build_parser
+    from raytrn.cli_args import use_ray_dashboard_option
+    from raytrn.runtime import DASHBOARD_ENV
+
+    parser = build_parser()
+    for argv in (["train", "job.yaml"], ["sweep", "sweep.yaml"]):
+        monkeypatch.delenv(DASHBOARD_ENV, raising=False)
+        use_ray_dashboard_option(parser.parse_args(argv))
+        assert DASHBOARD_ENV not in os.environ
+        use_ray_dashboard_option(parser.parse_args([*argv, "--ray-dashboard"]))
+        assert os.environ[DASHBOARD_ENV] == "1"
