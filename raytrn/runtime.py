@@ -45,8 +45,9 @@ def ensure_ray(min_cpus: float = 0) -> bool:
 
     if ray.is_initialized():
         return False
-    _start_routing()
     address = os.environ.get("RAY_ADDRESS")
+    dashboard = False if address else local_ray_dashboard(os.environ)  # a bad value: refused before anything starts
+    _start_routing()
     if address:
         _check_reachable(address)
         try:
@@ -60,7 +61,6 @@ def ensure_ray(min_cpus: float = 0) -> bool:
         return False
     # address="local": never attach to a stale cluster by accident; set RAY_ADDRESS to use one.
     set_local_ray_defaults(os.environ)
-    dashboard = local_ray_dashboard(os.environ)
     cpus = max(os.cpu_count() or 1, math.ceil(min_cpus))
     started = ray.init(address="local", num_cpus=cpus, logging_level=logging.WARNING, include_dashboard=dashboard)
     _routing_started()

@@ -171,22 +171,31 @@ _OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
 @contextlib.contextmanager
+def _attributes(changes: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Each ``(object, name, value)`` set for the block, and every old value put back after."""
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in changes]
+    try:
+        for obj, name, value in changes:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, old in saved:
+            setattr(obj, name, old)
+
+
+@contextlib.contextmanager
 def _offline() -> Iterator[None]:
     import datasets.config
     import huggingface_hub.constants
 
     consts = [(huggingface_hub.constants, "HF_HUB_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE")]
     consts += [(datasets.config, "HF_DATASETS_OFFLINE")] if hasattr(datasets.config, "HF_DATASETS_OFFLINE") else []
-    saved_consts = [(module, attr, getattr(module, attr)) for module, attr in consts]
     saved_env = {key: os.environ.get(key) for key in _OFFLINE_ENV}
     try:
         os.environ.update(dict.fromkeys(_OFFLINE_ENV, "1"))
-        for module, attr, _ in saved_consts:
-            setattr(module, attr, True)
-        yield
+        with _attributes([(module, attr, True) for module, attr in consts]):
+            yield
     finally:
-        for module, attr, value in saved_consts:
-            setattr(module, attr, value)
         for key, old in saved_env.items():
             if old is None:
                 os.environ.pop(key, None)
@@ -194,25 +203,17 @@ def _offline() -> Iterator[None]:
                 os.environ[key] = old
 
 
-@contextlib.contextmanager
-def _no_provenance_probes() -> Iterator[None]:
+def _no_provenance_probes() -> contextlib.AbstractContextManager[None]:
     """lm-eval's ``simple_evaluate`` without its provenance probes, whose results raytrn discards (it keeps
     ``results["results"]``; the run already records the job's code commit): ``git describe`` in the working directory
     (an evaluation runs in its task directory, no repository: git printed "fatal: not a git repository" on the
     terminal once per evaluation) and torch's ``collect_env`` (``pip list`` and other subprocesses, ~0.7 s a call
     here). Each name is swapped only where lm-eval's evaluator has it, and put back after;
     ``tests/unit/test_evals_harness.py`` fails when the git line comes back."""
-    import lm_eval.evaluator
+    import lm_eval.evaluator as evaluator
 
     probes = {"get_git_commit_hash": lambda: None, "add_env_info": lambda results: None}
-    saved = {name: getattr(lm_eval.evaluator, name) for name in probes if hasattr(lm_eval.evaluator, name)}
-    try:
-        for name in saved:
-            setattr(lm_eval.evaluator, name, probes[name])
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(lm_eval.evaluator, name, fn)
+    return _attributes([(evaluator, name, fn) for name, fn in probes.items() if hasattr(evaluator, name)])
 
 
 def _task_manager(tasks: list[str], include_path: str | None) -> Any:

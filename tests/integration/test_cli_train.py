@@ -18,11 +18,16 @@ from tests.conftest import REPO, run_cli
 pytestmark = pytest.mark.integration
 
 
-def _train(tiny_dataset: Path, cwd: Path, *overrides: str, timeout: float = 300, flags: tuple[str, ...] = ()):
-    """`raytrn train jobs/tiny.yaml` shrunk to the test dataset, run in ``cwd``."""
+def _train_args(tiny_dataset: Path, overrides: tuple[str, ...], flags: tuple[str, ...]) -> list[str]:
+    """`raytrn train jobs/tiny.yaml`'s arguments, shrunk to the test dataset."""
     sets = [f"data.manifest={tiny_dataset}", "data.seq_len=32", "model.vocab_size=512", *overrides]
     args = [a for kv in sets for a in ("--set", kv)]
-    return run_cli("train", str(REPO / "jobs" / "tiny.yaml"), *args, "--no-progress", *flags, cwd=cwd, timeout=timeout)
+    return ["train", str(REPO / "jobs" / "tiny.yaml"), *args, "--no-progress", *flags]
+
+
+def _train(tiny_dataset: Path, cwd: Path, *overrides: str, timeout: float = 300, flags: tuple[str, ...] = ()):
+    """`raytrn train jobs/tiny.yaml` shrunk to the test dataset, run in ``cwd``."""
+    return run_cli(*_train_args(tiny_dataset, overrides, flags), cwd=cwd, timeout=timeout)
 
 
 def _train_watched(
@@ -34,9 +39,7 @@ def _train_watched(
     flags: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
     """:func:`_train`, with ``on_line(line, pid)`` called on each line it prints to stdout while it runs."""
-    sets = [f"data.manifest={tiny_dataset}", "data.seq_len=32", "model.vocab_size=512", *overrides]
-    args = [sys.executable, "-m", "raytrn.cli", "train", str(REPO / "jobs" / "tiny.yaml")]
-    args += [a for kv in sets for a in ("--set", kv)] + ["--no-progress", *flags]
+    args = [sys.executable, "-m", "raytrn.cli", *_train_args(tiny_dataset, overrides, flags)]
     proc = subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = threading.Timer(timeout, proc.kill)  # a hung run ends the loop below
     err: list[str] = []

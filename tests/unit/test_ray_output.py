@@ -106,6 +106,27 @@ def test_nothing_is_routed_when_verbose_or_on_a_connected_ray(tmp_path: Path, mo
     assert not list(tmp_path.iterdir())
 
 
+def test_a_bad_dashboard_value_is_refused_before_ray_or_its_log_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray
+
+    from raytrn.errors import RaytrnError
+
+    def no_start(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ray.init was called")
+
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv(runtime.DASHBOARD_ENV, "maybe")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_start)
+    assert runtime.route_ray_output("r", directory=str(tmp_path)) == str(tmp_path / "r.log")
+    with pytest.raises(RaytrnError, match=f"{runtime.DASHBOARD_ENV}='maybe'"):
+        runtime.ensure_ray()
+    assert not list(tmp_path.iterdir())  # no log file for a run refused before Ray started
+
+
 def test_routing_sends_rays_driver_warnings_to_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
