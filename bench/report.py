@@ -410,8 +410,8 @@ def _notes(report: dict[str, Any]) -> list[str]:
         notes.append(
             "Allocator: Ray Train runs the training function in a thread, and glibc gives that thread an arena whose "
             "heaps are unmapped whenever they fall free, so a CPU step's activations page-fault back in every step "
-            "(measured: 90k faults/s, 20% of the training thread in the kernel). raytrn starts its CPU workers with "
-            "glibc settings that stop this (`run.tune_malloc`, on by default for cpu; `raytrn/backends/host_malloc.py`). "
+            "(measured: 90k faults/s, 20% of the training thread in the kernel). raytrn sets glibc settings that stop "
+            "this on its CPU workers (`run.tune_malloc`, on by default for cpu; `raytrn/backends/host_malloc.py`). "
             "(a) is the bare loop as a user runs it, with glibc's defaults; (a') the same loop with raytrn's settings, "
             "which also help a main thread (fewer `mmap`/trim faults): c/a' is the like-for-like overhead. (b) runs "
             "with Ray's defaults, as stock Ray Train does."

@@ -33,7 +33,7 @@ from typing import Any
 
 from ray.train.backend import Backend as RayBackend
 
-from raytrn.backends.ray_backend import ProcessGroupConfig, warn_without_handler
+from raytrn.backends.ray_backend import ProcessGroupConfig, prepare_worker, warn_without_handler
 from raytrn.compat import draining_nodes, with_replica_groups
 
 #: The environment a live worker reads its store and place from (:func:`raytrn.train.live_loop.live_place`).
@@ -105,7 +105,8 @@ class LiveGroupBackend(RayBackend):  # type: ignore[misc]
         joining = not hasattr(worker_group, "get_replica_groups")
         if not joining:
             self._session += 1
-        warn_without_handler(worker_group.execute(start_live_worker, self._address, self._session, joining))
+        setup = (backend_config.worker_env, backend_config.tune_malloc)
+        warn_without_handler(worker_group.execute(start_live_worker, self._address, self._session, joining, *setup))
 
     def _serve(self) -> str:
         """Start the store's server in this process (the controller's: the driver's), on a free port."""
@@ -121,10 +122,13 @@ class LiveGroupBackend(RayBackend):  # type: ignore[misc]
         return f"{host}:{self._store.port}"
 
 
-def start_live_worker(address: str, session: int, joining: bool) -> bool:
-    """On a worker: where its live group's store is, its session, whether it joins; the SIGTERM handler. Returns
-    whether the handler is installed."""
+def start_live_worker(
+    address: str, session: int, joining: bool, env: dict[str, str] | None = None, tune_malloc: bool = False
+) -> bool:
+    """On a worker's main thread: the driver's variables and the allocator (:func:`prepare_worker`), where its live
+    group's store is, its session, whether it joins; the SIGTERM handler. Returns whether the handler is installed."""
     from raytrn.sigterm import install_sigterm_handler
 
+    prepare_worker(env or {}, tune_malloc)
     os.environ.update({STORE_ENV: address, SESSION_ENV: str(session), JOINING_ENV: "1" if joining else "0"})
     return install_sigterm_handler()

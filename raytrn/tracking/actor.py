@@ -43,7 +43,8 @@ class TrackingActor(ProgressBoard):
     """Holds the job's :class:`~raytrn.tracking.logger.AsyncLogger` (started with ``num_cpus=0``).
 
     ``run_id`` None with a ``job``: the run is created here (``attach``), now when the server answers, else
-    once it does. ``background``: lower this process's CPU priority first (the actor's own process).
+    once it does. ``background``: lower this process's CPU priority first (the actor's own process). ``environ``:
+    variables set in this process first (:func:`driver_env`'s).
     """
 
     def __init__(
@@ -57,7 +58,9 @@ class TrackingActor(ProgressBoard):
         manifest: Any = None,
         validation: Any = None,
         background: bool = False,
+        environ: Mapping[str, str] | None = None,
     ) -> None:
+        os.environ.update(environ or {})  # the driver's MLflow and AWS settings, before any client reads them
         super().__init__()
         mark_raytrn_logs()  # its warnings (MLflow unreachable, refused metrics) stay on the driver's terminal
         if background:
@@ -464,12 +467,12 @@ def start_tracking_actor(
     """The job's TrackingActor, on the driver's node (0 CPUs, lower CPU priority): it creates or reattaches
     ``tracked``'s run (from :func:`~raytrn.tracking.mlflow_run.plan_run`) unless it has an id already.
 
-    ``env``: variables the actor's process needs and may lack (see :func:`driver_env`)."""
+    ``env``: variables the actor's process needs and may lack (see :func:`driver_env`), set by the actor itself as it
+    starts: as a Ray runtime environment they would start its process through Ray's runtime env agent and
+    ``setup_worker.py`` (~1 CPU-second more; :mod:`raytrn.backends.worker_setup`)."""
     import ray
 
     options: dict[str, Any] = {**on_this_node(), "name": board_name(job.run_name), "namespace": BOARD_NAMESPACE}
-    if env:
-        options["runtime_env"] = {"env_vars": env}
     return (
         ray.remote(num_cpus=0)(TrackingActor)  # one call at a time: metrics stay in order
         .options(**options)
@@ -482,6 +485,7 @@ def start_tracking_actor(
             manifest=manifest,
             validation=validation,
             background=True,
+            environ=env,
         )  # fmt: skip
     )
 

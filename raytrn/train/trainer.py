@@ -13,7 +13,7 @@ from typing import Any
 
 from raytrn import __version__, storage
 from raytrn.backends import Backend, get_backend
-from raytrn.backends.host_malloc import malloc_env, user_allocator_settings
+from raytrn.backends.worker_setup import worker_setup
 from raytrn.checkpoint.lease import Lease, acquire
 from raytrn.checkpoint.memory_clients import KeeperClient
 from raytrn.checkpoint.progress import Progress
@@ -28,7 +28,6 @@ from raytrn.compat import (
 from raytrn.config import JobSpec
 from raytrn.config.sizes import world_sizes
 from raytrn.data.manifest import Manifest
-from raytrn.data.order import SAMPLE_TRACE_ENV
 from raytrn.errors import RaytrnError
 from raytrn.estimate.job import estimate_params, resolve_auto_interval
 from raytrn.evals.runner import drain_evaluator, start_evaluator
@@ -370,7 +369,8 @@ def _trainer(
         policy = _ElasticPolicy(job, backend)
     elif local:
         policy = local_fixed_scaling_policy
-    backend_config = backend.ray_backend_config(job)
+    # (the workers' variables and allocator settings go in raytrn's backend config: no runtime env to start through)
+    backend_config, worker_env = worker_setup(job, backend, backend.ray_backend_config(job))
     trainer_class = hosted_trainer(
         DataParallelTrainer, listener=events, console=ray_train_console(), make_policy=policy,
         health_check_s=HEALTH_CHECK_S, lost_nodes_unconfirmed=lost_nodes_unconfirmed, draining=draining_nodes,
@@ -401,7 +401,7 @@ def _trainer(
             checkpoint_config=CheckpointConfig(
                 num_to_keep=None if job.checkpoint.keep_best else job.checkpoint.keep_last
             ),
-            worker_runtime_env=_worker_runtime_env(job, backend),
+            worker_runtime_env=worker_env,
             callbacks=_tune_callbacks() if report_metrics else None,
         ),
     )
@@ -417,25 +417,6 @@ def _tune_callbacks() -> list[Any]:
     from ray.tune.integration.ray_train import TuneReportCallback
 
     return [TuneReportCallback()]
-
-
-#: The S3 endpoint and region the driver uses reach the workers too (they write sharded checkpoints themselves).
-S3_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION")
-
-
-def _worker_runtime_env(job: JobSpec, backend: Backend) -> dict[str, Any]:
-    """Environment variables the training worker processes start with: the allocator settings of
-    ``run.tune_malloc`` (glibc reads them at process start, so they cannot be set from the loop), and the
-    driver's S3 endpoint and region (:data:`S3_ENV`; credentials are never copied), and where to write the
-    sample trace (``RAYTRN_SAMPLE_TRACE``, see :mod:`raytrn.data.feed`)."""
-    enabled = backend.tune_malloc if job.run.tune_malloc is None else job.run.tune_malloc
-    env = malloc_env(os.environ, enabled=enabled)
-    if enabled and not env:
-        log.info(
-            "run.tune_malloc: keeping your allocator settings (%s)", ", ".join(user_allocator_settings(os.environ))
-        )
-    env.update({k: os.environ[k] for k in (*S3_ENV, SAMPLE_TRACE_ENV) if os.environ.get(k)})
-    return {"env_vars": env} if env else {}
 
 
 def _pin_data_stats_actor() -> None:

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from raytrn.backends import get_backend
-from raytrn.backends.host_malloc import TUNED, describe, malloc_env, user_allocator_settings
+from raytrn.backends.host_malloc import TUNED, describe, malloc_env, tune_this_process, user_allocator_settings
+from raytrn.backends.ray_backend import ProcessGroupConfig, prepare_worker
+from raytrn.backends.worker_setup import S3_ENV, worker_setup
 from raytrn.config import load_job
-from raytrn.train.trainer import S3_ENV, _worker_runtime_env
 
 pytestmark = pytest.mark.unit
 TINY = Path(__file__).resolve().parents[2] / "jobs" / "tiny.yaml"
@@ -48,6 +49,20 @@ def test_describe_names_the_settings_the_process_has() -> None:
     assert describe({"LD_PRELOAD": "libjemalloc.so"}) == "LD_PRELOAD=jemalloc"
 
 
+def _setup(job: object, accelerator: str) -> tuple[object, dict[str, object]]:
+    backend = get_backend(accelerator)
+    return worker_setup(job, backend, backend.ray_backend_config(job))  # type: ignore[arg-type]
+
+
+def _tuned(config: object, runtime_env: dict[str, object]) -> bool:
+    """Whether the workers get the settings: in raytrn's backend config (set on the worker), else (the XLA path:
+    Ray's own backend) as the runtime env's variables."""
+    if isinstance(config, ProcessGroupConfig):
+        assert runtime_env == {}  # nothing for a worker to start through Ray's runtime env agent
+        return config.tune_malloc
+    return runtime_env == {"env_vars": TUNED}
+
+
 @pytest.mark.parametrize(
     "accelerator, override, tuned",
     [
@@ -57,7 +72,7 @@ def test_describe_names_the_settings_the_process_has() -> None:
         ("cuda", True, True),
     ],  # xla-cpu: test_neuron_xla_backend.py
 )
-def test_worker_runtime_env_follows_backend_default_and_job(
+def test_worker_setup_follows_backend_default_and_job(
     monkeypatch: pytest.MonkeyPatch, accelerator: str, override: bool | None, tuned: bool
 ) -> None:
     for key in [k for k in os.environ if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "LD_PRELOAD")]:
@@ -66,28 +81,59 @@ def test_worker_runtime_env_follows_backend_default_and_job(
         monkeypatch.delenv(key, raising=False)
     sets = [f"scaling.accelerator={accelerator}"] + ([] if override is None else [f"run.tune_malloc={override}"])
     job = load_job(TINY, sets)
-    env = _worker_runtime_env(job, get_backend(accelerator))
-    assert env == ({"env_vars": TUNED} if tuned else {})
+    assert _tuned(*_setup(job, accelerator)) is tuned
     monkeypatch.setenv("MALLOC_ARENA_MAX", "8")  # the user's own setting: nothing added on top
-    assert _worker_runtime_env(job, get_backend(accelerator)) == {}
+    assert _tuned(*_setup(job, accelerator)) is False
 
 
 def test_workers_get_the_drivers_s3_endpoint_and_region_never_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Workers write sharded checkpoints to S3 themselves: the driver's endpoint and region go with them."""
+    """Workers write sharded checkpoints to S3 themselves: the driver's endpoint and region go with them (in raytrn's
+    backend config; as the runtime env's variables on the XLA path, whose Ray Train backend is Ray's)."""
     monkeypatch.setenv("MALLOC_ARENA_MAX", "8")  # no allocator settings in the way
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("AWS_REGION", "eu-west-1")
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
     monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
-    env = _worker_runtime_env(load_job(TINY, []), get_backend("cpu"))
-    assert env == {"env_vars": {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_REGION": "eu-west-1"}}
+    want = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_REGION": "eu-west-1"}
+    config, runtime_env = _setup(load_job(TINY, []), "cpu")
+    assert isinstance(config, ProcessGroupConfig) and config.worker_env == want and runtime_env == {}
+    xla = load_job(TINY, ["scaling.accelerator=xla-cpu", "scaling.min_workers=1", "scaling.max_workers=1"])
+    config, runtime_env = _setup(xla, "xla-cpu")
+    assert not isinstance(config, ProcessGroupConfig) and runtime_env == {"env_vars": want}
+
+
+def test_a_worker_sets_the_drivers_variables_and_tunes_its_allocator_itself() -> None:
+    """What a worker runs first on its main thread (raytrn.backends.ray_backend.start_worker and the neuron and live
+    backends' own), in a fresh process: the variables, and the allocator settings glibc took (mallopt)."""
+    code = textwrap.dedent(
+        """
+        import os
+        from raytrn.backends.ray_backend import prepare_worker
+        prepare_worker({"AWS_REGION": "eu-west-1"}, True)
+        print(os.environ["AWS_REGION"], os.environ.get("MALLOC_ARENA_MAX"))
+        """
+    )
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    for environ, want in (({}, "eu-west-1 1"), ({"MALLOC_ARENA_MAX": "4"}, "eu-west-1 4")):  # the user's wins
+        proc = subprocess.run([sys.executable, "-c", code], env={**base, **environ}, capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+        assert proc.returncode == 0 and proc.stdout.split()[-2:] == want.split(), proc.stderr[-2000:]
+
+
+def test_tune_this_process_keeps_a_users_choice() -> None:
+    environ = {"LD_PRELOAD": "libjemalloc.so.2"}
+    assert tune_this_process(environ) is False and environ == {"LD_PRELOAD": "libjemalloc.so.2"}
+    prepare_worker({}, False)  # nothing asked: nothing set (this process's allocator is not touched)
 
 
 _FAULTS = textwrap.dedent(
     """
-    import resource, statistics, threading, torch
+    import os, resource, statistics, threading, torch
     torch.set_num_threads(1)
+    if os.environ.get("RAYTRN_TEST_MALLOPT"):
+        from raytrn.backends.host_malloc import tune_this_process
+        assert tune_this_process()
     out = []
     def faults():
         return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
@@ -134,3 +180,7 @@ def test_tuned_settings_stop_the_page_faults_of_a_training_thread() -> None:
         pytest.skip(f"glibc defaults did not refault in 3 runs here ({defaults} faults per step): nothing to compare")
     tuned = faults(TUNED)
     assert tuned < default / 20, (default, tuned)
+    # the same settings set by the running process (mallopt, as a worker's main thread does before Ray Train starts
+    # the training thread), not read from the environment at its start
+    in_process = faults({"RAYTRN_TEST_MALLOPT": "1"})
+    assert in_process < default / 20, (default, in_process)

@@ -298,7 +298,7 @@ def test_the_xla_path_refuses_a_qwen3_model() -> None:
 
 
 def test_xla_cpu_keeps_the_glibc_allocator_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    test_host_malloc.test_worker_runtime_env_follows_backend_default_and_job(monkeypatch, "xla-cpu", None, False)
+    test_host_malloc.test_worker_setup_follows_backend_default_and_job(monkeypatch, "xla-cpu", None, False)
 
 
 def test_a_trn2_job_on_the_xla_path_is_refused() -> None:
