@@ -124,8 +124,6 @@ def _train(
     if note:
         print(f"raytrn: {note}", flush=True)
 
-    scaling = _scaling(job, backend)
-
     stats = model_stats(job.model, job.data.seq_len)
     params = {
         **params,  # the driver's own choices (checkpoint.every_n_steps: auto)
@@ -140,11 +138,13 @@ def _train(
 
     if starts_local_ray():  # what the local Ray about to start will surely lack: refused before it starts
         check_local_resources(job, backend, embedded_ray_lacks(job, backend), partial=True)
-    # Ray Train's import (the trainer, its controller: ~0.5 s; no torch) needs no Ray: it runs while Ray starts.
+    # Ray Train's import (ray.train: pandas and ray.air, ~1.3 s; the trainer, its controller: ~0.5 s; no torch) needs
+    # no Ray: it runs while Ray starts or this process connects to it, and the ScalingConfig is built after it.
     with ThreadPoolExecutor(1, thread_name_prefix="raytrn-prepare") as pool:
         pool.submit(importlib.import_module, "ray.train.v2.api.data_parallel_trainer")
         # As many logical CPUs as the workers take (Ray Data's read tasks reserve none: raytrn.data.source).
-        started_locally = ensure_ray(min_cpus=scaling.total_resources.get("CPU", 0))
+        started_locally = ensure_ray(min_cpus=_cpus_needed(job, backend))
+    scaling = _scaling(job, backend)
     import ray
 
     if started_locally:  # on an embedded local Ray nothing can scale up: fail now rather than wait forever
@@ -435,6 +435,12 @@ def _pin_data_stats_actor() -> None:
             log.warning("Ray Data stats actor not created on the driver's node: %s", e)
 
     threading.Thread(target=create, name="raytrn-data-stats", daemon=True).start()
+
+
+def _cpus_needed(job: JobSpec, backend: Backend) -> float:
+    """The logical CPUs the largest worker group takes: :func:`_scaling`'s ``total_resources["CPU"]``, without
+    importing Ray Train."""
+    return backend.worker_resources(job).get("CPU", 0) * world_sizes(job)[-1]
 
 
 def _scaling(job: JobSpec, backend: Backend) -> Any:

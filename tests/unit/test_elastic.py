@@ -160,3 +160,29 @@ def test_a_running_group_only_grows() -> None:
         decision = policy.make_decision_for_running_worker_group(running, None)
         assert type(decision) is expected, (nodes, decision)
     assert decision.num_workers == 3
+
+
+@pytest.mark.parametrize(
+    "accelerator, sets",
+    [
+        ("cpu", []),
+        ("cpu", ["scaling.min_workers=1", "scaling.max_workers=3", "scaling.workers_per_node=1"]),
+        ("cpu", ["scaling.resources_per_worker={CPU: 2, neuron_cores: 1}"]),
+        ("cpu", ["scaling.resources_per_worker={neuron_cores: 1}"]),
+        ("cuda", []),
+    ],
+)
+def test_the_cpus_the_driver_asks_ray_for_are_the_scaling_configs(accelerator: str, sets: list[str]) -> None:
+    """The driver starts (or checks) Ray with the CPUs its workers take before Ray Train is imported (that import
+    runs beside Ray's start): the same number Ray Train's ScalingConfig counts, elastic sizes at their largest."""
+    from pathlib import Path
+
+    from raytrn.backends import get_backend
+    from raytrn.config import load_job
+    from raytrn.train.trainer import _cpus_needed, _scaling
+
+    job = load_job(
+        Path(__file__).resolve().parents[2] / "jobs" / "tiny.yaml", [f"scaling.accelerator={accelerator}", *sets]
+    )
+    backend = get_backend(accelerator)
+    assert _cpus_needed(job, backend) == _scaling(job, backend).total_resources.get("CPU", 0)
