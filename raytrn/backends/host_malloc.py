@@ -13,23 +13,17 @@ and no trimming of free memory below 1 GB (the next step needs it again). An all
 user's own wins: any ``MALLOC_*`` or ``GLIBC_TUNABLES`` variable, or a preloaded jemalloc / tcmalloc /
 mimalloc, turns them off.
 
-How they reach a worker: glibc reads the ``MALLOC_*`` variables once, at process start, and its ``mallopt`` sets the
-same parameters in a running process. raytrn's own Ray Train backends call :func:`tune_this_process` on each
-worker's main thread before the training thread exists (whose arena is the point), so the workers need no Ray
-runtime environment for them: a Ray worker started with one goes through Ray's ``setup_worker.py`` and the runtime
-env agent first (~1 CPU-second and ~1.2 s more to start, measured: docs/performance.md). The XLA path's Ray Train
-backend is Ray's own; its workers still get the variables through ``worker_runtime_env`` (:func:`malloc_env`).
+They reach the worker processes through Ray's ``worker_runtime_env``, so they are in place when the process starts
+(glibc reads them once, then). Setting the same parameters later with ``mallopt`` is no substitute: it works in a
+bare process, but in a Ray worker, set before Ray Train started the training thread, it left 75k minor faults/s
+(85k with glibc's defaults; docs/performance.md). Likely why: Ray's own threads have their arenas by then, so
+``M_ARENA_MAX=1`` cannot keep the training thread in the main arena, and a thread arena's heaps go back to the kernel
+whenever they fall free.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import logging
-import os
-from collections.abc import Mapping, MutableMapping
-
-log = logging.getLogger(__name__)
+from collections.abc import Mapping
 
 TUNED: dict[str, str] = {
     "MALLOC_ARENA_MAX": "1",
@@ -54,32 +48,6 @@ def malloc_env(environ: Mapping[str, str], *, enabled: bool) -> dict[str, str]:
     if not enabled or user_allocator_settings(environ):
         return {}
     return dict(TUNED)
-
-
-#: glibc's ``mallopt`` parameters (``malloc.h``) for the variables of :data:`TUNED`.
-_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_ARENA_MAX": -8}
-
-
-def tune_this_process(environ: MutableMapping[str, str] = os.environ) -> bool:
-    """Set :data:`TUNED` in this running process with glibc's ``mallopt`` (call it before the threads it is for
-    exist: a thread's arena is chosen at its first allocation), unless ``environ`` has an allocator setting of the
-    user's own. On success the variables are put in ``environ`` too (:func:`describe` reads them; child processes
-    start with them). False, changing nothing, where the C library is not glibc or refuses one."""
-    if user_allocator_settings(environ):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError) as e:  # not glibc (musl has no mallopt, macOS's libc neither)
-        log.debug("run.tune_malloc: no mallopt in this C library (%s): glibc defaults kept", e)
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    for name, param in _MALLOPT.items():
-        if mallopt(param, int(TUNED[name])) != 1:
-            log.warning("run.tune_malloc: glibc refused %s=%s; this worker's allocator is not tuned", name, TUNED[name])
-            return False
-    environ.update(TUNED)
-    return True
 
 
 def describe(environ: Mapping[str, str]) -> str:

@@ -2,11 +2,13 @@
 endpoint and region, the sample trace) and ``run.tune_malloc``'s allocator settings (:mod:`raytrn.backends.host_malloc`).
 
 raytrn's own Ray Train backends (:class:`~raytrn.backends.ray_backend.ProcessGroupConfig` and its subclasses: cpu,
-cuda, neuron, live recovery) take them in their config and set them first on each worker's main thread
+cuda, neuron, live recovery) take the variables in their config and set them first on each worker's main thread
 (:func:`~raytrn.backends.ray_backend.prepare_worker`). As a Ray runtime environment they would put every worker's
 start through Ray's runtime env agent and ``setup_worker.py``: ~1 CPU-second and ~1.2 s more per worker, at every
-start and restart (docs/performance.md). The XLA path's backend is Ray's own ``TorchConfig``; its workers get them
-as ``worker_runtime_env``, as before.
+start and restart (docs/performance.md). The allocator settings must be in the process's environment when it
+starts (glibc reads them then; ``mallopt`` later does not keep the training thread in the main arena: measured), so
+a job that tunes them (``cpu``'s default) still gives its workers a runtime environment of those alone. The XLA
+path's backend is Ray's own ``TorchConfig``; its workers get everything as ``worker_runtime_env``, as before.
 """
 
 from __future__ import annotations
@@ -48,12 +50,13 @@ def tunes_malloc(job: JobSpec, backend: Backend, environ: Mapping[str, str]) -> 
 def worker_setup(
     job: JobSpec, backend: Backend, config: Any, environ: Mapping[str, str] = os.environ
 ) -> tuple[Any, dict[str, Any]]:
-    """``(backend config, worker_runtime_env)`` for Ray Train: raytrn's own backend configs carry the variables and
-    the allocator choice (the runtime env stays empty); any other (the XLA path's) gets them as a runtime env."""
+    """``(backend config, worker_runtime_env)`` for Ray Train: raytrn's own backend configs carry the variables (the
+    runtime env has only the allocator settings, when tuned); any other (the XLA path's) gets both as a runtime env."""
     from raytrn.backends.ray_backend import ProcessGroupConfig
 
-    env, tune = driver_variables(environ), tunes_malloc(job, backend, environ)
+    env = driver_variables(environ)
+    malloc = malloc_env(environ, enabled=tunes_malloc(job, backend, environ))
     if isinstance(config, ProcessGroupConfig):
-        return replace(config, worker_env=env, tune_malloc=tune), {}
-    env = {**malloc_env(environ, enabled=tune), **env}
+        config, env = replace(config, worker_env=env), {}
+    env = {**malloc, **env}
     return config, {"env_vars": env} if env else {}

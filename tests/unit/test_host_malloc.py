@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from raytrn.backends import get_backend
-from raytrn.backends.host_malloc import TUNED, describe, malloc_env, tune_this_process, user_allocator_settings
+from raytrn.backends.host_malloc import TUNED, describe, malloc_env, user_allocator_settings
 from raytrn.backends.ray_backend import ProcessGroupConfig, prepare_worker
 from raytrn.backends.worker_setup import S3_ENV, worker_setup
 from raytrn.config import load_job
@@ -55,11 +55,9 @@ def _setup(job: object, accelerator: str) -> tuple[object, dict[str, object]]:
 
 
 def _tuned(config: object, runtime_env: dict[str, object]) -> bool:
-    """Whether the workers get the settings: in raytrn's backend config (set on the worker), else (the XLA path:
-    Ray's own backend) as the runtime env's variables."""
-    if isinstance(config, ProcessGroupConfig):
-        assert runtime_env == {}  # nothing for a worker to start through Ray's runtime env agent
-        return config.tune_malloc
+    """Whether the workers start with the settings: the runtime env's variables (glibc reads them at process start),
+    and nothing else there (the driver's variables go in raytrn's backend config)."""
+    assert runtime_env in ({}, {"env_vars": TUNED}), runtime_env
     return runtime_env == {"env_vars": TUNED}
 
 
@@ -103,37 +101,22 @@ def test_workers_get_the_drivers_s3_endpoint_and_region_never_credentials(monkey
     assert not isinstance(config, ProcessGroupConfig) and runtime_env == {"env_vars": want}
 
 
-def test_a_worker_sets_the_drivers_variables_and_tunes_its_allocator_itself() -> None:
+def test_a_worker_sets_the_drivers_variables_first() -> None:
     """What a worker runs first on its main thread (raytrn.backends.ray_backend.start_worker and the neuron and live
-    backends' own), in a fresh process: the variables, and the allocator settings glibc took (mallopt)."""
-    code = textwrap.dedent(
-        """
-        import os
-        from raytrn.backends.ray_backend import prepare_worker
-        prepare_worker({"AWS_REGION": "eu-west-1"}, True)
-        print(os.environ["AWS_REGION"], os.environ.get("MALLOC_ARENA_MAX"))
-        """
-    )
-    base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    for environ, want in (({}, "eu-west-1 1"), ({"MALLOC_ARENA_MAX": "4"}, "eu-west-1 4")):  # the user's wins
-        proc = subprocess.run([sys.executable, "-c", code], env={**base, **environ}, capture_output=True, text=True,
-                              timeout=60)  # fmt: skip
-        assert proc.returncode == 0 and proc.stdout.split()[-2:] == want.split(), proc.stderr[-2000:]
-
-
-def test_tune_this_process_keeps_a_users_choice() -> None:
-    environ = {"LD_PRELOAD": "libjemalloc.so.2"}
-    assert tune_this_process(environ) is False and environ == {"LD_PRELOAD": "libjemalloc.so.2"}
-    prepare_worker({}, False)  # nothing asked: nothing set (this process's allocator is not touched)
+    backends' own)."""
+    environ = dict(os.environ)
+    try:
+        prepare_worker({"RAYTRN_TEST_VARIABLE": "eu-west-1"})
+        assert os.environ["RAYTRN_TEST_VARIABLE"] == "eu-west-1"
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 _FAULTS = textwrap.dedent(
     """
-    import os, resource, statistics, threading, torch
+    import resource, statistics, threading, torch
     torch.set_num_threads(1)
-    if os.environ.get("RAYTRN_TEST_MALLOPT"):
-        from raytrn.backends.host_malloc import tune_this_process
-        assert tune_this_process()
     out = []
     def faults():
         return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
@@ -180,7 +163,3 @@ def test_tuned_settings_stop_the_page_faults_of_a_training_thread() -> None:
         pytest.skip(f"glibc defaults did not refault in 3 runs here ({defaults} faults per step): nothing to compare")
     tuned = faults(TUNED)
     assert tuned < default / 20, (default, tuned)
-    # the same settings set by the running process (mallopt, as a worker's main thread does before Ray Train starts
-    # the training thread), not read from the environment at its start
-    in_process = faults({"RAYTRN_TEST_MALLOPT": "1"})
-    assert in_process < default / 20, (default, in_process)
