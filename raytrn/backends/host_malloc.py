@@ -14,11 +14,9 @@ user's own wins: any ``MALLOC_*`` or ``GLIBC_TUNABLES`` variable, or a preloaded
 mimalloc, turns them off.
 
 They reach the worker processes through Ray's ``worker_runtime_env``, so they are in place when the process starts
-(glibc reads them once, then). Setting the same parameters later with ``mallopt`` is no substitute: it works in a
-bare process, but in a Ray worker, set before Ray Train started the training thread, it left 75k minor faults/s
-(85k with glibc's defaults; docs/performance.md). Likely why: Ray's own threads have their arenas by then, so
-``M_ARENA_MAX=1`` cannot keep the training thread in the main arena, and a thread arena's heaps go back to the kernel
-whenever they fall free.
+(glibc reads them once, then). glibc's ``mallopt`` sets the same parameters in a running process (in a bare Ray
+actor, called before a thread starts, its steps stopped faulting as with the variables: docs/performance.md); the
+workers do not use it yet.
 """
 
 from __future__ import annotations

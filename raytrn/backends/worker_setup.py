@@ -5,9 +5,9 @@ raytrn's own Ray Train backends (:class:`~raytrn.backends.ray_backend.ProcessGro
 cuda, neuron, live recovery) take the variables in their config and set them first on each worker's main thread
 (:func:`~raytrn.backends.ray_backend.prepare_worker`). As a Ray runtime environment they would put every worker's
 start through Ray's runtime env agent and ``setup_worker.py``: ~1 CPU-second and ~1.2 s more per worker, at every
-start and restart (docs/performance.md). The allocator settings must be in the process's environment when it
-starts (glibc reads them then; ``mallopt`` later does not keep the training thread in the main arena: measured), so
-a job that tunes them (``cpu``'s default) still gives its workers a runtime environment of those alone. The XLA
+start and restart (docs/performance.md). The allocator settings are read by glibc when the process starts, so a job
+that tunes them (``cpu``'s default) still gives its workers a runtime environment of those alone (setting them with
+``mallopt`` in the worker instead: measured, not adopted yet, docs/performance.md). The XLA
 path's backend is Ray's own ``TorchConfig``; its workers get everything as ``worker_runtime_env``, as before.
 """
 
