@@ -38,25 +38,27 @@ def driver_variables(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: environ[k] for k in (*S3_ENV, SAMPLE_TRACE_ENV) if environ.get(k)}
 
 
-def tunes_malloc(job: JobSpec, backend: Backend, environ: Mapping[str, str]) -> bool:
-    """Whether the workers get ``run.tune_malloc``'s settings: the job's choice (None: the backend's default), and
-    no allocator setting of the user's own in the driver's ``environ`` (a submitted job's ``env_vars`` are in it)."""
+def malloc_variables(job: JobSpec, backend: Backend, environ: Mapping[str, str]) -> dict[str, str]:
+    """``run.tune_malloc``'s variables for the workers (:func:`~raytrn.backends.host_malloc.malloc_env`): the job's
+    choice (None: the backend's default), none when the driver's ``environ`` has an allocator setting of the user's
+    own (a submitted job's ``env_vars`` are in it: said once in the log)."""
     enabled = backend.tune_malloc if job.run.tune_malloc is None else job.run.tune_malloc
-    if enabled and not malloc_env(environ, enabled=True):
+    env = malloc_env(environ, enabled=enabled)
+    if enabled and not env:
         log.info("run.tune_malloc: keeping your allocator settings (%s)", ", ".join(user_allocator_settings(environ)))
-    return bool(malloc_env(environ, enabled=enabled))
+    return env
 
 
 def worker_setup(
     job: JobSpec, backend: Backend, config: Any, environ: Mapping[str, str] = os.environ
 ) -> tuple[Any, dict[str, Any]]:
-    """``(backend config, worker_runtime_env)`` for Ray Train: raytrn's own backend configs carry the variables (the
-    runtime env has only the allocator settings, when tuned); any other (the XLA path's) gets both as a runtime env."""
+    """``(backend config, worker_runtime_env)`` for Ray Train: raytrn's own backend configs carry the driver's
+    variables (the runtime env has only the allocator settings, when tuned); any other (the XLA path's) gets both as
+    a runtime env."""
     from raytrn.backends.ray_backend import ProcessGroupConfig
 
-    env = driver_variables(environ)
-    malloc = malloc_env(environ, enabled=tunes_malloc(job, backend, environ))
+    variables, malloc = driver_variables(environ), malloc_variables(job, backend, environ)
     if isinstance(config, ProcessGroupConfig):
-        config, env = replace(config, worker_env=env), {}
-    env = {**malloc, **env}
+        return replace(config, worker_env=variables), {"env_vars": malloc} if malloc else {}
+    env = {**malloc, **variables}
     return config, {"env_vars": env} if env else {}

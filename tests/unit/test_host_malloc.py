@@ -101,16 +101,12 @@ def test_workers_get_the_drivers_s3_endpoint_and_region_never_credentials(monkey
     assert not isinstance(config, ProcessGroupConfig) and runtime_env == {"env_vars": want}
 
 
-def test_a_worker_sets_the_drivers_variables_first() -> None:
+def test_a_worker_sets_the_drivers_variables_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a worker runs first on its main thread (raytrn.backends.ray_backend.start_worker and the neuron and live
     backends' own)."""
-    environ = dict(os.environ)
-    try:
-        prepare_worker({"RAYTRN_TEST_VARIABLE": "eu-west-1"})
-        assert os.environ["RAYTRN_TEST_VARIABLE"] == "eu-west-1"
-    finally:
-        os.environ.clear()
-        os.environ.update(environ)
+    monkeypatch.delenv("RAYTRN_TEST_VARIABLE", raising=False)  # (restored after the test)
+    prepare_worker({"RAYTRN_TEST_VARIABLE": "eu-west-1"})
+    assert os.environ["RAYTRN_TEST_VARIABLE"] == "eu-west-1"
 
 
 _FAULTS = textwrap.dedent(
