@@ -1,32 +1,45 @@
 """glibc malloc settings for training workers whose step tensors live in host memory (``run.tune_malloc``).
 
-Ray Train runs the training function in a thread, not in the worker's main thread. glibc gives such a
-thread its own arena, made of 64 MB ``mmap``-ed heaps that are unmapped as soon as they are free again,
-and it returns freed memory to the kernel by a threshold it keeps adjusting. A training step allocates
-and frees the same activations every step, so on a CPU worker they page-fault back in every step:
-measured on ``jobs/tiny.yaml`` (2 cores) 90k minor faults/s and 20% of the training thread's time in the
-kernel, against 2 faults/s and 99% user time with these settings (README: Benchmarks).
+Ray Train runs the training function in a thread, not in the worker's main thread. glibc gives such a thread its own
+arena, made of 64 MB ``mmap``-ed heaps that go back to the kernel as soon as they are free again; it serves blocks of
+32 MB and more (at most: its threshold adjusts) with ``mmap`` of their own, unmapped at ``free``; and it returns freed
+memory to the kernel by a threshold it keeps adjusting. A training step allocates and frees the same activations every
+step, so on a CPU worker they page-fault back in every step: measured on ``jobs/tiny.yaml`` with one worker (2 cores)
+110-140k minor faults/s in the training thread with glibc's defaults, 0 with these settings, 9,200-10,000 tokens/s
+against 7,000-7,200 (docs/performance.md).
 
-The settings: one arena (the main one, ``brk``-based, as a plain script's main thread gets), a fixed
-``mmap`` threshold (glibc's own dynamic maximum, 32 MB: bigger blocks are still mapped and unmapped),
-and no trimming of free memory below 1 GB (the next step needs it again). An allocator choice of the
-user's own wins: any ``MALLOC_*`` or ``GLIBC_TUNABLES`` variable, or a preloaded jemalloc / tcmalloc /
-mimalloc, turns them off.
+The settings (:data:`TUNED`): one arena (``M_ARENA_MAX``); blocks up to 1 GB from the arena, not mapped one by one
+(``M_MMAP_THRESHOLD``: the tiny job's logits, 16 x 128 x 4096 floats, are 32 MB, exactly glibc's usual maximum, and
+were mapped and unmapped every step until 2026-12-02 with a 32 MB threshold); free memory kept up to 1 GB
+(``M_TRIM_THRESHOLD``) and 64 MB at an arena's top (``M_TOP_PAD``: a thread arena's heap is then never unmapped when
+it falls free). An allocator choice of the user's own wins: any ``MALLOC_*`` or ``GLIBC_TUNABLES`` variable, or a
+preloaded jemalloc / tcmalloc / mimalloc, turns them off.
 
-They reach the worker processes through Ray's ``worker_runtime_env``, so they are in place when the process starts
-(glibc reads them once, then). glibc's ``mallopt`` sets the same parameters in a running process (in a bare Ray
-actor, called before a thread starts, its steps stopped faulting as with the variables: docs/performance.md); the
-workers do not use it yet.
+How they reach a worker: raytrn's own Ray Train backends call :func:`tune_this_process` (glibc's ``mallopt``) on each
+worker's main thread before the training thread exists, so the workers need no Ray runtime environment for them: a
+Ray worker started with one goes through Ray's ``setup_worker.py`` and the runtime env agent first (~1 CPU-second and
+~1.2 s more to start, measured: docs/performance.md). By then Ray's own threads have arenas, so the training thread
+may get one of those, not the main arena: ``M_TOP_PAD`` is what keeps such an arena's heaps mapped, and a block over
+a heap's 64 MB is still mapped and unmapped there (set the variables yourself, in the workers' environment, for steps
+with blocks that big: glibc reads them at process start and every thread then uses the main arena). The XLA path's Ray
+Train backend is Ray's own; its workers get the variables through ``worker_runtime_env`` (:func:`malloc_env`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import ctypes
+import ctypes.util
+import logging
+import os
+from collections.abc import Mapping, MutableMapping
+
+log = logging.getLogger(__name__)
 
 TUNED: dict[str, str] = {
     "MALLOC_ARENA_MAX": "1",
-    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
     "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+    "MALLOC_TOP_PAD_": str(64 << 20),
 }
 _PRELOADED_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
@@ -46,6 +59,32 @@ def malloc_env(environ: Mapping[str, str], *, enabled: bool) -> dict[str, str]:
     if not enabled or user_allocator_settings(environ):
         return {}
     return dict(TUNED)
+
+
+#: glibc's ``mallopt`` parameters (``malloc.h``) for the variables of :data:`TUNED`.
+_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_ARENA_MAX": -8}
+
+
+def tune_this_process(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Set :data:`TUNED` in this running process with glibc's ``mallopt`` (call it before the threads it is for
+    exist: a thread's arena is chosen at its first allocation), unless ``environ`` has an allocator setting of the
+    user's own. On success the variables are put in ``environ`` too (:func:`describe` reads them; child processes
+    start with them). False, changing nothing, where the C library is not glibc or refuses one."""
+    if user_allocator_settings(environ):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError) as e:  # not glibc (musl has no mallopt, macOS's libc neither)
+        log.debug("run.tune_malloc: no mallopt in this C library (%s): glibc defaults kept", e)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    for name, param in _MALLOPT.items():
+        if mallopt(param, int(TUNED[name])) != 1:
+            log.warning("run.tune_malloc: glibc refused %s=%s; this worker's allocator is not tuned", name, TUNED[name])
+            return False
+    environ.update(TUNED)
+    return True
 
 
 def describe(environ: Mapping[str, str]) -> str:

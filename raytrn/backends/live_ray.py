@@ -105,8 +105,8 @@ class LiveGroupBackend(RayBackend):  # type: ignore[misc]
         joining = not hasattr(worker_group, "get_replica_groups")
         if not joining:
             self._session += 1
-        env = backend_config.worker_env
-        warn_without_handler(worker_group.execute(start_live_worker, self._address, self._session, joining, env))
+        setup = (backend_config.worker_env, backend_config.tune_malloc)
+        warn_without_handler(worker_group.execute(start_live_worker, self._address, self._session, joining, *setup))
 
     def _serve(self) -> str:
         """Start the store's server in this process (the controller's: the driver's), on a free port."""
@@ -122,11 +122,13 @@ class LiveGroupBackend(RayBackend):  # type: ignore[misc]
         return f"{host}:{self._store.port}"
 
 
-def start_live_worker(address: str, session: int, joining: bool, env: dict[str, str] | None = None) -> bool:
-    """On a worker's main thread: the driver's variables (:func:`prepare_worker`), where its live group's store is,
-    its session, whether it joins; the SIGTERM handler. Returns whether the handler is installed."""
+def start_live_worker(
+    address: str, session: int, joining: bool, env: dict[str, str] | None = None, tune_malloc: bool = False
+) -> bool:
+    """On a worker's main thread: the driver's variables and the allocator (:func:`prepare_worker`), where its live
+    group's store is, its session, whether it joins; the SIGTERM handler. Returns whether the handler is installed."""
     from raytrn.sigterm import install_sigterm_handler
 
-    prepare_worker(env or {})
+    prepare_worker(env or {}, tune_malloc)
     os.environ.update({STORE_ENV: address, SESSION_ENV: str(session), JOINING_ENV: "1" if joining else "0"})
     return install_sigterm_handler()

@@ -253,18 +253,18 @@ class _TorchNeuronRayBackend(RayBackend):
             envs[0]["NEURON_LOGICAL_NC_CONFIG"],
         )
         c = backend_config
-        installed = worker_group.execute(_start_worker, c.backend, c.timeout_s, c.worker_env)
+        installed = worker_group.execute(_start_worker, c.backend, c.timeout_s, c.worker_env, c.tune_malloc)
         if not all(installed):
             logger.warning("SIGTERM handler not installed on %d of %d workers", installed.count(False), len(installed))
 
 
-def _start_worker(backend: str, timeout_s: float, env: dict[str, str]) -> bool:
-    """On a worker's main thread, its environment set: the driver's variables (:func:`prepare_worker`), the SIGTERM
-    handler, then the process group (``init_process_group(backend, init_method="env://")``). Returns whether the
-    handler is installed."""
+def _start_worker(backend: str, timeout_s: float, env: dict[str, str], tune_malloc: bool) -> bool:
+    """On a worker's main thread, its environment set: the driver's variables and the allocator
+    (:func:`prepare_worker`), the SIGTERM handler, then the process group (``init_process_group(backend,
+    init_method="env://")``). Returns whether the handler is installed."""
     from raytrn.sigterm import install_sigterm_handler
 
-    prepare_worker(env)
+    prepare_worker(env, tune_malloc)
     installed = install_sigterm_handler()
     if backend == "neuron":
         import_torch_neuronx()  # a clear error when TorchNeuron is missing; registers the backend

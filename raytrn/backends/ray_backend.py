@@ -7,11 +7,10 @@ imports torch (~1 s of the driver's start-up, which needs no torch), and its bac
 workers where two do (rank 0's address and a free port, then every worker at once: environment, process group,
 handler). Workers read their ranks from ``ray.train.get_context()``. A group's process group goes with its processes.
 
-The variables a worker needs from the driver (the S3 endpoint, the sample trace) travel in the config and are set
-first, in the worker (:func:`prepare_worker`), not as a Ray runtime environment: a worker with one starts through
-Ray's runtime env agent and ``setup_worker.py`` (~1 CPU-second and ~1.2 s more per worker, at every start and
-restart: docs/performance.md). ``run.tune_malloc``'s allocator settings still need one (glibc reads them at process
-start: :mod:`raytrn.backends.host_malloc`).
+The variables a worker needs from the driver (the S3 endpoint, the sample trace) and ``run.tune_malloc``'s allocator
+settings travel in the config and are set first, in the worker (:func:`prepare_worker`), not as a Ray runtime
+environment: a worker with one starts through Ray's runtime env agent and ``setup_worker.py`` (~1 CPU-second and
+~1.2 s more per worker, at every start and restart: docs/performance.md).
 """
 
 from __future__ import annotations
@@ -32,12 +31,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ProcessGroupConfig(BackendConfig):
-    """The process group every worker forms (``backend``: gloo, nccl, neuron) and its collectives' timeout; the
-    variables each worker sets before it (``worker_env``: :func:`prepare_worker`)."""
+    """The process group every worker forms (``backend``: gloo, nccl, neuron) and its collectives' timeout; what
+    each worker sets before it (:func:`prepare_worker`): ``worker_env`` (variables) and ``tune_malloc``."""
 
     backend: str = "gloo"
     timeout_s: float = 1800
     worker_env: dict[str, str] = field(default_factory=dict)
+    tune_malloc: bool = False
 
     @property
     def backend_cls(self) -> type:
@@ -61,7 +61,9 @@ class ProcessGroupBackend(RayBackend):  # type: ignore[misc]
         master_addr, ports = worker_group.execute_single(0, free_ports, 1)
         c = backend_config
         warn_without_handler(
-            worker_group.execute(start_worker, master_addr, ports[0], c.backend, c.timeout_s, c.worker_env)
+            worker_group.execute(
+                start_worker, master_addr, ports[0], c.backend, c.timeout_s, c.worker_env, c.tune_malloc
+            )
         )
 
     # No ``on_shutdown``: Ray kills the workers right after it, and destroying a process group whose peer is gone
@@ -90,9 +92,15 @@ def torch_distributed_env(master_addr: str, master_port: int) -> dict[str, str]:
     }
 
 
-def prepare_worker(env: Mapping[str, str]) -> None:
-    """First on a worker's main thread, before the training thread exists: the driver's variables ``env``."""
+def prepare_worker(env: Mapping[str, str], tune_malloc: bool) -> None:
+    """First on a worker's main thread, before the training thread exists: the driver's ``env`` and, with
+    ``tune_malloc``, the allocator settings (:func:`raytrn.backends.host_malloc.tune_this_process`; an allocator
+    setting of the worker's own environment wins)."""
     os.environ.update(env)
+    if tune_malloc:
+        from raytrn.backends.host_malloc import tune_this_process
+
+        tune_this_process()
 
 
 def start_worker(
@@ -101,12 +109,14 @@ def start_worker(
     backend: str,
     timeout_s: float,
     env: Mapping[str, str] | None = None,
+    tune_malloc: bool = False,
 ) -> bool:
-    """On a worker's main thread: the driver's variables (:func:`prepare_worker`), its torch.distributed environment,
-    the SIGTERM handler, then its process group. Returns whether the handler is installed."""
+    """On a worker's main thread: the driver's variables and the allocator (:func:`prepare_worker`), its
+    torch.distributed environment, the SIGTERM handler, then its process group. Returns whether the handler is
+    installed."""
     from raytrn.sigterm import install_sigterm_handler
 
-    prepare_worker(env or {})
+    prepare_worker(env or {}, tune_malloc)
     os.environ.update(torch_distributed_env(master_addr, master_port))
     installed = install_sigterm_handler()
     init_process_group(backend, timeout_s)

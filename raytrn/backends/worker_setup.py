@@ -2,13 +2,12 @@
 endpoint and region, the sample trace) and ``run.tune_malloc``'s allocator settings (:mod:`raytrn.backends.host_malloc`).
 
 raytrn's own Ray Train backends (:class:`~raytrn.backends.ray_backend.ProcessGroupConfig` and its subclasses: cpu,
-cuda, neuron, live recovery) take the variables in their config and set them first on each worker's main thread
-(:func:`~raytrn.backends.ray_backend.prepare_worker`). As a Ray runtime environment they would put every worker's
+cuda, neuron, live recovery) take them in their config (the allocator settings as ``tune_malloc``) and set them first
+on each worker's main thread (:func:`~raytrn.backends.ray_backend.prepare_worker`; glibc's ``mallopt`` for the
+allocator). As a Ray runtime environment they would put every worker's
 start through Ray's runtime env agent and ``setup_worker.py``: ~1 CPU-second and ~1.2 s more per worker, at every
-start and restart (docs/performance.md). The allocator settings are read by glibc when the process starts, so a job
-that tunes them (``cpu``'s default) still gives its workers a runtime environment of those alone (setting them with
-``mallopt`` in the worker instead: measured, not adopted yet, docs/performance.md). The XLA
-path's backend is Ray's own ``TorchConfig``; its workers get everything as ``worker_runtime_env``, as before.
+start and restart (docs/performance.md). The XLA path's backend is Ray's own ``TorchConfig``; its workers get them
+as ``worker_runtime_env``, as before.
 """
 
 from __future__ import annotations
@@ -53,12 +52,12 @@ def worker_setup(
     job: JobSpec, backend: Backend, config: Any, environ: Mapping[str, str] = os.environ
 ) -> tuple[Any, dict[str, Any]]:
     """``(backend config, worker_runtime_env)`` for Ray Train: raytrn's own backend configs carry the driver's
-    variables (the runtime env has only the allocator settings, when tuned); any other (the XLA path's) gets both as
-    a runtime env."""
+    variables and the allocator choice (the runtime env stays empty); any other (the XLA path's) gets both as a runtime
+    env."""
     from raytrn.backends.ray_backend import ProcessGroupConfig
 
     variables, malloc = driver_variables(environ), malloc_variables(job, backend, environ)
     if isinstance(config, ProcessGroupConfig):
-        return replace(config, worker_env=variables), {"env_vars": malloc} if malloc else {}
+        return replace(config, worker_env=variables, tune_malloc=bool(malloc)), {}
     env = {**malloc, **variables}
     return config, {"env_vars": env} if env else {}

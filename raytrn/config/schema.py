@@ -433,8 +433,9 @@ class RunConfig(Section):
     )
     tune_malloc: bool | None = Field(
         None,
-        description="glibc malloc settings on the training workers (one arena, fixed mmap threshold, no trimming): "
-        "the step's activations stop page-faulting in every step when Ray Train runs the loop in a thread. "
+        description="glibc malloc settings on the training workers, set by each worker before its training thread "
+        "starts (one arena, blocks up to 1 GB from the heap, free memory kept): the step's activations stop "
+        "page-faulting in every step when Ray Train runs the loop in a thread. "
         "Default: on for cpu, off elsewhere. An allocator setting of your own (MALLOC_*, GLIBC_TUNABLES, a "
         "preloaded jemalloc/tcmalloc) wins. See raytrn.backends.host_malloc",
     )

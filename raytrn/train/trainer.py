@@ -369,7 +369,7 @@ def _trainer(
         policy = _ElasticPolicy(job, backend)
     elif local:
         policy = local_fixed_scaling_policy
-    # (the driver's variables go in raytrn's backend config; the runtime env keeps only run.tune_malloc's)
+    # (the driver's variables and run.tune_malloc go in raytrn's backend config: no runtime env of raytrn's own)
     backend_config, worker_env = worker_setup(job, backend, backend.ray_backend_config(job))
     trainer_class = hosted_trainer(
         DataParallelTrainer, listener=events, console=ray_train_console(), make_policy=policy,

@@ -253,6 +253,7 @@ def test_ray_backend_config_pickles() -> None:
         "backend": "neuron",
         "timeout_s": 1800,
         "worker_env": {},  # what each worker sets first (raytrn.backends.worker_setup fills them in on the driver)
+        "tune_malloc": False,
         "instance_type": "trn2.48xlarge",
         "workers_per_node": 64,
         "lnc": None,
