@@ -209,9 +209,20 @@ def prune(run: RunDir, *, keep_last: int | None, keep_best: bool = False) -> lis
     for step in steps:
         if step in keep or step > committed[-1]:
             continue
-        storage.remove_tree(run.dcp_step(step), run.dcp)
+        _delete(run, step)
         deleted.append(step)
     return deleted
+
+
+def _delete(run: RunDir, step: int) -> None:
+    """Delete ``step``'s checkpoint, its manifest first: stopped half way (a kill, a storage error), what is left is
+    never a committed checkpoint with files missing, only an uncommitted leftover (deleted by a later prune)."""
+    location = run.dcp_step(step)
+    commit = storage.join(location, COMMIT_FILE)
+    cfs, cpath = storage.filesystem(commit)
+    if cfs.get_file_info(cpath).type == pafs.FileType.File:
+        cfs.delete_file(cpath)
+    storage.remove_tree(location, run.dcp)
 
 
 def best_step(run: RunDir, committed: list[int]) -> int | None:
@@ -249,11 +260,7 @@ def clear_staging(run: RunDir, step: int) -> None:
     if not [f for f in files if f.type == pafs.FileType.File]:
         return  # nothing, or only the directory (every rank creates it as its save begins)
     log.warning("checkpoint %s: replacing what an earlier, unfinished or unusable save left there", location)
-    commit = storage.join(location, COMMIT_FILE)
-    cfs, cpath = storage.filesystem(commit)
-    if cfs.get_file_info(cpath).type == pafs.FileType.File:
-        cfs.delete_file(cpath)
-    storage.remove_tree(location, run.dcp)
+    _delete(run, step)
 
 
 def tidy_pointers(run: RunDir) -> list[str]:

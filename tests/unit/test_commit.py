@@ -117,6 +117,31 @@ def test_a_pinned_checkpoint_outlives_keep_last_until_unpinned_or_lapsed(tmp_pat
     assert (Path(run.pins) / "notes.txt").exists()
 
 
+def test_a_prune_stopped_half_way_leaves_no_committed_checkpoint_with_files_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention deletes a checkpoint's manifest before its files: a kill or a storage error in the middle leaves an
+    uncommitted leftover (never resumed, deleted by the next prune), not a committed-looking partial checkpoint."""
+    from raytrn.checkpoint import manifest
+    from raytrn.checkpoint.manifest import prune
+
+    j = job(tmp_path, "checkpoint.keep_last=1")
+    run, t = RunDir.of(j), trained(j)
+    save(t, j, 1)
+    real_remove_tree = manifest.storage.remove_tree
+
+    def stopped_half_way(uri: str, root: str) -> None:  # one data file deleted, then the storage fails
+        next(p for p in sorted(Path(uri).iterdir()) if p.name != COMMIT_FILE).unlink()
+        raise OSError("connection reset")
+
+    monkeypatch.setattr(manifest.storage, "remove_tree", stopped_half_way)
+    save(t, j, 2)  # its commit, then retention deletes step 1 (a failure there is a warning: the save stands)
+    assert not is_committed(run.dcp_step(1)) and run.dcp_steps() == [1, 2]
+    assert [c.location for c in manifest.candidates(run)] == [run.dcp_step(2)]
+    monkeypatch.setattr(manifest.storage, "remove_tree", real_remove_tree)
+    assert prune(run, keep_last=1) == [1] and run.dcp_steps() == [2]
+
+
 def test_an_uncommitted_checkpoint_is_never_resumed(tmp_path: Path) -> None:
     """A save that died before its manifest (here: every shard there, only the manifest missing)."""
     j = job(tmp_path, "checkpoint.keep_last=null")
