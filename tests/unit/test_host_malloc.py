@@ -181,8 +181,11 @@ def test_tuned_settings_stop_the_page_faults_of_a_training_thread() -> None:
         assert proc.returncode == 0, proc.stderr[-2000:]
         return float(proc.stdout.split()[-1])
 
+    # With 4 kB pages the 32 MB block alone is 8,192 faults a step under glibc's defaults (14-16k a step measured
+    # here); with transparent huge pages always on, a few dozen.
     default = faults({})
-    assert default > 8000, default  # the 32 MB block alone is 8,192 pages mapped afresh every step
+    if default <= 100:
+        pytest.skip(f"glibc's defaults faulted {default} times a step here (huge pages?): nothing to compare")
     tuned = faults(TUNED)
     assert tuned < default / 20, (default, tuned)
     in_process = faults({"RAYTRN_TEST_MALLOPT": "1"})
