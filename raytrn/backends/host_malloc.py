@@ -3,10 +3,10 @@
 Ray Train runs the training function in a thread, not in the worker's main thread. glibc gives such a thread its own
 arena, made of 64 MB ``mmap``-ed heaps that go back to the kernel as soon as they are free again; it serves a large
 block (over a threshold that starts at 128 kB and rises to 32 MB at most) with an ``mmap`` of its own, unmapped at
-``free``; and it returns freed memory to the kernel by a threshold it keeps adjusting. A training step allocates and frees the same activations every
-step, so on a CPU worker they page-fault back in every step: measured on ``jobs/tiny.yaml`` with one worker (2 cores)
-110-140k minor faults/s in the training thread with glibc's defaults, 0 with these settings, 9,200-10,000 tokens/s
-against 7,000-7,200 (docs/performance.md).
+``free``; and it returns freed memory to the kernel by a threshold it keeps adjusting. A training step allocates and
+frees the same activations every step, so on a CPU worker they page-fault back in every step: measured on
+``jobs/tiny.yaml`` with one worker (2 cores) 110-140k minor faults/s in the training thread with glibc's defaults, 0
+with these settings, 9,200-10,000 tokens/s against 7,000-7,200 (docs/performance.md).
 
 The settings (:data:`TUNED`): one arena (``M_ARENA_MAX``); blocks up to 1 GB from the arena, not mapped one by one
 (``M_MMAP_THRESHOLD``: the tiny job's logits, 16 x 128 x 4096 floats, are 32 MB, exactly glibc's usual maximum, and

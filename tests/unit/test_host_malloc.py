@@ -105,6 +105,11 @@ def test_workers_get_the_drivers_s3_endpoint_and_region_never_credentials(monkey
     assert not isinstance(config, ProcessGroupConfig) and runtime_env == {"env_vars": want}
 
 
+def _without_allocator_settings() -> dict[str, str]:
+    """This environment less any allocator setting (a fresh process then starts with glibc's defaults)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+
+
 def test_a_worker_sets_the_drivers_variables_and_tunes_its_allocator_itself() -> None:
     """What a worker runs first on its main thread (raytrn.backends.ray_backend.start_worker and the neuron and live
     backends' own), in a fresh process: the variables, and the allocator settings glibc took (mallopt)."""
@@ -116,7 +121,7 @@ def test_a_worker_sets_the_drivers_variables_and_tunes_its_allocator_itself() ->
         print(os.environ["AWS_REGION"], os.environ.get("MALLOC_ARENA_MAX"))
         """
     )
-    base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    base = _without_allocator_settings()
     for environ, want in (({}, "eu-west-1 1"), ({"MALLOC_ARENA_MAX": "4"}, "eu-west-1 4")):  # the user's wins
         proc = subprocess.run([sys.executable, "-c", code], env={**base, **environ}, capture_output=True, text=True,
                               timeout=60)  # fmt: skip
@@ -126,7 +131,9 @@ def test_a_worker_sets_the_drivers_variables_and_tunes_its_allocator_itself() ->
 def test_tune_this_process_keeps_a_users_choice() -> None:
     environ = {"LD_PRELOAD": "libjemalloc.so.2"}
     assert tune_this_process(environ) is False and environ == {"LD_PRELOAD": "libjemalloc.so.2"}
+    before = dict(os.environ)
     prepare_worker({}, False)  # nothing asked: nothing set (this process's allocator is not touched)
+    assert dict(os.environ) == before
 
 
 _FAULTS = textwrap.dedent(
@@ -173,7 +180,7 @@ def test_tuned_settings_stop_the_page_faults_of_a_training_thread() -> None:
     the environment at the process's start (the XLA path's workers) and set by the running process after another
     thread's arena exists (mallopt, as raytrn's backends do on a worker's main thread before Ray Train starts the
     training thread). A step has a 32 MB block, as jobs/tiny.yaml's logits."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    base = _without_allocator_settings()
 
     def faults(env: dict[str, str]) -> float:
         proc = subprocess.run([sys.executable, "-c", _FAULTS], env={**base, **env}, capture_output=True, text=True,
