@@ -1,8 +1,9 @@
 """Checkpoint to S3: raytrn's save (a DCP checkpoint written straight to ``s3://`` through pyarrow's S3
 filesystem, :mod:`raytrn.checkpoint.dcp`) vs a raw boto3 multipart upload (``upload_fileobj``, boto3's managed
 transfer with its defaults) of the same files, and the way back (raytrn: ``dcp.load`` into the model and
-optimizer; boto3: ``download_fileobj``); and ``checkpoint.async``: how
-long the step is blocked (staging to host memory) against the whole save. A moto server on 127.0.0.1 stands
+optimizer; boto3: ``download_fileobj``); ``checkpoint.async``: how
+long the step is blocked (staging to host memory) against the whole save; and retention after a commit on S3 (a
+checkpoint of 256 ranks' shard files deleted), which runs beside the steps, not in the commit. A moto server on 127.0.0.1 stands
 in for S3, started and stopped by PID here. Alternated, MB/s.
 
 Where AWS's ``s3torchconnector`` is installed (not a raytrn dependency: ``pip install s3torchconnector``), its DCP
@@ -51,6 +52,48 @@ def _training_state(fields: dict[str, Any]) -> tuple[Any, Any, Any]:
     opt.step()
     opt.zero_grad()
     return model, opt, sched
+
+
+#: Files a checkpoint of many ranks has (a shard file a rank, and DCP's ``.metadata``): what retention deletes.
+RETENTION_FILES = 256
+
+
+def _retention(s3: Any, rounds: int, files: int) -> dict[str, list[float]]:
+    """Rank 0's saves of the tiny job with ``checkpoint.keep_last`` 1 on S3, each followed by the retention round
+    it starts (the listing, the manifests' reads, the previous checkpoint's files deleted: padded to ``files``,
+    as a checkpoint of that many ranks has them): the save's time and the round's, waited for at once here. The
+    round runs beside the steps after the commit (the commit waited for it before 2026-12-02)."""
+    from raytrn.backends.cpu import CpuBackend
+    from raytrn.checkpoint.progress import Progress
+    from raytrn.checkpoint.rundir import RunDir
+    from raytrn.config import load_job
+    from raytrn.train.build import build_training
+    from raytrn.train.schedule import Schedule
+
+    job = load_job(
+        "jobs/tiny.yaml",
+        ["data.manifest=unused", "model.vocab_size=512", "scaling.min_workers=1", "scaling.max_workers=1",
+         "checkpoint.storage=s3://bench/retention", "checkpoint.keep_last=1", "tracking.run_name=retention"],
+        resolve=False,
+    )  # fmt: skip
+    t = build_training(job, CpuBackend(), world_size=1)
+    run, schedule = RunDir.of(job), Schedule.from_job(job)
+    out: dict[str, list[float]] = {"save_s": [], "round_s": []}
+    for step in range(1, rounds + 2):
+        t0 = time.perf_counter()
+        t.checkpoints.save(t, Progress(step=step), schedule, {}, final=False)
+        t1 = time.perf_counter()
+        t.checkpoints.settle()
+        t2 = time.perf_counter()
+        if step > 1:  # (the first round has nothing to delete)
+            out["save_s"].append(t1 - t0)
+            out["round_s"].append(t2 - t1)
+        prefix = run.dcp_step(step).removeprefix("s3://bench/")
+        for rank in range(1, files - 1):  # (rank 0's file and .metadata are DCP's own)
+            s3.put_object(Bucket="bench", Key=f"{prefix}/__{rank}_0.distcp", Body=b"shard")
+    if sorted(t.checkpoints.deleted) != list(range(1, rounds + 1)):
+        raise AssertionError(f"retention deleted {sorted(t.checkpoints.deleted)}")
+    return out
 
 
 def _s3_connector() -> Any:
@@ -149,7 +192,8 @@ def child_main(args: argparse.Namespace) -> None:
                     rows.setdefault("connector_restore_s", []).append(t12 - t11)
                 shutil.rmtree(local)
             results[name] = {"bytes": size, **rows}
-    emit({"models": results})
+        retention = _retention(s3, args.repeats, RETENTION_FILES)
+    emit({"models": results, "retention": {"files": RETENTION_FILES, **retention}})
 
 
 def run(*, models: tuple[str, ...], repeats: int) -> dict[str, Any]:
@@ -188,6 +232,10 @@ def run(*, models: tuple[str, ...], repeats: int) -> dict[str, Any]:
             out[name]["s3torchconnector_restore_over_raytrn"] = mean(
                 [c / r for c, r in zip(m["connector_restore_s"], m["restore_s"], strict=True)]
             )
+    if "retention" in r:  # rank 0's round beside the steps: what every rank's commit waited for before
+        ret = r["retention"]
+        out["retention"] = {"files": ret["files"], "round_s": mean(ret["round_s"]), "save_s": mean(ret["save_s"]),
+                            "raw_seconds": ret}  # fmt: skip
     return out
 
 

@@ -194,6 +194,14 @@ def render(report: dict[str, Any]) -> str:
                 f"{_num(v['s3torchconnector_save_over_raytrn'], '.2f')}x raytrn's time, restore "
                 f"{_num(v['s3torchconnector_restore_over_raytrn'], '.2f')}x | informs the choice (performance.md) |"
             )
+    ret = ck.get("retention")
+    if isinstance(ret, dict) and "round_s" in ret:
+        lines.append(
+            f"| retention after a commit (`checkpoint.keep_last` 1), S3 (moto), the dropped checkpoint "
+            f"{ret['files']} files (a rank's shard each) | the round {_num(ret['round_s'], '.2f', ' s')}, in rank "
+            f"0's retention thread beside the next steps; the save returned before it, in "
+            f"{_num(ret['save_s'], '.2f', ' s')} (until 2026-12-02 every rank's commit waited for the round) | |"
+        )
     lines += _memory_rows(res.get("memory", {}))
     par = res.get("parallel", {})
     row = _status_row("parallel", par)

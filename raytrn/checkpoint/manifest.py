@@ -21,7 +21,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -184,11 +184,11 @@ def has_commits(run: RunDir) -> bool:
     return any(is_committed(run.dcp_step(step)) for step in run.dcp_steps())
 
 
-def prune(run: RunDir, *, keep_last: int | None, keep_best: bool = False) -> list[int]:
+def prune(run: RunDir, *, keep_last: int | None, keep_best: bool = False, keep: Collection[int] = ()) -> list[int]:
     """Retention after a commit: keep the newest ``keep_last`` committed checkpoints (all when None), with
     ``keep_best`` the one of the lowest ``val_loss`` too (:func:`best_step`), those pinned (:mod:`raytrn.checkpoint.pins`:
-    an evaluation reads them), and anything newer than the newest
-    committed one (a save in flight); delete older committed ones and uncommitted leftovers older than the newest
+    an evaluation reads them), the steps ``keep`` (saves in flight the caller knows of), and anything newer than the
+    newest committed one (a save in flight); delete older committed ones and uncommitted leftovers older than the newest
     committed one. Only raytrn's ``step_<N>`` directories, strictly inside ``run.dcp``. Returns the steps deleted.
 
     What to keep is settled before anything is deleted: when a listing or a read it needs fails, nothing is deleted
@@ -198,16 +198,16 @@ def prune(run: RunDir, *, keep_last: int | None, keep_best: bool = False) -> lis
         committed = [s for s in steps if is_committed(run.dcp_step(s))]
         if not committed:
             return []
-        keep = set(committed if keep_last is None else committed[-keep_last:])
-        keep |= pinned(run) if keep_last is not None else set()  # an evaluation off the loop is reading them
+        kept = set(committed if keep_last is None else committed[-keep_last:])
+        kept |= pinned(run) if keep_last is not None else set()  # an evaluation off the loop is reading them
         best = best_step(run, committed) if keep_best and keep_last is not None else None
     except (OSError, CheckpointError) as e:
         raise RetentionSkipped(f"checkpoint retention under {run.dcp} deleted nothing this time: {e}") from None
     if best is not None:
-        keep.add(best)
+        kept.add(best)
     deleted = []
     for step in steps:
-        if step in keep or step > committed[-1]:
+        if step in kept or step in keep or step > committed[-1]:
             continue
         _delete(run, step)
         deleted.append(step)

@@ -3,13 +3,15 @@
 :class:`DcpCheckpoints` is how cpu, cuda and neuron (TorchNeuron) workers save and restore, in any DDP/FSDP/TP
 layout: the write is :mod:`raytrn.checkpoint.dcp` (``torch.distributed.checkpoint``), the commit, retention and
 staging :mod:`raytrn.checkpoint.manifest`, the paths :mod:`raytrn.checkpoint.rundir`; ``checkpoint.async``
-overlaps the write with training. The checkpoint to resume is chosen by :mod:`raytrn.checkpoint.finder`.
+overlaps the write with training, and retention (``checkpoint.keep_last``/``keep_best``) runs on rank 0 beside the
+steps after a commit. The checkpoint to resume is chosen by :mod:`raytrn.checkpoint.finder`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +42,13 @@ class DcpCheckpoints(Checkpoints):
     rank's files are written (:mod:`raytrn.checkpoint.manifest`; the write itself: :mod:`raytrn.checkpoint.dcp`).
 
     A save that fails (storage unavailable past the retries of :mod:`raytrn.storage`) is left uncommitted and
-    training goes on, unless it is the last one or a preemption's: those raise."""
+    training goes on, unless it is the last one or a preemption's: those raise.
+
+    Retention after a commit is a round of rank 0's in a thread of its own (a listing, a read per checkpoint, then
+    a delete per file of each checkpoint it drops: on S3 and with hundreds of ranks' shards, seconds): the steps go
+    on beside it, no rank waits for it. It never runs beside a save or a restore: the next save, a restore and
+    :meth:`settle` wait for it first (it is usually long done), and the last save's round is waited for before
+    that save returns. What a round deleted counts in :attr:`deleted` once it is done (by the next save)."""
 
     manifests = True
 
@@ -65,10 +73,24 @@ class DcpCheckpoints(Checkpoints):
         super().__init__()  # failed saves (skipped, uncommitted), steps retention deleted (rank 0), skipped rounds
         #: How many saves failed in a row (``checkpoint.max_consecutive_failures`` stops the job).
         self.consecutive_failures = 0
+        #: Rank 0: a commit since the last retention round (the round starts once the save that committed returns)
+        self._retention_due = False
+        self._retention: Future[tuple[list[int], bool]] | None = None
+        self._pruner: ThreadPoolExecutor | None = None
+
+    def settle(self) -> None:
+        """Wait for rank 0's retention round in flight, if any, and count what it deleted (or skipped)."""
+        round_, self._retention = self._retention, None
+        if round_ is None:
+            return
+        deleted, skipped = round_.result()
+        self.deleted.update(deleted)
+        self.retention_skipped += skipped
 
     def save(
         self, t: TrainState, progress: Progress, schedule: PinnedSchedule, report: dict[str, Any], *, final: bool
     ) -> list[Saved]:
+        self.settle()  # nothing is cleared or written beside a retention round
         ready = self._finish_pending(final=final)
         location = self.run.dcp_step(progress.step)
         if self.rank == 0:  # before the save's first collective: no rank writes there until rank 0 joins it
@@ -91,6 +113,7 @@ class DcpCheckpoints(Checkpoints):
         if self.asynchronous and not final:  # the step waits for staging to host memory only
             future, writer = dcp.async_save(state, location, process_group=self._group)
             self._pending = (future, writer, saved, commit)
+            self._start_retention(writing=progress.step, wait=False)  # (the previous save's commit)
             return ready
         try:
             digests: dict[str, tuple[int, str]] | None = dcp.save(state, location)
@@ -98,6 +121,7 @@ class DcpCheckpoints(Checkpoints):
             self._failed(location, e, final=final)
             digests = None
         done = self._commit(location, commit, digests, saved, final=final)
+        self._start_retention(writing=None, wait=final)
         return [*ready, *done]
 
     def _finish_pending(self, *, final: bool) -> list[Saved]:
@@ -150,7 +174,7 @@ class DcpCheckpoints(Checkpoints):
                     raise CheckpointError(f"checkpoint {location} could not be committed: {e}") from e
                 log.warning("checkpoint %s could not be committed (%s); training goes on", location, e)
             else:
-                self._prune()
+                self._retention_due = True
         if not all_true(ok, group=self._group):
             self._count_failure(location, "its manifest could not be written")
             return []
@@ -170,27 +194,43 @@ class DcpCheckpoints(Checkpoints):
                 "reachability) and run again: the run resumes from its newest committed checkpoint"
             )
 
-    def _prune(self) -> None:
-        """Rank 0, after a commit: ``checkpoint.keep_last`` (and ``keep_best``) of raytrn's committed checkpoints
-        (see :func:`raytrn.checkpoint.manifest.prune`)."""
+    def _start_retention(self, *, writing: int | None, wait: bool) -> None:
+        """Rank 0, once a save that committed returns: ``checkpoint.keep_last`` (and ``keep_best``) of raytrn's
+        committed checkpoints (:func:`raytrn.checkpoint.manifest.prune`) in the retention thread, never deleting
+        ``writing`` (a save in flight: a step saved again after a rollback may be older than the newest committed);
+        ``wait``: done before this returns (the last save)."""
+        if not self._retention_due:
+            return
+        self._retention_due = False
+        if self._pruner is None:
+            self._pruner = ThreadPoolExecutor(1, thread_name_prefix="raytrn-retention")
+        self._retention = self._pruner.submit(self._prune, () if writing is None else (writing,))
+        if wait:
+            self.settle()
+
+    def _prune(self, writing: tuple[int, ...]) -> tuple[list[int], bool]:
+        """One retention round: the steps deleted, and whether it was skipped (a read it needed failed)."""
         spec = self.job.checkpoint
         try:
-            deleted = manifest.prune(self.run, keep_last=spec.keep_last, keep_best=spec.keep_best)
+            deleted = manifest.prune(self.run, keep_last=spec.keep_last, keep_best=spec.keep_best, keep=writing)
         except manifest.RetentionSkipped as e:  # retention never fails training
-            self.retention_skipped += 1
             log.warning("%s. The next save tries again; check that the checkpoint storage is reachable and readable", e)
-            return
+            return [], True
         except (OSError, CheckpointError) as e:
             log.warning("could not delete old checkpoints under %s: %s", self.run.dcp, e)
-            return
-        self.deleted.update(deleted)
+            return [], False
+        except Exception:  # a bug: seen in the log, and training goes on (the next round tries again)
+            log.exception("checkpoint retention under %s failed", self.run.dcp)
+            return [], False
         if deleted:
             log.info(
                 "deleted checkpoints of steps %s (checkpoint.keep_last=%s)", deleted, self.job.checkpoint.keep_last
             )
+        return deleted, False
 
     def load_committed(self, candidate: Candidate, t: TrainState) -> Progress:
         """Restore the committed checkpoint :func:`raytrn.checkpoint.finder.resume_point` chose."""
+        self.settle()  # (a rollback in place: no retention round beside the read)
         dcp.load(candidate.location, t.model, t.optimizer, t.scheduler, source=self.job.source)
         return replace(candidate.commit.progress)
 

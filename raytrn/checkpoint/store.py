@@ -78,6 +78,9 @@ class Checkpoints:
         """Called by every rank at a checkpoint step; returns the checkpoints now complete, oldest first."""
         raise NotImplementedError
 
+    def settle(self) -> None:
+        """Wait for what a save left running beside the steps (the sharded format's retention round), if anything."""
+
     def load(self, directory: str, t: TrainState) -> Progress:
         """Restore the checkpoint Ray recorded (its directory, downloaded) into ``t``; its counters."""
         raise NotImplementedError

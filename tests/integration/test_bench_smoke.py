@@ -46,6 +46,8 @@ def test_bench_quick_cheap_parts(tiny_dataset: Path, tmp_path: Path) -> None:
     assert results["checkpoint"]["status"] == "ok", results["checkpoint"]
     assert results["checkpoint"]["tiny"]["raytrn_save_mb_per_s"] > 0
     assert results["checkpoint"]["tiny"]["boto3_put_mb_per_s"] > 0
+    retention = results["checkpoint"]["retention"]  # (it checks itself that each round deleted the step before)
+    assert retention["files"] == 256 and retention["round_s"] > 0 and retention["save_s"] > 0
     assert results["guard"]["status"] == "ok", results["guard"]
     assert results["guard"]["check_s"] > 0 and results["guard"]["check_share"] > 0  # measured (the goal: make bench)
     eight_b = next(r for r in results["trainium"] if r["job"] == "llama3-8b-trn1")
@@ -144,7 +146,8 @@ def test_bench_report_renders_the_elastic_and_data_rows() -> None:
         "results": {"elastic": elastic, "training": {"raytrn_data_wait_fraction": 0.004},
                     "checkpoint": {"small": {"mb": 136.4, "save_over_boto3": 0.74, "async_blocked_fraction": 0.05,
                                              "s3torchconnector_save_over_raytrn": 0.92,
-                                             "s3torchconnector_restore_over_raytrn": 3.25}},
+                                             "s3torchconnector_restore_over_raytrn": 3.25},
+                                   "retention": {"files": 256, "round_s": 1.234, "save_s": 0.31}},
                     "data": {"raytrn_rows_per_s_mean": 200_000, "raw_rows_per_s_mean": 300_000, "raytrn_over_raw": 0.667,
                              "headroom_vs_training": 30}},
     }  # fmt: skip
@@ -158,6 +161,8 @@ def test_bench_report_renders_the_elastic_and_data_rows() -> None:
     # where AWS's s3torchconnector is installed: its time over raytrn's, save and restore
     assert "s3torchconnector DCP writer/reader, same state and endpoint, small model | save takes 0.92x" in text
     assert "restore 3.25x |" in text
+    assert "the dropped checkpoint 256 files (a rank's shard each) | the round 1.23 s, in rank 0's retention" in text
+    assert "the save returned before it, in 0.31 s" in text
     memory = {"restore": {"mb": 695.9, "memory_restore_s": 0.64, "disk_restore_s": 0.56, "s3_restore_s": 2.87,
                           "s3_over_memory": 4.48, "disk_over_memory": 0.88},
               "step": {"step_s_off": 0.165, "step_s_snapshot_every_step": 0.293, "step_slowdown": 0.78,

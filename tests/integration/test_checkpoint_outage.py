@@ -54,7 +54,10 @@ def _training(bucket: str, *overrides: str) -> tuple[Any, Any]:
 
 
 def _save(job: Any, t: Any, step: int) -> list[Any]:
-    return list(t.checkpoints.save(t, Progress(step=step), Schedule.from_job(job), {}, final=False))
+    """A save, then its retention round (beside the next steps in training) waited for."""
+    saved = list(t.checkpoints.save(t, Progress(step=step), Schedule.from_job(job), {}, final=False))
+    t.checkpoints.settle()
+    return saved
 
 
 def test_an_upload_during_an_outage_is_retried_with_backoff(proxy, s3_bucket, caplog) -> None:

@@ -8,6 +8,8 @@ import hashlib
 import json
 import logging
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +30,17 @@ pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
 
 
-def save(t: Any, j: Any, step: int, *, final: bool = False, val_loss: float | None = None) -> list[Any]:
+def save(
+    t: Any, j: Any, step: int, *, final: bool = False, val_loss: float | None = None, settle: bool = True
+) -> list[Any]:
+    """A save at ``step``; ``settle``: then wait for the retention round it started (it runs beside the next steps:
+    test_retention_runs_beside_the_steps_and_never_beside_a_save), so that the test reads what it left."""
     progress = Progress(step=step, tokens_seen=100 * step, epoch=step // 10, epoch_samples=step % 10)
     report = {"step": step, **({"val_loss": val_loss} if val_loss is not None else {})}
-    return list(t.checkpoints.save(t, progress, Schedule.from_job(j), report, final=final))
+    saved = list(t.checkpoints.save(t, progress, Schedule.from_job(j), report, final=final))
+    if settle:
+        t.checkpoints.settle()
+    return saved
 
 
 def root(j: Any) -> Path:
@@ -140,6 +149,60 @@ def test_a_prune_stopped_half_way_leaves_no_committed_checkpoint_with_files_miss
     assert [c.location for c in manifest.candidates(run)] == [run.dcp_step(2)]
     monkeypatch.setattr(manifest.storage, "remove_tree", real_remove_tree)
     assert prune(run, keep_last=1) == [1] and run.dcp_steps() == [2]
+
+
+def test_retention_runs_beside_the_steps_and_never_beside_a_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's retention round after a commit runs in a thread of its own: the save returns (the steps go on) while
+    it deletes; the next save waits for it before it clears or writes anything; the last save returns with its round
+    done; what a round deleted counts once it is done."""
+    from raytrn.checkpoint import manifest
+
+    j = job(tmp_path, "checkpoint.keep_last=1")
+    run, t = RunDir.of(j), trained(j)
+    save(t, j, 1)
+    gate, deleting = threading.Event(), threading.Event()
+    real_delete = manifest._delete
+
+    def slow_delete(run_dir: RunDir, step: int) -> None:  # a storage whose deletes take a while
+        deleting.set()
+        assert gate.wait(30)
+        real_delete(run_dir, step)
+
+    monkeypatch.setattr(manifest, "_delete", slow_delete)
+
+    def save_in_thread(step: int, **kw: Any) -> threading.Thread:
+        thread = threading.Thread(target=save, args=(t, j, step), kwargs={"settle": False, **kw}, daemon=True)
+        thread.start()
+        return thread
+
+    second = save_in_thread(2)
+    second.join(10)
+    assert not second.is_alive(), "the save waited for its retention round"
+    assert deleting.wait(10) and is_committed(run.dcp_step(2)) and run.dcp_steps() == [1, 2]  # step 1's delete waits
+    assert t.checkpoints.deleted == set()  # (counted once the round is done)
+    third = save_in_thread(3)
+    time.sleep(0.5)
+    assert third.is_alive() and run.dcp_steps() == [1, 2], "the next save started beside the round"
+    gate.set()
+    third.join(30)
+    assert not third.is_alive() and t.checkpoints.deleted == {1}
+    save(t, j, 4, final=True, settle=False)  # the last save: its round is done when it returns
+    assert run.dcp_steps() == [4] and t.checkpoints.deleted == {1, 2, 3}
+
+
+def test_a_retention_round_keeps_the_steps_it_is_told_are_being_written(tmp_path: Path) -> None:
+    """A step saved again after a rollback can be older than the newest committed one: the round started beside its
+    write keeps it (and anything newer than the newest committed one, as always)."""
+    from raytrn.checkpoint.manifest import prune
+
+    j = job(tmp_path, "checkpoint.keep_last=null")
+    run, t = RunDir.of(j), trained(j)
+    for step in (1, 2, 3):
+        save(t, j, step)
+    assert prune(run, keep_last=1, keep=(2,)) == [1] and run.dcp_steps() == [2, 3]
+    assert prune(run, keep_last=1) == [2] and run.dcp_steps() == [3]
 
 
 def test_an_uncommitted_checkpoint_is_never_resumed(tmp_path: Path) -> None:
