@@ -45,8 +45,8 @@ class DcpCheckpoints(Checkpoints):
     training goes on, unless it is the last one or a preemption's: those raise.
 
     Retention after a commit is a round of rank 0's in a thread of its own (a listing, a read per checkpoint, then
-    a delete per file of each checkpoint it drops: on S3 and with hundreds of ranks' shards, seconds): the steps go
-    on beside it, no rank waits for it. It never runs beside a save or a restore: the next save, a restore and
+    each dropped checkpoint's manifest and its files, one a rank, listed and deleted: storage requests, each a round
+    trip on S3): the steps go on beside it, no rank waits for it. It never runs beside a save or a restore: the next save, a restore and
     :meth:`settle` wait for it first (it is usually long done), and the last save's round is waited for before
     that save returns. What a round deleted counts in :attr:`deleted` once it is done (by the next save)."""
 
