@@ -344,16 +344,6 @@ def state_dict_options(model: torch.nn.Module) -> Any:
     return StateDictOptions(ignore_frozen_params=True, strict=False) if frozen else None
 
 
-def _no_dist() -> bool:
-    """One process (no process group): DCP then says so in a warning on every call; it is the intent here."""
-    import warnings
-
-    single = not (torch.distributed.is_available() and torch.distributed.is_initialized())
-    if single:
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-    return single
-
-
 def save(state: dict[str, Any], location: str) -> dict[str, tuple[int, str]]:
     """Write ``state`` (every rank its shards); the files this rank wrote, ``{name: (size, sha256)}``."""
     writer = storage_writer(location)
@@ -365,7 +355,7 @@ def save_state(state: dict[str, Any], writer: Any, *, process_group: Any = None,
     """Write ``state`` through any DCP storage writer (a directory's, or memory's: :mod:`raytrn.checkpoint.memfiles`),
     its collectives on ``process_group`` (the default group when None); ``alone``: as one process writes it (the
     whole state, no collective), whatever process group exists."""
-    dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=alone or _no_dist())
+    dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=plain.no_dist(alone))
 
 
 def async_save(state: dict[str, Any], location: str, *, process_group: Any) -> tuple[Any, Any]:
@@ -382,7 +372,7 @@ def async_save_state(state: dict[str, Any], writer: Any, *, process_group: Any) 
     ``process_group``: a gloo group of its own, so the background thread's collectives never interleave with
     the training step's on the default group.
     """
-    return dcp.async_save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist())
+    return dcp.async_save(state, storage_writer=writer, process_group=process_group, no_dist=plain.no_dist())
 
 
 def load(
@@ -407,7 +397,7 @@ def load_state(
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = training_state(model, optimizer, scheduler) if state is None else state
-    plain.load(state, reader, no_dist=_no_dist())
+    plain.load(state, reader, no_dist=plain.no_dist())
     set_state_dict(
         model,
         optimizer,

@@ -37,7 +37,7 @@ def export_checkpoint(job: JobSpec, step: int, out_dir: str) -> None:
     state = {"model": get_model_state_dict(model, options=options)}
     location = RunDir.of(job).dcp_step(step)
     check_complete(location)  # one clear error for a checkpoint retention deleted or a save never finished
-    plain.load(state, storage_reader(location), no_dist=True)
+    plain.load(state, storage_reader(location), no_dist=plain.no_dist(alone=True))
     set_model_state_dict(model, state["model"], options=options)
     os.makedirs(out_dir, exist_ok=True)
     specs = {name: (v.dtype, tuple(v.shape)) for name, v in model.state_dict().items()}

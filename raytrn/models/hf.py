@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from raytrn import jsonfile, storage
@@ -130,6 +131,8 @@ def load_weights(model: torch.nn.Module, location: str, *, tied: bool, source: s
                 f"{tuple(value.shape)}"
             )
     no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    if no_dist:  # DCP's warning that it assumes one process: the intent (as raytrn.checkpoint.plain.no_dist)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     # (safetensors: tensors and a JSON header, no pickle to refuse; raytrn's DCP checkpoints load through
     # raytrn.checkpoint.plain)
     dcp.load(wanted, storage_reader=reader, no_dist=no_dist)  # the experts' views fill their stacked tensors

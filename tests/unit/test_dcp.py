@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from raytrn.backends.cpu import CpuBackend
-from raytrn.checkpoint import dcp, manifest
+from raytrn.checkpoint import dcp, manifest, plain
 from raytrn.checkpoint.progress import Progress
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.checkpoint.sharded import DcpCheckpoints
@@ -205,3 +205,29 @@ def test_a_pointer_names_a_sharded_checkpoint_only_inside_its_own_run(tmp_path: 
     for bad in ("/etc", "/tmp/evil", "s3://bucket/run/dcp/step_4", ""):
         with pytest.raises(CheckpointError, match="not a step of a raytrn run"):
             run.own_dcp(bad)
+
+
+def _save_alone_in_a_group(rank: int, world: int, port: int, tmp: str) -> None:
+    import warnings
+
+    from tests.unit.gloo_ranks import rank_records
+
+    with rank_records(rank, world, port, tmp) as out, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = torch.nn.Linear(4, 4)
+        dcp.save_state({"model": model.state_dict()}, dcp.storage_writer(f"{tmp}/alone"), alone=True)
+        back = {"model": torch.nn.Linear(4, 4).state_dict()}  # and read back alone (the evaluator's export)
+        plain.load(back, dcp.storage_reader(f"{tmp}/alone"), no_dist=plain.no_dist(alone=True))
+        out["equal"] = all(torch.equal(v, back["model"][k]) for k, v in model.state_dict().items())
+        out["warnings"] = [str(w.message) for w in caught]
+
+
+def test_a_state_written_alone_in_a_process_group_says_nothing_of_it(tmp_path: Path) -> None:
+    """The live rank 0 writes its whole replica alone (the memory tier), and the evaluator reads a checkpoint alone,
+    while a process group exists: DCP's warning that it assumes one process (what raytrn asked for) stays off the
+    run's terminal, as with no group at all."""
+    from tests.unit.gloo_ranks import spawn_records
+
+    [record] = spawn_records(_save_alone_in_a_group, 1, tmp_path, deadline_s=120)
+    assert record["equal"] and not [w for w in record["warnings"] if "torch.distributed is disabled" in w], record
+    assert (tmp_path / "alone" / ".metadata").exists()
