@@ -78,6 +78,15 @@ class DcpCheckpoints(Checkpoints):
         self._retention: Future[tuple[list[int], bool]] | None = None
         self._pruner: ThreadPoolExecutor | None = None
 
+    def carry_on(self, before: DcpCheckpoints) -> None:
+        """Go on from ``before``, this rank's checkpoints of an earlier generation of its group (a live group
+        re-formed): its counts of failed saves and deleted steps, and its retention round, which this one's next save
+        waits for as its own."""
+        self.failed, self.consecutive_failures = before.failed, before.consecutive_failures
+        self.deleted, self.retention_skipped = before.deleted, before.retention_skipped
+        self._retention_due, self._retention, self._pruner = before._retention_due, before._retention, before._pruner
+        before._retention_due, before._retention = False, None
+
     def settle(self) -> None:
         """Wait for rank 0's retention round in flight, if any, and count what it deleted (or skipped)."""
         round_, self._retention = self._retention, None

@@ -99,8 +99,8 @@ class LiveCheckpoints:
     def of(self, group: LiveGroup) -> DcpCheckpoints:
         if self._made is None or self._made[0] != group.generation:
             made = DcpCheckpoints(self.job, rank=group.rank, plain_layout=True, layout=dict(self.LAYOUT))
-            if self._made is not None:  # the run's failed saves go on counting (max_consecutive_failures in a row)
-                made.failed, made.consecutive_failures = self._made[1].failed, self._made[1].consecutive_failures
+            if self._made is not None:  # failed saves go on counting (max_consecutive_failures in a row), deleted
+                made.carry_on(self._made[1])  # steps too, and the next save waits for a retention round in flight
             self._made = (group.generation, made)
         return self._made[1]
 

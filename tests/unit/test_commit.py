@@ -371,6 +371,38 @@ def test_a_live_groups_failed_saves_count_on_across_its_re_formations(tmp_path: 
     assert live.failed == 2
 
 
+def test_a_re_formed_live_group_waits_for_the_retention_round_of_the_one_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retention round in flight when the live group re-forms (its checkpoints made anew) is the new generation's:
+    its next save waits for it, and the steps it deleted count on (checkpoint.keep_best's tags)."""
+    from types import SimpleNamespace
+
+    from raytrn.checkpoint import manifest
+    from raytrn.train.live.group import Generation
+    from raytrn.train.live_loop import LiveCheckpoints
+
+    j = job(tmp_path, "checkpoint.keep_last=1")
+    run, t = RunDir.of(j), trained(j)
+    live = LiveCheckpoints(j)
+    t.checkpoints = live.of(SimpleNamespace(generation=Generation(0, ("w0", "w1")), rank=0))
+    save(t, j, 1)
+    gate = threading.Event()
+    real_delete = manifest._delete
+    monkeypatch.setattr(manifest, "_delete", lambda r, s: (gate.wait(30), real_delete(r, s)))
+    save(t, j, 2, settle=False)  # its round (deleting step 1) waits at the gate
+    t.checkpoints = live.of(SimpleNamespace(generation=Generation(1, ("w0",)), rank=0))  # w1 lost: re-formed
+    third = threading.Thread(target=save, args=(t, j, 3), kwargs={"settle": False}, daemon=True)
+    third.start()
+    time.sleep(0.5)
+    assert third.is_alive() and run.dcp_steps() == [1, 2], "the new generation's save started beside the round"
+    gate.set()
+    third.join(30)
+    assert not third.is_alive() and t.checkpoints.deleted == {1}
+    t.checkpoints.settle()
+    assert run.dcp_steps() == [3] and t.checkpoints.deleted == {1, 2}
+
+
 def test_a_save_that_fails_for_another_reason_than_storage_raises(tmp_path: Path, monkeypatch) -> None:
     """A lost peer (gloo's error) or a bug is not skipped as a storage hiccup: the group fails and restarts."""
     j = job(tmp_path)
