@@ -186,10 +186,11 @@ def has_commits(run: RunDir) -> bool:
 
 def prune(run: RunDir, *, keep_last: int | None, keep_best: bool = False, keep: Collection[int] = ()) -> list[int]:
     """Retention after a commit: keep the newest ``keep_last`` committed checkpoints (all when None), with
-    ``keep_best`` the one of the lowest ``val_loss`` too (:func:`best_step`), those pinned (:mod:`raytrn.checkpoint.pins`:
-    an evaluation reads them), the steps ``keep`` (saves in flight the caller knows of), and anything newer than the
-    newest committed one (a save in flight); delete older committed ones and uncommitted leftovers older than the newest
-    committed one. Only raytrn's ``step_<N>`` directories, strictly inside ``run.dcp``. Returns the steps deleted.
+    ``keep_best`` the one of the lowest ``val_loss`` too (:func:`best_step`), those pinned
+    (:mod:`raytrn.checkpoint.pins`: an evaluation reads them), the steps ``keep`` (saves in flight the caller knows
+    of), and anything newer than the newest committed one (a save in flight); delete older committed ones and
+    uncommitted leftovers older than the newest committed one. Only raytrn's ``step_<N>`` directories, strictly
+    inside ``run.dcp``. Returns the steps deleted.
 
     What to keep is settled before anything is deleted: when a listing or a read it needs fails, nothing is deleted
     this time (:class:`RetentionSkipped`; a checkpoint that could not be read may be one to keep)."""

@@ -46,9 +46,10 @@ class DcpCheckpoints(Checkpoints):
 
     Retention after a commit is a round of rank 0's in a thread of its own (a listing, a read per checkpoint, then
     each dropped checkpoint's manifest and its files, one a rank, listed and deleted: storage requests, each a round
-    trip on S3): the steps go on beside it, no rank waits for it. It never runs beside a save or a restore: the next save, a restore and
-    :meth:`settle` wait for it first (it is usually long done), and the last save's round is waited for before
-    that save returns. What a round deleted counts in :attr:`deleted` once it is done (by the next save)."""
+    trip on S3): the steps go on beside it, no rank waits for it. It never runs beside a save or a restore: the next
+    save, a restore and :meth:`settle` wait for it first (it is usually long done), and the last save's round is
+    waited for before that save returns. What a round deleted counts in :attr:`deleted` once it is done (by the
+    next save)."""
 
     manifests = True
 
