@@ -204,11 +204,12 @@ def prune(run: RunDir, *, keep_last: int | None, keep_best: bool = False, keep: 
         best = best_step(run, committed) if keep_best and keep_last is not None else None
     except (OSError, CheckpointError) as e:
         raise RetentionSkipped(f"checkpoint retention under {run.dcp} deleted nothing this time: {e}") from None
+    kept.update(keep)
     if best is not None:
         kept.add(best)
     deleted = []
     for step in steps:
-        if step in kept or step in keep or step > committed[-1]:
+        if step in kept or step > committed[-1]:
             continue
         _delete(run, step)
         deleted.append(step)

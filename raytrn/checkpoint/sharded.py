@@ -74,8 +74,7 @@ class DcpCheckpoints(Checkpoints):
         super().__init__()  # failed saves (skipped, uncommitted), steps retention deleted (rank 0), skipped rounds
         #: How many saves failed in a row (``checkpoint.max_consecutive_failures`` stops the job).
         self.consecutive_failures = 0
-        #: Rank 0: a commit since the last retention round (the round starts once the save that committed returns)
-        self._retention_due = False
+        #: Rank 0's retention round in flight (started once a save that committed returns) and its thread
         self._retention: Future[tuple[list[int], bool]] | None = None
         self._pruner: ThreadPoolExecutor | None = None
 
@@ -85,8 +84,7 @@ class DcpCheckpoints(Checkpoints):
         waits for as its own."""
         self.failed, self.consecutive_failures = before.failed, before.consecutive_failures
         self.deleted, self.retention_skipped = before.deleted, before.retention_skipped
-        self._retention_due, self._retention, self._pruner = before._retention_due, before._retention, before._pruner
-        before._retention_due, before._retention = False, None
+        self._retention, self._pruner, before._retention = before._retention, before._pruner, None
 
     def settle(self) -> None:
         """Wait for rank 0's retention round in flight, if any, and count what it deleted (or skipped)."""
@@ -123,7 +121,7 @@ class DcpCheckpoints(Checkpoints):
         if self.asynchronous and not final:  # the step waits for staging to host memory only
             future, writer = dcp.async_save(state, location, process_group=self._group)
             self._pending = (future, writer, saved, commit)
-            self._start_retention(writing=progress.step, wait=False)  # (the previous save's commit)
+            self._start_retention(committed=bool(ready), writing=progress.step, wait=False)  # (the previous save's)
             return ready
         try:
             digests: dict[str, tuple[int, str]] | None = dcp.save(state, location)
@@ -131,7 +129,7 @@ class DcpCheckpoints(Checkpoints):
             self._failed(location, e, final=final)
             digests = None
         done = self._commit(location, commit, digests, saved, final=final)
-        self._start_retention(writing=None, wait=final)
+        self._start_retention(committed=bool(ready or done), writing=None, wait=final)
         return [*ready, *done]
 
     def _finish_pending(self, *, final: bool) -> list[Saved]:
@@ -183,8 +181,6 @@ class DcpCheckpoints(Checkpoints):
                 if final:
                     raise CheckpointError(f"checkpoint {location} could not be committed: {e}") from e
                 log.warning("checkpoint %s could not be committed (%s); training goes on", location, e)
-            else:
-                self._retention_due = True
         if not all_true(ok, group=self._group):
             self._count_failure(location, "its manifest could not be written")
             return []
@@ -204,14 +200,13 @@ class DcpCheckpoints(Checkpoints):
                 "reachability) and run again: the run resumes from its newest committed checkpoint"
             )
 
-    def _start_retention(self, *, writing: int | None, wait: bool) -> None:
-        """Rank 0, once a save that committed returns: ``checkpoint.keep_last`` (and ``keep_best``) of raytrn's
-        committed checkpoints (:func:`raytrn.checkpoint.manifest.prune`) in the retention thread, never deleting
-        ``writing`` (a save in flight: a step saved again after a rollback may be older than the newest committed);
-        ``wait``: done before this returns (the last save)."""
-        if not self._retention_due:
+    def _start_retention(self, *, committed: bool, writing: int | None, wait: bool) -> None:
+        """Rank 0, once a save that ``committed`` a checkpoint returns: ``checkpoint.keep_last`` (and ``keep_best``) of
+        raytrn's committed checkpoints (:func:`raytrn.checkpoint.manifest.prune`) in the retention thread, never
+        deleting ``writing`` (a save in flight: a step saved again after a rollback may be older than the newest
+        committed); ``wait``: done before this returns (the last save)."""
+        if self.rank != 0 or not committed:
             return
-        self._retention_due = False
         if self._pruner is None:
             self._pruner = ThreadPoolExecutor(1, thread_name_prefix="raytrn-retention")
         self._retention = self._pruner.submit(self._prune, () if writing is None else (writing,))
@@ -228,9 +223,6 @@ class DcpCheckpoints(Checkpoints):
             return [], True
         except (OSError, CheckpointError) as e:
             log.warning("could not delete old checkpoints under %s: %s", self.run.dcp, e)
-            return [], False
-        except Exception:  # a bug: seen in the log, and training goes on (the next round tries again)
-            log.exception("checkpoint retention under %s failed", self.run.dcp)
             return [], False
         if deleted:
             log.info(

@@ -151,38 +151,46 @@ def test_a_prune_stopped_half_way_leaves_no_committed_checkpoint_with_files_miss
     assert prune(run, keep_last=1) == [1] and run.dcp_steps() == [2]
 
 
+def _deletes_held(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """A storage whose deletes take a while: each of retention's checkpoint deletes sets ``deleting``, then waits for
+    ``gate``. Returns ``(gate, deleting)``."""
+    from raytrn.checkpoint import manifest
+
+    gate, deleting = threading.Event(), threading.Event()
+    real_delete = manifest._delete
+
+    def held(run_dir: RunDir, step: int) -> None:
+        deleting.set()
+        assert gate.wait(30)
+        real_delete(run_dir, step)
+
+    monkeypatch.setattr(manifest, "_delete", held)
+    return gate, deleting
+
+
+def _save_in_thread(t: Any, j: Any, step: int) -> threading.Thread:
+    """:func:`save` of ``step`` in a thread of its own, its retention round not waited for."""
+    thread = threading.Thread(target=save, args=(t, j, step), kwargs={"settle": False}, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_retention_runs_beside_the_steps_and_never_beside_a_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rank 0's retention round after a commit runs in a thread of its own: the save returns (the steps go on) while
     it deletes; the next save waits for it before it clears or writes anything; the last save returns with its round
     done; what a round deleted counts once it is done."""
-    from raytrn.checkpoint import manifest
-
     j = job(tmp_path, "checkpoint.keep_last=1")
     run, t = RunDir.of(j), trained(j)
     save(t, j, 1)
-    gate, deleting = threading.Event(), threading.Event()
-    real_delete = manifest._delete
-
-    def slow_delete(run_dir: RunDir, step: int) -> None:  # a storage whose deletes take a while
-        deleting.set()
-        assert gate.wait(30)
-        real_delete(run_dir, step)
-
-    monkeypatch.setattr(manifest, "_delete", slow_delete)
-
-    def save_in_thread(step: int, **kw: Any) -> threading.Thread:
-        thread = threading.Thread(target=save, args=(t, j, step), kwargs={"settle": False, **kw}, daemon=True)
-        thread.start()
-        return thread
-
-    second = save_in_thread(2)
+    gate, deleting = _deletes_held(monkeypatch)
+    second = _save_in_thread(t, j, 2)
     second.join(10)
     assert not second.is_alive(), "the save waited for its retention round"
     assert deleting.wait(10) and is_committed(run.dcp_step(2)) and run.dcp_steps() == [1, 2]  # step 1's delete waits
     assert t.checkpoints.deleted == set()  # (counted once the round is done)
-    third = save_in_thread(3)
+    third = _save_in_thread(t, j, 3)
     time.sleep(0.5)
     assert third.is_alive() and run.dcp_steps() == [1, 2], "the next save started beside the round"
     gate.set()
@@ -378,7 +386,6 @@ def test_a_re_formed_live_group_waits_for_the_retention_round_of_the_one_before(
     its next save waits for it, and the steps it deleted count on (checkpoint.keep_best's tags)."""
     from types import SimpleNamespace
 
-    from raytrn.checkpoint import manifest
     from raytrn.train.live.group import Generation
     from raytrn.train.live_loop import LiveCheckpoints
 
@@ -387,13 +394,11 @@ def test_a_re_formed_live_group_waits_for_the_retention_round_of_the_one_before(
     live = LiveCheckpoints(j)
     t.checkpoints = live.of(SimpleNamespace(generation=Generation(0, ("w0", "w1")), rank=0))
     save(t, j, 1)
-    gate = threading.Event()
-    real_delete = manifest._delete
-    monkeypatch.setattr(manifest, "_delete", lambda r, s: (gate.wait(30), real_delete(r, s)))
+    gate, deleting = _deletes_held(monkeypatch)
     save(t, j, 2, settle=False)  # its round (deleting step 1) waits at the gate
+    assert deleting.wait(10)
     t.checkpoints = live.of(SimpleNamespace(generation=Generation(1, ("w0",)), rank=0))  # w1 lost: re-formed
-    third = threading.Thread(target=save, args=(t, j, 3), kwargs={"settle": False}, daemon=True)
-    third.start()
+    third = _save_in_thread(t, j, 3)
     time.sleep(0.5)
     assert third.is_alive() and run.dcp_steps() == [1, 2], "the new generation's save started beside the round"
     gate.set()
