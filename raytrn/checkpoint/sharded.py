@@ -121,7 +121,7 @@ class DcpCheckpoints(Checkpoints):
         if self.asynchronous and not final:  # the step waits for staging to host memory only
             future, writer = dcp.async_save(state, location, process_group=self._group)
             self._pending = (future, writer, saved, commit)
-            self._start_retention(committed=bool(ready), writing=progress.step, wait=False)  # (the previous save's)
+            self._start_retention(due=bool(ready), writing=progress.step, wait=False)  # (the previous save's)
             return ready
         try:
             digests: dict[str, tuple[int, str]] | None = dcp.save(state, location)
@@ -129,7 +129,7 @@ class DcpCheckpoints(Checkpoints):
             self._failed(location, e, final=final)
             digests = None
         done = self._commit(location, commit, digests, saved, final=final)
-        self._start_retention(committed=bool(ready or done), writing=None, wait=final)
+        self._start_retention(due=bool(ready or done), writing=None, wait=final)
         return [*ready, *done]
 
     def _finish_pending(self, *, final: bool) -> list[Saved]:
@@ -200,12 +200,12 @@ class DcpCheckpoints(Checkpoints):
                 "reachability) and run again: the run resumes from its newest committed checkpoint"
             )
 
-    def _start_retention(self, *, committed: bool, writing: int | None, wait: bool) -> None:
-        """Rank 0, once a save that ``committed`` a checkpoint returns: ``checkpoint.keep_last`` (and ``keep_best``) of
-        raytrn's committed checkpoints (:func:`raytrn.checkpoint.manifest.prune`) in the retention thread, never
-        deleting ``writing`` (a save in flight: a step saved again after a rollback may be older than the newest
-        committed); ``wait``: done before this returns (the last save)."""
-        if self.rank != 0 or not committed:
+    def _start_retention(self, *, due: bool, writing: int | None, wait: bool) -> None:
+        """Rank 0, once a save that committed a checkpoint (``due``) returns: ``checkpoint.keep_last`` (and
+        ``keep_best``) of raytrn's committed checkpoints (:func:`raytrn.checkpoint.manifest.prune`) in the retention
+        thread, never deleting ``writing`` (a save in flight: a step saved again after a rollback may be older than the
+        newest committed); ``wait``: done before this returns (the last save)."""
+        if self.rank != 0 or not due:
             return
         if self._pruner is None:
             self._pruner = ThreadPoolExecutor(1, thread_name_prefix="raytrn-retention")
