@@ -139,7 +139,7 @@ def render(report: dict[str, Any]) -> str:
         n = key.rsplit("_", 1)[1]
         lines.append(
             f"| MLflow overhead, log every {n} step(s), tracking on vs off | {_pct(v.get('overhead'), 2)} of step time, "
-            f"noise ±{_pct(v.get('noise'), 1)} ({_num(v.get('ms_per_log_call'), '.1f', ' ms')} per logged step; step "
+            f"noise ±{_pct(_twice(v.get('noise')), 1)} ({_num(v.get('ms_per_log_call'), '.1f', ' ms')} per logged step; step "
             f"{_num(v.get('step_time_off_s'), '.3f')} s) | {_overhead_goal(v.get('overhead'), v.get('noise'))} |"
         )
         if v.get("in_thread_overhead") is not None:
@@ -383,6 +383,11 @@ def _node_loss_rows(nl: dict[str, Any] | None) -> list[str]:
         f"{d['steps_lost']}); state from {m['source']} vs {d['source']} | "
         f"{_goal(again <= 1 if again is not None else None, 'at most 1 step trained again')} |"
     ]
+
+
+def _twice(noise: float | None) -> float | None:
+    """Two standard errors (the README's note: the MLflow rows show ±2 standard errors, the judgement's margin)."""
+    return None if noise is None else 2 * noise
 
 
 def _overhead_goal(overhead: float | None, noise: float | None) -> str:

@@ -29,6 +29,7 @@ from raytrn.tracking.client import mlflow_client, unreachable
 from raytrn.tracking.logger import AsyncLogger, logged_step_of
 from raytrn.tracking.mlflow_run import TrackedRun, attach, end_run
 from raytrn.tracking.models import CheckpointModels, DatasetRef
+from raytrn.tracking.sender import sender
 
 log = logging.getLogger(__name__)
 
@@ -396,7 +397,8 @@ UPLOAD_TIMEOUT_S = 3600.0
 
 
 class RemoteLogger:
-    """A worker's handle on the :class:`TrackingActor`: sends are fire-and-forget (no waiting on MLflow)."""
+    """A worker's handle on the :class:`TrackingActor`: sends are fire-and-forget (no waiting on MLflow), submitted
+    off the calling thread (:mod:`raytrn.tracking.sender`); a call that waits for its answer comes after them."""
 
     def __init__(self, actor: Any, uri: str) -> None:
         self.actor = actor
@@ -404,13 +406,13 @@ class RemoteLogger:
         self._client: Any = None
 
     def log_metrics(self, metrics: dict[str, float], step: int, *, training: bool = True) -> None:
-        self.actor.log_metrics.remote(metrics, step, training)
+        sender().post(self.actor.log_metrics, dict(metrics), step, training)
 
     def log_missing(self, metrics: dict[str, float], step: int) -> None:
-        self.actor.log_missing.remote(metrics, step)
+        sender().post(self.actor.log_missing, dict(metrics), step)
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        self.actor.set_tags.remote(tags)
+        sender().post(self.actor.set_tags, dict(tags))
 
     def checkpoint_saved(
         self,
@@ -421,22 +423,28 @@ class RemoteLogger:
         deleted: set[int] | None = None,
         metrics: dict[str, float] | None = None,
     ) -> None:
-        self.actor.checkpoint_saved.remote(step, location, keep_last, deleted, metrics)
+        copied = None if metrics is None else dict(metrics)
+        sender().post(
+            self.actor.checkpoint_saved, step, location, keep_last, None if deleted is None else set(deleted), copied
+        )
 
     def last_value(self, key: str) -> Any:
         """A future (Ray ObjectRef) of the run's last value of a running total: asked now, read when needed, so
         a worker never waits for the actor while it starts (see :func:`resolve`)."""
+        sender().drain()
         return self.actor.last_value.remote(key)
 
     def next_step(self, prefix: str) -> int:
         import ray
 
+        sender().drain()
         return int(ray.get(self.actor.next_step.remote(prefix), timeout=60))
 
     @property
     def run_id(self) -> str | None:
         import ray
 
+        sender().drain()
         return ray.get(self.actor.run_id.remote(), timeout=60)  # type: ignore[no-any-return]
 
     @property
@@ -449,6 +457,7 @@ class RemoteLogger:
     def flush(self, timeout_s: float) -> bool:
         import ray
 
+        sender().drain()
         return bool(ray.get(self.actor.flush.remote(timeout_s), timeout=timeout_s + 60))
 
     def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
@@ -457,6 +466,7 @@ class RemoteLogger:
         import ray
 
         node = ray.get_runtime_context().get_node_id()
+        sender().drain()
         if not ray.get(self.actor.upload_here.remote(local_dir, artifact_path, node), timeout=UPLOAD_TIMEOUT_S):
             self.client.log_artifacts(self.run_id, local_dir, artifact_path)
 

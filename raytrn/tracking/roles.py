@@ -22,6 +22,7 @@ from raytrn.errors import RunStopped
 from raytrn.pending import Pending, RayPending, Ready
 from raytrn.tracking.board import BoardSnapshot, ProgressBoard, RestoreRecord, StopAsked, StopOrder
 from raytrn.tracking.goodput import GroupTimes
+from raytrn.tracking.sender import sender
 
 #: Rollbacks: ``(first, last)`` steps each, skipped by every later worker group.
 Rollbacks = list[tuple[int, int]]
@@ -81,16 +82,17 @@ class _Board:
         self.local = isinstance(target, ProgressBoard)
 
     def tell(self, method: str, *args: Any) -> None:
-        """Fire and forget."""
+        """Fire and forget: an actor's call is submitted off this thread (:mod:`raytrn.tracking.sender`)."""
         if self.local:
             getattr(self.target, method)(*args)
         else:
-            getattr(self.target, method).remote(*args)
+            sender().post(getattr(self.target, method), *args)
 
     def ask(self, method: str, *args: Any) -> Pending[Any]:
-        """Not waited on: the answer is looked at later."""
+        """Not waited on: the answer is looked at later (the call comes after every tell made before it)."""
         if self.local:
             return Ready(getattr(self.target, method)(*args))
+        sender().drain()
         return RayPending(getattr(self.target, method).remote(*args))
 
     def call(self, method: str, *args: Any, timeout_s: float) -> Any:
@@ -103,7 +105,7 @@ class ProgressClient:
         self._board = _Board(board)
 
     def update(self, step: int, max_steps: int, metrics: dict[str, float]) -> None:
-        self._board.tell("update", step, max_steps, metrics)
+        self._board.tell("update", step, max_steps, dict(metrics))
 
     def reached(self, step: int) -> None:
         self._board.tell("reached", step)
