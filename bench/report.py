@@ -186,7 +186,7 @@ def render(report: dict[str, Any]) -> str:
             f"{_num(v.get('raytrn_save_mb_per_s'), ',.0f')} MB/s vs boto3 multipart upload {_num(v.get('boto3_put_mb_per_s'), ',.0f')}"
             f" ({_num(save, '.2f')}x); restore {_num(v.get('raytrn_restore_mb_per_s'), ',.0f')} vs download "
             f"{_num(v.get('boto3_get_mb_per_s'), ',.0f')} ({_num(restore, '.2f')}x); `checkpoint.async` blocks the step "
-            f"{_pct(blocked)} of the save | {'; '.join(goal)} |"
+            f"{_pct(blocked)} of the save{_copied(v)} | {'; '.join(goal)} |"
         )
         if "s3torchconnector_save_over_raytrn" in v:
             lines.append(
@@ -383,6 +383,12 @@ def _node_loss_rows(nl: dict[str, Any] | None) -> list[str]:
         f"{d['steps_lost']}); state from {m['source']} vs {d['source']} | "
         f"{_goal(again <= 1 if again is not None else None, 'at most 1 step trained again')} |"
     ]
+
+
+def _copied(v: dict[str, Any]) -> str:
+    """The async save's blocked share with its copy waited for at the save (before 2026-12-02), same run."""
+    copied = v.get("copied_blocked_fraction")
+    return "" if copied is None else f" (its copy waited for at the save instead: {_pct(copied)})"
 
 
 def _twice(noise: float | None) -> float | None:

@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -80,13 +81,35 @@ def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     return pafs.LocalFileSystem(), os.path.abspath(uri)
 
 
+#: The environment an S3 filesystem's credentials come from: a filesystem made under other values is not reused.
+CREDENTIAL_VARS = (
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_CONFIG_FILE",
+)  # fmt: skip
+_S3: dict[tuple[Any, ...], pafs.S3FileSystem] = {}
+_S3_LOCK = threading.Lock()
+
+
 def s3_filesystem() -> pafs.S3FileSystem:
-    if _QUICK.get():
-        return pafs.S3FileSystem(
-            retry_strategy=pafs.AwsDefaultS3RetryStrategy(max_attempts=QUICK_ATTEMPTS),
-            connect_timeout=QUICK_CONNECT_S, request_timeout=QUICK_REQUEST_S, **s3_options(),
-        )  # fmt: skip
-    return pafs.S3FileSystem(retry_strategy=pafs.AwsDefaultS3RetryStrategy(max_attempts=S3_ATTEMPTS), **s3_options())
+    """This process's S3 filesystem for its current settings (endpoint, region, credentials' environment, the
+    :func:`quick_checks` mode, the attempts): made once and kept. Making one takes ~30 ms here (the AWS SDK's
+    client), and raytrn asks for one at every storage call: a save's writer, its commit, each manifest a retention
+    round reads."""
+    quick, options = _QUICK.get(), s3_options()
+    attempts = QUICK_ATTEMPTS if quick else S3_ATTEMPTS  # (read now: a test lowers it)
+    key = (os.getpid(), quick, attempts, tuple(sorted(options.items())), tuple(map(os.environ.get, CREDENTIAL_VARS)))
+    with _S3_LOCK:
+        fs = _S3.get(key)
+        if fs is None:
+            if quick:
+                fs = pafs.S3FileSystem(
+                    retry_strategy=pafs.AwsDefaultS3RetryStrategy(max_attempts=attempts),
+                    connect_timeout=QUICK_CONNECT_S, request_timeout=QUICK_REQUEST_S, **options,
+                )  # fmt: skip
+            else:
+                fs = pafs.S3FileSystem(retry_strategy=pafs.AwsDefaultS3RetryStrategy(max_attempts=attempts), **options)
+            _S3[key] = fs
+        return fs
 
 
 def s3_options() -> dict[str, Any]:

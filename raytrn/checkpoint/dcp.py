@@ -20,6 +20,7 @@ import logging
 import mmap
 import os
 from collections.abc import Generator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ from raytrn.models import build_model
 from raytrn.models.lora import apply_lora
 
 if TYPE_CHECKING:
+    from raytrn.checkpoint.staging import Staging
     from raytrn.config import JobSpec
 
 log = logging.getLogger(__name__)
@@ -358,21 +360,34 @@ def save_state(state: dict[str, Any], writer: Any, *, process_group: Any = None,
     dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=plain.no_dist(alone))
 
 
-def async_save(state: dict[str, Any], location: str, *, process_group: Any) -> tuple[Any, Any]:
-    """Stage ``state`` to host memory now, write it in a background thread; returns the write's future and
-    the writer (whose ``digests`` are this rank's files once the future is done)."""
+def async_save(
+    state: dict[str, Any], location: str, *, process_group: Any, staging: Staging | None = None
+) -> tuple[Any, Any, Future[Any] | None]:
+    """Write ``state`` in a background thread from a copy in host memory: the write's future, the writer (whose
+    ``digests`` are this rank's files once the future is done) and the copy's future. Without ``staging`` the copy is
+    made before this returns (None); with it (:class:`raytrn.checkpoint.staging.Staging`) by its thread: nothing may
+    change ``state``'s tensors before the copy's future is done."""
     writer = storage_writer(location)
-    return async_save_state(state, writer, process_group=process_group), writer
+    write, copy = async_save_state(state, writer, process_group=process_group, staging=staging)
+    return write, writer, copy
 
 
-def async_save_state(state: dict[str, Any], writer: Any, *, process_group: Any) -> Any:
-    """:func:`save_state` in the background: ``state`` is staged to host memory now (the caller waits for that
-    only) and written through ``writer`` by a background thread; returns the write's future.
+def async_save_state(
+    state: dict[str, Any], writer: Any, *, process_group: Any, staging: Staging | None = None
+) -> tuple[Any, Future[Any] | None]:
+    """:func:`save_state` in the background through ``writer``: the write's future and the copy's (None: ``state``
+    was copied to host memory before this returned; with ``staging``, by its thread).
 
     ``process_group``: a gloo group of its own, so the background thread's collectives never interleave with
     the training step's on the default group.
     """
-    return dcp.async_save(state, storage_writer=writer, process_group=process_group, no_dist=plain.no_dist())
+    stager = None if staging is None else staging.stager
+    response = dcp.async_save(
+        state, storage_writer=writer, process_group=process_group, no_dist=plain.no_dist(), async_stager=stager
+    )
+    if isinstance(response, Future):
+        return response, None
+    return response.upload_completion, response.staging_completion
 
 
 def load(

@@ -23,6 +23,7 @@ from raytrn.checkpoint.agree import all_true, gather
 from raytrn.checkpoint.manifest import Candidate, Commit
 from raytrn.checkpoint.progress import Progress, read_local_meta, write_meta
 from raytrn.checkpoint.rundir import RunDir
+from raytrn.checkpoint.staging import Staging
 from raytrn.checkpoint.statefile import has_state, load_state
 from raytrn.checkpoint.store import Checkpoints, PinnedSchedule, Saved, TrainState
 from raytrn.errors import CheckpointError, CheckpointsFailing
@@ -71,6 +72,8 @@ class DcpCheckpoints(Checkpoints):
         # with the step's collectives on the default group. Created by every rank at the same point.
         self._group = dist.new_group(backend="gloo") if self.asynchronous and self.distributed else None
         self._pending: tuple[Any, Any, Saved, Commit] | None = None
+        #: checkpoint.async's copy to host memory, beside the next step (made at the first async save)
+        self.staging: Staging | None = None
         super().__init__()  # failed saves (skipped, uncommitted), steps retention deleted (rank 0), skipped rounds
         #: How many saves failed in a row (``checkpoint.max_consecutive_failures`` stops the job).
         self.consecutive_failures = 0
@@ -86,6 +89,12 @@ class DcpCheckpoints(Checkpoints):
         self.deleted, self.retention_skipped = before.deleted, before.retention_skipped
         self._retention, self._pruner, before._retention = before._retention, before._pruner, None
 
+    def copied(self) -> None:
+        """Wait for an async save's copy of the state to host memory, if one is in flight (before the state changes
+        other than by the optimizer's step, which waits for it itself)."""
+        if self.staging is not None:
+            self.staging.wait()
+
     def settle(self) -> None:
         """Wait for rank 0's retention round in flight, if any, and count what it deleted (or skipped)."""
         round_, self._retention = self._retention, None
@@ -100,6 +109,9 @@ class DcpCheckpoints(Checkpoints):
     ) -> list[Saved]:
         self.settle()  # nothing is cleared or written beside a retention round
         ready = self._finish_pending(final=final)
+        if final and self.staging is not None:  # (the previous save's copy long done: its write is)
+            self.staging.close()  # its thread and host buffers go; a save after this one makes another
+            self.staging = None
         location = self.run.dcp_step(progress.step)
         if self.rank == 0:  # before the save's first collective: no rank writes there until rank 0 joins it
             try:
@@ -118,8 +130,11 @@ class DcpCheckpoints(Checkpoints):
             write=lambda d: write_meta(d, counters, schedule=pinned, dcp=location),
         )
         state = dcp.training_state(t.model, t.optimizer, t.scheduler)
-        if self.asynchronous and not final:  # the step waits for staging to host memory only
-            future, writer = dcp.async_save(state, location, process_group=self._group)
+        if self.asynchronous and not final:  # the copy to host memory beside the next step, until its optimizer step
+            self.staging = self.staging or Staging()
+            future, writer, copy = dcp.async_save(state, location, process_group=self._group, staging=self.staging)
+            if copy is not None:
+                self.staging.started(copy, t.optimizer)
             self._pending = (future, writer, saved, commit)
             self._start_retention(due=bool(ready), writing=progress.step, wait=False)  # (the previous save's)
             return ready
@@ -233,10 +248,12 @@ class DcpCheckpoints(Checkpoints):
     def load_committed(self, candidate: Candidate, t: TrainState) -> Progress:
         """Restore the committed checkpoint :func:`raytrn.checkpoint.finder.resume_point` chose."""
         self.settle()  # (a rollback in place: no retention round beside the read)
+        self.copied()  # (nor a save's copy of the tensors the read writes into)
         dcp.load(candidate.location, t.model, t.optimizer, t.scheduler, source=self.job.source)
         return replace(candidate.commit.progress)
 
     def load(self, directory: str, t: TrainState) -> Progress:
+        self.copied()
         meta = read_local_meta(directory)
         location = meta.extra.get("dcp")
         if isinstance(location, str):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,55 @@ def test_async_checkpoint_is_recorded_once_written(tmp_path: Path) -> None:
     assert [r.step for r in done] == [2, 3]
     assert RunDir.of(j).dcp_steps() == [1, 2, 3]
     assert all(manifest.is_committed(RunDir.of(j).dcp_step(s)) for s in (1, 2, 3))
+
+
+def test_an_async_checkpoint_holds_its_steps_state_while_the_next_step_trains_beside_its_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """checkpoint.async copies the state to host memory beside the next step: its forward and backward run while the
+    copy is in flight (made slow here), its optimizer step waits for the copy (the checkpoint holds step 1's weights
+    and moments, not step 2's), and a restore into the same tensors waits for it too."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    copying = []
+    slow = DefaultStager._stage
+
+    def stage_slowly(self: Any, state: Any, **kwargs: Any) -> Any:
+        copying.append(time.perf_counter())
+        time.sleep(0.5)
+        return slow(self, state, **kwargs)
+
+    monkeypatch.setattr(DefaultStager, "_stage", stage_slowly)
+    j = job(tmp_path, "checkpoint.async=true", "checkpoint.keep_last=null")
+    t = trained(j, steps=1)
+    at_step_1 = {k: v.clone() for k, v in dcp.training_state(t.model, t.optimizer, t.scheduler)["optim"]["state"]
+                 ["model.embed_tokens.weight"].items() if isinstance(v, torch.Tensor)}  # fmt: skip
+    weights_1 = {k: v.clone() for k, v in t.model.state_dict().items()}
+    sched = Schedule.from_job(j)
+    t0 = time.perf_counter()
+    assert t.checkpoints.save(t, Progress(step=1), sched, {}, final=False) == []
+    assert time.perf_counter() - t0 < 0.4  # the save did not wait for its copy
+    rows = torch.randint(0, 512, (16, 17), generator=torch.Generator().manual_seed(1))
+    train_step(t, iter(rows.split(16)), CpuBackend())  # step 2: its optimizer step waited for the copy
+    staging = t.checkpoints.staging
+    assert staging is not None and staging.waits == 1 and staging.waited_s > 0.1, vars(staging)
+    assert not torch.equal(t.model.state_dict()["model.embed_tokens.weight"], weights_1["model.embed_tokens.weight"])
+    done = t.checkpoints.save(t, Progress(step=2), sched, {}, final=True)
+    assert [r.step for r in done] == [1, 2] and t.checkpoints.staging is None  # the last save closed it
+    fresh = build_training(j, CpuBackend(), world_size=1)
+    dcp.load(RunDir.of(j).dcp_step(1), fresh.model, fresh.optimizer, fresh.scheduler, source=j.source)
+    for name, value in fresh.model.state_dict().items():
+        torch.testing.assert_close(value, weights_1[name], rtol=0, atol=0, msg=name)
+    moments = dcp.training_state(fresh.model, fresh.optimizer, fresh.scheduler)["optim"]["state"]
+    for key, value in at_step_1.items():
+        torch.testing.assert_close(moments["model.embed_tokens.weight"][key], value, rtol=0, atol=0)
+    # a restore while a copy is in flight waits for it (it writes into the tensors being copied)
+    t.checkpoints.save(t, Progress(step=3), sched, {}, final=False)
+    t.checkpoints.load_committed(
+        manifest.Candidate(RunDir.of(j).dcp_step(2), manifest.read_commit(RunDir.of(j).dcp_step(2))), t
+    )
+    assert t.checkpoints.staging is not None and t.checkpoints.staging.waits == 1  # a new stager: its first wait
+    assert len(copying) == 2
 
 
 def test_remote_deletes_stay_inside_their_root() -> None:
