@@ -7,7 +7,9 @@ then, and the training thread waits for it back: a log call measured 0.34 ms or 
 only appends the call to a queue (microseconds, the GIL kept) and one daemon thread of the process submits the calls
 in the order they were made. The order is Ray's too: an actor runs the calls of one process in the order they were
 submitted, so a call that waits for its answer (a flush, a read) first waits until everything queued before it was
-submitted (:meth:`Sender.drain`), and never overtakes a post made before it.
+submitted (:meth:`Sender.drain`), and never overtakes a post made before it; and a worker's training function
+ends only once its posts are submitted (:func:`raytrn.train.entry.posts_submitted`: the driver reads the board when
+Ray Train reports the workers done).
 
 One sender a process (:func:`sender`): every client that posts to the same actor shares its order. An error a
 submission raises (an argument Ray cannot serialize) is raised by the next call made through the sender, in the

@@ -6,7 +6,10 @@ imports (torch, its distributed checkpointing, Ray Data: ~1.7 s measured here) b
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def train_fn(config: dict[str, Any]) -> None:
@@ -14,11 +17,25 @@ def train_fn(config: dict[str, Any]) -> None:
     under ``scaling.recovery: live``, :func:`raytrn.train.live_loop.live_loop_per_worker`)."""
     from raytrn.train.plan import WorkerPlan
 
-    if WorkerPlan.from_config(config).job.scaling.recovery == "live":
-        from raytrn.train.live_loop import live_loop_per_worker
+    try:
+        if WorkerPlan.from_config(config).job.scaling.recovery == "live":
+            from raytrn.train.live_loop import live_loop_per_worker
 
-        live_loop_per_worker(config)
-        return
-    from raytrn.train.loop import train_loop_per_worker  # the worker's imports (see the module docstring)
+            live_loop_per_worker(config)
+            return
+        from raytrn.train.loop import train_loop_per_worker  # the worker's imports (see the module docstring)
 
-    train_loop_per_worker(config)
+        train_loop_per_worker(config)
+    finally:
+        posts_submitted()
+
+
+def posts_submitted() -> None:
+    """Wait until this worker's last fire-and-forget posts (rank 0's final metrics and goodput: :mod:`raytrn.tracking.
+    sender`) are submitted, before Ray Train hears that the worker is done: the driver reads the board then."""
+    from raytrn.tracking.sender import sender
+
+    try:
+        sender().drain()
+    except Exception as e:  # noqa: BLE001 - never in place of the training's own outcome
+        log.warning("some of this worker's progress posts were not sent: %s", e)

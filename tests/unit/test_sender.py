@@ -123,3 +123,29 @@ def test_a_forked_child_gets_a_sender_of_its_own() -> None:
     finally:
         child.join(30)
     assert child.exitcode == 0 and sender_module._SENDER is parent
+
+
+def test_a_worker_ends_once_its_posts_are_submitted_and_a_failed_one_is_only_logged(caplog) -> None:
+    """The end of Ray Train's function (raytrn.train.entry): rank 0's last posts (its final metrics, its goodput) are
+    submitted before the worker reports done, when the driver reads the board; a post that failed does not replace
+    the training's own outcome."""
+    from raytrn.train.entry import posts_submitted
+
+    calls: list[tuple[str, Any, str]] = []
+
+    class _Slow(_Method):
+        def remote(self, *args: Any) -> None:
+            time.sleep(0.3)
+            super().remote(*args)
+
+    sender().post(_Slow("goodput", calls), "times")
+    posts_submitted()
+    assert [name for name, _, _ in calls] == ["goodput"]
+
+    class _Refused:
+        def remote(self, *args: Any) -> None:
+            raise TypeError("cannot pickle 'generator' object")
+
+    sender().post(_Refused(), object())
+    posts_submitted()  # logged, not raised
+    assert "progress posts were not sent: cannot pickle" in caplog.text
