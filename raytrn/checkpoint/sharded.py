@@ -23,7 +23,7 @@ from raytrn.checkpoint.agree import all_true, gather
 from raytrn.checkpoint.manifest import Candidate, Commit
 from raytrn.checkpoint.progress import Progress, read_local_meta, write_meta
 from raytrn.checkpoint.rundir import RunDir
-from raytrn.checkpoint.staging import Staging
+from raytrn.checkpoint.staging import Staging, staging_or_none
 from raytrn.checkpoint.statefile import has_state, load_state
 from raytrn.checkpoint.store import Checkpoints, PinnedSchedule, Saved, TrainState
 from raytrn.errors import CheckpointError, CheckpointsFailing
@@ -74,6 +74,7 @@ class DcpCheckpoints(Checkpoints):
         self._pending: tuple[Any, Any, Saved, Commit] | None = None
         #: checkpoint.async's copy to host memory, beside the next step (made at the first async save)
         self.staging: Staging | None = None
+        self._copy_at_save = False  # (no stager here: copied at each save)
         super().__init__()  # failed saves (skipped, uncommitted), steps retention deleted (rank 0), skipped rounds
         #: How many saves failed in a row (``checkpoint.max_consecutive_failures`` stops the job).
         self.consecutive_failures = 0
@@ -131,9 +132,11 @@ class DcpCheckpoints(Checkpoints):
         )
         state = dcp.training_state(t.model, t.optimizer, t.scheduler)
         if self.asynchronous and not final:  # the copy to host memory beside the next step, until its optimizer step
-            self.staging = self.staging or Staging()
+            if self.staging is None and not self._copy_at_save:
+                self.staging = staging_or_none()
+                self._copy_at_save = self.staging is None
             future, writer, copy = dcp.async_save(state, location, process_group=self._group, staging=self.staging)
-            if copy is not None:
+            if copy is not None and self.staging is not None:
                 self.staging.started(copy, t.optimizer)
             self._pending = (future, writer, saved, commit)
             self._start_retention(due=bool(ready), writing=progress.step, wait=False)  # (the previous save's)

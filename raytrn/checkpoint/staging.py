@@ -20,11 +20,26 @@ never overwrites buffers still being written.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from concurrent.futures import Future
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
+
+
+def staging_or_none() -> Staging | None:
+    """A :class:`Staging`, or None where DCP's stager cannot be made here (its thread makes a ``torch.Stream`` on any
+    accelerator torch reports): the save then copies before it returns, as before, with one warning."""
+    try:
+        return Staging()
+    except Exception as e:  # noqa: BLE001 - the copy at the save is the fallback, never a failed job
+        log.warning(
+            "checkpoint.async: the state is copied to host memory at each save (staging beside the step: %s)", e
+        )
+        return None
 
 
 class Staging:

@@ -201,6 +201,27 @@ def test_an_async_checkpoint_holds_its_steps_state_while_the_next_step_trains_be
     assert len(copying) == 2
 
 
+def test_where_dcps_stager_cannot_be_made_the_async_save_copies_at_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """DCP's stager makes a ``torch.Stream`` on any accelerator torch reports: where it cannot, checkpoint.async
+    copies at each save as before (one warning), and its checkpoints commit."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("streams are not supported on this device")
+
+    monkeypatch.setattr(DefaultStager, "__init__", refuse)
+    j = job(tmp_path, "checkpoint.async=true", "checkpoint.keep_last=null")
+    t = trained(j, steps=1)
+    sched = Schedule.from_job(j)
+    assert t.checkpoints.save(t, Progress(step=1), sched, {}, final=False) == []
+    assert [r.step for r in t.checkpoints.save(t, Progress(step=2), sched, {}, final=False)] == [1]
+    assert [r.step for r in t.checkpoints.save(t, Progress(step=3), sched, {}, final=True)] == [2, 3]
+    assert t.checkpoints.staging is None
+    assert caplog.text.count("copied to host memory at each save") == 1, caplog.text
+
+
 def test_remote_deletes_stay_inside_their_root() -> None:
     from raytrn.storage import remove_tree
 
