@@ -3,8 +3,8 @@ save but before the next optimizer step, the first thing that changes the state 
 
 A save with ``checkpoint.async`` used to copy every tensor of the state to host memory before the training thread
 went on (torch DCP's ``async_save`` with its default stager), then write that copy in a background thread: the step
-waited for the copy (the README's "async blocks the step" row: 6-12% of the whole save for the tiny model on S3,
-mostly that copy). Now DCP's own stager copies in a thread of its own (``StagingOptions(use_async_staging=True)``)
+waited for the copy (~8 ms of the tiny model's ~35 ms blocked on S3; most of the rest was making an S3 filesystem,
+now kept: :func:`raytrn.storage.s3_filesystem`). Now DCP's own stager copies in a thread of its own (``StagingOptions(use_async_staging=True)``)
 while the next step's forward and backward read the weights, which they do not change; an optimizer step pre-hook
 (:meth:`torch.optim.Optimizer.register_step_pre_hook`) waits for the copy before the optimizer updates the weights
 and its state in place, and so does a restore into the same tensors (:meth:`Staging.wait`). The write then runs as
