@@ -4,12 +4,12 @@ save but before the next optimizer step, the first thing that changes the state 
 A save with ``checkpoint.async`` used to copy every tensor of the state to host memory before the training thread
 went on (torch DCP's ``async_save`` with its default stager), then write that copy in a background thread: the step
 waited for the copy (~8 ms of the tiny model's ~35 ms blocked on S3; most of the rest was making an S3 filesystem,
-now kept: :func:`raytrn.storage.s3_filesystem`). Now DCP's own stager copies in a thread of its own (``StagingOptions(use_async_staging=True)``)
-while the next step's forward and backward read the weights, which they do not change; an optimizer step pre-hook
-(:meth:`torch.optim.Optimizer.register_step_pre_hook`) waits for the copy before the optimizer updates the weights
-and its state in place, and so does a restore into the same tensors (:meth:`Staging.wait`). The write then runs as
-before, from the copy. What the step still waits for is the part of the copy its forward and backward did not
-cover (:attr:`Staging.waited_s`).
+now kept: :func:`raytrn.storage.s3_filesystem`). Now DCP's own stager copies in a thread of its own
+(``StagingOptions(use_async_staging=True)``) while the next step's forward and backward read the weights, which they
+do not change; an optimizer step pre-hook (:meth:`torch.optim.Optimizer.register_step_pre_hook`) waits for the copy
+before the optimizer updates the weights and its state in place, and so does a restore into the same tensors
+(:meth:`Staging.wait`). The write then runs as before, from the copy. What the step still waits for is the part of
+the copy its forward and backward did not cover (:attr:`Staging.waited_s`).
 
 One stager for a training's saves: it keeps its host buffers from one save to the next (DCP's ``StateDictStager``
 caches them by the source tensor's storage), so the next save copies into memory already faulted in; the next save
@@ -72,7 +72,8 @@ class Staging:
             self._hooked = (optimizer, optimizer.register_step_pre_hook(lambda *_: self.wait()))
 
     def wait(self) -> None:
-        """Wait for the copy in flight, if any (its error, if it failed, is the write's: the save's future raises it)."""
+        """Wait for the copy in flight, if any (its error, if it failed, is the write's: the save's future raises
+        it)."""
         copy, self._copy = self._copy, None
         if copy is None:
             return
