@@ -431,21 +431,18 @@ class RemoteLogger:
     def last_value(self, key: str) -> Any:
         """A future (Ray ObjectRef) of the run's last value of a running total: asked now, read when needed, so
         a worker never waits for the actor while it starts (see :func:`resolve`)."""
-        sender().drain()
-        return self.actor.last_value.remote(key)
+        return sender().ask(self.actor.last_value, key)
 
     def next_step(self, prefix: str) -> int:
         import ray
 
-        sender().drain()
-        return int(ray.get(self.actor.next_step.remote(prefix), timeout=60))
+        return int(ray.get(sender().ask(self.actor.next_step, prefix), timeout=60))
 
     @property
     def run_id(self) -> str | None:
         import ray
 
-        sender().drain()
-        return ray.get(self.actor.run_id.remote(), timeout=60)  # type: ignore[no-any-return]
+        return ray.get(sender().ask(self.actor.run_id), timeout=60)  # type: ignore[no-any-return]
 
     @property
     def client(self) -> Any:
@@ -457,8 +454,7 @@ class RemoteLogger:
     def flush(self, timeout_s: float) -> bool:
         import ray
 
-        sender().drain()
-        return bool(ray.get(self.actor.flush.remote(timeout_s), timeout=timeout_s + 60))
+        return bool(ray.get(sender().ask(self.actor.flush, timeout_s), timeout=timeout_s + 60))
 
     def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
         """Upload ``local_dir`` as the run's ``artifact_path``: by the tracking actor when it is on this node (its
@@ -466,8 +462,7 @@ class RemoteLogger:
         import ray
 
         node = ray.get_runtime_context().get_node_id()
-        sender().drain()
-        if not ray.get(self.actor.upload_here.remote(local_dir, artifact_path, node), timeout=UPLOAD_TIMEOUT_S):
+        if not ray.get(sender().ask(self.actor.upload_here, local_dir, artifact_path, node), timeout=UPLOAD_TIMEOUT_S):
             self.client.log_artifacts(self.run_id, local_dir, artifact_path)
 
 

@@ -92,8 +92,7 @@ class _Board:
         """Not waited on: the answer is looked at later (the call comes after every tell made before it)."""
         if self.local:
             return Ready(getattr(self.target, method)(*args))
-        sender().drain()
-        return RayPending(getattr(self.target, method).remote(*args))
+        return RayPending(sender().ask(getattr(self.target, method), *args))
 
     def call(self, method: str, *args: Any, timeout_s: float) -> Any:
         """Waits up to ``timeout_s`` for the answer."""

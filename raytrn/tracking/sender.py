@@ -6,10 +6,10 @@ then, and the training thread waits for it back: a log call measured 0.34 ms or 
 2.25 ms on average at a log every step (``make bench``'s MLflow rows). Through a :class:`Sender` the training thread
 only appends the call to a queue (microseconds, the GIL kept) and one daemon thread of the process submits the calls
 in the order they were made. The order is Ray's too: an actor runs the calls of one process in the order they were
-submitted, so a call that waits for its answer (a flush, a read) first waits until everything queued before it was
-submitted (:meth:`Sender.drain`), and never overtakes a post made before it; and a worker's training function
-ends only once its posts are submitted (:func:`raytrn.train.entry.posts_submitted`: the driver reads the board when
-Ray Train reports the workers done).
+submitted, so a call that waits for its answer (a flush, a read) is made through :meth:`Sender.ask`, which first
+waits until everything queued before it was submitted: it never overtakes a post made before it. A worker's training
+function ends only once its posts are submitted (:func:`raytrn.train.entry.posts_submitted`: the driver reads the
+board when Ray Train reports the workers done).
 
 One sender a process (:func:`sender`): every client that posts to the same actor shares its order. An error a
 submission raises (an argument Ray cannot serialize) is raised by the next call made through the sender, in the
@@ -52,6 +52,12 @@ class Sender:
                 self._thread = threading.Thread(target=self._run, name="raytrn-posts", daemon=True)
                 self._thread.start()
             self._cv.notify()
+
+    def ask(self, method: Any, *args: Any) -> Any:
+        """``method.remote(*args)`` made now, in the caller's thread, after every post made before it was submitted:
+        its ``ObjectRef`` (a call whose answer is waited for: it never overtakes a post)."""
+        self.drain()
+        return method.remote(*args)
 
     def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Wait until every post made before this call was submitted (then a call made now comes after them)."""
