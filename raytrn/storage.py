@@ -95,20 +95,20 @@ def s3_filesystem() -> pafs.S3FileSystem:
     :func:`quick_checks` mode, the attempts): made once and kept. Making one takes ~30 ms here (the AWS SDK's
     client), and raytrn asks for one at every storage call: a save's writer, its commit, each manifest a retention
     round reads."""
-    quick, options = _QUICK.get(), s3_options()
+    return _kept_s3(s3_options(), quick=_QUICK.get())
+
+
+def _kept_s3(options: dict[str, Any], *, quick: bool = False) -> pafs.S3FileSystem:
+    """The S3 filesystem of ``options`` (:func:`s3_options`'s), made once a process for them, the attempts, the
+    checks' mode and the credentials' environment."""
     attempts = QUICK_ATTEMPTS if quick else S3_ATTEMPTS  # (read now: a test lowers it)
     key = (os.getpid(), quick, attempts, tuple(sorted(options.items())), tuple(map(os.environ.get, CREDENTIAL_VARS)))
     with _S3_LOCK:
         fs = _S3.get(key)
         if fs is None:
-            if quick:
-                fs = pafs.S3FileSystem(
-                    retry_strategy=pafs.AwsDefaultS3RetryStrategy(max_attempts=attempts),
-                    connect_timeout=QUICK_CONNECT_S, request_timeout=QUICK_REQUEST_S, **options,
-                )  # fmt: skip
-            else:
-                fs = pafs.S3FileSystem(retry_strategy=pafs.AwsDefaultS3RetryStrategy(max_attempts=attempts), **options)
-            _S3[key] = fs
+            timeouts = {"connect_timeout": QUICK_CONNECT_S, "request_timeout": QUICK_REQUEST_S} if quick else {}
+            retries = pafs.AwsDefaultS3RetryStrategy(max_attempts=attempts)
+            fs = _S3[key] = pafs.S3FileSystem(retry_strategy=retries, **timeouts, **options)
         return fs
 
 
@@ -146,9 +146,7 @@ class _RetryingS3(pafs.FileSystemHandler):
     @property
     def fs(self) -> pafs.S3FileSystem:
         if self._fs is None:
-            self._fs = pafs.S3FileSystem(
-                retry_strategy=pafs.AwsDefaultS3RetryStrategy(max_attempts=S3_ATTEMPTS), **self.options
-            )
+            self._fs = _kept_s3(self.options)
         return self._fs
 
     def __eq__(self, other: object) -> bool:
