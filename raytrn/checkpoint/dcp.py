@@ -35,6 +35,7 @@ from raytrn.checkpoint.inplace import InPlaceReader
 from raytrn.errors import CheckpointError
 from raytrn.models import build_model
 from raytrn.models.lora import apply_lora
+from raytrn.one_process import no_dist
 
 if TYPE_CHECKING:
     from raytrn.checkpoint.staging import Staging
@@ -357,7 +358,7 @@ def save_state(state: dict[str, Any], writer: Any, *, process_group: Any = None,
     """Write ``state`` through any DCP storage writer (a directory's, or memory's: :mod:`raytrn.checkpoint.memfiles`),
     its collectives on ``process_group`` (the default group when None); ``alone``: as one process writes it (the
     whole state, no collective), whatever process group exists."""
-    dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=plain.no_dist(alone))
+    dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=no_dist(alone))
 
 
 def async_save(
@@ -383,7 +384,7 @@ def async_save_state(
     """
     stager = None if staging is None else staging.stager
     response = dcp.async_save(
-        state, storage_writer=writer, process_group=process_group, no_dist=plain.no_dist(), async_stager=stager
+        state, storage_writer=writer, process_group=process_group, no_dist=no_dist(), async_stager=stager
     )
     if isinstance(response, Future):
         return response, None
@@ -412,7 +413,7 @@ def load_state(
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = training_state(model, optimizer, scheduler) if state is None else state
-    plain.load(state, reader, no_dist=plain.no_dist())
+    plain.load(state, reader, no_dist=no_dist())
     set_state_dict(
         model,
         optimizer,

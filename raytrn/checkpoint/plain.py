@@ -122,19 +122,6 @@ def refused(e: UnsafeItem, where: str, file: str) -> CheckpointError:
     )
 
 
-def no_dist(alone: bool = False) -> bool:
-    """Whether DCP runs as one process: no process group here, or ``alone`` (this process reads or writes its whole
-    state with none of its group's collectives: the live rank 0's snapshot, the evaluator's export). DCP then warns
-    on every call that it assumes one process: it is the intent, so the warning is silenced (stays off the run's
-    terminal)."""
-    import warnings
-
-    single = alone or not (torch.distributed.is_available() and torch.distributed.is_initialized())
-    if single:
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-    return single
-
-
 def load(state: dict[str, Any], reader: Any, *, no_dist: bool) -> None:
     """``torch.distributed.checkpoint.load`` of ``state`` through ``reader``, non-tensor items read as plain data
     (:class:`PlainLoadPlanner`)."""

@@ -14,6 +14,7 @@ from typing import Any
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.config import JobSpec
 from raytrn.data.manifest import load_manifest
+from raytrn.one_process import no_dist
 
 
 def export_checkpoint(job: JobSpec, step: int, out_dir: str) -> None:
@@ -37,7 +38,7 @@ def export_checkpoint(job: JobSpec, step: int, out_dir: str) -> None:
     state = {"model": get_model_state_dict(model, options=options)}
     location = RunDir.of(job).dcp_step(step)
     check_complete(location)  # one clear error for a checkpoint retention deleted or a save never finished
-    plain.load(state, storage_reader(location), no_dist=plain.no_dist(alone=True))
+    plain.load(state, storage_reader(location), no_dist=no_dist(alone=True))
     set_model_state_dict(model, state["model"], options=options)
     os.makedirs(out_dir, exist_ok=True)
     specs = {name: (v.dtype, tuple(v.shape)) for name, v in model.state_dict().items()}

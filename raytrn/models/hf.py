@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from raytrn import jsonfile, storage
@@ -23,6 +22,7 @@ from raytrn.config.hf_config import CONFIG_FILE
 from raytrn.config.hf_config import check_config as check_config  # re-exported: raytrn.train.checks imports it here
 from raytrn.errors import CheckpointError
 from raytrn.models.export import hub_tensors, split_stacked
+from raytrn.one_process import no_dist
 
 if TYPE_CHECKING:
     import torch
@@ -130,12 +130,9 @@ def load_weights(model: torch.nn.Module, location: str, *, tied: bool, source: s
                 f"{source}: model.init_from {location}: tensor {name!r} has shape {tuple(entry.size)}, the model's is "  # type: ignore[union-attr]
                 f"{tuple(value.shape)}"
             )
-    no_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
-    if no_dist:  # DCP's warning that it assumes one process: the intent (as raytrn.checkpoint.plain.no_dist)
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     # (safetensors: tensors and a JSON header, no pickle to refuse; raytrn's DCP checkpoints load through
     # raytrn.checkpoint.plain)
-    dcp.load(wanted, storage_reader=reader, no_dist=no_dist)  # the experts' views fill their stacked tensors
+    dcp.load(wanted, storage_reader=reader, no_dist=no_dist())  # the experts' views fill their stacked tensors
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
     return len(wanted)
 

@@ -16,6 +16,7 @@ from raytrn.checkpoint.rundir import RunDir
 from raytrn.checkpoint.sharded import DcpCheckpoints
 from raytrn.config import load_job
 from raytrn.errors import CheckpointError, RaytrnError
+from raytrn.one_process import no_dist
 from raytrn.train.build import build_training
 from raytrn.train.schedule import Schedule
 from raytrn.train.step import train_step
@@ -288,7 +289,7 @@ def _save_alone_in_a_group(rank: int, world: int, port: int, tmp: str) -> None:
         model = torch.nn.Linear(4, 4)
         dcp.save_state({"model": model.state_dict()}, dcp.storage_writer(f"{tmp}/alone"), alone=True)
         back = {"model": torch.nn.Linear(4, 4).state_dict()}  # and read back alone (the evaluator's export)
-        plain.load(back, dcp.storage_reader(f"{tmp}/alone"), no_dist=plain.no_dist(alone=True))
+        plain.load(back, dcp.storage_reader(f"{tmp}/alone"), no_dist=no_dist(alone=True))
         out["equal"] = all(torch.equal(v, back["model"][k]) for k, v in model.state_dict().items())
         out["warnings"] = [str(w.message) for w in caught]
 
