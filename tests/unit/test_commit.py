@@ -175,6 +175,18 @@ def _save_in_thread(t: Any, j: Any, step: int) -> threading.Thread:
     return thread
 
 
+def _next_save_waits_for_the_round(t: Any, j: Any, gate: threading.Event, why: str) -> None:
+    """Step 3's save, started while the round deleting step 1 is held at ``gate``: it waits (nothing cleared or written
+    beside the round: steps 1 and 2 stand) until the round is let go, then saves, step 1 counted deleted."""
+    run = RunDir.of(j)
+    third = _save_in_thread(t, j, 3)
+    time.sleep(0.5)
+    assert third.is_alive() and run.dcp_steps() == [1, 2], why
+    gate.set()
+    third.join(30)
+    assert not third.is_alive() and t.checkpoints.deleted == {1}
+
+
 def test_retention_runs_beside_the_steps_and_never_beside_a_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -190,12 +202,7 @@ def test_retention_runs_beside_the_steps_and_never_beside_a_save(
     assert not second.is_alive(), "the save waited for its retention round"
     assert deleting.wait(10) and is_committed(run.dcp_step(2)) and run.dcp_steps() == [1, 2]  # step 1's delete waits
     assert t.checkpoints.deleted == set()  # (counted once the round is done)
-    third = _save_in_thread(t, j, 3)
-    time.sleep(0.5)
-    assert third.is_alive() and run.dcp_steps() == [1, 2], "the next save started beside the round"
-    gate.set()
-    third.join(30)
-    assert not third.is_alive() and t.checkpoints.deleted == {1}
+    _next_save_waits_for_the_round(t, j, gate, "the next save started beside the round")
     save(t, j, 4, final=True, settle=False)  # the last save: its round is done when it returns
     assert run.dcp_steps() == [4] and t.checkpoints.deleted == {1, 2, 3}
 
@@ -398,12 +405,7 @@ def test_a_re_formed_live_group_waits_for_the_retention_round_of_the_one_before(
     save(t, j, 2, settle=False)  # its round (deleting step 1) waits at the gate
     assert deleting.wait(10)
     t.checkpoints = live.of(SimpleNamespace(generation=Generation(1, ("w0",)), rank=0))  # w1 lost: re-formed
-    third = _save_in_thread(t, j, 3)
-    time.sleep(0.5)
-    assert third.is_alive() and run.dcp_steps() == [1, 2], "the new generation's save started beside the round"
-    gate.set()
-    third.join(30)
-    assert not third.is_alive() and t.checkpoints.deleted == {1}
+    _next_save_waits_for_the_round(t, j, gate, "the new generation's save started beside the round")
     t.checkpoints.settle()
     assert run.dcp_steps() == [3] and t.checkpoints.deleted == {1, 2}
 
