@@ -3,8 +3,6 @@ Hugging Face weights): a module below both :mod:`raytrn.checkpoint` and :mod:`ra
 
 from __future__ import annotations
 
-import torch
-
 
 def no_dist(alone: bool = False) -> bool:
     """Whether DCP runs as one process: no process group here, or ``alone`` (this process reads or writes its whole
@@ -12,6 +10,8 @@ def no_dist(alone: bool = False) -> bool:
     on every call that it assumes one process: it is the intent, so the warning is silenced (stays off the run's
     terminal)."""
     import warnings
+
+    import torch  # (here: the driver imports raytrn.models.hf's module, and never torch)
 
     single = alone or not (torch.distributed.is_available() and torch.distributed.is_initialized())
     if single:
