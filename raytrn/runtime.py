@@ -61,12 +61,35 @@ def ensure_ray(min_cpus: float = 0) -> bool:
         return False
     # address="local": never attach to a stale cluster by accident; set RAY_ADDRESS to use one.
     set_local_ray_defaults(os.environ)
+    quiet_local_token_notice()
     cpus = max(os.cpu_count() or 1, math.ceil(min_cpus))
     started = ray.init(address="local", num_cpus=cpus, logging_level=logging.WARNING, include_dashboard=dashboard)
     _routing_started()
     if dashboard and started.dashboard_url:
         print(f"raytrn: Ray dashboard: http://{started.dashboard_url}", flush=True)
     return True
+
+
+#: How Ray 2.60's notice starts when a local Ray it starts turns token authentication on by default.
+LOCAL_TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _LocalTokenNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(LOCAL_TOKEN_NOTICE)
+
+
+def quiet_local_token_notice() -> None:
+    """Keep Ray's notice that the embedded local Ray about to start uses token authentication (its own token, made
+    for this machine: nothing for the user to do) off the terminal; where Ray's lines go to the run's log file
+    (:func:`route_ray_output`) it stays there. Ray's other warnings (token authentication *disabled* among them)
+    are untouched. Once per process: a filter on the ``ray`` logger's console handlers."""
+    for handler in logging.getLogger("ray").handlers:
+        if isinstance(handler, logging.StreamHandler) and not any(
+            isinstance(f, _LocalTokenNotice) for f in handler.filters
+        ):
+            if _log_file is None or handler.stream is not _log_file:
+                handler.addFilter(_LocalTokenNotice())
 
 
 def starts_local_ray() -> bool:
@@ -531,12 +554,17 @@ class _PlainFile:
 #: The format of raytrn's log records in Ray workers and actors: the driver keeps ``^raytrn`` lines on the
 #: terminal (:data:`USER_LINES`); every line of a record carries it (a traceback too).
 RAYTRN_LOG_PREFIX = "raytrn: "
+#: A routine record's (``extra=ROUTINE``: what raytrn does every checkpoint interval as the job asked, such as
+#: retention's deletions): the run's Ray log keeps it, the terminal does not (it is not a :data:`USER_LINES` line).
+ROUTINE_PREFIX = "(raytrn) "
+ROUTINE = {"raytrn_routine": True}
 
 
 class _MarkedFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
+        prefix = ROUTINE_PREFIX if getattr(record, "raytrn_routine", False) else RAYTRN_LOG_PREFIX
         first, *rest = super().format(record).splitlines() or [""]
-        return "\n".join([RAYTRN_LOG_PREFIX + first] + [RAYTRN_LOG_PREFIX + "  " + line for line in rest])
+        return "\n".join([prefix + first] + [prefix + "  " + line for line in rest])
 
 
 def mark_raytrn_logs() -> None:

@@ -27,6 +27,7 @@ from raytrn.checkpoint.staging import Staging, staging_or_none
 from raytrn.checkpoint.statefile import has_state, load_state
 from raytrn.checkpoint.store import Checkpoints, PinnedSchedule, Saved, TrainState
 from raytrn.errors import CheckpointError, CheckpointsFailing
+from raytrn.runtime import ROUTINE
 from raytrn.storage import is_transient
 
 if TYPE_CHECKING:
@@ -243,9 +244,8 @@ class DcpCheckpoints(Checkpoints):
             log.warning("could not delete old checkpoints under %s: %s", self.run.dcp, e)
             return [], False
         if deleted:
-            log.info(
-                "deleted checkpoints of steps %s (checkpoint.keep_last=%s)", deleted, self.job.checkpoint.keep_last
-            )
+            keep = self.job.checkpoint.keep_last  # (every save's line: to the run's Ray log, not the terminal)
+            log.info("deleted checkpoints of steps %s (checkpoint.keep_last=%s)", deleted, keep, extra=ROUTINE)
         return deleted, False
 
     def load_committed(self, candidate: Candidate, t: TrainState) -> Progress:

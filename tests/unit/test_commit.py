@@ -207,6 +207,19 @@ def test_retention_runs_beside_the_steps_and_never_beside_a_save(
     assert run.dcp_steps() == [4] and t.checkpoints.deleted == {1, 2, 3}
 
 
+def test_retentions_deletions_are_logged_as_routine(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Retention's line at every save goes to the run's Ray log, not the terminal (``raytrn.runtime.ROUTINE``)."""
+    from raytrn.runtime import ROUTINE
+
+    j = job(tmp_path, "checkpoint.keep_last=1")
+    t = trained(j)
+    save(t, j, 1)
+    with caplog.at_level(logging.INFO, logger="raytrn"):
+        save(t, j, 2, final=True, settle=False)
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("deleted checkpoints of steps [1]")]
+    assert all(getattr(record, key) == value for key, value in ROUTINE.items())
+
+
 def test_a_retention_round_keeps_the_steps_it_is_told_are_being_written(tmp_path: Path) -> None:
     """A step saved again after a rollback can be older than the newest committed one: the round started beside its
     write keeps it (and anything newer than the newest committed one, as always)."""

@@ -84,6 +84,43 @@ def test_raytrn_log_records_are_marked_on_every_line() -> None:
     assert runtime.user_lines(formatter.format(record).splitlines()) == ["raytrn: WARNING: two", "raytrn:   lines"]
 
 
+def test_a_routine_record_goes_to_the_log_file_not_the_terminal() -> None:
+    """Retention's deletions at every save (``extra=ROUTINE``): the run's Ray log keeps them, the terminal does not;
+    every other record of the same level stays on the terminal."""
+    formatter = runtime._MarkedFormatter("%(levelname)s: %(message)s")
+    routine = logging.LogRecord("raytrn.x", logging.INFO, __file__, 1, "deleted checkpoints of steps [40]", None, None)
+    for key, value in runtime.ROUTINE.items():
+        setattr(routine, key, value)
+    event = logging.LogRecord("raytrn.x", logging.INFO, __file__, 1, "resumed from step 40", None, None)
+    lines = formatter.format(routine).splitlines() + formatter.format(event).splitlines()
+    assert lines == ["(raytrn) INFO: deleted checkpoints of steps [40]", "raytrn: INFO: resumed from step 40"]
+    assert runtime.user_lines(lines) == ["raytrn: INFO: resumed from step 40"]
+
+
+def test_an_embedded_local_rays_token_notice_stays_off_the_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``raytrn data prepare`` starts a local Ray without a log file of its own: Ray's notice that token
+    authentication is on (its own token: nothing to do) does not reach the terminal; its other warnings do."""
+    ray_logger = logging.getLogger("ray")
+    console = logging.StreamHandler(_Lines())
+    monkeypatch.setattr(ray_logger, "handlers", [console])
+    runtime.quiet_local_token_notice()
+    runtime.quiet_local_token_notice()  # once per process: one filter
+    assert len(console.filters) == 1
+    child = logging.getLogger("ray._private.some_module")
+    child.warning("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
+    child.warning("Token authentication is disabled for this Ray cluster. Anyone with network access ...")
+    assert console.stream == ["Token authentication is disabled for this Ray cluster. Anyone with network access ..."]
+
+
+class _Lines(list):
+    def write(self, text: str) -> None:
+        if text.strip():
+            self.append(text.strip())
+
+    def flush(self) -> None:
+        pass
+
+
 def test_marking_is_for_ray_actors_only() -> None:
     """The driver (and a test building an actor's class directly) keeps its logging: caplog still sees raytrn."""
     before = list(logging.getLogger("raytrn").handlers), logging.getLogger("raytrn").propagate
