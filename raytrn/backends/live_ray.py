@@ -33,7 +33,12 @@ from typing import Any
 
 from ray.train.backend import Backend as RayBackend
 
-from raytrn.backends.ray_backend import ProcessGroupConfig, prepare_worker, warn_without_handler
+from raytrn.backends.ray_backend import (
+    ProcessGroupConfig,
+    import_ahead,
+    prepare_worker,
+    warn_without_handler,
+)
 from raytrn.compat import draining_nodes, with_replica_groups
 
 #: The environment a live worker reads its store and place from (:func:`raytrn.train.live_loop.live_place`).
@@ -105,7 +110,7 @@ class LiveGroupBackend(RayBackend):  # type: ignore[misc]
         joining = not hasattr(worker_group, "get_replica_groups")
         if not joining:
             self._session += 1
-        setup = (backend_config.worker_env, backend_config.tune_malloc)
+        setup = (backend_config.worker_env, backend_config.tune_malloc, backend_config.ahead)
         warn_without_handler(worker_group.execute(start_live_worker, self._address, self._session, joining, *setup))
 
     def _serve(self) -> str:
@@ -123,7 +128,12 @@ class LiveGroupBackend(RayBackend):  # type: ignore[misc]
 
 
 def start_live_worker(
-    address: str, session: int, joining: bool, env: dict[str, str] | None = None, tune_malloc: bool = False
+    address: str,
+    session: int,
+    joining: bool,
+    env: dict[str, str] | None = None,
+    tune_malloc: bool = False,
+    ahead: tuple[str, ...] = (),
 ) -> bool:
     """On a worker's main thread: the driver's variables and the allocator (:func:`prepare_worker`), where its live
     group's store is, its session, whether it joins; the SIGTERM handler. Returns whether the handler is installed."""
@@ -131,4 +141,6 @@ def start_live_worker(
 
     prepare_worker(env or {}, tune_malloc)
     os.environ.update({STORE_ENV: address, SESSION_ENV: str(session), JOINING_ENV: "1" if joining else "0"})
-    return install_sigterm_handler()
+    installed = install_sigterm_handler()
+    import_ahead(ahead)  # a replacement's imports beside Ray Train's set-up of it (import_ahead)
+    return installed

@@ -37,7 +37,7 @@ from raytrn.backends.neuron_ray import (
     plan_worker_envs,
     set_up_workers,
 )
-from raytrn.backends.ray_backend import ProcessGroupConfig, init_process_group, prepare_worker
+from raytrn.backends.ray_backend import ProcessGroupConfig, import_ahead, init_process_group, prepare_worker
 from raytrn.errors import BackendUnavailableError
 
 if TYPE_CHECKING:
@@ -253,15 +253,18 @@ class _TorchNeuronRayBackend(RayBackend):
             envs[0]["NEURON_LOGICAL_NC_CONFIG"],
         )
         c = backend_config
-        installed = worker_group.execute(_start_worker, c.backend, c.timeout_s, c.worker_env, c.tune_malloc)
+        installed = worker_group.execute(_start_worker, c.backend, c.timeout_s, c.worker_env, c.tune_malloc, c.ahead)
         if not all(installed):
             logger.warning("SIGTERM handler not installed on %d of %d workers", installed.count(False), len(installed))
 
 
-def _start_worker(backend: str, timeout_s: float, env: dict[str, str], tune_malloc: bool) -> bool:
+def _start_worker(
+    backend: str, timeout_s: float, env: dict[str, str], tune_malloc: bool, ahead: tuple[str, ...] = ()
+) -> bool:
     """On a worker's main thread, its environment set: the driver's variables and the allocator
     (:func:`prepare_worker`), the SIGTERM handler, then the process group (``init_process_group(backend,
-    init_method="env://")``). Returns whether the handler is installed."""
+    init_method="env://")``), then the imports ``ahead`` of the training function. Returns whether the handler is
+    installed."""
     from raytrn.sigterm import install_sigterm_handler
 
     prepare_worker(env, tune_malloc)
@@ -269,4 +272,5 @@ def _start_worker(backend: str, timeout_s: float, env: dict[str, str], tune_mall
     if backend == "neuron":
         import_torch_neuronx()  # a clear error when TorchNeuron is missing; registers the backend
     init_process_group(backend, timeout_s)
+    import_ahead(ahead)  # after the rendezvous (raytrn.backends.ray_backend.import_ahead)
     return installed

@@ -49,15 +49,20 @@ def malloc_variables(job: JobSpec, backend: Backend, environ: Mapping[str, str])
 
 
 def worker_setup(
-    job: JobSpec, backend: Backend, config: Any, environ: Mapping[str, str] = os.environ
+    job: JobSpec,
+    backend: Backend,
+    config: Any,
+    environ: Mapping[str, str] = os.environ,
+    *,
+    ahead: tuple[str, ...] = (),
 ) -> tuple[Any, dict[str, Any]]:
     """``(backend config, worker_runtime_env)`` for Ray Train: raytrn's own backend configs carry the driver's
-    variables and the allocator choice (the runtime env stays empty); any other (the XLA path's) gets both as a runtime
-    env."""
+    variables, the allocator choice and the modules the workers import ``ahead`` of the training function (the
+    runtime env stays empty); any other (the XLA path's) gets the first two as a runtime env."""
     from raytrn.backends.ray_backend import ProcessGroupConfig
 
     variables, malloc = driver_variables(environ), malloc_variables(job, backend, environ)
     if isinstance(config, ProcessGroupConfig):
-        return replace(config, worker_env=variables, tune_malloc=bool(malloc)), {}
+        return replace(config, worker_env=variables, tune_malloc=bool(malloc), ahead=ahead), {}
     env = {**malloc, **variables}
     return config, {"env_vars": env} if env else {}

@@ -6,10 +6,26 @@ imports (torch, its distributed checkpointing, Ray Data: ~1.7 s measured here) b
 
 from __future__ import annotations
 
+import importlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from raytrn.config import JobSpec
 
 log = logging.getLogger(__name__)
+
+#: The training loop of each ``scaling.recovery``, and its function: the module is what each worker's backend
+#: imports beside Ray Train's set-up of the worker (``ProcessGroupConfig.ahead``), before this function runs.
+LOOPS = {
+    "restart": ("raytrn.train.loop", "train_loop_per_worker"),
+    "live": ("raytrn.train.live_loop", "live_loop_per_worker"),
+}
+
+
+def loop_module(job: JobSpec) -> str:
+    """The module of the loop ``job``'s workers run (:data:`LOOPS`)."""
+    return LOOPS["live" if job.scaling.recovery == "live" else "restart"][0]
 
 
 def train_fn(config: dict[str, Any]) -> None:
@@ -18,14 +34,9 @@ def train_fn(config: dict[str, Any]) -> None:
     from raytrn.train.plan import WorkerPlan
 
     try:
-        if WorkerPlan.from_config(config).job.scaling.recovery == "live":
-            from raytrn.train.live_loop import live_loop_per_worker
-
-            live_loop_per_worker(config)
-            return
-        from raytrn.train.loop import train_loop_per_worker  # the worker's imports (see the module docstring)
-
-        train_loop_per_worker(config)
+        live = WorkerPlan.from_config(config).job.scaling.recovery == "live"
+        module, function = LOOPS["live" if live else "restart"]  # the worker's imports (see the module docstring)
+        getattr(importlib.import_module(module), function)(config)
     finally:
         posts_submitted()
 

@@ -57,7 +57,7 @@ from raytrn.train.checks import (
     validation_set,
 )
 from raytrn.train.elastic import SizeChooser, lost_nodes_unconfirmed, reachable_nodes
-from raytrn.train.entry import train_fn
+from raytrn.train.entry import loop_module, train_fn
 from raytrn.train.events import RunEvents, close_ledger
 from raytrn.train.plan import WorkerPlan
 from raytrn.train.schedule import Schedule, resolve_schedule
@@ -370,7 +370,7 @@ def _trainer(
     elif local:
         policy = local_fixed_scaling_policy
     # (the driver's variables and run.tune_malloc go in raytrn's backend config: no runtime env of raytrn's own)
-    backend_config, worker_env = worker_setup(job, backend, backend.ray_backend_config(job))
+    backend_config, worker_env = worker_setup(job, backend, backend.ray_backend_config(job), ahead=(loop_module(job),))
     trainer_class = hosted_trainer(
         DataParallelTrainer, listener=events, console=ray_train_console(), make_policy=policy,
         health_check_s=HEALTH_CHECK_S, lost_nodes_unconfirmed=lost_nodes_unconfirmed, draining=draining_nodes,

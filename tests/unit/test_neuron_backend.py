@@ -254,6 +254,7 @@ def test_ray_backend_config_pickles() -> None:
         "timeout_s": 1800,
         "worker_env": {},  # what each worker sets first (raytrn.backends.worker_setup fills them in on the driver)
         "tune_malloc": False,
+        "ahead": (),  # the training loop each worker imports beside Ray Train's set-up (the driver names it)
         "instance_type": "trn2.48xlarge",
         "workers_per_node": 64,
         "lnc": None,
