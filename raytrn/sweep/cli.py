@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from raytrn.cli_args import (
 )
 from raytrn.config import load_job
 from raytrn.errors import ConfigError, RaytrnError
-from raytrn.runtime import ensure_ray, route_ray_output
+from raytrn.runtime import DASHBOARD_ENV, ensure_ray, route_ray_output
 from raytrn.submit import _client as jobs_client
 from raytrn.submit import _token_arg, follow_logs, job_file_in, submit
 from raytrn.sweep.space import label, parse_flag
@@ -38,6 +39,16 @@ examples:
   raytrn sweep jobs/sweep-tiny.yaml --address http://127.0.0.1:8265   # the driver as a Ray job on a cluster
   raytrn runs compare --sweep tiny-sweep-20261125-101500 --plot sweep.png
 """
+
+
+def sweep_ray_defaults(environ: MutableMapping[str, str]) -> None:
+    """An embedded local Ray started for a sweep starts with its dashboard (``RAYTRN_RAY_DASHBOARD``; a value of the
+    user's own wins): a trial its scheduler stops (ASHA) can lose its actor before the trial's worker group has removed
+    its placement group, and Ray Train's ``PlacementGroupCleaner`` removes it then only through Ray's State API, which
+    the dashboard serves. Without it (stop 70's default for `raytrn train`) that group's CPUs stayed taken and the
+    next trial waited for them without end (`make demo-sweep`, 2026-12-02: "Failed to query Ray Train Controller
+    actor state" from every cleaner)."""
+    environ.setdefault(DASHBOARD_ENV, "1")
 
 
 def register(subparsers: Any) -> None:
@@ -214,6 +225,7 @@ def _run(state: Any, args: argparse.Namespace, *, notes: list[str]) -> int:
     )
     route_ray_output(state.name, verbose=args.verbose)
     use_ray_dashboard_option(args)
+    sweep_ray_defaults(os.environ)
     ensure_ray(min_cpus=per_trial_cpus * (wanted or 1))
     slots, why = trial_slots(jobs, cluster_file=args.cluster, resources=ray.cluster_resources())
     if slots < 1:

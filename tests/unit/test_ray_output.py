@@ -243,3 +243,16 @@ def test_a_ray_jobs_driver_routes_into_rays_log_directory_once_connected(
     finally:
         for handler, level in levels:
             handler.setLevel(level)
+
+
+def test_a_sweeps_embedded_ray_starts_with_its_dashboard_unless_the_user_said_otherwise() -> None:
+    """Ray Train's PlacementGroupCleaner frees a stopped trial's placement group through the State API (the
+    dashboard's): a sweep's embedded local Ray starts with it; the user's own value wins."""
+    from raytrn.sweep.cli import sweep_ray_defaults
+
+    environ: dict[str, str] = {}
+    sweep_ray_defaults(environ)
+    assert runtime.local_ray_dashboard(environ) is True
+    environ = {runtime.DASHBOARD_ENV: "0"}
+    sweep_ray_defaults(environ)
+    assert runtime.local_ray_dashboard(environ) is False
