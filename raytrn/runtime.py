@@ -85,11 +85,9 @@ def quiet_local_token_notice() -> None:
     (:func:`route_ray_output`) it stays there. Ray's other warnings (token authentication *disabled* among them)
     are untouched. Once per process: a filter on the ``ray`` logger's console handlers."""
     for handler in logging.getLogger("ray").handlers:
-        if isinstance(handler, logging.StreamHandler) and not any(
-            isinstance(f, _LocalTokenNotice) for f in handler.filters
-        ):
-            if _log_file is None or handler.stream is not _log_file:
-                handler.addFilter(_LocalTokenNotice())
+        console = isinstance(handler, logging.StreamHandler) and handler.stream is not _log_file
+        if console and not any(isinstance(f, _LocalTokenNotice) for f in handler.filters):
+            handler.addFilter(_LocalTokenNotice())
 
 
 def starts_local_ray() -> bool:
@@ -557,12 +555,13 @@ RAYTRN_LOG_PREFIX = "raytrn: "
 #: A routine record's (``extra=ROUTINE``: what raytrn does every checkpoint interval as the job asked, such as
 #: retention's deletions): the run's Ray log keeps it, the terminal does not (it is not a :data:`USER_LINES` line).
 ROUTINE_PREFIX = "(raytrn) "
-ROUTINE = {"raytrn_routine": True}
+_ROUTINE_KEY = "raytrn_routine"
+ROUTINE = {_ROUTINE_KEY: True}
 
 
 class _MarkedFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        prefix = ROUTINE_PREFIX if getattr(record, "raytrn_routine", False) else RAYTRN_LOG_PREFIX
+        prefix = ROUTINE_PREFIX if getattr(record, _ROUTINE_KEY, False) else RAYTRN_LOG_PREFIX
         first, *rest = super().format(record).splitlines() or [""]
         return "\n".join([prefix + first] + [prefix + "  " + line for line in rest])
 

@@ -122,19 +122,20 @@ def import_ahead(modules: Sequence[str]) -> list[threading.Thread]:
     started."""
     started = []
     for module in modules:
-        if module in _ahead:
-            continue
-
-        def run(module: str = module) -> None:
-            try:
-                importlib.import_module(module)
-            except BaseException as e:  # noqa: BLE001 - the training function's own import raises it
-                log.debug("importing %s ahead of the training function: %s", module, e)
-
-        _ahead[module] = thread = threading.Thread(target=run, name="raytrn-import-ahead", daemon=True)
-        thread.start()
-        started.append(thread)
+        if module not in _ahead:
+            _ahead[module] = thread = threading.Thread(
+                target=_import_quietly, args=(module,), name="raytrn-import-ahead", daemon=True
+            )
+            thread.start()
+            started.append(thread)
     return started
+
+
+def _import_quietly(module: str) -> None:
+    try:
+        importlib.import_module(module)
+    except BaseException as e:  # noqa: BLE001 - the training function's own import raises it
+        log.debug("importing %s ahead of the training function: %s", module, e)
 
 
 def start_worker(

@@ -23,9 +23,14 @@ LOOPS = {
 }
 
 
+def loop_of(job: JobSpec) -> tuple[str, str]:
+    """The loop ``job``'s workers run: its module and function (:data:`LOOPS`)."""
+    return LOOPS["live" if job.scaling.recovery == "live" else "restart"]
+
+
 def loop_module(job: JobSpec) -> str:
-    """The module of the loop ``job``'s workers run (:data:`LOOPS`)."""
-    return LOOPS["live" if job.scaling.recovery == "live" else "restart"][0]
+    """The module of the loop ``job``'s workers run (:func:`loop_of`)."""
+    return loop_of(job)[0]
 
 
 def train_fn(config: dict[str, Any]) -> None:
@@ -34,8 +39,7 @@ def train_fn(config: dict[str, Any]) -> None:
     from raytrn.train.plan import WorkerPlan
 
     try:
-        live = WorkerPlan.from_config(config).job.scaling.recovery == "live"
-        module, function = LOOPS["live" if live else "restart"]  # the worker's imports (see the module docstring)
+        module, function = loop_of(WorkerPlan.from_config(config).job)  # the worker's imports (the module docstring)
         getattr(importlib.import_module(module), function)(config)
     finally:
         posts_submitted()

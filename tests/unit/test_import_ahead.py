@@ -17,10 +17,9 @@ from raytrn.backends.ray_backend import ProcessGroupConfig, import_ahead
 from raytrn.backends.worker_setup import worker_setup
 from raytrn.config import load_job
 from raytrn.train.entry import LOOPS, loop_module
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.unit
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _module(tmp_path: Path, body: str) -> str:
