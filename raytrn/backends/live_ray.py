@@ -33,12 +33,8 @@ from typing import Any
 
 from ray.train.backend import Backend as RayBackend
 
-from raytrn.backends.ray_backend import (
-    ProcessGroupConfig,
-    import_ahead,
-    prepare_worker,
-    warn_without_handler,
-)
+from raytrn.ahead import import_ahead
+from raytrn.backends.ray_backend import ProcessGroupConfig, prepare_worker, warn_without_handler
 from raytrn.compat import draining_nodes, with_replica_groups
 
 #: The environment a live worker reads its store and place from (:func:`raytrn.train.live_loop.live_place`).

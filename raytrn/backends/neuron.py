@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray.train.backend import Backend as RayBackend
 
+from raytrn.ahead import import_ahead
 from raytrn.backends.base import Backend
 from raytrn.backends.neuron_env import (
     check_neuron_job,
@@ -37,7 +38,7 @@ from raytrn.backends.neuron_ray import (
     plan_worker_envs,
     set_up_workers,
 )
-from raytrn.backends.ray_backend import ProcessGroupConfig, import_ahead, init_process_group, prepare_worker
+from raytrn.backends.ray_backend import ProcessGroupConfig, init_process_group, prepare_worker
 from raytrn.errors import BackendUnavailableError
 
 if TYPE_CHECKING:
@@ -187,6 +188,9 @@ class TorchNeuronConfig(ProcessGroupConfig):
     #: ``neuron.compile_cache``: the NEFF cache directory (see ``neff_cache_env``).
     compile_cache: str | None = None
     cc_flags: str | None = None
+    #: Not as the actor is constructed: torch autoloads torch_neuronx as it is imported, and the workers' NEURON_*
+    #: variables are set after that, by :class:`_TorchNeuronRayBackend` (the job's loop is still imported ahead).
+    import_at_construction: bool = False
     #: More variables for every worker (Ray workers do not inherit the driver's environment).
     extra_env: dict[str, str] = field(default_factory=dict)
 

@@ -15,10 +15,8 @@ environment: a worker with one starts through Ray's runtime env agent and ``setu
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +24,7 @@ from typing import Any
 from ray.train.backend import Backend as RayBackend
 from ray.train.backend import BackendConfig
 
+from raytrn.ahead import import_ahead, wait_for
 from raytrn.backends.neuron_ray import free_ports
 
 log = logging.getLogger(__name__)
@@ -43,6 +42,10 @@ class ProcessGroupConfig(BackendConfig):
     tune_malloc: bool = False
     #: Modules each worker imports in the background once its process group is up (:func:`import_ahead`).
     ahead: tuple[str, ...] = ()
+    #: Whether each worker imports torch and raytrn's training modules as its actor is constructed, before this
+    #: backend sets it up (:mod:`raytrn.compat.worker`; every torch import of this backend's on the worker waits for
+    #: that one: :func:`raytrn.ahead.wait_for`).
+    import_at_construction: bool = True
 
     @property
     def backend_cls(self) -> type:
@@ -108,36 +111,6 @@ def prepare_worker(env: Mapping[str, str], tune_malloc: bool) -> None:
         tune_this_process()
 
 
-_ahead: dict[str, threading.Thread] = {}
-
-
-def import_ahead(modules: Sequence[str]) -> list[threading.Thread]:
-    """Import ``modules`` (the config's ``ahead``: the training loop the driver's training function will import,
-    :func:`raytrn.train.entry.loop_module`: torch, its distributed checkpointing, raytrn's loop, 2-5 CPU-s) in a daemon
-    thread of this worker, started last on its main thread by the backend: the import runs while Ray Train sets the
-    worker's train context up and starts its training function (round trips to the controller: ~0.3 s on an idle
-    machine, 2-3 s for a live replacement on a busy one), and the function's own import finds it done or waits for
-    the rest (Python's import lock; the function imports nothing first that this thread imports after it). Once a
-    module a process; a failed import here is left to the function's own, which raises it. Returns the threads
-    started."""
-    started = []
-    for module in modules:
-        if module not in _ahead:
-            _ahead[module] = thread = threading.Thread(
-                target=_import_quietly, args=(module,), name="raytrn-import-ahead", daemon=True
-            )
-            thread.start()
-            started.append(thread)
-    return started
-
-
-def _import_quietly(module: str) -> None:
-    try:
-        importlib.import_module(module)
-    except BaseException as e:  # noqa: BLE001 - the training function's own import raises it
-        log.debug("importing %s ahead of the training function: %s", module, e)
-
-
 def start_worker(
     master_addr: str,
     master_port: int,
@@ -164,6 +137,7 @@ def init_process_group(backend: str, timeout_s: float) -> None:
     """``init_process_group(backend, init_method="env://")`` from the worker's variables (once per process)."""
     from datetime import timedelta
 
+    wait_for("torch")  # its import ahead, if any, first (raytrn.ahead: never a torch submodule beside it)
     import torch.distributed as dist
 
     if backend == "nccl":  # as Ray's torch backend: the worker's own GPU before NCCL starts

@@ -55,6 +55,8 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Train controller run loop": "ray.train.v2._internal.execution.controller:TrainController.run",
     "Ray Train controller start hooks": "ray.train.v2._internal.execution.controller:TrainController._start",
     "Ray Train controller worker-group class": "ray.train.v2._internal.execution.controller:TrainController.worker_group_cls",
+    "Ray Train worker actor class": "ray.train.v2._internal.execution.worker_group.worker:RayTrainWorker",
+    "Ray Train worker group's worker class": "ray.train.v2._internal.execution.worker_group:WorkerGroup._worker_cls",
     "Ray Train controller state": "ray.train.v2._internal.execution.controller.state:AbortedState",
     "Ray Train resizing state": "ray.train.v2._internal.execution.controller.state:ResizingState",
     "Ray Train preempting state": "ray.train.v2._internal.execution.controller.state:PreemptingState",
@@ -180,6 +182,7 @@ def hosted_trainer(
     skipped: tuple[str, ...] = HOSTED_SKIPPED_CALLBACKS,
     lost_nodes_unconfirmed: Callable[[list[str]], bool] | None = None,
     draining: Callable[[], set[str]] = lambda: set(),
+    import_ahead: bool = False,
 ) -> type:
     """``base`` (a ``DataParallelTrainer``) whose ``fit()`` runs the controller in this process.
 
@@ -192,7 +195,8 @@ def hosted_trainer(
     ``lost_nodes_unconfirmed(node_ids)``: whether a node of a failed replica group's workers is lost but not yet
     marked dead by Ray (a replacement placed there would fail); with it, a failed replica group whose slots have no
     place yet is replaced by a later poll, not in the controller's loop; ``draining()``: the nodes being drained
-    (no place for a replacement).
+    (no place for a replacement); ``import_ahead``: the workers are :class:`raytrn.compat.worker.RayTrainWorker`, which
+    imports torch and raytrn's training modules as it is constructed (for raytrn's own backends only).
     """
     import asyncio
     import os
@@ -250,7 +254,13 @@ def hosted_trainer(
             ray.kill(self.sync_actor)
             self.placement_group_handle.shutdown()
 
+    from raytrn.compat import worker as raytrn_worker
+
+    worker_cls: Any = raytrn_worker.RayTrainWorker if import_ahead else WorkerGroup._worker_cls
+
     class HostedWorkerGroup(WorkerGroup):  # type: ignore[misc]
+        _worker_cls = worker_cls  # every worker it makes, replacements too
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             if worker_timeout_s is not None and not os.environ.get(WORKER_HEALTH_CHECK_TIMEOUT_S_ENV_VAR):
@@ -562,6 +572,7 @@ def hosted_trainer(
                 raise
             return controller.get_result()
 
+    Trainer.controller_cls = HostedController  # what its fit() runs
     Trainer.__name__ = Trainer.__qualname__ = f"Hosted{base.__name__}"
     return Trainer
 

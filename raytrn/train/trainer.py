@@ -375,6 +375,7 @@ def _trainer(
         DataParallelTrainer, listener=events, console=ray_train_console(), make_policy=policy,
         health_check_s=HEALTH_CHECK_S, lost_nodes_unconfirmed=lost_nodes_unconfirmed, draining=draining_nodes,
         worker_timeout_s=getattr(backend_config, "worker_timeout_s", None),  # (the XLA path's configs: none)
+        import_ahead=getattr(backend_config, "import_at_construction", False),  # raytrn's cpu/cuda (compat.worker)
     )  # fmt: skip
     return trainer_class(
         train_fn,

@@ -83,6 +83,23 @@ def test_hosted_trainer_drops_the_cleaner_and_datasets_callbacks_and_adds_its_ev
     assert ours == [n for n in stock if n not in compat.HOSTED_SKIPPED_CALLBACKS] + ["Events"]
 
 
+def test_a_hosted_controllers_workers_import_ahead_as_they_are_constructed_when_asked() -> None:
+    """``import_ahead``: every worker of the hosted controller's groups (replacements too) is raytrn's Ray Train worker
+    (raytrn.compat.worker); without it, Ray's own class. raytrn's cpu/cuda backends ask for it, TorchNeuron's not."""
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    from raytrn.backends import get_backend
+    from raytrn.compat import worker
+    from raytrn.config import load_job
+
+    ours = compat.hosted_trainer(DataParallelTrainer, import_ahead=True).controller_cls.worker_group_cls
+    stock = compat.hosted_trainer(DataParallelTrainer).controller_cls.worker_group_cls
+    assert ours._worker_cls is worker.RayTrainWorker
+    assert stock._worker_cls is worker.RayTrainWorker.__bases__[0]
+    job = load_job(str(REPO / "jobs" / "tiny.yaml"), [])
+    assert get_backend("cpu").ray_backend_config(job).import_at_construction
+
+
 def test_a_worker_given_up_by_the_health_check_is_frozen_unless_its_node_is_lost() -> None:
     """Ray Train's health-check timeout on a worker whose node answers: a frozen process (killed by the hosted
     controller); on a node that does not answer while Ray still calls it alive: lost, left for Ray's node death
@@ -179,6 +196,10 @@ def test_what_the_hosted_controller_overrides_keeps_its_signature() -> None:
     assert "ray.get([actor.get_metadata.remote() for actor in actors])" in inspect.getsource(
         WorkerGroup._create_workers
     )
+    # raytrn's worker class (raytrn.compat.worker): set on the group, which makes every worker of it (a replacement
+    # too), constructed without arguments
+    assert "(self._worker_cls)" in inspect.getsource(WorkerGroup._create_workers)
+    assert list(inspect.signature(RayTrainWorker.__init__).parameters) == ["self"]
 
 
 def test_metric_objects_have_steps() -> None:

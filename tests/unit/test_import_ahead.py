@@ -1,19 +1,23 @@
-"""A worker imports its training loop beside Ray Train's set-up of it (raytrn.backends.ray_backend.import_ahead): the
-driver names the loop in raytrn's backend config, the backend's first function on the worker starts the import, and
-the training function's own import finds it done (or waits for the rest), once, whatever the loop raises."""
+"""A worker imports its training loop beside Ray Train's set-up of it (raytrn.ahead): torch and every loop's modules as
+its actor is constructed (raytrn.compat.worker), the job's own loop, which the driver names in raytrn's backend config,
+once its process group is up; the training function's own import finds them done (or waits for the rest), once,
+whatever the loop raises; code on the worker's main thread waits for torch before it touches it."""
 
 from __future__ import annotations
 
 import importlib
+import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from raytrn.ahead import import_ahead, wait_for
 from raytrn.backends import get_backend, ray_backend
-from raytrn.backends.ray_backend import ProcessGroupConfig, import_ahead
+from raytrn.backends.ray_backend import ProcessGroupConfig
 from raytrn.backends.worker_setup import worker_setup
 from raytrn.config import load_job
 from raytrn.train.entry import LOOPS, loop_module
@@ -80,3 +84,63 @@ def test_start_worker_imports_ahead_after_the_process_group(monkeypatch: pytest.
     monkeypatch.setattr("raytrn.sigterm.install_sigterm_handler", lambda: threading.current_thread().name != "")
     assert ray_backend.start_worker("127.0.0.1", 1, "gloo", 60, {}, False, ("raytrn.train.loop",))
     assert calls == ["group", "ahead ['raytrn.train.loop']"]
+
+
+def test_modules_are_imported_in_order_in_one_thread_and_each_can_be_waited_for(tmp_path: Path) -> None:
+    """The construction's list (torch first, then raytrn's modules) in one thread, in order; a module's end can be
+    waited for alone; one never asked for is not waited for."""
+    first = _module(tmp_path, "import time\nSTART = time.monotonic()\ntime.sleep(0.3)\nEND = time.monotonic()\n")
+    second = _module(tmp_path, "import threading, time\nSTART = time.monotonic()\nTHREAD = threading.get_ident()\n")
+    (thread,) = import_ahead([first, second, first])
+    assert wait_for(second, timeout_s=10) and wait_for(first, timeout_s=0)
+    a, b = sys.modules[first], sys.modules[second]
+    assert b.START >= a.END and b.THREAD == thread.ident
+    started = time.monotonic()
+    assert wait_for(f"never_asked_{uuid.uuid4().hex[:6]}", timeout_s=10) and time.monotonic() - started < 1
+
+
+def test_init_process_group_waits_for_torchs_import_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backends' first torch import on a worker's main thread (the process group) waits for the construction's
+    import of torch to end."""
+    import torch.distributed as dist
+
+    from raytrn import ahead
+
+    pending = threading.Event()
+    monkeypatch.setitem(ahead._ended, "torch", pending)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # (no group of its own: only the wait is looked at)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (ray_backend.init_process_group("gloo", 10), done.set()), daemon=True)
+    worker.start()
+    assert not done.wait(0.5)  # waiting for torch's import
+    pending.set()
+    assert done.wait(10)
+
+
+def test_rays_worker_class_of_raytrns_own_imports_torch_and_every_loops_modules_as_it_is_constructed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """raytrn.compat.worker.RayTrainWorker: Ray Train's worker (its name kept: process titles), which starts
+    AT_CONSTRUCTION's imports in the background when Ray constructs it."""
+    from raytrn.compat import worker
+
+    (rays,) = worker.RayTrainWorker.__bases__  # (its private name: raytrn.compat.PRIVATE_NAMES, test_compat)
+    assert rays.__module__.startswith("ray.train.") and rays.__name__ == worker.RayTrainWorker.__name__
+    assert worker.AT_CONSTRUCTION[0] == "torch"
+    slow = _module(tmp_path, "import threading, time\ntime.sleep(0.3)\nTHREAD = threading.current_thread().name\n")
+    monkeypatch.setattr(worker, "AT_CONSTRUCTION", (slow,))
+    started = time.monotonic()
+    worker.RayTrainWorker()
+    assert time.monotonic() - started < 0.25  # constructed at once, the import going on
+    assert wait_for(slow, timeout_s=10) and sys.modules[slow].THREAD == "raytrn-import-ahead"
+
+
+@pytest.mark.parametrize("recovery", sorted(LOOPS))
+def test_every_loop_imports_what_its_workers_import_at_construction(recovery: str) -> None:
+    """The construction imports only modules both loops import (no CPU spent on what a worker does not need)."""
+    from raytrn.compat.worker import AT_CONSTRUCTION
+
+    module = LOOPS[recovery][0]
+    code = f"import sys, {module}; print([m for m in {list(AT_CONSTRUCTION)!r} if m not in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -255,6 +255,7 @@ def test_ray_backend_config_pickles() -> None:
         "worker_env": {},  # what each worker sets first (raytrn.backends.worker_setup fills them in on the driver)
         "tune_malloc": False,
         "ahead": (),  # the training loop each worker imports beside Ray Train's set-up (the driver names it)
+        "import_at_construction": False,  # not torch as its actor is constructed: torch autoloads torch_neuronx
         "instance_type": "trn2.48xlarge",
         "workers_per_node": 64,
         "lnc": None,
