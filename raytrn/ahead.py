@@ -14,9 +14,9 @@ The training function's own import then finds a module done, or waits for the re
 that imports a module the other has half imported waits for it the same way; what could deadlock is a thread that
 imports a submodule of a package another thread is still initialising (``import torch.distributed`` on the worker's
 main thread while this thread runs ``import torch``, which imports it too: each holds the lock the other waits for,
-and Python raises its deadlock error in one of them). So code on the worker's main thread waits for torch's import
-here (:func:`wait_for`) before it touches torch. A module that fails here is left to the importer that needs it, which
-raises the error itself. Once a process.
+and Python fails one of the imports or hands one thread a half-initialised torch; torch cannot be imported twice). So
+code on the worker's main thread waits for torch's import here (:func:`wait_for`) before it touches torch. A module
+that fails here is left to the importer that needs it, which raises the error itself. Once a process.
 """
 
 from __future__ import annotations
