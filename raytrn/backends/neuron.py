@@ -276,5 +276,5 @@ def _start_worker(
     if backend == "neuron":
         import_torch_neuronx()  # a clear error when TorchNeuron is missing; registers the backend
     init_process_group(backend, timeout_s)
-    import_ahead(ahead)  # after the rendezvous (raytrn.backends.ray_backend.import_ahead)
+    import_ahead(ahead)  # after the rendezvous (raytrn.ahead.import_ahead)
     return installed
