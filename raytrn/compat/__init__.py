@@ -25,6 +25,18 @@ from raytrn.compat.controller import (
     is_preemption_failure,
 )
 
+#: Ray Train's modules a worker's main thread imports while Ray Train sets it up (its train context, Ray Tune's with
+#: it), beside the thread of :mod:`raytrn.compat.worker` that imports torch: none may import torch (a torch submodule
+#: imported beside ``import torch`` is an import-lock cycle). Audited on Ray 2.60 with an import hook in every worker
+#: (docs/performance.md, 2026-12-02); ``tests/unit/test_import_ahead.py`` imports them and checks.
+WORKER_SET_UP_MODULES = (
+    "ray.train.v2._internal.execution.context",
+    "ray.train.v2._internal.execution.storage",
+    "ray.train.v2._internal.execution.train_fn_utils",
+    "ray.train.v2._internal.execution.worker_group.thread_runner",
+    "ray.tune.impl.tuner_internal",
+)
+
 #: The private names this package relies on: ``module`` or ``module:attribute.path``.
 PRIVATE_NAMES: dict[str, str] = {
     **controller.PRIVATE_NAMES,
@@ -33,6 +45,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Train replica-group flag": "ray.train.backend:Backend.has_replica_groups",
     "Ray Train replica-group replacement": "ray.train.v2._internal.execution.worker_group:WorkerGroup.replace_replica_group",
     "Ray Train context logger": "ray.train.v2._internal.execution.context",
+    **{f"Ray Train worker set-up module {name}": name for name in WORKER_SET_UP_MODULES},
     "Ray Train storage logger": "ray.train.v2._internal.execution.storage",
     "Ray Data progress logger": "ray.data._internal.progress",
     "Ray Data executor logger": "ray.data._internal.execution.streaming_executor",

@@ -19,6 +19,7 @@ from raytrn.ahead import import_ahead, wait_for
 from raytrn.backends import get_backend, ray_backend
 from raytrn.backends.ray_backend import ProcessGroupConfig
 from raytrn.backends.worker_setup import worker_setup
+from raytrn.compat import WORKER_SET_UP_MODULES
 from raytrn.config import load_job
 from raytrn.train.entry import LOOPS, loop_module
 from tests.conftest import REPO
@@ -142,5 +143,29 @@ def test_every_loop_imports_what_its_workers_import_at_construction(recovery: st
 
     module = LOOPS[recovery][0]
     code = f"import sys, {module}; print([m for m in {list(AT_CONSTRUCTION)!r} if m not in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+#: What a worker's main thread imports while Ray Train sets it up, before raytrn's backend waits for torch: the actor's
+#: class (Ray Train's worker module with it), Ray Train's set-up modules (raytrn.compat: private), the functions the
+#: controller runs on it (raytrn's backends) and what their arguments unpickle (the job's config and plan).
+MAIN_THREAD_SET_UP = (
+    "raytrn.compat.worker",
+    *WORKER_SET_UP_MODULES,
+    "raytrn.backends.ray_backend",
+    "raytrn.backends.live_ray",
+    "raytrn.backends.worker_setup",
+    "raytrn.config",
+    "raytrn.train.plan",
+)
+
+
+def test_nothing_a_workers_main_thread_imports_during_rays_set_up_imports_torch() -> None:
+    """The rule :mod:`raytrn.ahead` relies on: while the construction's thread imports torch, the main thread imports
+    no torch module (a torch submodule imported beside ``import torch`` is an import-lock cycle: a failed import or a
+    half-initialised torch). A Ray, or a raytrn module, that starts importing torch in those modules fails here."""
+    code = f"import sys\nfor m in {list(MAIN_THREAD_SET_UP)!r}: __import__(m)\n"
+    code += "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:5])"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

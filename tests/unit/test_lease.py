@@ -116,7 +116,10 @@ def test_of_four_jobs_taking_over_one_stale_lease_exactly_one_wins(tmp_path: Pat
     is the winner's (before: more than one winner in 3 and in 8 of 20 rounds)."""
     import multiprocessing
 
-    ctx = multiprocessing.get_context("fork")
+    # forked from a single-threaded server with this module loaded once: not from pytest's process, whose threads a
+    # fork would copy mid-flight (Python 3.12 warns at every such fork)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     with ctx.Manager() as manager:
         for round_ in range(20):
             path = tmp_path / f"r{round_}" / LEASE_FILE
