@@ -116,8 +116,8 @@ def test_of_four_jobs_taking_over_one_stale_lease_exactly_one_wins(tmp_path: Pat
     is the winner's (before: more than one winner in 3 and in 8 of 20 rounds)."""
     import multiprocessing
 
-    # forked from a single-threaded server with this module loaded once: not from pytest's process, whose threads a
-    # fork would copy mid-flight (Python 3.12 warns at every such fork)
+    # forked from multiprocessing's fork server (this module preloaded when this test starts it), not from pytest's
+    # process, whose threads a fork would copy mid-flight (Python 3.12 warns at every such fork)
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     with ctx.Manager() as manager:
