@@ -100,15 +100,19 @@ def test_a_fresh_lease_is_never_gone_whatever_its_pid_looks_like_from_here(tmp_p
     acquire(run, take_over=True).release()
 
 
-def _take_over(path: str, barrier: Any, wins: Any) -> None:
+def _take_over(path: str, barrier: Any, done: Any, wins: Any) -> None:
+    """One job's ``--take-over``; every job of the round stays until all four have tried (``done``): a winner that
+    exited at once would leave a lease whose holder is gone, which a slower job then rightly takes over in turn."""
     run = RunDir(*path.rsplit("/", 1))
     barrier.wait(timeout=60)
     try:
         held = acquire(run, take_over=True)
     except LeaseError:
+        done.wait(timeout=60)
         return
     wins.append(held.holder.token)
     held._stop.set()  # keeps the lease (no release): the round's winner
+    done.wait(timeout=60)
 
 
 def test_of_four_jobs_taking_over_one_stale_lease_exactly_one_wins(tmp_path: Path) -> None:
@@ -124,9 +128,10 @@ def test_of_four_jobs_taking_over_one_stale_lease_exactly_one_wins(tmp_path: Pat
         for round_ in range(20):
             path = tmp_path / f"r{round_}" / LEASE_FILE
             _write_holder(path, STALE_AFTER_S + 5, host="other-host")
-            barrier, wins = manager.Barrier(4), manager.list()
+            barrier, done, wins = manager.Barrier(4), manager.Barrier(4), manager.list()
             procs = [
-                ctx.Process(target=_take_over, args=(str(tmp_path / f"r{round_}"), barrier, wins)) for _ in range(4)
+                ctx.Process(target=_take_over, args=(str(tmp_path / f"r{round_}"), barrier, done, wins))
+                for _ in range(4)
             ]
             for p in procs:
                 p.start()
