@@ -143,8 +143,7 @@ def test_every_loop_imports_what_its_workers_import_at_construction(recovery: st
 
     module = LOOPS[recovery][0]
     code = f"import sys, {module}; print([m for m in {list(AT_CONSTRUCTION)!r} if m not in sys.modules])"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert _printed(code) == "[]"
 
 
 #: What a worker's main thread imports while Ray Train sets it up, before raytrn's backend waits for torch: the actor's
@@ -167,5 +166,11 @@ def test_nothing_a_workers_main_thread_imports_during_rays_set_up_imports_torch(
     half-initialised torch). A Ray, or a raytrn module, that starts importing torch in those modules fails here."""
     code = f"import sys\nfor m in {list(MAIN_THREAD_SET_UP)!r}: __import__(m)\n"
     code += "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:5])"
+    assert _printed(code) == "[]"
+
+
+def _printed(code: str) -> str:
+    """What ``python -c code`` prints, in a fresh process of this venv (it must exit 0)."""
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.strip()

@@ -107,12 +107,12 @@ def _take_over(path: str, barrier: Any, done: Any, wins: Any) -> None:
     barrier.wait(timeout=60)
     try:
         held = acquire(run, take_over=True)
+        wins.append(held.holder.token)
+        held._stop.set()  # keeps the lease (no release): the round's winner
     except LeaseError:
+        pass
+    finally:
         done.wait(timeout=60)
-        return
-    wins.append(held.holder.token)
-    held._stop.set()  # keeps the lease (no release): the round's winner
-    done.wait(timeout=60)
 
 
 def test_of_four_jobs_taking_over_one_stale_lease_exactly_one_wins(tmp_path: Path) -> None:
