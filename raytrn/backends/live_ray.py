@@ -16,9 +16,9 @@ public ``Backend`` that Ray does not document: set by :func:`raytrn.compat.with_
 :data:`raytrn.compat.PRIVATE_NAMES` (its test fails when it moves). The torch process group is formed by the workers themselves (no ``init_process_group`` here).
 
 Ray's controller runs no preemption watcher for replica groups, so this backend watches in its place: a thread polls
-Ray's draining nodes (:func:`raytrn.compat.draining_nodes`) every :data:`DRAIN_POLL_S` and sets each one's key in the
-store (:func:`draining_key`), which the replica on that node reads at its next step and leaves the live group
-(:mod:`raytrn.train.live.notice`).
+Ray's draining nodes (:func:`raytrn.compat.drain_deadlines`) every :data:`DRAIN_POLL_S` and sets each one's key in the
+store (:func:`draining_key`, its value the drain's deadline), which the replica on that node reads at its next step
+and leaves the live group (:mod:`raytrn.train.live.notice`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ray.train.backend import Backend as RayBackend
 
 from raytrn.ahead import import_ahead
 from raytrn.backends.ray_backend import ProcessGroupConfig, prepare_worker, warn_without_handler
-from raytrn.compat import draining_nodes, with_replica_groups
+from raytrn.compat import drain_deadlines, with_replica_groups
 
 #: The environment a live worker reads its store and place from (:func:`raytrn.train.live_loop.live_place`).
 STORE_ENV, SESSION_ENV, JOINING_ENV = "RAYTRN_LIVE_STORE", "RAYTRN_LIVE_SESSION", "RAYTRN_LIVE_JOINING"
@@ -50,17 +50,20 @@ def draining_key(node_id: str) -> str:
 
 def watch_draining(
     store: Any, alive: Callable[[], bool], poll_s: float = DRAIN_POLL_S,
-    draining: Callable[[], set[str]] = draining_nodes,
+    draining: Callable[[], dict[str, float | None]] = drain_deadlines,
 ) -> threading.Thread:  # fmt: skip
-    """Start a daemon thread that sets :func:`draining_key` in ``store`` for every node ``draining()`` names, every
-    ``poll_s``, while ``alive()``; a failed poll (Ray busy) is tried again at the next."""
+    """Start a daemon thread that sets :func:`draining_key` in ``store`` for every node ``draining()`` names (node id
+    -> the drain's deadline, epoch seconds, or None), every ``poll_s``, while ``alive()``: the key's value is the
+    deadline (``"0"``: none). A failed poll (Ray busy) is tried again at the next."""
 
     def watch() -> None:
         seen: set[str] = set()
         while alive():
             try:
-                for node in draining() - seen:
-                    store.set(draining_key(node), "1")
+                for node, deadline in draining().items():
+                    if node in seen:
+                        continue
+                    store.set(draining_key(node), f"{deadline or 0:.3f}")
                     seen.add(node)
             except Exception:  # the GCS did not answer this time, or the store is closing: the next poll tries
                 pass

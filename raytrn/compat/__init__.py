@@ -248,14 +248,20 @@ def job_client(address: str, headers: dict[str, str]) -> Any:
 
 
 def draining_nodes() -> set[str]:
-    """The ids of the nodes being drained (``ray drain-node``, a spot notice): no new work is placed there.
+    """The ids of the nodes being drained (``ray drain-node``, a spot notice): no new work is placed there."""
+    return set(drain_deadlines())
 
-    ``ray._private.state.state.get_draining_nodes()``; public alternative: none (``ray.nodes()`` shows a
-    draining node as alive).
+
+def drain_deadlines() -> dict[str, float | None]:
+    """Each node being drained, with its drain's deadline (epoch seconds; None: the drain has none, the node goes
+    once idle).
+
+    ``ray._private.state.state.get_draining_nodes()`` (node id -> deadline in epoch ms, 0 for none); public
+    alternative: none (``ray.nodes()`` shows a draining node as alive).
     """
     from ray._private.state import state
 
-    return set(state.get_draining_nodes())
+    return {node: (ms / 1000 if ms else None) for node, ms in state.get_draining_nodes().items()}
 
 
 def create_data_stats_actor() -> None:

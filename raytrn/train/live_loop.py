@@ -306,6 +306,7 @@ def live_loop_per_worker(config: dict[str, Any]) -> None:
         TRAINING.clear()
         hangs.close()
     if left:  # its node goes away at the notice's deadline (the process with it), or the run ends first
+        notice.warn_if_held(member)
         snapshots.close()
         group.wait_for_end()
         return

@@ -101,6 +101,11 @@ def test_survivors_train_on_and_the_returning_node_joins_live(live_run: dict) ->
     assert r["pids_after_notice"] == r["pids_before_notice"], r
     assert r["notice_to_next_step_s"] < 15, r
     assert "left the live group after step" in r["log"] and "left on a preemption notice (3 -> 2 replicas" in r["log"]
+    # the drain's deadline (600 s: `ray drain-node --deadline-remaining-seconds`) read from Ray by the driver's watch
+    # and said by the replica; with one, no warning that the slot holds the node until the run ends
+    left = re.search(r"left the live group after step \d+ \(its node is draining, deadline in (\d+) s\)", r["log"])
+    assert left and 450 <= int(left.group(1)) <= 600, r["log"][-3000:]
+    assert "draining without a deadline" not in r["log"]
     # the drained node then went (its deadline) and no capacity returned: a preemption, not a failure; its replacement
     # waited for capacity while the other two trained on and ended the run at the stop request
     assert "(its node preempted after its notice); the other replicas train on" in r["log"], r["log"][-3000:]
