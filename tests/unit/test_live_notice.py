@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from datetime import timedelta
 
@@ -14,6 +15,7 @@ from torch.distributed import TCPStore
 
 from raytrn.backends.live_ray import draining_key, watch_draining
 from raytrn.train.live.notice import LiveNotice
+from tests.chaos._common import wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -23,7 +25,7 @@ def store() -> TCPStore:
     return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
 
 
-def _watched(store: TCPStore, draining: dict[str, float | None]) -> tuple[list[int], list[bool], object]:
+def _watched(store: TCPStore, draining: dict[str, float | None]) -> tuple[list[int], list[bool], threading.Thread]:
     """The driver's watch over ``draining`` (Ray's list, read at each poll); its second poll fails (GCS busy: the
     next one tries again). Returns the polls made, the watch's alive flag and its thread."""
     polls: list[int] = []
@@ -39,21 +41,16 @@ def _watched(store: TCPStore, draining: dict[str, float | None]) -> tuple[list[i
 
 
 def _seen(notice: LiveNotice) -> str:
-    deadline = time.monotonic() + 10
-    while (reason := notice.reason()) is None:
-        assert time.monotonic() < deadline, "the drain never reached the store"
-        time.sleep(0.01)
-    return reason
+    """``notice``'s reason, once the watch has put the drain in the store."""
+    wait_until(lambda: notice.reason() is not None, 10, "the drain in the store", poll_s=0.01)
+    return str(notice.reason())
 
 
 def test_a_replica_sees_its_own_nodes_drain_and_its_deadline_and_no_other(store: TCPStore, caplog) -> None:
     draining: dict[str, float | None] = {}
     polls, alive, thread = _watched(store, draining)
     mine, other = LiveNotice(store, draining_key("node-a"), lambda: False), LiveNotice(store, draining_key("node-b"))
-    deadline = time.monotonic() + 10
-    while len(polls) < 4:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: len(polls) >= 4, 10, "four polls of Ray's draining nodes", poll_s=0.01)
     assert mine.reason() is None and not mine.drained
     at = time.time() + 25.9
     draining["node-a"] = at
