@@ -24,6 +24,7 @@ The loop's side (every N steps, in the background; the restore choice against th
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -46,6 +47,8 @@ from raytrn.checkpoint.messages import (
     error_text,
 )
 from raytrn.pending import Pending, wait_all
+
+log = logging.getLogger(__name__)
 
 # -- one node's store ----------------------------------------------------------------------------------------
 
@@ -424,6 +427,30 @@ class MemoryTier:
             return
         self._rolled_back.add(first)
         self.rewind(first - 1)
+
+    def retire(self, nodes: Iterable[str], step: int, generation: int, timeout_s: float = 10.0) -> tuple[str, ...]:
+        """The stores on ``nodes`` go (their slabs removed): worker group ``generation``, which no longer runs there
+        (a drained node, one a shrunk group left), sealed its snapshot of ``step`` on its own nodes' stores, so theirs
+        hold nothing a restart could want (that seal freed their older snapshots). A node with no actor of the run
+        left on it is idle, and an autoscaler can take it away; a group that comes back to the node gets a new store
+        (:meth:`ensure`). Ignored when a newer group has started since (``generation`` is not the current one: its
+        group's nodes are not the caller's). Returns the nodes whose store went."""
+        if generation != self.generation:
+            return ()
+        going = {node: self.stores.pop(node) for node in sorted(set(nodes)) if node in self.stores}
+        closing = [store.close() for store in going.values()]  # (a lost node's does not answer: bounded)
+        with contextlib.suppress(Exception):
+            wait_all(closing, timeout_s)
+        for node, store in going.items():
+            store.kill()
+            self._seen.pop(node, None)
+            self._answered.discard(node)
+        if going:
+            log.info(
+                "in-memory snapshots: the stores on %s are removed (not in the worker group, whose snapshot of step %d "
+                "is complete without them)", ", ".join(n[:12] for n in going), step,
+            )  # fmt: skip
+        return tuple(going)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Every store removes its slabs and goes; what a store that did not answer left on this node is removed

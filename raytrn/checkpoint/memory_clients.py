@@ -63,6 +63,7 @@ class SnapshotKeeper(Protocol):
     def choose(self, *, timeout_s: float) -> Choice: ...
     def rewind(self, step: int, *, timeout_s: float) -> StoresRewound: ...
     def forget_rollback(self, first: int, *, timeout_s: float) -> None: ...
+    def retire(self, nodes: Sequence[str], step: int, generation: int) -> None: ...
 
 
 class StoreClient:
@@ -148,6 +149,11 @@ class KeeperClient:
     def forget_rollback(self, first: int, *, timeout_s: float) -> None:
         """The snapshots of a rollback's steps, from ``first`` on, are never used (once per rollback)."""
         self._get(self.handle.forget_rollback.remote(first), timeout_s)
+
+    def retire(self, nodes: Sequence[str], step: int, generation: int) -> None:
+        """The stores on ``nodes``, off the ring of worker group ``generation`` that sealed ``step``, go (not waited
+        for: the keeper bounds the closes of a lost node's store)."""
+        self.handle.retire.remote(list(nodes), step, generation)
 
     def shutdown(self, *, timeout_s: float) -> None:
         """Every store removes its slabs and goes."""

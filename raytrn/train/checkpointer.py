@@ -191,6 +191,8 @@ class Checkpointer:
                 saved.step, RunDir.of(self.job).pointer(saved.step), _retention(self.job), deleted=deleted,
                 metrics=logged,
             )  # fmt: skip
+        if self.memory is not None:  # (the stores of nodes the group left, once nothing on them can be wanted)
+            self.memory.committed(saved.step)
 
     def stop_after_notice(self, notice: Notice, step: int) -> None:
         """After a preemption notice's checkpoint at ``step``: this worker exits if it was sent SIGTERM, else it waits

@@ -117,6 +117,8 @@ class MemorySnapshots:
         #: restores what a larger one snapshotted), and whether this group takes snapshots.
         self.restorable = keeper is not None and self.every != 0
         self.taking = False
+        self._takes = False
+        self._started_at = 0  # the step this group started at (starting_at)
         #: This worker group's number (:meth:`MemoryTier.rewind`), sent with every change to the stores.
         self.generation = 0
         #: Rank 0: the bytes each node's store held after the last complete snapshot (``memory_checkpoint_bytes``).
@@ -142,6 +144,8 @@ class MemorySnapshots:
         if self.every is None:
             self.every = 0 if self.alone else 1 if len(set(nodes)) > 1 else 0
         self.taking = takes and (self.every > 0 or auto_alone)
+        #: A group that would take snapshots on more than one node (a restorer of the live group's founders never does)
+        self._takes = takes and not self.alone
         # The background writes' collectives get a gloo group of their own, created by every rank at this point.
         distributed = self.taking and not self.alone and dist.is_available() and dist.is_initialized()
         self._group = dist.new_group(backend="gloo") if distributed else None
@@ -203,6 +207,7 @@ class MemorySnapshots:
                         "in-memory snapshots: the stores on %s did not answer the rewind", ", ".join(rewound.late)
                     )
         (answer,) = self._agree.broadcast([answer])
+        self._started_at = step
         if answer.refused is None:
             self.generation = answer.generation
         elif self.taking:  # the stores would refuse this group's snapshots (or keep newer ones it would mix with)
@@ -228,6 +233,18 @@ class MemorySnapshots:
             f"the in-memory snapshot of step {snapshot.step} could not be read ({error or 'on another rank'}); it is "
             "forgotten and the group restarts from the newest checkpoint"
         )
+
+    def committed(self, step: int) -> None:
+        """Rank 0: a durable checkpoint of ``step`` was committed. The stores of nodes this group does not run on hold
+        only snapshots from before its start (they were rewound to it), which a restart no longer prefers to this
+        checkpoint: those stores go (:meth:`MemoryTier.retire`), so that the nodes the group left can go idle. (A
+        group that takes snapshots retires them at its first seal already; one on one node takes none.)"""
+        if not self._takes or self.rank != 0 or self.keeper is None or not self.generation:
+            return
+        off = sorted(set(self.stores) - set(self.ring))
+        if off and step > self._started_at:
+            self.keeper.retire(off, step, self.generation)  # (not waited for)
+            self.stores = {n: s for n, s in self.stores.items() if n in self.ring}
 
     def metrics(self) -> dict[str, float]:
         """Rank 0's at a log step, while this group takes snapshots: how long the step waited for the last snapshot
@@ -332,8 +349,8 @@ class MemorySnapshots:
 
     def _seal(self, writing: _Writing) -> Refusals:
         """Rank 0, once every rank's copies are kept: the manifest on the ring's stores, then the seal, which frees
-        the older snapshots (stores of nodes no longer in the group too: theirs are older). Empty when both are done,
-        else why not."""
+        the older snapshots; the stores of the run's other nodes (no longer in the group: theirs are older) then go
+        (:meth:`MemoryTier.retire`), so that an unused node is idle. Empty when both are done, else why not."""
         progress, gen = writing.progress, writing.generation
         manifest = {
             "step": progress.step,
@@ -351,9 +368,10 @@ class MemorySnapshots:
         if held is None or None in held.values():  # (None: refused, a newer group started)
             return (Refusal(Refused.SEAL_UNANSWERED, progress.step),)
         writing.held = {node: nbytes for node, nbytes in held.items() if nbytes is not None}
-        for node, store in self.stores.items():
-            if node not in self.ring:  # (not waited for)
-                store.seal(progress.step, gen)
+        off_ring = sorted(set(self.stores) - set(self.ring))
+        if off_ring and self.taking and self.keeper is not None:  # (a closed writer's late seal retires nothing)
+            self.keeper.retire(off_ring, progress.step, gen)  # (not waited for)
+            self.stores = {n: s for n, s in self.stores.items() if n in self.ring}
         return ()
 
     def _stop(self, why: Refusals) -> None:

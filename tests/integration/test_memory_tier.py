@@ -101,3 +101,29 @@ def test_a_snapshot_that_does_not_fit_is_refused_saying_how_much_it_needed(ray_s
         assert tier.holdings()[node] == {}
     finally:
         tier.shutdown()
+
+
+def test_a_store_off_the_groups_nodes_goes_once_the_group_sealed_without_it(ray_session):
+    """A node the worker group no longer runs on (drained, or left by a shrink) keeps no actor of the run once the
+    group's snapshot is sealed on its own nodes: Ray's autoscaler counts a node with any actor as running, so the
+    store would keep it from going idle (docs/elasticity.md). An older group's late call retires nothing."""
+    tier = MemoryTier("mem-retire", capacity_bytes=2**20)
+    try:
+        stores = tier.ensure(["a", "b", "c"], pin=False)
+        assert tier.rewind(0) == StoresRewound(1)
+        manifest = {"step": 1, "world_size": 1}
+        files = {"__0_0.raw": bytes(range(256)) * 8}
+        assert publish(stores, "c", 1, 0, files, replicas=1, manifest=manifest, generation=1) == ()  # c -> a
+        in_c = stores["c"].locate(1, "__0_0.raw").result()
+        assert isinstance(in_c, SlabLocation) and Path(in_c.path).exists()
+        assert tier.retire(["c"], 2, generation=0) == () and sorted(tier.stores) == ["a", "b", "c"]
+        assert tier.retire(["c", "lost"], 2, generation=1) == ("c",)
+        _wait_gone(stores["c"])
+        assert not Path(in_c.path).exists()  # its slab removed before it went
+        assert sorted(tier.holdings()) == ["a", "b"] and tier.choose().alive == ("a", "b")
+        # The group comes back to the node: a new store there.
+        back = tier.ensure(["c"], pin=False)["c"]
+        assert back is not stores["c"] and back.holdings().result(30) == {}
+    finally:
+        tier.shutdown()
+    assert not list(slabs.SHM_DIR.glob(f"raytrn-snapshot-{tier.token}-*"))

@@ -66,14 +66,16 @@ class StandInStore:
 
 
 class StandInKeeper:
-    """The run's keeper: a :class:`StandInStore` per node asked for, no snapshot to choose, and each rewind answered
-    ``rewound`` (its step recorded), or raising ``error`` (the keeper actor gone)."""
+    """The run's keeper: a :class:`StandInStore` per node asked for, no snapshot to choose, each rewind answered
+    ``rewound`` (its step recorded), or raising ``error`` (the keeper actor gone), and each retirement recorded (its
+    stores forgotten)."""
 
     def __init__(self, rewound: StoresRewound | None = None, error: Exception | None = None) -> None:
         self.rewound, self.error = rewound or StoresRewound(1), error
         self.stores: dict[str, NodeStore] = {}
         self.rewinds: list[int] = []
         self.forgotten: list[int] = []
+        self.retired: list[tuple[tuple[str, ...], int, int]] = []
 
     def ensure(self, nodes: Sequence[str], *, timeout_s: float) -> dict[str, NodeStore]:
         for node in nodes:
@@ -91,3 +93,8 @@ class StandInKeeper:
 
     def forget_rollback(self, first: int, *, timeout_s: float) -> None:
         self.forgotten.append(first)
+
+    def retire(self, nodes: Sequence[str], step: int, generation: int) -> None:
+        self.retired.append((tuple(nodes), step, generation))
+        for node in nodes:
+            self.stores.pop(node, None)

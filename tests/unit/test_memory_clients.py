@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import inspect
 import pickle
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -190,8 +191,16 @@ def test_the_keeper_client_reaches_the_keeper_which_asks_its_stores_together(fak
     actors["b"].gone = True
     [failed] = publish(tier.stores, "a", 4, 0, {"__0_0.raw": b"abc"}, replicas=1, generation=2)
     assert failed.kind is Refused.COPIES_FAILED and failed.error.startswith("RayActorError"), failed
+    # A store off the group's nodes goes once the group (the current generation) sealed without it, its slabs
+    # closed; an older group's late call retires nothing.
+    keeper.retire(["c", "x"], 4, 1)
+    assert sorted(tier.stores) == ["a", "b", "c"] and fake_ray.killed == []
+    closed = []
+    actors["c"].target.close = lambda: closed.append("c")
+    keeper.retire(["c", "x"], 4, 2)
+    assert sorted(tier.stores) == ["a", "b"] and fake_ray.killed == [actors["c"]] and closed == ["c"]
     keeper.shutdown(timeout_s=1)
-    assert fake_ray.killed == list(actors.values()) and tier.stores == {}
+    assert fake_ray.killed == [actors["c"], actors["a"], actors["b"]] and tier.stores == {}
     keeper.kill()
     assert fake_ray.killed[-1] is keeper.handle
 
@@ -230,11 +239,43 @@ def test_the_loop_asks_the_keeper_and_seals_on_the_stores_through_the_protocols(
     assert snaps.newest() is None and keeper.forgotten == [3] and snaps.passed_over == ()
     ring, other = StandInStore(), StandInStore()
     snaps.ring, snaps.stores = {"n": ring}, {"n": ring, "m": other}
-    writing = _Writing(Progress(step=5), 0.0)
+    writing = _Writing(Progress(step=5), 0.0, generation=3)
     assert snaps._seal(writing) == () and writing.held == {"n": 0}
-    assert ring.sealed == [5] and other.sealed == [5]  # (a store off the ring too: not waited for)
-    ring.held = None  # refused: a newer worker group started
-    assert snaps._seal(writing) == (Refusal(Refused.SEAL_UNANSWERED, 5),)
+    # Sealed on the ring; the store of a node the group no longer runs on is retired (its node can go idle).
+    assert ring.sealed == [5] and other.sealed == [] and keeper.retired == [(("m",), 5, 3)]
+    assert snaps.stores == {"n": ring}
+    assert snaps._seal(replace(writing, progress=Progress(step=6))) == () and len(keeper.retired) == 1  # (once)
+    snaps.stores["m"] = other
+    ring.held = None  # refused: a newer worker group started; nothing is retired
+    assert snaps._seal(writing) == (Refusal(Refused.SEAL_UNANSWERED, 5),) and len(keeper.retired) == 1
+    ring.held = 0
+    snaps.close()  # a closed writer's late seal (a live group's former rank 0) retires nothing
+    assert snaps._seal(writing) == () and len(keeper.retired) == 1
+
+
+def test_a_group_on_one_node_retires_the_stores_it_left_once_a_checkpoint_after_its_start_commits(tmp_path: Path):
+    """A group that restarted on one node takes no snapshots (auto), so no seal retires the stores of the nodes the
+    larger group ran on; their snapshots are from before its start (rewound to it): a checkpoint committed after the
+    start supersedes them, and then they go. A live group's restorer never retires (its rank 0's writer does)."""
+    from raytrn.train.snapshots import MemorySnapshots
+    from tests.unit.test_dcp import job
+
+    keeper = StandInKeeper(StoresRewound(4))
+    keeper.ensure(["m", "n"], timeout_s=1)  # (the larger group ran on m and n)
+    snaps = MemorySnapshots(job(tmp_path), keeper, rank=0, world_size=1, node="n")
+    assert snaps.restorable and not snaps.taking and sorted(snaps.stores) == ["m", "n"]
+    snaps.starting_at(10)
+    snaps.committed(10)  # (the checkpoint it started from: not after its start)
+    assert keeper.retired == []
+    snaps.committed(15)
+    assert keeper.retired == [(("m",), 15, 4)] and list(snaps.stores) == ["n"]
+    snaps.committed(20)
+    assert len(keeper.retired) == 1
+    keeper.ensure(["m"], timeout_s=1)
+    restorer = MemorySnapshots(job(tmp_path), keeper, rank=0, world_size=1, node="n", takes=False)
+    restorer.starting_at(20)
+    restorer.committed(25)
+    assert len(keeper.retired) == 1
 
 
 # -- the protocols -------------------------------------------------------------------------------------------
