@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -365,6 +366,7 @@ class MemoryTier:
         self._seen: dict[str, dict[int, Holding]] = {}  # each store's last answer: why a lost one's snapshot is gone
         self._rolled_back: set[int] = set()
         self._answered: set[str] = set()  # the stores that answered the last holdings()
+        self._retiring: list[threading.Thread] = []  # the retired stores' closes (retire)
         #: Numbers the rewinds (each worker group's start): the stores refuse an older group's late sends.
         self.generation = 0
 
@@ -434,18 +436,21 @@ class MemoryTier:
         hold nothing a restart could want (that seal freed their older snapshots). A node with no actor of the run
         left on it is idle, and an autoscaler can take it away; a group that comes back to the node gets a new store
         (:meth:`ensure`). Ignored when a newer group has started since (``generation`` is not the current one: its
-        group's nodes are not the caller's). Returns the nodes whose store went."""
+        group's nodes are not the caller's). Returns the nodes whose store went: at once from this keeper's stores;
+        their closes and ends in a thread of their own, so that a lost node's store, which does not answer until Ray
+        marks the node dead (bounded by ``timeout_s``), holds up none of the keeper's other calls."""
         if generation != self.generation:
             return ()
         going = {node: self.stores.pop(node) for node in sorted(set(nodes)) if node in self.stores}
-        closing = [store.close() for store in going.values()]  # (a lost node's does not answer: bounded)
-        with contextlib.suppress(Exception):
-            wait_all(closing, timeout_s)
-        for node, store in going.items():
-            store.kill()
+        for node in going:
             self._seen.pop(node, None)
             self._answered.discard(node)
         if going:
+            ending = threading.Thread(
+                target=_close_and_kill, args=(list(going.values()), timeout_s), name="raytrn-retire", daemon=True
+            )
+            ending.start()
+            self._retiring.append(ending)
             log.info(
                 "in-memory snapshots: the stores on %s are removed (not in the worker group, whose snapshot of step %d "
                 "is complete without them)", ", ".join(n[:12] for n in going), step,
@@ -453,15 +458,24 @@ class MemoryTier:
         return tuple(going)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Every store removes its slabs and goes; what a store that did not answer left on this node is removed
-        here (on a lost node's machine, the next store started there removes it: :func:`slabs.sweep`)."""
-        closing = [store.close() for store in self.stores.values()]
-        with contextlib.suppress(Exception):
-            wait_all(closing, timeout_s)
-        for store in self.stores.values():
-            store.kill()
+        """Every store removes its slabs and goes (a retired one's end is waited for); what a store that did not
+        answer left on this node is removed here (on a lost node's machine, the next store started there removes it:
+        :func:`slabs.sweep`)."""
+        _close_and_kill(list(self.stores.values()), timeout_s)
         self.stores.clear()
+        for ending in self._retiring:
+            ending.join(timeout_s)
         slabs.sweep(token=self.token)
+
+
+def _close_and_kill(stores: list[StoreClient], timeout_s: float) -> None:
+    """Each store removes its slabs (waited for together, up to ``timeout_s``: a lost node's does not answer), then
+    goes."""
+    closing = [store.close() for store in stores]
+    with contextlib.suppress(Exception):
+        wait_all(closing, timeout_s)
+    for store in stores:
+        store.kill()
 
 
 def publish(
