@@ -61,7 +61,7 @@ def child_main(args: argparse.Namespace) -> None:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=4 * 2**30)
         tier = memory.MemoryTier("bench", capacity_bytes=16 * 2**30)
         try:
-            stores = tier.ensure(["peer"], pin=False)  # a store actor: another process, as a peer node's is
+            stores = tier.ensure(["peer"], pin=False).stores  # a store actor: another process, as a peer node's is
             snapshotter = memfiles.Snapshotter(model, opt, sched)  # as the loop writes one
             snapshot = snapshotter.write(snapshotter.stage(), process_group=None)
             nbytes = sum(len(b) for b in snapshot.values())

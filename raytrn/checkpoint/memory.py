@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from raytrn.checkpoint import slabs
-from raytrn.checkpoint.memory_clients import KeeperClient, Leased, NodeStore, StoreClient
+from raytrn.checkpoint.memory_clients import Ensured, KeeperClient, Leased, NodeStore, StoreClient
 from raytrn.checkpoint.messages import (
     Choice,
     Holding,
@@ -367,16 +367,22 @@ class MemoryTier:
         self._rolled_back: set[int] = set()
         self._answered: set[str] = set()  # the stores that answered the last holdings()
         self._retiring: list[threading.Thread] = []  # the retired stores' closes (retire)
+        self._asks = 0  # numbers the ensure calls
+        #: Each node's last ensure: a retire whose caller's ensure came before it leaves that node's store.
+        self._asked: dict[str, int] = {}
         #: Numbers the rewinds (each worker group's start): the stores refuse an older group's late sends.
         self.generation = 0
 
-    def ensure(self, nodes: Iterable[str], *, pin: bool = True) -> dict[str, NodeStore]:
+    def ensure(self, nodes: Iterable[str], *, pin: bool = True) -> Ensured:
         """A store on each of ``nodes`` (Ray node ids; ``pin=False``: any labels, all on this node, for tests):
-        every store the run has, by node."""
+        every store the run has, by node, and this call's number (what the caller's :meth:`retire` sends)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         actor = ray.remote(RayStore)
+        self._asks += 1
+        nodes = list(nodes)
+        self._asked.update(dict.fromkeys(nodes, self._asks))
         for node in nodes:
             if node in self.stores:
                 continue
@@ -385,7 +391,7 @@ class MemoryTier:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
             handle = actor.options(**options).remote(self.capacity_bytes, self.token)  # type: ignore[attr-defined]
             self.stores[node] = StoreClient(handle)
-        return dict(self.stores)
+        return Ensured(dict(self.stores), self._asks)
 
     def holdings(self, timeout_s: float = 10.0) -> dict[str, dict[int, Holding]]:
         """Each answering store's holdings; a store that does not answer in time (its node lost) is left out."""
@@ -430,18 +436,23 @@ class MemoryTier:
         self._rolled_back.add(first)
         self.rewind(first - 1)
 
-    def retire(self, nodes: Iterable[str], step: int, generation: int, timeout_s: float = 10.0) -> tuple[str, ...]:
+    def retire(
+        self, nodes: Iterable[str], step: int, generation: int, asked: int, timeout_s: float = 10.0
+    ) -> tuple[str, ...]:
         """The stores on ``nodes`` go (their slabs removed): worker group ``generation``, which no longer runs there
         (a drained node, one a shrunk group left), sealed its snapshot of ``step`` on its own nodes' stores, so theirs
         hold nothing a restart could want (that seal freed their older snapshots). A node with no actor of the run
         left on it is idle, and an autoscaler can take it away; a group that comes back to the node gets a new store
         (:meth:`ensure`). Ignored when a newer group has started since (``generation`` is not the current one: its
-        group's nodes are not the caller's). Returns the nodes whose store went: at once from this keeper's stores;
-        their closes and ends in a thread of their own, so that a lost node's store, which does not answer until Ray
-        marks the node dead (bounded by ``timeout_s``), holds up none of the keeper's other calls."""
+        group's nodes are not the caller's), and for a node someone asked for after the caller's ensure number
+        ``asked`` (a newer group's ensure before its rewind, a live rank 0's regroup after a late seal: the store is
+        theirs). Returns the nodes whose store went: at once from this keeper's stores; their closes and ends in a
+        thread of their own, so that a lost node's store, which does not answer until Ray marks the node dead
+        (bounded by ``timeout_s``), holds up none of the keeper's other calls."""
         if generation != self.generation:
             return ()
-        going = {node: self.stores.pop(node) for node in sorted(set(nodes)) if node in self.stores}
+        mine = [n for n in sorted(set(nodes)) if n in self.stores and self._asked.get(n, 0) <= asked]
+        going = {node: self.stores.pop(node) for node in mine}
         for node in going:
             self._seen.pop(node, None)
             self._answered.discard(node)
@@ -450,7 +461,7 @@ class MemoryTier:
                 target=_close_and_kill, args=(list(going.values()), timeout_s), name="raytrn-retire", daemon=True
             )
             ending.start()
-            self._retiring.append(ending)
+            self._retiring = [*(t for t in self._retiring if t.is_alive()), ending]
             log.info(
                 "in-memory snapshots: the stores on %s are removed (not in the worker group, whose snapshot of step %d "
                 "is complete without them)", ", ".join(n[:12] for n in going), step,

@@ -16,6 +16,7 @@ fire-and-forget.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -23,6 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 from raytrn.checkpoint.messages import Choice, Holding, ObjectLocation, Refusal, SlabLocation, StoresRewound
 from raytrn.checkpoint.slabs import Lease
 from raytrn.pending import Pending, RayPending
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,16 +57,26 @@ class NodeStore(Protocol):
     def close(self) -> Pending[None]: ...
 
 
+@dataclass(frozen=True)
+class Ensured:
+    """The keeper's answer to an ensure (:meth:`~raytrn.checkpoint.memory.MemoryTier.ensure`): every store the run
+    has, by node, and the number of this call (``asked``: the keeper counts them), which the caller's later retire
+    sends, so that a store someone asked for after it (a newer group's, a live rank 0's regroup) stays."""
+
+    stores: dict[str, NodeStore]
+    asked: int
+
+
 @runtime_checkable
 class SnapshotKeeper(Protocol):
     """The run's keeper, as a worker group uses it: every node's store, the choice at a restart, the rewinds (rank 0
     asks; each call waits up to ``timeout_s``, raising what the call raised or Ray's timeout)."""
 
-    def ensure(self, nodes: Sequence[str], *, timeout_s: float) -> dict[str, NodeStore]: ...
+    def ensure(self, nodes: Sequence[str], *, timeout_s: float) -> Ensured: ...
     def choose(self, *, timeout_s: float) -> Choice: ...
     def rewind(self, step: int, *, timeout_s: float) -> StoresRewound: ...
     def forget_rollback(self, first: int, *, timeout_s: float) -> None: ...
-    def retire(self, nodes: Sequence[str], step: int, generation: int) -> None: ...
+    def retire(self, nodes: Sequence[str], step: int, generation: int, asked: int) -> None: ...
 
 
 class StoreClient:
@@ -130,9 +143,12 @@ class KeeperClient:
     def __init__(self, handle: Any) -> None:
         self.handle = handle
 
-    def ensure(self, nodes: Sequence[str], *, timeout_s: float) -> dict[str, NodeStore]:
-        """A store on each of ``nodes`` (created when missing): every store the run has, by node."""
-        return dict(self._get(self.handle.ensure.remote(list(nodes)), timeout_s))
+    def ensure(self, nodes: Sequence[str], *, timeout_s: float) -> Ensured:
+        """A store on each of ``nodes`` (created when missing): every store the run has, by node, and this call's
+        number."""
+        ensured = self._get(self.handle.ensure.remote(list(nodes)), timeout_s)
+        assert isinstance(ensured, Ensured), ensured
+        return ensured
 
     def choose(self, *, timeout_s: float) -> Choice:
         """The newest snapshot complete on the stores that answer, and why each newer one was passed over."""
@@ -150,10 +166,15 @@ class KeeperClient:
         """The snapshots of a rollback's steps, from ``first`` on, are never used (once per rollback)."""
         self._get(self.handle.forget_rollback.remote(first), timeout_s)
 
-    def retire(self, nodes: Sequence[str], step: int, generation: int) -> None:
-        """The stores on ``nodes``, off the ring of worker group ``generation`` that sealed ``step``, go (not waited
-        for: the keeper bounds the closes of a lost node's store)."""
-        self.handle.retire.remote(list(nodes), step, generation)
+    def retire(self, nodes: Sequence[str], step: int, generation: int, asked: int) -> None:
+        """The stores on ``nodes``, off the ring of worker group ``generation`` that sealed ``step``, go, but for
+        those someone asked for after the caller's ensure number ``asked`` (not waited for: the keeper bounds the
+        closes of a lost node's store). Never raises: a store left is removed at the run's end; its caller (a
+        committed checkpoint, a sealed snapshot) must not fail for it."""
+        try:
+            self.handle.retire.remote(list(nodes), step, generation, asked)
+        except Exception as e:  # (Ray disconnected, the keeper gone: the driver ends the run's stores)
+            log.debug("in-memory snapshots: the stores on %s not retired: %r", ", ".join(nodes), e)
 
     def shutdown(self, *, timeout_s: float) -> None:
         """Every store removes its slabs and goes."""

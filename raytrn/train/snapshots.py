@@ -119,6 +119,7 @@ class MemorySnapshots:
         self.taking = False
         self._takes = False
         self._started_at = 0  # the step this group started at (starting_at)
+        self._asked = 0  # the number of this rank's last ensure (MemoryTier.retire)
         #: This worker group's number (:meth:`MemoryTier.rewind`), sent with every change to the stores.
         self.generation = 0
         #: Rank 0: the bytes each node's store held after the last complete snapshot (``memory_checkpoint_bytes``).
@@ -150,7 +151,8 @@ class MemorySnapshots:
         distributed = self.taking and not self.alone and dist.is_available() and dist.is_initialized()
         self._group = dist.new_group(backend="gloo") if distributed else None
         assert keeper is not None
-        self.stores = keeper.ensure(sorted(set(nodes)), timeout_s=120)  # every store the run has
+        ensured = keeper.ensure(sorted(set(nodes)), timeout_s=120)
+        self.stores, self._asked = ensured.stores, ensured.asked  # every store the run has; this ensure's number
         #: Where this group's snapshots go: the ring over the group's own nodes (never a lost node's store).
         self.ring: dict[str, NodeStore] = {n: self.stores[n] for n in set(nodes)}
 
@@ -160,7 +162,8 @@ class MemorySnapshots:
         if self.keeper is None or not self.restorable:
             return
         here = sorted({self.node, *nodes})
-        self.stores = self.keeper.ensure(here, timeout_s=120)
+        ensured = self.keeper.ensure(here, timeout_s=120)
+        self.stores, self._asked = ensured.stores, ensured.asked
         self.ring = {n: self.stores[n] for n in here}
 
     # -- start -----------------------------------------------------------------------------------------------
@@ -238,12 +241,13 @@ class MemorySnapshots:
         """Rank 0: a durable checkpoint of ``step`` was committed. The stores of nodes this group does not run on hold
         only snapshots from before its start (they were rewound to it), which a restart no longer prefers to this
         checkpoint: those stores go (:meth:`MemoryTier.retire`), so that the nodes the group left can go idle. (A
-        group that takes snapshots retires them at its first seal already; one on one node takes none.)"""
+        group on one node takes no snapshots: this is how its off-group stores go; one on several retires them at a
+        seal, often before this.)"""
         if not self._takes or self.rank != 0 or self.keeper is None or not self.generation:
             return
         off = sorted(set(self.stores) - set(self.ring))
         if off and step > self._started_at:
-            self.keeper.retire(off, step, self.generation)  # (not waited for)
+            self.keeper.retire(off, step, self.generation, self._asked)  # (not waited for)
             self.stores = {n: s for n, s in self.stores.items() if n in self.ring}
 
     def metrics(self) -> dict[str, float]:
@@ -370,7 +374,7 @@ class MemorySnapshots:
         writing.held = {node: nbytes for node, nbytes in held.items() if nbytes is not None}
         off_ring = sorted(set(self.stores) - set(self.ring))
         if off_ring and self.taking and self.keeper is not None:  # (a closed writer's late seal retires nothing)
-            self.keeper.retire(off_ring, progress.step, gen)  # (not waited for)
+            self.keeper.retire(off_ring, progress.step, gen, self._asked)  # (not waited for)
             self.stores = {n: s for n, s in self.stores.items() if n in self.ring}
         return ()
 

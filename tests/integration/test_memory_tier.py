@@ -30,7 +30,7 @@ def test_a_snapshot_survives_its_nodes_store_and_restores_exactly_from_the_repli
     files = snapshot_files(t)
     tier = MemoryTier("mem-test", capacity_bytes=64 * 2**20)
     try:
-        stores = tier.ensure(["a", "b", "c"], pin=False)
+        stores = tier.ensure(["a", "b", "c"], pin=False).stores
         manifest = {"step": 2, "world_size": 1}
         assert publish(stores, "a", 2, 0, files, replicas=1, manifest=manifest) == ()
         held = tier.holdings()
@@ -95,7 +95,7 @@ def test_a_snapshot_that_does_not_fit_is_refused_saying_how_much_it_needed(ray_s
     tier = MemoryTier("mem-small", capacity_bytes=size // 2)
     try:
         node = ray.get_runtime_context().get_node_id()
-        stores = tier.ensure([node])  # pinned to this (real) node
+        stores = tier.ensure([node]).stores  # pinned to this (real) node
         [reason] = publish(stores, node, 1, 0, files, replicas=1)
         assert reason.kind is Refused.NO_ROOM and (reason.nbytes, reason.capacity) == (size, size // 2), reason
         assert tier.holdings()[node] == {}
@@ -109,20 +109,22 @@ def test_a_store_off_the_groups_nodes_goes_once_the_group_sealed_without_it(ray_
     store would keep it from going idle (docs/elasticity.md). An older group's late call retires nothing."""
     tier = MemoryTier("mem-retire", capacity_bytes=2**20)
     try:
-        stores = tier.ensure(["a", "b", "c"], pin=False)
+        stores = tier.ensure(["a", "b", "c"], pin=False).stores
         assert tier.rewind(0) == StoresRewound(1)
         manifest = {"step": 1, "world_size": 1}
         files = {"__0_0.raw": bytes(range(256)) * 8}
         assert publish(stores, "c", 1, 0, files, replicas=1, manifest=manifest, generation=1) == ()  # c -> a
         in_c = stores["c"].locate(1, "__0_0.raw").result()
         assert isinstance(in_c, SlabLocation) and Path(in_c.path).exists()
-        assert tier.retire(["c"], 2, generation=0) == () and sorted(tier.stores) == ["a", "b", "c"]
-        assert tier.retire(["c", "lost"], 2, generation=1) == ("c",)
+        assert tier.retire(["c"], 2, generation=0, asked=1) == () and sorted(tier.stores) == ["a", "b", "c"]
+        assert tier.ensure(["c"], pin=False).asked == 2  # (someone asked for c's store after the caller's ensure)
+        assert tier.retire(["c"], 2, generation=1, asked=1) == () and sorted(tier.stores) == ["a", "b", "c"]
+        assert tier.retire(["c", "lost"], 2, generation=1, asked=2) == ("c",)
         _wait_gone(stores["c"])
         assert not Path(in_c.path).exists()  # its slab removed before it went
         assert sorted(tier.holdings()) == ["a", "b"] and tier.choose().alive == ("a", "b")
         # The group comes back to the node: a new store there.
-        back = tier.ensure(["c"], pin=False)["c"]
+        back = tier.ensure(["c"], pin=False).stores["c"]
         assert back is not stores["c"] and back.holdings().result(30) == {}
     finally:
         tier.shutdown()

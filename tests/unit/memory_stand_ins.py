@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from raytrn.checkpoint.memory_clients import Leased, NodeStore
+from raytrn.checkpoint.memory_clients import Ensured, Leased, NodeStore
 from raytrn.checkpoint.messages import Choice, Holding, ObjectLocation, Refusal, SlabLocation, StoresRewound
 from raytrn.checkpoint.slabs import Lease
 from raytrn.pending import Pending, Ready
@@ -75,12 +75,14 @@ class StandInKeeper:
         self.stores: dict[str, NodeStore] = {}
         self.rewinds: list[int] = []
         self.forgotten: list[int] = []
-        self.retired: list[tuple[tuple[str, ...], int, int]] = []
+        self.retired: list[tuple[tuple[str, ...], int, int, int]] = []
+        self.asks = 0
 
-    def ensure(self, nodes: Sequence[str], *, timeout_s: float) -> dict[str, NodeStore]:
+    def ensure(self, nodes: Sequence[str], *, timeout_s: float) -> Ensured:
+        self.asks += 1
         for node in nodes:
             self.stores.setdefault(node, StandInStore())
-        return dict(self.stores)
+        return Ensured(dict(self.stores), self.asks)
 
     def choose(self, *, timeout_s: float) -> Choice:
         return Choice(None, None, (), alive=tuple(sorted(self.stores)))
@@ -94,7 +96,7 @@ class StandInKeeper:
     def forget_rollback(self, first: int, *, timeout_s: float) -> None:
         self.forgotten.append(first)
 
-    def retire(self, nodes: Sequence[str], step: int, generation: int) -> None:
-        self.retired.append((tuple(nodes), step, generation))
+    def retire(self, nodes: Sequence[str], step: int, generation: int, asked: int) -> None:
+        self.retired.append((tuple(nodes), step, generation, asked))
         for node in nodes:
             self.stores.pop(node, None)

@@ -166,8 +166,10 @@ def test_the_keeper_client_reaches_the_keeper_which_asks_its_stores_together(fak
     tier.stores = {node: StoreClient(actor) for node, actor in actors.items()}
     keeper = KeeperClient(_Actor(tier))
     assert isinstance(_crossed(keeper), KeeperClient)  # (the worker plan carries it)
-    stores = keeper.ensure(["a", "b"], timeout_s=1)
+    ensured = keeper.ensure(["a", "b"], timeout_s=1)
+    stores = ensured.stores
     assert sorted(stores) == ["a", "b", "c"] and all(isinstance(s, StoreClient) for s in stores.values())
+    assert ensured.asked == 1 and keeper.ensure(["a"], timeout_s=1).asked == 2  # (the keeper numbers its ensures)
     # A rank's copies on its node and the ring's next one, then rank 0's manifest: each batch waited for at once.
     waits = fake_ray.waits
     assert publish(tier.stores, "a", 1, 0, {"__0_0.raw": b"abc"}, replicas=1) == ()
@@ -193,12 +195,17 @@ def test_the_keeper_client_reaches_the_keeper_which_asks_its_stores_together(fak
     assert failed.kind is Refused.COPIES_FAILED and failed.error.startswith("RayActorError"), failed
     # A store off the group's nodes goes once the group (the current generation) sealed without it, its slabs
     # closed; an older group's late call retires nothing.
-    keeper.retire(["c", "x"], 4, 1)
+    keeper.retire(["c", "x"], 4, 1, asked=2)
+    assert sorted(tier.stores) == ["a", "b", "c"] and fake_ray.killed == []
+    # ... nor one whose store someone asked for after the caller's ensure (a newer group's before its rewind, a live
+    # rank 0's regroup after the former writer's late seal): it is theirs now.
+    assert keeper.ensure(["c"], timeout_s=1).asked == 3
+    keeper.retire(["c", "x"], 4, 2, asked=2)
     assert sorted(tier.stores) == ["a", "b", "c"] and fake_ray.killed == []
     closed = []
     actors["c"].target.close = lambda: closed.append("c")
     actors["c"].late = {"close"}  # (a lost node's store: its close is not answered; the keeper answers at once)
-    keeper.retire(["c", "x"], 4, 2)
+    keeper.retire(["c", "x"], 4, 2, asked=3)
     assert sorted(tier.stores) == ["a", "b"] and closed == ["c"]
     [ending] = tier._retiring
     ending.join(5)  # (in a thread of its own: the close waited for up to its bound, then the kill)
@@ -207,6 +214,19 @@ def test_the_keeper_client_reaches_the_keeper_which_asks_its_stores_together(fak
     assert fake_ray.killed == [actors["c"], actors["a"], actors["b"]] and tier.stores == {}
     keeper.kill()
     assert fake_ray.killed[-1] is keeper.handle
+    # A retire never raises into its caller (a committed checkpoint, a sealed snapshot): Ray gone, the keeper gone.
+    KeeperClient(_Gone()).retire(["a"], 5, 2, asked=3)
+
+
+class _Gone:
+    """A keeper handle whose every call raises as Ray's handles do once Ray is shut down."""
+
+    class _Method:
+        def remote(self, *args: Any) -> Any:
+            raise RuntimeError("Ray has not been started yet")
+
+    def __getattr__(self, name: str) -> Any:
+        return self._Method()
 
 
 def test_wait_all_waits_once_for_every_ray_answer() -> None:
@@ -243,10 +263,11 @@ def test_the_loop_asks_the_keeper_and_seals_on_the_stores_through_the_protocols(
     assert snaps.newest() is None and keeper.forgotten == [3] and snaps.passed_over == ()
     ring, other = StandInStore(), StandInStore()
     snaps.ring, snaps.stores = {"n": ring}, {"n": ring, "m": other}
+    snaps._asked = 7  # (its ensure's number, which the retire sends)
     writing = _Writing(Progress(step=5), 0.0, generation=3)
     assert snaps._seal(writing) == () and writing.held == {"n": 0}
     # Sealed on the ring; the store of a node the group no longer runs on is retired (its node can go idle).
-    assert ring.sealed == [5] and other.sealed == [] and keeper.retired == [(("m",), 5, 3)]
+    assert ring.sealed == [5] and other.sealed == [] and keeper.retired == [(("m",), 5, 3, 7)]
     assert snaps.stores == {"n": ring}
     assert snaps._seal(replace(writing, progress=Progress(step=6))) == () and len(keeper.retired) == 1  # (once)
     snaps.stores["m"] = other
@@ -272,7 +293,7 @@ def test_a_group_on_one_node_retires_the_stores_it_left_once_a_checkpoint_after_
     snaps.committed(10)  # (the checkpoint it started from: not after its start)
     assert keeper.retired == []
     snaps.committed(15)
-    assert keeper.retired == [(("m",), 15, 4)] and list(snaps.stores) == ["n"]
+    assert keeper.retired == [(("m",), 15, 4, 2)] and list(snaps.stores) == ["n"]  # (its ensure: the 2nd)
     snaps.committed(20)
     assert len(keeper.retired) == 1
     keeper.ensure(["m"], timeout_s=1)
