@@ -151,20 +151,30 @@ class MemorySnapshots:
         distributed = self.taking and not self.alone and dist.is_available() and dist.is_initialized()
         self._group = dist.new_group(backend="gloo") if distributed else None
         assert keeper is not None
-        ensured = keeper.ensure(sorted(set(nodes)), timeout_s=120)
-        self.stores, self._asked = ensured.stores, ensured.asked  # every store the run has; this ensure's number
         #: Where this group's snapshots go: the ring over the group's own nodes (never a lost node's store).
-        self.ring: dict[str, NodeStore] = {n: self.stores[n] for n in set(nodes)}
+        self.ring: dict[str, NodeStore] = self._ensure(keeper, nodes)
 
     def regroup(self, nodes: Sequence[str]) -> None:
         """Alone: the ring over these nodes from the next snapshot on (the live members' after a re-formation: a
         returning node's store is made, a lost one's left out)."""
         if self.keeper is None or not self.restorable:
             return
-        here = sorted({self.node, *nodes})
-        ensured = self.keeper.ensure(here, timeout_s=120)
+        self.ring = self._ensure(self.keeper, [self.node, *nodes])
+
+    def _ensure(self, keeper: SnapshotKeeper, nodes: Sequence[str]) -> dict[str, NodeStore]:
+        """A store on each of ``nodes`` (made when missing): keeps every store the run has and this ensure's number
+        (what this rank's retirements send: :meth:`MemoryTier.retire`); returns the ring over ``nodes``."""
+        here = sorted(set(nodes))
+        ensured = keeper.ensure(here, timeout_s=120)
         self.stores, self._asked = ensured.stores, ensured.asked
-        self.ring = {n: self.stores[n] for n in here}
+        return {n: self.stores[n] for n in here}
+
+    def _retire(self, off: Sequence[str], step: int, generation: int) -> None:
+        """Rank 0: the stores on ``off`` (nodes off the ring) go (:meth:`MemoryTier.retire`, not waited for); this
+        rank keeps only the ring's."""
+        assert self.keeper is not None
+        self.keeper.retire(off, step, generation, self._asked)
+        self.stores = {n: s for n, s in self.stores.items() if n in self.ring}
 
     # -- start -----------------------------------------------------------------------------------------------
     def newest(self) -> Snapshot | None:
@@ -247,8 +257,7 @@ class MemorySnapshots:
             return
         off = sorted(set(self.stores) - set(self.ring))
         if off and step > self._started_at:
-            self.keeper.retire(off, step, self.generation, self._asked)  # (not waited for)
-            self.stores = {n: s for n, s in self.stores.items() if n in self.ring}
+            self._retire(off, step, self.generation)
 
     def metrics(self) -> dict[str, float]:
         """Rank 0's at a log step, while this group takes snapshots: how long the step waited for the last snapshot
@@ -374,8 +383,7 @@ class MemorySnapshots:
         writing.held = {node: nbytes for node, nbytes in held.items() if nbytes is not None}
         off_ring = sorted(set(self.stores) - set(self.ring))
         if off_ring and self.taking and self.keeper is not None:  # (a closed writer's late seal retires nothing)
-            self.keeper.retire(off_ring, progress.step, gen, self._asked)  # (not waited for)
-            self.stores = {n: s for n, s in self.stores.items() if n in self.ring}
+            self._retire(off_ring, progress.step, gen)
         return ()
 
     def _stop(self, why: Refusals) -> None:
