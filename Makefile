@@ -15,7 +15,10 @@ BENCH_ARGS ?=
 # own tests nor the model families of transformers that neither raytrn nor peft imports (~20,000 files, ~44 CPU-s;
 # `make venv` 95 -> 67-80 s here). A file left out still imports (compiled in memory at each import); a file that is not
 # valid on the venv's Python (a package's code for a newer one) is skipped, as pip skips it.
-INSTALL := -m pip install -q --no-compile
+# Installs go through tools/venv_install.py: uv (pinned, into .uv/ by `make uv`) with pip's own settings carried
+# over, 3-10x faster than pip here; pip where uv can't be had (docs/testing.md).
+UV_PIN := uv==0.13.9
+INSTALL := $(PYTHON) tools/venv_install.py
 NOT_IMPORTED := '/tests?/|/transformers/models/(?!__init__|auto/|llama/|qwen3/|qwen3_moe/|bloom/|encoder_decoder/)'
 compile_site = $(1) -W ignore::SyntaxWarning -m compileall -q -j0 -x $(NOT_IMPORTED) \
 	"$$($(1) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
@@ -35,7 +38,7 @@ VENV_PY312 := .venv-py312
 PYTHON312 = $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
 	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$p"; break; }; done)
 
-.PHONY: help venv venv-xla venv-py312 venv-deps data demo demo-finetune demo-sweep test test-xla test-py312 unit integration lint format clean bench
+.PHONY: help uv venv venv-xla venv-py312 venv-deps data demo demo-finetune demo-sweep test test-xla test-py312 unit integration lint format clean bench
 
 help:
 	@echo "make demo   - create .venv, install, prepare data/stdlib, train jobs/tiny.yaml on a local Ray"
@@ -49,18 +52,23 @@ help:
 
 venv: $(BIN)/.installed
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml | uv
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python $(INSTALL) "$(TORCH_PIN)"
-	$(BIN)/python $(INSTALL) -e ".[dev]" "$(TORCH_PIN)"
+	$(INSTALL) $(BIN)/python "$(TORCH_PIN)" -e ".[dev]"
 	$(call compile_site,$(BIN)/python)
 	touch $@
+
+# uv for the installs (a 17 MB binary from the package index); where that fails, tools/venv_install.py uses pip.
+uv: .uv/bin/uv
+
+.uv/bin/uv:
+	$(PYTHON) -m pip install -q --disable-pip-version-check --target .uv "$(UV_PIN)" || \
+		echo "make uv: uv could not be installed; the venvs install with pip" >&2
 
 venv-xla: $(VENV_XLA)/bin/.installed
 
 $(VENV_XLA)/bin/.installed: $(VENV_XLA)/bin/.deps
-	$(VENV_XLA)/bin/python $(INSTALL) -e ".[dev]" $(XLA_PINS)
+	$(INSTALL) $(VENV_XLA)/bin/python -e ".[dev]" $(XLA_PINS)
 	touch $@
 
 # The extra venvs' dependencies, without raytrn itself: two of these can install at once (`make -j2 venv-deps`,
@@ -68,28 +76,24 @@ $(VENV_XLA)/bin/.installed: $(VENV_XLA)/bin/.deps
 # time.
 venv-deps: $(VENV_XLA)/bin/.deps $(VENV_PY312)/bin/.deps
 
-$(VENV_XLA)/bin/.deps: pyproject.toml
+$(VENV_XLA)/bin/.deps: pyproject.toml | uv
 	test -x $(VENV_XLA)/bin/python || $(PYTHON) -m venv $(VENV_XLA)
-	$(VENV_XLA)/bin/python -m pip install -q --upgrade pip
-	$(VENV_XLA)/bin/python $(INSTALL) $(XLA_PINS)
 	$(VENV_XLA)/bin/python -c $(REQUIREMENTS) > $(VENV_XLA)/requirements.txt
-	$(VENV_XLA)/bin/python $(INSTALL) -r $(VENV_XLA)/requirements.txt $(XLA_PINS)
+	$(INSTALL) $(VENV_XLA)/bin/python $(XLA_PINS) -r $(VENV_XLA)/requirements.txt
 	$(call compile_site,$(VENV_XLA)/bin/python)
 	touch $@
 
 venv-py312: $(VENV_PY312)/bin/.installed
 
 $(VENV_PY312)/bin/.installed: $(VENV_PY312)/bin/.deps
-	$(VENV_PY312)/bin/python $(INSTALL) -e ".[dev]" "$(TORCH_PIN)"
+	$(INSTALL) $(VENV_PY312)/bin/python -e ".[dev]" "$(TORCH_PIN)"
 	touch $@
 
-$(VENV_PY312)/bin/.deps: pyproject.toml
+$(VENV_PY312)/bin/.deps: pyproject.toml | uv
 	@test -n "$(PYTHON312)" || { echo "make test-py312 needs Python 3.12 (python3.12 on PATH, or pyenv's 3.12)" >&2; exit 2; }
 	test -x $(VENV_PY312)/bin/python || $(PYTHON312) -m venv $(VENV_PY312)
-	$(VENV_PY312)/bin/python -m pip install -q --upgrade pip
-	$(VENV_PY312)/bin/python $(INSTALL) "$(TORCH_PIN)"
 	$(VENV_PY312)/bin/python -c $(REQUIREMENTS) > $(VENV_PY312)/requirements.txt
-	$(VENV_PY312)/bin/python $(INSTALL) -r $(VENV_PY312)/requirements.txt "$(TORCH_PIN)"
+	$(INSTALL) $(VENV_PY312)/bin/python "$(TORCH_PIN)" -r $(VENV_PY312)/requirements.txt
 	$(call compile_site,$(VENV_PY312)/bin/python)
 	touch $@
 
@@ -152,13 +156,13 @@ integration: venv
 	$(BIN)/python -m pytest -q -m integration $(PYTEST_ARGS)
 
 lint: venv
-	$(BIN)/ruff check raytrn tests bench
-	$(BIN)/ruff format --check raytrn tests bench
-	$(BIN)/mypy raytrn bench
+	$(BIN)/ruff check raytrn tests bench tools
+	$(BIN)/ruff format --check raytrn tests bench tools
+	$(BIN)/mypy raytrn bench tools
 
 format: venv
-	$(BIN)/ruff format raytrn tests bench
-	$(BIN)/ruff check --fix raytrn tests bench
+	$(BIN)/ruff format raytrn tests bench tools
+	$(BIN)/ruff check --fix raytrn tests bench tools
 
 clean:
-	rm -rf $(VENV) $(VENV_XLA) $(VENV_PY312) data checkpoints mlruns .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(VENV_XLA) $(VENV_PY312) .uv data checkpoints mlruns .pytest_cache .ruff_cache .mypy_cache
