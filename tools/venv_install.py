@@ -42,7 +42,7 @@ def pip_settings(python: str) -> dict[str, str]:
             value = str(ast.literal_eval(quoted))
         except (SyntaxError, ValueError):
             value = quoted.strip("'\"")
-        if key not in found or rank[section] >= found[key][0]:
+        if value.strip() and (key not in found or rank[section] >= found[key][0]):  # pip skips an empty value
             found[key] = (rank[section], value)
     return {key: value for key, (_, value) in found.items()}
 

@@ -30,6 +30,7 @@ def test_pips_settings_environment_over_install_over_global(tmp_path, monkeypatc
         "[install]\nfind-links = /install\n",
     )
     monkeypatch.setenv("PIP_CERT", "/env.pem")
+    monkeypatch.setenv("PIP_FIND_LINKS", "")  # empty: pip skips it, and the files' setting stands
     settings = venv_install.pip_settings(venv_install.sys.executable)
     assert settings["extra-index-url"].split() == ["file:///a", "file:///b"]
     assert settings["find-links"] == "/install"
