@@ -59,11 +59,16 @@ $(BIN)/.installed: pyproject.toml | uv
 	touch $@
 
 # uv for the installs (a 17 MB binary from the package index); where that fails, tools/venv_install.py uses pip.
-uv: .uv/bin/uv
+# Tried once per pin: a new UV_PIN replaces .uv/; a failed download leaves only the stamp, so that the next make
+# doesn't wait on the index again (`rm -rf .uv` tries again).
+UV_STAMP := .uv/.installed-$(subst ==,-,$(UV_PIN))
+uv: $(UV_STAMP)
 
-.uv/bin/uv:
-	$(PYTHON) -m pip install -q --disable-pip-version-check --target .uv "$(UV_PIN)" || \
-		echo "make uv: uv could not be installed; the venvs install with pip" >&2
+$(UV_STAMP):
+	rm -rf .uv
+	$(PYTHON) -m pip install -q --disable-pip-version-check --target .uv "$(UV_PIN)" || { rm -rf .uv; mkdir -p .uv; \
+		echo "make uv: uv could not be installed; the venvs install with pip (rm -rf .uv to try again)" >&2; }
+	touch $@
 
 venv-xla: $(VENV_XLA)/bin/.installed
 
