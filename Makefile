@@ -60,8 +60,9 @@ $(BIN)/.installed: pyproject.toml | uv
 
 # uv for the installs (a 17 MB binary from the package index); where that fails, tools/venv_install.py uses pip.
 # Tried once per pin: a new UV_PIN replaces .uv/; a failed download leaves only the stamp, so that the next make
-# doesn't wait on the index again (`rm -rf .uv` tries again).
-UV_STAMP := .uv/.installed-$(subst ==,-,$(UV_PIN))
+# doesn't wait on the index again (`rm -rf .uv` tries again). The stamp is named by the pin's checksum: a pin may
+# hold spaces, `<` or `>` (uv>=0.13, <0.14).
+UV_STAMP := .uv/.installed-$(firstword $(shell printf '%s' '$(UV_PIN)' | cksum))
 uv: $(UV_STAMP)
 
 $(UV_STAMP):

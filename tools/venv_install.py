@@ -17,6 +17,7 @@ afterwards (uv never byte-compiles by default).
 from __future__ import annotations
 
 import ast
+import math
 import os
 import subprocess
 import sys
@@ -38,15 +39,20 @@ _FLAGS = {"no-index": ["--no-index"], "pre": ["--prerelease", "allow"], "require
 # pip's setting -> the environment variables that carry it to uv.
 _ENVIRONMENT = {
     "cert": ("SSL_CERT_FILE",),
+    "client-cert": ("SSL_CLIENT_CERT",),
     "timeout": ("UV_HTTP_TIMEOUT",),
-    "default-timeout": ("UV_HTTP_TIMEOUT",),
     "retries": ("UV_HTTP_RETRIES",),
     "proxy": ("HTTP_PROXY", "HTTPS_PROXY"),
 }
+# uv takes whole numbers where pip takes a float (timeout) or an int: UV_HTTP_TIMEOUT=15.5 makes uv exit 2.
+_WHOLE = {"timeout": lambda value: str(math.ceil(float(value))), "retries": lambda value: str(int(float(value)))}
+# One pip option under two names (`--timeout`, `--default-timeout`): the later in pip's precedence wins.
+_ALIASES = {"default-timeout": "timeout"}
 # pip's settings that change how pip talks, not what it installs.
 _NO_EFFECT = {
     "config-file", "disable-pip-version-check", "no-cache-dir", "cache-dir", "progress-bar", "quiet", "verbose",
-    "no-color", "root-user-action", "require-virtualenv", "no-input", "no-compile", "compile", "log", "no-python-version-warning",
+    "no-color", "root-user-action", "require-virtualenv", "no-input", "no-compile", "compile", "log", "log-file", "local-log",
+    "no-python-version-warning",
 }  # fmt: skip
 _TRUE, _FALSE = {"y", "yes", "t", "true", "on", "1"}, {"n", "no", "f", "false", "off", "0"}  # pip's strtobool
 
@@ -63,6 +69,7 @@ def settings_from_listing(listing: str) -> dict[str, str]:
     for line in listing.splitlines():
         name, sep, quoted = line.partition("=")
         section, dot, key = name.rpartition(".")
+        key = _ALIASES.get(key, key)
         if not sep or not dot or section not in rank:
             continue
         try:
@@ -103,12 +110,22 @@ def uv_arguments(settings: dict[str, str]) -> tuple[list[str], dict[str, str]]:
         elif key in _FLAGS:
             args += _FLAGS[key] if _flag(key, value) else []
         elif key in _ENVIRONMENT:
-            env.update(dict.fromkeys(_ENVIRONMENT[key], value.strip()))
+            try:
+                value = _WHOLE.get(key, str.strip)(value.strip())
+            except (ValueError, OverflowError):
+                raise UvCannot(f"pip's setting {key}={value!r} is not a finite number") from None
+            env.update(dict.fromkeys(_ENVIRONMENT[key], value))
         elif key not in _NO_EFFECT:
             raise UvCannot(f"pip's setting {key!r} has no uv counterpart in this script")
     if "--find-links" in args or "--extra-index-url" in args:
         args += ["--index-strategy", "unsafe-best-match"]  # pip's rule: the best version over every index
     return args, env
+
+
+def uv_environment(environ: os._Environ[str] | dict[str, str]) -> dict[str, str]:
+    """The environment uv runs in: the machine's, less uv's own settings (UV_INDEX, UV_TORCH_BACKEND, UV_OFFLINE,
+    UV_CONSTRAINT...), which pip would not read; its cache directory stays (where things go, not what)."""
+    return {name: value for name, value in environ.items() if not name.startswith("UV_") or name == "UV_CACHE_DIR"}
 
 
 def main(argv: list[str]) -> int:
@@ -121,9 +138,9 @@ def main(argv: list[str]) -> int:
             args, env = uv_arguments(pip_settings(python))
         except UvCannot as why:
             print(f"venv_install: {why}; installing with pip", file=sys.stderr)
-        else:  # --no-config: pip's settings, not a uv.toml that pip would not read
+        else:  # pip's settings only: no uv.toml (--no-config) nor UV_* variable that pip would not read
             cmd = [str(UV), "pip", "install", "-q", "--no-config", "--python", python, *args, *packages]
-            rc = subprocess.run(cmd, env={**os.environ, **env}, check=False).returncode
+            rc = subprocess.run(cmd, env={**uv_environment(os.environ), **env}, check=False).returncode
             if rc == 0:
                 return 0
             print(f"venv_install: uv failed (exit {rc}); installing with pip instead", file=sys.stderr)

@@ -52,7 +52,8 @@ def test_pips_own_listing_is_read(monkeypatch):
     monkeypatch.setenv("PIP_FIND_LINKS", "")
     monkeypatch.setenv("PIP_DEFAULT_TIMEOUT", "180")
     settings = venv_install.pip_settings(venv_install.sys.executable)
-    assert settings == {"config-file": os.devnull, "extra-index-url": "file:///a file:///b", "default-timeout": "180"}
+    # --default-timeout is --timeout under its other name
+    assert settings == {"config-file": os.devnull, "extra-index-url": "file:///a file:///b", "timeout": "180"}
 
 
 def test_uv_gets_pips_indexes_wheel_directories_constraints_and_rule_for_several_indexes():
@@ -67,7 +68,9 @@ def test_uv_gets_pips_indexes_wheel_directories_constraints_and_rule_for_several
             "pre": "t",
             "require-hashes": "off",
             "cert": "/ca.pem",
-            "default-timeout": "180",
+            "client-cert": "/client.pem",
+            "timeout": "15.5",
+            "retries": "3",
             "proxy": "http://proxy:3128",
             "disable-pip-version-check": "1",
         }
@@ -85,15 +88,25 @@ def test_uv_gets_pips_indexes_wheel_directories_constraints_and_rule_for_several
     ]  # fmt: skip
     assert env == {
         "SSL_CERT_FILE": "/ca.pem",
-        "UV_HTTP_TIMEOUT": "180",
+        "SSL_CLIENT_CERT": "/client.pem",
+        "UV_HTTP_TIMEOUT": "16",  # uv takes whole seconds only
+        "UV_HTTP_RETRIES": "3",
         "HTTP_PROXY": "http://proxy:3128",
         "HTTPS_PROXY": "http://proxy:3128",
     }
     assert venv_install.uv_arguments({}) == ([], {})
     assert venv_install.uv_arguments({"no-index": "Y"}) == (["--no-index"], {})
+    for bad in ("soon", "inf"):
+        with pytest.raises(venv_install.UvCannot, match="timeout"):
+            venv_install.uv_arguments({"timeout": bad})
 
 
-@pytest.mark.parametrize("settings", [{"upgrade-strategy": "eager"}, {"client-cert": "/c.pem"}, {"no-index": "maybe"}])
+def test_uv_reads_none_of_its_own_variables_but_its_cache():
+    machine = {"PATH": "/bin", "UV_TORCH_BACKEND": "cu128", "UV_INDEX": "https://x", "UV_CACHE_DIR": "/c", "UV": "1"}
+    assert venv_install.uv_environment(machine) == {"PATH": "/bin", "UV_CACHE_DIR": "/c", "UV": "1"}
+
+
+@pytest.mark.parametrize("settings", [{"upgrade-strategy": "eager"}, {"no-index": "maybe"}])
 def test_a_setting_uv_cannot_take_means_pip_installs(settings, tmp_path, monkeypatch, capsys):
     with pytest.raises(venv_install.UvCannot, match=next(iter(settings))):
         venv_install.uv_arguments(settings)
@@ -147,7 +160,8 @@ def _make_uv(directory: Path, pin: str) -> subprocess.CompletedProcess[str]:
     makefile = Path(__file__).resolve().parents[2] / "Makefile"
     python = f"PYTHON={directory / 'python'}"
     command = ["make", "-s", "-f", str(makefile), "uv", f"UV_PIN={pin}", python]
-    return subprocess.run(command, cwd=directory, capture_output=True, text=True, timeout=60)
+    env = {name: value for name, value in os.environ.items() if name not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    return subprocess.run(command, cwd=directory, capture_output=True, text=True, timeout=60, env=env)
 
 
 def test_make_uv_tries_each_pin_once(tmp_path):
@@ -170,3 +184,5 @@ def test_make_uv_tries_each_pin_once(tmp_path):
     assert again.returncode == 0 and again.stderr == ""
     assert len(calls.read_text().splitlines()) == 2  # the failed download is not retried at every make
     assert _make_uv(tmp_path, "uv==1.0").returncode == 0 and uv.exists()
+    assert _make_uv(tmp_path, "uv >=1.0, <2").returncode == 0  # a range is a pin too
+    assert uv.read_text().endswith("--target .uv uv >=1.0, <2\n")
