@@ -202,30 +202,6 @@ def test_resume_continues_at_saved_step_with_optimizer_state(two_worker_run, ray
         assert tags["worker.malloc"] == "glibc defaults"
 
 
-def test_golden_loss_single_worker(ray_session, tiny_dataset, tmp_path):
-    """A short seeded 1-worker run must reproduce the stored loss curve (numerics guard)."""
-    job = _job(
-        tiny_dataset,
-        tmp_path,
-        "run.max_steps=8",
-        "run.log_every=1",
-        "checkpoint.every_n_steps=8",
-        "scaling.min_workers=1",
-        "scaling.max_workers=1",
-    )
-    summary = run_training(job, live_progress=False)
-    losses = [v for _, v in _metric_history(job, summary.mlflow_run_id, "loss")]
-    assert len(losses) == 8
-    if os.environ.get("RAYTRN_UPDATE_GOLDEN") == "1":
-        GOLDEN.write_text(
-            json.dumps({"job": "jobs/tiny.yaml (tests/integration/test_train.py)", "loss": losses}, indent=1)
-        )
-    golden = json.loads(GOLDEN.read_text())["loss"]
-    assert losses == pytest.approx(golden, rel=2e-3), (
-        "loss curve changed: if intended, rerun with RAYTRN_UPDATE_GOLDEN=1"
-    )
-
-
 def _upload_dir(local: Path, bucket: str, prefix: str, endpoint: str) -> None:
     import boto3
 
@@ -237,7 +213,9 @@ def _upload_dir(local: Path, bucket: str, prefix: str, endpoint: str) -> None:
 def test_dataset_and_checkpoints_on_s3_then_resume(ray_session, tiny_dataset, tmp_path, s3_bucket, s3_endpoint, capfd):
     """Everything on a real S3 endpoint (moto server), as on a trn cluster: data.manifest s3://... checked on the
     driver and streamed by Ray Data from S3; checkpoint.storage s3://...: save, list, resume. (One run for both:
-    each Ray Train run costs ~25 s of start-up here.) The resume prints raytrn's line, not Ray Train's notice."""
+    each Ray Train run costs ~25 s of start-up here.) The resume prints raytrn's line, not Ray Train's notice.
+    The first invocation is also the numerics guard: a seeded 1-worker run of 8 steps must reproduce the stored loss
+    curve (tests/golden/tiny_loss.json; the same numbers as from the local copy of the dataset)."""
     import boto3
 
     from raytrn.data.manifest import load_manifest
@@ -253,27 +231,37 @@ def test_dataset_and_checkpoints_on_s3_then_resume(ray_session, tiny_dataset, tm
         tmp_path,
         f"data.manifest={uri}",
         f"checkpoint.storage=s3://{s3_bucket}/ckpt",
-        "checkpoint.every_n_steps=4",
-        "run.max_steps=4",
-        "run.log_every=2",
+        "checkpoint.every_n_steps=8",
+        "run.max_steps=8",
+        "run.log_every=1",
         "scaling.min_workers=1",
         "scaling.max_workers=1",
     )
     first = run_training(job, live_progress=False)
-    assert first.final_step == 4 and first.final_loss is not None
+    assert first.final_step == 8 and first.final_loss is not None
+    losses = [v for _, v in _metric_history(job, first.mlflow_run_id, "loss")]
+    assert len(losses) == 8
+    if os.environ.get("RAYTRN_UPDATE_GOLDEN") == "1":
+        GOLDEN.write_text(
+            json.dumps({"job": "jobs/tiny.yaml (tests/integration/test_train.py)", "loss": losses}, indent=1)
+        )
+    golden = json.loads(GOLDEN.read_text())["loss"]
+    assert losses == pytest.approx(golden, rel=2e-3), (
+        "loss curve changed: if intended, rerun with RAYTRN_UPDATE_GOLDEN=1"
+    )
     keys = {
         o["Key"] for o in boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(Bucket=s3_bucket)["Contents"]
     }
     prefix = f"ckpt/{job.run_name}"
-    assert f"{prefix}/checkpoint_00000004/meta.json" in keys
-    assert f"{prefix}/dcp/step_00000004/.metadata" in keys  # every rank wrote its shards to S3 itself
-    assert f"{prefix}/dcp/step_00000004/__0_0.distcp" in keys
+    assert f"{prefix}/checkpoint_00000008/meta.json" in keys
+    assert f"{prefix}/dcp/step_00000008/.metadata" in keys  # every rank wrote its shards to S3 itself
+    assert f"{prefix}/dcp/step_00000008/__0_0.distcp" in keys
     assert f"{prefix}/raytrn-mlflow.json" in keys
 
-    more = job.model_copy(update={"run": job.run.model_copy(update={"max_steps": 6})})
+    more = job.model_copy(update={"run": job.run.model_copy(update={"max_steps": 10})})
     capfd.readouterr()
     second = run_training(more, live_progress=False)
-    assert (second.start_step, second.final_step) == (4, 6)
+    assert (second.start_step, second.final_step) == (8, 10)
     assert second.mlflow_run_id == first.mlflow_run_id
     printed = capfd.readouterr()
     # Ray Train's own notice of the resume (it advises deleting the run's folder) stays off the terminal
