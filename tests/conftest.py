@@ -103,7 +103,7 @@ def _simulator_session(ray_session, tmp_path_factory):
 
 
 @pytest.fixture
-def simulator(_simulator_session) -> Simulator:
+def simulator(_simulator_session, request) -> Simulator:
     """The session's one local trn-cluster simulator (tests/simulator.py), up: the README's ``raytrn cluster up
     --local`` (token auth, MLflow server on the head, ports 6379/8265/5000) in a fresh copy of the repository.
 
@@ -123,7 +123,10 @@ def simulator(_simulator_session) -> Simulator:
     ``simulator_down`` (it runs ``raytrn cluster down --local``) last; after the last simulator test the simulator
     is stopped. A test that finds it down starts it again.
     """
-    return _simulator_session.ensure_up()
+    simulator = _simulator_session.ensure_up()
+    if any(item.get_closest_marker("simulator_down") for item in request.session.items):
+        simulator.start_demo_data()  # for the laptop test (the last one), while the others wait on the autoscaler
+    return simulator
 
 
 def pytest_addoption(parser) -> None:

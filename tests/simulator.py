@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,8 @@ class Simulator:
         self.cluster_was: Any = None  # what the last down() stopped
         self.worker_nodes_at_start: list | None = None
         self._demo_data: Path | None = None
+        self._demo_thread: threading.Thread | None = None
+        self._demo_error: BaseException | None = None
 
     # --- life cycle ------------------------------------------------------------------------------------------
 
@@ -128,17 +131,39 @@ class Simulator:
 
     def demo_data(self) -> Path:
         """``make demo``'s dataset at ``clone/data/stdlib`` (same seq_len 128 and vocab 4096, from a few standard
-        library modules instead of all of them), prepared once; needs the session's local Ray (``ray_session``)."""
-        from raytrn.data.prepare import prepare_dataset
-
+        library modules instead of all of them), prepared once (or by :meth:`start_demo_data` beforehand); needs the
+        session's local Ray (``ray_session``)."""
         if self._demo_data is None:
-            out = self.clone / "data" / "stdlib"
-            stdlib = sysconfig.get_paths()["stdlib"]
-            prepare_dataset(
-                inputs=[f"{stdlib}/[a-c]*.py"], output=str(out), seq_len=128, vocab_size=4096, progress=False
-            )
-            self._demo_data = out
+            self.start_demo_data()
+            assert self._demo_thread is not None
+            self._demo_thread.join(timeout=600)
+            if self._demo_error is not None:
+                raise self._demo_error
+            assert self._demo_data is not None, "the demo dataset was not prepared within 600 s"
         return self._demo_data
+
+    def start_demo_data(self) -> None:
+        """Prepare :meth:`demo_data` in a thread of this process (Ray Data on the session's Ray), while the tests
+        before the one that needs it wait on the simulator's autoscaler: that test's job then finds the worker
+        nodes the previous job left, not a scale-down in progress."""
+        if self._demo_thread is not None or self._demo_data is not None:
+            return
+
+        def prepare() -> None:
+            from raytrn.data.prepare import prepare_dataset
+
+            out = self.clone / "data" / "stdlib"
+            try:
+                stdlib = sysconfig.get_paths()["stdlib"]
+                prepare_dataset(
+                    inputs=[f"{stdlib}/[a-c]*.py"], output=str(out), seq_len=128, vocab_size=4096, progress=False
+                )
+                self._demo_data = out
+            except BaseException as e:  # raised again by demo_data(), in the test that needs it
+                self._demo_error = e
+
+        self._demo_thread = threading.Thread(target=prepare, name="simulator-demo-data", daemon=True)
+        self._demo_thread.start()
 
     @property
     def headers(self) -> dict[str, str]:

@@ -18,6 +18,7 @@ artifacts in ``~/.raytrn/local-cluster/``, kept across ``down``/``up``) is expor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -157,6 +158,8 @@ def up(
     env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "RAY_USAGE_STATS_ENABLED": "0", MARKER_ENV: str(temp_dir)}
     # Job drivers run `python -m raytrn.cli ...` in a shell: make it this interpreter (the venv's).
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    # The autoscaler looks every second, not Ray's 5: a job's demand, and a node's idleness, are acted on sooner.
+    env.setdefault("AUTOSCALER_UPDATE_INTERVAL_S", "1")
     token_path = None
     if auth == "token":
         token_path = str(ensure_token(state.parent / "local-cluster.token"))
@@ -357,7 +360,8 @@ def down(state_file: str | os.PathLike[str] | None = None, *, timeout_s: float =
     procs = _cluster_procs(cluster.temp_dir)
     known = {pid for pid, _ in procs}
     procs += [p for p in cluster.procs if p[0] not in known]
-    _terminate(procs, timeout_s=timeout_s)
+    for stage in stop_stages(procs, _cmdlines(procs)):
+        _terminate(stage, timeout_s=timeout_s)
     if cluster.mlflow_proc and _procs_alive([cluster.mlflow_proc]):
         _terminate_group(cluster.mlflow_proc[0], timeout_s=timeout_s)
     state.unlink(missing_ok=True)
@@ -537,6 +541,25 @@ def _procs_alive(procs: list[tuple[int, float]]) -> list[Any]:
 
 def _alive(procs: list[tuple[int, float]]) -> bool:
     return bool(_procs_alive(procs))
+
+
+def stop_stages(procs: list[tuple[int, float]], cmdlines: dict[int, list[str]]) -> list[list[tuple[int, float]]]:
+    """The order to stop a cluster's processes in: the autoscaler first (on SIGTERM it reports to the GCS, and waits
+    on a GCS that is going), then the rest, the GCS last (the raylets unregister from it: 10 s each against a GCS that
+    is going, which itself then outlived its SIGTERM). Measured: 6 s for a simulator where all at once took 15 s and
+    SIGKILLs."""
+    monitor = {pid for pid, cmd in cmdlines.items() if any(a.endswith("autoscaler/_private/monitor.py") for a in cmd)}
+    gcs = {pid for pid, cmd in cmdlines.items() if cmd and cmd[0].endswith("gcs_server")}
+    first, last = [p for p in procs if p[0] in monitor], [p for p in procs if p[0] in gcs]
+    return [first, [p for p in procs if p[0] not in monitor | gcs], last]
+
+
+def _cmdlines(procs: list[tuple[int, float]]) -> dict[int, list[str]]:
+    found = {}
+    for p in _procs_alive(procs):
+        with contextlib.suppress(_psutil().Error):
+            found[p.pid] = p.cmdline()
+    return found
 
 
 def _terminate_group(pid: int, *, timeout_s: float) -> None:

@@ -17,6 +17,7 @@ store are the session's own (its HOME); the default ports (6379, 8265, 5000) mus
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,7 @@ def test_readme_laptop_path_verbatim(simulator: Simulator, tmp_path: Path) -> No
     home = simulator.home
     simulator.demo_data()  # `make demo`'s dataset: clone/data/stdlib
     cluster = simulator.cluster
+    pool: ThreadPoolExecutor | None = None
     try:
         assert up is not None and up.returncode == 0, up
         assert cluster is not None and cluster.auth == "token" and cluster.mlflow_url == "http://127.0.0.1:5000"
@@ -73,7 +75,18 @@ def test_readme_laptop_path_verbatim(simulator: Simulator, tmp_path: Path) -> No
         ours = [line for line in out.splitlines() if "PlacementGroupCleaner" not in line]
         assert not [line for line in ours if "Traceback" in line or "readonly database" in line], out[-6000:]
 
-        logs = simulator.cli("jobs", "logs", job_id, "--address", ADDRESS, timeout=60)
+        # The CLI calls that don't depend on each other run at once (each is a Python start: seconds).
+        stranger = {"HOME": str(tmp_path)}  # no simulator state, no ~/.ray/auth_token
+        (tmp_path / "wrong").write_text("0" * 64)
+        wrong_token = ["--token-file", str(tmp_path / "wrong")]
+        pool = ThreadPoolExecutor(4)  # shut down (its calls waited for) in `finally`
+        logs_call = pool.submit(simulator.cli, "jobs", "logs", job_id, "--address", ADDRESS, timeout=60)
+        bad_calls = {verb: pool.submit(simulator.cli, "jobs", verb, "no-such-job", "--address", ADDRESS, timeout=60)
+                     for verb in ("logs", "stop")}  # fmt: skip
+        before_call = pool.submit(simulator.cli, "jobs", "list", "--address", ADDRESS, timeout=60)
+        wrong_call = pool.submit(simulator.cli, "jobs", "list", "--address", ADDRESS, *wrong_token, cwd=REPO,
+                                 env=stranger, timeout=300)  # fmt: skip
+        logs = logs_call.result()
         assert logs.returncode == 0 and "== raytrn: training finished ==" in logs.stdout, logs.stderr
 
         # The run is on the simulator's MLflow server, FINISHED, with every logged step once.
@@ -95,25 +108,24 @@ def test_readme_laptop_path_verbatim(simulator: Simulator, tmp_path: Path) -> No
         assert run.data.tags["checkpoint.latest"] == str(clone / "checkpoints" / run_name / "checkpoint_00000100")
 
         # Mistakes get one clear line and exit 2: an unknown job id, no token, a wrong token.
-        for verb in ("logs", "stop"):
-            bad = simulator.cli("jobs", verb, "no-such-job", "--address", ADDRESS, timeout=60)
+        for call in bad_calls.values():
+            bad = call.result()
             assert bad.returncode == 2 and bad.stderr.startswith("raytrn: error: no job 'no-such-job'"), bad.stderr
             assert "Traceback" not in bad.stderr
-        jobs_before = _job_ids(simulator.cli("jobs", "list", "--address", ADDRESS, timeout=60).stdout)
+        wrong = wrong_call.result()
+        assert wrong.returncode == 2 and "rejected the auth token" in wrong.stderr
+        jobs_before = _job_ids(before_call.result().stdout)
         assert job_id in jobs_before, jobs_before
-        stranger = {"HOME": str(tmp_path)}  # no simulator state, no ~/.ray/auth_token
         paths = ["--set", f"data.manifest={clone}/data/stdlib", "--set", f"checkpoint.storage={tmp_path}/ckpt"]
         args = ["submit", "jobs/tiny.yaml", "--address", ADDRESS, "--no-follow", *paths]
         refused = simulator.cli(*args, env=stranger, timeout=300)
         assert refused.returncode == 2 and "requires an auth token and none was found" in refused.stderr
-        (tmp_path / "wrong").write_text("0" * 64)
-        wrong_token = ["--token-file", str(tmp_path / "wrong")]
-        wrong = simulator.cli("jobs", "list", "--address", ADDRESS, *wrong_token, cwd=REPO, env=stranger, timeout=300)
-        assert wrong.returncode == 2 and "rejected the auth token" in wrong.stderr
         listed = simulator.cli("jobs", "list", "--address", ADDRESS, timeout=60)
         # The refused submission submitted nothing (the shared simulator also lists the other tests' jobs).
         assert _job_ids(listed.stdout) == jobs_before, listed.stdout
     finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
         down = simulator.down()  # `raytrn cluster down --local`
     assert down.returncode == 0, down.stderr
     assert not state.exists() and local.running(ADDRESS, state) is None

@@ -121,3 +121,18 @@ def test_a_process_is_found_only_by_the_whole_temp_dir(tmp_path: Path) -> None:
         for p in procs.values():
             p.kill()
             p.wait(timeout=10)
+
+
+def test_the_autoscaler_stops_first_and_the_gcs_last() -> None:
+    """Stopped all at once the autoscaler hangs reporting to a GCS that is going and the GCS outlives its SIGTERM
+    (measured: 15 s and SIGKILLs against 6 s in this order)."""
+    site = "/venv/lib/python3.11/site-packages/ray"
+    cmdlines = {
+        1: [f"{site}/core/src/ray/gcs/gcs_server", "--log_dir=/tmp/raytrn-sim-x"],
+        2: [f"{site}/core/src/ray/raylet/raylet", "--gcs-address=127.0.0.1:6379"],
+        3: ["/venv/bin/python", "-u", f"{site}/autoscaler/_private/monitor.py", "--logs-dir=/tmp/raytrn-sim-x"],
+        4: ["ray::DashboardAgent"],
+    }
+    procs = [(pid, 100.0 + pid) for pid in (1, 2, 3, 4, 5)]  # 5: gone before its command line was read
+    assert local.stop_stages(procs, cmdlines) == [[(3, 103.0)], [(2, 102.0), (4, 104.0), (5, 105.0)], [(1, 101.0)]]
+    assert local.stop_stages(procs, {}) == [[], procs, []]
