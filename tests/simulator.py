@@ -146,7 +146,7 @@ class Simulator:
         """Prepare :meth:`demo_data` in a thread of this process (Ray Data on the session's Ray), while the tests
         before the one that needs it wait on the simulator's autoscaler: that test's job then finds the worker
         nodes the previous job left, not a scale-down in progress."""
-        if self._demo_thread is not None or self._demo_data is not None:
+        if self._demo_thread is not None:  # started, or done
             return
 
         def prepare() -> None:

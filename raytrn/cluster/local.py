@@ -555,9 +555,9 @@ def stop_stages(procs: list[tuple[int, float]], cmdlines: dict[int, list[str]]) 
 
 
 def _cmdlines(procs: list[tuple[int, float]]) -> dict[int, list[str]]:
-    found = {}
+    found, gone = {}, _psutil().Error
     for p in _procs_alive(procs):
-        with contextlib.suppress(_psutil().Error):
+        with contextlib.suppress(gone):
             found[p.pid] = p.cmdline()
     return found
 

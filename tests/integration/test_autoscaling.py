@@ -114,13 +114,14 @@ def test_job_scales_cluster_up_and_down(simulator: Simulator, tiny_dataset: Path
     for noise in ("View run", "View experiment", "Progress bars disabled", "Started training worker group"):
         assert noise not in logs, (noise, logs[-4000:])
     assert scale_up_s is not None and max_nodes >= 1, "the autoscaler launched no worker node"
-    # The autoscaler (Ray's monitor.py on the head) looks every second (raytrn.cluster.local), not Ray's 5 s.
+    # The autoscaler (Ray's monitor.py on the head, found as `cluster down --local` finds it to stop it first)
+    # looks every second (raytrn.cluster.local), not Ray's 5 s.
     import psutil
 
     from raytrn.cluster import local
 
-    monitors = [psutil.Process(pid) for pid, _ in local._cluster_procs(simulator.cluster.temp_dir)]
-    monitors = [p for p in monitors if any(arg.endswith("autoscaler/_private/monitor.py") for arg in p.cmdline())]
+    procs = local._cluster_procs(simulator.cluster.temp_dir)
+    monitors = [psutil.Process(pid) for pid, _ in local.stop_stages(procs, local._cmdlines(procs))[0]]
     assert monitors and all(p.environ().get("AUTOSCALER_UPDATE_INTERVAL_S") == "1" for p in monitors), monitors
     # The worker node unpacked the job's working_dir into its own directory, not into the head's, which the
     # driver runs in (raytrn.cluster.simprovider: a fake node shares the head's session directory).
