@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -157,32 +158,41 @@ def test_an_async_checkpoint_holds_its_steps_state_while_the_next_step_trains_be
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """checkpoint.async copies the state to host memory beside the next step: its forward and backward run while the
-    copy is in flight (made slow here), its optimizer step waits for the copy (the checkpoint holds step 1's weights
-    and moments, not step 2's), and a restore into the same tensors waits for it too."""
+    copy is in flight (here a copy ends only once the training thread waits for it: in flight however slow the
+    machine), its optimizer step waits for the copy (the checkpoint holds step 1's weights and moments, not step
+    2's), and a restore into the same tensors waits for it too."""
     from torch.distributed.checkpoint.staging import DefaultStager
 
-    copying = []
-    slow = DefaultStager._stage
+    from raytrn.checkpoint.staging import Staging
 
-    def stage_slowly(self: Any, state: Any, **kwargs: Any) -> Any:
+    copying: list[float] = []
+    released = threading.Event()
+    stage, wait = DefaultStager._stage, Staging.wait
+
+    def stage_once_waited_for(self: Any, state: Any, **kwargs: Any) -> Any:
         copying.append(time.perf_counter())
-        time.sleep(0.5)
-        return slow(self, state, **kwargs)
+        assert released.wait(60), "nothing waited for the copy"
+        return stage(self, state, **kwargs)
 
-    monkeypatch.setattr(DefaultStager, "_stage", stage_slowly)
+    def wait_and_release(self: Staging) -> None:
+        if self._copy is not None:  # a copy in flight: it ends 0.1 s after the wait began
+            threading.Timer(0.1, released.set).start()
+        wait(self)
+
+    monkeypatch.setattr(DefaultStager, "_stage", stage_once_waited_for)
+    monkeypatch.setattr(Staging, "wait", wait_and_release)
     j = job(tmp_path, "checkpoint.async=true", "checkpoint.keep_last=null")
     t = trained(j, steps=1)
     at_step_1 = {k: v.clone() for k, v in dcp.training_state(t.model, t.optimizer, t.scheduler)["optim"]["state"]
                  ["model.embed_tokens.weight"].items() if isinstance(v, torch.Tensor)}  # fmt: skip
     weights_1 = {k: v.clone() for k, v in t.model.state_dict().items()}
     sched = Schedule.from_job(j)
-    t0 = time.perf_counter()
     assert t.checkpoints.save(t, Progress(step=1), sched, {}, final=False) == []
-    assert time.perf_counter() - t0 < 0.4  # the save did not wait for its copy
+    staging = t.checkpoints.staging
+    assert staging is not None and staging.waits == 0 and not released.is_set()  # the save did not wait for its copy
     rows = torch.randint(0, 512, (16, 17), generator=torch.Generator().manual_seed(1))
     train_step(t, iter(rows.split(16)), CpuBackend())  # step 2: its optimizer step waited for the copy
-    staging = t.checkpoints.staging
-    assert staging is not None and staging.waits == 1 and staging.waited_s > 0.1, vars(staging)
+    assert staging.waits == 1 and staging.waited_s >= 0.09, vars(staging)
     assert not torch.equal(t.model.state_dict()["model.embed_tokens.weight"], weights_1["model.embed_tokens.weight"])
     done = t.checkpoints.save(t, Progress(step=2), sched, {}, final=True)
     assert [r.step for r in done] == [1, 2] and t.checkpoints.staging is None  # the last save closed it
@@ -194,6 +204,7 @@ def test_an_async_checkpoint_holds_its_steps_state_while_the_next_step_trains_be
     for key, value in at_step_1.items():
         torch.testing.assert_close(moments["model.embed_tokens.weight"][key], value, rtol=0, atol=0)
     # a restore while a copy is in flight waits for it (it writes into the tensors being copied)
+    released.clear()
     t.checkpoints.save(t, Progress(step=3), sched, {}, final=False)
     t.checkpoints.load_committed(
         manifest.Candidate(RunDir.of(j).dcp_step(2), manifest.read_commit(RunDir.of(j).dcp_step(2))), t

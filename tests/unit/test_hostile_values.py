@@ -178,7 +178,8 @@ def test_validate_answers_in_seconds_when_the_s3_endpoint_is_unreachable() -> No
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "raytrn", "validate", "jobs/qwen3-0.6b-sft-trn2.yaml"],
                           capture_output=True, text=True, timeout=120, cwd=REPO, env=env)  # fmt: skip
-    assert time.monotonic() - started < 10, proc.stderr
+    # (botocore's own retries: ~55 s; this one process's start and imports took 11 s at nice 19 beside the Ray tests)
+    assert time.monotonic() - started < 30, proc.stderr
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("raytrn: error: model.init_from: cannot read s3://my-raytrn-bucket/")
     assert f"cannot reach the S3 endpoint http://127.0.0.1:{port}" in proc.stderr and "curlCode" not in proc.stderr
