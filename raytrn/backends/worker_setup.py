@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from raytrn.backends.host_malloc import malloc_env, user_allocator_settings
-from raytrn.data.order import SAMPLE_TRACE_ENV
+from raytrn.data.order import PACE_ENV, SAMPLE_TRACE_ENV
 
 if TYPE_CHECKING:
     from raytrn.backends.base import Backend
@@ -33,8 +33,9 @@ S3_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_
 
 def driver_variables(environ: Mapping[str, str]) -> dict[str, str]:
     """The driver's variables every worker needs: its S3 endpoint and region (:data:`S3_ENV`; credentials are never
-    copied) and where to write the sample trace (``RAYTRN_SAMPLE_TRACE``, see :mod:`raytrn.data.feed`)."""
-    return {k: environ[k] for k in (*S3_ENV, SAMPLE_TRACE_ENV) if environ.get(k)}
+    copied), where to write the sample trace and the feed's pace (``RAYTRN_SAMPLE_TRACE``, ``RAYTRN_PACE_S``, see
+    :mod:`raytrn.data.feed`)."""
+    return {k: environ[k] for k in (*S3_ENV, SAMPLE_TRACE_ENV, PACE_ENV) if environ.get(k)}
 
 
 def malloc_variables(job: JobSpec, backend: Backend, environ: Mapping[str, str]) -> dict[str, str]:

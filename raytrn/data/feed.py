@@ -5,7 +5,8 @@ Every data-parallel rank takes its slice of each global batch of the job's one s
 group share a data-parallel rank and read the same rows. The first batch is fetched in the background at once, while
 the model builds; until the first step is done the rows are read in this process (a Ray Data read task starts a
 process: seconds), Ray Data's readers after it. With ``RAYTRN_SAMPLE_TRACE`` set, every
-micro-batch's global row ids are written to a trace file (the exactly-once tests read it).
+micro-batch's global row ids are written to a trace file (the exactly-once tests read it); with ``RAYTRN_PACE_S``
+set, a micro-batch comes at most once per that many seconds (the chaos tests' pace).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import torch
 
 from raytrn.data.batch import attention, to_torch
 from raytrn.data.manifest import Manifest
-from raytrn.data.order import SAMPLE_TRACE_ENV, Position, RankSlice, SampleOrder
+from raytrn.data.order import PACE_ENV, SAMPLE_TRACE_ENV, Position, RankSlice, SampleOrder
 from raytrn.data.source import rank_batches
+from raytrn.errors import ConfigError
 
 if TYPE_CHECKING:
     from raytrn.config import JobSpec
@@ -60,10 +62,26 @@ class DataFeed:
     def batches(self, position: Position, trace: SampleTrace | None = None) -> Iterator[torch.Tensor]:
         """Endless micro-batches of shape [micro_batch_size, seq_len + 1] from ``position`` (epoch, rows)."""
         mb = self.job.data.micro_batch_size
+        pace, last = pace_s(os.environ), 0.0
         for batch in rank_batches(self.manifest, self.order, self.part, position, batch_rows=mb, handover=self.stepped):
             if trace is not None:
                 trace.record(batch)
+            if pace:
+                time.sleep(max(0.0, last + pace - time.monotonic()))
+                last = time.monotonic()
             yield to_torch(batch, document=self.document, eos_id=self.manifest.tokenizer.eos_id)
+
+
+def pace_s(environ: Any) -> float:
+    """``RAYTRN_PACE_S`` in ``environ``: the seconds a worker's feed spaces its micro-batches by (0: not set)."""
+    value = environ.get(PACE_ENV) or "0"
+    try:
+        pace = float(value)
+    except ValueError:
+        pace = -1.0
+    if not pace >= 0:  # (NaN too)
+        raise ConfigError(f"{PACE_ENV}={value!r}: must be seconds, a number >= 0 (unset it to train at full speed)")
+    return pace
 
 
 class SampleTrace:

@@ -39,6 +39,11 @@ from raytrn.errors import DataError
 #: Set to a directory, every training worker writes there which rows each of its micro-batches held (JSON lines,
 #: ``raytrn.train.loop``; the driver forwards it to the workers): an audit of what a run trained on.
 SAMPLE_TRACE_ENV = "RAYTRN_SAMPLE_TRACE"
+#: Seconds: every training worker's feed hands out a micro-batch at most once per this many (``raytrn.data.feed``; the
+#: driver forwards it too). A test's pace: the chaos tests' tiny model would otherwise train flat out on 2 shared
+#: cores, starving what a recovery starts (a worker's process and imports) and training hundreds of steps the
+#: uninterrupted reference run must train again.
+PACE_ENV = "RAYTRN_PACE_S"
 #: Row-order streams are keyed by these tags, so the block and the row permutations never share one.
 _BLOCKS, _ROWS = 0, 1
 

@@ -38,6 +38,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from raytrn.data.order import PACE_ENV
 from tests.chaos._common import tiny_chaos_job, train_in_thread, wait_until
 from tests.chaos.elastic_cluster import (
     _S3,
@@ -64,7 +65,7 @@ LIVE = (
     "parallel.data_parallel=hsdp", "parallel.hsdp_shard_size=1",
 )  # fmt: skip
 COMMON = (
-    "data.grad_accum=null", f"data.global_batch_size={GLOBAL_BATCH}", "checkpoint.every_n_steps=20",
+    "data.grad_accum=null", f"data.global_batch_size={GLOBAL_BATCH}",
     "tracking.log_model=false", "tracking.system_metrics=false", "optim.decay_steps=2000",
     "optim.lr=5e-4",  # AdamW amplifies the replicas' other summation order less than at the tiny job's 3e-3 or 1e-3
 )  # fmt: skip
@@ -93,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--s3", action="store_true", help="checkpoints on a moto S3 server behind an outage proxy, "
                         "cut for --outage-s seconds across a checkpoint after the kill")  # fmt: skip
     parser.add_argument("--outage-s", type=float, default=6.0)
+    parser.add_argument("--every", type=int, default=20, help="checkpoint.every_n_steps of the live run")
+    parser.add_argument("--pace-s", type=float, default=0.0, help="RAYTRN_PACE_S for the live run (the test's: a "
+                        "micro-batch at most every that many seconds, CPU left for what a recovery starts, fewer steps "
+                        "for the reference to train again; the bench trains flat out)")  # fmt: skip
     parser.add_argument("--fast-node-death", action="store_true", help="Ray's GCS marks a removed node dead after "
                         "~4 s, not 13-40 s (the test's: its waits for that are not what it tests; the bench keeps "
                         "Ray's defaults)")  # fmt: skip
@@ -131,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         # both runs evaluate one global batch of the dataset every 10 steps (every replica the whole of it)
         evaluated = (f"data.validation={args.dataset}", "run.eval_every=10", "run.eval_batches=1")
         job = tiny_chaos_job(Path(args.dataset), ckpt, mlflow_uri=f"sqlite:///{db}", experiment="live",
-                             name="live", extra=(*LIVE, *COMMON, *evaluated, "run.max_steps=2000"))  # fmt: skip
+                             name="live", extra=(*LIVE, *COMMON, *evaluated, "run.max_steps=2000",
+                                                 f"checkpoint.every_n_steps={args.every}"))  # fmt: skip
+        result["every"] = args.every
+        # (set for each run, forwarded to its workers: nodes added meanwhile inherit the harness's variables)
+        os.environ[PACE_ENV] = str(args.pace_s)
         thread, outcome = train_in_thread(job)
 
         def at(replicas: float, since: float) -> list[tuple[int, float]]:
@@ -168,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         result["alive_to_full_size_s"] = round(at(3.0, added)[0][1] - alive, 2)
         result["pids_after"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
         if not args.loss_only:
-            _later_events(result, db, ckpt, work / "trace", s3, args.outage_s, thread, cluster, at)
+            _later_events(result, db, ckpt, work / "trace", s3, args.outage_s, args.every, thread, cluster, at)
         stop_at = max(s for s, _, _ in _logged(db)) + args.tail
         request_stop("live", stop_at)
         thread.join(240)
@@ -200,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                                    extra=(*COMMON, *evaluated, "scaling.resources_per_worker={neuron_cores: 1}",
                                           f"run.max_steps={final}", NO_CHECKPOINTS,
                                           f"data.micro_batch_size={GLOBAL_BATCH}"))  # fmt: skip
+        os.environ[PACE_ENV] = "0"  # flat out
         started = time.monotonic()
         ref_thread, ref_outcome = train_in_thread(reference)
         ref_thread.join(240)
@@ -222,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _later_events(
-    result: dict[str, Any], db: Path, ckpt: str, trace: Path, s3: _S3 | None, outage_s: float, thread: Any,
-    cluster: Any, at: Any,
+    result: dict[str, Any], db: Path, ckpt: str, trace: Path, s3: _S3 | None, outage_s: float, every: int,
+    thread: Any, cluster: Any, at: Any,
 ) -> None:  # fmt: skip
     """After the loss and the return: a worker killed, (``s3``) the storage down across a checkpoint, every worker
     noticed then killed, a node drained then removed with no capacity returning (the module docstring); their
@@ -248,7 +258,7 @@ def _later_events(
         wait_until(lambda: _newest_commit(ckpt, "live") > known or not thread.is_alive(), 120, "a checkpoint")
         base = _newest_commit(ckpt, "live")
         wait_until(
-            lambda: max(_traced_steps(trace), default=0) >= base + 17 or not thread.is_alive(),
+            lambda: max(_traced_steps(trace), default=0) >= base + every - 3 or not thread.is_alive(),
             120,
             "3 steps before a save",
         )

@@ -12,10 +12,10 @@ Asserted: the survivor's process is the one that started (pids compared: none re
 1 replica right after the loss and at 3 after the return (the returning worker took its state from a live replica:
 the run's only restore is the fallback's, from storage), the goodput ledger books the recoveries as restart time,
 every step is logged exactly once, every worker read the same rows at every step as
-the uninterrupted run, and the losses (and the validation losses every 10 steps, each logged once) match it: within 1e-5 up to the loss, within 1e-4 for the 30 steps after it,
+the uninterrupted run (one lost while it read a step's micro-batches: the first of them), and the losses (and the validation losses every 10 steps, each logged once) match it: within 1e-5 up to the loss, within 1e-4 for the 30 steps after it,
 within 1e-3 after that (summation order: gradients summed over 3, 2, 3 replicas instead of accumulated in one
 process, which AdamW amplifies over the steps). The seconds are asserted loosely (a shared 2-core machine); the
-bench measures them.
+bench measures them. The live run is paced (``RAYTRN_PACE_S``: ``PACE_S`` below) and checkpoints every 10 steps.
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 #: 3.9e-3 over 405 (stop 62's first rehearsal: the test failed); at this test's 5e-4, under 1e-6 over 230 steps
 #: measured). A lost optimizer state or a wrong row moves the loss by far more.
 LOSS_TOLERANCE = 1e-3
+#: RAYTRN_PACE_S of the live run: a replica's micro-batch at most every 0.15 s (2 a step at 3 replicas, 6 at 1). Flat
+#: out, the tiny model's 3 replicas kept the 2 cores busy and trained ~380 steps, most of them at 1 replica while the
+#: events took their seconds, each trained again by the reference.
+PACE_S = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +49,8 @@ def live_run(tiny_dataset, tmp_path_factory) -> dict:
     out = tmp / "result.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tests.chaos.live_cluster", "--out", str(out), "--dataset", str(tiny_dataset),
-         "--lose", "2", "--s3", "--fast-node-death"],
+         "--lose", "2", "--s3", "--fast-node-death", "--pace-s", str(PACE_S),
+         "--every", "10"],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     (tmp / "driver.log").write_text(proc.stdout + proc.stderr)
@@ -74,9 +79,9 @@ def test_survivors_train_on_and_the_returning_node_joins_live(live_run: dict) ->
     # the checkpoints' S3 down for 6 s from three steps before a save: every replica's save waited for it
     # (retried); no replica counted lost, nothing re-formed or restarted, that checkpoint committed once S3 was back
     outage = r["outage"]
-    assert outage["first_commit_after"]["step"] == outage["committed_before"] + 20, outage  # the next one
+    assert outage["first_commit_after"]["step"] == outage["committed_before"] + r["every"], outage  # the next one
     assert outage["its_step_logged_at"] < outage["end"] <= outage["first_commit_after"]["written_at"], outage
-    # (a replica counted lost in the save would have made the others skip that checkpoint: the next one is 20 on)
+    # (a replica counted lost in the save would have made the others skip that checkpoint: the next one is further)
     assert outage["pids_after"] == r["pids_end"] and set(outage["replicas"]) <= {3.0}, outage
     # the next step at fewer replicas after the loss (goal 5 s; bench/elastic.py measures it), 3 after the return.
     # A removed node's workers can live on until Ray marks the node dead (38.6 s after the removal once here; they
@@ -151,7 +156,11 @@ def test_every_worker_read_the_uninterrupted_runs_rows_at_every_step(live_run: d
         reference.update({int(s): rows for s, rows in steps.items()})
     read: set[int] = set()
     for name, steps in live_run["traces"].items():
+        last = max(steps, key=int)  # a worker lost while it read its step's micro-batches read a part of it, in order
         for step, rows in steps.items():
+            if step == last and len(rows) < len(reference[int(step)]):
+                assert rows == reference[int(step)][: len(rows)], (name, step)
+                continue
             assert rows == reference[int(step)], (name, step)
             read.add(int(step))
     assert read >= set(live_run["steps"])  # every step read by the replicas that trained it (one after two losses)
