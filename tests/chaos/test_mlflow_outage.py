@@ -9,6 +9,7 @@ digest, per-node system metrics, the final model in Hugging Face format on S3, a
 from __future__ import annotations
 
 import time
+import urllib.request
 import uuid
 
 import pytest
@@ -37,6 +38,8 @@ def outage_run(ray_session, tiny_dataset, mlflow_server, tmp_path_factory):
                                            "tracking.system_metrics_interval_s=1", f"run.max_steps={HORIZON}"))  # fmt: skip
     client = MlflowClient(mlflow_server.url)
     mlflow_server.stop()  # down when the job starts: it trains anyway, rank 0 creates the run once the server answers
+    with pytest.raises(OSError):  # (the outage is real: nothing listens; start() comes back on the same port and store)
+        urllib.request.urlopen(f"{mlflow_server.url}/health", timeout=5)
     try:
         thread, result = train_in_thread(job)
         time.sleep(LATE_S)

@@ -93,21 +93,6 @@ def test_client_logs_artifacts_to_s3_without_credentials(mlflow_server, s3_endpo
     assert body == b"hello from a client without S3 credentials"
 
 
-def test_stop_and_start_keep_port_and_store(mlflow_server) -> None:
-    """The outage API: stop() makes the server unreachable, start() brings it back with the same runs."""
-    from mlflow.tracking import MlflowClient
-
-    name = f"restart-{uuid.uuid4().hex[:8]}"
-    exp_id = MlflowClient(mlflow_server.url).create_experiment(name)
-    mlflow_server.stop()
-    with pytest.raises(OSError):  # connection refused: nothing listens any more
-        urllib.request.urlopen(f"{mlflow_server.url}/health", timeout=5)
-    t0 = time.monotonic()
-    mlflow_server.start()
-    print(f"restart: healthy after {time.monotonic() - t0:.1f} s")
-    assert MlflowClient(mlflow_server.url).get_experiment(exp_id).name == name
-
-
 def test_serve_sh_refuses_a_port_in_use(mlflow_server, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env |= {"MLFLOW_DATA_DIR": str(tmp_path), "MLFLOW_PORT": str(mlflow_server.port)}
@@ -115,35 +100,6 @@ def test_serve_sh_refuses_a_port_in_use(mlflow_server, tmp_path: Path) -> None:
         ["bash", str(REPO / "mlflow" / "serve.sh")], env=env, capture_output=True, text=True, timeout=30
     )
     assert proc.returncode == 2 and f"127.0.0.1:{mlflow_server.port} is already in use" in proc.stderr, proc.stderr
-
-
-def test_basic_auth_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlflow.server.auth.client import AuthServiceClient
-
-    from raytrn.tracking.server import build_server_command
-
-    secrets = {"MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN_PASSWORD, "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-secret-key"}
-    port = _free_port()
-    cmd = build_server_command(
-        backend_store_uri=f"sqlite:///{tmp_path}/mlflow.db", port=port, auth=True, environ=secrets
-    )
-    assert Path(tmp_path / "basic_auth.ini") == Path(cmd.env["MLFLOW_AUTH_CONFIG_PATH"])
-    server = MlflowServer(cmd, port, cmd.artifacts_destination, tmp_path / "server.log", env=secrets)
-    try:
-        server.start(timeout_s=60)
-        url = f"{server.url}/api/2.0/mlflow/experiments/search?max_results=1"
-        assert _status(url) == 401
-        assert _status(url, ("admin", "wrong-password-0000")) == 401
-        assert _status(url, ("admin", ADMIN_PASSWORD)) == 200
-        # Creating a user as mlflow/README.md shows: the admin's credentials in the client's environment.
-        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "admin")
-        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", ADMIN_PASSWORD)
-        AuthServiceClient(server.url).create_user("alice", "alice-password-0123")
-        assert _status(url, ("alice", "alice-password-0123")) == 200
-    finally:
-        server.stop()
-    assert "database_uri = sqlite:///" + str(tmp_path / "basic_auth.db") in (tmp_path / "basic_auth.ini").read_text()
-    assert ADMIN_PASSWORD not in (tmp_path / "basic_auth.ini").read_text()  # never written to a file
 
 
 def test_serve_auth_without_password_exits_2(tmp_path: Path) -> None:
@@ -282,8 +238,11 @@ def test_a_password_in_the_tracking_uri_is_used_and_shown_nowhere(
 ) -> None:
     """Issue 28 item 8 against a real basic-auth `mlflow server`: a job whose tracking.mlflow_uri carries the
     password (one with ``@`` and ``:`` in it) logs its run, and the password appears in no output, file of the
-    run's directory, MLflow param or tag, Ray job or actor record, or Ray log."""
+    run's directory, MLflow param or tag, Ray job or actor record, or Ray log. The server itself (one for both):
+    refuses a request without credentials or with a wrong password, takes the admin's, and a user created as
+    mlflow/README.md shows; its auth config names its own database and holds no password."""
     import ray
+    from mlflow.server.auth.client import AuthServiceClient
     from mlflow.tracking import MlflowClient
     from ray.util.state import get_log, list_actors, list_jobs, list_logs
 
@@ -297,11 +256,21 @@ def test_a_password_in_the_tracking_uri_is_used_and_shown_nowhere(
     cmd = build_server_command(
         backend_store_uri=f"sqlite:///{tmp_path}/mlflow.db", port=port, auth=True, environ=secrets
     )
+    assert Path(tmp_path / "basic_auth.ini") == Path(cmd.env["MLFLOW_AUTH_CONFIG_PATH"])
     server = MlflowServer(cmd, port, cmd.artifacts_destination, tmp_path / "server.log", env=secrets)
     for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     server.start(timeout_s=60)
     try:
+        url = f"{server.url}/api/2.0/mlflow/experiments/search?max_results=1"
+        assert _status(url) == 401
+        assert _status(url, ("admin", "wrong-password-0000")) == 401
+        assert _status(url, ("admin", password)) == 200
+        with monkeypatch.context() as admin:  # a user created with the admin's credentials in the environment
+            admin.setenv("MLFLOW_TRACKING_USERNAME", "admin")
+            admin.setenv("MLFLOW_TRACKING_PASSWORD", password)
+            AuthServiceClient(server.url).create_user("alice", "alice-password-0123")
+        assert _status(url, ("alice", "alice-password-0123")) == 200
         job = load_job(REPO / "jobs" / "tiny.yaml", [
             f"data.manifest={tiny_dataset}", "data.seq_len=32", "data.micro_batch_size=8", "model.vocab_size=512",
             "scaling.min_workers=1", "scaling.max_workers=1", f"checkpoint.storage={tmp_path / 'ckpt'}",
@@ -318,6 +287,8 @@ def test_a_password_in_the_tracking_uri_is_used_and_shown_nowhere(
         server.stop()
     assert run.info.status == "FINISHED"
     assert run.data.metrics["loss"] > 0 and summary.final_step == 6  # tracked through the credentials
+    ini = (tmp_path / "basic_auth.ini").read_text()
+    assert "database_uri = sqlite:///" + str(tmp_path / "basic_auth.db") in ini and password not in ini
 
     places = {
         "stdout/stderr": shown.out + shown.err,
