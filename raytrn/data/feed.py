@@ -22,9 +22,8 @@ import torch
 
 from raytrn.data.batch import attention, to_torch
 from raytrn.data.manifest import Manifest
-from raytrn.data.order import PACE_ENV, SAMPLE_TRACE_ENV, Position, RankSlice, SampleOrder
+from raytrn.data.order import SAMPLE_TRACE_ENV, Position, RankSlice, SampleOrder, pace_s
 from raytrn.data.source import rank_batches
-from raytrn.errors import ConfigError
 
 if TYPE_CHECKING:
     from raytrn.config import JobSpec
@@ -71,17 +70,6 @@ class DataFeed:
                 last = time.monotonic()
             yield to_torch(batch, document=self.document, eos_id=self.manifest.tokenizer.eos_id)
 
-
-def pace_s(environ: Any) -> float:
-    """``RAYTRN_PACE_S`` in ``environ``: the seconds a worker's feed spaces its micro-batches by (0: not set)."""
-    value = environ.get(PACE_ENV) or "0"
-    try:
-        pace = float(value)
-    except ValueError:
-        pace = -1.0
-    if not pace >= 0:  # (NaN too)
-        raise ConfigError(f"{PACE_ENV}={value!r}: must be seconds, a number >= 0 (unset it to train at full speed)")
-    return pace
 
 
 class SampleTrace:

@@ -26,7 +26,7 @@ Pure (numpy and pyarrow, no Ray, no torch): the driver, ``raytrn precheck`` and 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ import numpy as np
 
 from raytrn import storage
 from raytrn.data.manifest import rows_per_group
-from raytrn.errors import DataError
+from raytrn.errors import ConfigError, DataError
 
 #: Set to a directory, every training worker writes there which rows each of its micro-batches held (JSON lines,
 #: ``raytrn.train.loop``; the driver forwards it to the workers): an audit of what a run trained on.
@@ -46,6 +46,18 @@ SAMPLE_TRACE_ENV = "RAYTRN_SAMPLE_TRACE"
 PACE_ENV = "RAYTRN_PACE_S"
 #: Row-order streams are keyed by these tags, so the block and the row permutations never share one.
 _BLOCKS, _ROWS = 0, 1
+
+
+def pace_s(environ: Mapping[str, str]) -> float:
+    """``RAYTRN_PACE_S`` in ``environ``: the seconds a worker's feed spaces its micro-batches by (0: not set)."""
+    value = environ.get(PACE_ENV) or "0"
+    try:
+        pace = float(value)
+    except ValueError:
+        pace = -1.0
+    if not pace >= 0:  # (NaN too)
+        raise ConfigError(f"{PACE_ENV}={value!r}: must be seconds, a number >= 0 (unset it to train at full speed)")
+    return pace
 
 
 @dataclass(kw_only=True)

@@ -28,6 +28,7 @@ from raytrn.compat import (
 from raytrn.config import JobSpec
 from raytrn.config.sizes import world_sizes
 from raytrn.data.manifest import Manifest
+from raytrn.data.order import pace_s
 from raytrn.errors import RaytrnError
 from raytrn.estimate.job import estimate_params, resolve_auto_interval
 from raytrn.evals.runner import drain_evaluator, start_evaluator
@@ -73,6 +74,7 @@ def run_training(job: JobSpec, *, live_progress: bool = True, trial: bool = Fals
     alone while it trains (:mod:`raytrn.checkpoint.lease`; ``take_over``: replace a stale lease)."""
     backend = get_backend(job.scaling.accelerator)
     check_spec(job)
+    pace_s(os.environ)  # (RAYTRN_PACE_S, the tests' pace: a bad one is one error before anything is written)
     job, auto_params, auto_line = resolve_auto_interval(job)  # checkpoint.every_n_steps: auto, chosen once here
     if auto_line:
         print(f"raytrn: {auto_line}", flush=True)

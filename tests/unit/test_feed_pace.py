@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from raytrn.config import load_job
-from raytrn.data.feed import DataFeed, pace_s
+from raytrn.data.feed import DataFeed
 from raytrn.data.manifest import load_manifest
-from raytrn.data.order import Position
+from raytrn.data.order import Position, pace_s
 from raytrn.errors import ConfigError
 from tests.conftest import REPO
 from tests.unit.test_cli import make_dataset
@@ -45,6 +45,20 @@ def test_the_feed_spaces_its_micro_batches_and_keeps_their_rows(tmp_path: Path, 
 def test_a_bad_pace_is_one_clear_error(value: str) -> None:
     with pytest.raises(ConfigError, match=r"RAYTRN_PACE_S=.*must be seconds, a number >= 0 \(unset it"):
         pace_s({"RAYTRN_PACE_S": value})
+
+
+def test_a_run_with_a_bad_pace_stops_before_anything_is_written(tmp_path: Path, monkeypatch) -> None:
+    """The driver reads the pace first: no Ray, no run directory, no MLflow store."""
+    from raytrn.train.trainer import run_training
+
+    data = make_dataset(tmp_path / "data", seq_len=32, vocab_size=512, rows=16)
+    job = load_job(REPO / "jobs" / "tiny.yaml", [f"data.manifest={data}", "data.seq_len=32", "model.vocab_size=512",
+                                                  f"checkpoint.storage={tmp_path / 'ckpt'}",
+                                                  f"tracking.mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}"])  # fmt: skip
+    monkeypatch.setenv("RAYTRN_PACE_S", "1s")
+    with pytest.raises(ConfigError, match=r"RAYTRN_PACE_S='1s'"):
+        run_training(job, live_progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
 
 
 def test_no_pace_unless_set() -> None:
