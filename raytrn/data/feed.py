@@ -71,7 +71,6 @@ class DataFeed:
             yield to_torch(batch, document=self.document, eos_id=self.manifest.tokenizer.eos_id)
 
 
-
 class SampleTrace:
     """``$RAYTRN_SAMPLE_TRACE/group-<first step>-dp<size>-<start ns>-rank<r>.jsonl``: one line per micro-batch,
     ``{"step", "dp_rank", "rows"}`` (global row ids, in order) and the first tokens of each row. An audit of
