@@ -164,19 +164,28 @@ class _S3:
             [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
             stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}").list_buckets()
-                break
-            except Exception:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise
-                time.sleep(0.2)
-        self.proxy = OutageProxy(("127.0.0.1", port))
-        os.environ["AWS_ENDPOINT_URL"] = self.proxy.url
-        self.bucket = f"chaos-{uuid.uuid4().hex[:8]}"
-        boto3.client("s3", endpoint_url=self.proxy.url).create_bucket(Bucket=self.bucket)
+        proxy = None
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}").list_buckets()
+                    break
+                except Exception:
+                    if time.monotonic() > deadline or self.proc.poll() is not None:
+                        raise
+                    time.sleep(0.2)
+            self.proxy = proxy = OutageProxy(("127.0.0.1", port))
+            os.environ["AWS_ENDPOINT_URL"] = self.proxy.url
+            self.bucket = f"chaos-{uuid.uuid4().hex[:8]}"
+            boto3.client("s3", endpoint_url=self.proxy.url).create_bucket(Bucket=self.bucket)
+        except BaseException:  # (no AWS credentials, say: the server must not outlive a harness that never got it)
+            if proxy is not None:
+                proxy.close()
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.log.close()
+            raise
 
     def requests(self) -> list[tuple[str, str]]:
         """``(method, path)`` of every request the S3 server has answered so far, oldest first (its access log)."""
