@@ -182,9 +182,7 @@ class _S3:
         except BaseException:  # (no AWS credentials, say: the server must not outlive a harness that never got it)
             if proxy is not None:
                 proxy.close()
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            self.log.close()
+            self._stop_server()
             raise
 
     def requests(self) -> list[tuple[str, str]]:
@@ -194,6 +192,10 @@ class _S3:
 
     def stop(self) -> None:
         self.proxy.close()
+        self._stop_server()
+
+    def _stop_server(self) -> None:
+        """The moto server stopped by its PID (SIGTERM, then SIGKILL after 10 s), its log closed."""
         self.proc.terminate()
         try:
             self.proc.wait(timeout=10)
