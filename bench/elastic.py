@@ -118,7 +118,9 @@ def run(*, quick: bool = False, timeout_s: float = 900) -> dict[str, Any]:
     }
 
 
-def run_live(*, rounds: int = 2, timeout_s: float = 600, ray_metrics: bool = False) -> dict[str, Any]:
+def run_live(
+    *, rounds: int = 2, timeout_s: float = 600, ray_metrics: bool = False, pace_s: float = 0.0
+) -> dict[str, Any]:
     """``scaling.recovery: live`` on the same local 3-node Ray (``tests/chaos/live_cluster.py``: 3 one-slot nodes,
     hsdp replicas of one worker, a node removed at step 5, a node added back): per round the seconds from the loss
     to the first step at 2 replicas, from the new node to the first step at 3 (from the call that adds it, and from
@@ -128,7 +130,12 @@ def run_live(*, rounds: int = 2, timeout_s: float = 600, ray_metrics: bool = Fal
     ``ray_metrics`` False (the default): the simulated cluster runs with Ray's metrics pipeline off. While the lost
     node's slot has no place, Ray 2.60's GCS retries it with no backoff and the head's dashboard agent replays each
     retry's histogram observations in Python (docs/elasticity.md): on a real cluster that load is the head node's,
-    here it takes the simulated worker nodes' two cores, and the returning node's imports wait behind it."""
+    here it takes the simulated worker nodes' two cores, and the returning node's imports wait behind it.
+
+    ``pace_s`` above 0: the survivors' feeds hand out a micro-batch at most once per that many seconds
+    (``RAYTRN_PACE_S``, the live test's pace), so that their training leaves CPU for the returning node's start, as
+    a real node's own CPUs would; 0 (the default) trains flat out, the returning node's start sharing the 2 cores
+    with it."""
     lost, back, alive, restarted = [], [], [], []
     env = {**os.environ, **({} if ray_metrics else {"RAY_enable_metrics_collection": "0"})}
     with tempfile.TemporaryDirectory(prefix="raytrn-bench-live-") as tmp:
@@ -137,7 +144,7 @@ def run_live(*, rounds: int = 2, timeout_s: float = 600, ray_metrics: bool = Fal
             out = Path(tmp) / f"result-{i}.json"
             proc = subprocess.run(
                 [sys.executable, "-m", "tests.chaos.live_cluster", "--out", str(out), "--dataset", str(data),
-                 "--no-reference", "--loss-only"],
+                 "--no-reference", "--loss-only", "--pace-s", str(pace_s)],
                 cwd=REPO, capture_output=True, text=True, timeout=timeout_s, env=env,
             )  # fmt: skip
             result = json.loads(out.read_text()) if out.exists() else {}
@@ -160,6 +167,7 @@ def run_live(*, rounds: int = 2, timeout_s: float = 600, ray_metrics: bool = Fal
         "alive_to_full_size_s_median": _median(alive),
         "survivors_restarted": restarted,
         "ray_metrics": ray_metrics,
+        "pace_s": pace_s,
     }
 
 

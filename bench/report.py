@@ -315,6 +315,9 @@ def render(report: dict[str, Any]) -> str:
                 f"{_goal(lost_live <= 5 if lost_live else None, '<= 5 s, 0 restarted')} |",
                 _live_back_row(live, el.get("resize_interval_s")),
             ]
+        paced = el.get("live_paced") or {}
+        if paced:
+            lines.append(_live_back_row(paced, el.get("resize_interval_s")))
     for note in _notes(report):
         lines += ["", note]
     lines += ["", *_gpu_block(report)]
@@ -494,7 +497,9 @@ def _live_back_row(live: dict[str, Any], resize_interval_s: float | None) -> str
     """The live rows' node return (bench.elastic.run_live): from the moment Ray has the new node alive (the
     replacement's own part: its slot, its process and imports, its admission with a live replica's state), judged
     against issue 48's goal (the restart path's resize interval + 5 s), and from the call that adds it (Ray's start
-    of the node's processes, on the simulated cluster's shared cores, included); older results have the latter only."""
+    of the node's processes, on the simulated cluster's shared cores, included); older results have the latter only.
+    A paced run (``pace_s``: the survivors' training slowed so that it leaves CPU to the returning node, as on a
+    real cluster) says so in its label."""
     back = f"{_num(live.get('back_to_full_size_s_median'), '.1f', ' s')} ({', '.join(_num(x, '.1f') for x in live['back_to_full_size_s'])})"
     if "alive_to_full_size_s" not in live:
         return f"| elastic, live: node back -> 3 replicas training (no storage read) | median {back}{_metrics_note(live)} | |"
@@ -502,8 +507,14 @@ def _live_back_row(live: dict[str, Any], resize_interval_s: float | None) -> str
     bound = None if resize_interval_s is None else float(resize_interval_s) + 5
     ok = None if alive is None or bound is None else alive <= bound
     goal = _goal(ok, f"<= {_num(bound, '.0f', ' s')} (resize interval + 5)") if bound is not None else ""
+    paced = (
+        f", the survivors paced (`RAYTRN_PACE_S` {live['pace_s']:g}: a micro-batch at most every {live['pace_s']:g} s, "
+        "CPU left for the returning node's start, as its own node's CPUs would leave it)"
+        if live.get("pace_s")
+        else ""
+    )
     return (
-        f"| elastic, live: node back (alive in Ray) -> 3 replicas training, no storage read, median of "
+        f"| elastic, live{paced}: node back (alive in Ray) -> 3 replicas training, no storage read, median of "
         f"{len(live['alive_to_full_size_s'])} | **{_num(alive, '.1f', ' s')}** "
         f"({', '.join(_num(x, '.1f') for x in live['alive_to_full_size_s'])}); from adding the node, Ray's start of its "
         f"processes included: median {back}{_metrics_note(live)} | {goal} |"

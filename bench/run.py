@@ -99,6 +99,8 @@ def _benchmarks(args: argparse.Namespace, results: dict[str, Any], deadline: flo
             **elastic.run(quick=quick),
             "stock": {} if quick else elastic.run_stock(),
             "live": {} if quick else elastic.run_live(),  # scaling.recovery: live, beside the restart path
+            # the same with the survivors paced (the live test's pace): the returning node's start with CPU of its own
+            "live_paced": {} if quick else elastic.run_live(pace_s=0.15),
         },
         "mlflow": lambda: mlflow_overhead.run(
             bench,

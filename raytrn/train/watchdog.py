@@ -77,6 +77,7 @@ class HangWatch:
         self.on_hang, self.fixed, self.min_timeout_s = on_hang, timeout_s, min_timeout_s
         if poll_s is None:
             poll_s = min(POLL_S, (timeout_s if timeout_s is not None else min_timeout_s) / 4)
+        self.poll_s = poll_s
         self._durations: deque[float] = deque(maxlen=100)
         # When the last step ended, or an evaluation or a checkpoint began or ended; None before the first step.
         self._last: float | None = None

@@ -109,3 +109,18 @@ def test_the_live_node_back_row_is_judged_from_the_node_alive_and_shows_the_time
     assert met.endswith("<= 9 s (resize interval + 5) met |"), met
     old = _live_back_row({"back_to_full_size_s": [10.7], "back_to_full_size_s_median": 10.7}, 4)
     assert old == "| elastic, live: node back -> 3 replicas training (no storage read) | median 10.7 s (10.7) | |"
+
+
+def test_a_paced_live_run_gets_its_own_node_back_row_that_says_its_pace() -> None:
+    """bench.elastic.run_live(pace_s=...) (the survivors' training paced, CPU left for the returning node as on a
+    real cluster) is shown beside the flat-out row, never in its place: its row names the pace, the flat-out one
+    does not."""
+    from bench.report import _live_back_row
+
+    live = {"back_to_full_size_s": [12.0], "back_to_full_size_s_median": 12.0, "alive_to_full_size_s": [11.0],
+            "alive_to_full_size_s_median": 11.0, "ray_metrics": False, "pace_s": 0.0}  # fmt: skip
+    flat = _live_back_row(live, 4)
+    paced = _live_back_row({**live, "pace_s": 0.15, "alive_to_full_size_s_median": 6.0}, 4)
+    assert "PACE" not in flat and flat.endswith("**not met** |"), flat
+    assert "the survivors paced (`RAYTRN_PACE_S` 0.15" in paced and paced.endswith("met |"), paced
+    assert "**6.0 s**" in paced, paced
