@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few steps of each benchmark (smoke run)")
     parser.add_argument("--only", default=",".join(ALL), help=f"comma-separated subset of: {','.join(ALL)}")
     parser.add_argument("--rounds", type=int, default=2, help="alternated rounds of the training variants")
-    parser.add_argument("--budget-min", type=float, default=20.0, help="stop starting benchmarks after this")
+    parser.add_argument("--budget-min", type=float, default=45.0, help="stop starting benchmarks after this")
     parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README block")
     parser.add_argument(
