@@ -57,7 +57,7 @@ ALL = (
 )
 #: Rough minutes each needs here (full mode, a busy 2-core machine): a benchmark starts only if this much
 #: budget is left, and the training rounds stop early enough to leave it to the ones after them.
-ESTIMATE_MIN = {"peak": 0.2, "training": 7.5, "startup": 2.5, "mlflow": 2.5, "recovery": 2.5, "elastic": 10.5, "data": 0.5,
+ESTIMATE_MIN = {"peak": 0.2, "training": 7.5, "startup": 2.5, "mlflow": 2.5, "recovery": 2.5, "elastic": 12.0, "data": 0.5,
                 "checkpoint": 0.5, "memory": 6.0, "parallel": 2.0, "pipeline": 1.5, "context": 1.0, "lora": 1.0, "moe": 1.5, "guard": 0.7, "trainium": 0.1}  # fmt: skip
 
 
@@ -98,9 +98,10 @@ def _benchmarks(args: argparse.Namespace, results: dict[str, Any], deadline: flo
         "elastic": lambda: {
             **elastic.run(quick=quick),
             "stock": {} if quick else elastic.run_stock(),
-            "live": {} if quick else elastic.run_live(),  # scaling.recovery: live, beside the restart path
+            # scaling.recovery: live, beside the restart path; 3 rounds each: a median of 2 is their mean
+            "live": {} if quick else elastic.run_live(rounds=3),
             # the same with the survivors paced (the live test's pace): the returning node's start with CPU of its own
-            "live_paced": {} if quick else elastic.run_live(pace_s=0.15),
+            "live_paced": {} if quick else elastic.run_live(rounds=3, pace_s=0.15),
         },
         "mlflow": lambda: mlflow_overhead.run(
             bench,
