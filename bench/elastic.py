@@ -119,7 +119,7 @@ def run(*, quick: bool = False, timeout_s: float = 900) -> dict[str, Any]:
 
 
 def run_live(
-    *, rounds: int = 2, timeout_s: float = 600, ray_metrics: bool = False, pace_s: float = 0.0
+    *, rounds: int = 3, timeout_s: float = 600, ray_metrics: bool = False, paced: bool = False
 ) -> dict[str, Any]:
     """``scaling.recovery: live`` on the same local 3-node Ray (``tests/chaos/live_cluster.py``: 3 one-slot nodes,
     hsdp replicas of one worker, a node removed at step 5, a node added back): per round the seconds from the loss
@@ -132,11 +132,11 @@ def run_live(
     retry's histogram observations in Python (docs/elasticity.md): on a real cluster that load is the head node's,
     here it takes the simulated worker nodes' two cores, and the returning node's imports wait behind it.
 
-    ``pace_s`` above 0: the survivors' feeds hand out a micro-batch at most once per that many seconds
-    (``RAYTRN_PACE_S``, the live test's pace), so that their training leaves CPU for the returning node's start, as
-    a real node's own CPUs would; 0 (the default) trains flat out, the returning node's start sharing the 2 cores
-    with it."""
-    lost, back, alive, restarted = [], [], [], []
+    ``paced``: the survivors' feeds hand out a micro-batch at most once per the live test's pace (``RAYTRN_PACE_S``,
+    the harness's ``PACE_S``, recorded as ``pace_s``), so that their training leaves CPU for the returning node's
+    start, as a real node's own CPUs would; unpaced (the default) trains flat out, the returning node's start sharing
+    the 2 cores with it. ``rounds``: 3, so that the medians are not a mean of two."""
+    lost, back, alive, restarted, pace = [], [], [], [], 0.0
     env = {**os.environ, **({} if ray_metrics else {"RAY_enable_metrics_collection": "0"})}
     with tempfile.TemporaryDirectory(prefix="raytrn-bench-live-") as tmp:
         data = prepare_fixture_data(Path(tmp))  # once: every round reads the same dataset
@@ -144,7 +144,7 @@ def run_live(
             out = Path(tmp) / f"result-{i}.json"
             proc = subprocess.run(
                 [sys.executable, "-m", "tests.chaos.live_cluster", "--out", str(out), "--dataset", str(data),
-                 "--no-reference", "--loss-only", "--pace-s", str(pace_s)],
+                 "--no-reference", "--loss-only", *(["--paced"] if paced else [])],
                 cwd=REPO, capture_output=True, text=True, timeout=timeout_s, env=env,
             )  # fmt: skip
             result = json.loads(out.read_text()) if out.exists() else {}
@@ -152,6 +152,7 @@ def run_live(
                 raise RuntimeError(
                     f"the live recovery run did not finish: {result.get('error')}\n{proc.stderr[-2000:]}"
                 )
+            pace = result["pace_s"]
             lost.append(result["lost_to_next_step_s"])
             back.append(result["back_to_full_size_s"])
             alive.append(result["alive_to_full_size_s"])
@@ -167,7 +168,7 @@ def run_live(
         "alive_to_full_size_s_median": _median(alive),
         "survivors_restarted": restarted,
         "ray_metrics": ray_metrics,
-        "pace_s": pace_s,
+        "pace_s": pace,
     }
 
 

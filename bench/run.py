@@ -98,10 +98,9 @@ def _benchmarks(args: argparse.Namespace, results: dict[str, Any], deadline: flo
         "elastic": lambda: {
             **elastic.run(quick=quick),
             "stock": {} if quick else elastic.run_stock(),
-            # scaling.recovery: live, beside the restart path; 3 rounds each: a median of 2 is their mean
-            "live": {} if quick else elastic.run_live(rounds=3),
+            "live": {} if quick else elastic.run_live(),  # scaling.recovery: live, beside the restart path
             # the same with the survivors paced (the live test's pace): the returning node's start with CPU of its own
-            "live_paced": {} if quick else elastic.run_live(rounds=3, pace_s=0.15),
+            "live_paced": {} if quick else elastic.run_live(paced=True),
         },
         "mlflow": lambda: mlflow_overhead.run(
             bench,

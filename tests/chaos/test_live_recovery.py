@@ -15,7 +15,7 @@ every step is logged exactly once, every worker read the same rows at every step
 the uninterrupted run (one lost while it read a step's micro-batches: the first of them), and the losses (and the validation losses every 10 steps, each logged once) match it: within 1e-5 up to the loss, within 1e-4 for the 30 steps after it,
 within 1e-3 after that (summation order: gradients summed over 3, 2, 3 replicas instead of accumulated in one
 process, which AdamW amplifies over the steps). The seconds are asserted loosely (a shared 2-core machine); the
-bench measures them. The live run is paced (``RAYTRN_PACE_S``: ``PACE_S`` below) and checkpoints every 10 steps.
+bench measures them. The live run is paced (``RAYTRN_PACE_S``: the harness's ``PACE_S``) and checkpoints every 10 steps.
 """
 
 from __future__ import annotations
@@ -37,10 +37,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 #: 3.9e-3 over 405 (stop 62's first rehearsal: the test failed); at this test's 5e-4, under 1e-6 over 230 steps
 #: measured). A lost optimizer state or a wrong row moves the loss by far more.
 LOSS_TOLERANCE = 1e-3
-#: RAYTRN_PACE_S of the live run: a replica's micro-batch at most every 0.15 s (2 a step at 3 replicas, 6 at 1). Flat
-#: out, the tiny model's 3 replicas kept the 2 cores busy and trained ~380 steps, most of them at 1 replica while the
-#: events took their seconds, each trained again by the reference.
-PACE_S = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +45,7 @@ def live_run(tiny_dataset, tmp_path_factory) -> dict:
     out = tmp / "result.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tests.chaos.live_cluster", "--out", str(out), "--dataset", str(tiny_dataset),
-         "--lose", "2", "--s3", "--fast-node-death", "--pace-s", str(PACE_S),
+         "--lose", "2", "--s3", "--fast-node-death", "--paced",
          "--every", "10"],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
