@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrn.config import load_job
+from raytrn.config import JobSpec, load_job
 from raytrn.data.feed import DataFeed
 from raytrn.data.manifest import load_manifest
 from raytrn.data.order import Position, pace_s
@@ -17,6 +17,13 @@ from tests.conftest import REPO
 from tests.unit.test_cli import make_dataset
 
 pytestmark = pytest.mark.unit
+
+
+def _job(tmp_path: Path, *extra: str) -> JobSpec:
+    """The tiny job on a 16-row dataset made in ``tmp_path``/data (seq 32, vocabulary 512), with ``extra``."""
+    data = make_dataset(tmp_path / "data", seq_len=32, vocab_size=512, rows=16)
+    return load_job(REPO / "jobs" / "tiny.yaml", [f"data.manifest={data}", "data.seq_len=32", "model.vocab_size=512",
+                                                  *extra])  # fmt: skip
 
 
 def _rows(feed: DataFeed, n: int) -> tuple[list[list[int]], float]:
@@ -28,11 +35,8 @@ def _rows(feed: DataFeed, n: int) -> tuple[list[list[int]], float]:
 
 
 def test_the_feed_spaces_its_micro_batches_and_keeps_their_rows(tmp_path: Path, monkeypatch) -> None:
-    data = make_dataset(tmp_path / "data", seq_len=32, vocab_size=512, rows=16)
-    job = load_job(REPO / "jobs" / "tiny.yaml", [f"data.manifest={data}", "data.seq_len=32", "model.vocab_size=512",
-                                                  "data.micro_batch_size=2", "data.grad_accum=null",
-                                                  "data.global_batch_size=4"])  # fmt: skip
-    feed = DataFeed(job, load_manifest(str(data)), dp=1, dp_rank=0, global_batch=4)
+    job = _job(tmp_path, "data.micro_batch_size=2", "data.grad_accum=null", "data.global_batch_size=4")
+    feed = DataFeed(job, load_manifest(job.data.manifest), dp=1, dp_rank=0, global_batch=4)
     monkeypatch.delenv("RAYTRN_PACE_S", raising=False)
     flat_out, _ = _rows(feed, 4)
     monkeypatch.setenv("RAYTRN_PACE_S", "0.2")
@@ -51,10 +55,8 @@ def test_a_run_with_a_bad_pace_stops_before_anything_is_written(tmp_path: Path, 
     """The driver reads the pace first: no Ray, no run directory, no MLflow store."""
     from raytrn.train.trainer import run_training
 
-    data = make_dataset(tmp_path / "data", seq_len=32, vocab_size=512, rows=16)
-    job = load_job(REPO / "jobs" / "tiny.yaml", [f"data.manifest={data}", "data.seq_len=32", "model.vocab_size=512",
-                                                  f"checkpoint.storage={tmp_path / 'ckpt'}",
-                                                  f"tracking.mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}"])  # fmt: skip
+    job = _job(tmp_path, f"checkpoint.storage={tmp_path / 'ckpt'}",
+               f"tracking.mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}")  # fmt: skip
     monkeypatch.setenv("RAYTRN_PACE_S", "1s")
     with pytest.raises(ConfigError, match=r"RAYTRN_PACE_S='1s'"):
         run_training(job, live_progress=False)
