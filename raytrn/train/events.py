@@ -147,7 +147,11 @@ class RunEvents:
         by_reason: dict[str, list[int]] = {"its node was lost": lost} if lost else {}
         reasons = {rank: describe_error(e) for rank, e in sorted(errors.items()) if rank not in lost}
         silent = sorted(set(self.places) - set(errors) - set(lost) - self._told)
-        if not lost and silent and reasons and set(reasons.values()) == {PEER_LEFT}:
+        if self.live:
+            # Live, the survivors re-form without a replica they stopped hearing from and train on: they say nothing,
+            # and the one left out (its node cut off, its process not yet gone) finds its collective's peers gone
+            reasons = {rank: LEFT_BEHIND if reason == PEER_LEFT else reason for rank, reason in reasons.items()}
+        elif not lost and silent and reasons and set(reasons.values()) == {PEER_LEFT}:
             # The others' collectives failed because a peer left; the ranks that said nothing are the likely ones
             by_reason["no word from it (its process or node likely gone)"] = silent
         for rank, reason in reasons.items():
@@ -185,6 +189,8 @@ PEER_LOST = (
     "Broken pipe",
 )
 PEER_LEFT = "a peer left its collective (another worker's process or node went away)"
+#: The same error from a live replica's rank: the other replicas stopped hearing from it and went on without it.
+LEFT_BEHIND = "the other replicas went on without it (they stopped hearing from it: its node or network went away)"
 
 
 def describe_error(error: BaseException) -> str:

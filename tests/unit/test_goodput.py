@@ -267,6 +267,25 @@ def test_a_lost_node_is_named_before_its_survivors_collective_errors() -> None:
     assert lines[-1].startswith("raytrn: rank 0 on 10.0.0.1 failed: ValueError: bad batch; restarting")
 
 
+def test_a_live_replica_left_behind_is_named_alone_and_the_others_train_on() -> None:
+    """Live recovery, a node cut off while Ray still has it alive and its worker's process still answers: the
+    survivors re-form without it and say nothing; it reports its collective's peers gone. The line names it, not the
+    silent survivors (the restart path's guess), and says the others train on (seen in the bench's live round)."""
+    from raytrn.compat import WorkerPlace
+
+    lines: list[str] = []
+    events = RunEvents(10, live=True, out=lines.append, alive_nodes=lambda: {"n0", "n1", "n2"})
+    events.group_started([WorkerPlace(r, f"n{r}", f"10.0.0.{r + 1}", 10 + r) for r in range(3)])
+    reset = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:28371: Connection reset by peer.")
+    events.failure_decided(True, {2: reset}, RuntimeError("group"), False)
+    assert lines == [
+        "raytrn: rank 2 on 10.0.0.3 failed: the other replicas went on without it (they stopped hearing from it: its "
+        "node or network went away); the other replicas train on; its replica is replaced when capacity allows "
+        "(failure 1 of scaling.max_failures=10)"
+    ]
+    assert events.ends == []
+
+
 def test_a_live_replica_lost_with_its_node_is_named_once_not_again_at_the_next_failure() -> None:
     """Live recovery: a failed replica waits for capacity at its place (no new group starts), so a later failure of
     another replica (frozen: Ray's health check gave it up) names only that one, whatever the first line said of
