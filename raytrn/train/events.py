@@ -139,7 +139,7 @@ class RunEvents:
 
     def _what_failed(self, errors: dict[int, BaseException], error: BaseException) -> str:
         """The ranks on lost nodes first (Ray may not have said so yet: their survivors' collectives fail first),
-        then each reported reason with its ranks."""
+        then each reported reason with its ranks, a peer's failed collective last."""
         alive = self.alive_nodes() if self.places else None
         lost = sorted(
             r for r, p in self.places.items() if alive is not None and p.node_id not in alive and r not in self._told
@@ -154,7 +154,8 @@ class RunEvents:
         elif not lost and silent and reasons and set(reasons.values()) == {PEER_LEFT}:
             # The others' collectives failed because a peer left; the ranks that said nothing are the likely ones
             by_reason["no word from it (its process or node likely gone)"] = silent
-        for rank, reason in reasons.items():
+        # the causes before the consequence: a peer's collective fails because another rank died first
+        for rank, reason in sorted(reasons.items(), key=lambda item: item[1] == PEER_LEFT):
             by_reason.setdefault(reason, []).append(rank)
         if self.live:  # (a restart path's failure ends its group: the next starts with nothing told)
             self._told |= {rank for ranks in by_reason.values() for rank in ranks}

@@ -262,6 +262,13 @@ def test_a_lost_node_is_named_before_its_survivors_collective_errors() -> None:
             "raytrn: rank 1 on 10.0.0.2 failed: no word from it (its process or node likely gone); ranks 0, 2 on "
             "10.0.0.1, 10.0.0.3 failed: a peer left its collective"
         ), lines[-1]
+    # a killed worker: its death named before the others' failed collectives, whatever the ranks' order
+    died = ActorDiedError("The actor died because its worker process has died")
+    events.failure_decided(True, {0: reset, 1: reset, 2: died}, RuntimeError("group"), False)
+    assert lines[-1].startswith(
+        "raytrn: rank 2 on 10.0.0.3 failed: its process died (killed, out of memory, or exited); ranks 0, 1 on "
+        "10.0.0.1, 10.0.0.2 failed: a peer left its collective"
+    ), lines[-1]
     # a rank's own error beside silent ranks: only what was reported
     events.failure_decided(True, {0: ValueError("bad batch")}, RuntimeError("group"), False)
     assert lines[-1].startswith("raytrn: rank 0 on 10.0.0.1 failed: ValueError: bad batch; restarting")
