@@ -76,6 +76,8 @@ class AsyncLogger:
         self._rows: dict[tuple[str, int], tuple[int, float]] = {}  # (key, step) -> (timestamp, value), newest ones
         self._in_flight = 0
         self._closing = False
+        self._flushers = 0  # callers waiting in flush(): batches go one after another, no window between them
+        self._flushes = 0  # flushes begun: a retry's backoff ends at a new one
         self._down_since: float | None = None
         self._dropped = 0
         self.delivered = 0
@@ -126,7 +128,7 @@ class AsyncLogger:
                 if self._dropped == 0:
                     log.warning("MLflow buffer full (%d metrics): dropping the oldest", self._max_buffered)
                 self._dropped += overflow
-            self._cond.notify()
+            self._cond.notify_all()
 
     def set_tags(self, tags: dict[str, str]) -> None:
         """Queue tags (the newest value of a key wins; values cut to MLflow's 8,000-character limit)."""
@@ -135,7 +137,7 @@ class AsyncLogger:
                 self.rejected += len(tags)
                 return
             self._tags.update({k: _fit(str(v)) for k, v in tags.items()})
-            self._cond.notify()
+            self._cond.notify_all()
 
     @property
     def pending(self) -> int:
@@ -146,12 +148,17 @@ class AsyncLogger:
         """Wait up to ``timeout_s`` for everything queued so far to be delivered; True when it was."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            self._cond.notify()
-            while self._metrics or self._tags or self._in_flight:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(min(left, 0.2))
+            self._flushers += 1
+            self._flushes += 1
+            self._cond.notify_all()
+            try:
+                while self._metrics or self._tags or self._in_flight:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(min(left, 0.2))
+            finally:
+                self._flushers -= 1
         return True
 
     def close(self, timeout_s: float = 60.0) -> int:
@@ -161,7 +168,7 @@ class AsyncLogger:
         delivered = self.flush(timeout_s)
         with self._cond:
             self._closing = True
-            self._cond.notify()
+            self._cond.notify_all()
         self._thread.join(timeout=15)  # a batch in flight is delivered or put back first
         with self._cond:  # a batch still in flight (the thread did not stop) counts as not delivered
             left = len(self._metrics) + self._dropped + (self._in_flight if self._thread.is_alive() else 0)
@@ -185,7 +192,7 @@ class AsyncLogger:
                     self._cond.wait()
                 if self._closing:
                     return
-            time.sleep(self._window)  # gather a batch: one request per window, not one per metric
+                self._gather()
             if self.run_id is None and not self._try_resolve():
                 ok = False
             else:
@@ -194,10 +201,29 @@ class AsyncLogger:
                 attempt = 0
                 continue
             self.failures += 1
-            with self._cond:  # wait before retrying; close() and flush() wake us early
-                if not self._closing:
-                    self._cond.wait(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+            with self._cond:
+                self._back_off(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
             attempt += 1
+
+    def _gather(self) -> None:
+        """(Holding the lock.) Let a batch gather: one request per window, not one per metric. A full batch queued
+        (an outage's backlog, a long run's last metrics) or a caller waiting in :meth:`flush` goes at once: until
+        2026-12-04 every batch waited out the window, and a backlog drained at one batch per window and request."""
+        deadline = time.monotonic() + self._window
+        while (
+            len(self._metrics) < _MAX_METRICS_PER_BATCH
+            and not self._flushers
+            and not self._closing
+            and (left := deadline - time.monotonic()) > 0
+        ):
+            self._cond.wait(left)
+
+    def _back_off(self, seconds: float) -> None:
+        """(Holding the lock.) Wait ``seconds`` before retrying, or until :meth:`close`, or a :meth:`flush` begins
+        (one retry at once: no more, however many metrics are logged meanwhile)."""
+        flushes, deadline = self._flushes, time.monotonic() + seconds
+        while not self._closing and self._flushes == flushes and (left := deadline - time.monotonic()) > 0:
+            self._cond.wait(left)
 
     def resolve_now(self) -> bool:
         """Try once, now, to get the run (MLflow was unreachable, or its creation failed): whether it exists."""

@@ -102,6 +102,29 @@ def test_async_logger_delivers_in_order_and_records_the_logged_step(tmp_path):
     assert logged_step_of(client.get_run(run_id)) == 30
 
 
+def test_async_logger_sends_a_backlog_batch_after_batch_and_a_flush_at_once(tmp_path):
+    """A batch gathers for the logger's window (here 60 s: one request per window, not one per metric), but a full
+    batch queued (an outage's backlog, a long run's last metrics) goes at once, and so does the rest while a caller
+    waits in flush(). Until 2026-12-04 every batch waited out the window: a backlog drained at one batch per window
+    and request (the MLflow outage test's run waited ~13 s at its end for 1,700 steps' metrics)."""
+    uri, run_id = _run(tmp_path)
+    logger = AsyncLogger(uri, run_id, batch_window_s=60)
+    try:
+        for step in range(1, 1001):  # 3,000 metrics: 3 full batches of 900, then 300
+            logger.log_metrics({"loss": 10.0 / step, "lr": 0.1, "tokens_per_s": 5.0}, step)
+        deadline = time.monotonic() + 60
+        while logger.pending > 300 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert logger.delivered == 2700 and logger.pending == 300  # the full batches, none of the window's 60 s
+        time.sleep(0.3)
+        assert logger.pending == 300  # the rest gathers for its window...
+        assert logger.flush(timeout_s=30)  # ...unless a caller waits for it
+        assert logger.delivered == 3000
+    finally:
+        logger.close(timeout_s=5)
+    assert [m.step for m in MlflowClient(uri).get_metric_history(run_id, "loss")] == list(range(1, 1001))
+
+
 def test_tracking_actor_knows_the_last_steps_across_restarts(tmp_path):
     """The actor class itself (no Ray): training and system-metric steps, queued here or read from the run."""
     from raytrn.tracking.actor import TrackingActor
