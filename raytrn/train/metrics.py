@@ -25,6 +25,7 @@ from raytrn.models import model_stats
 from raytrn.runtime import process_started_at
 from raytrn.tracking.actor import RemoteLogger, resolve
 from raytrn.tracking.cost import CostTracker, mfu, peak_flops_per_worker, usd_per_hour
+from raytrn.tracking.export import export_ahead
 from raytrn.tracking.roles import ProgressPosts
 from raytrn.train.memory_probe import MemoryProbe
 from raytrn.train.plan import WorkerPlan
@@ -115,6 +116,8 @@ class MetricsReporter:
                 now = time.time()
                 since_launch = now - (self.started_at or now)
                 self.board.first_step_done(progress.step, since_launch, now - self.group_started_at)
+            if self.logger is not None:  # rank 0: what the final model's export imports, beside the steps from now
+                export_ahead(self.job)
         trained = result.trained_tokens if result.trained_tokens is not None else self.tokens_per_step  # masked
         progress.tokens_seen += trained
         self._tokens += trained

@@ -177,3 +177,25 @@ def _printed(code: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout.strip()
+
+
+def test_rank_0_imports_the_final_models_tokenizer_class_ahead_only_when_the_job_logs_its_model() -> None:
+    """export_ahead (rank 0, once its group's first step is done): with ``tracking.log_model`` the tokenizer class the
+    export saves with is imported in the background (the export then imports nothing more), and none of it is a module
+    a loop imports (so the thread never imports beside the training thread's own imports: raytrn.ahead's rule);
+    without it nothing is started."""
+    code = (
+        "import sys, raytrn.train.loop, raytrn.train.live_loop\n"
+        "from raytrn.ahead import _ended, wait_for\n"
+        "from raytrn.config import load_job\n"
+        "from raytrn.tracking.export import TOKENIZER_IMPORTS, export_ahead\n"
+        "export_ahead(load_job('jobs/tiny.yaml', ['tracking.log_model=false']))\n"
+        "assert not set(TOKENIZER_IMPORTS) & set(_ended), 'started without log_model'\n"
+        "before = set(sys.modules)\n"
+        "export_ahead(load_job('jobs/tiny.yaml', []))\n"
+        "assert all(wait_for(m, 120) for m in TOKENIZER_IMPORTS)\n"
+        "ahead = set(sys.modules) - before\n"
+        "from transformers import PreTrainedTokenizerFast\n"
+        "print(sorted(set(sys.modules) - before - ahead), sorted(m for m in ahead if m.split('.')[0] in ('torch', 'raytrn', 'ray')))\n"
+    )
+    assert _printed(code) == "[] []"
