@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import socket
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 
@@ -108,6 +109,9 @@ def test_ray_elastic_policy_internals_are_where_the_policy_expects_them() -> Non
         "reserved_resources",
     ]
     assert list(inspect.signature(ElasticScalingPolicy._get_reserved_resources).parameters) == ["self"]
+    assert list(inspect.signature(ElasticScalingPolicy.make_decision_for_non_running_worker_group).parameters) == [
+        "self"
+    ]
     assert ElasticScalingPolicy.GET_RESERVED_RESOURCES_INTERVAL_S > 0
     init = inspect.getsource(ElasticScalingPolicy.__init__)
     assert "self._latest_reserved_resources_query_time" in init and "self._latest_reserved_resources" in init
@@ -142,8 +146,6 @@ def test_policy_counts_with_the_chooser_and_travels_to_the_controller() -> None:
 def test_a_running_group_only_grows() -> None:
     """Ray's decision for a running group, with the cluster view replaced: one node fewer (draining: the
     preemption flow shrinks the group after its checkpoint) is no resize; one node more is."""
-    from types import SimpleNamespace
-
     from ray.train.v2.api.config import ScalingConfig
 
     resize = compat.resolve(compat.PRIVATE_NAMES["Ray Train scaling decisions"])
@@ -160,6 +162,48 @@ def test_a_running_group_only_grows() -> None:
         decision = policy.make_decision_for_running_worker_group(running, None)
         assert type(decision) is expected, (nodes, decision)
     assert decision.num_workers == 3
+
+
+def test_a_restart_right_after_a_resize_check_is_sized_from_the_cluster_after_the_loss(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray keeps a view of the cluster for a second. A node lost 0.35 s after a running group's resize check took
+    one: the restart must not reuse that view (it counted the lost node: a start at the old size waits out Ray's 60 s
+    start timeout; the chaos suite, 2026-12-04), but take a new one; a second decision right after reuses that."""
+    import ray
+    from ray.train.v2.api.config import ScalingConfig
+
+    resize = compat.resolve(compat.PRIVATE_NAMES["Ray Train scaling decisions"])
+    live = {"n0", "n1", "n2"}
+    asked: list[bool] = []
+
+    class Coordinator:  # the autoscaling coordinator's reservation: every node's slot, lost ones too (Ray lags)
+        class get_reserved_resources:  # noqa: N801 - an actor method's handle
+            @staticmethod
+            def remote(requester: str, recompute: bool = False) -> dict[str, dict[str, float]]:
+                asked.append(recompute)
+                return {n: {"neuron_cores": 1.0} for n in ("n0", "n1", "n2")}
+
+    monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": n, "Alive": True} for n in ("n0", "n1", "n2")])
+    monkeypatch.setattr(compat, "draining_nodes", lambda: set())
+    config = ScalingConfig(num_workers=(1, 3), resources_per_worker={"neuron_cores": 1.0})
+    policy = compat.elastic_scaling_policy(
+        config,
+        SizeChooser(resources={"neuron_cores": 1.0}, sizes=(1, 2, 3)),
+        lambda nodes: {str(n["NodeID"]) for n in nodes} & live,  # the raylets that answer
+    )
+    policy._maybe_send_resource_request = lambda: None
+    policy._coordinator_client = SimpleNamespace(_autoscaling_coordinator=Coordinator())  # (its one use here)
+    running = SimpleNamespace(start_time=float("-inf"), num_workers=3)
+    policy._latest_monitor_time = float("-inf")
+    assert policy.make_decision_for_running_worker_group(running, None).__class__.__name__ == "NoopDecision"
+    live.discard("n2")  # lost now, well within the second Ray keeps that view
+    decision = policy.make_decision_for_non_running_worker_group()
+    assert type(decision) is resize and decision.num_workers == 2, decision
+    assert len(asked) == 2
+    policy.make_decision_for_non_running_worker_group()  # (waiting for its start: Ray's second of reuse again)
+    assert len(asked) == 2
 
 
 @pytest.mark.parametrize(
