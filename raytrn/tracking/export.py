@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,16 +25,36 @@ from raytrn.models.lora import adapted_weights, export_specs, merged_items, save
 log = logging.getLogger(__name__)
 
 #: What saving the final model's tokenizer imports (transformers' tokenizer class and its hub client: 0.4-0.7 s in a
-#: training worker, none of it a module training imports): imported ahead by :func:`export_ahead`.
+#: training worker, none of it a module training imports): imported ahead by :class:`ExportAhead`.
 TOKENIZER_IMPORTS = ("transformers.tokenization_utils_fast",)
 
 
-def export_ahead(job: JobSpec) -> None:
-    """Rank 0 (which saves the final model's tokenizer), once its group's first step is done: when the job logs its
-    final model, :data:`TOKENIZER_IMPORTS` are imported in a thread beside the steps (:mod:`raytrn.ahead`), so that
-    the run's end does not wait for them (measured: 0.7 of the 1.2 s from a tiny run's last step to its end)."""
-    if job.tracking.log_model:
-        import_ahead(TOKENIZER_IMPORTS)
+class ExportAhead:
+    """Rank 0 (which saves the final model's tokenizer), after each step: once the steps left to ``run.max_steps``
+    look like at most :attr:`HORIZON_S` seconds at this group's pace (measured from its first step done: a short run's
+    second step), :data:`TOKENIZER_IMPORTS` are imported in a thread beside the steps (:mod:`raytrn.ahead`), so that
+    the run's end does not wait for them (measured: 0.7 of the 1.2 s from a tiny run's last step to its end). Not
+    earlier: a group restarted, preempted or stopped early (``raytrn stop``) would have spent that CPU for nothing.
+    Nothing when the job does not log its final model."""
+
+    HORIZON_S = 30.0
+
+    def __init__(self, job: JobSpec) -> None:
+        self.max_steps = job.run.max_steps
+        self.done = not job.tracking.log_model
+        self._since: tuple[int, float] | None = None  # (step, time) of this group's first step done
+
+    def step_done(self, step: int) -> None:
+        if self.done:
+            return
+        now = time.monotonic()
+        if self._since is None:
+            self._since = (step, now)
+            return
+        first, since = self._since
+        if step > first and (self.max_steps - step) * (now - since) / (step - first) <= self.HORIZON_S:
+            self.done = True
+            import_ahead(TOKENIZER_IMPORTS)
 
 
 def log_final_model(
@@ -74,7 +95,7 @@ def export_hf(job: JobSpec, items: Any, out_dir: str | None, specs: dict[str, An
 def save_tokenizer(manifest: Any, out_dir: str) -> None:
     """The dataset's ``tokenizer.json`` (local or S3) saved as a transformers tokenizer beside the model, its
     end-of-text token named (what generation stops at and what lm-eval prefixes a context with)."""
-    from transformers import PreTrainedTokenizerFast  # (imported ahead during the run: export_ahead)
+    from transformers import PreTrainedTokenizerFast  # (imported ahead near the run's end: ExportAhead)
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         f.write(storage.read_text(manifest.tokenizer_path) or "")

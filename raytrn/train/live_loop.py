@@ -52,7 +52,7 @@ from raytrn.data.feed import DataFeed
 from raytrn.errors import RunStopped
 from raytrn.runtime import worker_logging
 from raytrn.sigterm import TRAINING
-from raytrn.tracking.export import export_ahead, log_final_model
+from raytrn.tracking.export import ExportAhead, log_final_model
 from raytrn.tracking.goodput import GroupTimes
 from raytrn.tracking.roles import ProgressPosts
 from raytrn.train.build import build_training
@@ -503,6 +503,7 @@ class LiveMetrics:
         self.board = plan.board.progress if plan.board is not None else None
         self.started_at = time.time()
         self.first = True
+        self.export_ahead = ExportAhead(job)
         #: The non-finite guard whose counts the log steps carry (``nonfinite_steps``, ``skipped_batches``).
         self.guard: NonFiniteGuard | None = None
         #: The checkpoints whose failed saves the log steps carry (``checkpoint_failures``).
@@ -532,12 +533,11 @@ class LiveMetrics:
         if self.pending is not None and self.tracker is not None and self.pending[0] < step:  # it just became rank 0
             self.tracker.log_metrics(self.pending[1], self.pending[0])  # what the lost rank 0 may not have logged
         self.pending = None
-        if self.first:
+        if self.tracker is not None:  # rank 0: the final model's export imports, once the run's end is near
+            self.export_ahead.step_done(step)
+        if self.first and self.board is not None:
             self.first, now = False, time.time()
-            if self.tracker is not None:  # rank 0: what the final model's export imports, beside the steps from now
-                export_ahead(job)
-            if self.board is not None:
-                self.board.first_step_done(step, now - (self.plan.started_at or now), now - self.started_at)
+            self.board.first_step_done(step, now - (self.plan.started_at or now), now - self.started_at)
         self.recovered(step, reformed)
         if not logging_step:
             if self.board is not None:

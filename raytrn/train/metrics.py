@@ -25,7 +25,7 @@ from raytrn.models import model_stats
 from raytrn.runtime import process_started_at
 from raytrn.tracking.actor import RemoteLogger, resolve
 from raytrn.tracking.cost import CostTracker, mfu, peak_flops_per_worker, usd_per_hour
-from raytrn.tracking.export import export_ahead
+from raytrn.tracking.export import ExportAhead
 from raytrn.tracking.roles import ProgressPosts
 from raytrn.train.memory_probe import MemoryProbe
 from raytrn.train.plan import WorkerPlan
@@ -84,6 +84,8 @@ class MetricsReporter:
         # Each rank's own time per step (data wait + forward), gathered at log steps: who is slow
         self.stragglers = Stragglers(world_size, rank)
         self._first_step = True
+        #: Rank 0: the final model's export imports, once the run's end is near (raytrn.tracking.export).
+        self.export_ahead = ExportAhead(job) if logger is not None else None
         #: Tokens and seconds of the group's log windows after its first (compiles, warm-up), and of the first
         self._steady_tokens, self._steady_s = 0, 0.0
         self._first_window: tuple[int, float] | None = None
@@ -116,8 +118,6 @@ class MetricsReporter:
                 now = time.time()
                 since_launch = now - (self.started_at or now)
                 self.board.first_step_done(progress.step, since_launch, now - self.group_started_at)
-            if self.logger is not None:  # rank 0: what the final model's export imports, beside the steps from now
-                export_ahead(self.job)
         trained = result.trained_tokens if result.trained_tokens is not None else self.tokens_per_step  # masked
         progress.tokens_seen += trained
         self._tokens += trained
@@ -125,6 +125,8 @@ class MetricsReporter:
         self._data_wait += result.data_wait_s
         self._own += result.data_wait_s + result.forward_s
         step = progress.step
+        if self.export_ahead is not None:
+            self.export_ahead.step_done(step)
         if not self.should_log(step, last=last):
             if self.board is not None and time.monotonic() - self._reached_at >= REACHED_EVERY_S:
                 self.board.reached(step)

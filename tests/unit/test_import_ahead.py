@@ -179,20 +179,26 @@ def _printed(code: str) -> str:
     return out.stdout.strip()
 
 
-def test_rank_0_imports_the_final_models_tokenizer_class_ahead_only_when_the_job_logs_its_model() -> None:
-    """export_ahead (rank 0, once its group's first step is done): with ``tracking.log_model`` the tokenizer class the
-    export saves with is imported in the background (the export then imports nothing more), and none of it is a module
-    a loop imports (so the thread never imports beside the training thread's own imports: raytrn.ahead's rule);
-    without it nothing is started."""
+def test_rank_0_imports_the_final_models_tokenizer_class_ahead_near_the_runs_end() -> None:
+    """ExportAhead (rank 0, after each step): once the steps left look like at most 30 s at the group's pace, the
+    tokenizer class the export saves with is imported in the background (the export then imports nothing more), and
+    none of it is a module a loop imports (so the thread never imports beside the training thread's own imports:
+    raytrn.ahead's rule); far from the end, or without ``tracking.log_model``, nothing is started."""
     code = (
-        "import sys, raytrn.train.loop, raytrn.train.live_loop\n"
+        "import sys, time, raytrn.train.loop, raytrn.train.live_loop\n"
         "from raytrn.ahead import _ended, wait_for\n"
         "from raytrn.config import load_job\n"
-        "from raytrn.tracking.export import TOKENIZER_IMPORTS, export_ahead\n"
-        "export_ahead(load_job('jobs/tiny.yaml', ['tracking.log_model=false']))\n"
-        "assert not set(TOKENIZER_IMPORTS) & set(_ended), 'started without log_model'\n"
+        "from raytrn.tracking.export import TOKENIZER_IMPORTS, ExportAhead\n"
+        "def steps(ahead, n):\n"
+        "    for step in range(1, n + 1):\n"
+        "        ahead.step_done(step)\n"
+        "        time.sleep(0.01)\n"
+        "    return ahead.done\n"
+        "assert steps(ExportAhead(load_job('jobs/tiny.yaml', ['tracking.log_model=false'])), 3)\n"
+        "assert not steps(ExportAhead(load_job('jobs/tiny.yaml', ['run.max_steps=1000000'])), 3)  # hours left\n"
+        "assert not set(TOKENIZER_IMPORTS) & set(_ended), 'started'\n"
         "before = set(sys.modules)\n"
-        "export_ahead(load_job('jobs/tiny.yaml', []))\n"
+        "assert steps(ExportAhead(load_job('jobs/tiny.yaml', ['run.max_steps=100'])), 2)  # ~1 s left at its pace\n"
         "assert all(wait_for(m, 120) for m in TOKENIZER_IMPORTS)\n"
         "ahead = set(sys.modules) - before\n"
         "from transformers import PreTrainedTokenizerFast\n"
