@@ -72,17 +72,26 @@ class OutageProxy:
 
     def cut(self, seconds: float) -> None:
         """Refuse and reset every connection for ``seconds`` (blocking), then serve again on the same port."""
+        self._serve_after(self._begin(), seconds)
+
+    def cut_in_background(self, seconds: float) -> threading.Thread:
+        """The same, returning once the outage has begun (every connection refused from now on); its end in a
+        thread (returned)."""
+        start = self._begin()
+        thread = threading.Thread(target=self._serve_after, args=(start, seconds), name="outage", daemon=True)
+        thread.start()
+        return thread
+
+    def _begin(self) -> float:
         start = time.time()
         self._drop()
-        time.sleep(seconds)
+        return start
+
+    def _serve_after(self, start: float, seconds: float) -> None:
+        time.sleep(max(0.0, start + seconds - time.time()))
         with self._lock:
             self._listener = self._listen(self.port)
         self.outages.append((start, time.time()))
-
-    def cut_in_background(self, seconds: float) -> threading.Thread:
-        thread = threading.Thread(target=self.cut, args=(seconds,), name="outage", daemon=True)
-        thread.start()
-        return thread
 
     def close(self) -> None:
         self._closed = True

@@ -1,20 +1,23 @@
 """MLflow never stops training: the tracking server is down when the job starts and again for a few seconds
 mid-run; it comes back each time and nothing is lost.
 
-A real ``mlflow server`` (sqlite store, artifacts on the moto S3 server) and a real local Ray. The same run
-checks what a tracked job records: params with versions and the git commit, the dataset input with its
-digest, per-node system metrics, the final model in Hugging Face format on S3, and its registry version.
+A real ``mlflow server`` (sqlite store, artifacts on the moto S3 server) and a real local Ray; the job reaches the
+server through a TCP forwarder (tests/outage_proxy.py) that is cut for each outage: its port refuses connections and
+every open one is reset, as a stopped server's would be (until 2026-12-04 the server was stopped and started again,
+~5 s a start on top of each outage). The same run checks what a tracked job records: params with versions and the git
+commit, the dataset input with its digest, per-node system metrics, the final model in Hugging Face format on S3, and
+its registry version.
 """
 
 from __future__ import annotations
 
-import time
 import urllib.request
 import uuid
 
 import pytest
 
 from tests.chaos._common import summary_of, tiny_chaos_job, train_in_thread, wait_until
+from tests.outage_proxy import OutageProxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 OUTAGE_S = 4
@@ -33,18 +36,17 @@ def outage_run(ray_session, tiny_dataset, mlflow_server, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("outage")
     name = f"outage-{uuid.uuid4().hex[:8]}"
-    job = tiny_chaos_job(tiny_dataset, tmp / "ckpt", mlflow_uri=mlflow_server.url, experiment="raytrn-outage",
+    proxy = OutageProxy(("127.0.0.1", mlflow_server.port))  # the server as the job reaches it
+    job = tiny_chaos_job(tiny_dataset, tmp / "ckpt", mlflow_uri=proxy.url, experiment="raytrn-outage",
                          name=name, extra=(f"checkpoint.every_n_steps={EVERY}", "tracking.register_model=raytrn-outage-tiny",
                                            "tracking.system_metrics_interval_s=1", f"run.max_steps={HORIZON}"))  # fmt: skip
-    client = MlflowClient(mlflow_server.url)
-    mlflow_server.stop()  # down when the job starts: it trains anyway, rank 0 creates the run once the server answers
-    with pytest.raises(OSError):  # (the outage is real: nothing listens; start() comes back on the same port and store)
-        urllib.request.urlopen(f"{mlflow_server.url}/health", timeout=5)
-    try:
-        thread, result = train_in_thread(job)
-        time.sleep(LATE_S)
-    finally:
-        mlflow_server.start()
+    client = MlflowClient(mlflow_server.url)  # the test's own view: the server itself
+    # down when the job starts: it trains anyway, rank 0 creates the run once the server answers
+    late = proxy.cut_in_background(LATE_S)
+    with pytest.raises(OSError):  # (the outage is real: nothing listens on the job's port)
+        urllib.request.urlopen(f"{proxy.url}/health", timeout=5)
+    thread, result = train_in_thread(job)
+    late.join(timeout=60)
 
     def logged(after: float = 0.0) -> list[int]:
         runs = client.search_runs(
@@ -56,17 +58,15 @@ def outage_run(ray_session, tiny_dataset, mlflow_server, tmp_path_factory):
 
     try:
         wait_until(lambda: bool(logged()), 180, "the first logged step")
-        down = time.time()
-        mlflow_server.stop()
-        time.sleep(OUTAGE_S)
-        up = time.time()
-        mlflow_server.start()
+        proxy.cut(OUTAGE_S)
+        down, up = proxy.outages[-1]
         wait_until(lambda: bool(logged(after=up)), 180, "a step trained after the outage")
         from raytrn.train.stopping import request_stop
 
         request_stop(name, max(2 * EVERY, (max(logged()) // EVERY + 1) * EVERY))  # at the next checkpoint step
     finally:
         thread.join(timeout=600)
+        proxy.close()
     return job, summary_of(thread, result), client, (down, up)
 
 
