@@ -298,7 +298,12 @@ def render(report: dict[str, Any]) -> str:
             f"{_num((el.get('stock') or {}).get('node_loss_to_next_step_s'), '.1f', ' s')} | |",
             f"| elastic: worker SIGKILLed -> next step logged | {_num(el.get('kill_recovery_s'), '.1f', ' s')} (steps "
             f"trained again {', '.join(str(x) for x in el['kill_steps_lost'])}) | |",
-            f"| elastic: spot notice (`ray drain-node`, 10 s deadline) -> next step logged after the deadline | "
+            (
+                f"| elastic: spot notice (`ray drain-node`, {el['notice_deadline_s']} s deadline) -> next step logged "
+                "(the group restarted once the notice's checkpoint was committed, not at the deadline) | "
+                if el.get("notice_measured_from") == "notice"
+                else "| elastic: spot notice (`ray drain-node`, 10 s deadline) -> next step logged after the deadline | "
+            ),
             f"{_num(el.get('notice_recovery_s'), '.1f', ' s')} (steps lost "
             f"{', '.join(str(x) for x in el['notice_steps_lost'])}) | 0 steps lost |",
             f"| elastic: node back -> 3-worker group running (`resize_interval_s` {el['resize_interval_s']}) | median "

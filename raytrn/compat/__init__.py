@@ -16,14 +16,14 @@ import logging
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from raytrn.compat import controller, replicas
+from raytrn.compat import controller, preemption, replicas
 from raytrn.compat.controller import (
     HOSTED_SKIPPED_CALLBACKS,
     ControllerListener,
     WorkerPlace,
     hosted_trainer,
-    is_preemption_failure,
 )
+from raytrn.compat.preemption import NOTICE_COMMITTED, is_preemption_failure
 
 #: Ray Train's modules a worker's main thread imports while Ray Train sets it up (its train context, Ray Tune's with
 #: it), beside the thread of :mod:`raytrn.compat.worker` that imports torch: none may import torch (a torch submodule
@@ -40,6 +40,7 @@ WORKER_SET_UP_MODULES = (
 #: The private names this package relies on: ``module`` or ``module:attribute.path``.
 PRIVATE_NAMES: dict[str, str] = {
     **controller.PRIVATE_NAMES,
+    **preemption.PRIVATE_NAMES,
     **replicas.PRIVATE_NAMES,
     "Ray Data stats actor": "ray.data._internal.stats:get_or_create_stats_actor",
     "Ray Train replica-group flag": "ray.train.backend:Backend.has_replica_groups",
@@ -547,6 +548,7 @@ def resolve(spec: str) -> Any:
 
 __all__ = [
     "HOSTED_SKIPPED_CALLBACKS",
+    "NOTICE_COMMITTED",
     "ControllerListener",
     "WorkerPlace",
     "hosted_trainer",

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
+from raytrn.compat.preemption import NOTICE_COMMITTED, is_preemption_failure
+
 #: The logger (its module's) of Ray Train's checkpoint manager, which the controller builds before raytrn routes Ray
 #: Train's lines (:meth:`HostedController._start`); on every resume it logs a three-line notice that ends "please
 #: configure a new, unique `RunConfig(name)` or delete the existing folder": raytrn's own line says where it resumes.
@@ -74,6 +76,8 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Train replica-group shutdown": "ray.train.v2._internal.execution.worker_group.execution_group:ReplicaGroup.shutdown",
     "Ray Train worker-group state": "ray.train.v2._internal.execution.worker_group.state:WorkerGroupState.shutdown",
     "Ray Train controller callback": "ray.train.v2._internal.execution.callback:ControllerCallback",
+    "Ray Train report callback": "ray.train.v2._internal.execution.callback:ReportCallback.after_report",
+    "Ray Train preemption deadline": "ray.train.v2._internal.execution.controller:TrainController._is_preemption_deadline_exceeded",
     "Ray Train worker-group callback": "ray.train.v2._internal.execution.callback:WorkerGroupCallback",
     "Ray Train preemption callback": "ray.train.v2._internal.callbacks.preemption_callback:PreemptionCallback",
     "Ray Train preemption watcher": "ray.train.v2._internal.execution.preemption:PreemptionWatcher",
@@ -82,7 +86,6 @@ PRIVATE_NAMES: dict[str, str] = {
     "Ray Train failing replica groups' replacement": "ray.train.v2._internal.execution.controller:TrainController._replace_bad_workers",
     "Ray Train preemption error": "ray.train.v2.api.exceptions:PreemptionError",
     "Ray Train checkpoint manager's logger": f"{CHECKPOINT_MANAGER_LOGGER}:logger",
-    "Ray Train preemption budget": "ray.train.v2._internal.execution.failure_handling.default:_is_preemption_failure",
     "Ray Train controller console handler": "ray.train.v2._internal.logging.logging:PlainRayHandler",
     "Ray Train resource-request expiry": "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client:AUTOSCALING_REQUESTS_EXPIRE_TIME_S",
     "Ray Train resource-request renewal": "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client:AUTOSCALING_REQUESTS_INTERVAL_S",
@@ -139,36 +142,9 @@ class ControllerListener(Protocol):
     def preempting(self, ranks: list[int], deadline_ms: int | None) -> None:
         """A preemption notice covers ``ranks`` (their nodes are being drained)."""
 
-
-def is_preemption_failure(error: BaseException) -> bool:
-    """Whether Ray Train charges the failure ``error`` to ``FailureConfig.max_preemption_failures`` (unlimited by
-    default) rather than to ``max_failures``: its controller's ``PreemptionError`` (it waited out a notice), or a
-    worker group's failure in which a worker died with its node preempted (``RayActorError.preempted``: a drained
-    node taken away, e.g. a live replica's that left on the notice).
-
-    ``ray.train.v2._internal.execution.failure_handling.default._is_preemption_failure``; public alternative: none.
-    """
-    from ray.train.v2._internal.execution.failure_handling.default import _is_preemption_failure
-
-    return bool(_is_preemption_failure(error))  # type: ignore[arg-type]  # (any error: False for others)
-
-
-def frozen_workers(
-    polls: list[tuple[BaseException | None, str]], timed_out: type, node_lost: Callable[[list[str]], bool] | None
-) -> tuple[list[int], list[int]]:
-    """Of a poll's ``(error, node id)`` per rank, the ranks whose poll went unanswered past the health check's bound
-    (``timed_out``: Ray Train's ``WorkerHealthCheckTimeoutError``): ``(frozen, lost)``, where ``lost`` are those
-    whose node ``node_lost`` says is gone (dead, or not answering while Ray still calls it alive: Ray's node death
-    fails them as a lost node's) and ``frozen`` the others; ``node_lost`` is asked once per node."""
-    frozen: list[int] = []
-    lost: list[int] = []
-    seen: dict[str, bool] = {}  # one probe per node and poll
-    for rank, (error, node) in enumerate(polls):
-        if isinstance(error, timed_out):
-            if node not in seen:
-                seen[node] = node_lost is not None and node_lost([node])
-            (lost if seen[node] else frozen).append(rank)
-    return frozen, lost
+    def notice_committed(self, step: int) -> None:
+        """Every worker of the group reported :data:`NOTICE_COMMITTED`: the notice's checkpoint of ``step`` is
+        committed; the group is restarted without the draining node at the controller's next poll."""
 
 
 def hosted_trainer(
@@ -205,7 +181,7 @@ def hosted_trainer(
     from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
     from ray.train.v2._internal.constants import WORKER_HEALTH_CHECK_TIMEOUT_S_ENV_VAR
     from ray.train.v2._internal.exceptions import WorkerHealthCheckTimeoutError
-    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+    from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback, WorkerGroupCallback
     from ray.train.v2._internal.execution.controller import TrainController
     from ray.train.v2._internal.execution.controller.state import AbortedState, PreemptingState, ResizingState
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
@@ -215,7 +191,7 @@ def hosted_trainer(
     from ray.train.v2._internal.execution.worker_group.state import WorkerGroupState
     from ray.train.v2._internal.logging.logging import PlainRayHandler
 
-    from raytrn.compat.replicas import replace_together
+    from raytrn.compat.replicas import frozen_workers, replace_together
 
     def _answer(workers: list[Any], frozen_after_s: float | None) -> bool | None:
         """Whether ``workers``' actors answer: False when one is gone (a dead node's refuse at once), None when one
@@ -460,12 +436,23 @@ def hosted_trainer(
             if watcher is not None:
                 watcher._stop_event.set()
 
-    class Events(ControllerCallback, WorkerGroupCallback):  # type: ignore[misc]
-        """The controller's decisions, to ``listener``."""
+    class Events(ControllerCallback, WorkerGroupCallback, ReportCallback):  # type: ignore[misc]
+        """The controller's decisions, to ``listener``; ``committed``: the step of the running group's committed
+        notice checkpoint (None: none)."""
+
+        committed: int | None = None
 
         def before_worker_group_start(self, worker_group_context: Any) -> None:
+            self.committed = None
             if listener is not None:
                 listener.group_starting(int(worker_group_context.num_workers))
+
+        def after_report(self, training_report: Any, metrics: list[dict[str, Any]]) -> None:
+            steps = [m[NOTICE_COMMITTED] for m in metrics if NOTICE_COMMITTED in m]
+            if steps and self.committed is None:
+                self.committed = int(steps[0])
+                if listener is not None:
+                    listener.notice_committed(self.committed)
 
         def after_worker_group_training_start(self, worker_group: Any) -> None:
             if listener is not None:
@@ -527,6 +514,15 @@ def hosted_trainer(
             return super()._execute_failure_decision(
                 failure_decision, training_failed_error, invoke_failure_decision_callbacks
             )
+
+        def _is_preemption_deadline_exceeded(  # type: ignore[override]  # (a static method in Ray, called on self)
+            self, preemption_info: Any, detected_at_s: float, extra_grace_s: float = 0.0
+        ) -> bool:
+            # The group stopped at its notice's committed checkpoint: restarting it without the draining node now
+            # loses nothing (stock waits for the deadline, its workers perhaps still training)
+            if any(isinstance(c, Events) and c.committed is not None for c in self._callbacks):
+                return True
+            return bool(TrainController._is_preemption_deadline_exceeded(preemption_info, detected_at_s, extra_grace_s))
 
         def _replace_bad_workers(self, poll_status: Any) -> None:
             # Ray's loop replaces the failing replica groups one after another (its "TODO: parallelize this"): each

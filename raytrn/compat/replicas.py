@@ -8,6 +8,8 @@ once then joined the live group a worker start apart: in the live chaos test (20
 53. :func:`replace_together` does what Ray's replacement does (its ``_replace_replica_group_impl``) for every group
 named, creating their actors together, so that the newcomers start side by side.
 
+:func:`frozen_workers` tells, of a poll's workers, the frozen ones from those whose node is lost.
+
 Public alternative: none (``replace_replica_group`` takes one index). Every name used here is in
 :data:`PRIVATE_NAMES`; ``tests/unit/test_compat.py`` checks that Ray's replacement still takes these steps, and
 ``tests/unit/test_replicas.py`` runs this one on a stand-in worker group.
@@ -16,7 +18,7 @@ Public alternative: none (``replace_replica_group`` takes one index). Every name
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -109,3 +111,21 @@ def replace_together(group: Any, indices: Sequence[int]) -> dict[int, BaseExcept
             )
             log.info("started replica group %d: %s", i, places)
     return failed
+
+
+def frozen_workers(
+    polls: list[tuple[BaseException | None, str]], timed_out: type, node_lost: Callable[[list[str]], bool] | None
+) -> tuple[list[int], list[int]]:
+    """Of a poll's ``(error, node id)`` per rank, the ranks whose poll went unanswered past the health check's bound
+    (``timed_out``: Ray Train's ``WorkerHealthCheckTimeoutError``): ``(frozen, lost)``, where ``lost`` are those
+    whose node ``node_lost`` says is gone (dead, or not answering while Ray still calls it alive: Ray's node death
+    fails them as a lost node's) and ``frozen`` the others; ``node_lost`` is asked once per node."""
+    frozen: list[int] = []
+    lost: list[int] = []
+    seen: dict[str, bool] = {}  # one probe per node and poll
+    for rank, (error, node) in enumerate(polls):
+        if isinstance(error, timed_out):
+            if node not in seen:
+                seen[node] = node_lost is not None and node_lost([node])
+            (lost if seen[node] else frozen).append(rank)
+    return frozen, lost

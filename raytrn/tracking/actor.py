@@ -456,6 +456,13 @@ class RemoteLogger:
 
         return bool(ray.get(sender().ask(self.actor.flush, timeout_s), timeout=timeout_s + 60))
 
+    def handed_over(self, timeout_s: float = 60.0) -> None:
+        """Wait until every call made before this one is in the tracking actor's hands (an answer from the actor
+        comes after them): the actor outlives this process and delivers them to MLflow, however long that takes."""
+        import ray
+
+        ray.get(sender().ask(self.actor.run_id), timeout=timeout_s)
+
     def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
         """Upload ``local_dir`` as the run's ``artifact_path``: by the tracking actor when it is on this node (its
         store is open: :meth:`TrackingActor.upload_here`), else with this process's own client."""

@@ -11,7 +11,7 @@ restart       a failed group's last step to the next group's first step (detecti
               ``scaling.recovery: live``, inside the group: the step attempts a lost replica aborted, the group's
               re-formation and a newcomer's admission (``GroupTimes.recovery_s``)
 resize        the same gap when the group was replaced to grow (capacity came back)
-preemption    the same gap after a preemption notice (the group checkpointed and waited for its node to go)
+preemption    the same gap after a preemption notice (the group checkpointed, then restarted without its node)
 restore       loading the state a group starts from (inside a start-up or restart gap, taken out of it)
 retrained     steps trained again after a restore (an earlier group had trained them; their work was lost)
 warmup        a group's first step beyond a steady step's time (lazy initialisation, graph compiles)

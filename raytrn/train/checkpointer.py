@@ -28,6 +28,7 @@ from raytrn.checkpoint.progress import Progress
 from raytrn.checkpoint.resume import Start
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.checkpoint.store import Saved
+from raytrn.compat import NOTICE_COMMITTED
 from raytrn.config import JobSpec
 from raytrn.models.hf import load_weights
 from raytrn.sigterm import sigterm_received
@@ -195,17 +196,25 @@ class Checkpointer:
             self.memory.committed(saved.step)
 
     def stop_after_notice(self, notice: Notice, step: int) -> None:
-        """After a preemption notice's checkpoint at ``step``: this worker exits if it was sent SIGTERM, else it waits
-        for Ray Train to tear the group down (the steps until the deadline would be trained again: train none)."""
+        """After a preemption notice's checkpoint at ``step``: this worker exits if it was sent SIGTERM; else, once
+        rank 0's metrics are in the tracking actor's hands, every rank reports :data:`NOTICE_COMMITTED` to Ray Train
+        (raytrn's controller then restarts the group without the draining node at once, not at the notice's deadline:
+        :func:`raytrn.compat.controller.hosted_trainer`) and waits for the teardown, training no further."""
         if self.rank == 0:
             log.warning(
-                "preemption notice (%s): checkpointed step %d; waiting for Ray Train to restart without the node",
+                "preemption notice (%s): checkpointed step %d; Ray Train restarts the group without the node",
                 notice.describe(),
                 step,
             )
         if sigterm_received():  # this worker was told to go: it does, now that its state is committed
             exit_after_sigterm(self.logger, self.job.tracking.flush_timeout_s, step)
-        wait_for_teardown()  # the steps until the deadline would be trained again: train none
+        if self.logger is not None:  # the steps' metrics and the group's goodput, before the group goes
+            try:
+                self.logger.handed_over()
+            except Exception as e:  # (the restart goes on: the actor's own failure is the driver's to report)
+                log.warning("preemption notice: the tracking actor did not answer: %s", e)
+        ray.train.report({NOTICE_COMMITTED: step}, checkpoint=None)  # every rank (Ray Train counts the reports)
+        wait_for_teardown()  # the restart's teardown ends this process; the steps until then would be trained again
 
 
 def _retention(job: JobSpec) -> int | None:

@@ -58,6 +58,8 @@ class RunEvents:
         #: Ranks a line already named failed since their place was last started: not named again as lost or silent
         #: by a later line (a live group's lost replica waits for capacity while the others' later failures are told)
         self._told: set[int] = set()
+        #: The step of the current group's committed notice checkpoint (None: none): its restart comes at once.
+        self._notice_step: int | None = None
 
     # -- compat.ControllerListener ----------------------------------------------------------------------------
     def group_starting(self, num_workers: int) -> None:
@@ -69,6 +71,7 @@ class RunEvents:
             self.places = {p.rank: p for p in places}
             self.groups += 1
             self._told = set()
+            self._notice_step = None
 
     def replicas_started(self, places: list[WorkerPlace]) -> None:
         with self._lock:  # a live replacement's place (its rank's old one is gone): named where it runs now
@@ -89,6 +92,8 @@ class RunEvents:
                 what = self._what_failed(errors, error)
             elif errors:
                 what = f"{self._what_failed(errors, error)} (its node preempted after its notice)"
+            elif self._notice_step is not None:
+                what = f"every rank stopped at the notice's checkpoint (step {self._notice_step})"
             else:
                 what = "the preempted node's deadline passed"
             count = (
@@ -100,7 +105,9 @@ class RunEvents:
                 then = f"the other replicas train on; its replica is replaced when capacity allows ({count})"
             elif retry:  # (live: every replica failed; Ray restarts the whole group)
                 then = (
-                    "restarting the group without the node from the checkpoint it took"
+                    "restarting the group without the node from that checkpoint, not waiting for its deadline"
+                    if preemption and not errors and self._notice_step is not None
+                    else "restarting the group without the node from the checkpoint it took"
                     if preemption and not errors
                     else f"restarting the group from the newest state ({count})"
                 )
@@ -114,6 +121,10 @@ class RunEvents:
             self._say(
                 f"capacity for {num_workers} workers (running {self.size}): restarting the group at {num_workers}"
             )
+
+    def notice_committed(self, step: int) -> None:
+        with self._lock:
+            self._notice_step = step
 
     def preempting(self, ranks: list[int], deadline_ms: int | None) -> None:
         with self._lock:

@@ -5,10 +5,11 @@ Ray Train V2 hands every worker of the group a copy of the notice (its preemptio
 down at the notice's deadline, then restarts it on the remaining capacity (``FailureConfig``'s
 ``max_preemption_failures``, unlimited by default). Workers see their copy at different steps, so they agree
 first: every step, one all-reduce (MAX) of a one-element CPU tensor over a gloo group. Agreed, every rank saves
-a checkpoint at the same step (synchronously), it is reported, and the workers stop training and wait for the
-teardown: the steps trained between the save and the deadline would be trained again anyway, so waiting costs
-the same time and loses nothing. The restart is sized without the draining node
-(:func:`raytrn.compat.draining_nodes`).
+a checkpoint at the same step (synchronously), it is reported, and the workers stop training (the steps trained
+between the save and the deadline would be trained again anyway). Each then reports the checkpoint committed
+(:data:`raytrn.compat.NOTICE_COMMITTED`), and raytrn's controller restarts the group at once instead of at the
+deadline (:mod:`raytrn.compat.preemption`): no node idles until then. The restart is sized without the draining
+node (:func:`raytrn.compat.draining_nodes`).
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def _local_notice() -> Any:
 
 
 def wait_for_teardown(max_wait_s: float = 24 * 3600) -> None:
-    """Idle until Ray Train tears the group down at the notice's deadline (the process ends there)."""
+    """Idle until Ray Train tears the group down (the process ends there)."""
     deadline = time.monotonic() + max_wait_s
     while time.monotonic() < deadline:
         time.sleep(0.5)

@@ -19,6 +19,7 @@ from raytrn.checkpoint.memory_clients import KeeperClient
 from raytrn.checkpoint.progress import Progress
 from raytrn.checkpoint.rundir import RunDir
 from raytrn.compat import (
+    NOTICE_COMMITTED,
     create_data_stats_actor,
     draining_nodes,
     elastic_scaling_policy,
@@ -416,10 +417,16 @@ HEALTH_CHECK_S = 0.5
 
 
 def _tune_callbacks() -> list[Any]:
-    """Ray Tune's bridge from Ray Train's reports (rank 0's metrics) to the trial it runs in."""
+    """Ray Tune's bridge from Ray Train's reports (rank 0's metrics) to the trial it runs in; a group's report that
+    its notice's checkpoint is committed (``NOTICE_COMMITTED``, no metrics) is not a result of the trial."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    return [TuneReportCallback()]
+    class TrialReports(TuneReportCallback):  # type: ignore[misc]
+        def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+            if not any(NOTICE_COMMITTED in m for m in metrics):
+                super().after_report(run_context, metrics, checkpoint)
+
+    return [TrialReports()]
 
 
 def _pin_data_stats_actor() -> None:

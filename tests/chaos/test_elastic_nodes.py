@@ -16,7 +16,8 @@ restore from the newest snapshot in memory (or the checkpoint, when no complete 
 trained again, and from a snapshot, of the checkpoint storage only
 manifests read (the newest checkpoint's, to compare), none of its files (counted in the S3 server's log). After
 the lost node the group restarts at 2 at once (sized from the live cluster, no wait on Ray's 60 s start timeout);
-the returning node is used; the preemption notice loses no step; the S3 outage restarts nothing and the
+the returning node is used; the preemption notice loses no step, and the group restarts without the node once
+its checkpoint is committed, not at the deadline; the S3 outage restarts nothing and the
 checkpoint it covered is committed once S3 is back; with a snapshot's only copies lost, the group restores from the
 newest committed checkpoint at 1 worker, warning which snapshot it passed over and why. The goodput ledger adds up to
 the run's wall time within 2%, and books each event's time to its own cause.
@@ -124,8 +125,11 @@ def test_chaos_suite(tiny_dataset, tmp_path):
     # snapshot was still being written when the worker died: measured here, 10 started, restored at 8).
     assert kill["steps_lost"] <= 2 and remove["steps_lost"] <= 2, (kill, remove)
 
-    # The notice: checkpointed on it (and snapshotted), no step lost, from the notice's state, not an older one.
+    # The notice: checkpointed on it (and snapshotted), no step lost, from the notice's state, not an older one; the
+    # group restarted without the node once that checkpoint was committed, its next step long before the notice's
+    # deadline (Ray Train waits for it: the node was still there, draining, until the step came)
     assert drain["restarted_dp"] == 2 and drain["steps_lost"] == 0, drain
+    assert drain["recovery_s"] <= drain["node_gone_s"] < DRAIN_DEADLINE_S, drain
     assert drain["resumed_from_step"] >= drain["at_step"] and r_drain["steps_retrained"] == 0, (drain, r_drain)
 
     # S3 down for 6 s across a checkpoint: retried, nothing restarted, committed once S3 answered again.
@@ -170,9 +174,10 @@ def test_chaos_suite(tiny_dataset, tmp_path):
     starts = sum(e["group_start_s"] for e in (kill, remove, remove2))
     assert seconds["restart"] >= starts - restored - 1.0, (ledger, starts, restored)  # event -> restarted group
     assert 0 < seconds["resize"] <= add["scale_up_s"] + add2["scale_up_s"] + 10, (ledger, add, add2)
-    # the notice's group waited for its node's deadline: there, not in its checkpoint time; the save that S3's outage
-    # (6 s) held up: in the checkpoint time
-    assert seconds["preemption"] >= DRAIN_DEADLINE_S / 2 and seconds["checkpoint"] >= 3, ledger
+    # the notice's restart (its group's last step to the next group's first, the notice's checkpoint in the
+    # checkpoint time) in its own cause: no wait for the node's deadline in it; the save that S3's outage (6 s) held
+    # up: in the checkpoint time
+    assert 0 < seconds["preemption"] <= drain["recovery_s"] and seconds["checkpoint"] >= 3, (ledger, drain)
     assert seconds["retrained"] > 0 and seconds["startup"] > 0 and seconds["productive"] > 0, ledger
 
     ref = result["reference"]

@@ -83,6 +83,33 @@ def test_hosted_trainer_drops_the_cleaner_and_datasets_callbacks_and_adds_its_ev
     assert ours == [n for n in stock if n not in compat.HOSTED_SKIPPED_CALLBACKS] + ["Events"]
 
 
+def test_a_committed_notice_checkpoint_ends_the_preempting_wait_at_once_and_is_told() -> None:
+    """Every rank's report of :data:`NOTICE_COMMITTED` (the notice's checkpoint committed, nothing trained after it)
+    ends the hosted controller's wait for the notice's deadline; before it, and in the next group, the deadline
+    decides as in stock Ray Train."""
+    import time
+    from types import SimpleNamespace
+
+    from ray.train import ScalingConfig
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    told: list[int] = []
+    listener = SimpleNamespace(notice_committed=told.append, group_starting=lambda n: None)
+    hosted = compat.hosted_trainer(DataParallelTrainer, listener=listener)  # type: ignore[arg-type]
+    events = hosted(lambda: None, scaling_config=ScalingConfig(num_workers=2))._create_default_callbacks()[-1]
+    controller = SimpleNamespace(_callbacks=[events])
+    later = SimpleNamespace(deadline_ms=(time.time() + 600) * 1000)  # a notice's deadline 10 minutes away
+    deadline_passed = hosted.controller_cls._is_preemption_deadline_exceeded
+    assert not deadline_passed(controller, later, time.time())
+    events.after_report(SimpleNamespace(checkpoint=None), [{"loss": 2.0}, {"loss": 2.0}])  # a log step's report
+    assert not deadline_passed(controller, later, time.time()) and told == []
+    events.after_report(SimpleNamespace(checkpoint=None), [{compat.NOTICE_COMMITTED: 12}] * 2)
+    assert deadline_passed(controller, later, time.time()) and told == [12]
+    events.before_worker_group_start(SimpleNamespace(num_workers=1))  # the restarted group: nothing committed
+    assert not deadline_passed(controller, later, time.time())
+    assert deadline_passed(controller, SimpleNamespace(deadline_ms=(time.time() - 1) * 1000), time.time())
+
+
 def test_a_hosted_controllers_workers_import_ahead_as_they_are_constructed_when_asked() -> None:
     """``import_ahead``: every worker of the hosted controller's groups (replacements too) is raytrn's Ray Train worker
     (raytrn.compat.worker); without it, Ray's own class. raytrn's cpu/cuda backends ask for it, TorchNeuron's not."""
@@ -111,14 +138,14 @@ def test_a_worker_given_up_by_the_health_check_is_frozen_unless_its_node_is_lost
 
     timed_out = WorkerHealthCheckTimeoutError("A worker health check has been hanging for 31.00 seconds.")
     polls = [(None, "n0"), (timed_out, "n1"), (RuntimeError("boom"), "n2"), (timed_out, "n3")]
-    assert compat.controller.frozen_workers(polls, WorkerHealthCheckTimeoutError, lambda ids: ids == ["n3"]) == (
+    assert compat.replicas.frozen_workers(polls, WorkerHealthCheckTimeoutError, lambda ids: ids == ["n3"]) == (
         [1], [3],
     )  # fmt: skip
-    assert compat.controller.frozen_workers(polls, WorkerHealthCheckTimeoutError, None) == ([1, 3], [])
-    assert compat.controller.frozen_workers(polls[:1], WorkerHealthCheckTimeoutError, lambda ids: True) == ([], [])
+    assert compat.replicas.frozen_workers(polls, WorkerHealthCheckTimeoutError, None) == ([1, 3], [])
+    assert compat.replicas.frozen_workers(polls[:1], WorkerHealthCheckTimeoutError, lambda ids: True) == ([], [])
     asked: list[list[str]] = []  # one probe per node and poll: two replicas on one silent node, one probe
     two = [(timed_out, "n5"), (timed_out, "n5")]
-    lost = compat.controller.frozen_workers(two, WorkerHealthCheckTimeoutError, lambda ids: asked.append(ids) or True)
+    lost = compat.replicas.frozen_workers(two, WorkerHealthCheckTimeoutError, lambda ids: asked.append(ids) or True)
     assert lost == ([], [0, 1]) and asked == [["n5"]]
     # why a frozen replica group is killed before another is replaced: Ray's replacement waits, without a bound, on
     # every other active replica group's answer
@@ -200,6 +227,19 @@ def test_what_the_hosted_controller_overrides_keeps_its_signature() -> None:
     # too), constructed without arguments
     assert "(self._worker_cls)" in inspect.getsource(WorkerGroup._create_workers)
     assert list(inspect.signature(RayTrainWorker.__init__).parameters) == ["self"]
+    # a committed notice checkpoint restarts the group at once: the preempting state asks this (as a method) whether
+    # to stop waiting, and then fails the group with a preemption (not one of max_failures); reports reach every
+    # ReportCallback among the controller's callbacks with every rank's metrics
+    preempting = inspect.getsource(TrainController._handle_preempting_state)
+    assert "deadline_exceeded = self._is_preemption_deadline_exceeded(" in preempting
+    assert "if worker_group_status.finished or deadline_exceeded:" in preempting and "PreemptionError(" in preempting
+    assert list(inspect.signature(TrainController._is_preemption_deadline_exceeded).parameters) == [
+        "preemption_info", "detected_at_s", "extra_grace_s",
+    ]  # fmt: skip
+    assert "isinstance(c, ReportCallback)" in inspect.getsource(TrainController.__init__)
+    from ray.train.v2._internal.execution.callback import ReportCallback
+
+    assert list(inspect.signature(ReportCallback.after_report).parameters) == ["self", "training_report", "metrics"]
 
 
 def test_metric_objects_have_steps() -> None:

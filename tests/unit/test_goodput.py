@@ -342,6 +342,19 @@ def test_resizes_notices_and_failed_starts_are_lines_and_ends_too() -> None:
     )
     assert [e.cause for e in events.ends] == [EndCause.RESIZE, EndCause.FAILURE, EndCause.PREEMPTION]
     assert events.failures == 1  # the notice's deadline is not a failure
+    # every rank stopped at the notice's committed checkpoint: the restart comes at once, said so; a later group's
+    # preemption without that report is the deadline's again
+    events.group_started([])
+    events.notice_committed(12)
+    events.failure_decided(True, {}, RuntimeError("preempted"), True)
+    assert lines[4] == (
+        "raytrn: every rank stopped at the notice's checkpoint (step 12); restarting the group without the node from "
+        "that checkpoint, not waiting for its deadline"
+    )
+    events.group_started([])
+    events.failure_decided(True, {}, RuntimeError("deadline"), True)
+    assert lines[5].startswith("raytrn: the preempted node's deadline passed;"), lines[5]
+    assert events.failures == 1 and events.ends[-1].cause is EndCause.PREEMPTION
 
 
 def test_a_trials_events_are_recorded_not_printed() -> None:

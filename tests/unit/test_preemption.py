@@ -278,3 +278,41 @@ def test_rank_0_asks_the_board_without_waiting_and_names_the_step_to_end_at(monk
     late._requested = 4  # `--at-step 4` reaching a run already past it: the next step
     assert late.stop_at(7) == 8
     assert stopping.StopRequests(None).stop_at(3) == 0  # other ranks learn it in the agreement
+
+
+def test_after_the_notices_checkpoint_every_rank_reports_it_committed_once_rank_0s_metrics_are_handed_over(
+    monkeypatch,
+) -> None:
+    """The report the driver's controller restarts the group on (at once, not at the notice's deadline) comes after
+    rank 0's metrics are in the tracking actor's hands (the teardown that follows ends this process); a sweep's
+    trial never sees it as a result."""
+    from types import SimpleNamespace
+
+    import ray.train
+    from ray.tune.integration import ray_train as bridge
+
+    from raytrn.train import checkpointer as module
+    from raytrn.train.trainer import _tune_callbacks
+
+    calls: list[object] = []
+    monkeypatch.setattr(ray.train, "report", lambda metrics, checkpoint: calls.append(("report", metrics, checkpoint)))
+    monkeypatch.setattr(module, "wait_for_teardown", lambda: calls.append("teardown"))
+    monkeypatch.setattr(module, "sigterm_received", lambda: False)
+    for rank, logger in ((0, SimpleNamespace(handed_over=lambda: calls.append("handed over"))), (1, None)):
+        calls.clear()
+        c = module.Checkpointer.__new__(module.Checkpointer)
+        c.rank, c.logger, c.job = rank, logger, SimpleNamespace()
+        c.stop_after_notice(Notice(NoticeFrom.RAY), 12)
+        report = ("report", {compat.NOTICE_COMMITTED: 12}, None)
+        assert calls == (["handed over", report, "teardown"] if rank == 0 else [report, "teardown"]), calls
+
+    results: list[dict] = []
+    monkeypatch.setattr(
+        bridge.TuneReportCallback,
+        "__init__",
+        lambda self: setattr(self, "_training_actor_item_queue", SimpleNamespace(put=results.append)),
+    )
+    (trial,) = _tune_callbacks()
+    trial.after_report(None, [{"loss": 2.0}], None)
+    trial.after_report(None, [{compat.NOTICE_COMMITTED: 12}] * 2, None)
+    assert results == [{"loss": 2.0}]
