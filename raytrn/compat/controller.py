@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
-from raytrn.compat.preemption import NOTICE_COMMITTED, is_preemption_failure
+from raytrn.compat.preemption import NOTICE_COMMITTED, is_preemption_failure, preemption_poll_s
 
 #: The logger (its module's) of Ray Train's checkpoint manager, which the controller builds before raytrn routes Ray
 #: Train's lines (:meth:`HostedController._start`); on every resume it logs a three-line notice that ends "please
@@ -416,7 +416,8 @@ def hosted_trainer(
             self._decorate_worker_log_file_paths(workers)
 
     class HostedPreemptionCallback(PreemptionCallback):  # type: ignore[misc]
-        """Ray's preemption watcher, polling in a thread of this process (stock: an actor per worker group)."""
+        """Ray's preemption watcher, polling in a thread of this process (stock: an actor per worker group), every
+        :func:`raytrn.compat.preemption.preemption_poll_s` seconds."""
 
         def after_worker_group_start(self, worker_group: Any) -> None:
             self._stop_watcher()
@@ -427,7 +428,7 @@ def hosted_trainer(
                 node_to_ranks.setdefault(w.metadata.node_id, []).append(rank)
                 actors[rank] = w.actor
             watcher: Any = PreemptionWatcher(
-                node_to_ranks=node_to_ranks, poll_interval_s=self._poll_interval_s, worker_actors_by_rank=actors
+                node_to_ranks=node_to_ranks, poll_interval_s=preemption_poll_s(), worker_actors_by_rank=actors
             )
             self._watcher = watcher
 

@@ -11,7 +11,12 @@ from __future__ import annotations
 #: The private names this module relies on (merged into :data:`raytrn.compat.PRIVATE_NAMES`).
 PRIVATE_NAMES: dict[str, str] = {
     "Ray Train preemption budget": "ray.train.v2._internal.execution.failure_handling.default:_is_preemption_failure",
+    "Ray Train preemption poll variable": "ray.train.v2._internal.constants:PREEMPTION_POLL_INTERVAL_S_ENV_VAR",
 }
+
+#: How often a hosted controller's preemption watcher asks Ray for the draining nodes (one GCS call, in a thread of
+#: the driver; Ray's default 5 s): a notice is acted on at most this much later.
+PREEMPTION_POLL_S = 1.0
 
 #: The metric every worker of a group reports to Ray Train (``ray.train.report``, no checkpoint) once its preemption
 #: notice's checkpoint is committed and it trains no further: the step. A hosted controller then restarts the group
@@ -31,3 +36,13 @@ def is_preemption_failure(error: BaseException) -> bool:
     from ray.train.v2._internal.execution.failure_handling.default import _is_preemption_failure
 
     return bool(_is_preemption_failure(error))  # type: ignore[arg-type]  # (any error: False for others)
+
+
+def preemption_poll_s() -> float:
+    """The preemption watcher's poll interval: ``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S`` when the user set it (Ray's
+    variable, ``ray.train.v2._internal.constants``; public alternative: none), else :data:`PREEMPTION_POLL_S`."""
+    import os
+
+    from ray.train.v2._internal.constants import PREEMPTION_POLL_INTERVAL_S_ENV_VAR
+
+    return float(os.environ.get(PREEMPTION_POLL_INTERVAL_S_ENV_VAR) or PREEMPTION_POLL_S)

@@ -83,6 +83,21 @@ def test_hosted_trainer_drops_the_cleaner_and_datasets_callbacks_and_adds_its_ev
     assert ours == [n for n in stock if n not in compat.HOSTED_SKIPPED_CALLBACKS] + ["Events"]
 
 
+def test_the_hosted_preemption_watcher_polls_every_second_unless_rays_variable_says_otherwise(monkeypatch) -> None:
+    import inspect
+
+    from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
+
+    from raytrn.compat.preemption import preemption_poll_s
+
+    monkeypatch.delenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", raising=False)
+    assert preemption_poll_s() == 1.0
+    monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "3")
+    assert preemption_poll_s() == 3.0 == PreemptionCallback()._poll_interval_s  # what stock reads
+    # what the hosted callback replaces: stock builds its watcher with its own interval
+    assert "poll_interval_s=self._poll_interval_s" in inspect.getsource(PreemptionCallback)
+
+
 def test_a_committed_notice_checkpoint_ends_the_preempting_wait_at_once_and_is_told() -> None:
     """Every rank's report of :data:`NOTICE_COMMITTED` (the notice's checkpoint committed, nothing trained after it)
     ends the hosted controller's wait for the notice's deadline; before it, and in the next group, the deadline
