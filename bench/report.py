@@ -303,8 +303,8 @@ def render(report: dict[str, Any]) -> str:
                 "(the group restarted once the notice's checkpoint was committed, not at the deadline) | "
                 if el.get("notice_measured_from") == "notice"
                 else "| elastic: spot notice (`ray drain-node`, 10 s deadline) -> next step logged after the deadline | "
-            ),
-            f"{_num(el.get('notice_recovery_s'), '.1f', ' s')} (steps lost "
+            )
+            + f"{_num(el.get('notice_recovery_s'), '.1f', ' s')} (steps lost "
             f"{', '.join(str(x) for x in el['notice_steps_lost'])}) | 0 steps lost |",
             f"| elastic: node back -> 3-worker group running (`resize_interval_s` {el['resize_interval_s']}) | median "
             f"{_num(el.get('scale_up_s_median'), '.1f', ' s')} ({', '.join(_num(x, '.1f') for x in el['scale_up_s'])}) | |",

@@ -23,6 +23,7 @@ class OutageProxy:
         self.port = self._listener.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.outages: list[tuple[float, float]] = []  # (start, end) wall-clock seconds
+        self._end_now = threading.Event()
         self._accepting = threading.Thread(target=self._accept_loop, name="outage-proxy", daemon=True)
         self._accepting.start()
 
@@ -82,13 +83,18 @@ class OutageProxy:
         thread.start()
         return thread
 
+    def end(self) -> None:
+        """End the outage in progress now (a test that waits for a client to give up, not for a fixed time)."""
+        self._end_now.set()
+
     def _begin(self) -> float:
         start = time.time()
+        self._end_now.clear()
         self._drop()
         return start
 
     def _serve_after(self, start: float, seconds: float) -> None:
-        time.sleep(max(0.0, start + seconds - time.time()))
+        self._end_now.wait(max(0.0, start + seconds - time.time()))
         with self._lock:
             self._listener = self._listen(self.port)
         self.outages.append((start, time.time()))

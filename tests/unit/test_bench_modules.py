@@ -124,3 +124,25 @@ def test_a_paced_live_run_gets_its_own_node_back_row_that_says_its_pace() -> Non
     assert "PACE" not in flat and flat.endswith("**not met** |"), flat
     assert "the survivors paced (`RAYTRN_PACE_S` 0.15" in paced and paced.endswith("met |"), paced
     assert "**6.0 s**" in paced, paced
+
+
+def test_the_notice_row_says_where_its_seconds_start() -> None:
+    """Since 2026-12-04 a notice's restart comes once its checkpoint is committed, and bench.elastic measures from the
+    notice, with the harness's deadline; results recorded before keep their row (from a 10 s deadline), one line."""
+    import json
+
+    from bench.report import render
+
+    report = json.loads((REPO / "bench" / "results" / "2026-12-04-vm-merged-1236.json").read_text())
+    rows = [line for line in render(report).splitlines() if line.startswith("| elastic: spot notice")]
+    assert rows == [
+        "| elastic: spot notice (`ray drain-node`, 60 s deadline) -> next step logged (the group restarted once the "
+        "notice's checkpoint was committed, not at the deadline) | 7.2 s (steps lost 0) | 0 steps lost |"
+    ], rows
+    for key in ("notice_measured_from", "notice_deadline_s"):
+        del report["results"]["elastic"][key]
+    rows = [line for line in render(report).splitlines() if line.startswith("| elastic: spot notice")]
+    assert rows == [
+        "| elastic: spot notice (`ray drain-node`, 10 s deadline) -> next step logged after the deadline | 7.2 s "
+        "(steps lost 0) | 0 steps lost |"
+    ], rows
