@@ -33,6 +33,7 @@ from raytrn.config import JobSpec
 from raytrn.models.hf import load_weights
 from raytrn.sigterm import sigterm_received
 from raytrn.tracking.models import LINKED
+from raytrn.tracking.sender import sender
 from raytrn.train.preemption import Notice, exit_after_sigterm, wait_for_teardown
 from raytrn.train.schedule import Schedule
 from raytrn.train.snapshots import MemorySnapshots
@@ -196,24 +197,27 @@ class Checkpointer:
             self.memory.committed(saved.step)
 
     def stop_after_notice(self, notice: Notice, step: int) -> None:
-        """After a preemption notice's checkpoint at ``step``: this worker exits if it was sent SIGTERM; else, once
-        rank 0's metrics are in the tracking actor's hands, every rank reports :data:`NOTICE_COMMITTED` to Ray Train
-        (raytrn's controller then restarts the group without the draining node at once, not at the notice's deadline:
-        :func:`raytrn.compat.controller.hosted_trainer`) and waits for the teardown, training no further."""
+        """After a preemption notice's checkpoint at ``step``: once rank 0's posts are in the tracking actor's hands
+        (without tracking: submitted), every rank reports :data:`NOTICE_COMMITTED` to Ray Train (raytrn's controller
+        then restarts the group without the draining node at once, not at the notice's deadline:
+        :func:`raytrn.compat.controller.hosted_trainer`); then a worker sent SIGTERM exits, the others wait for the
+        teardown, training no further."""
         if self.rank == 0:
             log.warning(
                 "preemption notice (%s): checkpointed step %d; Ray Train restarts the group without the node",
                 notice.describe(),
                 step,
             )
+        try:  # the steps' metrics and the group's goodput (the board's posts), before the group goes
+            if self.logger is not None:
+                self.logger.handed_over()
+            else:
+                sender().drain()
+        except Exception as e:  # (the restart goes on: the actor's own failure is the driver's to report)
+            log.warning("preemption notice: this worker's posts were not handed over: %s", e)
+        ray.train.report({NOTICE_COMMITTED: step}, checkpoint=None)  # every rank (Ray Train counts the reports)
         if sigterm_received():  # this worker was told to go: it does, now that its state is committed
             exit_after_sigterm(self.logger, self.job.tracking.flush_timeout_s, step)
-        if self.logger is not None:  # the steps' metrics and the group's goodput, before the group goes
-            try:
-                self.logger.handed_over()
-            except Exception as e:  # (the restart goes on: the actor's own failure is the driver's to report)
-                log.warning("preemption notice: the tracking actor did not answer: %s", e)
-        ray.train.report({NOTICE_COMMITTED: step}, checkpoint=None)  # every rank (Ray Train counts the reports)
         wait_for_teardown()  # the restart's teardown ends this process; the steps until then would be trained again
 
 

@@ -297,14 +297,23 @@ def test_after_the_notices_checkpoint_every_rank_reports_it_committed_once_rank_
     calls: list[object] = []
     monkeypatch.setattr(ray.train, "report", lambda metrics, checkpoint: calls.append(("report", metrics, checkpoint)))
     monkeypatch.setattr(module, "wait_for_teardown", lambda: calls.append("teardown"))
-    monkeypatch.setattr(module, "sigterm_received", lambda: False)
-    for rank, logger in ((0, SimpleNamespace(handed_over=lambda: calls.append("handed over"))), (1, None)):
+    monkeypatch.setattr(module, "sender", lambda: SimpleNamespace(drain=lambda: calls.append("drained")))
+    monkeypatch.setattr(module, "exit_after_sigterm", lambda logger, timeout_s, step: calls.append("exit"))
+    job = SimpleNamespace(tracking=SimpleNamespace(flush_timeout_s=1.0))
+    report = ("report", {compat.NOTICE_COMMITTED: 12}, None)
+    # rank 0 with tracking (its posts in the tracking actor's hands first), without (its posts submitted first); a
+    # worker sent SIGTERM reports too (a drain and a SIGTERM together: the restart still comes at once), then exits
+    for logger, signalled, then in (
+        (SimpleNamespace(handed_over=lambda: calls.append("handed over")), False, ["handed over", report, "teardown"]),
+        (None, False, ["drained", report, "teardown"]),
+        (None, True, ["drained", report, "exit", "teardown"]),
+    ):
         calls.clear()
+        monkeypatch.setattr(module, "sigterm_received", lambda s=signalled: s)
         c = module.Checkpointer.__new__(module.Checkpointer)
-        c.rank, c.logger, c.job = rank, logger, SimpleNamespace()
+        c.rank, c.logger, c.job = 0, logger, job
         c.stop_after_notice(Notice(NoticeFrom.RAY), 12)
-        report = ("report", {compat.NOTICE_COMMITTED: 12}, None)
-        assert calls == (["handed over", report, "teardown"] if rank == 0 else [report, "teardown"]), calls
+        assert calls == then, calls
 
     results: list[dict] = []
     monkeypatch.setattr(
