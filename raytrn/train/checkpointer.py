@@ -33,7 +33,7 @@ from raytrn.config import JobSpec
 from raytrn.models.hf import load_weights
 from raytrn.sigterm import sigterm_received
 from raytrn.tracking.models import LINKED
-from raytrn.tracking.sender import sender
+from raytrn.train.entry import posts_submitted
 from raytrn.train.preemption import Notice, exit_after_sigterm, wait_for_teardown
 from raytrn.train.schedule import Schedule
 from raytrn.train.snapshots import MemorySnapshots
@@ -208,13 +208,14 @@ class Checkpointer:
                 notice.describe(),
                 step,
             )
-        try:  # the steps' metrics and the group's goodput (the board's posts), before the group goes
-            if self.logger is not None:
+        # the steps' metrics and the group's goodput (the board's posts), before the group goes
+        if self.logger is None:
+            posts_submitted()
+        else:
+            try:
                 self.logger.handed_over()
-            else:
-                sender().drain()
-        except Exception as e:  # (the restart goes on: the actor's own failure is the driver's to report)
-            log.warning("preemption notice: this worker's posts were not handed over: %s", e)
+            except Exception as e:  # (the restart goes on: the actor's own failure is the driver's to report)
+                log.warning("preemption notice: this worker's posts were not handed over: %s", e)
         ray.train.report({NOTICE_COMMITTED: step}, checkpoint=None)  # every rank (Ray Train counts the reports)
         if sigterm_received():  # this worker was told to go: it does, now that its state is committed
             exit_after_sigterm(self.logger, self.job.tracking.flush_timeout_s, step)

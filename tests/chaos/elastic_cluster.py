@@ -102,6 +102,12 @@ def _last_traced_step(trace: Path, group: tuple[float, int, int]) -> int:
     return max(_traced_steps(trace, f"group-{first:08d}-dp{dp}-*.jsonl"), default=first)
 
 
+def _old_group_last_step(trace: Path, before: float) -> int | None:
+    """The last step the newest group started before ``before`` started (None: no group had)."""
+    old = [g for g in _trace_groups(trace) if g[0] < before]
+    return _last_traced_step(trace, old[-1]) if old else None
+
+
 def _free_port() -> int:
     import socket
 
@@ -341,8 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                 seen = len(s3.requests()) if s3 else 0
                 t0 = notice_at if kind == "drain" else time.time()
                 if kind != "drain":
-                    old = [g for g in _trace_groups(trace) if g[0] < t0]
-                    event["old_group_last_step"] = _last_traced_step(trace, old[-1]) if old else None
+                    event["old_group_last_step"] = _old_group_last_step(trace, t0)
                 if kind == "kill":
                     pid = next(int(a.pid) for a in workers if a.node_id == victim.node_id)
                     os.kill(pid, signal.SIGKILL)
@@ -361,8 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                 new = [(s, ts) for s, ts in _logged_steps(db) if ts > start]
                 event["recovery_s"] = round(new[0][1] - t0, 2) if new else None
                 if kind == "drain":  # the old group trained up to its notice's checkpoint; then the node goes
-                    old = [g for g in _trace_groups(trace) if g[0] < t0]
-                    event["old_group_last_step"] = _last_traced_step(trace, old[-1]) if old else None
+                    event["old_group_last_step"] = _old_group_last_step(trace, t0)
                     event["node_gone_s"] = round(time.time() - t0, 2)
                     cluster.remove_node(victim, allow_graceful=False)
                     removed.append(victim)

@@ -297,7 +297,7 @@ def test_after_the_notices_checkpoint_every_rank_reports_it_committed_once_rank_
     calls: list[object] = []
     monkeypatch.setattr(ray.train, "report", lambda metrics, checkpoint: calls.append(("report", metrics, checkpoint)))
     monkeypatch.setattr(module, "wait_for_teardown", lambda: calls.append("teardown"))
-    monkeypatch.setattr(module, "sender", lambda: SimpleNamespace(drain=lambda: calls.append("drained")))
+    monkeypatch.setattr(module, "posts_submitted", lambda: calls.append("drained"))
     monkeypatch.setattr(module, "exit_after_sigterm", lambda logger, timeout_s, step: calls.append("exit"))
     job = SimpleNamespace(tracking=SimpleNamespace(flush_timeout_s=1.0))
     report = ("report", {compat.NOTICE_COMMITTED: 12}, None)
