@@ -28,7 +28,6 @@ Train backend is Ray's own; its workers get the variables through ``worker_runti
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 from collections.abc import Mapping, MutableMapping
@@ -73,8 +72,9 @@ def tune_this_process(environ: MutableMapping[str, str] = os.environ) -> bool:
     if user_allocator_settings(environ):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        # the symbols the process has loaded (the C library's among them): ctypes.util.find_library would run
+        # ``ldconfig -p`` (a process at every worker start: seen in the startup test's census)
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError) as e:  # not glibc (musl has no mallopt, macOS's libc neither)
         log.debug("run.tune_malloc: no mallopt in this C library (%s): glibc defaults kept", e)
         return False

@@ -178,7 +178,10 @@ def test_chaos_suite(tiny_dataset, tmp_path):
     # checkpoint time) in its own cause: no wait for the node's deadline in it; the save that S3's outage (6 s) held
     # up: in the checkpoint time
     assert 0 < seconds["preemption"] <= drain["recovery_s"] and seconds["checkpoint"] >= 3, (ledger, drain)
-    assert seconds["retrained"] > 0 and seconds["startup"] > 0 and seconds["productive"] > 0, ledger
+    # steps trained again are booked when a restart retrained any (none at all is possible: each event's restore can
+    # come from its group's last step, seen in CI: two nodes lost right after their group committed a checkpoint)
+    assert (seconds["retrained"] > 0) == any(r["steps_retrained"] > 0 for r in restores), (ledger, restores)
+    assert seconds["startup"] > 0 and seconds["productive"] > 0, ledger
 
     ref = result["reference"]
     assert ref["finished"] and ref["steps"] == result["stopped_at"], ref

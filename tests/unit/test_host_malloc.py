@@ -136,6 +136,24 @@ def test_tune_this_process_keeps_a_users_choice() -> None:
     assert dict(os.environ) == before
 
 
+def test_tune_this_process_starts_no_process() -> None:
+    # It runs at every worker start: ctypes.util.find_library("c") ran ldconfig -p there (the startup test's census of
+    # the processes a job starts caught one in CI). Python's audit events see every process a call starts.
+    code = textwrap.dedent(
+        """
+        import sys
+        started = []
+        sys.addaudithook(lambda event, args: started.append(event) if event in (
+            "subprocess.Popen", "os.posix_spawn", "os.exec", "os.fork", "os.system") else None)
+        from raytrn.backends.host_malloc import tune_this_process
+        print(tune_this_process({}), started)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=_without_allocator_settings(), capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.split() == ["True", "[]"], (proc.stdout, proc.stderr[-2000:])
+
+
 _FAULTS = textwrap.dedent(
     """
     import os, resource, statistics, threading, torch
