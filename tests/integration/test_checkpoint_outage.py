@@ -117,7 +117,7 @@ def test_the_filesystem_sent_to_ray_keeps_its_retries(proxy, s3_bucket) -> None:
     plain pyarrow S3FileSystem loses its retry strategy on the way (pyarrow 25) and fails on an outage; the
     portable one rebuilds it. The plain one's outage lasts until it has failed: the strategy it falls back to (the
     AWS SDK's standard one, 3 attempts) waits a random 0-1 s, then 0-2 s, between them, so it outlasted 2.8 s of a
-    3 s outage now and then (CI, stop 55), and gives up within 4.8 s."""
+    3 s outage now and then (CI, stop 55), and gives up within 4.8 s (here)."""
     import pickle
 
     import pyarrow.fs as pafs
@@ -138,7 +138,9 @@ def test_the_filesystem_sent_to_ray_keeps_its_retries(proxy, s3_bucket) -> None:
         took = time.monotonic() - started
         if not survives:
             proxy.end()  # it gave up: the outage need not go on
-            assert took < 5.0, took  # within what the portable one rides out: it has no retries worth the name
+            # far short of the outage (60 s): it has no retries worth the name (4.8 s at most measured here; the
+            # bound leaves a machine twice as slow its margin)
+            assert took < 10.0, took
         outage.join()
         assert ok == survives, fs
     assert portable.get_file_info(f"{s3_bucket}/snapshot.json").size == 2
