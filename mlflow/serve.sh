@@ -19,6 +19,7 @@
 #                                 password, >= 12 characters, used when the users db is created) and
 #                                 MLFLOW_FLASK_SERVER_SECRET_KEY (signs UI sessions). Never defaults.
 #   MLFLOW_BIN                    the mlflow executable (default: mlflow on PATH)
+#   MLFLOW_DISABLE_TELEMETRY      MLflow's usage reports to its makers (default true: none; false sends them)
 # The same command as `raytrn mlflow serve` (raytrn/tracking/server.py); a unit test keeps them equal.
 set -euo pipefail
 
@@ -77,6 +78,8 @@ case "$host" in
 esac
 # MLflow 3.x's job-execution worker roughly doubles the server's memory; raytrn does not use it.
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false
+# MLflow's usage telemetry (reports to MLflow's makers): off unless set, as in raytrn's own processes (raytrn.telemetry).
+export MLFLOW_DISABLE_TELEMETRY="${MLFLOW_DISABLE_TELEMETRY:-true}"
 
 if [ "${RAYTRN_MLFLOW_AUTH:-0}" = 1 ]; then
   missing=()
