@@ -9,8 +9,10 @@ report usage to their makers, by default:
   tracking actor, the evaluator, ``raytrn runs``, and ``raytrn mlflow serve``'s server. Measured here (MLflow 3.17):
   one DNS lookup of the makers' configuration host per process (found by Python's audit events).
 - Ray (``ray._common.usage``): a Ray cluster started without ``RAY_USAGE_STATS_ENABLED=0`` reports its usage from its
-  dashboard process every hour; raytrn's embedded local Ray (``raytrn train`` without a cluster, ``make demo``) and
-  the clusters raytrn's commands start inherit the variable below.
+  dashboard process a minute after it starts, then every hour. With it, raytrn's embedded local Ray (``raytrn train``
+  without a cluster, ``make demo``: a ``ray.init`` cluster) reports nothing; a cluster a raytrn command starts the
+  ``ray start`` way inherits it and sends Ray's one report that usage stats are off, at its start (Ray 2.60's
+  ``usage_stats_head``), and none after.
 
 :func:`keep_off` runs when the ``raytrn`` package is first imported in a process, before raytrn imports MLflow or
 starts Ray there, and sets each library's own off switch unless that variable is already set: the user's choice,
