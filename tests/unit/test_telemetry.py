@@ -42,7 +42,7 @@ PROBE = textwrap.dedent(
         mlflow.set_experiment("telemetry")
         with mlflow.start_run():
             mlflow.log_metric("loss", 1.0)
-        time.sleep(1.5)  # (the telemetry thread's configuration fetch begins at once)
+        time.sleep(1.5)  # (a thread the logging started, a telemetry client's or another's, has time to look up)
     print(json.dumps({"client": client is not None, "looked_up": looked_up,
                       "env": {k: os.environ.get(k) for k in ("MLFLOW_DISABLE_TELEMETRY", "RAY_USAGE_STATS_ENABLED")}}))
     """
