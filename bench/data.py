@@ -1,7 +1,8 @@
 """Data pipeline: raytrn's read path (Ray Data over the packed Parquet shards, the loop's batch iterator)
 vs a raw ``pyarrow.parquet`` read of the same files into the same int64 batches, alternated, over the demo data's
 shards repeated 20 times (~100 MB of tokens: a pass long enough for the per-epoch start of a Ray Dataset to weigh
-what it weighs in a run), two epochs per pass.
+what it weighs in a run), two epochs per pass; Ray Data's path always (a run's worker reads an epoch under
+``raytrn.data.source.READ_HERE_BYTES`` itself: the 20 copies are over it, ``--quick``'s 2 are not).
 
 Rows/s of micro-batches handed to the step. The training step itself consumes far fewer rows/s; the
 ratio of the two (headroom) says whether data can ever be what a CPU step waits for.
@@ -30,7 +31,9 @@ def _raytrn_pass(job: Any, manifest: Any, epochs: int) -> tuple[float, int]:
 
     mb = job.data.micro_batch_size
     part = RankSlice(rank=0, size=1, global_batch=mb)
-    batches = rank_batches(manifest, SampleOrder.for_job(manifest, job), part, Position(epoch=0), batch_rows=mb)
+    order = SampleOrder.for_job(manifest, job)
+    # Ray Data's path whatever the size (``--quick``'s 2 copies would be a small epoch, read by the worker itself)
+    batches = rank_batches(manifest, order, part, Position(epoch=0), batch_rows=mb, read_here_bytes=0)
     wanted = epochs * (manifest.num_rows // mb * mb)
     t0, rows = time.perf_counter(), 0
     while rows < wanted:

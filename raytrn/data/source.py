@@ -3,7 +3,8 @@
 Every worker reads its own rows: one Ray Dataset per epoch whose read tasks are the windows of the epoch
 order (one task per window, the rank's rows of it, in training order), planned from the manifest (no
 listing, no footer reads before the first task). Ray Data streams them with bounded memory and prefetch;
-order is preserved, so which rows a worker trains on is determined, never first-come.
+order is preserved, so which rows a worker trains on is determined, never first-come. A small epoch
+(:func:`read_here`) and the first window of a group's start are read by the worker itself, the same reads.
 
 The read tasks reserve no CPU (``num_cpus=0``), with at most :data:`READ_CONCURRENCY` at a time per worker;
 needing no resources, they run on the worker's own node (Ray's default policy prefers it). Training workers
@@ -161,6 +162,7 @@ def rank_batches(
     *,
     batch_rows: int,
     handover: threading.Event | None = None,
+    read_here_bytes: int | None = None,
 ) -> Iterator[MicroBatch]:
     """Endless micro-batches of ``batch_rows`` rows of ``part`` from ``position``, epoch after epoch, through
     Ray Data (a dataset per epoch).
@@ -173,9 +175,12 @@ def rank_batches(
 
     Until ``handover`` is set (the loop's first step is done; None: after the first window) windows are read here,
     the way a read task reads them: a group's start does not wait for Ray Data to start its task processes (~1 s
-    each, more on a busy node) nor share the CPU with them; Ray Data takes over from the next window on."""
+    each, more on a busy node) nor share the CPU with them; Ray Data takes over from the next window on. An epoch
+    whose rows of ``part`` hold at most ``read_here_bytes`` (None: :data:`READ_HERE_BYTES`) is read here whole
+    (:func:`read_here`)."""
     columns = (manifest.column, *manifest.extra_columns)
     files = ShardFiles.of(manifest.shard_paths())
+    row_bytes = manifest.row_len * np.dtype(manifest.dtype).itemsize * len(columns)
 
     def here() -> bool:
         return not (handover.is_set() if handover is not None else True)
@@ -184,8 +189,9 @@ def rank_batches(
         first = True
         for epoch, start in epochs_from(position):
             windows = epoch_windows(order, part, epoch, start)
+            small = read_here(sum(n for _, n in windows) * row_bytes, read_here_bytes)
             skip = 0
-            while skip < len(windows) and (first or here()):
+            while skip < len(windows) and (first or here() or small):
                 table = read_plan(files, columns, plan_window(order, part, epoch, windows[skip][0], start))
                 yield block_arrays(table, manifest.column, manifest.row_len, manifest.extra_columns)
                 first, skip = False, skip + 1
@@ -200,6 +206,21 @@ def rank_batches(
 
 #: Blocks (converted, waiting for the step) the background reader keeps ready, on top of Ray Data's prefetch.
 BLOCKS_AHEAD = 2
+
+#: An epoch of at most this many bytes of a rank's rows is read by the worker itself, not by Ray Data.
+READ_HERE_BYTES = 64 << 20
+
+
+def read_here(epoch_bytes: int, bound: int | None = None) -> bool:
+    """Whether a rank reads an epoch of ``epoch_bytes`` (its rows of it, every column; at most ``bound``, None:
+    :data:`READ_HERE_BYTES`) itself, window by window in
+    the background reader's thread, instead of through a Ray Data dataset. Each epoch's dataset starts its read
+    tasks' processes anew (Ray ends a task's idle process within a second or so when the node's workers outnumber
+    its CPUs, as training workers that hold every CPU make them): measured on 2 cores, 3-4 processes per rank and
+    epoch at ~1 CPU-second each, steps 5-10x slower for 2-5 s at every epoch boundary of a small dataset. A small
+    epoch's read costs milliseconds (pyarrow, outside the GIL for the most part); a large one's stays with Ray Data
+    (its reads in their own processes, overlapped with training), where a process start is nothing beside it."""
+    return epoch_bytes <= (READ_HERE_BYTES if bound is None else bound)
 
 
 def block_arrays(table: Any, column: str, row_len: int, extra: list[str] | tuple[str, ...] = ()) -> MicroBatch:

@@ -55,9 +55,42 @@ def test_read_tasks_are_the_windows_of_the_rank(sharded_dataset: Path) -> None:
     assert source.num_rows == (manifest.num_rows - 8) // 8 * 4
 
 
-def test_ray_data_streams_the_ranks_rows_in_order(sharded_dataset: Path) -> None:
-    """Two ranks through Ray Data: each gets its planned rows, in order, with the tokens of those rows."""
+@pytest.mark.parametrize("path", ["ray-data", "here"])
+def test_ray_data_streams_the_ranks_rows_in_order(
+    sharded_dataset: Path, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """Two ranks through Ray Data (an epoch over ``READ_HERE_BYTES``; the bound lowered to 0 here) while every CPU
+    of the Ray is held, as training workers hold their nodes' (the read tasks reserve none: they still run), and
+    read by the worker itself (a small epoch, the fixture's 73 kB): each gets its planned rows, in order, with their
+    tokens."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
 
+    from raytrn.data import source
+
+    datasets: list[object] = []
+    real = source.read_rank_epoch
+
+    def counted(*args, **kwargs):  # the real read, counted
+        datasets.append(real(*args, **kwargs))
+        return datasets[-1]
+
+    monkeypatch.setattr(source, "read_rank_epoch", counted)
+    held = None
+    if path == "ray-data":
+        monkeypatch.setattr(source, "READ_HERE_BYTES", 0)
+        held = placement_group([{"CPU": ray.cluster_resources()["CPU"]}])
+        ray.get(held.ready(), timeout=60)
+    try:
+        _two_ranks_in_order(sharded_dataset)
+    finally:
+        if held is not None:
+            remove_placement_group(held)
+    # each rank: the rest of epoch 0 after its first window, then epoch 1 (and maybe 2, read ahead)
+    assert (len(datasets) >= 4) if path == "ray-data" else not datasets
+
+
+def _two_ranks_in_order(sharded_dataset: Path) -> None:
     from raytrn.data.manifest import load_manifest
     from raytrn.data.order import Position, RankSlice
     from raytrn.data.source import rank_batches

@@ -9,8 +9,9 @@ The simulator is the session's shared one (the ``simulator`` fixture: `raytrn cl
 fresh copy of the repository, HOME in a temporary directory); this test is the last to use it and ends it with
 `raytrn cluster down --local`. It must train and end FINISHED: the job's relative paths (data/stdlib, checkpoints) made absolute by
 `raytrn submit` (the simulator shares this filesystem), its metrics in the MLflow server the simulator runs on
-its head, its checkpoints on disk, the 2 CPU workers taking every CPU of the two simulated nodes without
-starving Ray Data's readers, and Ray token auth on (no token: refused). The simulator's state, token and MLflow
+its head, its checkpoints on disk, the 2 CPU workers taking every CPU of the two simulated nodes (a small epoch
+is read by the worker itself; Ray Data's readers beside workers that hold every CPU: test_data_source.py), and
+Ray token auth on (no token: refused). The simulator's state, token and MLflow
 store are the session's own (its HOME); the default ports (6379, 8265, 5000) must be free.
 """
 

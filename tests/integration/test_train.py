@@ -212,7 +212,8 @@ def _upload_dir(local: Path, bucket: str, prefix: str, endpoint: str) -> None:
 
 def test_dataset_and_checkpoints_on_s3_then_resume(ray_session, tiny_dataset, tmp_path, s3_bucket, s3_endpoint, capfd):
     """Everything on a real S3 endpoint (moto server), as on a trn cluster: data.manifest s3://... checked on the
-    driver and streamed by Ray Data from S3; checkpoint.storage s3://...: save, list, resume. (One run for both:
+    driver and read from S3 (a small epoch: by the worker itself; Ray Data's reads from S3: test_data_source.py);
+    checkpoint.storage s3://...: save, list, resume. (One run for both:
     each Ray Train run costs ~25 s of start-up here.) The resume prints raytrn's line, not Ray Train's notice.
     The first invocation is also the numerics guard: a seeded 1-worker run of 8 steps must reproduce the stored loss
     curve (tests/golden/tiny_loss.json; the same numbers as from the local copy of the dataset)."""
