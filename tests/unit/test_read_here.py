@@ -72,7 +72,17 @@ def _read(manifest: Manifest, part: RankSlice, want: int) -> list[Any]:
         if sum(len(b) for b in out) >= want:
             break
     batches.close()
+    _reader_ended()
     return out
+
+
+def _reader_ended() -> None:
+    """Wait for the background readers to end: a closed reader finishes the item it is making first (it may be
+    deciding the next epoch's path), which must not reach the next test's stand-in."""
+    for thread in threading.enumerate():
+        if thread.name == "raytrn-data-ahead":
+            thread.join(30)
+            assert not thread.is_alive(), "a closed reader's thread did not end"
 
 
 @pytest.mark.parametrize("rank", [0, 1])
