@@ -287,7 +287,8 @@ def stock_main(argv: list[str]) -> None:
             and not [s for s in steps() if s["step"] >= args.remove_at]
         ):
             time.sleep(0.1)
-        world = steps()[-1]["world"] if steps() else 3  # the group's size before the loss
+        before = steps()
+        world = before[-1]["world"] if before else 3  # the group's size before the loss
         removed_at = time.time()
         cluster.remove_node(nodes[-1], allow_graceful=False)
 

@@ -66,6 +66,17 @@ def tiny_dataset(ray_session, tmp_path_factory) -> Path:
 _EMPTY_STORE: Path | None = None
 
 
+def data_readers_ended(timeout_s: float = 60.0) -> None:
+    """Wait for closed data readers' threads (``raytrn.data.source.ahead``) to end: a closed reader finishes the item
+    it is making first (it may decide the next epoch's path), which must not reach the next test's stand-in."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == "raytrn-data-ahead":
+            thread.join(timeout_s)
+            assert not thread.is_alive(), "a closed reader's thread did not end"
+
+
 def mlflow_store(path: Path) -> str:
     """``sqlite:///path``: a new MLflow store there, copied from one empty store this test process made once.
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import FIXTURE_CORPUS
+from tests.conftest import FIXTURE_CORPUS, data_readers_ended
 
 pytestmark = pytest.mark.integration
 
@@ -84,9 +83,7 @@ def test_ray_data_streams_the_ranks_rows_in_order(
         ray.get(held.ready(), timeout=60)
     try:
         _two_ranks_in_order(sharded_dataset)
-        for thread in threading.enumerate():  # closed readers end after the item they were making (not counted
-            if thread.name == "raytrn-data-ahead":  # in the other variant)
-                thread.join(60)
+        data_readers_ended()  # (not counted in the other variant)
     finally:
         if held is not None:
             remove_placement_group(held)

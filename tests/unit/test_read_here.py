@@ -18,6 +18,7 @@ import pytest
 from raytrn.data import source
 from raytrn.data.manifest import Manifest, ShardInfo, SourceInfo, TokenizerInfo
 from raytrn.data.order import Position, RankSlice, SampleOrder, ShardFiles, epoch_windows, plan_epoch, read_plan
+from tests.conftest import data_readers_ended
 
 pytestmark = pytest.mark.unit
 
@@ -72,17 +73,8 @@ def _read(manifest: Manifest, part: RankSlice, want: int) -> list[Any]:
         if sum(len(b) for b in out) >= want:
             break
     batches.close()
-    _reader_ended()
+    data_readers_ended(30.0)
     return out
-
-
-def _reader_ended() -> None:
-    """Wait for the background readers to end: a closed reader finishes the item it is making first (it may be
-    deciding the next epoch's path), which must not reach the next test's stand-in."""
-    for thread in threading.enumerate():
-        if thread.name == "raytrn-data-ahead":
-            thread.join(30)
-            assert not thread.is_alive(), "a closed reader's thread did not end"
 
 
 @pytest.mark.parametrize("rank", [0, 1])
