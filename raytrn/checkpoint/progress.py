@@ -9,6 +9,7 @@ sharded checkpoint's location, ``dcp``; NxD's directory, ``sharded``). Ray Train
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -28,15 +29,43 @@ class Progress:
     epoch: int = 0  # the pass over the dataset in progress (0-based; raytrn.data.order)
     epoch_samples: int = 0  # rows of it trained on (whole global batches)
     last_logged_step: int = 0  # last step whose metrics were logged (never log a step twice)
+    #: The training metrics logged at ``last_logged_step``: a restored group sends them again (the tracking actor
+    #: drops a step it has), since a group killed right after that step's save may never have sent them.
+    logged_metrics: dict[str, float] = field(default_factory=dict)
     cost_usd: float = 0.0  # what the run has cost so far (with a known price), over every worker group
     best_val_loss: float | None = None  # the lowest validation loss so far (raytrn.train.evaluate)
     last_logged_val_step: int = 0  # last step whose validation metrics were logged
+
+    def logged(self, step: int, metrics: dict[str, Any]) -> None:
+        """Step ``step``'s training metrics were logged (or were a step before this group's newest: nothing)."""
+        if step > self.last_logged_step:
+            self.last_logged_step, self.logged_metrics = step, numeric_metrics(metrics)
+
+    def restored(self, other: Progress) -> None:
+        """The newer of this progress's and ``other``'s last logged step, with its metrics (a checkpoint's two
+        records of the counters: its ``meta.json`` and the saved state)."""
+        if other.last_logged_step > self.last_logged_step:
+            self.last_logged_step, self.logged_metrics = other.last_logged_step, dict(other.logged_metrics)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Progress:
         """The counters in ``data``; other keys (a layout, where shards are) are ignored."""
         fields = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in fields})
+        progress = cls(**{k: v for k, v in data.items() if k in fields and k != "logged_metrics"})
+        progress.logged_metrics = numeric_metrics(data.get("logged_metrics"))
+        return progress
+
+
+def numeric_metrics(metrics: Any) -> dict[str, float]:
+    """The entries of ``metrics`` with a name and a numeric value, as floats; anything else (or not a mapping) is
+    left out: they are only ever sent again, never needed."""
+    if not isinstance(metrics, dict):
+        return {}
+    return {k: float(v) for k, v in metrics.items() if isinstance(k, str) and _number(v)}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(kw_only=True)

@@ -374,7 +374,7 @@ def _rollback(
         reformed = group.reform("lost")
         if not reformed.lost and error is not None:
             raise error
-    restored.last_logged_step = max(restored.last_logged_step, progress.last_logged_step)
+    restored.restored(progress)
     restored.last_logged_val_step = max(restored.last_logged_val_step, progress.last_logged_val_step)
     restored.best_val_loss = progress.best_val_loss  # (the best tags name checkpoints that exist)
     log.warning("live recovery: rolled back to step %d on %d live replicas; no process restarted", restored.step,
@@ -547,7 +547,7 @@ class LiveMetrics:
             self.tracker.log_metrics(metrics, step)
         if self.board is not None:
             self.board.update(step, job.run.max_steps, metrics)
-        progress.last_logged_step = max(progress.last_logged_step, step)
+        progress.logged(step, metrics)
 
     def recovered(self, step: int, reformed: list[Reformed]) -> None:
         """Each re-formation at step ``step`` (a loss, or newcomers admitted): a line, the run's tags and metrics."""

@@ -159,7 +159,7 @@ class MetricsReporter:
             self.logger.log_metrics(metrics, step)
         if self.board is not None:
             self.board.update(step, self.job.run.max_steps, metrics)
-        progress.last_logged_step = max(progress.last_logged_step, step)
+        progress.logged(step, metrics)
         self._reset_window()
         return metrics
 
