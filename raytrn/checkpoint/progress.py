@@ -35,24 +35,36 @@ class Progress:
     cost_usd: float = 0.0  # what the run has cost so far (with a known price), over every worker group
     best_val_loss: float | None = None  # the lowest validation loss so far (raytrn.train.evaluate)
     last_logged_val_step: int = 0  # last step whose validation metrics were logged
+    logged_val_metrics: dict[str, float] = field(default_factory=dict)  # those metrics, sent again as the others
 
     def logged(self, step: int, metrics: dict[str, Any]) -> None:
         """Step ``step``'s training metrics were logged (or were a step before this group's newest: nothing)."""
         if step > self.last_logged_step:
             self.last_logged_step, self.logged_metrics = step, numeric_metrics(metrics)
 
+    def logged_val(self, step: int, scores: dict[str, Any]) -> None:
+        """Step ``step``'s validation metrics were logged (or were a step before this group's newest: nothing)."""
+        if step > self.last_logged_val_step:
+            self.last_logged_val_step, self.logged_val_metrics = step, numeric_metrics(scores)
+
     def restored(self, other: Progress) -> None:
-        """The newer of this progress's and ``other``'s last logged step, with its metrics (a checkpoint's two
-        records of the counters: its ``meta.json`` and the saved state)."""
+        """The newer of this progress's and ``other``'s last logged steps, with their metrics (a checkpoint's two
+        records of the counters: its ``meta.json`` and the saved state; a rollback's restored counters and the
+        steps the run has logged)."""
         if other.last_logged_step > self.last_logged_step:
             self.last_logged_step, self.logged_metrics = other.last_logged_step, dict(other.logged_metrics)
+        if other.last_logged_val_step > self.last_logged_val_step:
+            self.last_logged_val_step = other.last_logged_val_step
+            self.logged_val_metrics = dict(other.logged_val_metrics)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Progress:
         """The counters in ``data``; other keys (a layout, where shards are) are ignored."""
         fields = set(cls.__dataclass_fields__)
-        progress = cls(**{k: v for k, v in data.items() if k in fields and k != "logged_metrics"})
+        metrics = ("logged_metrics", "logged_val_metrics")
+        progress = cls(**{k: v for k, v in data.items() if k in fields and k not in metrics})
         progress.logged_metrics = numeric_metrics(data.get("logged_metrics"))
+        progress.logged_val_metrics = numeric_metrics(data.get("logged_val_metrics"))
         return progress
 
 

@@ -109,9 +109,12 @@ class Checkpointer:
             progress.epoch, progress.epoch_samples = loaded.epoch, loaded.epoch_samples
         progress.step, progress.tokens_seen, progress.cost_usd = loaded.step, loaded.tokens_seen, loaded.cost_usd
         progress.restored(loaded)
-        if self.logger is not None and progress.logged_metrics:  # the last logged step's metrics may never have
-            # left a group killed right after that step's snapshot or save; the tracking actor drops a step it has
-            self.logger.log_metrics(progress.logged_metrics, progress.last_logged_step)
+        if self.logger is not None:  # the last logged step's metrics may never have left a group killed right after
+            # that step's snapshot or save; the tracking actor drops the steps it has
+            if progress.logged_metrics:
+                self.logger.log_metrics(progress.logged_metrics, progress.last_logged_step)
+            if progress.logged_val_metrics:
+                self.logger.log_missing(progress.logged_val_metrics, progress.last_logged_val_step)
         return moved
 
     def _load_init_from(self, t: Training) -> None:

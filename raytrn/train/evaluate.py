@@ -139,7 +139,7 @@ class Evaluation:
             self.logger.log_missing(scores, step)  # (a step evaluated again after a restart: logged once)
             if best:
                 self.logger.set_tags(best_tags(step, scores["val_loss"], checkpoint))
-        progress.last_logged_val_step = max(progress.last_logged_val_step, step)
+        progress.logged_val(step, scores)
         return scores
 
 

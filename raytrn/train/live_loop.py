@@ -375,7 +375,6 @@ def _rollback(
         if not reformed.lost and error is not None:
             raise error
     restored.restored(progress)
-    restored.last_logged_val_step = max(restored.last_logged_val_step, progress.last_logged_val_step)
     restored.best_val_loss = progress.best_val_loss  # (the best tags name checkpoints that exist)
     log.warning("live recovery: rolled back to step %d on %d live replicas; no process restarted", restored.step,
                 group.size)  # fmt: skip
