@@ -180,7 +180,7 @@ def rank_batches(
     (:func:`read_here`)."""
     columns = (manifest.column, *manifest.extra_columns)
     files = ShardFiles.of(manifest.shard_paths())
-    row_bytes = manifest.row_len * np.dtype(manifest.dtype).itemsize * len(columns)
+    row_bytes = _row_bytes(manifest)
 
     def here() -> bool:
         return not (handover.is_set() if handover is not None else True)
@@ -220,6 +220,18 @@ def read_here(epoch_bytes: int, bound: int | None = None) -> bool:
     epoch's read costs milliseconds (pyarrow, outside the GIL for the most part); a large one's stays with Ray Data
     (its reads in their own processes, overlapped with training), where a process start is nothing beside it."""
     return epoch_bytes <= (READ_HERE_BYTES if bound is None else bound)
+
+
+def streams_through_ray_data(manifest: Manifest) -> bool:
+    """Whether some rank of a run over ``manifest`` may read through Ray Data: only when an epoch of a rank's rows may
+    be larger than :func:`read_here`'s bound (an epoch holds at most the dataset's rows, every rank's together). A
+    run whose every epoch is read here never starts a Ray Data dataset, nor its stats actor."""
+    return not read_here(manifest.num_rows * _row_bytes(manifest))
+
+
+def _row_bytes(manifest: Manifest) -> int:
+    """A row's bytes as a rank reads it: its token ids and its extra columns' (instruction data's masks)."""
+    return manifest.row_len * np.dtype(manifest.dtype).itemsize * (1 + len(manifest.extra_columns))
 
 
 def block_arrays(table: Any, column: str, row_len: int, extra: list[str] | tuple[str, ...] = ()) -> MicroBatch:

@@ -153,7 +153,7 @@ def _train(
     if started_locally:  # on an embedded local Ray nothing can scale up: fail now rather than wait forever
         check_local_resources(job, backend, ray.cluster_resources())
     else:  # on one machine (a Ray this process started) it lands on the workers' node anyway
-        _pin_data_stats_actor()
+        _pin_data_stats_actor(manifest)
 
     if not trial:
         print(f"raytrn: {job.run_name}: {job.model.family} {stats.describe()}", flush=True)
@@ -429,16 +429,21 @@ def _tune_callbacks() -> list[Any]:
     return [TrialReports()]
 
 
-def _pin_data_stats_actor() -> None:
+def _pin_data_stats_actor(manifest: Manifest) -> None:
     """Create Ray Data's stats actor on the driver's node (the head under ``ray job submit``), in a thread: the worker
     group's start does not wait for it (nor for Ray Data's import, ~0.6 s).
 
     It is detached and pinned to the node of whoever runs a dataset first: a training worker (each reads its
     own rows) would put it on a worker node and keep that node from ever scaling down. (A private Ray Data
-    function; without it the actor is created as before.)
+    function; without it the actor is created as before.) Not for a dataset whose every epoch the workers read
+    themselves (:func:`raytrn.data.source.streams_through_ray_data`): no dataset runs, no actor is needed.
     """
 
     def create() -> None:
+        from raytrn.data.source import streams_through_ray_data  # (imports Ray Data: ~0.7 s, here off the start)
+
+        if not streams_through_ray_data(manifest):
+            return
         try:
             create_data_stats_actor()
         except Exception as e:  # another Ray version: not worth failing a job over

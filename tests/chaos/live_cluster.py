@@ -203,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         # the memory tier (on: 3 nodes): the live rank 0's snapshots at the checkpoint steps, the bytes a store holds
         result["memory_checkpoint_bytes"] = {s: v for s, _, v in _logged(db, "memory_checkpoint_bytes")}
         result["traces"] = _traces(work / "trace")
+        # the tests' dataset: every epoch read by the workers themselves, so no Ray Dataset ran and no stats actor
+        result["data_stats_actors"] = len(_actors("_StatsActor"))
         if args.no_reference:
             return 0
         # the same job and seed, uninterrupted, on 1 worker (the same global batch, as one micro-batch: the same rows

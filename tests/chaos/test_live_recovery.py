@@ -144,6 +144,9 @@ def test_survivors_train_on_and_the_returning_node_joins_live(live_run: dict) ->
     # admitted at the end of the step its predecessor was lost in)
     trained_at = {int(s): v for s, v in r["trained_at"].items()}
     assert {trained_at[s] for s in steps} == {1.0, 2.0, 3.0}, trained_at
+    # a small dataset's epochs are read by the workers themselves: the driver pinned no Ray Data stats actor (a process
+    # of its own, detached: it would outlive the run on the head), and nothing else made one
+    assert r["data_stats_actors"] == 0, r["data_stats_actors"]
 
 
 def test_every_worker_read_the_uninterrupted_runs_rows_at_every_step(live_run: dict) -> None:

@@ -6,6 +6,7 @@ Data dataset is a stand-in yielding what the real one yields (one Arrow table pe
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Any
@@ -124,3 +125,21 @@ def test_a_larger_epoch_goes_to_ray_data_after_the_starts_first_window(
     assert ids == want
     # the start's first window read here, the rest of its epoch and every later epoch through Ray Data
     assert asked[:3] == [(0, 8, 1), (1, 0, 0), (2, 0, 0)]
+
+
+def test_the_driver_knows_when_no_epoch_can_go_through_ray_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run over a dataset whose whole epoch is within the bound never starts a Ray Dataset (so the driver does not
+    pin Ray Data's stats actor: a process of its own, detached, kept for the cluster's life); a rank's rows of an
+    epoch are at most the dataset's, every column counted (an instruction set's masks too)."""
+    manifest = _dataset(tmp_path)
+    whole = manifest.num_rows * ROW_LEN * 4  # 62 rows of 3 int32 token ids
+    assert not source.streams_through_ray_data(manifest)
+    monkeypatch.setattr(source, "READ_HERE_BYTES", whole)
+    assert not source.streams_through_ray_data(manifest)
+    monkeypatch.setattr(source, "READ_HERE_BYTES", whole - 1)
+    assert source.streams_through_ray_data(manifest)
+    monkeypatch.setattr(source, "READ_HERE_BYTES", 2 * whole - 1)  # token ids and a mask column: twice the bytes
+    assert not source.streams_through_ray_data(manifest)
+    assert source.streams_through_ray_data(dataclasses.replace(manifest, extra_columns=["loss_mask"]))
