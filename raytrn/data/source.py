@@ -214,11 +214,12 @@ READ_HERE_BYTES = 64 << 20
 def read_here(epoch_bytes: int, bound: int | None = None) -> bool:
     """Whether a rank reads an epoch of ``epoch_bytes`` (its rows of it, every column; at most ``bound``, None:
     :data:`READ_HERE_BYTES`) itself, window by window in the background reader's thread, instead of through a Ray
-    Data dataset. Each epoch's dataset starts its read tasks' processes anew (Ray ends a task's idle process within a second or so when the node's workers outnumber
-    its CPUs, as training workers that hold every CPU make them): measured on 2 cores, 3-4 processes per rank and
-    epoch at ~1 CPU-second each, steps 5-10x slower for 2-5 s at every epoch boundary of a small dataset. A small
-    epoch's read costs milliseconds (pyarrow, outside the GIL for the most part); a large one's stays with Ray Data
-    (its reads in their own processes, overlapped with training), where a process start is nothing beside it."""
+    Data dataset. Each epoch's dataset starts its read tasks' processes anew (Ray ends a task's idle process within
+    a second or so when the node's workers outnumber its CPUs, as training workers that hold every CPU make them):
+    measured on 2 cores, 3-4 processes per rank and epoch at ~1 CPU-second each, steps 5-10x slower for 2-5 s at
+    every epoch boundary of a small dataset. A small epoch's read costs milliseconds (pyarrow, outside the GIL for
+    the most part); a large one's stays with Ray Data (its reads in their own processes, overlapped with training),
+    where a process start is nothing beside it."""
     return epoch_bytes <= (READ_HERE_BYTES if bound is None else bound)
 
 
