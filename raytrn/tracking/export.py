@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from raytrn import storage
-from raytrn.ahead import import_ahead
+from raytrn.ahead import import_ahead, wait_for
 from raytrn.config import JobSpec
 from raytrn.data.manifest import load_manifest
 from raytrn.models.export import save_hf
@@ -68,6 +68,10 @@ def log_final_model(
     specs = getattr(model, "export_specs", None) or {  # a pipeline's rank holds its stages: the whole's, given
         name: (v.dtype, tuple(v.shape)) for name, v in getattr(model, "module", model).state_dict().items()
     }
+    # transformers' lazy module fails a `from transformers import X` here ("cannot import name") while ExportAhead's
+    # thread is still importing transformers: a short run lost its final model so. Wait for that import first.
+    for module in TOKENIZER_IMPORTS:
+        wait_for(module)
     with tempfile.TemporaryDirectory(prefix="raytrn-model-") as d:
         try:
             export_hf(job, export(), d if writing else None, specs)

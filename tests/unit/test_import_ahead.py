@@ -205,3 +205,36 @@ def test_rank_0_imports_the_final_models_tokenizer_class_ahead_near_the_runs_end
         "print(sorted(set(sys.modules) - before - ahead), sorted(m for m in ahead if m.split('.')[0] in ('torch', 'raytrn', 'ray')))\n"
     )
     assert _printed(code) == "[] []"
+
+
+def test_the_final_model_is_logged_while_its_tokenizer_import_ahead_is_still_running(tmp_path: Path) -> None:
+    """A short run's rank 0 starts ExportAhead's import of transformers about a second before the run ends; the export
+    on the training thread then imported from transformers beside that thread, and transformers' lazy module failed it
+    ("cannot import name 'LlamaConfig'"): the final model was not logged (seen on a resumed 5-step run). The export now
+    waits for that import first, and logs the model, its config and its tokenizer."""
+    from tests.unit.test_cli import make_dataset
+
+    data = make_dataset(tmp_path / "data", seq_len=32, vocab_size=512)
+    code = (
+        "import shutil, sys, tokenizers, raytrn.train.loop\n"
+        "from raytrn.ahead import import_ahead\n"
+        "from raytrn.config import load_job\n"
+        "from raytrn.models import build_model\n"
+        "from raytrn.tracking.export import TOKENIZER_IMPORTS, log_final_model\n"
+        f"tokenizers.Tokenizer(tokenizers.models.BPE()).save({str(data / 'tokenizer.json')!r})\n"
+        f"job = load_job('jobs/tiny.yaml', ['data.manifest={data}', 'model.vocab_size=512'], resolve=False)\n"
+        "model = build_model(job.model, seed=0)\n"
+        "class Logged:  # the tracking client's two members the export uses\n"
+        "    run_id = 'r'\n"
+        "    files = []\n"
+        "    def log_artifacts(self, local_dir, artifact_path):\n"
+        "        import os\n"
+        "        self.files = sorted(os.listdir(local_dir))\n"
+        "logged = Logged()\n"
+        "assert 'transformers' not in sys.modules\n"
+        "import_ahead(TOKENIZER_IMPORTS)  # what ExportAhead starts near the run's end\n"
+        "log_final_model(job, model, lambda: iter(model.state_dict().items()), logged)\n"
+        "print(logged.files)\n"
+    )
+    files = _printed(code)
+    assert "config.json" in files and "model.safetensors" in files and "tokenizer.json" in files, files
