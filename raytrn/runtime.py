@@ -379,7 +379,8 @@ def route_ray_output(name: str, *, verbose: bool = False, directory: str = RAY_L
     keeps raytrn's own lines (one per failure, resize or notice: :mod:`raytrn.train.events`), the errors that need
     the user (:data:`USER_LINES`) and Ray's driver-side errors.
 
-    The file: ``<directory>/<name>.log`` (returned); in a Ray job's driver (``ray job submit``, ``raytrn submit``, a
+    On a stdout that is not a terminal, the lines Ray prints here come without its colour codes (``RAY_COLOR_PREFIX=0``
+    unless set). The file: ``<directory>/<name>.log`` (returned); in a Ray job's driver (``ray job submit``, ``raytrn submit``, a
     sweep's driver), ``raytrn-<name>.log`` in Ray's own log directory of the driver's node, beside the job's driver
     log (``ray logs`` and the dashboard list it; its path is known once connected: None is returned). Nothing
     changes with ``verbose`` (None), nor when Ray is connected already (a test's or notebook's Ray): ``ensure_ray``
@@ -387,6 +388,8 @@ def route_ray_output(name: str, *, verbose: bool = False, directory: str = RAY_L
     """
     global _ray_log_path, _verbose
     _verbose = verbose
+    if not sys.stdout.isatty():  # Ray colours its lines' prefixes even for a file or a pipe (`ray job logs`, CI)
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if verbose:
         _ray_log_path = None
         return None

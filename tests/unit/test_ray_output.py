@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +37,7 @@ def _no_routing_left() -> Iterator[None]:
     yield
     runtime._ray_log_path = None
     runtime._log_file = None
+    runtime._verbose = False
 
 
 def test_rays_plumbing_leaves_the_terminal_and_raytrns_lines_stay() -> None:
@@ -256,3 +259,53 @@ def test_a_sweeps_embedded_ray_starts_with_its_dashboard_unless_the_user_said_ot
     environ = {runtime.DASHBOARD_ENV: "0"}
     sweep_ray_defaults(environ)
     assert runtime.local_ray_dashboard(environ) is False
+
+
+def test_rays_colour_codes_are_off_when_stdout_is_not_a_terminal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray colours the prefix of every line it prints for a worker, on a pipe or file too (`ray job logs`, a CI log):
+    ``RAY_COLOR_PREFIX=0`` there, whatever is routed; a terminal keeps Ray's colours, and a value the user set stays."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    for verbose in (False, True):
+        monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)
+        monkeypatch.setattr(sys, "stdout", io.StringIO())
+        runtime.route_ray_output("r", verbose=verbose, directory=str(tmp_path))
+        assert os.environ.get("RAY_COLOR_PREFIX") == "0"
+        monkeypatch.delenv("RAY_COLOR_PREFIX")
+        monkeypatch.setattr(sys, "stdout", Terminal())
+        runtime.route_ray_output("r", verbose=verbose, directory=str(tmp_path))
+        assert "RAY_COLOR_PREFIX" not in os.environ
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "1")
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    runtime.route_ray_output("r", directory=str(tmp_path))
+    assert os.environ["RAY_COLOR_PREFIX"] == "1"
+
+
+def test_a_kept_line_reaches_a_pipe_without_rays_colour_codes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through Ray's own printer (the one raytrn.compat.route_worker_output hands the router): a worker's raytrn line
+    kept for the user, printed to a stdout that is a pipe."""
+    import io
+
+    import ray._private.worker as ray_worker
+
+    from raytrn import compat
+
+    monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)  # put back after the test
+    printers: list = []
+    compat.route_worker_output(lambda data, ignore_prefix, ray_print: printers.append(ray_print))
+    ray_worker.print_to_stdstream({"lines": []}, False)
+    monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    runtime.route_ray_output("r", directory=str(tmp_path))
+    batch = {"lines": ["raytrn: WARNING: kept"], "pid": 7, "actor_name": "RayTrainWorker", "is_err": False}
+    runtime._RayLines(runtime._PlainFile(str(tmp_path / "r.log")))(batch, False, printers[0])
+    assert out.getvalue() == "(RayTrainWorker pid=7) raytrn: WARNING: kept\n"
