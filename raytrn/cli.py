@@ -27,7 +27,8 @@ from raytrn.cluster.validate import validate_cluster_file
 from raytrn.config import JobSpec, load_job, read_job_file, resolve_paths
 from raytrn.errors import RaytrnError
 from raytrn.estimate.cli import register as register_estimate
-from raytrn.runtime import check_paths_for_ray_job, route_ray_output
+from raytrn.ray_output import route_ray_output
+from raytrn.runtime import check_paths_for_ray_job
 from raytrn.submit import register as register_submit
 from raytrn.sweep.cli import register as register_sweep
 from raytrn.tracking.last_run import record_last_run

@@ -24,7 +24,7 @@ def add_set_option(p: argparse.ArgumentParser) -> None:
 
 
 def add_verbose_option(p: argparse.ArgumentParser) -> None:
-    """``--verbose``: Ray's own lines on the terminal too (see :func:`raytrn.runtime.route_ray_output`)."""
+    """``--verbose``: Ray's own lines on the terminal too (see :func:`raytrn.ray_output.route_ray_output`)."""
     p.add_argument(
         "--verbose",
         action="store_true",

@@ -27,7 +27,7 @@ from raytrn.checkpoint.staging import Staging, staging_or_none
 from raytrn.checkpoint.statefile import has_state, load_state
 from raytrn.checkpoint.store import Checkpoints, PinnedSchedule, Saved, TrainState
 from raytrn.errors import CheckpointError, CheckpointsFailing
-from raytrn.runtime import ROUTINE
+from raytrn.ray_output import ROUTINE
 from raytrn.storage import is_transient
 
 if TYPE_CHECKING:

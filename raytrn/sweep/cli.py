@@ -20,7 +20,8 @@ from raytrn.cli_args import (
 )
 from raytrn.config import load_job
 from raytrn.errors import ConfigError, RaytrnError
-from raytrn.runtime import DASHBOARD_ENV, ensure_ray, route_ray_output
+from raytrn.ray_output import route_ray_output
+from raytrn.runtime import DASHBOARD_ENV, ensure_ray
 from raytrn.submit import _client as jobs_client
 from raytrn.submit import _token_arg, follow_logs, job_file_in, submit
 from raytrn.sweep.space import label, parse_flag

@@ -28,7 +28,7 @@ from raytrn.backends import get_backend
 from raytrn.cluster.capacity import load_capacity
 from raytrn.config import JobSpec, apply_overrides, read_job_mapping, set_value
 from raytrn.errors import ConfigError, RaytrnError
-from raytrn.runtime import mark_raytrn_logs
+from raytrn.ray_output import mark_raytrn_logs
 from raytrn.sweep.plan import BEST_FILE, DONE, TRAINING_METRICS, VALIDATION_METRICS, Scheduler, SweepState, TrialState
 from raytrn.sweep.space import format_value, label
 from raytrn.tracking.client import mlflow_client, redact_uri, unreachable

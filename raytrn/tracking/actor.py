@@ -22,7 +22,8 @@ from typing import Any
 from raytrn.checkpoint.messages import PassedOver, render
 from raytrn.compat import metric_objects
 from raytrn.errors import RaytrnError
-from raytrn.runtime import NOT_FORWARDED, forwarded_env, mark_raytrn_logs, on_this_node
+from raytrn.ray_output import mark_raytrn_logs
+from raytrn.runtime import NOT_FORWARDED, forwarded_env, on_this_node
 from raytrn.tracking import goodput
 from raytrn.tracking.board import BOARD_NAMESPACE, ProgressBoard, RestoreRecord, board_name
 from raytrn.tracking.client import mlflow_client, unreachable

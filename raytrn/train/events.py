@@ -2,7 +2,7 @@
 what it does with it: one terminal line per event (what happened, to which rank and node, what raytrn does about
 it), and the record of why each worker group ended that the run's goodput ledger books its gaps by
 (:mod:`raytrn.tracking.goodput`). Ray's own account of the same events (its controller's log lines, a worker's
-traceback) goes to the run's Ray log file (:mod:`raytrn.runtime`).
+traceback) goes to the run's Ray log file (:mod:`raytrn.ray_output`).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ from raytrn.config.sizes import global_batch
 from raytrn.data.batch import TokenBatch
 from raytrn.data.feed import DataFeed
 from raytrn.errors import RunStopped
-from raytrn.runtime import worker_logging
+from raytrn.ray_output import worker_logging
 from raytrn.sigterm import TRAINING
 from raytrn.tracking.export import ExportAhead, log_final_model
 from raytrn.tracking.goodput import GroupTimes

@@ -22,7 +22,7 @@ from raytrn.backends import get_backend
 from raytrn.config.sizes import data_parallel_rank, data_parallel_size, global_batch
 from raytrn.data.feed import DataFeed
 from raytrn.errors import RunStopped
-from raytrn.runtime import worker_logging
+from raytrn.ray_output import worker_logging
 from raytrn.sigterm import TRAINING, quiet_sigterm
 from raytrn.tracking.export import log_final_model
 from raytrn.tracking.roles import StopMailbox

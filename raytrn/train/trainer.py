@@ -35,12 +35,12 @@ from raytrn.estimate.job import estimate_params, resolve_auto_interval
 from raytrn.evals.runner import drain_evaluator, start_evaluator
 from raytrn.models import model_stats
 from raytrn.pending import Pending
+from raytrn.ray_output import ray_train_console
 from raytrn.runtime import (
     ensure_ray,
     git_commit,
     on_this_node,
     ray_job_submission_id,
-    ray_train_console,
     run_started_at,
     starts_local_ray,
     trial_id,

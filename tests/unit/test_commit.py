@@ -208,8 +208,8 @@ def test_retention_runs_beside_the_steps_and_never_beside_a_save(
 
 
 def test_retentions_deletions_are_logged_as_routine(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Retention's line at every save goes to the run's Ray log, not the terminal (``raytrn.runtime.ROUTINE``)."""
-    from raytrn.runtime import ROUTINE
+    """Retention's line at every save goes to the run's Ray log, not the terminal (``raytrn.ray_output.ROUTINE``)."""
+    from raytrn.ray_output import ROUTINE
 
     j = job(tmp_path, "checkpoint.keep_last=1")
     t = trained(j)

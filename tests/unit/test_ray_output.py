@@ -1,5 +1,5 @@
 """Ray's own lines go to the run's log file; raytrn's lines and the errors that need the user stay on the terminal
-(raytrn.runtime.route_ray_output)."""
+(raytrn.ray_output.route_ray_output)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrn import runtime
+from raytrn import ray_output, runtime
 
 pytestmark = pytest.mark.unit
 
@@ -35,19 +35,19 @@ PLUMBING = [
 def _no_routing_left() -> Iterator[None]:
     """Routing asked for here never reaches a later test's ensure_ray."""
     yield
-    runtime._ray_log_path = None
-    runtime._log_file = None
-    runtime._verbose = False
+    ray_output._ray_log_path = None
+    ray_output._log_file = None
+    ray_output._verbose = False
 
 
 def test_rays_plumbing_leaves_the_terminal_and_raytrns_lines_stay() -> None:
-    assert runtime.user_lines(PLUMBING) == []
+    assert ray_output.user_lines(PLUMBING) == []
     ours = [
         "raytrn: WARNING: MLflow at http://h:5000 unreachable (training continues, metrics are buffered): x",
         "raytrn: tiny-t00: llama 0.5M parameters",
         "Task was killed due to the node running low on memory.",
     ]
-    assert runtime.user_lines([PLUMBING[0], *ours, PLUMBING[3]]) == ours
+    assert ray_output.user_lines([PLUMBING[0], *ours, PLUMBING[3]]) == ours
 
 
 def test_a_failed_workers_traceback_and_rays_stack_frames_go_to_the_log_not_the_terminal() -> None:
@@ -59,12 +59,12 @@ def test_a_failed_workers_traceback_and_rays_stack_frames_go_to_the_log_not_the_
         "*** SIGSEGV received at time=1795883681 on cpu 1 ***",
         "    @     0x7f1e0c0f2520  ray::core::CoreWorker::RunTaskExecutionLoop()",
     ]
-    assert runtime.user_lines(batch) == []
+    assert ray_output.user_lines(batch) == []
 
 
 def test_the_router_writes_every_line_and_prints_only_the_users(tmp_path: Path) -> None:
     path = tmp_path / "run.log"
-    router = runtime._RayLines(runtime._PlainFile(str(path)))
+    router = ray_output._RayLines(ray_output._PlainFile(str(path)))
     printed = _Printed()
     lines = [PLUMBING[0], "\x1b[33mcoloured\x1b[0m", "raytrn: WARNING: w"]
     router({"lines": lines, "pid": 5, "actor_name": "RayTrainWorker", "is_err": True}, False, printed.append_pair)
@@ -81,23 +81,23 @@ class _Printed(list):
 
 
 def test_raytrn_log_records_are_marked_on_every_line() -> None:
-    formatter = runtime._MarkedFormatter("%(levelname)s: %(message)s")
+    formatter = ray_output._MarkedFormatter("%(levelname)s: %(message)s")
     record = logging.LogRecord("raytrn.x", logging.WARNING, __file__, 1, "two\nlines", None, None)
     assert formatter.format(record) == "raytrn: WARNING: two\nraytrn:   lines"
-    assert runtime.user_lines(formatter.format(record).splitlines()) == ["raytrn: WARNING: two", "raytrn:   lines"]
+    assert ray_output.user_lines(formatter.format(record).splitlines()) == ["raytrn: WARNING: two", "raytrn:   lines"]
 
 
 def test_a_routine_record_goes_to_the_log_file_not_the_terminal() -> None:
     """Retention's deletions at every save (``extra=ROUTINE``): the run's Ray log keeps them, the terminal does not;
     every other record of the same level stays on the terminal."""
-    formatter = runtime._MarkedFormatter("%(levelname)s: %(message)s")
+    formatter = ray_output._MarkedFormatter("%(levelname)s: %(message)s")
     routine = logging.LogRecord("raytrn.x", logging.INFO, __file__, 1, "deleted checkpoints of steps [40]", None, None)
-    for key, value in runtime.ROUTINE.items():
+    for key, value in ray_output.ROUTINE.items():
         setattr(routine, key, value)
     event = logging.LogRecord("raytrn.x", logging.INFO, __file__, 1, "resumed from step 40", None, None)
     lines = formatter.format(routine).splitlines() + formatter.format(event).splitlines()
     assert lines == ["(raytrn) INFO: deleted checkpoints of steps [40]", "raytrn: INFO: resumed from step 40"]
-    assert runtime.user_lines(lines) == ["raytrn: INFO: resumed from step 40"]
+    assert ray_output.user_lines(lines) == ["raytrn: INFO: resumed from step 40"]
 
 
 def test_an_embedded_local_rays_token_notice_stays_off_the_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -106,8 +106,8 @@ def test_an_embedded_local_rays_token_notice_stays_off_the_terminal(monkeypatch:
     ray_logger = logging.getLogger("ray")
     console = logging.StreamHandler(_Lines())
     monkeypatch.setattr(ray_logger, "handlers", [console])
-    runtime.quiet_local_token_notice()
-    runtime.quiet_local_token_notice()  # once per process: one filter
+    ray_output.quiet_local_token_notice()
+    ray_output.quiet_local_token_notice()  # once per process: one filter
     assert len(console.filters) == 1
     child = logging.getLogger("ray._private.some_module")
     child.warning("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
@@ -127,7 +127,7 @@ class _Lines(list):
 def test_marking_is_for_ray_actors_only() -> None:
     """The driver (and a test building an actor's class directly) keeps its logging: caplog still sees raytrn."""
     before = list(logging.getLogger("raytrn").handlers), logging.getLogger("raytrn").propagate
-    runtime.mark_raytrn_logs()
+    ray_output.mark_raytrn_logs()
     assert (list(logging.getLogger("raytrn").handlers), logging.getLogger("raytrn").propagate) == before
 
 
@@ -135,12 +135,12 @@ def test_nothing_is_routed_when_verbose_or_on_a_connected_ray(tmp_path: Path, mo
     import ray
 
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
-    assert runtime.route_ray_output("r", verbose=True, directory=str(tmp_path)) is None
+    assert ray_output.route_ray_output("r", verbose=True, directory=str(tmp_path)) is None
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"runtime_env": {}}')
-    assert runtime.route_ray_output("r", verbose=True, directory=str(tmp_path)) is None
+    assert ray_output.route_ray_output("r", verbose=True, directory=str(tmp_path)) is None
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")
     # Routing waits for ensure_ray to start Ray: a connected Ray (or a job refused first) writes nothing.
-    assert runtime.route_ray_output("r", directory=str(tmp_path)) == str(tmp_path / "r.log")
+    assert ray_output.route_ray_output("r", directory=str(tmp_path)) == str(tmp_path / "r.log")
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     assert runtime.ensure_ray() is False
     assert not list(tmp_path.iterdir())
@@ -161,7 +161,7 @@ def test_a_bad_dashboard_value_is_refused_before_ray_or_its_log_starts(
     monkeypatch.setenv(runtime.DASHBOARD_ENV, "maybe")
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", no_start)
-    assert runtime.route_ray_output("r", directory=str(tmp_path)) == str(tmp_path / "r.log")
+    assert ray_output.route_ray_output("r", directory=str(tmp_path)) == str(tmp_path / "r.log")
     with pytest.raises(RaytrnError, match=f"{runtime.DASHBOARD_ENV}='maybe'"):
         runtime.ensure_ray()
     assert not list(tmp_path.iterdir())  # no log file for a run refused before Ray started
@@ -180,10 +180,10 @@ def test_routing_sends_rays_driver_warnings_to_the_file(
     monkeypatch.setattr(ray_logger, "handlers", list(ray_logger.handlers))
     levels = [(h, h.level) for h in ray_logger.handlers]
     try:
-        path = runtime.route_ray_output("tiny-1", directory=str(tmp_path / "logs"))
+        path = ray_output.route_ray_output("tiny-1", directory=str(tmp_path / "logs"))
         assert path == str(tmp_path / "logs" / "tiny-1.log")
         assert not (tmp_path / "logs").exists() and capsys.readouterr().out == ""  # not before Ray starts
-        runtime._start_routing()  # what ensure_ray does before ray.init
+        ray_output.start_routing()  # what ensure_ray does before ray.init
         assert capsys.readouterr().out == f"raytrn: Ray's logs: {path}\n"
         logging.getLogger("ray.some.module").warning("Token authentication is enabled for this Ray cluster.")
         ray_worker.print_to_stdstream({"lines": ["4 PYTHON worker processes"], "pid": "raylet", "is_err": False}, False)
@@ -206,20 +206,20 @@ def test_a_ray_jobs_driver_routes_into_rays_log_directory_once_connected(
     import ray._private.worker as ray_worker
 
     logs: list[str | None] = [None]  # not connected yet
-    monkeypatch.setattr(runtime, "node_logs_dir", lambda: logs[0])
+    monkeypatch.setattr(ray_output, "node_logs_dir", lambda: logs[0])
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"runtime_env": {}}')
     monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)
     ray_logger = logging.getLogger("ray")
     monkeypatch.setattr(ray_logger, "handlers", list(ray_logger.handlers))
     levels = [(h, h.level) for h in ray_logger.handlers]
     try:
-        assert runtime.route_ray_output("tiny-1", directory=str(tmp_path / "cwd")) is None
-        runtime._start_routing()
+        assert ray_output.route_ray_output("tiny-1", directory=str(tmp_path / "cwd")) is None
+        ray_output.start_routing()
         logging.getLogger("ray.x").warning("Token authentication is enabled for this Ray cluster.")  # during init
         assert capsys.readouterr().out == ""
         logs[0] = str(tmp_path / "session" / "logs")
         Path(logs[0]).mkdir(parents=True)
-        runtime._routing_started()  # what ensure_ray does after ray.init
+        ray_output.routing_started()  # what ensure_ray does after ray.init
         path = tmp_path / "session" / "logs" / "raytrn-tiny-1.log"
         assert (
             capsys.readouterr().out
@@ -234,12 +234,12 @@ def test_a_ray_jobs_driver_routes_into_rays_log_directory_once_connected(
         assert text.index("Token authentication") < text.index("ray::core::CoreWorker::Exit()")
         assert not (tmp_path / "cwd").exists()
         # Ray's log directory not writable: the lines stay on the terminal, one line says why
-        runtime._log_file = None
+        ray_output._log_file = None
         monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)
         logs[0] = str(tmp_path / "missing")
-        runtime.route_ray_output("tiny-2")
-        runtime._start_routing()
-        runtime._routing_started()
+        ray_output.route_ray_output("tiny-2")
+        ray_output.start_routing()
+        ray_output.routing_started()
         assert "raytrn: Ray's lines stay on the terminal" in capsys.readouterr().err
         ray_worker.print_to_stdstream(batch, False)
         assert "ray::core" in "".join(capsys.readouterr())
@@ -276,15 +276,15 @@ def test_rays_colour_codes_are_off_when_stdout_is_not_a_terminal(
     for verbose in (False, True):
         monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)
         monkeypatch.setattr(sys, "stdout", io.StringIO())
-        runtime.route_ray_output("r", verbose=verbose, directory=str(tmp_path))
+        ray_output.route_ray_output("r", verbose=verbose, directory=str(tmp_path))
         assert os.environ.get("RAY_COLOR_PREFIX") == "0"
         monkeypatch.delenv("RAY_COLOR_PREFIX")
         monkeypatch.setattr(sys, "stdout", Terminal())
-        runtime.route_ray_output("r", verbose=verbose, directory=str(tmp_path))
+        ray_output.route_ray_output("r", verbose=verbose, directory=str(tmp_path))
         assert "RAY_COLOR_PREFIX" not in os.environ
     monkeypatch.setenv("RAY_COLOR_PREFIX", "1")
     monkeypatch.setattr(sys, "stdout", io.StringIO())
-    runtime.route_ray_output("r", directory=str(tmp_path))
+    ray_output.route_ray_output("r", directory=str(tmp_path))
     assert os.environ["RAY_COLOR_PREFIX"] == "1"
 
 
@@ -305,7 +305,7 @@ def test_a_kept_line_reaches_a_pipe_without_rays_colour_codes(tmp_path: Path, mo
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
     out = io.StringIO()
     monkeypatch.setattr(sys, "stdout", out)
-    runtime.route_ray_output("r", directory=str(tmp_path))
+    ray_output.route_ray_output("r", directory=str(tmp_path))
     batch = {"lines": ["raytrn: WARNING: kept"], "pid": 7, "actor_name": "RayTrainWorker", "is_err": False}
-    runtime._RayLines(runtime._PlainFile(str(tmp_path / "r.log")))(batch, False, printers[0])
+    ray_output._RayLines(ray_output._PlainFile(str(tmp_path / "r.log")))(batch, False, printers[0])
     assert out.getvalue() == "(RayTrainWorker pid=7) raytrn: WARNING: kept\n"

@@ -11,7 +11,7 @@ import pytest
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from raytrn import runtime
+from raytrn import ray_output
 from raytrn.cli import main
 from tests.conftest import REPO, mlflow_store
 
@@ -55,8 +55,8 @@ def _train_here(run_id: str, monkeypatch) -> None:
     summary = Summary(run_name="tiny-x", start_step=0, final_step=100, tokens=1, tokens_per_s=1.0, first_loss=9.0,
                       final_loss=3.0, checkpoint=None, mlflow_run_id=run_id, mlflow_ui=None)  # fmt: skip
     monkeypatch.setattr(trainer, "run_training", lambda job, **kw: summary)
-    monkeypatch.setattr(runtime, "_ray_log_path", None)  # restored after the test: route_ray_output sets them
-    monkeypatch.setattr(runtime, "_verbose", False)
+    monkeypatch.setattr(ray_output, "_ray_log_path", None)  # restored after the test: route_ray_output sets them
+    monkeypatch.setattr(ray_output, "_verbose", False)
     assert main(["train", TINY]) == 0
 
 
