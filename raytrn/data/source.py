@@ -272,27 +272,31 @@ def slices(blocks: Iterator[MicroBatch], rows: int) -> Iterator[MicroBatch]:
 
 def ahead(items: Iterator[Any], *, depth: int) -> Iterator[Any]:
     """``items``, produced by a background thread that stays up to ``depth`` items ahead of the consumer (its errors
-    re-raised here). Closing the generator stops the thread."""
+    re-raised here). Closing the generator stops the thread (at its next item at the latest: never blocked on a full
+    queue nobody reads)."""
     import queue
     import threading
 
     box: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
+    def offer(entry: tuple[str, Any]) -> bool:
+        while not stop.is_set():
+            try:
+                box.put(entry, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce() -> None:
         try:
             for item in items:
-                while not stop.is_set():
-                    try:
-                        box.put(("item", item), timeout=0.2)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not offer(("item", item)):
                     return
-            box.put(("end", None))
+            offer(("end", None))
         except BaseException as e:  # re-raised in the consumer
-            box.put(("error", e))
+            offer(("error", e))
 
     thread = threading.Thread(target=produce, name="raytrn-data-ahead", daemon=True)
     thread.start()

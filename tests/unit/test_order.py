@@ -232,3 +232,32 @@ def test_ahead_runs_in_the_background_and_passes_errors_on() -> None:
     assert next(items) == 1
     with pytest.raises(ValueError, match="bad shard"):
         next(items)
+
+
+def test_a_closed_ahead_leaves_no_thread_behind() -> None:
+    """The consumer stops early (a restart, a rollback, `raytrn stop`) while the producer has run to the end of its
+    items with the queue full: its thread ends all the same (it waited forever to say "end" before), and so does one
+    stopped mid-way or after its items raised."""
+    import threading
+    import time
+
+    from raytrn.data.source import ahead
+
+    def producers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "raytrn-data-ahead"]
+
+    def broken():
+        yield 1
+        yield 2
+        raise ValueError("bad shard")
+
+    assert producers() == []
+    for source in (iter([1, 2]), iter(range(1, 1000)), broken()):
+        items = ahead(source, depth=1)
+        assert next(items) == 1
+        time.sleep(0.3)  # the producer fills the queue, then waits to hand over what comes next
+        items.close()
+        deadline = time.monotonic() + 5
+        while producers() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert producers() == [], source
