@@ -11,7 +11,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from raytrn import __version__, storage
+from raytrn import storage
 from raytrn.backends import Backend, get_backend
 from raytrn.backends.worker_setup import worker_setup
 from raytrn.checkpoint.lease import Lease, acquire
@@ -38,7 +38,6 @@ from raytrn.pending import Pending
 from raytrn.ray_output import ray_train_console
 from raytrn.runtime import (
     ensure_ray,
-    git_commit,
     on_this_node,
     ray_job_submission_id,
     run_started_at,
@@ -62,6 +61,7 @@ from raytrn.train.elastic import SizeChooser, lost_nodes_unconfirmed, reachable_
 from raytrn.train.entry import loop_module, train_fn
 from raytrn.train.events import RunEvents, close_ledger
 from raytrn.train.plan import WorkerPlan
+from raytrn.train.run_meta import git_commit_param, run_tags, versions
 from raytrn.train.schedule import Schedule, resolve_schedule
 
 log = logging.getLogger(__name__)
@@ -133,11 +133,11 @@ def _train(
         "model.num_params": stats.num_params,
         "model.flops_per_token": stats.flops_per_token,
         **versions(),
-        **_git_commit(),
+        **git_commit_param(),
         **estimate_params(job),
     }
     # Only whether MLflow answers (tracking.required: fail now); the run is created by the tracking actor.
-    tracked = plan_run(job, tags={**_tags(job), "lr_schedule": schedule.describe()}, extra_params=params)
+    tracked = plan_run(job, tags={**run_tags(job), "lr_schedule": schedule.describe()}, extra_params=params)
 
     if starts_local_ray():  # what the local Ray about to start will surely lack: refused before it starts
         check_local_resources(job, backend, embedded_ray_lacks(job, backend), partial=True)
@@ -499,57 +499,6 @@ def run_storage(uri: str) -> dict[str, Any]:
         return {"storage_path": uri, "storage_filesystem": None}
     fs, path = storage.portable_filesystem(uri)  # the controller and workers keep raytrn's S3 retries
     return {"storage_path": path, "storage_filesystem": fs}
-
-
-def _tags(job: JobSpec) -> dict[str, str]:
-    from importlib import metadata
-
-    import ray
-
-    tags = {
-        "raytrn.job_file": job.source,
-        "raytrn.version": __version__,
-        "ray.version": ray.__version__,
-        "torch.version": metadata.version("torch"),  # the driver does not import torch
-        "accelerator": job.scaling.accelerator,
-        "checkpoint.storage": RunDir.of(job).root,
-    }
-    if job.scaling.instance_type:
-        tags["instance_type"] = job.scaling.instance_type
-    submission_id = ray_job_submission_id()
-    if submission_id:
-        tags["ray.job_submission_id"] = submission_id
-    return tags
-
-
-def versions() -> dict[str, str]:
-    """Versions of the software stack (the driver's environment), for the run's params."""
-    import platform
-    from importlib import metadata
-
-    out = {"versions.python": platform.python_version()}
-    for dist in (
-        "raytrn", "ray", "torch", "transformers", "mlflow", "torch-xla",
-        "torch-neuronx", "neuronx-distributed", "neuronx-cc", "libneuronxla",
-    ):  # fmt: skip
-        try:
-            out[f"versions.{dist}"] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
-
-
-def _git_commit() -> dict[str, str]:
-    """The commit the job's code came from: ``raytrn submit`` records it at submission (the cluster's copy
-    of the working dir has no .git); a local run asks git."""
-    import json
-
-    try:
-        meta = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("metadata") or {}
-    except json.JSONDecodeError:
-        meta = {}
-    commit = meta.get("git.commit") or git_commit(os.getcwd())
-    return {"git.commit": commit} if commit else {}
 
 
 @contextlib.contextmanager

@@ -495,7 +495,7 @@ def test_marker_naming_a_deleted_run_is_a_clear_error(tmp_path):
 
 
 def test_params_are_redacted_and_versions_recorded(tmp_path):
-    from raytrn.train.trainer import versions
+    from raytrn.train.run_meta import versions
 
     job = _job(tmp_path)
     run = start_run(
