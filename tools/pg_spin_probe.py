@@ -1,8 +1,9 @@
 """How much CPU Ray's GCS spends while a placement group waits for capacity (docs/elasticity.md).
 
-Under ``scaling.recovery: live`` a lost replica's slot is a bundle of the worker group's placement group; Ray
-reschedules it when capacity returns, and Ray 2.60's GCS retries that rescheduling with no backoff meanwhile
-(ray-project/ray#65007 proposed one). A group asked for anew waits as ``PENDING`` instead. This probe shows both
+A lost bundle of a placement group is rescheduled when capacity returns, and Ray 2.60's GCS retries that with no
+backoff meanwhile (ray-project/ray#65007 proposed one); a group asked for anew waits as ``PENDING`` instead. So under
+``scaling.recovery: live`` each replica has a placement group of its own, asked for anew when its node is lost
+(raytrn/compat/replica_slots.py). This probe shows both
 without raytrn: a local Ray of a head (no CPU) and two one-CPU nodes, a one-CPU placement group on each; one node
 removed (its group ``RESCHEDULING``); that group removed and a new one requested (``PENDING``); then a node added.
 The GCS's CPU (user + system) is measured over ``--seconds`` in each state. Run it when the Ray pin moves::

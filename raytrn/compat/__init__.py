@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from raytrn.compat import controller, preemption, replicas
+from raytrn.compat import controller, preemption, replica_slots, replicas
 from raytrn.compat.controller import (
     HOSTED_SKIPPED_CALLBACKS,
     ControllerListener,
@@ -42,6 +42,7 @@ PRIVATE_NAMES: dict[str, str] = {
     **controller.PRIVATE_NAMES,
     **preemption.PRIVATE_NAMES,
     **replicas.PRIVATE_NAMES,
+    **replica_slots.PRIVATE_NAMES,
     "Ray Data stats actor": "ray.data._internal.stats:get_or_create_stats_actor",
     "Ray Train replica-group flag": "ray.train.backend:Backend.has_replica_groups",
     "Ray Train replica-group replacement": "ray.train.v2._internal.execution.worker_group:WorkerGroup.replace_replica_group",

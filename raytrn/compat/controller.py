@@ -14,9 +14,11 @@ failure policies, worker group, callbacks) on an event loop in the process that 
 - the preemption watcher is the same class, polling in a thread of this process instead of an actor's;
 - Ray Train's controller log lines go to ``console`` (a ``logging.Handler``) instead of stderr;
 - under replica groups (``scaling.recovery: live``) a replacement first shuts down the other replica groups whose
-  workers no longer answer (Ray 2.60 would fail the run on them: two nodes lost at once);
-- ``listener`` (a :class:`ControllerListener`) hears the controller's decisions as they are made: the typed seam
-  raytrn's terminal lines and goodput ledger are built on (nothing is parsed back out of a log line).
+  workers no longer answer (Ray 2.60 would fail the run on them: two nodes lost at once), and each replica has a
+  placement group of its own (:mod:`raytrn.compat.replica_slots`: a lost slot waits without a GCS spin);
+- ``listener`` (a :class:`raytrn.compat.listener.ControllerListener`) hears the controller's decisions as they are
+  made: the typed seam raytrn's terminal lines and goodput ledger are built on (nothing is parsed back out of a log
+  line).
 
 Public alternative: none (``DataParallelTrainer.fit`` always starts the controller as an actor). Every name used
 here is in :data:`raytrn.compat.PRIVATE_NAMES`, and ``tests/unit/test_compat.py`` runs a hosted controller.
@@ -26,9 +28,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from dataclasses import fields
+from typing import Any
 
+from raytrn.compat.listener import ControllerListener, WorkerPlace
 from raytrn.compat.preemption import NOTICE_COMMITTED, is_preemption_failure, preemption_poll_s
 
 #: The logger (its module's) of Ray Train's checkpoint manager, which the controller builds before raytrn routes Ray
@@ -106,47 +109,6 @@ REACH_TIMEOUT_S = 5.0
 HOSTED_SKIPPED_CALLBACKS = ("PlacementGroupCleanerCallback", "DatasetsCallback")
 
 
-@dataclass(frozen=True)
-class WorkerPlace:
-    """Where one worker of a started group runs."""
-
-    rank: int
-    node_id: str
-    node_ip: str
-    pid: int
-
-
-class ControllerListener(Protocol):
-    """What a hosted controller tells as it decides (called on the controller's thread; keep each call short)."""
-
-    def group_starting(self, num_workers: int) -> None:
-        """A worker group of ``num_workers`` is being started (placement group, actors, process group)."""
-
-    def group_started(self, places: list[WorkerPlace]) -> None:
-        """The group's workers are up and their training function was launched."""
-
-    def replicas_started(self, places: list[WorkerPlace]) -> None:
-        """A replica group was replaced while the others train on (``scaling.recovery: live``): where its new
-        workers run (they train)."""
-
-    def failure_decided(
-        self, retry: bool, errors: dict[int, BaseException], error: BaseException, preemption: bool
-    ) -> None:
-        """The group failed (``errors``: its failed ranks' errors, or Ray's about them; empty when the group failed
-        to start or the controller itself did: ``error``): ``retry`` (a new group), else the run fails.
-        ``preemption``: the failure is a preemption notice's deadline (the group checkpointed and waited for it)."""
-
-    def resizing(self, num_workers: int) -> None:
-        """A running group is replaced by one of ``num_workers`` (capacity came back)."""
-
-    def preempting(self, ranks: list[int], deadline_ms: int | None) -> None:
-        """A preemption notice covers ``ranks`` (their nodes are being drained)."""
-
-    def notice_committed(self, step: int) -> None:
-        """Every worker of the group reported :data:`NOTICE_COMMITTED`: the notice's checkpoint of ``step`` is
-        committed; the group is restarted without the draining node at the controller's next poll."""
-
-
 def hosted_trainer(
     base: type,
     *,
@@ -191,6 +153,7 @@ def hosted_trainer(
     from ray.train.v2._internal.execution.worker_group.state import WorkerGroupState
     from ray.train.v2._internal.logging.logging import PlainRayHandler
 
+    from raytrn.compat.replica_slots import ReplicaSlots, create_workers
     from raytrn.compat.replicas import frozen_workers, replace_together
 
     def _answer(workers: list[Any], frozen_after_s: float | None) -> bool | None:
@@ -241,6 +204,22 @@ def hosted_trainer(
             super().__init__(*args, **kwargs)
             if worker_timeout_s is not None and not os.environ.get(WORKER_HEALTH_CHECK_TIMEOUT_S_ENV_VAR):
                 self._worker_health_check_timeout_s = float(worker_timeout_s)
+
+        def _create_placement_group(self, scaling_config: Any, context: Any) -> Any:
+            # replica groups: one placement group each (replica_slots.py), but in a Tune trial, whose actor its
+            # scheduler may kill: Ray Train's cleaner then removes one group, the one Ray makes
+            if not self._manages_replica_groups or in_actor():
+                return super()._create_placement_group(scaling_config, context)
+            self._raytrn_slots = ReplicaSlots(
+                context.resources_per_worker, context.num_workers, context.placement_strategy, context.label_selector
+            )
+            return self._raytrn_slots
+
+        def _create_workers(self, num_workers: int, placement_group: Any, *args: Any, **kwargs: Any) -> list[Any]:
+            slots = getattr(self, "_raytrn_slots", None)
+            if slots is None:
+                return list(super()._create_workers(num_workers, placement_group, *args, **kwargs))
+            return create_workers(self, slots, num_workers, *args, **kwargs)
 
         def shutdown(self) -> None:
             state = self._worker_group_state
@@ -320,13 +299,16 @@ def hosted_trainer(
             """Whether the placement-group slots of ``old`` (a failed replica group's workers) can take a replacement
             now: no node of theirs is lost while Ray still calls it alive (a replacement placed there fails when Ray
             marks it dead: a second failure for one loss), and every slot is placed on a live node that is not
-            being drained (Ray reschedules a lost node's slots when capacity returns)."""
+            being drained (a slot of its own per replica: one that is not is asked for anew, and waits for capacity
+            without the GCS spin of Ray's rescheduling; replica_slots.py)."""
             state = self._worker_group_state
             if state is None or lost_nodes_unconfirmed is None:
                 return True
             if lost_nodes_unconfirmed([w.metadata.node_id for w in old]):
                 return False
             usable = {str(n["NodeID"]) for n in ray.nodes() if n.get("Alive")} - draining()
+            if isinstance(state.placement_group_handle, ReplicaSlots):  # (a lost slot asked for anew: no GCS spin)
+                return state.placement_group_handle.ready_on([w.placement_group_bundle_index for w in old], usable)
             pg = state.placement_group_handle.placement_group
             where = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
             return all(where.get(w.placement_group_bundle_index) in usable for w in old)

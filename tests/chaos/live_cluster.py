@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         result["every"], result["pace_s"] = args.every, PACE_S if args.paced else 0.0
         # (set for each run, forwarded to its workers: nodes added meanwhile inherit the harness's variables)
         os.environ[PACE_ENV] = str(result["pace_s"])
+        slots = _SlotWatch()  # (from before the run's placement groups: every one seen from its start)
         thread, outcome = train_in_thread(job)
 
         def at(replicas: float, since: float) -> list[tuple[int, float]]:
@@ -184,8 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.loss_only:
             _later_events(result, db, ckpt, work / "trace", s3, args.outage_s, args.every, thread, cluster, at)
         stop_at = max(s for s, _, _ in _logged(db)) + args.tail
+        result["slots_at_stop"] = sorted(slots.states().values())  # (the drained node's slot still waiting)
         request_stop("live", stop_at)
         thread.join(240)
+        result["slots_rescheduling_s"], result["gcs_cpu_s"] = slots.stop()
         result["stopped_at"] = stop_at
         summary = outcome.get("summary")
         result["error"] = repr(outcome["error"]) if "error" in outcome else None
@@ -346,6 +349,46 @@ def _later_events(
     result["freeze_to_full_size_s"] = round(full - frozen, 2)
     result["frozen_gone"] = not _running(frozen_pid)
     result["pids_after_freeze"] = sorted(int(a.pid) for a in _actors("RayTrainWorker"))
+
+
+class _SlotWatch:
+    """Every placement group's state, every 0.5 s from a thread: the longest time one stayed ``RESCHEDULING`` (a
+    lost slot Ray 2.60's GCS retries with no backoff, a whole core; raytrn asks for such a slot anew, and a group
+    asked for anew waits ``PENDING``: raytrn.compat.replica_slots), and the GCS's CPU-seconds meanwhile."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import psutil
+
+        self._gcs = next(p for p in psutil.Process().children(recursive=True) if p.name() == "gcs_server")
+        self._cpu = sum(self._gcs.cpu_times()[:2])
+        self._since: dict[str, float] = {}  # group id: when first seen rescheduling (this time)
+        self.longest = 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def states() -> dict[str, str]:
+        from ray.util.placement_group import placement_group_table
+
+        return {g: t["state"] for g, t in placement_group_table().items() if t["state"] != "REMOVED"}
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.5):
+            now, states = time.monotonic(), self.states()
+            for group, state in states.items():
+                if state == "RESCHEDULING":
+                    self.longest = max(self.longest, now - self._since.setdefault(group, now))
+                else:
+                    self._since.pop(group, None)
+
+    def stop(self) -> tuple[float, float]:
+        """``(the longest rescheduling in seconds, the GCS's CPU-seconds since the start)``."""
+        self._done.set()
+        self._thread.join(10)
+        return round(self.longest, 2), round(sum(self._gcs.cpu_times()[:2]) - self._cpu, 1)
 
 
 def _down_then_up(at: Any, thread: Any, since: float, down: int, up: int, event: str) -> tuple[float, float]:

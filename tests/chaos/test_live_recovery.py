@@ -112,6 +112,11 @@ def test_survivors_train_on_and_the_returning_node_joins_live(live_run: dict) ->
     assert "(its node preempted after its notice); the other replicas train on" in r["log"], r["log"][-3000:]
     assert "(a preemption: not counted against scaling.max_failures)" in r["log"]
     assert r["summary"]["final_step"] >= r["stopped_at"], r["summary"]  # (a stop request past the step: at the step)
+    # that replacement's slot, lost with the node, was asked for anew: it waited PENDING, not RESCHEDULING (which Ray
+    # 2.60's GCS retries with no backoff: a whole core of the head until the run's end; docs/elasticity.md); no lost
+    # slot stayed RESCHEDULING for more than a few of the controller's polls
+    assert "PENDING" in r["slots_at_stop"] and "RESCHEDULING" not in r["slots_at_stop"], r["slots_at_stop"]
+    assert r["slots_rescheduling_s"] < 10, (r["slots_rescheduling_s"], r["gcs_cpu_s"])
     # a replica frozen whole (SIGSTOP): the other trained on alone (its heartbeat stood still: 2 s; inside a
     # collective, once the kill closed its connections); Ray Train gave the frozen worker up after its health
     # checks' bound (10 s here; scaling.peer_timeout_s by default: Ray's 600 s would have kept the slot and the run's

@@ -514,3 +514,74 @@ def test_replicas_replaced_together_take_the_steps_of_rays_replacement_of_one() 
     assert (
         "for rg_index in failing_rg_indices:" in loop and "self._worker_group.replace_replica_group(rg_index)" in loop
     )
+
+
+def test_replica_slots_create_workers_as_ray_train_does_with_a_placement_group_per_slot() -> None:
+    """raytrn.compat.replica_slots repeats Ray Train's worker creation with a group per slot, and stands in for its
+    placement-group handle: a Ray whose creation takes other steps, or that asks a handle for more, breaks it here."""
+    import inspect
+
+    from ray.train.v2._internal.execution.controller import TrainController
+    from ray.train.v2._internal.execution.worker_group import WorkerGroup
+    from ray.train.v2._internal.execution.worker_group.placement_group_handle import PlacementGroupHandle
+
+    create = inspect.getsource(WorkerGroup._create_workers)
+    steps = [
+        "self._get_worker_runtime_env(",
+        "custom_runtime_env=self._train_run_context.run_config.worker_runtime_env",
+        "**bundle_to_remote_args(resources_per_worker),",
+        ")(self._worker_cls)",
+        "placement_group=placement_group, placement_group_bundle_index=i",
+        "ray.get([actor.get_metadata.remote() for actor in actors])",
+        "ray.kill(actor)",
+        "raise WorkerGroupStartupFailedError(error_msg) from actor_error",
+        "Worker(actor, meta, resources_per_worker, placement_group_bundle_index=idx)",
+        "WorkerGroup._assign_worker_ranks(",
+    ]
+    at = [create.find(step) for step in steps]
+    assert -1 not in at and at == sorted(at), dict(zip(steps, at, strict=True))
+    ours = list(inspect.signature(compat.replica_slots.create_workers).parameters)
+    theirs = [p for p in inspect.signature(WorkerGroup._create_workers).parameters if p != "placement_group"]
+    assert ours[:2] == ["group", "slots"] and ours[2:] == theirs[1:], (ours, theirs)  # (the group for self)
+    start = inspect.getsource(WorkerGroup._start_impl)
+    assert "self._create_placement_group(" in start and "pg_handle.wait(" in start
+    assert "pg_handle.placement_group" in start and "self._manages_replica_groups" in start
+    # the handle's protocol, and nobody in Ray Train's worker group or controller asks a handle to be ready()
+    abstract = {n for n, v in vars(PlacementGroupHandle).items() if getattr(v, "__isabstractmethod__", False)}
+    assert abstract == {"placement_group", "ready", "wait", "shutdown"}, abstract
+    assert abstract <= set(dir(compat.replica_slots.ReplicaSlots)), abstract
+    for source in (inspect.getsource(inspect.getmodule(WorkerGroup)), inspect.getsource(TrainController)):
+        assert "handle.ready()" not in source and "pg_handle.ready" not in source
+
+
+class _Slots(compat.replica_slots.ReplicaSlots):
+    """ReplicaSlots over stated groups (their state and node as placement_group_table gives them), counting the
+    groups it removes and asks for anew."""
+
+    def __init__(self, states: list[tuple[str, str | None]]) -> None:
+        self.table, self.asked, self.removed = list(states), [], []
+        self.groups = [f"g{i}" for i in range(len(states))]
+
+    def _request(self, slot: int) -> str:
+        self.asked.append(slot)
+        self.table[slot] = ("PENDING", None)
+        return f"g{slot}-anew"
+
+    def _remove(self, slot: int) -> None:
+        self.removed.append(self.groups[slot])
+
+    def state(self, slot: int) -> tuple[str, str | None]:
+        return self.table[slot]
+
+
+def test_a_lost_slot_is_asked_for_anew_once_and_waits_pending() -> None:
+    slots = _Slots([("CREATED", "n1"), ("RESCHEDULING", None), ("CREATED", "n3"), ("PENDING", None)])
+    assert slots.ready_on([0], {"n1", "n2"})  # placed on a usable node: replaced in place
+    assert slots.asked == [] and slots.removed == []
+    # rescheduling (its node dead) and placed on a draining one (n3, not usable): both asked for anew
+    assert not slots.ready_on([1, 2], {"n1", "n2"})
+    assert slots.removed == ["g1", "g2"] and slots.asked == [1, 2] and slots.groups[1:3] == ["g1-anew", "g2-anew"]
+    # waiting anew: left alone (a group removed and requested again at every poll would never be placed)
+    assert not slots.ready_on([1, 2, 3], {"n1", "n2"}) and slots.asked == [1, 2]
+    slots.table[1] = ("CREATED", "n2")  # capacity came back
+    assert slots.ready_on([1], {"n1", "n2"})
