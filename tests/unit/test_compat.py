@@ -471,6 +471,12 @@ def test_dcp_storage_info_is_what_dcps_file_reader_reads() -> None:
     assert info.transform_descriptors is None  # no transform: the reader takes the bytes as they are
 
 
+def _in_order(source: str, steps: list[str]) -> None:
+    """Every one of ``steps`` is in ``source``, in that order."""
+    at = [source.find(step) for step in steps]
+    assert -1 not in at and at == sorted(at), dict(zip(steps, at, strict=True))
+
+
 def test_replicas_replaced_together_take_the_steps_of_rays_replacement_of_one() -> None:
     """raytrn.compat.replicas.replace_together does for several replica groups what Ray's replacement does for one,
     in its order: a Ray whose replacement takes other steps, or names them otherwise, breaks it here."""
@@ -492,8 +498,7 @@ def test_replicas_replaced_together_take_the_steps_of_rays_replacement_of_one() 
         "self._init_train_context(new_workers, sync_actor)",
         "new_replica_group.start_training(self._worker_group_context)",
     ]
-    at = [source.find(step) for step in steps]
-    assert -1 not in at and at == sorted(at), dict(zip(steps, at, strict=True))
+    _in_order(source, steps)
     assert list(inspect.signature(WorkerGroup._create_workers).parameters) == [
         "self", "num_workers", "placement_group", "resources_per_worker", "placement_group_bundle_indices",
         "starting_world_rank", "world_size", "replica_group_size",
@@ -538,8 +543,7 @@ def test_replica_slots_create_workers_as_ray_train_does_with_a_placement_group_p
         "Worker(actor, meta, resources_per_worker, placement_group_bundle_index=idx)",
         "WorkerGroup._assign_worker_ranks(",
     ]
-    at = [create.find(step) for step in steps]
-    assert -1 not in at and at == sorted(at), dict(zip(steps, at, strict=True))
+    _in_order(create, steps)
     ours = list(inspect.signature(compat.replica_slots.create_workers).parameters)
     theirs = [p for p in inspect.signature(WorkerGroup._create_workers).parameters if p != "placement_group"]
     assert ours[:2] == ["group", "slots"] and ours[2:] == theirs[1:], (ours, theirs)  # (the group for self)
