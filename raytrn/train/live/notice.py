@@ -11,11 +11,11 @@ its share of that step, and leaves; the others re-form without it at once and tr
 redone and nobody waits for its heartbeat to stand still. When every replica has one, there is nothing to re-form:
 they save a checkpoint of that step and wait for their nodes to go, as the restart path does on a notice.
 
-A drain without a deadline does not end that wait: Ray 2.60 keeps the run's placement-group slot on the draining node
-(a replacement is created in its old slot) and a draining node takes no new work, so the node stays busy, and its
-replica waits, until the run ends, even if the replica's process exited (measured on a local Ray: the node and the
-slot stayed for as long as it was watched, and an actor created in the slot never started). A drain's deadline only
-says when the node will be shut down (a spot notice's: by the cloud); until then the same holds. The replica says so
+A drain without a deadline does not end that wait: the replica that left waits in its train function for the run's
+end, so its placement-group slot stays on the draining node, and a draining node takes no new work, so the node
+stays busy until the run ends (docs/elasticity.md; with Ray Train's one placement group of before stop 92, even
+after the replica's process exited: measured on a local Ray, an actor created in the slot never started). A drain's
+deadline only says when the node will be shut down (a spot notice's: by the cloud); until then the same holds. The replica says so
 once for a drain without one (:meth:`LiveNotice.warn_if_held`), with the ways out.
 """
 
