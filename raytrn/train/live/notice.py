@@ -15,8 +15,8 @@ A drain without a deadline does not end that wait: the replica that left waits i
 end, so its placement-group slot stays on the draining node, and a draining node takes no new work, so the node
 stays busy until the run ends (docs/elasticity.md; with Ray Train's one placement group of before stop 92, even
 after the replica's process exited: measured on a local Ray, an actor created in the slot never started). A drain's
-deadline only says when the node will be shut down (a spot notice's: by the cloud); until then the same holds. The replica says so
-once for a drain without one (:meth:`LiveNotice.warn_if_held`), with the ways out.
+deadline only says when the node will be shut down (a spot notice's: by the cloud); until then the same holds. The
+replica says so once for a drain without one (:meth:`LiveNotice.warn_if_held`), with the ways out.
 """
 
 from __future__ import annotations
