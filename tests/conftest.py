@@ -28,7 +28,8 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ["RAYTRN_CHECK_COLLECTIVES"] = "1"
 # Ray's own metrics pipeline is off in every Ray process the tests start (raytrn reads none of it). In Ray 2.60 a
 # node's dashboard agent replays every histogram observation it is sent, one Python call each, and a GCS that
-# retries a placement group's rescheduling with no capacity (a live replica's slot after its node was lost) records
+# retries a placement group's rescheduling with no capacity (a live replica's slot after its node was lost, before
+# raytrn asked for it anew: raytrn/compat/replica_slots.py; still so in a Ray Tune trial) records
 # millions of them: the head's agent then kept one of the machine's two cores busy for minutes (the live chaos
 # test: 160-207 s with it, 128 s without; docs/testing.md, docs/elasticity.md).
 os.environ["RAY_enable_metrics_collection"] = "0"

@@ -3,7 +3,8 @@
 Ray Train V2 (2.60) replaces only a failing *replica group* when the backend class says ``has_replica_groups`` and
 the scaling policy keeps the group's size (``TrainController._execute_resize_decision``; otherwise it restarts the
 whole group): the survivors' actors, processes and state stay, and the replacement worker is created in the lost
-one's placement-group slot, which Ray reschedules when capacity returns (the controller waits for it there). Ray
+one's slot, a placement group of its own asked for anew off the lost node (:mod:`raytrn.compat.replica_slots`;
+raytrn's controller waits for it to be placed). Ray
 makes replica groups of exactly one worker (its own TODO: larger ones later), which is what raytrn's live recovery
 trains with today (hsdp with shard groups of one worker: :mod:`raytrn.config.layout`).
 

@@ -19,6 +19,7 @@ Train's worker creation still takes the steps :func:`create_workers` repeats.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import traceback
 from collections.abc import Sequence
@@ -46,7 +47,13 @@ class ReplicaSlots:
     ) -> None:
         self._bundle, self._strategy = dict(bundle), strategy
         self._labels = list(labels) if labels else None
-        self.groups = [self._request(i) for i in range(count)]
+        self.groups: list[Any] = []
+        try:
+            for i in range(count):
+                self.groups.append(self._request(i))
+        except BaseException:  # (a GCS timeout halfway: the groups made so far are nobody's to remove otherwise)
+            self.shutdown()
+            raise
 
     def _request(self, slot: int) -> Any:
         from ray.util.placement_group import placement_group
@@ -67,8 +74,8 @@ class ReplicaSlots:
     def wait(self, timeout_seconds: float = 30) -> bool:
         """Whether every slot's group is placed within ``timeout_seconds`` (all of them: one deadline)."""
         deadline = time.monotonic() + timeout_seconds
-        try:
-            return all(g.wait(max(deadline - time.monotonic(), 0.001)) for g in self.groups)
+        try:  # (Ray takes whole seconds, and 0 is "not ready" even for a placed group)
+            return all(g.wait(max(1, math.ceil(deadline - time.monotonic()))) for g in self.groups)
         except Exception:  # (as Ray Train's own handle: a failed wait is a group not ready)
             log.warning("placement group wait failed; treating as not ready", exc_info=True)
             return False
@@ -86,8 +93,8 @@ class ReplicaSlots:
             log.debug("placement group of slot %d not removed: %s", slot, e)
 
     def state(self, slot: int) -> tuple[str, str | None]:
-        """Slot ``slot``'s group's state (``CREATED``, ``PENDING``, ``RESCHEDULING``, ``REMOVED``) and its node id
-        (None until placed)."""
+        """Slot ``slot``'s group's state (``PENDING``, ``PREPARED``, ``CREATED``, ``RESCHEDULING``, ``REMOVED``) and
+        its node id (None until ``CREATED``)."""
         from ray.util.placement_group import placement_group_table
 
         table = placement_group_table(self.groups[slot])
@@ -96,17 +103,22 @@ class ReplicaSlots:
 
     def ready_on(self, slots: Sequence[int], usable: set[str]) -> bool:
         """Whether every slot of ``slots`` is placed on a node of ``usable`` (alive, not draining). A slot that is
-        not, and is not waiting anew already (``PENDING``: its node is dead and Ray reschedules it, or it is placed
-        on a node that is draining or dead), is given up and asked for anew: it waits ``PENDING`` (no GCS spin)."""
+        not, and is not being placed already (``PENDING`` or ``PREPARED``), is given up and asked for anew (its node
+        dead and Ray rescheduling it, or placed on a node that is draining or dead): it waits ``PENDING``, without
+        the GCS spin. A request that fails (the GCS busy) leaves the slot to the next call."""
         ready = True
         for slot in slots:
             state, node = self.state(slot)
             if node in usable:
                 continue
             ready = False
-            if state != "PENDING":
+            if state not in ("PENDING", "PREPARED"):
                 self._remove(slot)
-                self.groups[slot] = self._request(slot)
+                try:
+                    self.groups[slot] = self._request(slot)
+                except Exception as e:  # (its removed group reads REMOVED: asked for again at the next call)
+                    log.warning("replica slot %d: asking for a placement group failed: %s", slot, e)
+                    continue
                 log.info("replica slot %d (%s, node %s) asked for anew: it waits for capacity", slot, state, node)
         return ready
 

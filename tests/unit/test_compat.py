@@ -563,7 +563,9 @@ class _Slots(compat.replica_slots.ReplicaSlots):
     groups it removes and asks for anew."""
 
     def __init__(self, states: list[tuple[str, str | None]]) -> None:
-        self.table, self.asked, self.removed = list(states), [], []
+        self.table = list(states)
+        self.asked: list[int] = []
+        self.removed: list[str] = []
         self.groups = [f"g{i}" for i in range(len(states))]
 
     def _request(self, slot: int) -> str:
@@ -579,13 +581,62 @@ class _Slots(compat.replica_slots.ReplicaSlots):
 
 
 def test_a_lost_slot_is_asked_for_anew_once_and_waits_pending() -> None:
-    slots = _Slots([("CREATED", "n1"), ("RESCHEDULING", None), ("CREATED", "n3"), ("PENDING", None)])
+    slots = _Slots(
+        [("CREATED", "n1"), ("RESCHEDULING", None), ("CREATED", "n3"), ("PENDING", None), ("PREPARED", None)]
+    )
     assert slots.ready_on([0], {"n1", "n2"})  # placed on a usable node: replaced in place
     assert slots.asked == [] and slots.removed == []
     # rescheduling (its node dead) and placed on a draining one (n3, not usable): both asked for anew
     assert not slots.ready_on([1, 2], {"n1", "n2"})
     assert slots.removed == ["g1", "g2"] and slots.asked == [1, 2] and slots.groups[1:3] == ["g1-anew", "g2-anew"]
-    # waiting anew: left alone (a group removed and requested again at every poll would never be placed)
-    assert not slots.ready_on([1, 2, 3], {"n1", "n2"}) and slots.asked == [1, 2]
+    # waiting or being placed: left alone (a group removed and requested again at every poll might never be placed)
+    assert not slots.ready_on([1, 2, 3, 4], {"n1", "n2"}) and slots.asked == [1, 2]
     slots.table[1] = ("CREATED", "n2")  # capacity came back
     assert slots.ready_on([1], {"n1", "n2"})
+
+
+def test_a_failed_request_leaves_the_slot_to_the_next_poll_and_a_half_made_set_is_removed() -> None:
+    class Busy(_Slots):  # the GCS times out the first request
+        def _request(self, slot: int) -> str:
+            if not self.asked:
+                self.asked.append(-1)
+                raise TimeoutError("the GCS is busy")
+            return super()._request(slot)
+
+    slots = Busy([("RESCHEDULING", None)])
+    assert not slots.ready_on([0], {"n1"}) and slots.removed == ["g0"] and slots.groups == ["g0"]
+    slots.table[0] = ("REMOVED", None)  # (what its removed group reads)
+    assert not slots.ready_on([0], {"n1"}) and slots.groups == ["g0-anew"]  # asked for at the next poll
+
+    class Halfway(compat.replica_slots.ReplicaSlots):  # the second of three requests fails: the first is removed
+        made: list[str] = []
+        gone: list[str] = []
+
+        def _request(self, slot: int) -> str:
+            if slot == 1:
+                raise TimeoutError("the GCS is busy")
+            self.made.append(f"g{slot}")
+            return f"g{slot}"
+
+        def _remove(self, slot: int) -> None:
+            self.gone.append(self.groups[slot])
+
+    with pytest.raises(TimeoutError):
+        Halfway({"CPU": 1}, 3)
+    assert Halfway.made == Halfway.gone == ["g0"]
+
+
+def test_the_slots_wait_gives_ray_whole_seconds_of_one_deadline() -> None:
+    class Group:
+        def __init__(self) -> None:
+            self.asked: list[int] = []
+
+        def wait(self, timeout_seconds: int) -> bool:
+            self.asked.append(timeout_seconds)
+            return True
+
+    slots = _Slots([("PENDING", None)] * 2)
+    slots.groups = [Group(), Group()]
+    assert slots.wait(2.5)
+    assert [g.asked for g in slots.groups] == [[3], [3]]  # (Ray's wait truncates to an int: 0 is never ready)
+    assert slots.wait(0.0) and slots.groups[0].asked[-1] == 1

@@ -64,8 +64,8 @@ def test_a_replica_sees_its_own_nodes_drain_and_its_deadline_and_no_other(store:
 
 
 def test_a_drain_without_a_deadline_is_said_once_to_hold_the_node_until_the_run_ends(store: TCPStore, caplog) -> None:
-    """Ray keeps the run's slot on a draining node (a replacement is made in its old slot), so a drain without a
-    deadline cannot end before the run: the replica that left says so, with the ways out."""
+    """The replica that left holds its slot on a draining node until the run ends, so a drain without a deadline
+    cannot end before the run: the replica says so, with the ways out."""
     polls, alive, thread = _watched(store, {"node-a": None})
     notice = LiveNotice(store, draining_key("node-a"), lambda: False)
     assert _seen(notice) == "its node is draining, without a deadline"

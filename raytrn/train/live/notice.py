@@ -61,7 +61,7 @@ class LiveNotice:
             return False
         log.warning(
             "live recovery: %s's node is draining without a deadline; the run's placement-group slot there stays "
-            "reserved (Ray replaces a replica in its old slot), so the node stays busy until the run ends. The other "
+            "reserved (the replica that left holds it until the run ends), so the node stays busy. The other "
             "replicas train on. To free the node sooner: shut it down (its replica's replacement then waits for "
             "capacity elsewhere), or stop the run (raytrn stop; it resumes from its checkpoint)", member,
         )  # fmt: skip
