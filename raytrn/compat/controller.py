@@ -202,6 +202,7 @@ def hosted_trainer(
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            self._raytrn_slots: ReplicaSlots | None = None  # (a placement group per replica: replica groups only)
             if worker_timeout_s is not None and not os.environ.get(WORKER_HEALTH_CHECK_TIMEOUT_S_ENV_VAR):
                 self._worker_health_check_timeout_s = float(worker_timeout_s)
 
@@ -216,10 +217,9 @@ def hosted_trainer(
             return self._raytrn_slots
 
         def _create_workers(self, num_workers: int, placement_group: Any, *args: Any, **kwargs: Any) -> list[Any]:
-            slots = getattr(self, "_raytrn_slots", None)
-            if slots is None:
+            if self._raytrn_slots is None:
                 return list(super()._create_workers(num_workers, placement_group, *args, **kwargs))
-            return create_workers(self, slots, num_workers, *args, **kwargs)
+            return create_workers(self, self._raytrn_slots, num_workers, *args, **kwargs)
 
         def shutdown(self) -> None:
             state = self._worker_group_state
@@ -307,8 +307,8 @@ def hosted_trainer(
             if lost_nodes_unconfirmed([w.metadata.node_id for w in old]):
                 return False
             usable = {str(n["NodeID"]) for n in ray.nodes() if n.get("Alive")} - draining()
-            if isinstance(state.placement_group_handle, ReplicaSlots):  # (a lost slot asked for anew: no GCS spin)
-                return state.placement_group_handle.ready_on([w.placement_group_bundle_index for w in old], usable)
+            if self._raytrn_slots is not None:  # (a lost slot asked for anew: no GCS spin)
+                return self._raytrn_slots.ready_on([w.placement_group_bundle_index for w in old], usable)
             pg = state.placement_group_handle.placement_group
             where = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
             return all(where.get(w.placement_group_bundle_index) in usable for w in old)
