@@ -248,7 +248,8 @@ def stock_main(argv: list[str]) -> None:
     job = load_job(TINY_JOB, [f"data.manifest={args.manifest}", "data.seq_len=32", "model.vocab_size=512"])
     work = Path(args.out).parent
     steps_file = work / "stock-steps.jsonl"
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    # the head's dashboard agent on a port the OS picks, as its worker nodes' (Cluster's default for them)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "dashboard_agent_listen_port": 0})
     nodes = [cluster.add_node(num_cpus=1, resources={"neuron_cores": 1}) for _ in range(3)]
     result: dict[str, Any] = {}
     try:

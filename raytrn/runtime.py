@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from raytrn.compat import PREEMPTION_WATCHER_ENV, PRESTART_WORKERS_ENV, stop_local_monitor
+from raytrn.compat import PREEMPTION_WATCHER_ENV, PRESTART_WORKERS_ENV, agent_on_any_port, stop_local_monitor
 from raytrn.config import relative_local_paths
 from raytrn.errors import RaytrnError
 from raytrn.ray_output import quiet_local_token_notice, routing_started, start_routing
@@ -54,7 +54,8 @@ def ensure_ray(min_cpus: float = 0) -> bool:
     set_local_ray_defaults(os.environ)
     quiet_local_token_notice()
     cpus = max(os.cpu_count() or 1, math.ceil(min_cpus))
-    started = ray.init(address="local", num_cpus=cpus, logging_level=logging.WARNING, include_dashboard=dashboard)
+    with agent_on_any_port():  # not Ray's fixed one: another Ray here holding it would stall the start ~3.4 s
+        started = ray.init(address="local", num_cpus=cpus, logging_level=logging.WARNING, include_dashboard=dashboard)
     atexit.register(stop_local_monitor)  # before Ray's shutdown at exit (registered first): 1 s sooner
     routing_started()
     if dashboard and started.dashboard_url:

@@ -44,12 +44,21 @@ os.environ[PRESTART_WORKERS_ENV] = "0"
 def ray_session():
     """One local Ray for the whole session: 3 logical CPUs (2 training workers and some room) and 2 logical
     ``neuron_cores`` (Ray assigns them and sets ``NEURON_RT_VISIBLE_CORES``, as on a trn node; no Neuron device).
-    Its dashboard takes a free port: 8265 (and 6379, 5000) stay free for the README's laptop path."""
+    Its dashboard and its dashboard agent take free ports: 8265 (and 6379, 5000) stay free for the README's laptop
+    path, and 52365 for every other Ray a test starts (an agent that finds it taken retries ~3.4 s:
+    :mod:`raytrn.compat.local_ray`)."""
     import ray
 
-    ray.init(
-        address="local", num_cpus=3, resources={"neuron_cores": 2}, logging_level="WARNING", dashboard_port=_free_port()
-    )
+    from raytrn.compat import agent_on_any_port
+
+    with agent_on_any_port():  # Ray's fixed agent port stays free for the Rays the tests start beside it
+        ray.init(
+            address="local",
+            num_cpus=3,
+            resources={"neuron_cores": 2},
+            logging_level="WARNING",
+            dashboard_port=_free_port(),
+        )
     yield
     ray.shutdown()
 
@@ -154,6 +163,7 @@ def pytest_addoption(parser) -> None:
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "simulator_down: runs `raytrn cluster down --local` on the shared simulator")
     config._raytrn_durations = {}  # nodeid -> seconds over its phases (--slowest)
+    config._raytrn_idle = {}  # nodeid -> the machine's idle core-seconds during it (--slowest, without xdist)
     config._raytrn_started = __import__("time").monotonic()
 
 
@@ -173,9 +183,31 @@ def pytest_sessionstart(session) -> None:
     _CONFIG = session.config
 
 
+def _idle_core_seconds() -> float | None:
+    """The machine's idle (and I/O-wait) time since boot, summed over its cores (/proc/stat), or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """``--slowest``: the cores' idle seconds during each test (setup to teardown): a test that leaves the machine
+    idle waits on a clock (a poll, a timeout, a sleep), not on work."""
+    before = _idle_core_seconds() if item.config.getoption("--slowest") else None
+    yield
+    after = _idle_core_seconds() if before is not None else None
+    if before is not None and after is not None:
+        item.config._raytrn_idle[item.nodeid] = after - before
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """``--slowest N``: the N slowest tests, each with its share of the session's wall time (what CI's time went to:
-    .ci/run prints it for every suite)."""
+    .ci/run prints it for every suite) and, where pytest ran them itself (not xdist's workers), the machine's idle
+    core-seconds during each (of ``os.cpu_count()`` cores)."""
     n = config.getoption("--slowest")
     durations: dict[str, float] = getattr(config, "_raytrn_durations", {})
     if not n or not durations:
@@ -187,11 +219,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     terminalreporter.section(
         f"{n} slowest tests (of {len(durations)}: {tests:.0f} s in tests, {wall:.0f} s of wall time)"
     )
+    idle: dict[str, float] = getattr(config, "_raytrn_idle", {})
+    if idle:
+        terminalreporter.write_line(
+            f"the {os.cpu_count()} cores idle {sum(idle.values()):.0f} core-s over the tests (per test: idle core-s)"
+        )
     cumulative = 0.0
     for nodeid, seconds in sorted(durations.items(), key=lambda kv: -kv[1])[:n]:
         cumulative += seconds
+        idle_s = f" idle {idle[nodeid]:6.1f}" if nodeid in idle else ""
         terminalreporter.write_line(
-            f"{seconds:8.1f} s {100 * seconds / tests:5.1f}% (cumulative {100 * cumulative / tests:5.1f}%)  {nodeid}"
+            f"{seconds:8.1f} s {100 * seconds / tests:5.1f}% (cumulative {100 * cumulative / tests:5.1f}%){idle_s}"
+            f"  {nodeid}"
         )
 
 

@@ -16,13 +16,14 @@ import logging
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from raytrn.compat import controller, preemption, replica_slots, replicas
+from raytrn.compat import controller, local_ray, preemption, replica_slots, replicas
 from raytrn.compat.controller import (
     HOSTED_SKIPPED_CALLBACKS,
     ControllerListener,
     WorkerPlace,
     hosted_trainer,
 )
+from raytrn.compat.local_ray import agent_on_any_port
 from raytrn.compat.preemption import NOTICE_COMMITTED, is_preemption_failure
 
 #: Ray Train's modules a worker's main thread imports while Ray Train sets it up (its train context, Ray Tune's with
@@ -43,6 +44,7 @@ PRIVATE_NAMES: dict[str, str] = {
     **preemption.PRIVATE_NAMES,
     **replicas.PRIVATE_NAMES,
     **replica_slots.PRIVATE_NAMES,
+    **local_ray.PRIVATE_NAMES,
     "Ray Data stats actor": "ray.data._internal.stats:get_or_create_stats_actor",
     "Ray Train replica-group flag": "ray.train.backend:Backend.has_replica_groups",
     "Ray Train replica-group replacement": "ray.train.v2._internal.execution.worker_group:WorkerGroup.replace_replica_group",
@@ -552,6 +554,7 @@ __all__ = [
     "NOTICE_COMMITTED",
     "ControllerListener",
     "WorkerPlace",
+    "agent_on_any_port",
     "hosted_trainer",
     "is_preemption_failure",
 ]

@@ -302,8 +302,14 @@ def main(argv: list[str] | None = None) -> int:
     trace, db = work / "trace", work / "mlflow.db"
     os.environ["RAYTRN_SAMPLE_TRACE"] = str(trace)
     s3 = _S3(work) if args.s3 else None  # before the cluster: its processes inherit the endpoint
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": True, "dashboard_port": _free_port()}
+    cluster = Cluster(  # the head's dashboard agent on a port the OS picks, as its worker nodes' (Cluster's default)
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "include_dashboard": True,
+            "dashboard_port": _free_port(),
+            "dashboard_agent_listen_port": 0,
+        },
     )
     nodes = [cluster.add_node(**NODE) for _ in range(3)]
     result: dict[str, Any] = {"events": []}

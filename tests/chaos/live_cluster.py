@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             "num_cpus": 1,
             "include_dashboard": True,
             "dashboard_port": _free_port(),
+            "dashboard_agent_listen_port": 0,  # the OS picks (its worker nodes' too: Cluster's default for them)
             **({"_system_config": FAST_NODE_DEATH} if args.fast_node_death else {}),
         },  # fmt: skip
     )

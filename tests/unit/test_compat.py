@@ -640,3 +640,36 @@ def test_the_slots_wait_gives_ray_whole_seconds_of_one_deadline() -> None:
     assert slots.wait(2.5)
     assert [g.asked for g in slots.groups] == [[3], [3]]  # (Ray's wait truncates to an int: 0 is never ready)
     assert slots.wait(0.0) and slots.groups[0].asked[-1] == 1
+
+
+def test_a_ray_started_under_agent_on_any_port_lets_the_os_pick_its_agents_port() -> None:
+    """``ray.init`` builds its node from ``RayParams``, whose agent port is Ray's fixed one unless named: under
+    :func:`raytrn.compat.agent_on_any_port` it is 0 (the OS picks), a named one is kept, and after it Ray's own
+    default is back. A Ray that renames the parameter fails here (``RayParams`` refuses an unknown keyword)."""
+    import inspect
+
+    from ray._private.parameter import RayParams
+
+    from raytrn.compat.local_ray import AGENT_PORT
+
+    default = inspect.signature(RayParams).parameters[AGENT_PORT].default
+    assert default not in (0, None)  # Ray's fixed port: what a second Ray on the machine finds taken
+    init = RayParams.__init__
+    with compat.agent_on_any_port():
+        assert getattr(RayParams(), AGENT_PORT) == 0
+        assert getattr(RayParams(**{AGENT_PORT: 4242}), AGENT_PORT) == 4242
+    assert RayParams.__init__ is init and getattr(RayParams(), AGENT_PORT) == default
+    with pytest.raises(RuntimeError, match="boom"), compat.agent_on_any_port():  # restored on an error too
+        raise RuntimeError("boom")
+    assert RayParams.__init__ is init
+
+
+def test_ray_init_builds_a_new_local_rays_node_from_ray_params() -> None:
+    """:func:`raytrn.compat.agent_on_any_port` reaches ``ray.init`` only while it starts its node from
+    ``ray._private.parameter.RayParams`` looked up at the call (not a name bound at import)."""
+    import inspect
+
+    import ray._private.worker as ray_worker
+
+    source = inspect.getsource(inspect.unwrap(ray_worker.init))
+    assert "ray._private.parameter.RayParams(" in source and "dashboard_agent_listen_port" not in source
