@@ -197,11 +197,12 @@ def _idle_core_seconds() -> float | None:
 def pytest_runtest_protocol(item, nextitem):
     """``--slowest``: the cores' idle seconds during each test (setup to teardown): a test that leaves the machine
     idle waits on a clock (a poll, a timeout, a sleep), not on work."""
-    before = _idle_core_seconds() if item.config.getoption("--slowest") else None
+    # (an xdist worker's readings would not reach the controller's summary, and 2 processes share the cores)
+    measured = item.config.getoption("--slowest") and not hasattr(item.config, "workerinput")
+    before = _idle_core_seconds() if measured else None
     yield
-    after = _idle_core_seconds() if before is not None else None
-    if before is not None and after is not None:
-        item.config._raytrn_idle[item.nodeid] = after - before
+    if before is not None:
+        item.config._raytrn_idle[item.nodeid] = _idle_core_seconds() - before
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

@@ -3,7 +3,7 @@
 Ray 2.60 gives a head node's dashboard agent a fixed HTTP port (52365, ``RayParams``' default; its worker nodes get
 one the OS picks). When another Ray on the machine holds it (a running cluster, a notebook's Ray, the tests'
 session Ray), the new agent retries the bind 6 times with backoff, ~3.4 s in which nothing else starts, then gives
-up and runs without its HTTP server (measured: ``raytrn train`` beside another local Ray, the first step 3.9 s
+up and runs without its HTTP server (measured: ``raytrn train`` beside another local Ray, the first step 3.3 s
 later, the machine idle meanwhile; docs/performance.md). ``ray.init`` does not take the port; ``ray start`` and
 ``ray.cluster_utils.Cluster`` do (``--dashboard-agent-listen-port``, ``dashboard_agent_listen_port``).
 """

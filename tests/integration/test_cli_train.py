@@ -143,7 +143,7 @@ def test_cli_train_prints_summary(tiny_dataset: Path, tmp_path: Path) -> None:
     # Its dashboard agent on a port the OS picked (raytrn.compat.local_ray), beside the session's Ray: it bound at
     # once (on Ray's fixed port, taken, it retried ~3.4 s, then ran without its HTTP server). The raylet starts it:
     # its command line holds the agent's (the agent's own is renamed ray::DashboardAgent)
-    (raylet,) = [c.split() for c in tree if c.split()[0].endswith("raylet/raylet")]
+    (raylet,) = [args for args in map(str.split, tree) if args and args[0].endswith("raylet/raylet")]
     assert "--listen-port=0" in raylet, raylet
     agent_log = Path(next(a for a in raylet if a.startswith("--log_dir=")).partition("=")[2]) / "dashboard_agent.log"
     assert "to bind" not in agent_log.read_text(), agent_log.read_text()[-3000:]
