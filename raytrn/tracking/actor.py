@@ -6,10 +6,10 @@ outlives the workers, so metrics queued before a worker dies (or while the serve
 delivered after the worker group restarts. The actor also knows the highest step it was given, so a
 restarted worker group never logs a step twice, even while MLflow is unreachable.
 
-It also creates (or reattaches) the job's run, in its own process and at a lower CPU priority, while the
-workers start: the driver only checked that the server answers. A run MLflow refuses (a deleted experiment
-or run, a bad ``tracking.run_id``) is reported by :meth:`TrackingActor.ready`; the driver then stops the
-training with that error. And it is the job's progress board (one process, not two).
+It also creates (or reattaches) the job's run, in its own process while the workers start (then it yields the
+CPU to them: a lower priority for the rest of the run); the driver only checked that the server answers. A run
+MLflow refuses (a deleted experiment or run, a bad ``tracking.run_id``) is reported by
+:meth:`TrackingActor.ready`; the driver then stops the training with that error. And it is the job's progress board (one process, not two).
 """
 
 from __future__ import annotations
@@ -65,8 +65,6 @@ class TrackingActor(ProgressBoard):
         os.environ.update(environ or {})  # the driver's MLflow and AWS settings, before any client reads them
         super().__init__()
         mark_raytrn_logs()  # its warnings (MLflow unreachable, refused metrics) stay on the driver's terminal
-        if background:
-            _lower_priority()
         self.error: RaytrnError | None = None
         self.experiment_id: str | None = None
         self.job = job
@@ -123,6 +121,10 @@ class TrackingActor(ProgressBoard):
                 self.checkpoints = live_checkpoints(run.data.tags)
             except Exception as e:  # unreachable: start from zero (steps are then only ordered within this job)
                 log.warning("MLflow run %s not read: %s", run_id, e)
+        # Only now at a lower priority: the run's creation (or MLflow's refusal, which stops the job) at nice 10
+        # waited for CPU behind the run's own training; on 2 busy cores a refused run trained on for minutes.
+        if background:
+            _lower_priority()
 
     def ready(self) -> dict[str, str | None]:
         """The run's ids once this actor is constructed (``run_id`` None while pending); raises the error
@@ -477,8 +479,8 @@ class RemoteLogger:
 def start_tracking_actor(
     tracked: Any, job: Any, *, manifest: Any = None, validation: Any = None, env: dict[str, str] | None = None
 ) -> Any:
-    """The job's TrackingActor, on the driver's node (0 CPUs, lower CPU priority): it creates or reattaches
-    ``tracked``'s run (from :func:`~raytrn.tracking.mlflow_run.plan_run`) unless it has an id already.
+    """The job's TrackingActor, on the driver's node (0 CPUs, a lower CPU priority once its run exists): it creates
+    or reattaches ``tracked``'s run (from :func:`~raytrn.tracking.mlflow_run.plan_run`) unless it has an id already.
 
     ``env``: variables the actor's process needs and may lack (see :func:`driver_env`), set by the actor itself as it
     starts: as a Ray runtime environment they would start its process through Ray's runtime env agent and
@@ -518,7 +520,7 @@ BACKGROUND_NICENESS = 10
 
 def _lower_priority() -> None:
     """Make this process yield the CPU to training (it writes to MLflow in the background): on a small
-    head node the job's start-up and steps come first."""
+    head node the job's steps come first. Not before the run exists: MLflow's answer is on the start's path."""
     try:
         os.nice(BACKGROUND_NICENESS)
     except OSError as e:  # not permitted here: run at normal priority

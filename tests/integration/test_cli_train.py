@@ -263,7 +263,9 @@ def test_cli_train_unsatisfiable_resources_on_local_ray(tiny_dataset: Path, tmp_
 
 def test_cli_train_stops_when_mlflow_refuses_the_run(tiny_dataset: Path, tmp_path: Path) -> None:
     """The run is created by the tracking actor while the workers start; when MLflow refuses it (here: the
-    experiment is deleted) the training is stopped (it would run for minutes) with that one error, exit 2."""
+    experiment is deleted) the training is stopped (it would run for minutes) with that one error, exit 2. (The
+    actor creates the run before it lowers its priority: at nice 10 from its start, on cores busy with the other
+    pytest process's tests and then this run's own training, the refusal had not come 240 s later: stop 94.)"""
     from mlflow.tracking import MlflowClient
 
     store = f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"
