@@ -136,15 +136,18 @@ bench: venv data
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 # The unit tests first (pure logic, CPU only; UNIT_WORKERS pytest processes, a test file's tests in one of them),
-# then the integration and chaos tests in one pytest process (real Ray, MLflow, S3, the simulator; the chaos suite
-# last). The Ray tests run alone on purpose: on 2 cores, the unit tests beside them made both slower and pushed the
-# Ray tests past their time bounds (stop 26: make test took 49 min in CI).
+# then the integration and chaos tests (real Ray, MLflow, S3, the simulator) on RAY_WORKERS pytest processes: a test
+# module's tests in one of them, the simulator's tests together, the longest first, a test marked `alone` while the
+# other process waits (tests/lanes.py). The Ray tests run without the unit tests beside them on purpose: on 2 cores,
+# those made both slower and pushed the Ray tests past their time bounds (stop 26: make test took 49 min in CI).
 UNIT_WORKERS ?= 2
 XDIST := -n $(UNIT_WORKERS) --dist loadfile
+RAY_WORKERS ?= 2
+RAY_XDIST := -n $(RAY_WORKERS) --dist loadscope --no-loadscope-reorder
 
 test: venv
 	$(BIN)/python -m pytest -q $(XDIST) tests/unit $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -q tests/integration tests/chaos $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(RAY_XDIST) tests/integration tests/chaos $(PYTEST_ARGS)
 
 test-xla: venv-xla
 	PJRT_DEVICE=CPU $(VENV_XLA)/bin/python -m pytest -q tests/xla $(PYTEST_ARGS)

@@ -1,5 +1,6 @@
-"""Shared fixtures: one local Ray per test session, one local trn-cluster simulator, a moto S3 server and an MLflow
-server per session, a prepared tiny dataset, and test isolation."""
+"""Shared fixtures: one local Ray per test session (per pytest process: ``make test`` runs the Ray tests on two,
+tests/lanes.py), one local trn-cluster simulator, a moto S3 server and an MLflow server per session, a prepared tiny
+dataset, and test isolation."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from raytrn.compat import PRESTART_WORKERS_ENV
+from tests import lanes
 from tests.simulator import Simulator
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,6 +146,9 @@ def simulator(_simulator_session, request) -> Simulator:
     ``simulator_down`` (it runs ``raytrn cluster down --local``) last; after the last simulator test the simulator
     is stopped. A test that finds it down starts it again.
     """
+    module = request.node.nodeid.split("::", 1)[0]
+    if module not in lanes.SIMULATOR_MODULES:  # (its tests run in one pytest process: tests/lanes.py)
+        pytest.fail(f"{module} uses the simulator: add it to tests/lanes.py's SIMULATOR_MODULES", pytrace=False)
     simulator = _simulator_session.ensure_up()
     if any(item.get_closest_marker("simulator_down") for item in request.session.items):
         simulator.start_demo_data()  # for the laptop test (the last one), while the others wait on the autoscaler
@@ -162,16 +167,24 @@ def pytest_addoption(parser) -> None:
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "simulator_down: runs `raytrn cluster down --local` on the shared simulator")
+    config.addinivalue_line(
+        "markers", f"{lanes.ALONE}: runs while the other pytest process of the Ray tests waits (tests/lanes.py)"
+    )
     config._raytrn_durations = {}  # nodeid -> seconds over its phases (--slowest)
-    config._raytrn_idle = {}  # nodeid -> the machine's idle core-seconds during it (--slowest, without xdist)
+    config._raytrn_idle = {}  # nodeid -> the machine's idle core-seconds during it (--slowest)
     config._raytrn_started = __import__("time").monotonic()
+    config._raytrn_idle_at_start = _idle_core_seconds()
 
 
 def pytest_runtest_logreport(report) -> None:
-    """Each phase's seconds, per test (with pytest-xdist, the controller sees every worker's reports)."""
+    """Each phase's seconds and the idle core-seconds, per test (with pytest-xdist, the controller sees every
+    worker's reports)."""
     durations = getattr(_CONFIG, "_raytrn_durations", None)
     if durations is not None:
         durations[report.nodeid] = durations.get(report.nodeid, 0.0) + report.duration
+        for name, value in report.user_properties:
+            if name == IDLE_PROPERTY:
+                _CONFIG._raytrn_idle[report.nodeid] = value
 
 
 _CONFIG = None
@@ -195,20 +208,39 @@ def _idle_core_seconds() -> float | None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """``--slowest``: the cores' idle seconds during each test (setup to teardown): a test that leaves the machine
-    idle waits on a clock (a poll, a timeout, a sleep), not on work."""
-    # (an xdist worker's readings would not reach the controller's summary, and 2 processes share the cores)
-    measured = item.config.getoption("--slowest") and not hasattr(item.config, "workerinput")
-    before = _idle_core_seconds() if measured else None
-    yield
-    if before is not None:
-        item.config._raytrn_idle[item.nodeid] = _idle_core_seconds() - before
+    """Where the Ray tests run on two pytest processes (tests/lanes.py), each test holds the lanes' lock (an
+    ``alone`` test alone); ``--slowest``: the cores' idle seconds from the test's setup to its teardown."""
+    lock = lanes.alone_lock(item.config)
+    if lock is not None:
+        lock.acquire(alone=item.get_closest_marker(lanes.ALONE) is not None)
+    item._raytrn_idle_before = _idle_core_seconds() if item.config.getoption("--slowest") else None
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """``--slowest``: the machine's idle core-seconds during the test, on its teardown's report (which reaches
+    pytest-xdist's controller too): a test that leaves the machine idle waits on a clock (a poll, a timeout, a
+    retry), not on work."""
+    outcome = yield
+    before = getattr(item, "_raytrn_idle_before", None)
+    if call.when == "teardown" and before is not None:
+        now = _idle_core_seconds()
+        if now is not None:
+            outcome.get_result().user_properties.append((IDLE_PROPERTY, now - before))
+
+
+IDLE_PROPERTY = "raytrn_idle_core_s"
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """``--slowest N``: the N slowest tests, each with its share of the session's wall time (what CI's time went to:
-    .ci/run prints it for every suite) and, where pytest ran them itself (not xdist's workers), the machine's idle
-    core-seconds during each (of ``os.cpu_count()`` cores)."""
+    .ci/run prints it for every suite) and the machine's idle core-seconds during each (of ``os.cpu_count()``
+    cores; on several pytest processes, tests overlap: the session's idle total is read once, over its wall)."""
     n = config.getoption("--slowest")
     durations: dict[str, float] = getattr(config, "_raytrn_durations", {})
     if not n or not durations:
@@ -221,9 +253,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         f"{n} slowest tests (of {len(durations)}: {tests:.0f} s in tests, {wall:.0f} s of wall time)"
     )
     idle: dict[str, float] = getattr(config, "_raytrn_idle", {})
-    if idle:
+    now, before = _idle_core_seconds(), getattr(config, "_raytrn_idle_at_start", None)
+    if idle and now is not None and before is not None:
         terminalreporter.write_line(
-            f"the {os.cpu_count()} cores idle {sum(idle.values()):.0f} core-s over the tests (per test: idle core-s)"
+            f"the {os.cpu_count()} cores idle {now - before:.0f} core-s over the session's {wall:.0f} s "
+            "(per test: idle core-s while it ran)"
         )
     cumulative = 0.0
     for nodeid, seconds in sorted(durations.items(), key=lambda kv: -kv[1])[:n]:
@@ -235,17 +269,23 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         )
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope``: the units of work of tests/lanes.py (a module, or the simulator's modules together)."""
+    return lanes.make_scheduler(config, log) if config.getvalue("dist") == "loadscope" else None
+
+
 def pytest_collection_modifyitems(items) -> None:
-    """The tests that use ``simulator`` run one after another, from where the first of them is (in their order,
-    the one marked ``simulator_down`` last): the simulator is started once and is not left idle between them."""
-    users = [item for item in items if "simulator" in getattr(item, "fixturenames", ())]
-    if not users:
-        return
-    first = items.index(users[0])
-    ids = {id(item) for item in users}
-    rest = [item for item in items if id(item) not in ids]
-    users.sort(key=lambda item: item.get_closest_marker("simulator_down") is not None)
-    items[:] = rest[:first] + users + rest[first:]
+    """The units of work in order (tests/lanes.py): the tests that use ``simulator`` one after another (the one
+    marked ``simulator_down`` last), so that the simulator is started once and is not left idle between them, and
+    in one process where there are several."""
+    lanes.order(items)
+
+
+def pytest_unconfigure(config) -> None:
+    lock = getattr(config, "_raytrn_alone_lock", None)
+    if lock is not None:
+        lock.close()
 
 
 def pytest_runtest_teardown(item, nextitem) -> None:

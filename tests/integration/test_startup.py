@@ -31,6 +31,7 @@ def _documented() -> set[str]:
     return {name for row in rows for name in re.findall(r"`([^`]+)`", row.split("|")[1])}
 
 
+@pytest.mark.alone  # two timings one after the other: nothing else runs meanwhile (tests/lanes.py)
 def test_on_a_running_ray_raytrn_reaches_its_first_step_before_stock_ray_train_reaches_an_empty_function(
     ray_session, tiny_dataset, tmp_path
 ):
