@@ -34,7 +34,6 @@ from raytrn.errors import RaytrnError
 from raytrn.estimate.job import estimate_params, resolve_auto_interval
 from raytrn.evals.runner import drain_evaluator, start_evaluator
 from raytrn.models import model_stats
-from raytrn.pending import Pending
 from raytrn.ray_output import ray_train_console
 from raytrn.runtime import (
     ensure_ray,
@@ -61,6 +60,7 @@ from raytrn.train.elastic import SizeChooser, lost_nodes_unconfirmed, reachable_
 from raytrn.train.entry import loop_module, train_fn
 from raytrn.train.events import RunEvents, close_ledger
 from raytrn.train.plan import WorkerPlan
+from raytrn.train.refused import RunRefusedWatch
 from raytrn.train.run_meta import git_commit_param, run_tags, versions
 from raytrn.train.schedule import Schedule, resolve_schedule
 
@@ -168,7 +168,7 @@ def _train(
     # eval.tasks, tracking.register: best: committed checkpoints exported and evaluated off the loop (raytrn.evals)
     evaluator = start_evaluator(job, tracker, tracked.uri) if tracker is not None and tracked is not None else None
     keeper = _memory_keeper(job) if resume.memory_tier else None  # (not the frozen XLA path's formats)
-    watch = _RunRefused(tracker)
+    watch = RunRefusedWatch(TrackerClient(tracker).ready() if tracker is not None else None)
     events = RunEvents(
         job.scaling.max_failures, quiet=trial, live=job.scaling.recovery == "live"
     )  # the controller's decisions: lines, the ledger
@@ -292,54 +292,6 @@ def _memory_keeper(job: JobSpec) -> KeeperClient | None:
     except Exception as e:  # the tier is an optimisation: the durable checkpoints are there
         log.warning("in-memory snapshots: no keeper (%s); restarts resume from checkpoints only", e)
         return None
-
-
-class _RunRefused:
-    """Stops the training when MLflow refuses the job's run (a deleted experiment or run, a bad
-    ``tracking.run_id``): the tracking actor creates the run while the workers start, so the answer comes
-    once ``fit()`` runs. Stopping goes through Ray Train's own Ctrl-C path (its SIGINT handler aborts the
-    controller); the driver then raises the refusal."""
-
-    def __init__(self, tracker: Any) -> None:
-        import threading
-
-        self.error: RaytrnError | None = None
-        self._fitting = False
-        self._lock = threading.Lock()
-        # Ray Train aborts on SIGINT only when fit() runs in the main thread; elsewhere fit() runs to its end.
-        self._can_stop = threading.current_thread() is threading.main_thread()
-        if tracker is not None:
-            ready = TrackerClient(tracker).ready()
-            threading.Thread(target=self._wait, args=(ready,), name="raytrn-mlflow-run", daemon=True).start()
-
-    def _wait(self, ready: Pending[Any]) -> None:
-        import _thread
-        import signal
-
-        try:
-            ready.result()
-        except RaytrnError as e:  # Ray's RayTaskError(ConfigError): the original is its cause
-            cause = getattr(e, "cause", None)
-            with self._lock:
-                self.error = cause if isinstance(cause, RaytrnError) else e
-                if self._fitting and self._can_stop:
-                    _thread.interrupt_main(signal.SIGINT)
-        except Exception as e:  # the actor died: its own error says why; tracking never fails a job here
-            log.warning("MLflow tracking actor: %s", e)
-
-    def raise_if_refused(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def __enter__(self) -> _RunRefused:
-        with self._lock:
-            self.raise_if_refused()
-            self._fitting = True
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        with self._lock:
-            self._fitting = False
 
 
 def _trainer(
