@@ -146,8 +146,8 @@ def simulator(_simulator_session, request) -> Simulator:
     ``simulator_down`` (it runs ``raytrn cluster down --local``) last; after the last simulator test the simulator
     is stopped. A test that finds it down starts it again.
     """
-    module = request.node.nodeid.split("::", 1)[0]
-    if module not in lanes.SIMULATOR_MODULES:  # (its tests run in one pytest process: tests/lanes.py)
+    if lanes.unit_of(request.node.nodeid) != "simulator":  # (its tests run in one pytest process: tests/lanes.py)
+        module = request.node.nodeid.split("::", 1)[0]
         pytest.fail(f"{module} uses the simulator: add it to tests/lanes.py's SIMULATOR_MODULES", pytrace=False)
     simulator = _simulator_session.ensure_up()
     if any(item.get_closest_marker("simulator_down") for item in request.session.items):

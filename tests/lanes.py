@@ -77,20 +77,22 @@ def make_scheduler(config: Any, log: Any) -> Any:
 
 
 def order(items: list[pytest.Item]) -> None:
-    """Put the units in :data:`LONGEST_FIRST`'s order, each unit's tests together and in their order (the
-    simulator's ``simulator_down`` test last)."""
+    """Put the units in :data:`LONGEST_FIRST`'s order, each unit's tests together and in their order (in the
+    simulator's unit, the tests that do not use it first, the ``simulator_down`` one last)."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     first_seen: dict[str, int] = {}
     for item in items:
         first_seen.setdefault(unit_of(item.nodeid), len(first_seen))
-    position = {id(item): i for i, item in enumerate(items)}
 
-    def key(item: pytest.Item) -> tuple[int, int, bool, int]:
+    def key(item: pytest.Item) -> tuple[int, int, bool, bool]:
         unit = unit_of(item.nodeid)
-        down = unit == "simulator" and item.get_closest_marker("simulator_down") is not None
-        return (rank.get(unit, len(rank)), first_seen[unit], down, position[id(item)])
+        # in the simulator's unit, its users one after another: a test between them that does not use it would
+        # have it stopped (tests/conftest.py's pytest_runtest_teardown) and started again for the next
+        uses = "simulator" in getattr(item, "fixturenames", ())
+        down = uses and item.get_closest_marker("simulator_down") is not None
+        return (rank.get(unit, len(rank)), first_seen[unit], uses, down)
 
-    items.sort(key=key)
+    items.sort(key=key)  # (stable: a unit's tests keep their order)
 
 
 class AloneLock:

@@ -9,7 +9,8 @@ restarted worker group never logs a step twice, even while MLflow is unreachable
 It also creates (or reattaches) the job's run, in its own process while the workers start (then it yields the
 CPU to them: a lower priority for the rest of the run); the driver only checked that the server answers. A run
 MLflow refuses (a deleted experiment or run, a bad ``tracking.run_id``) is reported by
-:meth:`TrackingActor.ready`; the driver then stops the training with that error. And it is the job's progress board (one process, not two).
+:meth:`TrackingActor.ready`; the driver then stops the training with that error. And it is the job's progress
+board (one process, not two).
 """
 
 from __future__ import annotations

@@ -68,7 +68,8 @@ class RunRefusedWatch:
             self.raise_if_refused()
             if self._can_stop:
                 current = signal.getsignal(signal.SIGINT)
-                if current in (signal.SIG_IGN, signal.SIG_DFL, None):  # no Python handler to interrupt with
+                # no Python handler to interrupt with (None: one installed from C, which stays)
+                if current in (signal.SIG_IGN, signal.SIG_DFL):
                     self._restore = current
                     signal.signal(signal.SIGINT, self._on_sigint)
             self._fitting = True

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.unit
 class _Item:  # what lanes.order reads of a pytest.Item
     nodeid: str
     markers: set[str] = field(default_factory=set)
+    fixturenames: tuple[str, ...] = ()
 
     def get_closest_marker(self, name: str) -> object | None:
         return name if name in self.markers else None
@@ -32,22 +33,25 @@ def test_a_module_is_a_unit_and_the_simulators_modules_are_one() -> None:
 
 
 def test_the_longest_units_come_first_each_together_and_the_simulator_taken_down_last() -> None:
-    laptop, autoscaling = lanes.SIMULATOR_MODULES[2], lanes.SIMULATOR_MODULES[0]
+    autoscaling, submit, laptop = lanes.SIMULATOR_MODULES
+    uses = ("simulator",)
     items = [
         _Item("tests/integration/test_prepare.py::a"),
-        _Item(f"{laptop}::down", {"simulator_down"}),
+        _Item(f"{autoscaling}::job", fixturenames=uses),
+        _Item(f"{laptop}::down", {"simulator_down"}, uses),
+        _Item(f"{laptop}::shown"),  # (no simulator: not between its users, where it would have it stopped)
         _Item("tests/integration/test_sweep.py::a"),
         _Item("tests/integration/test_prepare.py::b"),
-        _Item(f"{autoscaling}::job"),
+        _Item(f"{submit}::paths", fixturenames=uses),
         _Item("tests/chaos/test_elastic_nodes.py::suite"),
-        _Item(f"{laptop}::shown"),
         _Item("tests/integration/test_sweep.py::b"),
     ]
     lanes.order(items)  # type: ignore[arg-type]
     assert [i.nodeid for i in items] == [
         "tests/chaos/test_elastic_nodes.py::suite",
-        f"{autoscaling}::job",
         f"{laptop}::shown",
+        f"{autoscaling}::job",
+        f"{submit}::paths",
         f"{laptop}::down",
         "tests/integration/test_sweep.py::a",
         "tests/integration/test_sweep.py::b",
